@@ -1,0 +1,337 @@
+/*
+ * gdp.h -- the whole public C API of libgdp (Gated DeltaProduct research core).
+ *
+ * This header is also the single source of the LuaJIT FFI declarations: the build
+ * runs it through the C preprocessor with GDP_CDEF defined and wraps the output into
+ * lua/gdp/cdef.lua (see cmake/gen_cdef.cmake).  Keep it plain C: no inline functions,
+ * no macros that the FFI needs (macros vanish in preprocessing; expose constants as
+ * enums or functions instead).
+ *
+ * Conventions (DESIGN.md section 5):
+ *   - Fallible functions return gdp_status (GDP_OK = 0, errors negative) and write
+ *     results through a final `**out` argument.  On failure a thread-local message
+ *     names the function, the argument, expected and actual values, and the source
+ *     location: gdp_last_error().
+ *   - Handles are opaque and reference counted.  `_new`/constructors return an owned
+ *     reference; `_retain` adds one; `_free` is NULL-safe and drops one.  Views hold a
+ *     reference to their storage, so free order never matters.
+ *   - Pointer parameters are "borrowed" (the callee keeps no reference after return)
+ *     unless marked "owned".
+ *   - Sizes and indices are int64_t and 0-based in C.
+ *   - Nothing in the library exits, aborts or longjmps.
+ */
+#ifndef GDP_H
+#define GDP_H
+
+#ifndef GDP_CDEF
+#include <stddef.h>
+#include <stdint.h>
+#ifdef __cplusplus
+extern "C" {
+#endif
+#endif
+
+/* ------------------------------------------------------------------ status */
+
+typedef enum gdp_status {
+  GDP_OK = 0,
+  GDP_ERR_INVALID_ARG = -1,
+  GDP_ERR_SHAPE = -2,
+  GDP_ERR_DTYPE = -3,
+  GDP_ERR_OOM = -4,
+  GDP_ERR_CUDA = -5,
+  GDP_ERR_NCCL = -6,
+  GDP_ERR_MPI = -7,
+  GDP_ERR_UNSUPPORTED = -8,
+  GDP_ERR_IO = -9,
+  GDP_ERR_INTERNAL = -10
+} gdp_status;
+
+/* "GDP_OK", "GDP_ERR_SHAPE", ...; "GDP_ERR_UNKNOWN" for other values. */
+const char *gdp_status_name(gdp_status status);
+/* Message of the last failure on this thread ("" if none).  Borrowed; valid until
+   the next failing call on this thread. */
+const char *gdp_last_error(void);
+void gdp_clear_error(void);
+
+/* ------------------------------------------------------------------ library */
+
+/* Bumped whenever a declaration in this header changes incompatibly; the Lua
+   loader refuses a library whose number differs from the one it was generated for. */
+int gdp_abi_version(void);
+const char *gdp_version(void);
+/* Multi-line "key: value" text: version, compiler, build type, BLAS, CUDA, NCCL, MPI,
+   sanitizer.  Borrowed, static. */
+const char *gdp_build_info(void);
+
+/* ------------------------------------------------------------------ dtypes, devices */
+
+typedef enum gdp_dtype {
+  GDP_DTYPE_F64 = 0,
+  GDP_DTYPE_F32 = 1,
+  GDP_DTYPE_BF16 = 2,
+  GDP_DTYPE_I32 = 3,
+  GDP_DTYPE_I64 = 4,
+  GDP_DTYPE_COUNT = 5
+} gdp_dtype;
+
+/* "f64", "f32", "bf16", "i32", "i64"; "?" for other values. */
+const char *gdp_dtype_name(gdp_dtype dtype);
+/* 0 for an invalid dtype. */
+size_t gdp_dtype_size(gdp_dtype dtype);
+/* Accepts the short names above and "float64", "float32", "bfloat16", "int32",
+   "int64", "double", "float". */
+gdp_status gdp_dtype_from_name(const char *name, gdp_dtype *out);
+
+/* bfloat16 conversions: round to nearest even, NaN stays NaN. */
+uint16_t gdp_bf16_from_f32(float x);
+float gdp_f32_from_bf16(uint16_t x);
+
+typedef enum gdp_device_type {
+  GDP_DEVICE_CPU = 0,
+  GDP_DEVICE_CUDA = 1,
+  GDP_DEVICE_TYPE_COUNT = 2
+} gdp_device_type;
+
+/* "cpu", "cuda". */
+const char *gdp_device_type_name(gdp_device_type type);
+/* Devices of that type usable now: 1 for cpu; for cuda 0 when the library was built
+   without CUDA or no GPU is present. */
+int gdp_device_count(gdp_device_type type);
+/* Bytes currently allocated by the library on devices of that type (all indices). */
+int64_t gdp_mem_live_bytes(gdp_device_type type);
+
+/* ------------------------------------------------------------------ context */
+
+/* A context owns a device, its stream (cuda), worker-thread count (cpu) and the
+   Philox RNG state.  Tensors remember the context that allocated them. */
+typedef struct gdp_ctx gdp_ctx;
+
+/* Owned result.  GDP_ERR_UNSUPPORTED for a device type not built in, GDP_ERR_INVALID_ARG
+   for an index out of range. */
+gdp_status gdp_ctx_new(gdp_device_type type, int index, gdp_ctx **out);
+gdp_ctx *gdp_ctx_retain(gdp_ctx *ctx);
+void gdp_ctx_free(gdp_ctx *ctx);
+gdp_device_type gdp_ctx_device_type(const gdp_ctx *ctx);
+int gdp_ctx_device_index(const gdp_ctx *ctx);
+/* Waits for all queued work; surfaces asynchronous device errors. */
+gdp_status gdp_ctx_sync(gdp_ctx *ctx);
+/* CPU worker threads used by ops (default: the number of online cores, or the
+   GDP_NUM_THREADS environment variable).  n < 1 resets to the default. */
+void gdp_ctx_set_num_threads(gdp_ctx *ctx, int n);
+int gdp_ctx_num_threads(const gdp_ctx *ctx);
+/* RNG: Philox 4x32-10 keyed by the seed; each random fill consumes counter blocks
+   from `offset` (see gdp_tensor_uniform).  Same seed and offset give the same
+   numbers on every device. */
+void gdp_ctx_manual_seed(gdp_ctx *ctx, uint64_t seed);
+uint64_t gdp_ctx_seed(const gdp_ctx *ctx);
+uint64_t gdp_ctx_rng_offset(const gdp_ctx *ctx);
+void gdp_ctx_set_rng_offset(gdp_ctx *ctx, uint64_t offset);
+
+typedef enum gdp_op {
+  GDP_OP_COPY = 0,         /* copy / dtype conversion / fill */
+  GDP_OP_ELEMENTWISE = 1,  /* add, mul, scale */
+  GDP_OP_REDUCE = 2,       /* sum, dot, norm, nonfinite count */
+  GDP_OP_RNG = 3,          /* uniform, normal */
+  GDP_OP_GDP_FORWARD = 4,  /* chunk_gated_delta_product forward */
+  GDP_OP_GDP_BACKWARD = 5, /* chunk_gated_delta_product backward */
+  GDP_OP_MATMUL = 6,       /* 2-D matrix product (BLAS / cuBLAS) */
+  GDP_OP_COUNT = 7
+} gdp_op;
+
+/* 1 when the context's backend implements `op` for tensors of `dtype`, else 0. */
+int gdp_ctx_supports(const gdp_ctx *ctx, gdp_op op, gdp_dtype dtype);
+
+/* Raw Philox 4x32-10 block: out = philox(counter, key).  Exposed for tests. */
+void gdp_philox4x32_10(const uint32_t counter[4], const uint32_t key[2], uint32_t out[4]);
+
+/* ------------------------------------------------------------------ tensors */
+
+enum { GDP_MAX_DIMS = 8 };
+
+typedef struct gdp_tensor gdp_tensor;
+
+/* New contiguous tensors on ctx's device (owned results).  ndim 0..GDP_MAX_DIMS; a
+   0-dim tensor holds one element; sizes may be 0. */
+gdp_status gdp_tensor_empty(gdp_ctx *ctx, gdp_dtype dtype, int ndim, const int64_t *shape,
+                            gdp_tensor **out);
+gdp_status gdp_tensor_zeros(gdp_ctx *ctx, gdp_dtype dtype, int ndim, const int64_t *shape,
+                            gdp_tensor **out);
+/* Copies `nbytes` of contiguous row-major host data of `src_dtype` into a new tensor of
+   `dtype` (converting).  nbytes must equal numel * size(src_dtype). */
+gdp_status gdp_tensor_from_host(gdp_ctx *ctx, gdp_dtype dtype, int ndim, const int64_t *shape,
+                                gdp_dtype src_dtype, const void *src, size_t nbytes,
+                                gdp_tensor **out);
+
+gdp_tensor *gdp_tensor_retain(gdp_tensor *t);
+void gdp_tensor_free(gdp_tensor *t);
+
+int gdp_tensor_ndim(const gdp_tensor *t);
+/* dim may be negative (counted from the end); out-of-range gives -1. */
+int64_t gdp_tensor_size(const gdp_tensor *t, int dim);
+int64_t gdp_tensor_stride(const gdp_tensor *t, int dim);
+int64_t gdp_tensor_numel(const gdp_tensor *t);
+/* Element offset of the first element inside its storage. */
+int64_t gdp_tensor_offset(const gdp_tensor *t);
+gdp_dtype gdp_tensor_dtype(const gdp_tensor *t);
+gdp_device_type gdp_tensor_device_type(const gdp_tensor *t);
+int gdp_tensor_device_index(const gdp_tensor *t);
+/* Borrowed: the context that allocated the storage. */
+gdp_ctx *gdp_tensor_ctx(const gdp_tensor *t);
+int gdp_tensor_is_contiguous(const gdp_tensor *t);
+/* 1 when t was made by a view operation (shares storage made for another tensor). */
+int gdp_tensor_is_view(const gdp_tensor *t);
+/* Address of the first element (a device address for cuda tensors: never dereference
+   it on the host). */
+void *gdp_tensor_data(const gdp_tensor *t);
+
+/* Views (owned results sharing t's storage).  dims may be negative. */
+/* Same numel; one size may be -1 (inferred).  Fails with GDP_ERR_SHAPE when the strides
+   cannot express it (use gdp_tensor_reshape, which copies then). */
+gdp_status gdp_tensor_view(gdp_tensor *t, int ndim, const int64_t *shape, gdp_tensor **out);
+/* A view when possible, otherwise a contiguous copy. */
+gdp_status gdp_tensor_reshape(gdp_tensor *t, int ndim, const int64_t *shape, gdp_tensor **out);
+gdp_status gdp_tensor_narrow(gdp_tensor *t, int dim, int64_t start, int64_t length,
+                             gdp_tensor **out);
+gdp_status gdp_tensor_select(gdp_tensor *t, int dim, int64_t index, gdp_tensor **out);
+gdp_status gdp_tensor_transpose(gdp_tensor *t, int dim0, int dim1, gdp_tensor **out);
+/* perm is a permutation of 0..ndim-1: out.size(i) = t.size(perm[i]). */
+gdp_status gdp_tensor_permute(gdp_tensor *t, int ndim, const int *perm, gdp_tensor **out);
+/* New reference to t itself when already contiguous, else a contiguous copy. */
+gdp_status gdp_tensor_contiguous(gdp_tensor *t, gdp_tensor **out);
+/* Always a new contiguous copy (same dtype and device). */
+gdp_status gdp_tensor_clone(gdp_tensor *t, gdp_tensor **out);
+
+/* Copies src into dst (same shape; any dtypes, any strides; host<->device through
+   ctx's stream).  ctx may be NULL (dst's context is used). */
+gdp_status gdp_tensor_copy(gdp_ctx *ctx, gdp_tensor *dst, const gdp_tensor *src);
+/* New contiguous tensor of `dtype` on ctx's device holding t's values. */
+gdp_status gdp_tensor_to(gdp_ctx *ctx, const gdp_tensor *t, gdp_dtype dtype, gdp_tensor **out);
+/* Contiguous row-major host copy of t's values as `dst_dtype` (converting).  dst_bytes
+   must equal numel * size(dst_dtype). */
+gdp_status gdp_tensor_to_host(const gdp_tensor *t, gdp_dtype dst_dtype, void *dst,
+                              size_t dst_bytes);
+gdp_status gdp_tensor_fill(gdp_tensor *t, double value);
+/* One element, any device (slow: for tests and printing).  idx has ndim entries. */
+gdp_status gdp_tensor_get(const gdp_tensor *t, const int64_t *idx, double *out);
+gdp_status gdp_tensor_set(gdp_tensor *t, const int64_t *idx, double value);
+
+/* Random fills from t's context RNG.  Element i of t (row-major order) takes word i%4
+   of Philox block (offset + i/4) keyed by the seed; the context's offset then advances
+   by ceil(numel/4).  uniform: lo + (hi-lo) * (u + 0.5) * 2^-32.  normal: Box-Muller on
+   the uniform pairs (words 0,1 and 2,3 of a block), mean + std * z. */
+gdp_status gdp_tensor_uniform(gdp_tensor *t, double lo, double hi);
+gdp_status gdp_tensor_normal(gdp_tensor *t, double mean, double std);
+
+/* ------------------------------------------------------------------ elementwise, reductions */
+
+/* out = a + alpha * b (same shapes; out may alias a or b). */
+gdp_status gdp_tensor_add(gdp_tensor *out, const gdp_tensor *a, const gdp_tensor *b,
+                          double alpha);
+/* out = a * b elementwise. */
+gdp_status gdp_tensor_mul(gdp_tensor *out, const gdp_tensor *a, const gdp_tensor *b);
+/* out = alpha * a. */
+gdp_status gdp_tensor_scale(gdp_tensor *out, const gdp_tensor *a, double alpha);
+/* Reductions accumulate in float64. */
+gdp_status gdp_tensor_sum(const gdp_tensor *t, double *out);
+gdp_status gdp_tensor_dot(const gdp_tensor *a, const gdp_tensor *b, double *out);
+gdp_status gdp_tensor_norm(const gdp_tensor *t, double *out);
+gdp_status gdp_tensor_max_abs(const gdp_tensor *t, double *out);
+gdp_status gdp_tensor_count_nonfinite(const gdp_tensor *t, int64_t *out);
+/* ||a - ref|| / ||ref|| in float64; NaN when either holds a non-finite value; 0 when
+   both are all zero; +inf when ref is zero and a is not. */
+gdp_status gdp_tensor_rel_error(const gdp_tensor *a, const gdp_tensor *ref, double *out);
+
+/* out = alpha * op(a) @ op(b) + beta * out for 2-D float32/float64 tensors, op(x) = x or
+   x^T as trans_a/trans_b say; out is [M,N] and must not alias a or b. */
+gdp_status gdp_tensor_matmul(gdp_tensor *out, const gdp_tensor *a, const gdp_tensor *b,
+                             int trans_a, int trans_b, double alpha, double beta);
+
+/* Monotonic wall clock in seconds (for benchmarks). */
+double gdp_time_now(void);
+
+/* ------------------------------------------------------------------ safetensors */
+
+typedef struct gdp_st_file gdp_st_file;
+
+/* Loads every tensor of a safetensors file onto ctx's device, keeping their dtypes
+   (F64, F32, BF16, I32, I64; others are GDP_ERR_UNSUPPORTED) and the __metadata__
+   strings.  Malformed or truncated files give GDP_ERR_IO with the reason. */
+gdp_status gdp_safetensors_load(gdp_ctx *ctx, const char *path, gdp_st_file **out);
+void gdp_st_free(gdp_st_file *f);
+int64_t gdp_st_count(const gdp_st_file *f);
+/* Borrowed names, in file-offset order; NULL when i is out of range. */
+const char *gdp_st_name(const gdp_st_file *f, int64_t i);
+/* New reference to tensor i. */
+gdp_status gdp_st_tensor(const gdp_st_file *f, int64_t i, gdp_tensor **out);
+int64_t gdp_st_meta_count(const gdp_st_file *f);
+const char *gdp_st_meta_key(const gdp_st_file *f, int64_t i);
+const char *gdp_st_meta_value(const gdp_st_file *f, int64_t i);
+
+/* Writes tensors (any device; copied to host) with names and optional metadata
+   strings.  Names must be unique and non-empty. */
+gdp_status gdp_safetensors_save(const char *path, int64_t count, const char *const *names,
+                                const gdp_tensor *const *tensors, int64_t meta_count,
+                                const char *const *meta_keys, const char *const *meta_values);
+
+/* ------------------------------------------------------------------ GDP operator */
+
+typedef enum gdp_gdp_algorithm {
+  GDP_ALGO_AUTO = 0,      /* the fastest path the backend has */
+  GDP_ALGO_CHUNK = 1,     /* chunkwise WY algorithm */
+  GDP_ALGO_RECURRENT = 2  /* token-by-token recurrence (the float64 oracle on cpu) */
+} gdp_gdp_algorithm;
+
+/* Options of chunk_gated_delta_product (fla's argument names).  A plain struct: its
+   layout is checked against the FFI's by the specs (gdp_gdp_options_layout). */
+typedef struct gdp_gdp_options {
+  int64_t num_householder;    /* n >= 1; k, v, beta hold T*n rows */
+  double scale;               /* output scale; 0 means K^-1/2 */
+  int64_t chunk_size;         /* steps per chunk of the expanded stream; 0 means 64 */
+  int32_t use_qk_l2norm;      /* normalise q and k inside the op (eps 1e-6) */
+  int32_t output_final_state; /* forward returns ht */
+  int32_t algorithm;          /* gdp_gdp_algorithm */
+  int32_t reserved;           /* must be 0 */
+} gdp_gdp_options;
+
+/* Fills *opts with the defaults (n = 1, scale default, chunk 64, no l2norm, no ht). */
+void gdp_gdp_options_init(gdp_gdp_options *opts);
+/* sizeof and the offsets of the fields in declaration order (7 entries). */
+size_t gdp_gdp_options_layout(size_t offsets[7]);
+
+/*
+ * Forward.  Layouts (row-major, fla's):
+ *   q [B,T,H,K]; k [B,T*n,H,K]; v [B,T*n,H,V]; beta [B,T*n,H]; g [B,T,H] or NULL
+ *   (ungated); h0 [N,H,K,V] or NULL (zeros); cu_seqlens NULL or int32/int64 [N+1]
+ *   over tokens (then B = 1; non-decreasing from 0 to T; empty sequences allowed).
+ * Inputs: float64, float32 or bfloat16 (bf16 is computed in float32), all of one
+ * dtype, on one device; h0 float32 or float64; any strides.
+ * Results (owned): *o [B,T,H,V] in q's dtype; *ht [N,H,K,V] (float64 for float64
+ * inputs, else float32) when opts->output_final_state, else *ht is set to NULL.
+ */
+gdp_status gdp_gdp_forward(gdp_ctx *ctx, const gdp_gdp_options *opts, const gdp_tensor *q,
+                           const gdp_tensor *k, const gdp_tensor *v, const gdp_tensor *g,
+                           const gdp_tensor *beta, const gdp_tensor *h0,
+                           const gdp_tensor *cu_seqlens, gdp_tensor **o, gdp_tensor **ht);
+
+/*
+ * Backward of the loss sum(o * dO) + sum(ht * dht).  Same inputs as the forward plus
+ * dO [B,T,H,V] and dht [N,H,K,V] or NULL (zeros).  Results (owned), in the dtype of
+ * their input: dq, dk, dv, dbeta; *dg (NULL when g is NULL); *dh0 (NULL when h0 is
+ * NULL; float32 or float64 like ht).
+ */
+gdp_status gdp_gdp_backward(gdp_ctx *ctx, const gdp_gdp_options *opts, const gdp_tensor *q,
+                            const gdp_tensor *k, const gdp_tensor *v, const gdp_tensor *g,
+                            const gdp_tensor *beta, const gdp_tensor *h0,
+                            const gdp_tensor *cu_seqlens, const gdp_tensor *d_o,
+                            const gdp_tensor *dht, gdp_tensor **dq, gdp_tensor **dk,
+                            gdp_tensor **dv, gdp_tensor **dbeta, gdp_tensor **dg,
+                            gdp_tensor **dh0);
+
+#ifndef GDP_CDEF
+#ifdef __cplusplus
+}
+#endif
+#endif
+
+#endif /* GDP_H */

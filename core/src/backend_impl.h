@@ -1,0 +1,70 @@
+/*
+ * backend_impl.h -- the per-device vtable (ggml's backend idea).  The public API
+ * validates arguments, then dispatches through ctx->backend; a backend may assume
+ * validated arguments (shapes agree, dtypes supported, tensors on its device).
+ */
+#ifndef GDP_BACKEND_IMPL_H
+#define GDP_BACKEND_IMPL_H
+
+#include "internal.h"
+#include "../../kernels/gdp_problem.h"
+
+typedef enum gdp_reduce_kind {
+  GDP_REDUCE_SUM = 0,
+  GDP_REDUCE_DOT = 1,       /* sum(a*b) */
+  GDP_REDUCE_SUMSQ = 2,
+  GDP_REDUCE_MAXABS = 3,
+  GDP_REDUCE_NONFINITE = 4, /* count of NaN/inf, as a double */
+  GDP_REDUCE_DIFF_SUMSQ = 5 /* sum((a-b)^2) */
+} gdp_reduce_kind;
+
+typedef enum gdp_binary_kind {
+  GDP_BINARY_AXPY = 0, /* out = a + alpha*b */
+  GDP_BINARY_MUL = 1,  /* out = a*b */
+  GDP_BINARY_SCALE = 2 /* out = alpha*a (b unused) */
+} gdp_binary_kind;
+
+typedef enum gdp_rng_kind { GDP_RNG_UNIFORM = 0, GDP_RNG_NORMAL = 1 } gdp_rng_kind;
+
+struct gdp_backend {
+  const char *name;
+  gdp_device_type type;
+  int (*device_count)(void);
+  gdp_status (*ctx_init)(gdp_ctx *ctx);      /* may be NULL */
+  void (*ctx_fini)(gdp_ctx *ctx);            /* may be NULL */
+  gdp_status (*alloc)(gdp_ctx *ctx, size_t nbytes, void **out);
+  void (*release)(gdp_ctx *ctx, void *ptr, size_t nbytes);
+  gdp_status (*sync)(gdp_ctx *ctx);
+  /* Contiguous byte copies between host memory and this device (either direction). */
+  gdp_status (*to_device)(gdp_ctx *ctx, void *dst_dev, const void *src_host, size_t nbytes);
+  gdp_status (*to_host)(gdp_ctx *ctx, void *dst_host, const void *src_dev, size_t nbytes);
+  /* Same-device strided copy with dtype conversion (same shapes). */
+  gdp_status (*copy)(gdp_ctx *ctx, gdp_tensor *dst, const gdp_tensor *src);
+  gdp_status (*fill)(gdp_ctx *ctx, gdp_tensor *t, double value);
+  gdp_status (*rng)(gdp_ctx *ctx, gdp_tensor *t, gdp_rng_kind kind, double a, double b,
+                    uint64_t seed, uint64_t offset);
+  gdp_status (*binary)(gdp_ctx *ctx, gdp_tensor *out, const gdp_tensor *a, const gdp_tensor *b,
+                       gdp_binary_kind kind, double alpha);
+  gdp_status (*reduce)(gdp_ctx *ctx, const gdp_tensor *a, const gdp_tensor *b,
+                       gdp_reduce_kind kind, double *out);
+  gdp_status (*matmul)(gdp_ctx *ctx, gdp_tensor *out, const gdp_tensor *a, const gdp_tensor *b,
+                       int trans_a, int trans_b, double alpha, double beta);
+  /* The GDP operator on contiguous tensors of the compute dtype (f64 or f32), q and k
+   * already L2-normalised when asked (the op layer does that); see gdp_problem.h. */
+  gdp_status (*gdp_forward)(gdp_ctx *ctx, const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io);
+  gdp_status (*gdp_backward)(gdp_ctx *ctx, const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io);
+  int (*supports)(gdp_op op, gdp_dtype dtype);
+};
+
+extern const gdp_backend gdp_backend_cpu;
+#ifdef GDP_HAVE_CUDA
+extern const gdp_backend gdp_backend_cuda;
+#endif
+
+/* The backend for a device type, or NULL when not built in. */
+const gdp_backend *gdp_backend_for(gdp_device_type type);
+
+/* Allocation bookkeeping for gdp_mem_live_bytes (atomic). */
+void gdp_mem_track(gdp_device_type type, int64_t delta_bytes);
+
+#endif /* GDP_BACKEND_IMPL_H */

@@ -1,0 +1,97 @@
+/*
+ * internal.h -- definitions shared by the C core's source files and the kernels.
+ * Not installed, never seen by Lua.
+ */
+#ifndef GDP_INTERNAL_H
+#define GDP_INTERNAL_H
+
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stddef.h>
+
+#include "gdp.h"
+
+/* ------------------------------------------------------------------ errors */
+
+/* Records a message for gdp_last_error() and returns `status`, so that callers write
+ *   return GDP_ERROR(GDP_ERR_SHAPE, "q: expected 4 dims [B,T,H,K], got %d", nd);
+ * The message becomes "<func>: <text> (<file>:<line>)".  `func` is the public entry
+ * point the user called where that differs from __func__ (see GDP_ERROR_IN). */
+gdp_status gdp_set_error(gdp_status status, const char *func, const char *file, int line,
+                         const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 5, 6)))
+#endif
+    ;
+
+#define GDP_ERROR(status, ...) gdp_set_error((status), __func__, __FILE__, __LINE__, __VA_ARGS__)
+#define GDP_ERROR_IN(func, status, ...) gdp_set_error((status), (func), __FILE__, __LINE__, __VA_ARGS__)
+
+/* Propagates a failing status (the callee already recorded the message). */
+#define GDP_TRY(expr)                    \
+  do {                                   \
+    gdp_status gdp_try_s_ = (expr);      \
+    if (gdp_try_s_ != GDP_OK) return gdp_try_s_; \
+  } while (0)
+
+/* Internal invariants: checked in debug and test builds only (NDEBUG off); a broken
+ * invariant is a bug in gdp, never a user error. */
+#ifndef NDEBUG
+#include <stdio.h>
+#include <stdlib.h>
+#define GDP_ASSERT(cond)                                                          \
+  do {                                                                            \
+    if (!(cond)) {                                                                \
+      fprintf(stderr, "gdp internal assertion failed: %s (%s:%d)\n", #cond, __FILE__, \
+              __LINE__);                                                          \
+      abort();                                                                    \
+    }                                                                             \
+  } while (0)
+#else
+#define GDP_ASSERT(cond) ((void)0)
+#endif
+
+/* Formats a shape as "[2x3x4]" into buf (for messages). */
+const char *gdp_shape_str(char *buf, size_t buflen, int ndim, const int64_t *shape);
+
+/* ------------------------------------------------------------------ objects */
+
+typedef struct gdp_backend gdp_backend;
+
+struct gdp_ctx {
+  atomic_int refcount;
+  gdp_device_type type;
+  int index;
+  const gdp_backend *backend;
+  void *backend_state; /* e.g. the CUDA stream and cuBLAS handle */
+  int num_threads;
+  uint64_t seed;
+  uint64_t rng_offset;
+};
+
+/* A refcounted allocation on one device.  Holds a reference to its context so that
+ * the memory goes back through the backend that gave it. */
+typedef struct gdp_storage {
+  atomic_int refcount;
+  gdp_ctx *ctx;
+  void *data;
+  size_t nbytes;
+} gdp_storage;
+
+struct gdp_tensor {
+  atomic_int refcount;
+  gdp_storage *storage;
+  gdp_dtype dtype;
+  int ndim;
+  int is_view;
+  int64_t shape[GDP_MAX_DIMS];
+  int64_t stride[GDP_MAX_DIMS]; /* in elements */
+  int64_t offset;               /* in elements */
+};
+
+/* Address of element 0 of t (host or device address). */
+static inline void *gdp_tensor_ptr(const gdp_tensor *t) {
+  return (char *)t->storage->data + (size_t)t->offset * gdp_dtype_size(t->dtype);
+}
+
+#endif /* GDP_INTERNAL_H */
