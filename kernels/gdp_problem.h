@@ -13,8 +13,13 @@
  *   v [T_total*n, H, V]        o  [T_total, H, V]
  *   h0, ht, dh0, dht [N, H, K, V]  (NULL: zeros in / not wanted out)
  *
- * q and k arrive already L2-normalised when the user asked for it (the op layer
- * applies the norm and its backward), so kernels never see use_qk_l2norm.
+ * L2 norm of q and k: when `l2norm_in_kernel` is 0, q and k arrive already
+ * normalised (the op layer applies the norm and its backward, as it does for the
+ * CPU kernels); a backend that fuses the norm (CUDA) gets raw q and k and 1.
+ *
+ * dtype: the dtype of q, k, v, g, beta, o and of their gradients.  CPU kernels take
+ * GDP_DTYPE_F64 or GDP_DTYPE_F32; CUDA kernels GDP_DTYPE_F32 or GDP_DTYPE_BF16 (float32
+ * accumulation).  States h0, ht, dh0, dht are float64 when dtype is F64, else float32.
  */
 #ifndef GDP_KERNELS_PROBLEM_H
 #define GDP_KERNELS_PROBLEM_H
@@ -30,6 +35,9 @@ typedef struct gdp_gdp_problem {
   double scale;
   int64_t chunk_size;        /* steps of the expanded stream per chunk */
   int num_threads;           /* CPU worker threads */
+  int dtype;                 /* gdp_dtype of the token buffers (see above) */
+  int algorithm;             /* gdp_gdp_algorithm: AUTO, CHUNK or RECURRENT */
+  int l2norm_in_kernel;      /* 1: q, k raw, the kernel normalises (eps 1e-6) */
 } gdp_gdp_problem;
 
 /* Buffers of one dtype (the compute dtype: double or float), given as void*. */
