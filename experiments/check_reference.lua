@@ -1,0 +1,111 @@
+-- check_reference: runs golden reference cases through gdp and reports the relative
+-- error of every output and gradient against the file's float64 values.
+--
+--   ./gdp experiments/check_reference.lua [--device cpu|cuda] [--dtype f64|f32|bf16]
+--         [--algorithm auto|chunk|recurrent] FILE...
+--
+-- Without FILE, every *.safetensors in spec/fixtures/golden/.  Exits 1 when any error
+-- exceeds the dtype's tolerance (f64 1e-10, f32 1e-4, bf16 1e-2) or is NaN, or when a
+-- case fails to run.  The case format is described in spec/fixtures/golden/README.md
+-- (operator cases: q, k, v, beta, g, h0, cu_seqlens, do, dht and the references).
+-- Mixer-layer cases (mixer_*.safetensors, holding in_proj.weight) are reported as
+-- skipped until the mixer exists: add a checker to CHECKERS below.
+
+local config = {
+  device = "cpu",        -- cpu | cuda | cuda:<i>
+  dtype = "f64",         -- f64 | f32 | bf16: inputs are converted from the file's f64
+  algorithm = "auto",    -- auto | chunk | recurrent
+  fixtures = "spec/fixtures/golden",
+  tol = 0,               -- 0: the dtype's tolerance
+}
+
+local gdp = require("gdp")
+local util = require("gdp.util")
+
+local opts, files = util.parse_args(arg, config, {
+  usage = "./gdp experiments/check_reference.lua [options] FILE...",
+  description = "Checks gdp's operator against golden float64 reference cases.",
+  help = {
+    { "device", "device to run on" },
+    { "dtype", "dtype of the inputs" },
+    { "algorithm", "operator algorithm" },
+    { "fixtures", "folder searched when no FILE is given" },
+    { "tol", "relative-error tolerance; 0: f64 1e-10, f32 1e-4, bf16 1e-2" },
+  },
+  choices = { dtype = { "f64", "f32", "bf16" }, algorithm = { "auto", "chunk", "recurrent" } },
+})
+
+if #files == 0 then
+  local p = io.popen("ls -1 " .. util.shell_quote(opts.fixtures) .. "/*.safetensors 2>/dev/null")
+  for line in p:lines() do files[#files + 1] = line end
+  p:close()
+  if #files == 0 then
+    io.stderr:write("check_reference: no FILE given and no *.safetensors in ", opts.fixtures, "\n")
+    os.exit(2)
+  end
+end
+
+local tol = opts.tol > 0 and opts.tol or gdp.ops.TOLERANCE[opts.dtype]
+
+-- A checker returns rows {tensor =, err =, tol =, status =, note =} for one case.
+local function check_operator(t, meta)
+  local rows, times = gdp.ops.check_golden_case(t, meta, {
+    dtype = opts.dtype, device = opts.device, algorithm = opts.algorithm, tol = tol,
+  })
+  local out = {}
+  for _, r in ipairs(rows) do
+    out[#out + 1] = { tensor = r.name, err = r.err, tol = r.tol, status = r.ok and "PASS" or "FAIL" }
+  end
+  return out, string.format("fwd %.1f ms, bwd %.1f ms", times.fwd_ms, times.bwd_ms)
+end
+
+local function check_mixer(t, meta)
+  return { { tensor = "-", status = "skipped", note = "mixer layer not implemented yet (issue 3)" } }
+end
+
+local CHECKERS = {
+  operator = check_operator,
+  mixer = check_mixer,
+}
+
+local function case_kind(path, t, meta)
+  if t["in_proj.weight"] or meta.d_model or path:match("mixer_[^/]*$") then return "mixer" end
+  return "operator"
+end
+
+local ctx_ok, ctx_err = pcall(gdp.device, opts.device)
+if not ctx_ok then
+  io.stderr:write("check_reference: device ", opts.device, ": ", tostring(ctx_err), "\n")
+  os.exit(1)
+end
+
+print(string.format("# gdp %s, device %s, dtype %s, algorithm %s, tolerance %.0e",
+                    gdp.version, opts.device, opts.dtype, opts.algorithm, tol))
+
+local table_rows = {}
+local failures, checked, skipped = 0, 0, 0
+for _, path in ipairs(files) do
+  local name = path:match("[^/]+$")
+  local ok, err = pcall(function()
+    -- loaded on the cpu: the checker moves what it needs to the device
+    local t, meta = gdp.load(path)
+    local kind = case_kind(path, t, meta)
+    local rows, note = CHECKERS[kind](t, meta)
+    for _, r in ipairs(rows) do
+      table_rows[#table_rows + 1] = { name, kind, r.tensor, r.err or "", r.tol or "", r.status,
+                                      r.note or note or "" }
+      if r.status == "FAIL" then failures = failures + 1 end
+      if r.status == "PASS" then checked = checked + 1 end
+      if r.status == "skipped" then skipped = skipped + 1 end
+      note = nil -- once per case
+    end
+  end)
+  if not ok then
+    failures = failures + 1
+    table_rows[#table_rows + 1] = { name, "?", "-", "", "", "ERROR", tostring(err) }
+  end
+end
+
+print(util.format_table({ "file", "kind", "tensor", "rel_err", "tol", "status", "note" }, table_rows, "%.2e"))
+print(string.format("# %d checked, %d failed, %d skipped", checked, failures, skipped))
+os.exit(failures > 0 and 1 or 0)

@@ -1,0 +1,310 @@
+-- gdp.ops: the Gated DeltaProduct operator (fla's chunk_gated_delta_product semantics).
+--
+--   local o, ht = gdp.ops.chunk_gated_delta_product{
+--     q = q, k = k, v = v, g = g, beta = beta,      -- g = nil: ungated
+--     num_householder = 2,                          -- default: k's rows / q's rows
+--     scale = nil,                                  -- default K^-1/2
+--     initial_state = h0, output_final_state = true,
+--     use_qk_l2norm_in_kernel = true,
+--     cu_seqlens = {0, 5, 5, 12},                   -- a Lua table or an int tensor; B = 1
+--     chunk_size = 64, algorithm = "auto",          -- "auto" | "chunk" | "recurrent"
+--   }
+--   local grads = gdp.ops.chunk_gated_delta_product_backward{ <same>, ["do"] = dO, dht = dht }
+--   -- grads.dq, grads.dk, grads.dv, grads.dbeta, grads.dg (nil if ungated), grads.dh0
+--
+-- Positional form, as in fla: chunk_gated_delta_product(q, k, v, g, beta, opts).
+-- Layouts (row-major): q [B,T,H,K], k [B,T*n,H,K], v [B,T*n,H,V], beta [B,T*n,H],
+-- g [B,T,H], states [N,H,K,V]; row t*n+j of k/v/beta is Householder step j of token t.
+-- The context is q's.  Lua checks what it needs itself (argument types, options,
+-- num_householder); shapes, dtypes, devices and cu_seqlens values are checked by the
+-- C library, whose errors name the argument, the expected and the actual value.
+local ffi = require("ffi")
+local lib = require("gdp.lib")
+local tensor = require("gdp.tensor")
+
+local argerror, check, call_alloc, wrap = tensor.argerror, tensor.check, tensor.call_alloc, tensor.wrap
+local shape_str = tensor.shape_str
+
+local M = {}
+
+local FWD = "chunk_gated_delta_product"
+local BWD = "chunk_gated_delta_product_backward"
+
+local ALGORITHMS = {
+  auto = lib.GDP_ALGO_AUTO,
+  chunk = lib.GDP_ALGO_CHUNK,
+  recurrent = lib.GDP_ALGO_RECURRENT,
+}
+
+local common_keys = {
+  q = true, k = true, v = true, g = true, beta = true, num_householder = true, scale = true,
+  initial_state = true, output_final_state = true, use_qk_l2norm_in_kernel = true,
+  cu_seqlens = true, chunk_size = true, algorithm = true,
+  -- aliases: DESIGN.md's names
+  h0 = true, use_qk_l2norm = true,
+  -- the upstream gradients, ignored by the forward so that one table drives both passes
+  ["do"] = true, d_o = true, dO = true, dht = true,
+}
+local bwd_keys = common_keys
+
+local tensor_box = ffi.typeof("gdp_tensor *[1]")
+
+local function typename(x)
+  if type(x) == "cdata" then return tostring(ffi.typeof(x)) end
+  return type(x)
+end
+
+-- Accepts the table form or fla's positional form (q, k, v, g, beta, opts).
+local function normalize(fn, a1, k, v, g, beta, opts)
+  if tensor.is_tensor(a1) or (a1 ~= nil and type(a1) ~= "table") then
+    local args = {}
+    if opts ~= nil then
+      if type(opts) ~= "table" then
+        argerror(fn, "options: expected a table, got " .. typename(opts))
+      end
+      for key, val in pairs(opts) do args[key] = val end
+    end
+    args.q, args.k, args.v, args.g, args.beta = a1, k, v, g, beta
+    return args
+  end
+  if type(a1) ~= "table" then
+    argerror(fn, "expected an argument table {q =, k =, v =, g =, beta =, ...} or q, k, v, g, beta, opts")
+  end
+  return a1
+end
+
+local function int_option(fn, name, x, min)
+  if x == nil then return nil end
+  if type(x) ~= "number" or x ~= math.floor(x) or x < min then
+    argerror(fn, string.format("%s: expected an integer >= %d, got %s", name, min, tostring(x)))
+  end
+  return x
+end
+
+-- A Lua table of sequence boundaries becomes an int64 cpu tensor (the library reads
+-- cu_seqlens on the host); the library checks the values.
+local function seqlens(fn, cu)
+  if cu == nil or tensor.is_tensor(cu) then return cu end
+  if type(cu) ~= "table" then
+    argerror(fn, "cu_seqlens: expected a table of integers or an i32/i64 tensor, got " .. typename(cu))
+  end
+  for i = 1, #cu do
+    local x = cu[i]
+    if type(x) ~= "number" or x ~= math.floor(x) then
+      argerror(fn, string.format("cu_seqlens[%d]: expected an integer, got %s", i, tostring(x)))
+    end
+  end
+  return tensor.tensor(cu, { #cu }, { dtype = "i64", device = "cpu" })
+end
+
+-- Checks and converts the arguments; returns the C options struct and the handles.
+local function prepare(fn, args, allowed)
+  tensor.check_opts(fn, args, allowed)
+  local q = tensor.tensor_arg(args.q, fn, "q")
+  local k = tensor.tensor_arg(args.k, fn, "k")
+  local v = tensor.tensor_arg(args.v, fn, "v")
+  local beta = tensor.tensor_arg(args.beta, fn, "beta")
+  local g = args.g
+  if g ~= nil then tensor.tensor_arg(g, fn, "g") end
+  local h0 = args.initial_state
+  if h0 == nil then h0 = args.h0 end
+  if h0 ~= nil then tensor.tensor_arg(h0, fn, "initial_state") end
+
+  if q:dim() ~= 4 then
+    argerror(fn, "q: expected 4 dims [B,T,H,K], got shape " .. shape_str(q:shape()))
+  end
+  local T = q:size(2)
+  if k:dim() ~= 4 then
+    argerror(fn, "k: expected 4 dims [B,T*n,H,K], got shape " .. shape_str(k:shape()))
+  end
+  local n = int_option(fn, "num_householder", args.num_householder, 1)
+  local krows = k:size(2)
+  if n == nil then
+    if T == 0 then
+      n = 1
+    elseif krows % T ~= 0 or krows == 0 then
+      argerror(fn, string.format("k: expected T*n rows (T = %d from q), got %d rows, " ..
+                                 "not a multiple of T: pass num_householder", T, krows))
+    else
+      n = krows / T
+    end
+  elseif krows ~= T * n then
+    argerror(fn, string.format("k: expected T*num_householder = %d*%d = %d rows on dim 2, got %d%s",
+                               T, n, T * n, krows,
+                               (T > 0 and krows % T == 0) and
+                                 string.format(" (num_householder %d would match)", krows / T) or ""))
+  end
+  local cu = seqlens(fn, args.cu_seqlens)
+
+  local opts = ffi.new("gdp_gdp_options")
+  lib.gdp_gdp_options_init(opts)
+  opts.num_householder = n
+  if args.scale ~= nil then
+    if type(args.scale) ~= "number" or not (args.scale > 0) or args.scale == math.huge then
+      argerror(fn, "scale: expected a finite number > 0 (nil: K^-1/2), got " .. tostring(args.scale))
+    end
+    opts.scale = args.scale
+  end
+  local cs = int_option(fn, "chunk_size", args.chunk_size, 1)
+  if cs then opts.chunk_size = cs end
+  local l2 = args.use_qk_l2norm_in_kernel
+  if l2 == nil then l2 = args.use_qk_l2norm end
+  opts.use_qk_l2norm = l2 and 1 or 0
+  opts.output_final_state = args.output_final_state and 1 or 0
+  local algo = args.algorithm or "auto"
+  if ALGORITHMS[algo] == nil then
+    argerror(fn, "algorithm: expected \"auto\", \"chunk\" or \"recurrent\", got " .. tostring(algo))
+  end
+  opts.algorithm = ALGORITHMS[algo]
+  return opts, q, k, v, g, beta, h0, cu
+end
+M._prepare = prepare
+
+-- Forward: returns o [B,T,H,V] and ht [N,H,K,V] (nil unless output_final_state).
+function M.chunk_gated_delta_product(a1, k, v, g, beta, opts)
+  local args = normalize(FWD, a1, k, v, g, beta, opts)
+  local o_opts, q, kk, vv, gg, bb, h0, cu = prepare(FWD, args, common_keys)
+  local o, ht = tensor_box(), tensor_box()
+  call_alloc(FWD, "gdp_gdp_forward", q:ctx(), o_opts, q, kk, vv, gg, bb, h0, cu, o, ht)
+  return wrap(o[0]), wrap(ht[0])
+end
+
+-- Backward of sum(o * do) + sum(ht * dht): returns {dq, dk, dv, dbeta, dg, dh0}
+-- (dg nil when ungated, dh0 nil without initial_state).
+function M.chunk_gated_delta_product_backward(a1, k, v, g, beta, opts)
+  local args = normalize(BWD, a1, k, v, g, beta, opts)
+  local o_opts, q, kk, vv, gg, bb, h0, cu = prepare(BWD, args, bwd_keys)
+  local d_o = args["do"]
+  if d_o == nil then d_o = args.d_o end
+  if d_o == nil then d_o = args.dO end
+  tensor.tensor_arg(d_o, BWD, "do")
+  local dht = args.dht
+  if dht ~= nil then tensor.tensor_arg(dht, BWD, "dht") end
+  local dq, dk, dv, dbeta, dg, dh0 = tensor_box(), tensor_box(), tensor_box(), tensor_box(),
+                                     tensor_box(), tensor_box()
+  call_alloc(BWD, "gdp_gdp_backward", q:ctx(), o_opts, q, kk, vv, gg, bb, h0, cu, d_o, dht,
+             dq, dk, dv, dbeta, dg, dh0)
+  return {
+    dq = wrap(dq[0]), dk = wrap(dk[0]), dv = wrap(dv[0]), dbeta = wrap(dbeta[0]),
+    dg = wrap(dg[0]), dh0 = wrap(dh0[0]),
+  }
+end
+
+local STATE_NAMES = { initial_state = true, h0 = true, dht = true }
+local TENSOR_NAMES = { "q", "k", "v", "g", "beta", "initial_state", "h0", "do", "d_o", "dO", "dht" }
+
+-- Random inputs for the operator, from the device context's RNG (gdp.manual_seed):
+--   cfg = {B, T, H, K, V, n, dtype = "f64", device = "cpu", gated = true,
+--          initial_state = false, cu_seqlens = nil (a table; then B must be 1),
+--          grads = false (also do and dht), beta_max = 1 (2: negative eigenvalues),
+--          g_min = -0.2 (log decays uniform in [g_min, g_max]), g_max = -0.01,
+--          use_qk_l2norm_in_kernel = true, output_final_state = true}
+-- Returns an argument table for chunk_gated_delta_product (and, with grads, for its
+-- backward).  q, k, v, do, dht are standard normal (k is normalised inside the op);
+-- states are float32 for float32/bf16 inputs, float64 for float64 ones.
+function M.random_inputs(cfg)
+  local B, T, H, K, V, n = cfg.B or 1, cfg.T, cfg.H or 1, cfg.K, cfg.V or cfg.K, cfg.num_householder or cfg.n or 1
+  local dtype = cfg.dtype or "f64"
+  local sdtype = dtype == "f64" and "f64" or "f32"
+  local opts = { dtype = dtype, device = cfg.device }
+  local sopts = { dtype = sdtype, device = cfg.device }
+  local N = cfg.cu_seqlens and (#cfg.cu_seqlens - 1) or B
+  local args = {
+    q = tensor.randn({ B, T, H, K }, opts),
+    k = tensor.randn({ B, T * n, H, K }, opts),
+    v = tensor.randn({ B, T * n, H, V }, opts),
+    beta = tensor.empty({ B, T * n, H }, opts):uniform_(0, cfg.beta_max or 1),
+    num_householder = n,
+    use_qk_l2norm_in_kernel = cfg.use_qk_l2norm_in_kernel ~= false,
+    output_final_state = cfg.output_final_state ~= false,
+    cu_seqlens = cfg.cu_seqlens,
+  }
+  if cfg.gated ~= false then
+    args.g = tensor.empty({ B, T, H }, opts):uniform_(cfg.g_min or -0.2, cfg.g_max or -0.01)
+  end
+  if cfg.initial_state then args.initial_state = tensor.randn({ N, H, K, V }, sopts) end
+  if cfg.grads then
+    args["do"] = tensor.randn({ B, T, H, V }, opts)
+    args.dht = tensor.randn({ N, H, K, V }, sopts)
+  end
+  return args
+end
+
+-- A copy of an argument table with its tensors converted: token tensors to `dtype`,
+-- states to float64 (dtype f64) or float32, all but cu_seqlens to `device`.
+function M.convert_inputs(args, dtype, device)
+  local out = {}
+  for key, val in pairs(args) do out[key] = val end
+  local sdtype = dtype == "f64" and "f64" or "f32"
+  for _, key in ipairs(TENSOR_NAMES) do
+    local t = args[key]
+    if t ~= nil then
+      out[key] = t:to({ dtype = STATE_NAMES[key] and sdtype or dtype, device = device, copy = true })
+    end
+  end
+  -- cu_seqlens stays where it is: the library reads it on the host.
+  return out
+end
+
+-- Relative-error tolerances against a float64 reference (DESIGN.md section 6).
+M.TOLERANCE = { f64 = 1e-10, f32 = 1e-4, bf16 = 1e-2 }
+
+local GOLDEN_OUTPUTS = { "o", "ht", "dq", "dk", "dv", "dbeta", "dg", "dh0" }
+
+-- Runs one golden operator case (the format of spec/fixtures/golden/README.md: inputs,
+-- do/dht and float64 reference outputs and gradients, loaded with gdp.load) through
+-- the forward and the backward.  opts: dtype ("f64"), device ("cpu"), algorithm
+-- ("auto").  Returns rows {name =, err =, tol =, ok =} for every output and gradient
+-- the file holds (err NaN and ok false when the op did not return one), and timings
+-- {fwd_ms =, bwd_ms =}.
+function M.check_golden_case(t, meta, opts)
+  opts = opts or {}
+  local dtype = opts.dtype or "f64"
+  local tol = opts.tol or M.TOLERANCE[dtype]
+  local args = {
+    q = t.q, k = t.k, v = t.v, g = t.g, beta = t.beta, initial_state = t.h0,
+    cu_seqlens = t.cu_seqlens, ["do"] = t["do"], dht = t.dht,
+    num_householder = tonumber(meta.num_householder),
+    scale = tonumber(meta.scale),
+    use_qk_l2norm_in_kernel = meta.use_qk_l2norm == "true",
+    output_final_state = t.ht ~= nil,
+    algorithm = opts.algorithm or "auto",
+  }
+  args = M.convert_inputs(args, dtype, opts.device or "cpu")
+  local ctx = args.q:ctx()
+  ctx:sync()
+  local t0 = lib.gdp_time_now()
+  local o, ht = M.chunk_gated_delta_product(args)
+  ctx:sync()
+  local t1 = lib.gdp_time_now()
+  local grads = M.chunk_gated_delta_product_backward(args)
+  ctx:sync()
+  local t2 = lib.gdp_time_now()
+  local got = { o = o, ht = ht }
+  for key, val in pairs(grads) do got[key] = val end
+  local rows = {}
+  for _, name in ipairs(GOLDEN_OUTPUTS) do
+    local ref = t[name]
+    if ref ~= nil then
+      local err = 0 / 0
+      if got[name] ~= nil then
+        err = tensor.rel_error(got[name]:to({ dtype = "f64", device = "cpu" }),
+                               ref:to({ dtype = "f64", device = "cpu" }))
+      end
+      rows[#rows + 1] = { name = name, err = err, tol = tol, ok = err <= tol }
+    end
+  end
+  return rows, { fwd_ms = (t1 - t0) * 1e3, bwd_ms = (t2 - t1) * 1e3 }
+end
+
+-- Useful floating-point work of the recurrence (the count the benchmarks report):
+-- forward 2*K*V*(2n+1) per token and head, backward twice that.
+function M.gdp_flops(B, T, H, K, V, n, pass)
+  local fwd = 2.0 * K * V * (2 * n + 1) * B * T * H
+  if pass == "forward" or pass == nil then return fwd end
+  if pass == "backward" then return 2 * fwd end
+  if pass == "forward_backward" then return 3 * fwd end
+  error("gdp.ops.gdp_flops: pass: expected forward, backward or forward_backward, got " .. tostring(pass), 2)
+end
+
+return M

@@ -1,0 +1,264 @@
+-- gdp.results: run folders for experiments.
+--
+--   local run = results.new_run("bench_gdp", {config = cfg, seed = seed, args = arg})
+--   -- experiments/runs/bench_gdp/<UTC time>-<git sha>/meta.json written now
+--   local csv = run:csv({"T", "n", "fwd_ms", "status", "error"})   -- results.csv
+--   csv:row({T = 4096, n = 2, fwd_ms = 1.5, status = "ok"})          -- flushed at once
+--   run:plot({x = "T", y = {"fwd_ms"}, logx = true})               -- plot.gp
+--   run:finish()                                                   -- end time in meta.json
+--
+-- A study-level file that gathers one row per run across runs:
+--   results.append_csv("experiments/runs/bench_gdp/results.csv", columns, row)
+--
+-- Only rank 0 writes (OMPI_COMM_WORLD_RANK / PMI_RANK); other ranks get a run whose
+-- methods do nothing.  meta.json holds the args, config, seed, git revision and dirty
+-- flag, gdp_build_info(), the devices, selected environment variables, and start and
+-- end times (nccl-tests' JSON idea).
+local util = require("gdp.util")
+
+local M = {}
+
+M.root = os.getenv("GDP_RUNS_DIR") or "experiments/runs"
+
+local function rank()
+  return tonumber(os.getenv("OMPI_COMM_WORLD_RANK") or os.getenv("PMI_RANK") or "0") or 0
+end
+
+local function utc_now() return os.date("!%Y-%m-%dT%H:%M:%SZ") end
+
+local function mkdir_p(path)
+  local ok = os.execute("mkdir -p " .. util.shell_quote(path))
+  if not (ok == 0 or ok == true) then
+    error("gdp.results: cannot create directory " .. path, 3)
+  end
+end
+M.mkdir_p = mkdir_p
+
+-- {sha = "abc123...", short = "abc1234", dirty = true/false} or {sha = "unknown"}.
+function M.git_info()
+  -- (LuaJIT's popen gives no exit status: check the text, as outside a repository
+  -- `git rev-parse` echoes its argument)
+  local sha = util.capture("git rev-parse --verify -q HEAD")
+  if not sha or not sha:match("^%x+$") or #sha < 40 then
+    return { sha = "unknown", short = "nogit", dirty = false }
+  end
+  local status = util.capture("git status --porcelain --untracked-files=no")
+  return { sha = sha, short = sha:sub(1, 7), dirty = status ~= nil and status ~= "" }
+end
+
+local ENV_KEYS = { "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+                   "GDP_NUM_THREADS", "GDP_LIB", "GDP_SYNC_EVERY_OP", "HOSTNAME" }
+
+local function environment()
+  local env = {}
+  for _, k in ipairs(ENV_KEYS) do env[k] = os.getenv(k) end
+  -- NCCL_* variables: listed by the shell, since Lua cannot enumerate the environment.
+  local all = util.capture("env") or ""
+  for k, v in all:gmatch("(NCCL_[%w_]+)=([^\n]*)") do env[k] = v end
+  return env
+end
+
+-- Facts about the library when it can be loaded (the results module itself does not
+-- need it).
+local function gdp_facts()
+  local ok, gdp = pcall(require, "gdp")
+  if not ok then return { error = tostring(gdp) } end
+  return {
+    version = gdp.version,
+    build_info = gdp.build_info_table(),
+    devices = util.json_array(gdp.devices()),
+  }
+end
+
+local function quote_csv(v)
+  if v == nil then return "" end
+  if type(v) == "number" then
+    return util.number_text(v) or (v ~= v and "nan" or (v > 0 and "inf" or "-inf"))
+  end
+  local s = tostring(v)
+  if s:find('[,"\n\r]') then s = '"' .. s:gsub('"', '""') .. '"' end
+  return s
+end
+
+local function csv_line(values, n)
+  local parts = {}
+  for i = 1, n or #values do parts[i] = quote_csv(values[i]) end
+  return table.concat(parts, ",") .. "\n"
+end
+
+local Csv = {}
+Csv.__index = Csv
+
+-- Writes one row (a table column -> value), flushed at once.
+function Csv:row(row)
+  if not self.file then return end
+  local values = {}
+  for i, c in ipairs(self.columns) do values[i] = row[c] end
+  for k in pairs(row) do
+    if not self.known[k] then
+      error("gdp.results: row has column '" .. tostring(k) .. "' not in the header of " .. self.path, 2)
+    end
+  end
+  self.file:write(csv_line(values, #self.columns))
+  self.file:flush()
+end
+
+function Csv:close()
+  if self.file then self.file:close() end
+  self.file = nil
+end
+
+local function read_first_line(path)
+  local f = io.open(path, "r")
+  if not f then return nil end
+  local line = f:read("*l")
+  f:close()
+  return line
+end
+
+-- Opens a CSV file with the given columns.  append = true keeps the rows already
+-- there when the header matches; a file with another header is left alone and the
+-- rows go to a sibling file named after the new header's hash (reported on stderr).
+local function open_csv(path, columns, append)
+  local known = {}
+  for _, c in ipairs(columns) do known[c] = true end
+  local header = csv_line(columns)
+  local mode = "w"
+  if append then
+    local first = read_first_line(path)
+    if first == nil then
+      mode = "w"
+    elseif first .. "\n" == header then
+      mode = "a"
+    else
+      local alt = path:gsub("%.csv$", "") .. string.format(".%08x.csv", util.hash(header))
+      io.stderr:write(string.format("gdp.results: %s has other columns; writing to %s\n", path, alt))
+      path = alt
+      mode = read_first_line(path) and "a" or "w"
+    end
+  end
+  local f, err = io.open(path, mode)
+  if not f then error("gdp.results: cannot open " .. path .. ": " .. tostring(err), 3) end
+  if mode == "w" then f:write(header) end
+  f:flush()
+  return setmetatable({ path = path, columns = columns, known = known, file = f }, Csv)
+end
+M.open_csv = open_csv
+
+-- Appends one row to a (study-level) CSV file, creating it with a header when new.
+function M.append_csv(path, columns, row)
+  if rank() ~= 0 then return end
+  local dir = path:match("^(.*)/[^/]*$")
+  if dir then mkdir_p(dir) end
+  local csv = open_csv(path, columns, true)
+  csv:row(row)
+  local written = csv.path
+  csv:close()
+  return written
+end
+
+local Run = {}
+Run.__index = Run
+
+local function write_file(path, text)
+  local f, err = io.open(path, "w")
+  if not f then error("gdp.results: cannot write " .. path .. ": " .. tostring(err), 3) end
+  f:write(text)
+  f:close()
+end
+
+function Run:write_meta()
+  if not self.dir then return end
+  write_file(self.dir .. "/meta.json", util.json_encode(self.meta, 2) .. "\n")
+end
+
+-- Opens results.csv of the run (or another name) with these columns.
+function Run:csv(columns, name)
+  if not self.dir then return setmetatable({ columns = columns, known = {} }, Csv) end
+  local csv = open_csv(self.dir .. "/" .. (name or "results.csv"), columns, false)
+  self.csvs[#self.csvs + 1] = csv
+  return csv
+end
+
+-- Writes plot.gp for results.csv: spec = {x = column, y = {columns...}, logx =, logy =,
+-- xlabel =, ylabel =, title =, style = "linespoints", output = "plot.png"}.
+-- Run it with `gnuplot plot.gp` inside the run folder.
+function Run:plot(spec)
+  if not self.dir then return end
+  local lines = {
+    "# Generated by gdp.results for " .. self.study .. "; run: gnuplot plot.gp",
+    'set datafile separator ","',
+    "set key autotitle columnhead",
+    "set grid",
+  }
+  local out = spec.output or "plot.png"
+  if out:match("%.svg$") then
+    lines[#lines + 1] = "set terminal svg size 900,600"
+  else
+    lines[#lines + 1] = "set terminal pngcairo size 900,600"
+  end
+  lines[#lines + 1] = string.format('set output "%s"', out)
+  lines[#lines + 1] = string.format('set title "%s"', spec.title or self.study)
+  lines[#lines + 1] = string.format('set xlabel "%s"', spec.xlabel or spec.x or "row")
+  if spec.ylabel then lines[#lines + 1] = string.format('set ylabel "%s"', spec.ylabel) end
+  if spec.logx then lines[#lines + 1] = "set logscale x 2" end
+  if spec.logy then lines[#lines + 1] = "set logscale y" end
+  local plots = {}
+  local xcol = spec.x and string.format('"%s"', spec.x) or "0"
+  for _, y in ipairs(spec.y or {}) do
+    plots[#plots + 1] = string.format('"%s" using %s:"%s" with %s title "%s"',
+                                      spec.csv or "results.csv", xcol, y,
+                                      spec.style or "linespoints", y)
+  end
+  if #plots > 0 then lines[#lines + 1] = "plot " .. table.concat(plots, ", \\\n     ") end
+  write_file(self.dir .. "/plot.gp", table.concat(lines, "\n") .. "\n")
+end
+
+-- Records the end time (and any extra fields) in meta.json and closes the CSV files.
+function Run:finish(extra)
+  if not self.dir then return end
+  for _, c in ipairs(self.csvs) do c:close() end
+  self.meta.end_time = utc_now()
+  for k, v in pairs(extra or {}) do self.meta[k] = v end
+  self:write_meta()
+end
+
+-- opts: config, seed, args (the script's arg table), root (default experiments/runs),
+-- extra (more meta fields).
+function M.new_run(study, opts)
+  opts = opts or {}
+  local run = setmetatable({ study = study, csvs = {} }, Run)
+  if rank() ~= 0 then return run end
+  local git = M.git_info()
+  local stamp = os.date("!%Y%m%dT%H%M%SZ")
+  local base = (opts.root or M.root) .. "/" .. study
+  local dir = base .. "/" .. stamp .. "-" .. git.short
+  -- Two runs in the same second get distinct folders.
+  local suffix = 1
+  while read_first_line(dir .. "/meta.json") do
+    suffix = suffix + 1
+    dir = base .. "/" .. stamp .. "-" .. git.short .. "-" .. suffix
+  end
+  mkdir_p(dir)
+  run.dir = dir
+  local args = {}
+  for i, a in ipairs(opts.args or {}) do args[i] = a end
+  run.meta = {
+    study = study,
+    args = util.json_array(args),
+    script = opts.args and opts.args[0] or nil,
+    config = opts.config or {},
+    seed = opts.seed,
+    git = git,
+    gdp = gdp_facts(),
+    env = environment(),
+    host = util.capture("hostname"),
+    luajit = jit and jit.version or _VERSION,
+    start_time = utc_now(),
+  }
+  for k, v in pairs(opts.extra or {}) do run.meta[k] = v end
+  run:write_meta()
+  return run
+end
+
+return M

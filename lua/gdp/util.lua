@@ -1,0 +1,308 @@
+-- gdp.util: helpers for experiment scripts: command-line options from a config
+-- table, JSON encoding, aligned console tables, simple statistics.
+--
+-- Does not load libgdp, so it works before the library is built.
+local M = {}
+
+------------------------------------------------------------------------------- options
+
+-- Parses `--key value`, `--key=value`, `--flag`, `--no-flag` and positional arguments
+-- against a config table whose values give the defaults and the types:
+--
+--   local config = {device = "cpu", B = 1, json = false}
+--   local opts, files = util.parse_args(arg, config, {
+--     usage = "luajit experiments/x.lua [options] FILE...",
+--     help = {{"device", "cpu or cuda"}, {"B", "batch size"}, {"json", "print JSON"}},
+--     choices = {device = {"cpu", "cuda"}},
+--     aliases = {["against-fla"] = "against_fla"},
+--   })
+--
+-- Returns a new table (config overridden by the command line) and the positional
+-- arguments.  Option names may use '-' for '_'.  --help prints the usage and exits 0;
+-- a bad option prints the problem and the usage to stderr and exits 2.
+function M.parse_args(argv, config, spec)
+  spec = spec or {}
+  local opts, positional = {}, {}
+  for k, v in pairs(config) do opts[k] = v end
+
+  local function usage()
+    local lines = { "usage: " .. (spec.usage or "luajit script.lua [options]") }
+    if spec.description then lines[#lines + 1] = spec.description end
+    lines[#lines + 1] = "options:"
+    local listed = {}
+    local function line(key, help)
+      listed[key] = true
+      local default = config[key]
+      local kind = type(default) == "boolean" and "" or (" " .. type(default):upper())
+      local choices = spec.choices and spec.choices[key]
+      local flag = (type(default) == "boolean" and "[no-]" or "") .. key:gsub("_", "-")
+      lines[#lines + 1] = string.format("  --%-18s %s%s (default: %s)", flag .. kind,
+        help or "", choices and (" [" .. table.concat(choices, "|") .. "]") or "", tostring(default))
+    end
+    for _, h in ipairs(spec.help or {}) do line(h[1], h[2]) end
+    local rest = {}
+    for k in pairs(config) do if not listed[k] then rest[#rest + 1] = k end end
+    table.sort(rest)
+    for _, k in ipairs(rest) do line(k) end
+    lines[#lines + 1] = "  --help               this text"
+    return table.concat(lines, "\n")
+  end
+
+  local function fail(msg)
+    io.stderr:write("error: ", msg, "\n", usage(), "\n")
+    os.exit(2)
+  end
+
+  local function resolve(name)
+    if spec.aliases and spec.aliases[name] then return spec.aliases[name] end
+    local key = name:gsub("-", "_")
+    if config[key] ~= nil then return key end
+    return nil
+  end
+
+  local function convert(key, raw)
+    local default = config[key]
+    local ty = type(default)
+    local v
+    if ty == "number" then
+      v = tonumber(raw)
+      if v == nil then fail(string.format("--%s: expected a number, got '%s'", key, raw)) end
+    elseif ty == "boolean" then
+      if raw == "true" or raw == "1" or raw == "yes" then v = true
+      elseif raw == "false" or raw == "0" or raw == "no" then v = false
+      else fail(string.format("--%s: expected true or false, got '%s'", key, raw)) end
+    else
+      v = raw
+    end
+    local choices = spec.choices and spec.choices[key]
+    if choices then
+      local ok = false
+      for _, c in ipairs(choices) do ok = ok or c == v end
+      if not ok then
+        fail(string.format("--%s: expected one of %s, got '%s'", key, table.concat(choices, ", "), raw))
+      end
+    end
+    return v
+  end
+
+  local i = 1
+  local only_positional = false
+  while i <= #argv do
+    local a = argv[i]
+    if only_positional or a:sub(1, 2) ~= "--" then
+      positional[#positional + 1] = a
+    elseif a == "--" then
+      only_positional = true
+    elseif a == "--help" or a == "-h" then
+      print(usage())
+      os.exit(0)
+    else
+      local name, value = a:match("^%-%-([^=]+)=(.*)$")
+      name = name or a:sub(3)
+      local key = resolve(name)
+      if key == nil and name:sub(1, 3) == "no-" and value == nil then
+        key = resolve(name:sub(4))
+        if key and type(config[key]) == "boolean" then
+          opts[key] = false
+          key = false
+        else
+          key = nil
+        end
+      end
+      if key == nil then fail("unknown option --" .. name) end
+      if key then
+        if value == nil and type(config[key]) == "boolean" then
+          opts[key] = true
+        else
+          if value == nil then
+            i = i + 1
+            value = argv[i]
+            if value == nil then fail("--" .. name .. ": missing value") end
+          end
+          opts[key] = convert(key, value)
+        end
+      end
+    end
+    i = i + 1
+  end
+  return opts, positional
+end
+
+------------------------------------------------------------------------------- JSON
+
+-- Marks a table to be encoded as a JSON array even when empty.
+local array_mt = { __jsontype = "array" }
+function M.json_array(t) return setmetatable(t or {}, array_mt) end
+
+local escapes = {
+  ['"'] = '\\"', ["\\"] = "\\\\", ["\b"] = "\\b", ["\f"] = "\\f",
+  ["\n"] = "\\n", ["\r"] = "\\r", ["\t"] = "\\t",
+}
+local function json_string(s)
+  return '"' .. s:gsub('[%c"\\]', function(c)
+    return escapes[c] or string.format("\\u%04x", c:byte())
+  end) .. '"'
+end
+
+-- Shortest decimal text that reads back as the same double.
+local function number_text(x)
+  if x ~= x or x == math.huge or x == -math.huge then return nil end
+  if x == math.floor(x) and math.abs(x) < 2 ^ 53 then return string.format("%d", x) end
+  for _, f in ipairs({ "%.15g", "%.16g", "%.17g" }) do
+    local s = string.format(f, x)
+    if tonumber(s) == x then return s end
+  end
+end
+M.number_text = number_text
+
+local function is_array(t)
+  if getmetatable(t) == array_mt then return true end
+  local n = #t
+  if n == 0 then return false end
+  local count = 0
+  for _ in pairs(t) do count = count + 1 end
+  return count == n
+end
+
+-- Encodes nil/booleans/numbers/strings/tables (keys sorted; NaN and infinities become
+-- null, as JSON has no spelling for them).  indent: nil for one line, or a number.
+function M.json_encode(value, indent)
+  local out = {}
+  local function enc(v, depth)
+    local ty = type(v)
+    if v == nil then out[#out + 1] = "null"
+    elseif ty == "boolean" then out[#out + 1] = tostring(v)
+    elseif ty == "number" then out[#out + 1] = number_text(v) or "null"
+    elseif ty == "string" then out[#out + 1] = json_string(v)
+    elseif ty == "cdata" then
+      local n = tonumber(v)
+      out[#out + 1] = n and (number_text(n) or "null") or json_string(tostring(v))
+    elseif ty == "table" then
+      local nl, pad, pad_in = "", "", ""
+      if indent then
+        nl = "\n"
+        pad = string.rep(" ", indent * depth)
+        pad_in = string.rep(" ", indent * (depth + 1))
+      end
+      if is_array(v) then
+        if #v == 0 then out[#out + 1] = "[]" return end
+        out[#out + 1] = "[" .. nl
+        for i = 1, #v do
+          out[#out + 1] = pad_in
+          enc(v[i], depth + 1)
+          out[#out + 1] = (i < #v and "," or "") .. nl
+        end
+        out[#out + 1] = pad .. "]"
+      else
+        local keys = {}
+        for k in pairs(v) do keys[#keys + 1] = tostring(k) end
+        table.sort(keys)
+        if #keys == 0 then out[#out + 1] = "{}" return end
+        out[#out + 1] = "{" .. nl
+        for i, k in ipairs(keys) do
+          local val = v[k]
+          if val == nil then val = v[tonumber(k)] end
+          out[#out + 1] = pad_in .. json_string(k) .. (indent and ": " or ":")
+          enc(val, depth + 1)
+          out[#out + 1] = (i < #keys and "," or "") .. nl
+        end
+        out[#out + 1] = pad .. "}"
+      end
+    else
+      error("util.json_encode: cannot encode a " .. ty, 2)
+    end
+  end
+  enc(value, 0)
+  return table.concat(out)
+end
+
+------------------------------------------------------------------------------- tables
+
+-- Formats rows (arrays of values) under a header as an aligned text table whose
+-- header line starts with '#', so that gnuplot and awk skip it.  Numbers are printed
+-- with `numfmt` (default "%.3g").
+function M.format_table(header, rows, numfmt)
+  numfmt = numfmt or "%.3g"
+  local cells = {}
+  local widths = {}
+  local function cell(v)
+    if type(v) == "number" then
+      if v ~= v then return "nan" end
+      if v == math.floor(v) and math.abs(v) < 1e15 then return string.format("%d", v) end
+      return string.format(numfmt, v)
+    end
+    return tostring(v == nil and "" or v)
+  end
+  local all = { header }
+  for _, r in ipairs(rows) do all[#all + 1] = r end
+  for ri, r in ipairs(all) do
+    cells[ri] = {}
+    for ci = 1, #header do
+      local s = cell(r[ci])
+      if ci == 1 then s = (ri == 1 and "# " or "  ") .. s end
+      cells[ri][ci] = s
+      widths[ci] = math.max(widths[ci] or 0, #s)
+    end
+  end
+  local lines = {}
+  for ri, r in ipairs(cells) do
+    local parts = {}
+    for ci, s in ipairs(r) do
+      parts[ci] = string.format("%-" .. widths[ci] .. "s", s)
+    end
+    lines[ri] = (table.concat(parts, "  "):gsub("%s+$", ""))
+  end
+  return table.concat(lines, "\n")
+end
+
+------------------------------------------------------------------------------- statistics
+
+function M.median(xs)
+  local s = {}
+  for i, x in ipairs(xs) do s[i] = x end
+  table.sort(s)
+  local n = #s
+  if n == 0 then return nil end
+  if n % 2 == 1 then return s[(n + 1) / 2] end
+  return 0.5 * (s[n / 2] + s[n / 2 + 1])
+end
+
+function M.min(xs)
+  local m = math.huge
+  for _, x in ipairs(xs) do if x < m then m = x end end
+  return m
+end
+
+function M.mean(xs)
+  local s = 0
+  for _, x in ipairs(xs) do s = s + x end
+  return s / #xs
+end
+
+-- FNV-1a hash of a string, as a number in [0, 2^31): seeds derived from configs.
+function M.hash(s)
+  local two32 = 4294967296
+  local h = 2166136261
+  for i = 1, #s do
+    h = bit.bxor(h, s:byte(i)) % two32
+    -- h * 16777619 mod 2^32 without leaving doubles' exact range: prime = 2^24 + 403
+    h = ((h * 403) % two32 + bit.lshift(h, 24) % two32) % two32
+  end
+  return h % 2147483648
+end
+
+-- Reads a shell command's output (trailing newline removed), or nil on failure.
+function M.capture(cmd)
+  local p = io.popen(cmd .. " 2>/dev/null")
+  if not p then return nil end
+  local out = p:read("*a")
+  local ok = p:close()
+  if not out or out == "" then return nil end
+  return (out:gsub("%s+$", "")), ok
+end
+
+function M.shell_quote(s)
+  return "'" .. tostring(s):gsub("'", "'\\''") .. "'"
+end
+
+return M

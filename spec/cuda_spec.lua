@@ -1,0 +1,93 @@
+-- Device tensors and the operator on cuda against the cpu. Tagged #gpu: CPU-only
+-- runs exclude it; inside, pending when the library sees no GPU.
+local gdp = require("gdp")
+local H = gdp_test
+local ops = gdp.ops
+
+describe("cuda #gpu", function()
+  local function need_gpu()
+    if not gdp.has_cuda() then
+      pending("no GPU (gdp.devices(): " .. table.concat(gdp.devices(), " ") .. ")")
+      return false
+    end
+    return true
+  end
+
+  it("round-trips tensors of every dtype, and views", function()
+    if not need_gpu() then return end
+    H.reseed(301)
+    for _, dt in ipairs({ "f64", "f32", "bf16", "i32", "i64" }) do
+      local host = gdp.randn({ 3, 5, 7 }, { dtype = "f64" }):to(dt)
+      local dev = host:cuda()
+      assert.are.equal("cuda:0", dev:device())
+      assert.are.equal(dt, dev:dtype())
+      assert.are.same(host:totable(), dev:cpu():totable())
+      local view = dev:transpose(1, 3):narrow(2, 2, 3)
+      assert.are.same(host:transpose(1, 3):narrow(2, 2, 3):totable(), view:cpu():totable())
+      assert.truthy(tostring(view):find("^gdp.Tensor<" .. dt .. ", cuda:0>%[7x3x3%] view"))
+    end
+  end)
+
+  it("gives the same random numbers as the cpu for the same seed", function()
+    if not need_gpu() then return end
+    gdp.manual_seed(999)
+    local c = gdp.randn({ 1001 }, { dtype = "f32" })
+    gdp.manual_seed(999)
+    local g = gdp.randn({ 1001 }, { dtype = "f32", device = "cuda" })
+    assert.tensor_near(g, c, 1e-6)
+  end)
+
+  it("elementwise ops, reductions and matmul match the cpu", function()
+    if not need_gpu() then return end
+    H.reseed(302)
+    local a, b = gdp.randn({ 33, 17 }, { dtype = "f32" }), gdp.randn({ 33, 17 }, { dtype = "f32" })
+    local da, db = a:cuda(), b:cuda()
+    assert.tensor_near((da + db * 2 - 1):cpu(), a + b * 2 - 1, 1e-6)
+    assert.is_true(math.abs(da:dot(db) - a:dot(b)) <= 1e-4 * math.abs(a:dot(b)) + 1e-4)
+    local m = gdp.matmul(da, db, { trans_b = true })
+    assert.tensor_near(m:cpu(), gdp.matmul(a, b, { trans_b = true }), 1e-5)
+  end)
+
+  for _, dtype in ipairs({ "f32", "bf16" }) do
+    it("the operator matches the float64 cpu recurrence (" .. dtype .. ")", function()
+      if not need_gpu() then return end
+      H.reseed(303)
+      local args = ops.random_inputs({ B = 1, T = 150, H = 2, K = 64, V = 64, n = 2, grads = true,
+                                       initial_state = true, cu_seqlens = { 0, 40, 40, 150 } })
+      local ref = ops.convert_inputs(args, "f64", "cpu")
+      ref.algorithm = "recurrent"
+      local o_ref, ht_ref = ops.chunk_gated_delta_product(ref)
+      local g_ref = ops.chunk_gated_delta_product_backward(ref)
+      local dev = ops.convert_inputs(args, dtype, "cuda")
+      local ctx = gdp.device("cuda")
+      if not ctx:supports("gdp_forward", dtype) then
+        pending("cuda backend has no GDP forward for " .. dtype)
+        return
+      end
+      local o, ht = ops.chunk_gated_delta_product(dev)
+      assert.are.equal("cuda:0", o:device())
+      local tol = ops.TOLERANCE[dtype]
+      assert.tensor_near(o, o_ref, tol)
+      assert.tensor_near(ht, ht_ref, tol)
+      if ctx:supports("gdp_backward", dtype) then
+        local grads = ops.chunk_gated_delta_product_backward(dev)
+        for _, name in ipairs({ "dq", "dk", "dv", "dbeta", "dg", "dh0" }) do
+          assert.tensor_near(grads[name], g_ref[name], tol)
+        end
+      end
+    end)
+  end
+
+  it("golden cases on cuda in f32", function()
+    if not need_gpu() then return end
+    local files = H.list_files(H.golden_dir, "^gdp_.*%.safetensors$")
+    if #files == 0 then pending("no golden fixtures") return end
+    for _, file in ipairs(files) do
+      local t, meta = gdp.load(file)
+      local rows = ops.check_golden_case(t, meta, { dtype = "f32", device = "cuda" })
+      for _, r in ipairs(rows) do
+        assert.is_true(r.ok, string.format("%s: %s rel error %.3e", file, r.name, r.err))
+      end
+    end
+  end)
+end)

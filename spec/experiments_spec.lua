@@ -1,0 +1,175 @@
+-- Helpers of the experiment scripts (gdp.util, gdp.results, gdp.progress) and the
+-- scripts' command lines, run as subprocesses on tiny configurations.
+local util = require("gdp.util")
+local results = require("gdp.results")
+local progress = require("gdp.progress")
+local H = gdp_test
+
+local function sh(cmd)
+  local p = assert(io.popen("{ " .. cmd .. "; } 2>&1; echo \"rc=$?\""))
+  local out = p:read("*a")
+  p:close()
+  local rc = tonumber(out:match("rc=(%d+)%s*$"))
+  return out:gsub("rc=%d+%s*$", ""), rc
+end
+
+local function lua_cmd(script, args)
+  return string.format("LUA_PATH=%q luajit %s %s", package.path, script, args or "")
+end
+
+local function read_all(path)
+  local f = assert(io.open(path, "r"))
+  local s = f:read("*a")
+  f:close()
+  return s
+end
+
+describe("util", function()
+  it("parses options against a config table", function()
+    local cfg = { device = "cpu", T = 4096, json = false, ["repeat"] = 5, against_fla = false }
+    local o, pos = util.parse_args({ "--T", "128", "--json", "--repeat=2", "--against-fla", "a", "--", "--b" }, cfg,
+                                   { choices = { device = { "cpu", "cuda" } } })
+    assert.are.same({ device = "cpu", T = 128, json = true, ["repeat"] = 2, against_fla = true }, o)
+    assert.are.same({ "a", "--b" }, pos)
+    assert.are.equal(4096, cfg.T) -- the config table is not modified
+    local o2 = util.parse_args({ "--no-json", "--device", "cuda" }, { json = true, device = "cpu" })
+    assert.are.same({ json = false, device = "cuda" }, o2)
+  end)
+
+  it("rejects unknown options and bad values with exit status 2", function()
+    local script = os.tmpname()
+    local f = assert(io.open(script, "w"))
+    f:write('local u = require("gdp.util"); u.parse_args(arg, {T = 1, device = "cpu"}, ',
+            '{choices = {device = {"cpu", "cuda"}}}); print("parsed")\n')
+    f:close()
+    local out, rc = sh(lua_cmd(script, "--bogus 1"))
+    assert.are.equal(2, rc)
+    assert.truthy(out:find("unknown option --bogus", 1, true), out)
+    out, rc = sh(lua_cmd(script, "--T x"))
+    assert.are.equal(2, rc)
+    assert.truthy(out:find("--T: expected a number, got 'x'", 1, true), out)
+    out, rc = sh(lua_cmd(script, "--device tpu"))
+    assert.are.equal(2, rc)
+    assert.truthy(out:find("expected one of cpu, cuda", 1, true), out)
+    out, rc = sh(lua_cmd(script, "--help"))
+    assert.are.equal(0, rc)
+    assert.truthy(out:find("--device", 1, true), out)
+    os.remove(script)
+  end)
+
+  it("encodes JSON deterministically", function()
+    assert.are.equal('{"a":1,"b":[1,2.5,"x\\n"],"c":null,"d":{},"e":[],"f":true}',
+                     util.json_encode({ b = { 1, 2.5, "x\n" }, a = 1, c = 0 / 0, d = {},
+                                        e = util.json_array(), f = true }))
+    assert.are.equal("0.1", util.json_encode(0.1))
+    assert.are.equal("0.1767766952966369", util.json_encode(0.1767766952966369))
+    assert.are.equal('"tab\\t\\u0001"', util.json_encode("tab\t\1"))
+  end)
+
+  it("formats aligned tables with a # header and computes medians", function()
+    local s = util.format_table({ "a", "bb" }, { { 1, 2.5 }, { "long", 0 / 0 } })
+    assert.are.equal("# a     bb\n  1     2.5\n  long  nan", s)
+    assert.are.equal(2, util.median({ 3, 1, 2 }))
+    assert.are.equal(2.5, util.median({ 4, 1, 2, 3 }))
+    assert.are.equal(util.hash("abc"), util.hash("abc"))
+    assert.are_not.equal(util.hash("abc"), util.hash("abd"))
+  end)
+end)
+
+describe("results", function()
+  local dir
+  before_each(function()
+    dir = os.tmpname()
+    os.remove(dir)
+  end)
+  after_each(function() os.execute("rm -rf " .. util.shell_quote(dir)) end)
+
+  it("makes a run folder with meta.json, results.csv flushed per row, plot.gp", function()
+    local run = results.new_run("study", { root = dir, config = { T = 5 }, seed = 3, args = { "--x" } })
+    assert.truthy(run.dir:find(dir .. "/study/", 1, true))
+    local meta = read_all(run.dir .. "/meta.json")
+    assert.truthy(meta:find('"seed": 3', 1, true), meta)
+    assert.truthy(meta:find('"git"', 1, true))
+    assert.truthy(meta:find('"start_time"', 1, true))
+    local csv = run:csv({ "T", "time_ms", "status", "error" })
+    csv:row({ T = 5, time_ms = 1.5, status = "ok" })
+    -- flushed: readable before the run ends
+    assert.are.equal("T,time_ms,status,error\n5,1.5,ok,\n", read_all(run.dir .. "/results.csv"))
+    csv:row({ T = 6, status = "error", error = 'bad "x", y' })
+    assert.has_error(function() csv:row({ T = 7, nope = 1 }) end)
+    run:plot({ x = "T", y = { "time_ms" }, logx = true })
+    run:finish({ status = "done" })
+    assert.truthy(read_all(run.dir .. "/results.csv"):find('6,,error,"bad ""x"", y"', 1, true))
+    local gp = read_all(run.dir .. "/plot.gp")
+    assert.truthy(gp:find('set datafile separator ","', 1, true))
+    assert.truthy(gp:find("set logscale x 2", 1, true))
+    assert.truthy(gp:find('using "T":"time_ms"', 1, true))
+    assert.truthy(read_all(run.dir .. "/meta.json"):find('"end_time"', 1, true))
+  end)
+
+  it("appends to a study file and keeps files with other columns", function()
+    local path = dir .. "/s/results.csv"
+    results.append_csv(path, { "a", "b" }, { a = 1, b = 2 })
+    results.append_csv(path, { "a", "b" }, { a = 3, b = 4 })
+    assert.are.equal("a,b\n1,2\n3,4\n", read_all(path))
+    local other = results.append_csv(path, { "a", "c" }, { a = 5, c = 6 })
+    assert.are_not.equal(path, other)
+    assert.are.equal("a,b\n1,2\n3,4\n", read_all(path))
+    assert.are.equal("a,c\n5,6\n", read_all(other))
+  end)
+end)
+
+describe("progress", function()
+  it("prints one line per finished step without a terminal", function()
+    local tmp = os.tmpname()
+    local f = assert(io.open(tmp, "w"))
+    local bar = progress.new(2, { out = f, tty = false })
+    bar:update(0, "first")
+    bar:done()
+    bar:done("second")
+    bar:finish()
+    f:close()
+    local s = read_all(tmp)
+    os.remove(tmp)
+    assert.truthy(s:match("^%[1/2%] first %(.-elapsed%)\n%[2/2%] second %(.-elapsed%)\n$"), s)
+  end)
+end)
+
+describe("experiment scripts", function()
+  local runs
+  before_each(function()
+    runs = os.tmpname()
+    os.remove(runs)
+  end)
+  after_each(function() os.execute("rm -rf " .. util.shell_quote(runs)) end)
+
+  it("bench_gdp --json prints one JSON object and appends a results row", function()
+    local out, rc = sh(string.format("GDP_RUNS_DIR=%s %s 2>/dev/null", runs,
+      lua_cmd("experiments/bench_gdp.lua",
+              "--T 64 --H 2 --K 16 --V 16 --n 2 --warmup 0 --repeat 2 --sgemm-size 64 --json")))
+    assert.are.equal(0, rc, out)
+    local json = out:match("^%s*(%b{})%s*$")
+    assert.truthy(json, "stdout is not one JSON object:\n" .. out)
+    for _, key in ipairs({ "gflops", "fraction_of_sgemm", "sgemm_gflops", "fwd_ms", "fwdbwd_ms" }) do
+      local v = tonumber(json:match('"' .. key .. '":([-%d.e+]+)'))
+      assert.truthy(v and v > 0, key .. " in " .. json)
+    end
+    assert.truthy(json:find('"status":"ok"', 1, true))
+    local csv = read_all(runs .. "/bench_gdp/results.csv")
+    assert.truthy(csv:match("^start_time,"), csv)
+    assert.truthy(csv:find(",ok,", 1, true), csv)
+  end)
+
+  it("check_reference reports every tensor and fails on a tight tolerance", function()
+    local files = H.list_files(H.golden_dir, "^gdp_n1_basic%.safetensors$")
+    if #files == 0 then pending("no golden fixtures") return end
+    local out, rc = sh(lua_cmd("experiments/check_reference.lua", files[1]))
+    assert.are.equal(0, rc, out)
+    for _, name in ipairs({ "o", "ht", "dq", "dk", "dv", "dbeta", "dg" }) do
+      assert.truthy(out:find("operator  " .. name .. " ", 1, true), name .. "\n" .. out)
+    end
+    out, rc = sh(lua_cmd("experiments/check_reference.lua", "--tol 1e-18 " .. files[1]))
+    assert.are.equal(1, rc, out)
+    assert.truthy(out:find("FAIL", 1, true))
+  end)
+end)

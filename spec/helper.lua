@@ -1,0 +1,105 @@
+-- busted helper (see .busted): loads gdp, fixes and prints the seed, registers
+-- assert.tensor_near, and provides the global `gdp_test` with helpers shared by the
+-- specs.  GDP_TEST_SEED=<n> reruns with another seed.
+local gdp = require("gdp")
+local say = require("say")
+local luassert = require("luassert")
+
+local seed = tonumber(os.getenv("GDP_TEST_SEED")) or 20250611
+gdp.manual_seed(seed)
+io.stderr:write(string.format("gdp specs: seed %d (set GDP_TEST_SEED to change), libgdp %s, devices %s\n",
+                              seed, gdp.version, table.concat(gdp.devices(), " ")))
+
+local H = {}
+_G.gdp_test = H
+H.seed = seed
+
+-- Reseeds from the base seed and a per-test salt so that a test's random inputs do
+-- not depend on which tests ran before it.
+function H.reseed(salt)
+  gdp.manual_seed(seed + (salt or 0))
+end
+
+-- ||actual - ref|| / ||ref|| after bringing both to f64 on the cpu (rel_error itself
+-- may require one dtype and device).
+function H.rel_error(actual, ref)
+  if actual:dtype() ~= ref:dtype() or actual:device() ~= ref:device() then
+    actual = actual:to({ dtype = "f64", device = "cpu" })
+    ref = ref:to({ dtype = "f64", device = "cpu" })
+  end
+  return gdp.rel_error(actual, ref)
+end
+
+-- assert.tensor_near(actual, ref, rtol): same shape and ||a - ref|| / ||ref|| <= rtol
+-- (NaN never passes).
+local function tensor_near(state, arguments)
+  local actual, ref, rtol = arguments[1], arguments[2], arguments[3] or 1e-10
+  local msg
+  if not gdp.is_tensor(actual) or not gdp.is_tensor(ref) then
+    msg = string.format("expected two gdp tensors, got %s and %s", type(actual), type(ref))
+  else
+    local sa, sr = actual:shape(), ref:shape()
+    if table.concat(sa, "x") ~= table.concat(sr, "x") then
+      msg = string.format("shapes differ: actual [%s], ref [%s]", table.concat(sa, "x"), table.concat(sr, "x"))
+    else
+      local err = H.rel_error(actual, ref)
+      if err ~= err or not (err <= rtol) then
+        msg = string.format("relative error %.3e > rtol %.1e (actual %s, ref %s, seed %d)",
+                            err, rtol, actual:description(), ref:description(), seed)
+      else
+        msg = string.format("relative error %.3e <= rtol %.1e", err, rtol)
+        arguments.nofmt = { true }
+        arguments[1], arguments.n = msg, 1
+        return true
+      end
+    end
+  end
+  arguments.nofmt = { true }
+  arguments[1], arguments.n = msg, 1
+  return false
+end
+
+say:set("assertion.tensor_near.positive", "Expected tensors to be near:\n%s")
+say:set("assertion.tensor_near.negative", "Expected tensors not to be near:\n%s")
+luassert:register("assertion", "tensor_near", tensor_near,
+                  "assertion.tensor_near.positive", "assertion.tensor_near.negative")
+
+-- Calls fn, expects an error, and checks that its text (tostring: gdp error tables
+-- have a __tostring) contains every plain substring given.  Returns the error text.
+function H.expect_error(fn, ...)
+  local ok, err = pcall(fn)
+  assert(not ok, "expected an error, but the call succeeded")
+  local text = tostring(err)
+  for i = 1, select("#", ...) do
+    local needle = select(i, ...)
+    if not text:find(needle, 1, true) then
+      error(string.format("error message lacks %q:\n  %s", needle, text), 2)
+    end
+  end
+  return text, err
+end
+
+-- A quick check that the library still works (after an error).
+function H.assert_alive()
+  local t = gdp.tensor({ 1, 2, 3 }, { dtype = "f64" })
+  luassert.are.equal(6, t:sum())
+  luassert.are.equal(14, (t * t):sum())
+end
+
+-- Folder of the golden operator cases copied into the project.
+H.golden_dir = os.getenv("GDP_GOLDEN_DIR") or "spec/fixtures/golden"
+
+function H.list_files(dir, pattern)
+  local out = {}
+  local p = io.popen("ls -1 " .. dir .. " 2>/dev/null")
+  if p then
+    for line in p:lines() do
+      if line:match(pattern) then out[#out + 1] = dir .. "/" .. line end
+    end
+    p:close()
+  end
+  table.sort(out)
+  return out
+end
+
+return H
