@@ -1,1 +1,606 @@
-/* placeholder: being written */
+/*
+ * backend_cuda.c -- the cuda device: one non-blocking stream and a lazily created
+ * cuBLAS handle per context, stream-ordered allocation from the device's default
+ * memory pool, and dispatch to the kernels of kernels/cuda (tensor_ops.h, gdp_cuda.h).
+ *
+ * Everything is queued on the context's stream; host-visible results (to_host,
+ * reductions) synchronise it.  Asynchronous kernel faults therefore surface at the
+ * next synchronisation, named after the last ops queued; GDP_SYNC_EVERY_OP=1 makes
+ * every op synchronise so that the failing op is the one reported.
+ *
+ * A libgdp built with CUDA must still load and work on a machine without a GPU or a
+ * driver: nothing here runs before a cuda context is asked for, device_count answers 0
+ * there, and ctx_init fails with "no CUDA device".
+ */
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include "backend_impl.h"
+#include "cuda_check.h"
+#include "cuda/gdp_cuda.h"
+#include "cuda/tensor_ops.h"
+
+/* tensor_ops.h repeats these enums for the .cu files, which cannot include this one. */
+_Static_assert((int)GDP_BINARY_AXPY == GDP_CUDA_BINARY_AXPY &&
+                   (int)GDP_BINARY_MUL == GDP_CUDA_BINARY_MUL &&
+                   (int)GDP_BINARY_SCALE == GDP_CUDA_BINARY_SCALE,
+               "binary kinds of backend_impl.h and tensor_ops.h differ");
+_Static_assert((int)GDP_REDUCE_SUM == GDP_CUDA_REDUCE_SUM &&
+                   (int)GDP_REDUCE_DOT == GDP_CUDA_REDUCE_DOT &&
+                   (int)GDP_REDUCE_SUMSQ == GDP_CUDA_REDUCE_SUMSQ &&
+                   (int)GDP_REDUCE_MAXABS == GDP_CUDA_REDUCE_MAXABS &&
+                   (int)GDP_REDUCE_NONFINITE == GDP_CUDA_REDUCE_NONFINITE &&
+                   (int)GDP_REDUCE_DIFF_SUMSQ == GDP_CUDA_REDUCE_DIFF_SUMSQ,
+               "reduce kinds of backend_impl.h and tensor_ops.h differ");
+_Static_assert((int)GDP_RNG_UNIFORM == GDP_CUDA_RNG_UNIFORM &&
+                   (int)GDP_RNG_NORMAL == GDP_CUDA_RNG_NORMAL,
+               "rng kinds of backend_impl.h and tensor_ops.h differ");
+
+enum { OP_NAME_LEN = 96, DEFERRED_LEN = 256 };
+
+typedef struct cuda_state {
+  cudaStream_t stream;
+  cublasHandle_t blas;    /* created on the first matmul: cuBLAS init costs time and memory */
+  int use_pool;           /* cudaMallocAsync available (memory pools supported) */
+  int sync_every_op;      /* GDP_SYNC_EVERY_OP=1 */
+  double *reduce_workspace; /* GDP_CUDA_REDUCE_WORKSPACE doubles on the device */
+  double *reduce_result;    /* one pinned host double */
+  /* The two most recent ops queued, for messages about asynchronous errors (the
+   * previous one matters when the op that synchronised, e.g. to_host, is the latest). */
+  char last_op[OP_NAME_LEN];
+  char prev_op[OP_NAME_LEN];
+  /* release() cannot return an error; a failure there is reported at the next sync. */
+  char deferred_error[DEFERRED_LEN];
+} cuda_state;
+
+static cuda_state *state_of(const gdp_ctx *ctx) { return (cuda_state *)ctx->backend_state; }
+
+/* ------------------------------------------------------------------ op bookkeeping */
+
+/* Makes ctx's device current (several contexts may drive several GPUs from one
+ * thread) and records the op about to be queued: "<op> <dtype> [shape]". */
+static gdp_status op_begin(gdp_ctx *ctx, const char *op, const gdp_tensor *t) {
+  cuda_state *st = state_of(ctx);
+  memcpy(st->prev_op, st->last_op, sizeof st->prev_op);
+  if (t) {
+    char shape[128];
+    snprintf(st->last_op, sizeof st->last_op, "%s %s %s", op, gdp_dtype_name(t->dtype),
+             gdp_shape_str(shape, sizeof shape, t->ndim, t->shape));
+  } else {
+    snprintf(st->last_op, sizeof st->last_op, "%s", op);
+  }
+  GDP_CUDA_TRY(cudaSetDevice(ctx->index));
+  return GDP_OK;
+}
+
+static gdp_status stream_sync(gdp_ctx *ctx) {
+  cuda_state *st = state_of(ctx);
+  cudaError_t e = cudaStreamSynchronize(st->stream);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return GDP_ERROR(GDP_ERR_CUDA,
+                     "cuda:%d: an asynchronous error surfaced at synchronisation: %s (%s); "
+                     "last op queued: %s (before it: %s)%s",
+                     ctx->index, cudaGetErrorName(e), cudaGetErrorString(e), st->last_op,
+                     st->prev_op[0] ? st->prev_op : "none",
+                     st->sync_every_op ? "" : "; run with GDP_SYNC_EVERY_OP=1 to find the op");
+  }
+  if (st->deferred_error[0]) {
+    gdp_status s = GDP_ERROR(GDP_ERR_CUDA, "cuda:%d: %s", ctx->index, st->deferred_error);
+    st->deferred_error[0] = '\0';
+    return s;
+  }
+  return GDP_OK;
+}
+
+/* After every queued op: synchronise when GDP_SYNC_EVERY_OP asks for it. */
+static gdp_status op_end(gdp_ctx *ctx) {
+  return state_of(ctx)->sync_every_op ? stream_sync(ctx) : GDP_OK;
+}
+
+static gdp_cuda_operand operand_of(const gdp_tensor *t) {
+  gdp_cuda_operand o;
+  memset(&o, 0, sizeof o);
+  o.data = gdp_tensor_ptr(t);
+  o.dtype = (int)t->dtype;
+  for (int d = 0; d < t->ndim; d++) o.stride[d] = t->stride[d];
+  return o;
+}
+
+/* ------------------------------------------------------------------ devices, contexts */
+
+static int cuda_device_count(void) {
+  int n = 0;
+  /* No driver or no GPU (cudaErrorNoDevice, cudaErrorInsufficientDriver, ...) means no
+   * CUDA devices, not a failure: a CUDA build must run on CPU-only machines. */
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+static void destroy_state(gdp_ctx *ctx, cuda_state *st) {
+  if (!st) return;
+  (void)cudaSetDevice(ctx->index);
+  if (st->stream) (void)cudaStreamSynchronize(st->stream);
+  if (st->blas) (void)cublasDestroy(st->blas);
+  if (st->reduce_workspace) (void)cudaFree(st->reduce_workspace);
+  if (st->reduce_result) (void)cudaFreeHost(st->reduce_result);
+  if (st->stream) (void)cudaStreamDestroy(st->stream);
+  (void)cudaGetLastError();
+  free(st);
+}
+
+static int env_flag(const char *name) {
+  const char *v = getenv(name);
+  return v && *v && strcmp(v, "0") != 0;
+}
+
+static gdp_status init_state(gdp_ctx *ctx, cuda_state *st) {
+  int dev = ctx->index;
+  GDP_CUDA_TRY(cudaSetDevice(dev));
+  GDP_CUDA_TRY(cudaStreamCreateWithFlags(&st->stream, cudaStreamNonBlocking));
+  int pools = 0;
+  GDP_CUDA_TRY(cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, dev));
+  st->use_pool = pools != 0;
+  if (st->use_pool) {
+    /* The default release threshold (0) hands freed memory back to the driver at every
+     * synchronisation, so a training loop would re-map its activations each step; keep
+     * it cached instead (alloc trims the pool and retries before reporting OOM). */
+    cudaMemPool_t pool;
+    uint64_t threshold = UINT64_MAX;
+    GDP_CUDA_TRY(cudaDeviceGetDefaultMemPool(&pool, dev));
+    GDP_CUDA_TRY(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold));
+  }
+  GDP_CUDA_TRY(cudaMalloc((void **)&st->reduce_workspace,
+                          GDP_CUDA_REDUCE_WORKSPACE * sizeof(double)));
+  GDP_CUDA_TRY(cudaMallocHost((void **)&st->reduce_result, sizeof(double)));
+  st->sync_every_op = env_flag("GDP_SYNC_EVERY_OP");
+  snprintf(st->last_op, sizeof st->last_op, "none");
+  return GDP_OK;
+}
+
+static gdp_status cuda_ctx_init(gdp_ctx *ctx) {
+  int count = 0;
+  cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess || count == 0) {
+    (void)cudaGetLastError();
+    return GDP_ERROR(GDP_ERR_UNSUPPORTED, "no CUDA device on this machine (cudaGetDeviceCount: %s)",
+                     e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
+  }
+  if (ctx->index < 0 || ctx->index >= count)
+    return GDP_ERROR(GDP_ERR_INVALID_ARG, "index: expected 0 <= index < %d CUDA devices, got %d",
+                     count, ctx->index);
+  cuda_state *st = calloc(1, sizeof *st);
+  if (!st) return GDP_ERROR(GDP_ERR_OOM, "cannot allocate the CUDA context state");
+  gdp_status s = init_state(ctx, st);
+  if (s != GDP_OK) {
+    destroy_state(ctx, st);
+    return s;
+  }
+  ctx->backend_state = st;
+  return GDP_OK;
+}
+
+static void cuda_ctx_fini(gdp_ctx *ctx) {
+  destroy_state(ctx, state_of(ctx));
+  ctx->backend_state = NULL;
+}
+
+static gdp_status cuda_sync(gdp_ctx *ctx) {
+  GDP_CUDA_TRY(cudaSetDevice(ctx->index));
+  return stream_sync(ctx);
+}
+
+/* ------------------------------------------------------------------ memory */
+
+static gdp_status oom_error(const char *func, gdp_ctx *ctx, size_t nbytes) {
+  size_t free_bytes = 0, total_bytes = 0;
+  if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) (void)cudaGetLastError();
+  return GDP_ERROR_IN(func, GDP_ERR_OOM,
+                      "cuda:%d: out of memory: asked for %zu bytes, %zu bytes free of %zu",
+                      ctx->index, nbytes, free_bytes, total_bytes);
+}
+
+/* Stream-ordered device memory, not counted in gdp_mem_live_bytes (scratch buffers
+ * use it directly).  The memory may be used by work queued later on the stream.
+ * `func` names the caller in messages. */
+static gdp_status device_alloc(const char *func, gdp_ctx *ctx, size_t nbytes, void **out) {
+  cuda_state *st = state_of(ctx);
+  size_t ask = nbytes ? nbytes : 1; /* a valid, distinct address even for empty tensors */
+  void *p = NULL;
+  cudaError_t e = st->use_pool ? cudaMallocAsync(&p, ask, st->stream) : cudaMalloc(&p, ask);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    /* Memory freed on other streams may still be pending, and the pool keeps freed
+     * memory mapped (release threshold above): wait for it, give it back, retry once. */
+    if (cudaDeviceSynchronize() != cudaSuccess) (void)cudaGetLastError();
+    if (st->use_pool) {
+      cudaMemPool_t pool;
+      if (cudaDeviceGetDefaultMemPool(&pool, ctx->index) == cudaSuccess)
+        (void)cudaMemPoolTrimTo(pool, 0);
+      (void)cudaGetLastError();
+    }
+    e = st->use_pool ? cudaMallocAsync(&p, ask, st->stream) : cudaMalloc(&p, ask);
+  }
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    /* Requests beyond the device (say 1 PB) may be refused as invalid rather than out
+     * of memory; to the caller both are out of memory. */
+    size_t free_bytes = 0, total_bytes = 0;
+    if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) (void)cudaGetLastError();
+    if (e == cudaErrorMemoryAllocation || (total_bytes > 0 && nbytes > total_bytes))
+      return oom_error(func, ctx, nbytes);
+  }
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return GDP_ERROR_IN(func, GDP_ERR_CUDA, "cuda:%d: allocating %zu bytes failed: %s (%s)",
+                        ctx->index, nbytes, cudaGetErrorName(e), cudaGetErrorString(e));
+  }
+  *out = p;
+  return GDP_OK;
+}
+
+static void device_free(gdp_ctx *ctx, void *ptr) {
+  cuda_state *st = state_of(ctx);
+  cudaError_t e = st->use_pool ? cudaFreeAsync(ptr, st->stream) : cudaFree(ptr);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    if (!st->deferred_error[0])
+      snprintf(st->deferred_error, sizeof st->deferred_error,
+               "freeing device memory %p failed: %s (%s)", ptr, cudaGetErrorName(e),
+               cudaGetErrorString(e));
+  }
+}
+
+static gdp_status cuda_alloc(gdp_ctx *ctx, size_t nbytes, void **out) {
+  /* Not recorded as an op: allocations fail synchronously, never later. */
+  GDP_CUDA_TRY(cudaSetDevice(ctx->index));
+  GDP_TRY(device_alloc("cuda_alloc", ctx, nbytes, out));
+  gdp_mem_track(GDP_DEVICE_CUDA, (int64_t)nbytes);
+  return GDP_OK;
+}
+
+static void cuda_release(gdp_ctx *ctx, void *ptr, size_t nbytes) {
+  if (!ptr) return;
+  if (cudaSetDevice(ctx->index) != cudaSuccess) (void)cudaGetLastError();
+  /* Stream-ordered: work already queued on the stream that reads ptr finishes first. */
+  device_free(ctx, ptr);
+  gdp_mem_track(GDP_DEVICE_CUDA, -(int64_t)nbytes);
+}
+
+static gdp_status cuda_to_device(gdp_ctx *ctx, void *dst_dev, const void *src_host,
+                                 size_t nbytes) {
+  if (nbytes == 0) return GDP_OK;
+  GDP_TRY(op_begin(ctx, "to_device", NULL));
+  /* From pageable memory this returns once the data is staged, so the caller may reuse
+   * its buffer at once (tensor_set passes a stack variable).  From pinned memory the
+   * copy is truly asynchronous, and no caller of this entry keeps its buffer alive, so
+   * wait for it then. */
+  struct cudaPointerAttributes attr;
+  int pinned = 0;
+  if (cudaPointerGetAttributes(&attr, src_host) == cudaSuccess)
+    pinned = attr.type == cudaMemoryTypeHost;
+  else
+    (void)cudaGetLastError();
+  GDP_CUDA_TRY(cudaMemcpyAsync(dst_dev, src_host, nbytes, cudaMemcpyHostToDevice,
+                               state_of(ctx)->stream));
+  return pinned ? stream_sync(ctx) : op_end(ctx);
+}
+
+static gdp_status cuda_to_host(gdp_ctx *ctx, void *dst_host, const void *src_dev,
+                               size_t nbytes) {
+  if (nbytes == 0) return GDP_OK;
+  GDP_TRY(op_begin(ctx, "to_host", NULL));
+  GDP_CUDA_TRY(cudaMemcpyAsync(dst_host, src_dev, nbytes, cudaMemcpyDeviceToHost,
+                               state_of(ctx)->stream));
+  return stream_sync(ctx);
+}
+
+/* ------------------------------------------------------------------ elementwise */
+
+static gdp_status cuda_copy(gdp_ctx *ctx, gdp_tensor *dst, const gdp_tensor *src) {
+  GDP_TRY(op_begin(ctx, "copy", dst));
+  gdp_cuda_operand d = operand_of(dst), s = operand_of(src);
+  GDP_CUDA_TRY(gdp_cuda_copy(dst->ndim, dst->shape, &d, &s, state_of(ctx)->stream));
+  return op_end(ctx);
+}
+
+static gdp_status cuda_fill(gdp_ctx *ctx, gdp_tensor *t, double value) {
+  GDP_TRY(op_begin(ctx, "fill", t));
+  gdp_cuda_operand d = operand_of(t);
+  GDP_CUDA_TRY(gdp_cuda_fill(t->ndim, t->shape, &d, value, state_of(ctx)->stream));
+  return op_end(ctx);
+}
+
+static gdp_status cuda_rng(gdp_ctx *ctx, gdp_tensor *t, gdp_rng_kind kind, double a, double b,
+                           uint64_t seed, uint64_t offset) {
+  GDP_TRY(op_begin(ctx, kind == GDP_RNG_NORMAL ? "normal" : "uniform", t));
+  if (t->dtype != GDP_DTYPE_F64 && t->dtype != GDP_DTYPE_F32 && t->dtype != GDP_DTYPE_BF16)
+    return GDP_ERROR(GDP_ERR_DTYPE, "random fills need f64, f32 or bf16, got %s",
+                     gdp_dtype_name(t->dtype));
+  gdp_cuda_operand d = operand_of(t);
+  GDP_CUDA_TRY(gdp_cuda_rng(t->ndim, t->shape, &d, (int)kind, a, b, seed, offset,
+                            state_of(ctx)->stream));
+  return op_end(ctx);
+}
+
+static gdp_status cuda_binary(gdp_ctx *ctx, gdp_tensor *out, const gdp_tensor *a,
+                              const gdp_tensor *b, gdp_binary_kind kind, double alpha) {
+  static const char *names[] = {"axpy", "mul", "scale"};
+  GDP_TRY(op_begin(ctx, (unsigned)kind < 3 ? names[kind] : "binary", out));
+  gdp_cuda_operand o = operand_of(out), x = operand_of(a);
+  gdp_cuda_operand y = b ? operand_of(b) : x;
+  if (kind != GDP_BINARY_SCALE && !b)
+    return GDP_ERROR(GDP_ERR_INVALID_ARG, "b is NULL for a binary op that reads it");
+  GDP_CUDA_TRY(gdp_cuda_binary(out->ndim, out->shape, &o, &x, &y, (int)kind, alpha,
+                               state_of(ctx)->stream));
+  return op_end(ctx);
+}
+
+static gdp_status cuda_reduce(gdp_ctx *ctx, const gdp_tensor *a, const gdp_tensor *b,
+                              gdp_reduce_kind kind, double *out) {
+  static const char *names[] = {"sum", "dot", "sumsq", "maxabs", "nonfinite", "diff_sumsq"};
+  GDP_TRY(op_begin(ctx, (unsigned)kind < 6 ? names[kind] : "reduce", a));
+  cuda_state *st = state_of(ctx);
+  int two = kind == GDP_REDUCE_DOT || kind == GDP_REDUCE_DIFF_SUMSQ;
+  if (two && !b) return GDP_ERROR(GDP_ERR_INVALID_ARG, "b is NULL for a two-operand reduction");
+  gdp_cuda_operand x = operand_of(a);
+  gdp_cuda_operand y = two ? operand_of(b) : x;
+  GDP_CUDA_TRY(gdp_cuda_reduce(a->ndim, a->shape, &x, two ? &y : NULL, (int)kind,
+                               st->reduce_workspace, st->reduce_result, st->stream));
+  GDP_TRY(stream_sync(ctx));
+  *out = *st->reduce_result;
+  return GDP_OK;
+}
+
+/* ------------------------------------------------------------------ matmul */
+
+/* How a logical R x S matrix with strides (rs, cs) looks to column-major cuBLAS.
+ * row_major: its memory is the column-major S x R matrix X^T with leading dimension ld;
+ * otherwise it is X itself, column-major with leading dimension ld.  Returns 0 when
+ * neither holds (no unit stride, overlapping or negative strides): copy it first. */
+static int blas_layout(int64_t R, int64_t S, int64_t rs, int64_t cs, int *row_major,
+                       int64_t *ld) {
+  if ((S == 1 || cs == 1) && (R == 1 || rs >= S)) {
+    *row_major = 1;
+    *ld = R == 1 ? (S > 1 ? S : 1) : rs;
+  } else if ((R == 1 || rs == 1) && (S == 1 || cs >= R)) {
+    *row_major = 0;
+    *ld = S == 1 ? (R > 1 ? R : 1) : cs;
+  } else {
+    return 0;
+  }
+  return *ld <= INT_MAX;
+}
+
+/* One gemm operand: op(tensor) as a logical matrix. */
+typedef struct mat_view {
+  const void *ptr;
+  int64_t rows, cols, rs, cs;
+} mat_view;
+
+static mat_view mat_of(const gdp_tensor *t, int trans, const void *ptr, const int64_t *stride) {
+  mat_view m;
+  m.ptr = ptr;
+  m.rows = trans ? t->shape[1] : t->shape[0];
+  m.cols = trans ? t->shape[0] : t->shape[1];
+  m.rs = trans ? stride[1] : stride[0];
+  m.cs = trans ? stride[0] : stride[1];
+  return m;
+}
+
+/* Contiguous device copy of t (same dtype) in scratch memory for operands whose
+ * strides cuBLAS cannot express. */
+static gdp_status scratch_contiguous(gdp_ctx *ctx, const gdp_tensor *t, void **out) {
+  size_t nbytes = (size_t)(t->shape[0] * t->shape[1]) * gdp_dtype_size(t->dtype);
+  GDP_TRY(device_alloc("cuda_matmul", ctx, nbytes, out));
+  gdp_cuda_operand d = operand_of(t), s = operand_of(t);
+  d.data = *out;
+  d.stride[0] = t->shape[1];
+  d.stride[1] = 1;
+  cudaError_t e = gdp_cuda_copy(2, t->shape, &d, &s, state_of(ctx)->stream);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    device_free(ctx, *out);
+    *out = NULL;
+    return GDP_ERROR(GDP_ERR_CUDA, "copying a matmul operand to scratch memory failed: %s (%s)",
+                     cudaGetErrorName(e), cudaGetErrorString(e));
+  }
+  return GDP_OK;
+}
+
+static gdp_status ensure_blas(gdp_ctx *ctx) {
+  cuda_state *st = state_of(ctx);
+  if (st->blas) return GDP_OK;
+  cublasHandle_t h = NULL;
+  GDP_CUBLAS_TRY(cublasCreate(&h));
+  cublasStatus_t s = cublasSetStream(h, st->stream);
+  /* Default math: no TF32 (and no other reduced precision), so that float32 products
+   * match the CPU's to float32 accuracy. */
+  if (s == CUBLAS_STATUS_SUCCESS) s = cublasSetMathMode(h, CUBLAS_DEFAULT_MATH);
+  if (s != CUBLAS_STATUS_SUCCESS) {
+    (void)cublasDestroy(h);
+    return GDP_ERROR(GDP_ERR_CUDA, "configuring the cuBLAS handle failed: %s (%s)",
+                     cublasGetStatusName(s), cublasGetStatusString(s));
+  }
+  st->blas = h;
+  return GDP_OK;
+}
+
+static gdp_status gemm(gdp_ctx *ctx, gdp_dtype dtype, int64_t m, int64_t n, int64_t k,
+                       const mat_view *x, int x_trans, int64_t ldx, const mat_view *y,
+                       int y_trans, int64_t ldy, void *c, int64_t ldc, double alpha,
+                       double beta) {
+  cuda_state *st = state_of(ctx);
+  cublasOperation_t opx = x_trans ? CUBLAS_OP_T : CUBLAS_OP_N;
+  cublasOperation_t opy = y_trans ? CUBLAS_OP_T : CUBLAS_OP_N;
+  if (dtype == GDP_DTYPE_F64) {
+    GDP_CUBLAS_TRY(cublasDgemm(st->blas, opx, opy, (int)m, (int)n, (int)k, &alpha, x->ptr,
+                               (int)ldx, y->ptr, (int)ldy, &beta, c, (int)ldc));
+  } else {
+    float alpha_f = (float)alpha, beta_f = (float)beta;
+    GDP_CUBLAS_TRY(cublasGemmEx(st->blas, opx, opy, (int)m, (int)n, (int)k, &alpha_f, x->ptr,
+                                CUDA_R_32F, (int)ldx, y->ptr, CUDA_R_32F, (int)ldy, &beta_f, c,
+                                CUDA_R_32F, (int)ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  }
+  return GDP_OK;
+}
+
+/* out = alpha op(a) op(b) + beta out, everything row-major in gdp's view.  cuBLAS is
+ * column-major, and a row-major matrix is its transpose there, so for a row-major out
+ * it computes out^T = op(b)^T op(a)^T (the usual swap); a column-major out (a
+ * transposed view) takes the direct product. */
+static gdp_status matmul_planned(gdp_ctx *ctx, gdp_tensor *out, const mat_view *A,
+                                 const mat_view *B, double alpha, double beta, void *c_ptr,
+                                 int64_t c_rs, int64_t c_cs) {
+  int64_t M = out->shape[0], N = out->shape[1], K = A->cols;
+  int a_row, b_row, c_row;
+  int64_t lda, ldb, ldc;
+  if (!blas_layout(M, K, A->rs, A->cs, &a_row, &lda) ||
+      !blas_layout(K, N, B->rs, B->cs, &b_row, &ldb) ||
+      !blas_layout(M, N, c_rs, c_cs, &c_row, &ldc))
+    return GDP_ERROR(GDP_ERR_INTERNAL, "matmul operand layout not expressible after copies");
+  if (c_row)
+    return gemm(ctx, out->dtype, N, M, K, B, !b_row, ldb, A, !a_row, lda, c_ptr, ldc, alpha,
+                beta);
+  return gemm(ctx, out->dtype, M, N, K, A, a_row, lda, B, b_row, ldb, c_ptr, ldc, alpha, beta);
+}
+
+static gdp_status cuda_matmul(gdp_ctx *ctx, gdp_tensor *out, const gdp_tensor *a,
+                              const gdp_tensor *b, int trans_a, int trans_b, double alpha,
+                              double beta) {
+  GDP_TRY(op_begin(ctx, "matmul", out));
+  if (out->dtype != GDP_DTYPE_F32 && out->dtype != GDP_DTYPE_F64)
+    return GDP_ERROR(GDP_ERR_DTYPE, "matmul on cuda needs f32 or f64, got %s",
+                     gdp_dtype_name(out->dtype));
+  if (a->dtype != out->dtype || b->dtype != out->dtype)
+    return GDP_ERROR(GDP_ERR_DTYPE, "matmul dtypes differ: out %s, a %s, b %s",
+                     gdp_dtype_name(out->dtype), gdp_dtype_name(a->dtype),
+                     gdp_dtype_name(b->dtype));
+  int64_t M = out->shape[0], N = out->shape[1], K = trans_a ? a->shape[0] : a->shape[1];
+  if (M == 0 || N == 0) return GDP_OK;
+  if (K == 0) { /* empty sum: out = beta out (beta 0 overwrites NaN, as BLAS does) */
+    gdp_cuda_operand o = operand_of(out);
+    cudaStream_t s = state_of(ctx)->stream;
+    if (beta == 0.0)
+      GDP_CUDA_TRY(gdp_cuda_fill(2, out->shape, &o, 0.0, s));
+    else
+      GDP_CUDA_TRY(gdp_cuda_binary(2, out->shape, &o, &o, &o, GDP_CUDA_BINARY_SCALE, beta, s));
+    return op_end(ctx);
+  }
+  if (M > INT_MAX || N > INT_MAX || K > INT_MAX)
+    return GDP_ERROR(GDP_ERR_UNSUPPORTED, "matmul sizes above 2^31-1: M %lld, N %lld, K %lld",
+                     (long long)M, (long long)N, (long long)K);
+  GDP_TRY(ensure_blas(ctx));
+
+  /* Operands cuBLAS cannot read in place are copied to contiguous scratch memory. */
+  void *a_tmp = NULL, *b_tmp = NULL, *c_tmp = NULL;
+  int64_t a_str[2] = {a->stride[0], a->stride[1]}, b_str[2] = {b->stride[0], b->stride[1]};
+  mat_view A = mat_of(a, trans_a, gdp_tensor_ptr(a), a_str);
+  mat_view B = mat_of(b, trans_b, gdp_tensor_ptr(b), b_str);
+  int row;
+  int64_t ld;
+  gdp_status s = GDP_OK;
+  if (!blas_layout(A.rows, A.cols, A.rs, A.cs, &row, &ld)) {
+    s = scratch_contiguous(ctx, a, &a_tmp);
+    int64_t cstr[2] = {a->shape[1], 1};
+    if (s == GDP_OK) A = mat_of(a, trans_a, a_tmp, cstr);
+  }
+  if (s == GDP_OK && !blas_layout(B.rows, B.cols, B.rs, B.cs, &row, &ld)) {
+    s = scratch_contiguous(ctx, b, &b_tmp);
+    int64_t cstr[2] = {b->shape[1], 1};
+    if (s == GDP_OK) B = mat_of(b, trans_b, b_tmp, cstr);
+  }
+  void *c_ptr = gdp_tensor_ptr(out);
+  int64_t c_rs = out->stride[0], c_cs = out->stride[1];
+  if (s == GDP_OK && !blas_layout(M, N, c_rs, c_cs, &row, &ld)) {
+    /* beta != 0 reads out, so the scratch starts as a copy of it. */
+    size_t c_bytes = (size_t)(M * N) * gdp_dtype_size(out->dtype);
+    s = beta != 0.0 ? scratch_contiguous(ctx, out, &c_tmp)
+                    : device_alloc("cuda_matmul", ctx, c_bytes, &c_tmp);
+    c_ptr = c_tmp;
+    c_rs = N;
+    c_cs = 1;
+  }
+  if (s == GDP_OK) s = matmul_planned(ctx, out, &A, &B, alpha, beta, c_ptr, c_rs, c_cs);
+  if (s == GDP_OK && c_tmp) {
+    gdp_cuda_operand d = operand_of(out), src = operand_of(out);
+    src.data = c_tmp;
+    src.stride[0] = N;
+    src.stride[1] = 1;
+    cudaError_t e = gdp_cuda_copy(2, out->shape, &d, &src, state_of(ctx)->stream);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      s = GDP_ERROR(GDP_ERR_CUDA, "copying the matmul result back failed: %s",
+                    cudaGetErrorString(e));
+    }
+  }
+  /* Stream-ordered frees: the gemm queued above still reads these buffers. */
+  if (a_tmp) device_free(ctx, a_tmp);
+  if (b_tmp) device_free(ctx, b_tmp);
+  if (c_tmp) device_free(ctx, c_tmp);
+  if (s != GDP_OK) return s;
+  return op_end(ctx);
+}
+
+/* ------------------------------------------------------------------ GDP operator */
+
+static gdp_status cuda_gdp_forward(gdp_ctx *ctx, const gdp_gdp_problem *p,
+                                   const gdp_gdp_fwd_io *io) {
+  GDP_TRY(op_begin(ctx, "gdp_forward", NULL));
+  GDP_TRY(gdp_cuda_gdp_forward(p, io, (void *)state_of(ctx)->stream));
+  return op_end(ctx);
+}
+
+static gdp_status cuda_gdp_backward(gdp_ctx *ctx, const gdp_gdp_problem *p,
+                                    const gdp_gdp_bwd_io *io) {
+  GDP_TRY(op_begin(ctx, "gdp_backward", NULL));
+  GDP_TRY(gdp_cuda_gdp_backward(p, io, (void *)state_of(ctx)->stream));
+  return op_end(ctx);
+}
+
+/* ------------------------------------------------------------------ capabilities */
+
+static int cuda_supports(gdp_op op, gdp_dtype dtype) {
+  int is_float = dtype == GDP_DTYPE_F64 || dtype == GDP_DTYPE_F32 || dtype == GDP_DTYPE_BF16;
+  switch (op) {
+    case GDP_OP_COPY:
+    case GDP_OP_ELEMENTWISE:
+    case GDP_OP_REDUCE: return (int)dtype >= 0 && dtype < GDP_DTYPE_COUNT;
+    case GDP_OP_RNG: return is_float;
+    case GDP_OP_MATMUL: return dtype == GDP_DTYPE_F64 || dtype == GDP_DTYPE_F32;
+    /* The kernels answer per problem (gdp_cuda_gdp_supported); per dtype these two. */
+    case GDP_OP_GDP_FORWARD:
+    case GDP_OP_GDP_BACKWARD: return dtype == GDP_DTYPE_F32 || dtype == GDP_DTYPE_BF16;
+    default: return 0;
+  }
+}
+
+const gdp_backend gdp_backend_cuda = {
+    .name = "cuda",
+    .type = GDP_DEVICE_CUDA,
+    .device_count = cuda_device_count,
+    .ctx_init = cuda_ctx_init,
+    .ctx_fini = cuda_ctx_fini,
+    .alloc = cuda_alloc,
+    .release = cuda_release,
+    .sync = cuda_sync,
+    .to_device = cuda_to_device,
+    .to_host = cuda_to_host,
+    .copy = cuda_copy,
+    .fill = cuda_fill,
+    .rng = cuda_rng,
+    .binary = cuda_binary,
+    .reduce = cuda_reduce,
+    .matmul = cuda_matmul,
+    .gdp_forward = cuda_gdp_forward,
+    .gdp_backward = cuda_gdp_backward,
+    .supports = cuda_supports,
+};

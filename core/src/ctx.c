@@ -92,6 +92,11 @@ gdp_status gdp_ctx_new(gdp_device_type type, int index, gdp_ctx **out) {
                      "-DGDP_CUDA=ON)",
                      gdp_device_type_name(type));
   int count = gdp_device_count(type);
+  /* Built with CUDA but run on a machine without a GPU: say so, rather than reporting
+   * an index range of [0, 0). */
+  if (count == 0)
+    return GDP_ERROR(GDP_ERR_UNSUPPORTED, "no %s device on this machine (gdp_device_count is 0)",
+                     gdp_device_type_name(type));
   if (index < 0 || index >= count)
     return GDP_ERROR(GDP_ERR_INVALID_ARG, "index: expected 0 <= index < %d for %s, got %d",
                      count, gdp_device_type_name(type), index);

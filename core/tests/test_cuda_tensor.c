@@ -1,0 +1,978 @@
+/*
+ * test_cuda_tensor.c -- the cuda backend's tensor ops against the CPU backend (the
+ * oracle) and against host references: transfers, strided copies and conversions,
+ * fills, Philox fills, elementwise ops, reductions, cuBLAS matmul, OOM reporting,
+ * memory accounting and guard regions after outputs.
+ *
+ * Exits 77 (ctest: skipped) when there is no CUDA device, after checking that a cuda
+ * context then fails cleanly with "no CUDA device".
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gdp.h"
+#include "testutil.h"
+
+#define SEED 0x6764705f63756461ull /* "gdp_cuda" */
+
+static gdp_ctx *cpu, *gpu;
+
+/* Fill value of guard regions: far from every test value, exact in f32 and integers. */
+#define SENTINEL (-123456.25)
+
+static const gdp_dtype all_dtypes[] = {GDP_DTYPE_F64, GDP_DTYPE_F32, GDP_DTYPE_BF16,
+                                       GDP_DTYPE_I32, GDP_DTYPE_I64};
+enum { NDTYPES = 5 };
+
+static int is_float(gdp_dtype d) {
+  return d == GDP_DTYPE_F64 || d == GDP_DTYPE_F32 || d == GDP_DTYPE_BF16;
+}
+
+static int64_t numel_of(int nd, const int64_t *shape) {
+  int64_t n = 1;
+  for (int i = 0; i < nd; i++) n *= shape[i];
+  return n;
+}
+
+/* n random values ~ scale * N(0,1), with a few exact halves and integers mixed in so
+ * that float -> int truncation and bf16 ties are exercised. */
+static double *random_values(int64_t n, double scale) {
+  double *v = malloc((size_t)(n ? n : 1) * sizeof *v);
+  for (int64_t i = 0; i < n; i++) {
+    double x = scale * tu_rand_normal();
+    if (i % 7 == 3) x = floor(x) + 0.5;
+    if (i % 11 == 5) x = floor(x);
+    v[i] = x;
+  }
+  return v;
+}
+
+static gdp_tensor *upload(gdp_ctx *ctx, gdp_dtype dtype, int nd, const int64_t *shape,
+                          const double *vals) {
+  gdp_tensor *t = NULL;
+  CHECK_OK(gdp_tensor_from_host(ctx, dtype, nd, shape, GDP_DTYPE_F64, vals,
+                                (size_t)numel_of(nd, shape) * sizeof(double), &t));
+  return t;
+}
+
+/* t's values as `dtype`, row-major (malloc'd; NULL on failure). */
+static void *download(const gdp_tensor *t, gdp_dtype dtype) {
+  if (!t) return NULL;
+  size_t bytes = (size_t)gdp_tensor_numel(t) * gdp_dtype_size(dtype);
+  void *buf = malloc(bytes ? bytes : 1);
+  gdp_status s = gdp_tensor_to_host(t, dtype, buf, bytes);
+  CHECK(s == GDP_OK, "to_host(%s): %s", gdp_dtype_name(dtype), gdp_last_error());
+  if (s != GDP_OK) {
+    free(buf);
+    return NULL;
+  }
+  return buf;
+}
+
+static double *download_f64(const gdp_tensor *t) { return download(t, GDP_DTYPE_F64); }
+
+/* Index of the first element whose bits differ (NaN equals NaN), or -1. */
+static int64_t first_bit_diff(const void *a, const void *b, int64_t n, gdp_dtype dtype) {
+  size_t es = gdp_dtype_size(dtype);
+  for (int64_t i = 0; i < n; i++) {
+    const char *pa = (const char *)a + (size_t)i * es, *pb = (const char *)b + (size_t)i * es;
+    if (memcmp(pa, pb, es) == 0) continue;
+    if (dtype == GDP_DTYPE_F64) {
+      double x, y;
+      memcpy(&x, pa, 8);
+      memcpy(&y, pb, 8);
+      if (isnan(x) && isnan(y)) continue;
+    } else if (dtype == GDP_DTYPE_F32) {
+      float x, y;
+      memcpy(&x, pa, 4);
+      memcpy(&y, pb, 4);
+      if (isnan(x) && isnan(y)) continue;
+    } else if (dtype == GDP_DTYPE_BF16) {
+      uint16_t x, y;
+      memcpy(&x, pa, 2);
+      memcpy(&y, pb, 2);
+      if ((x & 0x7fff) > 0x7f80 && (y & 0x7fff) > 0x7f80) continue;
+    }
+    return i;
+  }
+  return -1;
+}
+
+/* g (cuda) and c (cpu) hold the same bits in their own dtype. */
+static void check_same_bits(const gdp_tensor *g, const gdp_tensor *c, const char *what) {
+  if (!g || !c) {
+    CHECK(0, "%s: missing tensor", what);
+    return;
+  }
+  gdp_dtype dt = gdp_tensor_dtype(g);
+  int64_t n = gdp_tensor_numel(g);
+  void *hg = download(g, dt), *hc = download(c, dt);
+  if (hg && hc) {
+    int64_t i = first_bit_diff(hg, hc, n, dt);
+    if (i >= 0) {
+      double *dg = download_f64(g), *dc = download_f64(c);
+      CHECK(0, "%s (%s, %lld elements): element %lld differs: cuda %.17g, cpu %.17g", what,
+            gdp_dtype_name(dt), (long long)n, (long long)i, dg ? dg[i] : NAN, dc ? dc[i] : NAN);
+      free(dg);
+      free(dc);
+    } else {
+      CHECK(1, "");
+    }
+  }
+  free(hg);
+  free(hc);
+}
+
+/* The strided view used throughout: base [8,9,10] -> transpose(0,2) [10,9,8] ->
+ * narrow(0,1,8) -> narrow(1,2,7) -> narrow(2,0,7) = [8,7,7], non-contiguous, offset. */
+static const int64_t base_shape[3] = {8, 9, 10};
+static const int64_t view_shape[3] = {8, 7, 7};
+
+static gdp_tensor *strided_view(gdp_tensor *base) {
+  gdp_tensor *a = NULL, *b = NULL, *c = NULL, *d = NULL;
+  if (!base) return NULL;
+  CHECK_OK(gdp_tensor_transpose(base, 0, 2, &a));
+  if (a) CHECK_OK(gdp_tensor_narrow(a, 0, 1, 8, &b));
+  if (b) CHECK_OK(gdp_tensor_narrow(b, 1, 2, 7, &c));
+  if (c) CHECK_OK(gdp_tensor_narrow(c, 2, 0, 7, &d));
+  gdp_tensor_free(a);
+  gdp_tensor_free(b);
+  gdp_tensor_free(c);
+  return d;
+}
+
+/* ------------------------------------------------------------------ transfers */
+
+static void test_round_trips(void) {
+  const int64_t shape[3] = {3, 19, 21}; /* 1197 elements, odd */
+  int64_t n = numel_of(3, shape);
+  for (int di = 0; di < NDTYPES; di++) {
+    gdp_dtype dt = all_dtypes[di];
+    size_t es = gdp_dtype_size(dt), bytes = (size_t)n * es;
+    unsigned char *src = malloc(bytes);
+    /* random bit patterns; for floats, finite ones (NaN payloads are not promised) */
+    for (int64_t i = 0; i < n; i++) {
+      uint64_t r = tu_rand_u64();
+      if (dt == GDP_DTYPE_F64) {
+        double x = tu_rand_normal() * ldexp(1.0, (int)(r % 200) - 100);
+        memcpy(src + i * es, &x, es);
+      } else if (dt == GDP_DTYPE_F32) {
+        float x = (float)(tu_rand_normal() * ldexp(1.0, (int)(r % 60) - 30));
+        memcpy(src + i * es, &x, es);
+      } else if (dt == GDP_DTYPE_BF16) {
+        uint16_t x = (uint16_t)r;
+        if ((x & 0x7f80) == 0x7f80) x &= 0xbfff; /* no inf/NaN exponent */
+        memcpy(src + i * es, &x, es);
+      } else {
+        memcpy(src + i * es, &r, es);
+      }
+    }
+    gdp_tensor *t = NULL;
+    CHECK_OK(gdp_tensor_from_host(gpu, dt, 3, shape, dt, src, bytes, &t));
+    void *back = download(t, dt);
+    CHECK(back && memcmp(back, src, bytes) == 0, "round trip of %s [3x19x21] not exact",
+          gdp_dtype_name(dt));
+    /* device -> device clone, then back */
+    gdp_tensor *c = NULL;
+    if (t) CHECK_OK(gdp_tensor_clone(t, &c));
+    void *back2 = download(c, dt);
+    CHECK(back2 && memcmp(back2, src, bytes) == 0, "clone of %s not exact", gdp_dtype_name(dt));
+    /* single elements */
+    if (t && is_float(dt)) {
+      int64_t idx[3] = {2, 18, 20};
+      double v = 0;
+      CHECK_OK(gdp_tensor_set(t, idx, 0.375));
+      CHECK_OK(gdp_tensor_get(t, idx, &v));
+      CHECK(v == 0.375, "get after set on %s: got %g", gdp_dtype_name(dt), v);
+    }
+    free(back);
+    free(back2);
+    gdp_tensor_free(t);
+    gdp_tensor_free(c);
+    free(src);
+  }
+  /* zero-size and 0-dim tensors */
+  gdp_tensor *e = NULL, *s = NULL;
+  int64_t zshape[2] = {0, 5};
+  CHECK_OK(gdp_tensor_empty(gpu, GDP_DTYPE_F32, 2, zshape, &e));
+  double one = 2.5, got = 0;
+  CHECK_OK(gdp_tensor_from_host(gpu, GDP_DTYPE_F32, 0, NULL, GDP_DTYPE_F64, &one, 8, &s));
+  if (s) CHECK_OK(gdp_tensor_to_host(s, GDP_DTYPE_F64, &got, 8));
+  CHECK(got == 2.5, "0-dim round trip: got %g", got);
+  gdp_tensor_free(e);
+  gdp_tensor_free(s);
+}
+
+/* ------------------------------------------------------------------ copies, conversions */
+
+/* Every dtype pair: contiguous conversion (from_host + to), strided source into a
+ * contiguous destination, and strided source into a strided destination inside a
+ * sentinel-filled base (elements outside the view must keep the sentinel). */
+static void test_conversions(void) {
+  int64_t nbase = numel_of(3, base_shape);
+  for (int si = 0; si < NDTYPES; si++) {
+    gdp_dtype st = all_dtypes[si];
+    /* ints get values that fit even int32; floats span ties and large magnitudes */
+    double *vals = random_values(nbase, is_float(st) ? 1e3 : 1e6);
+    if (st == GDP_DTYPE_I64)
+      for (int64_t i = 0; i < nbase; i += 13) /* beyond 2^53: int64 -> float rounding */
+        vals[i] = (double)((int64_t)1 << 55) + (double)(i * 4096);
+    if (is_float(st)) { /* out-of-range for int32 and non-finite: conversions saturate */
+      vals[1] = 3e10;
+      vals[2] = -3e10;
+      vals[4] = NAN;
+      vals[6] = INFINITY;
+    }
+    gdp_tensor *gsrc = upload(gpu, st, 3, base_shape, vals);
+    gdp_tensor *csrc = upload(cpu, st, 3, base_shape, vals);
+    check_same_bits(gsrc, csrc, "from_host conversion");
+    gdp_tensor *gview = strided_view(gsrc), *cview = strided_view(csrc);
+    for (int di = 0; di < NDTYPES; di++) {
+      gdp_dtype dt = all_dtypes[di];
+      char what[96];
+      /* contiguous conversion of the whole base */
+      gdp_tensor *g1 = NULL, *c1 = NULL;
+      if (gsrc) CHECK_OK(gdp_tensor_to(gpu, gsrc, dt, &g1));
+      if (csrc) CHECK_OK(gdp_tensor_to(cpu, csrc, dt, &c1));
+      snprintf(what, sizeof what, "contiguous %s -> %s", gdp_dtype_name(st), gdp_dtype_name(dt));
+      check_same_bits(g1, c1, what);
+      /* strided source -> contiguous destination */
+      gdp_tensor *g2 = NULL, *c2 = NULL;
+      if (gview) CHECK_OK(gdp_tensor_to(gpu, gview, dt, &g2));
+      if (cview) CHECK_OK(gdp_tensor_to(cpu, cview, dt, &c2));
+      snprintf(what, sizeof what, "strided %s -> %s", gdp_dtype_name(st), gdp_dtype_name(dt));
+      check_same_bits(g2, c2, what);
+      /* strided source -> strided destination in a sentinel-filled base */
+      gdp_tensor *gbase = NULL, *cbase = NULL;
+      CHECK_OK(gdp_tensor_empty(gpu, dt, 3, base_shape, &gbase));
+      CHECK_OK(gdp_tensor_empty(cpu, dt, 3, base_shape, &cbase));
+      if (gbase) CHECK_OK(gdp_tensor_fill(gbase, SENTINEL));
+      if (cbase) CHECK_OK(gdp_tensor_fill(cbase, SENTINEL));
+      gdp_tensor *gdst = strided_view(gbase), *cdst = strided_view(cbase);
+      if (gdst && gview) CHECK_OK(gdp_tensor_copy(NULL, gdst, gview));
+      if (cdst && cview) CHECK_OK(gdp_tensor_copy(NULL, cdst, cview));
+      snprintf(what, sizeof what, "strided %s -> strided %s (with the untouched rest)",
+               gdp_dtype_name(st), gdp_dtype_name(dt));
+      check_same_bits(gbase, cbase, what);
+      /* independently of the CPU: exactly numel(base) - numel(view) sentinels remain
+       * (base element 0 is outside the view, so it shows the sentinel in dst's dtype;
+       * no source value is near it) */
+      double *hb = download_f64(gbase);
+      if (hb) {
+        int64_t sentinels = 0;
+        for (int64_t i = 0; i < nbase; i++) sentinels += hb[i] == hb[0];
+        CHECK(sentinels == nbase - numel_of(3, view_shape),
+              "%s: %lld sentinels left, expected %lld", what, (long long)sentinels,
+              (long long)(nbase - numel_of(3, view_shape)));
+      }
+      free(hb);
+      gdp_tensor_free(g1);
+      gdp_tensor_free(c1);
+      gdp_tensor_free(g2);
+      gdp_tensor_free(c2);
+      gdp_tensor_free(gdst);
+      gdp_tensor_free(cdst);
+      gdp_tensor_free(gbase);
+      gdp_tensor_free(cbase);
+    }
+    gdp_tensor_free(gview);
+    gdp_tensor_free(cview);
+    gdp_tensor_free(gsrc);
+    gdp_tensor_free(csrc);
+    free(vals);
+  }
+}
+
+static void test_fill(void) {
+  const double values[] = {0.0, -3.75, 1e9, 1.0 / 3.0};
+  for (int di = 0; di < NDTYPES; di++) {
+    for (int vi = 0; vi < 4; vi++) {
+      gdp_dtype dt = all_dtypes[di];
+      gdp_tensor *gb = NULL, *cb = NULL;
+      double *vals = random_values(numel_of(3, base_shape), 10.0);
+      gb = upload(gpu, dt, 3, base_shape, vals);
+      cb = upload(cpu, dt, 3, base_shape, vals);
+      gdp_tensor *gv = strided_view(gb), *cv = strided_view(cb);
+      if (gv) CHECK_OK(gdp_tensor_fill(gv, values[vi]));
+      if (cv) CHECK_OK(gdp_tensor_fill(cv, values[vi]));
+      char what[64];
+      snprintf(what, sizeof what, "fill %s view with %g", gdp_dtype_name(dt), values[vi]);
+      check_same_bits(gb, cb, what);
+      /* contiguous whole-tensor fill (memset path for 0) */
+      if (gb) CHECK_OK(gdp_tensor_fill(gb, values[vi]));
+      if (cb) CHECK_OK(gdp_tensor_fill(cb, values[vi]));
+      check_same_bits(gb, cb, what);
+      gdp_tensor_free(gv);
+      gdp_tensor_free(cv);
+      gdp_tensor_free(gb);
+      gdp_tensor_free(cb);
+      free(vals);
+    }
+  }
+}
+
+/* ------------------------------------------------------------------ guard regions */
+
+/* Each op writes a view of the first n elements of a buffer of n + GUARD sentinels;
+ * the GUARD elements after it must be untouched (catches off-by-one grids). */
+static void test_guards(void) {
+  enum { GUARD = 67 };
+  const int64_t sizes[] = {1, 3, 4, 5, 255, 256, 257, 1023, 4099};
+  for (int si = 0; si < 9; si++) {
+    int64_t n = sizes[si];
+    int64_t full = n + GUARD;
+    for (int di = 0; di < 3; di++) {
+      gdp_dtype dt = all_dtypes[di];
+      for (int op = 0; op < 5; op++) {
+        gdp_tensor *buf = NULL, *out = NULL, *a = NULL;
+        CHECK_OK(gdp_tensor_empty(gpu, dt, 1, &full, &buf));
+        if (!buf) continue;
+        CHECK_OK(gdp_tensor_fill(buf, SENTINEL));
+        CHECK_OK(gdp_tensor_narrow(buf, 0, 0, n, &out));
+        double *vals = random_values(n, 1.0);
+        a = upload(gpu, dt, 1, &n, vals);
+        free(vals);
+        switch (op) {
+          case 0: CHECK_OK(gdp_tensor_copy(NULL, out, a)); break;
+          case 1: CHECK_OK(gdp_tensor_uniform(out, -1.0, 1.0)); break;
+          case 2: CHECK_OK(gdp_tensor_normal(out, 0.0, 1.0)); break;
+          case 3: CHECK_OK(gdp_tensor_add(out, a, a, 0.5)); break;
+          default: CHECK_OK(gdp_tensor_fill(out, -1.0)); break;
+        }
+        double *h = download_f64(buf);
+        int bad = 0;
+        for (int64_t i = n; h && i < full; i++) bad += h[i] != h[full - 1] || h[i] > -1e5;
+        CHECK(h && bad == 0, "op %d on %s[%lld]: %d guard elements overwritten", op,
+              gdp_dtype_name(dt), (long long)n, bad);
+        free(h);
+        gdp_tensor_free(a);
+        gdp_tensor_free(out);
+        gdp_tensor_free(buf);
+      }
+    }
+  }
+}
+
+/* ------------------------------------------------------------------ rng */
+
+static uint32_t philox_word(uint64_t seed, uint64_t block, int word) {
+  uint32_t ctr[4] = {(uint32_t)block, (uint32_t)(block >> 32), 0, 0};
+  uint32_t key[2] = {(uint32_t)seed, (uint32_t)(seed >> 32)};
+  uint32_t out[4];
+  gdp_philox4x32_10(ctr, key, out);
+  return out[word];
+}
+
+static void test_rng(void) {
+  const uint64_t seed = 0x1234abcd5678ull;
+  const int64_t shapes[3][2] = {{1, 1001}, {13, 17}, {3, 4}};
+  for (int di = 0; di < 3; di++) {
+    gdp_dtype dt = all_dtypes[di];
+    for (int kind = 0; kind < 2; kind++) {
+      for (int si = 0; si < 3; si++) {
+        for (int strided = 0; strided < 2; strided++) {
+          int64_t sh[2] = {shapes[si][0], shapes[si][1]};
+          gdp_tensor *gt = NULL, *ct = NULL, *gv = NULL, *cv = NULL;
+          int64_t tsh[2] = {sh[1], sh[0]};
+          CHECK_OK(gdp_tensor_zeros(gpu, dt, 2, strided ? tsh : sh, &gt));
+          CHECK_OK(gdp_tensor_zeros(cpu, dt, 2, strided ? tsh : sh, &ct));
+          if (!gt || !ct) continue;
+          if (strided) { /* fill a transposed view: element order is the view's */
+            CHECK_OK(gdp_tensor_transpose(gt, 0, 1, &gv));
+            CHECK_OK(gdp_tensor_transpose(ct, 0, 1, &cv));
+          } else {
+            gv = gdp_tensor_retain(gt);
+            cv = gdp_tensor_retain(ct);
+          }
+          uint64_t start = 1000003ull * (uint64_t)(si + 1) + (uint64_t)kind;
+          gdp_ctx_manual_seed(gpu, seed);
+          gdp_ctx_manual_seed(cpu, seed);
+          gdp_ctx_set_rng_offset(gpu, start);
+          gdp_ctx_set_rng_offset(cpu, start);
+          if (kind == 0) {
+            CHECK_OK(gdp_tensor_uniform(gv, -2.0, 3.0));
+            CHECK_OK(gdp_tensor_uniform(cv, -2.0, 3.0));
+          } else {
+            CHECK_OK(gdp_tensor_normal(gv, 0.5, 2.0));
+            CHECK_OK(gdp_tensor_normal(cv, 0.5, 2.0));
+          }
+          int64_t n = sh[0] * sh[1];
+          uint64_t want_off = start + (uint64_t)((n + 3) / 4);
+          CHECK(gdp_ctx_rng_offset(gpu) == want_off && gdp_ctx_rng_offset(cpu) == want_off,
+                "rng offsets after %lld elements: cuda %llu, cpu %llu, want %llu", (long long)n,
+                (unsigned long long)gdp_ctx_rng_offset(gpu),
+                (unsigned long long)gdp_ctx_rng_offset(cpu), (unsigned long long)want_off);
+          char what[96];
+          snprintf(what, sizeof what, "%s %s [%lldx%lld]%s", kind ? "normal" : "uniform",
+                   gdp_dtype_name(dt), (long long)sh[0], (long long)sh[1],
+                   strided ? " transposed view" : "");
+          double *hg = download_f64(gv), *hc = download_f64(cv);
+          if (kind == 1 && dt == GDP_DTYPE_F64) {
+            /* float64 normals go through log/sin/cos, which CUDA and glibc may round
+             * differently in the last bit: report identity, require <= 4 ulp. */
+            int64_t same = 0;
+            double worst = 0;
+            for (int64_t i = 0; hg && hc && i < n; i++) {
+              same += hg[i] == hc[i];
+              double d = fabs(hg[i] - hc[i]) / (fabs(hc[i]) > 1e-300 ? fabs(hc[i]) : 1.0);
+              if (!(d <= worst)) worst = d;
+            }
+            CHECK(worst <= 4 * 2.220446049250313e-16, "%s: max rel diff to cpu %.3g", what, worst);
+            if (si == 0 && !strided)
+              printf("  %s: %lld of %lld bit-identical to cpu, max rel diff %.3g\n", what,
+                     (long long)same, (long long)n, worst);
+          } else {
+            check_same_bits(gv, cv, what);
+          }
+          /* independently of the CPU backend: float64 uniforms from the raw Philox */
+          if (kind == 0 && dt == GDP_DTYPE_F64 && hg) {
+            int64_t bad = 0;
+            for (int64_t i = 0; i < n; i++) {
+              uint32_t w = philox_word(seed, start + (uint64_t)(i / 4), (int)(i % 4));
+              double want = fma(5.0, ((double)w + 0.5) * (1.0 / 4294967296.0), -2.0);
+              bad += hg[i] != want;
+            }
+            CHECK(bad == 0, "%s: %lld elements differ from the raw Philox stream", what,
+                  (long long)bad);
+          }
+          /* sanity: moments */
+          if (hg && n >= 1000) {
+            double m = 0, v = 0;
+            for (int64_t i = 0; i < n; i++) m += hg[i];
+            m /= (double)n;
+            for (int64_t i = 0; i < n; i++) v += (hg[i] - m) * (hg[i] - m);
+            v /= (double)(n - 1);
+            double want_m = kind ? 0.5 : 0.5, want_v = kind ? 4.0 : 25.0 / 12.0;
+            CHECK(fabs(m - want_m) < 5 * sqrt(want_v / (double)n) && fabs(v / want_v - 1) < 0.2,
+                  "%s: mean %g var %g, expected %g and %g", what, m, v, want_m, want_v);
+          }
+          free(hg);
+          free(hc);
+          gdp_tensor_free(gv);
+          gdp_tensor_free(cv);
+          gdp_tensor_free(gt);
+          gdp_tensor_free(ct);
+        }
+      }
+    }
+  }
+}
+
+/* ------------------------------------------------------------------ elementwise */
+
+static double rel_err_host(const double *a, const double *b, int64_t n) {
+  return tu_rel_err_f64(a, b, n);
+}
+
+static void test_binary(void) {
+  const int64_t shape[2] = {37, 41};
+  int64_t n = 37 * 41;
+  const double tol[3] = {1e-15, 1e-7, 4e-3}; /* one rounding of a float64 result */
+  for (int di = 0; di < 3; di++) {
+    gdp_dtype dt = all_dtypes[di];
+    double *va = random_values(n, 1.0), *vb = random_values(n, 1.0);
+    for (int op = 0; op < 3; op++) {
+      for (int layout = 0; layout < 3; layout++) { /* contiguous, transposed, in place */
+        gdp_tensor *ga = upload(gpu, dt, 2, shape, va), *gb = upload(gpu, dt, 2, shape, vb);
+        gdp_tensor *ca = upload(cpu, dt, 2, shape, va), *cb = upload(cpu, dt, 2, shape, vb);
+        if (!ga || !gb || !ca || !cb) goto next;
+        gdp_tensor *gx = NULL, *gy = NULL, *cx = NULL, *cy = NULL, *go = NULL, *co = NULL;
+        if (layout == 1) {
+          CHECK_OK(gdp_tensor_transpose(ga, 0, 1, &gx));
+          CHECK_OK(gdp_tensor_transpose(ca, 0, 1, &cx));
+          /* b transposed too, but out contiguous: mixed strides in one op */
+          CHECK_OK(gdp_tensor_transpose(gb, 0, 1, &gy));
+          CHECK_OK(gdp_tensor_transpose(cb, 0, 1, &cy));
+          int64_t ts[2] = {shape[1], shape[0]};
+          CHECK_OK(gdp_tensor_empty(gpu, dt, 2, ts, &go));
+          CHECK_OK(gdp_tensor_empty(cpu, dt, 2, ts, &co));
+        } else {
+          gx = gdp_tensor_retain(ga);
+          cx = gdp_tensor_retain(ca);
+          gy = gdp_tensor_retain(gb);
+          cy = gdp_tensor_retain(cb);
+          if (layout == 2) {
+            go = gdp_tensor_retain(ga);
+            co = gdp_tensor_retain(ca);
+          } else {
+            CHECK_OK(gdp_tensor_empty(gpu, dt, 2, shape, &go));
+            CHECK_OK(gdp_tensor_empty(cpu, dt, 2, shape, &co));
+          }
+        }
+        if (op == 0) {
+          CHECK_OK(gdp_tensor_add(go, gx, gy, -0.7));
+          CHECK_OK(gdp_tensor_add(co, cx, cy, -0.7));
+        } else if (op == 1) {
+          CHECK_OK(gdp_tensor_mul(go, gx, gy));
+          CHECK_OK(gdp_tensor_mul(co, cx, cy));
+        } else {
+          CHECK_OK(gdp_tensor_scale(go, gx, 1.0 / 3.0));
+          CHECK_OK(gdp_tensor_scale(co, cx, 1.0 / 3.0));
+        }
+        double *hg = download_f64(go), *hc = download_f64(co);
+        if (hg && hc) {
+          int64_t same = 0;
+          for (int64_t i = 0; i < n; i++) same += hg[i] == hc[i];
+          double e = rel_err_host(hg, hc, n);
+          CHECK(e <= tol[di], "binary op %d %s layout %d: rel err to cpu %.3g (tol %.1g)", op,
+                gdp_dtype_name(dt), layout, e, tol[di]);
+          if (layout == 0 && op == 0)
+            printf("  axpy %s: %lld of %lld bit-identical to cpu, rel err %.3g\n",
+                   gdp_dtype_name(dt), (long long)same, (long long)n, e);
+        }
+        free(hg);
+        free(hc);
+        gdp_tensor_free(gx);
+        gdp_tensor_free(gy);
+        gdp_tensor_free(cx);
+        gdp_tensor_free(cy);
+        gdp_tensor_free(go);
+        gdp_tensor_free(co);
+      next:
+        gdp_tensor_free(ga);
+        gdp_tensor_free(gb);
+        gdp_tensor_free(ca);
+        gdp_tensor_free(cb);
+      }
+    }
+    free(va);
+    free(vb);
+  }
+}
+
+/* ------------------------------------------------------------------ reductions */
+
+static void test_reduce(void) {
+  const double tol = 1e-12; /* float64 sums in different orders */
+  for (int di = 0; di < NDTYPES; di++) {
+    gdp_dtype dt = all_dtypes[di];
+    int64_t nbase = numel_of(3, base_shape);
+    double *va = random_values(nbase, is_float(dt) ? 1.0 : 1000.0);
+    double *vb = random_values(nbase, is_float(dt) ? 1.0 : 1000.0);
+    gdp_tensor *ga = upload(gpu, dt, 3, base_shape, va), *gb = upload(gpu, dt, 3, base_shape, vb);
+    gdp_tensor *ca = upload(cpu, dt, 3, base_shape, va), *cb = upload(cpu, dt, 3, base_shape, vb);
+    for (int strided = 0; strided < 2; strided++) {
+      gdp_tensor *gx, *gy, *cx, *cy;
+      if (strided) {
+        gx = strided_view(ga);
+        gy = strided_view(gb);
+        cx = strided_view(ca);
+        cy = strided_view(cb);
+      } else {
+        gx = gdp_tensor_retain(ga);
+        gy = gdp_tensor_retain(gb);
+        cx = gdp_tensor_retain(ca);
+        cy = gdp_tensor_retain(cb);
+      }
+      if (!gx || !gy || !cx || !cy) continue;
+      double g[5] = {0}, c[5] = {0};
+      CHECK_OK(gdp_tensor_sum(gx, &g[0]));
+      CHECK_OK(gdp_tensor_sum(cx, &c[0]));
+      CHECK_OK(gdp_tensor_dot(gx, gy, &g[1]));
+      CHECK_OK(gdp_tensor_dot(cx, cy, &c[1]));
+      CHECK_OK(gdp_tensor_norm(gx, &g[2]));
+      CHECK_OK(gdp_tensor_norm(cx, &c[2]));
+      CHECK_OK(gdp_tensor_max_abs(gx, &g[3]));
+      CHECK_OK(gdp_tensor_max_abs(cx, &c[3]));
+      CHECK_OK(gdp_tensor_rel_error(gx, gy, &g[4]));
+      CHECK_OK(gdp_tensor_rel_error(cx, cy, &c[4]));
+      const char *names[5] = {"sum", "dot", "norm", "max_abs", "rel_error"};
+      for (int k = 0; k < 5; k++) {
+        double e = fabs(g[k] - c[k]) / (fabs(c[k]) > 0 ? fabs(c[k]) : 1.0);
+        CHECK(e <= (k == 3 ? 0.0 : tol) && isfinite(g[k]),
+              "%s %s%s: cuda %.17g cpu %.17g (rel %.3g)", names[k], gdp_dtype_name(dt),
+              strided ? " strided" : "", g[k], c[k], e);
+      }
+      /* deterministic: the same bits twice */
+      double again = 0;
+      CHECK_OK(gdp_tensor_dot(gx, gy, &again));
+      CHECK(again == g[1], "dot %s not deterministic: %.17g then %.17g", gdp_dtype_name(dt), g[1],
+            again);
+      gdp_tensor_free(gx);
+      gdp_tensor_free(gy);
+      gdp_tensor_free(cx);
+      gdp_tensor_free(cy);
+    }
+    /* mixed dtypes: the op layer widens; the result must match the cpu */
+    if (dt != GDP_DTYPE_F64 && ga) {
+      gdp_tensor *g64 = upload(gpu, GDP_DTYPE_F64, 3, base_shape, vb);
+      gdp_tensor *c64 = upload(cpu, GDP_DTYPE_F64, 3, base_shape, vb);
+      double g1 = 0, c1 = 0;
+      if (g64) CHECK_OK(gdp_tensor_rel_error(ga, g64, &g1));
+      if (c64) CHECK_OK(gdp_tensor_rel_error(ca, c64, &c1));
+      CHECK(fabs(g1 - c1) <= tol * fabs(c1), "rel_error %s vs f64: cuda %.17g cpu %.17g",
+            gdp_dtype_name(dt), g1, c1);
+      gdp_tensor_free(g64);
+      gdp_tensor_free(c64);
+    }
+    gdp_tensor_free(ga);
+    gdp_tensor_free(gb);
+    gdp_tensor_free(ca);
+    gdp_tensor_free(cb);
+    free(va);
+    free(vb);
+  }
+
+  /* non-finite counting and NaN propagation */
+  {
+    int64_t n = 1000;
+    double *v = random_values(n, 1.0);
+    v[17] = NAN;
+    v[500] = INFINITY;
+    v[999] = -INFINITY;
+    v[3] = NAN;
+    gdp_tensor *t = upload(gpu, GDP_DTYPE_F32, 1, &n, v);
+    int64_t bad = -1;
+    double m = 0;
+    if (t) {
+      CHECK_OK(gdp_tensor_count_nonfinite(t, &bad));
+      CHECK_OK(gdp_tensor_max_abs(t, &m));
+    }
+    CHECK(bad == 4, "count_nonfinite: got %lld, want 4", (long long)bad);
+    CHECK(isnan(m), "max_abs with NaN inside: got %g, want NaN", m);
+    gdp_tensor_free(t);
+    free(v);
+  }
+
+  /* a long reduction (the full 1024-block grid) against a long double host sum */
+  {
+    int64_t n = 3000001;
+    double *v = malloc((size_t)n * sizeof *v);
+    long double want = 0;
+    for (int64_t i = 0; i < n; i++) {
+      v[i] = tu_rand_uniform(-1.0, 2.0);
+      want += v[i];
+    }
+    gdp_tensor *t = upload(gpu, GDP_DTYPE_F64, 1, &n, v);
+    double got = 0, got2 = 0;
+    if (t) {
+      CHECK_OK(gdp_tensor_sum(t, &got));
+      CHECK_OK(gdp_tensor_sum(t, &got2));
+    }
+    CHECK(fabs(got - (double)want) <= 1e-12 * fabs((double)want),
+          "sum of %lld: cuda %.17g, host %.17Lg", (long long)n, got, want);
+    CHECK(got == got2, "sum of %lld not deterministic", (long long)n);
+    gdp_tensor_free(t);
+    free(v);
+  }
+
+  /* int32 sum is exact */
+  {
+    int64_t n = 4097;
+    int32_t *v = malloc((size_t)n * sizeof *v);
+    int64_t want = 0;
+    for (int64_t i = 0; i < n; i++) {
+      v[i] = (int32_t)(tu_rand_u64() % 2000001) - 1000000;
+      want += v[i];
+    }
+    gdp_tensor *t = NULL;
+    CHECK_OK(gdp_tensor_from_host(gpu, GDP_DTYPE_I32, 1, &n, GDP_DTYPE_I32, v, (size_t)n * 4, &t));
+    double got = 0;
+    if (t) CHECK_OK(gdp_tensor_sum(t, &got));
+    CHECK(got == (double)want, "i32 sum: got %.17g, want %lld", got, (long long)want);
+    gdp_tensor_free(t);
+    free(v);
+  }
+}
+
+/* ------------------------------------------------------------------ matmul */
+
+typedef struct mm_case {
+  int64_t M, N, K;
+} mm_case;
+
+/* Operand with logical shape [r, c] in one of several layouts:
+ *   0 contiguous, 1 column-major (a transposed view), 2 row-padded (narrowed columns),
+ *   3 no unit stride (select from a 3-D tensor: needs a copy for BLAS). */
+static gdp_tensor *mm_operand(gdp_ctx *ctx, gdp_dtype dt, int64_t r, int64_t c, int layout,
+                              const double *vals) {
+  gdp_tensor *base = NULL, *view = NULL;
+  double *buf = NULL;
+  if (layout == 0) return upload(ctx, dt, 2, (int64_t[]){r, c}, vals);
+  if (layout == 1) {
+    int64_t sh[2] = {c, r};
+    buf = malloc((size_t)(r * c) * sizeof *buf);
+    for (int64_t i = 0; i < r; i++)
+      for (int64_t j = 0; j < c; j++) buf[j * r + i] = vals[i * c + j];
+    base = upload(ctx, dt, 2, sh, buf);
+    if (base) CHECK_OK(gdp_tensor_transpose(base, 0, 1, &view));
+  } else if (layout == 2) {
+    int64_t sh[2] = {r, c + 3};
+    buf = malloc((size_t)(r * (c + 3)) * sizeof *buf);
+    for (int64_t i = 0; i < r; i++)
+      for (int64_t j = 0; j < c + 3; j++)
+        buf[i * (c + 3) + j] = j >= 1 && j <= c ? vals[i * c + j - 1] : 99.0;
+    base = upload(ctx, dt, 2, sh, buf);
+    if (base) CHECK_OK(gdp_tensor_narrow(base, 1, 1, c, &view));
+  } else {
+    int64_t sh[3] = {r, c, 2};
+    buf = malloc((size_t)(r * c * 2) * sizeof *buf);
+    for (int64_t i = 0; i < r * c; i++) {
+      buf[2 * i] = -99.0;
+      buf[2 * i + 1] = vals[i];
+    }
+    base = upload(ctx, dt, 3, sh, buf);
+    if (base) CHECK_OK(gdp_tensor_select(base, 2, 1, &view));
+  }
+  free(buf);
+  gdp_tensor_free(base);
+  return view;
+}
+
+static void test_matmul(void) {
+  const mm_case cases[] = {{1, 1, 1}, {37, 53, 29}, {64, 1, 130}, {1, 45, 7},
+                           {129, 67, 3}, {33, 31, 257}};
+  const int ncases = (int)(sizeof cases / sizeof cases[0]);
+  double worst[2] = {0, 0};
+  for (int di = 0; di < 2; di++) {
+    gdp_dtype dt = all_dtypes[di];
+    double tol = dt == GDP_DTYPE_F32 ? 1e-5 : 1e-12;
+    for (int ci = 0; ci < ncases; ci++) {
+      for (int tr = 0; tr < 4; tr++) {
+        for (int layout = 0; layout < 4; layout++) {
+          int ta = tr & 1, tb = (tr >> 1) & 1;
+          int64_t M = cases[ci].M, N = cases[ci].N, K = cases[ci].K;
+          int64_t ar = ta ? K : M, ac = ta ? M : K, br = tb ? N : K, bc = tb ? K : N;
+          double *va = random_values(ar * ac, 1.0), *vb = random_values(br * bc, 1.0);
+          double *vc = random_values(M * N, 1.0);
+          double beta = (ci + tr) % 2 ? 0.5 : 0.0, alpha = 0.75;
+          /* a, b and out take the layouts in turn so that every combination appears */
+          int la = layout, lb = (layout + 1) % 4, lo = (layout + 2) % 4;
+          gdp_tensor *ga = mm_operand(gpu, dt, ar, ac, la, va);
+          gdp_tensor *gb = mm_operand(gpu, dt, br, bc, lb, vb);
+          gdp_tensor *go = mm_operand(gpu, dt, M, N, lo, vc);
+          gdp_tensor *ca = mm_operand(cpu, dt, ar, ac, la, va);
+          gdp_tensor *cb = mm_operand(cpu, dt, br, bc, lb, vb);
+          gdp_tensor *co = mm_operand(cpu, dt, M, N, lo, vc);
+          if (ga && gb && go && ca && cb && co) {
+            /* the float64 reference uses the values as stored (after rounding) */
+            double *ha = download_f64(ga), *hb = download_f64(gb), *hc0 = download_f64(go);
+            CHECK_OK(gdp_tensor_matmul(go, ga, gb, ta, tb, alpha, beta));
+            CHECK_OK(gdp_tensor_matmul(co, ca, cb, ta, tb, alpha, beta));
+            double *hg = download_f64(go), *hcpu = download_f64(co);
+            double *ref = malloc((size_t)(M * N) * sizeof *ref);
+            for (int64_t i = 0; ha && hb && hc0 && i < M; i++)
+              for (int64_t j = 0; j < N; j++) {
+                long double s = 0;
+                for (int64_t k = 0; k < K; k++) {
+                  double x = ta ? ha[k * ac + i] : ha[i * ac + k];
+                  double y = tb ? hb[j * bc + k] : hb[k * bc + j];
+                  s += (long double)x * y;
+                }
+                ref[i * N + j] = (double)(alpha * s + (beta != 0 ? beta * hc0[i * N + j] : 0));
+              }
+            if (hg && hcpu && ha && hb && hc0) {
+              double e_ref = rel_err_host(hg, ref, M * N), e_cpu = rel_err_host(hg, hcpu, M * N);
+              CHECK(e_ref <= tol && e_cpu <= tol,
+                    "matmul %s M%lld N%lld K%lld ta%d tb%d layouts a%d b%d out%d beta %g: rel err "
+                    "%.3g to f64 ref, %.3g to cpu (tol %.0e)",
+                    gdp_dtype_name(dt), (long long)M, (long long)N, (long long)K, ta, tb, la, lb,
+                    lo, beta, e_ref, e_cpu, tol);
+              if (e_ref > worst[di]) worst[di] = e_ref;
+            }
+            free(ha);
+            free(hb);
+            free(hc0);
+            free(hg);
+            free(hcpu);
+            free(ref);
+          } else {
+            CHECK(0, "matmul operands could not be made");
+          }
+          gdp_tensor_free(ga);
+          gdp_tensor_free(gb);
+          gdp_tensor_free(go);
+          gdp_tensor_free(ca);
+          gdp_tensor_free(cb);
+          gdp_tensor_free(co);
+          free(va);
+          free(vb);
+          free(vc);
+        }
+      }
+    }
+  }
+  printf("  matmul worst rel err to the float64 reference: f64 %.3g, f32 %.3g\n", worst[0],
+         worst[1]);
+  CHECK(gdp_ctx_supports(gpu, GDP_OP_MATMUL, GDP_DTYPE_F32) == 1, "matmul f32 not supported");
+  CHECK(gdp_ctx_supports(gpu, GDP_OP_MATMUL, GDP_DTYPE_BF16) == 0, "matmul bf16 claimed");
+  /* bf16 matmul is refused with a message, not run */
+  gdp_tensor *b16 = NULL;
+  int64_t sh[2] = {4, 4};
+  CHECK_OK(gdp_tensor_zeros(gpu, GDP_DTYPE_BF16, 2, sh, &b16));
+  gdp_tensor *o16 = NULL;
+  CHECK_OK(gdp_tensor_zeros(gpu, GDP_DTYPE_BF16, 2, sh, &o16));
+  if (b16 && o16) {
+    gdp_status s = gdp_tensor_matmul(o16, b16, b16, 0, 0, 1.0, 0.0);
+    CHECK(s == GDP_ERR_DTYPE || s == GDP_ERR_UNSUPPORTED, "bf16 matmul: got %s",
+          gdp_status_name(s));
+  }
+  gdp_tensor_free(b16);
+  gdp_tensor_free(o16);
+}
+
+/* ------------------------------------------------------------------ memory, errors */
+
+static void test_oom_and_errors(int64_t baseline) {
+  int64_t petabyte_f64 = (int64_t)1 << 47; /* 2^50 bytes */
+  gdp_tensor *huge = NULL;
+  CHECK_ERR(gdp_tensor_empty(gpu, GDP_DTYPE_F64, 1, &petabyte_f64, &huge), GDP_ERR_OOM,
+            "bytes free of");
+  CHECK(huge == NULL, "a failed allocation returned a tensor");
+  printf("  OOM message: %s\n", gdp_last_error());
+  CHECK(gdp_mem_live_bytes(GDP_DEVICE_CUDA) == baseline, "failed allocation changed live bytes");
+  /* the context stays usable */
+  gdp_tensor *t = NULL;
+  int64_t n = 1000;
+  CHECK_OK(gdp_tensor_zeros(gpu, GDP_DTYPE_F32, 1, &n, &t));
+  CHECK(gdp_mem_live_bytes(GDP_DEVICE_CUDA) >= baseline + 4000, "live bytes did not grow");
+  double s = -1;
+  if (t) CHECK_OK(gdp_tensor_sum(t, &s));
+  CHECK(s == 0.0, "sum of zeros after an OOM: %g", s);
+  gdp_tensor_free(t);
+  CHECK_OK(gdp_ctx_sync(gpu));
+}
+
+/* GDP_SYNC_EVERY_OP=1 (read at context creation): ops still give the same results. */
+static void test_sync_every_op(void) {
+  setenv("GDP_SYNC_EVERY_OP", "1", 1);
+  gdp_ctx *sctx = NULL;
+  CHECK_OK(gdp_ctx_new(GDP_DEVICE_CUDA, 0, &sctx));
+  unsetenv("GDP_SYNC_EVERY_OP");
+  if (!sctx) return;
+  int64_t n = 777;
+  double *v = random_values(n, 1.0);
+  gdp_tensor *a = upload(sctx, GDP_DTYPE_F32, 1, &n, v), *b = NULL;
+  if (a) CHECK_OK(gdp_tensor_clone(a, &b));
+  if (a && b) {
+    CHECK_OK(gdp_tensor_add(b, a, a, 1.0));
+    double s = 0, sa = 0;
+    CHECK_OK(gdp_tensor_sum(b, &s));
+    CHECK_OK(gdp_tensor_sum(a, &sa));
+    CHECK(fabs(s - 2 * sa) <= 1e-6 * fabs(sa) + 1e-6, "sync-every-op ctx: sum %g vs 2*%g", s, sa);
+  }
+  gdp_tensor_free(a);
+  gdp_tensor_free(b);
+  gdp_ctx_free(sctx);
+  free(v);
+}
+
+/* ------------------------------------------------------------------ timings (info) */
+
+static void report_timings(void) {
+  int64_t n = (int64_t)1 << 26; /* 256 MB of f32 */
+  gdp_tensor *a = NULL, *b = NULL;
+  CHECK_OK(gdp_tensor_empty(gpu, GDP_DTYPE_F32, 1, &n, &a));
+  CHECK_OK(gdp_tensor_empty(gpu, GDP_DTYPE_F32, 1, &n, &b));
+  if (!a || !b) goto done;
+  CHECK_OK(gdp_tensor_uniform(a, -1, 1));
+  CHECK_OK(gdp_tensor_copy(NULL, b, a));
+  CHECK_OK(gdp_ctx_sync(gpu));
+  double t0 = gdp_time_now();
+  for (int r = 0; r < 10; r++) CHECK_OK(gdp_tensor_add(b, b, a, 0.5));
+  CHECK_OK(gdp_ctx_sync(gpu));
+  double t1 = gdp_time_now();
+  printf("  axpy f32 2^26: %.3f ms, %.0f GB/s (read 2, write 1)\n", (t1 - t0) / 10 * 1e3,
+         3.0 * 4 * (double)n / ((t1 - t0) / 10) / 1e9);
+  /* transposed copy [8192 x 8192] */
+  {
+    gdp_tensor *av = NULL, *bv = NULL, *at = NULL;
+    int64_t sh[2] = {8192, 8192};
+    CHECK_OK(gdp_tensor_view(a, 2, sh, &av));
+    CHECK_OK(gdp_tensor_view(b, 2, sh, &bv));
+    if (av) CHECK_OK(gdp_tensor_transpose(av, 0, 1, &at));
+    if (at && bv) {
+      CHECK_OK(gdp_tensor_copy(NULL, bv, at));
+      CHECK_OK(gdp_ctx_sync(gpu));
+      t0 = gdp_time_now();
+      for (int r = 0; r < 10; r++) CHECK_OK(gdp_tensor_copy(NULL, bv, at));
+      CHECK_OK(gdp_ctx_sync(gpu));
+      t1 = gdp_time_now();
+      printf("  transposed copy f32 8192^2: %.3f ms, %.0f GB/s\n", (t1 - t0) / 10 * 1e3,
+             2.0 * 4 * (double)n / ((t1 - t0) / 10) / 1e9);
+    }
+    gdp_tensor_free(av);
+    gdp_tensor_free(bv);
+    gdp_tensor_free(at);
+  }
+  /* f32 matmul 4096^3 (no TF32) */
+  {
+    gdp_tensor *x = NULL, *y = NULL, *z = NULL;
+    int64_t sh[2] = {4096, 4096};
+    int64_t q = 4096 * 4096;
+    gdp_tensor *x1 = NULL, *y1 = NULL;
+    CHECK_OK(gdp_tensor_narrow(a, 0, 0, q, &x1));
+    CHECK_OK(gdp_tensor_narrow(a, 0, q, q, &y1));
+    if (x1) CHECK_OK(gdp_tensor_view(x1, 2, sh, &x));
+    if (y1) CHECK_OK(gdp_tensor_view(y1, 2, sh, &y));
+    CHECK_OK(gdp_tensor_empty(gpu, GDP_DTYPE_F32, 2, sh, &z));
+    if (x && y && z) {
+      CHECK_OK(gdp_tensor_matmul(z, x, y, 0, 0, 1.0, 0.0));
+      CHECK_OK(gdp_ctx_sync(gpu));
+      t0 = gdp_time_now();
+      for (int r = 0; r < 5; r++) CHECK_OK(gdp_tensor_matmul(z, x, y, 0, 0, 1.0, 0.0));
+      CHECK_OK(gdp_ctx_sync(gpu));
+      t1 = gdp_time_now();
+      printf("  matmul f32 4096^3: %.3f ms, %.1f TFLOP/s\n", (t1 - t0) / 5 * 1e3,
+             2.0 * 4096.0 * 4096.0 * 4096.0 / ((t1 - t0) / 5) / 1e12);
+    }
+    gdp_tensor_free(x1);
+    gdp_tensor_free(y1);
+    gdp_tensor_free(x);
+    gdp_tensor_free(y);
+    gdp_tensor_free(z);
+  }
+done:
+  gdp_tensor_free(a);
+  gdp_tensor_free(b);
+}
+
+/* ------------------------------------------------------------------ main */
+
+int main(void) {
+  if (gdp_device_count(GDP_DEVICE_CUDA) == 0) {
+    /* A CUDA build on a CPU-only machine: contexts must fail cleanly, with a reason. */
+    gdp_ctx *c = NULL;
+    gdp_status s = gdp_ctx_new(GDP_DEVICE_CUDA, 0, &c);
+    const char *msg = gdp_last_error();
+    if (c != NULL || (s != GDP_ERR_UNSUPPORTED && s != GDP_ERR_CUDA) ||
+        !strstr(msg, "no CUDA device")) {
+      printf("FAIL: without a CUDA device, gdp_ctx_new(cuda) gave %s (%s); expected "
+             "GDP_ERR_UNSUPPORTED or GDP_ERR_CUDA mentioning \"no CUDA device\"\n",
+             gdp_status_name(s), msg);
+      gdp_ctx_free(c);
+      return 1;
+    }
+    printf("SKIP: no CUDA device (gdp_ctx_new says: %s)\n", msg);
+    return 77;
+  }
+  TEST_BEGIN(SEED);
+  CHECK_OK(gdp_ctx_new(GDP_DEVICE_CPU, 0, &cpu));
+  CHECK_OK(gdp_ctx_new(GDP_DEVICE_CUDA, 0, &gpu));
+  if (!cpu || !gpu) TEST_END();
+  int64_t baseline = gdp_mem_live_bytes(GDP_DEVICE_CUDA);
+
+  double t0 = gdp_time_now();
+  test_round_trips();
+  test_conversions();
+  test_fill();
+  test_guards();
+  test_rng();
+  test_binary();
+  test_reduce();
+  test_matmul();
+  test_oom_and_errors(baseline);
+  test_sync_every_op();
+  CHECK_OK(gdp_ctx_sync(gpu));
+  CHECK(gdp_mem_live_bytes(GDP_DEVICE_CUDA) == baseline,
+        "cuda live bytes: %lld after freeing everything, %lld at the start",
+        (long long)gdp_mem_live_bytes(GDP_DEVICE_CUDA), (long long)baseline);
+  printf("  checks took %.2f s\n", gdp_time_now() - t0);
+  if (!getenv("GDP_TEST_NO_TIMINGS")) report_timings();
+  CHECK(gdp_mem_live_bytes(GDP_DEVICE_CUDA) == baseline, "live bytes after the timings");
+
+  gdp_ctx_free(gpu);
+  gdp_ctx_free(cpu);
+  TEST_END();
+}
