@@ -328,6 +328,107 @@ gdp_status gdp_gdp_backward(gdp_ctx *ctx, const gdp_gdp_options *opts, const gdp
                             gdp_tensor **dv, gdp_tensor **dbeta, gdp_tensor **dg,
                             gdp_tensor **dh0);
 
+/* ------------------------------------------------------------------ mixer layer ops */
+
+/*
+ * Building blocks of the Gated DeltaProduct mixer layer (DESIGN.md section 3,
+ * Megatron-Core semantics), each with its backward.  Common rules:
+ *   - float64 or float32 tensors of any strides (copied to contiguous inside); the
+ *     dtype of the first tensor argument is the compute dtype, the other float
+ *     arguments are converted to it.  float32 elementwise math runs in float32;
+ *     reductions (sums over tokens and over norm groups) accumulate in float64.
+ *   - Results are new contiguous tensors (owned) in the compute dtype, except the
+ *     gradients of parameters, which take the parameter's dtype and shape.
+ *   - Backward result pointers may be NULL: that gradient is not computed.  A
+ *     gradient of an absent optional input is set to NULL.
+ *   - cpu only for now (a cuda ctx gives GDP_ERR_UNSUPPORTED), except the
+ *     repeat_heads pair, which is built from tensor views and copies.
+ */
+
+typedef enum gdp_activation {
+  GDP_ACT_NONE = 0,
+  GDP_ACT_SILU = 1 /* x * sigmoid(x) */
+} gdp_activation;
+
+/* "none", "silu"; "?" for other values. */
+const char *gdp_activation_name(gdp_activation act);
+
+/*
+ * Depthwise causal conv1d over time (the short conv of the mixer):
+ *   out[t,b,c] = act(bias[c] + sum_{w<W} weight[c,w] * x~[t-(W-1)+w, b, c])
+ * x [T,B,C] sequence-major (a strided channel slice of the in_proj output is fine);
+ * weight [C,W] or Megatron's [C,1,W]; bias [C] or NULL.  x~[s] is x[s] when s lies
+ * in the same sequence as t, else zero, except before token 0:
+ *   halo [L,B,C] or NULL holds the L tokens that precede token 0 (row L-1 is token
+ *   -1); x~[s] = halo[L+s] for -min(L,W-1) <= s < 0.  Rows older than W-1 are never
+ *   read; pass fewer rows (L < W-1) to mask tokens of another sequence.
+ * cu_seqlens NULL (each of the B columns is one sequence) or int32/int64 [N+1] over T
+ * with B = 1: the conv restarts at every sequence start (no tap reads across one;
+ * empty sequences are legal); the halo continues the sequence that holds token 0.
+ */
+gdp_status gdp_mixer_conv1d_forward(gdp_ctx *ctx, const gdp_tensor *x, const gdp_tensor *weight,
+                                    const gdp_tensor *bias, const gdp_tensor *halo,
+                                    const gdp_tensor *cu_seqlens, gdp_activation activation,
+                                    gdp_tensor **out);
+/* Backward of sum(out * d_out), d_out [T,B,C]: dx [T,B,C], dweight (weight's shape),
+ * dbias [C] (NULL without bias), dhalo [L,B,C] (NULL without halo). */
+gdp_status gdp_mixer_conv1d_backward(gdp_ctx *ctx, const gdp_tensor *x, const gdp_tensor *weight,
+                                     const gdp_tensor *bias, const gdp_tensor *halo,
+                                     const gdp_tensor *cu_seqlens, gdp_activation activation,
+                                     const gdp_tensor *d_out, gdp_tensor **dx,
+                                     gdp_tensor **dweight, gdp_tensor **dbias,
+                                     gdp_tensor **dhalo);
+
+/* Step sizes: beta = beta_scale * sigmoid(b), elementwise, any shape (beta_scale 1, or 2
+ * for the negative-eigenvalue variant). */
+gdp_status gdp_mixer_beta_forward(gdp_ctx *ctx, const gdp_tensor *b, double beta_scale,
+                                  gdp_tensor **beta);
+gdp_status gdp_mixer_beta_backward(gdp_ctx *ctx, const gdp_tensor *b, double beta_scale,
+                                   const gdp_tensor *d_beta, gdp_tensor **db);
+
+/* Log decays: g = -exp(A_log[h]) * softplus(a + dt_bias[h]) for a [..., H]; A_log and
+ * dt_bias [H] (dt_bias may be NULL: zero).  softplus(x) = x for x > 20, else
+ * log1p(exp(x)) (torch's threshold). */
+gdp_status gdp_mixer_decay_forward(gdp_ctx *ctx, const gdp_tensor *a, const gdp_tensor *A_log,
+                                   const gdp_tensor *dt_bias, gdp_tensor **g);
+/* d_g like a; results da [..., H], dA_log [H], ddt_bias [H] (NULL without dt_bias). */
+gdp_status gdp_mixer_decay_backward(gdp_ctx *ctx, const gdp_tensor *a, const gdp_tensor *A_log,
+                                    const gdp_tensor *dt_bias, const gdp_tensor *d_g,
+                                    gdp_tensor **da, gdp_tensor **dA_log,
+                                    gdp_tensor **ddt_bias);
+
+/* Gated grouped RMSNorm over the last dim d (Megatron's norm_before_gate = False):
+ *   x = y * silu(z);  out = x * rstd * weight,  rstd = (mean(x^2 over the group) + eps)^-1/2
+ * per row and group of `group_size` consecutive channels (d % group_size == 0; the
+ * mixer's group_size is d_inner / ngroups).  y [..., d]; z like y, or NULL (no gate);
+ * weight [d]. */
+gdp_status gdp_mixer_gated_rmsnorm_forward(gdp_ctx *ctx, const gdp_tensor *y, const gdp_tensor *z,
+                                           const gdp_tensor *weight, int64_t group_size,
+                                           double eps, gdp_tensor **out);
+/* Results dy, dz (NULL without z) like y; dweight [d]. */
+gdp_status gdp_mixer_gated_rmsnorm_backward(gdp_ctx *ctx, const gdp_tensor *y,
+                                            const gdp_tensor *z, const gdp_tensor *weight,
+                                            int64_t group_size, double eps,
+                                            const gdp_tensor *d_out, gdp_tensor **dy,
+                                            gdp_tensor **dz, gdp_tensor **dweight);
+
+/* Groups to heads: x [..., G, N] -> out [..., num_heads, N], head h reads group
+ * h / (num_heads / G) (num_heads % G == 0).  Any dtype and device. */
+gdp_status gdp_mixer_repeat_heads_forward(gdp_ctx *ctx, const gdp_tensor *x, int64_t num_heads,
+                                          gdp_tensor **out);
+/* dx [..., num_groups, N]: the sum of d_out [..., H, N] over each group's heads. */
+gdp_status gdp_mixer_repeat_heads_backward(gdp_ctx *ctx, const gdp_tensor *d_out,
+                                           int64_t num_groups, gdp_tensor **dx);
+
+/* D skip: out = y + D * x_v for y, x_v [..., H, P]; D [H] (per head) or [H*P] (per
+ * channel: Megatron's D_has_hdim). */
+gdp_status gdp_mixer_dskip_forward(gdp_ctx *ctx, const gdp_tensor *y, const gdp_tensor *x_v,
+                                   const gdp_tensor *D, gdp_tensor **out);
+/* dy = d_out (no result); dx_v = D * d_out; dD like D. */
+gdp_status gdp_mixer_dskip_backward(gdp_ctx *ctx, const gdp_tensor *x_v, const gdp_tensor *D,
+                                    const gdp_tensor *d_out, gdp_tensor **dx_v,
+                                    gdp_tensor **dD);
+
 #ifndef GDP_CDEF
 #ifdef __cplusplus
 }

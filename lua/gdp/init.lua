@@ -62,4 +62,16 @@ function gdp.sync(dev)
   tensor.get_ctx("sync", dev or "cpu"):sync()
 end
 
+-- gdp.nn (layers) and gdp.cp (context parallelism) load on first use, so that
+-- `require "gdp"` stays light and a module's load error surfaces where it is used.
+setmetatable(gdp, {
+  __index = function(t, key)
+    if key == "nn" or key == "cp" or key == "comm" then
+      local mod = require("gdp." .. key)
+      rawset(t, key, mod)
+      return mod
+    end
+  end,
+})
+
 return gdp

@@ -1,0 +1,811 @@
+/*
+ * op_mixer.c -- the public mixer layer ops (gdp.h, "mixer layer ops"): argument
+ * validation, contiguous compute-dtype copies, dispatch to the CPU kernels
+ * (kernels/cpu/mixer_cpu.h), and delivery of the results in the documented dtypes.
+ *
+ * The backend vtable has no slots for these ops yet: they run on the cpu and answer
+ * GDP_ERR_UNSUPPORTED for other devices, so that a CUDA backend can add them later
+ * behind the same entry points.  repeat_heads is built from views, copies and adds of
+ * the tensor library and therefore runs on every device already.
+ *
+ * Every temporary is released on every path: each entry point collects its tensors
+ * in a local array that one cleanup loop frees.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+#include "../../kernels/cpu/mixer_cpu.h"
+
+/* The kernels keep the conv taps' partial sums on the stack. */
+enum { MIXER_CONV_MAX_WIDTH = 16 };
+
+const char *gdp_activation_name(gdp_activation act) {
+  switch (act) {
+    case GDP_ACT_NONE: return "none";
+    case GDP_ACT_SILU: return "silu";
+  }
+  return "?";
+}
+
+/* ------------------------------------------------------------------ checks */
+
+static const char *shape_of(char *buf, size_t len, const gdp_tensor *t) {
+  return gdp_shape_str(buf, len, t->ndim, t->shape);
+}
+
+static gdp_status need_tensor(const char *func, const char *name, const gdp_tensor *t) {
+  if (t) return GDP_OK;
+  return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG, "%s: expected a tensor, got NULL", name);
+}
+
+static gdp_status need_out(const char *func, const char *name, gdp_tensor **out) {
+  if (out) return GDP_OK;
+  return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG, "%s: expected an output pointer, got NULL",
+                      name);
+}
+
+static int is_float(gdp_dtype d) { return d == GDP_DTYPE_F64 || d == GDP_DTYPE_F32; }
+
+/* A context whose backend runs the mixer kernels (cpu only for now). */
+static gdp_status check_ctx_cpu(const char *func, const gdp_ctx *ctx) {
+  if (!ctx) return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG, "ctx: expected a context, got NULL");
+  if (ctx->type != GDP_DEVICE_CPU)
+    return GDP_ERROR_IN(func, GDP_ERR_UNSUPPORTED,
+                        "no %s kernel for this op yet (cpu only), got a ctx on %s:%d",
+                        gdp_device_type_name(ctx->type), gdp_device_type_name(ctx->type),
+                        ctx->index);
+  return GDP_OK;
+}
+
+/* t (may be NULL) lives on ctx's device and holds float64 or float32 values. */
+static gdp_status check_float_on(const char *func, const char *name, const gdp_ctx *ctx,
+                                 const gdp_tensor *t) {
+  if (!t) return GDP_OK;
+  const gdp_ctx *tc = t->storage->ctx;
+  if (tc->type != ctx->type || tc->index != ctx->index)
+    return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG,
+                        "%s: expected a tensor on %s:%d (ctx), got %s:%d", name,
+                        gdp_device_type_name(ctx->type), ctx->index,
+                        gdp_device_type_name(tc->type), tc->index);
+  if (!is_float(t->dtype))
+    return GDP_ERROR_IN(func, GDP_ERR_DTYPE, "%s: expected dtype f64 or f32, got %s", name,
+                        gdp_dtype_name(t->dtype));
+  return GDP_OK;
+}
+
+/* t must have exactly the shape `want` (ndim dims), spelled `dims` in the message. */
+static gdp_status check_shape(const char *func, const char *name, const gdp_tensor *t, int ndim,
+                              const int64_t *want, const char *dims) {
+  int same = t->ndim == ndim;
+  for (int i = 0; same && i < ndim; i++) same = t->shape[i] == want[i];
+  if (same) return GDP_OK;
+  char a[128], b[128];
+  return GDP_ERROR_IN(func, GDP_ERR_SHAPE, "%s: expected %s = %s, got %s", name, dims,
+                      gdp_shape_str(b, sizeof b, ndim, want), shape_of(a, sizeof a, t));
+}
+
+static gdp_status check_same_shape(const char *func, const char *name, const gdp_tensor *t,
+                                   const char *ref_name, const gdp_tensor *ref) {
+  if (!t) return GDP_OK;
+  int same = t->ndim == ref->ndim;
+  for (int i = 0; same && i < t->ndim; i++) same = t->shape[i] == ref->shape[i];
+  if (same) return GDP_OK;
+  char a[128], b[128];
+  return GDP_ERROR_IN(func, GDP_ERR_SHAPE, "%s: expected the shape of %s, %s, got %s", name,
+                      ref_name, shape_of(b, sizeof b, ref), shape_of(a, sizeof a, t));
+}
+
+/* ------------------------------------------------------------------ buffers */
+
+/* A contiguous tensor of `dtype` with t's values: a new reference to t itself when it
+ * already is one (only ever read), else a copy.  NULL stays NULL. */
+static gdp_status load(gdp_ctx *ctx, const gdp_tensor *t, gdp_dtype dtype, gdp_tensor **out) {
+  *out = NULL;
+  if (!t) return GDP_OK;
+  if (t->dtype == dtype) return gdp_tensor_contiguous((gdp_tensor *)t, out);
+  return gdp_tensor_to(ctx, t, dtype, out);
+}
+
+/* Hands *tmp to the caller as `dtype` (converting when needed); *tmp is consumed. */
+static gdp_status deliver(gdp_ctx *ctx, gdp_tensor **tmp, gdp_dtype dtype, gdp_tensor **out) {
+  gdp_status s = GDP_OK;
+  if (!*tmp) return GDP_OK;
+  if ((*tmp)->dtype == dtype) {
+    *out = *tmp;
+  } else {
+    s = gdp_tensor_to(ctx, *tmp, dtype, out);
+    gdp_tensor_free(*tmp);
+  }
+  *tmp = NULL;
+  return s;
+}
+
+static void *ptr(const gdp_tensor *t) { return t ? gdp_tensor_data(t) : NULL; }
+
+static void free_all(gdp_tensor **ts, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    gdp_tensor_free(ts[i]);
+    ts[i] = NULL;
+  }
+}
+#define FREE_ALL(arr) free_all((arr), sizeof(arr) / sizeof((arr)[0]))
+
+/* A new contiguous buffer of `dtype` shaped like `like` (NULL when not wanted). */
+static gdp_status buffer_like(gdp_ctx *ctx, int wanted, gdp_dtype dtype, const gdp_tensor *like,
+                              gdp_tensor **out) {
+  *out = NULL;
+  if (!wanted) return GDP_OK;
+  return gdp_tensor_empty(ctx, dtype, like->ndim, like->shape, out);
+}
+
+static void clear_outs(gdp_tensor **a, gdp_tensor **b, gdp_tensor **c, gdp_tensor **d) {
+  if (a) *a = NULL;
+  if (b) *b = NULL;
+  if (c) *c = NULL;
+  if (d) *d = NULL;
+}
+
+/* ------------------------------------------------------------------ conv1d */
+
+typedef struct conv_plan {
+  int64_t T, B, C, W, L;
+  gdp_dtype compute;
+  int64_t *seq_start; /* [T], owned */
+} conv_plan;
+
+/* seq_start[t]: the first token of t's sequence (0 without cu_seqlens). */
+static gdp_status conv_read_cu(const char *func, conv_plan *p, const gdp_tensor *cu) {
+  char a[128];
+  p->seq_start = calloc((size_t)(p->T > 0 ? p->T : 1), sizeof(int64_t));
+  if (!p->seq_start) return GDP_ERROR_IN(func, GDP_ERR_OOM, "out of host memory for seq starts");
+  if (!cu) return GDP_OK;
+  if (cu->dtype != GDP_DTYPE_I32 && cu->dtype != GDP_DTYPE_I64)
+    return GDP_ERROR_IN(func, GDP_ERR_DTYPE, "cu_seqlens: expected dtype i32 or i64, got %s",
+                        gdp_dtype_name(cu->dtype));
+  if (cu->ndim != 1 || cu->shape[0] < 2)
+    return GDP_ERROR_IN(func, GDP_ERR_SHAPE,
+                        "cu_seqlens: expected 1-D [N+1] with N+1 >= 2 entries, got %s",
+                        shape_of(a, sizeof a, cu));
+  if (p->B != 1)
+    return GDP_ERROR_IN(func, GDP_ERR_SHAPE,
+                        "cu_seqlens: packed sequences need B = 1, got x with B = %lld",
+                        (long long)p->B);
+  const int64_t n1 = cu->shape[0];
+  int64_t *h = malloc((size_t)n1 * sizeof(int64_t));
+  if (!h) return GDP_ERROR_IN(func, GDP_ERR_OOM, "out of host memory for cu_seqlens");
+  gdp_status s = gdp_tensor_to_host(cu, GDP_DTYPE_I64, h, (size_t)n1 * sizeof(int64_t));
+  if (s == GDP_OK && h[0] != 0)
+    s = GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG, "cu_seqlens: expected cu_seqlens[0] = 0, got %lld",
+                     (long long)h[0]);
+  for (int64_t i = 0; s == GDP_OK && i + 1 < n1; i++)
+    if (h[i + 1] < h[i])
+      s = GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG,
+                       "cu_seqlens: expected non-decreasing values, got cu_seqlens[%lld] = %lld "
+                       "> cu_seqlens[%lld] = %lld",
+                       (long long)i, (long long)h[i], (long long)(i + 1), (long long)h[i + 1]);
+  if (s == GDP_OK && h[n1 - 1] != p->T)
+    s = GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG,
+                     "cu_seqlens: expected the last entry = T = %lld (x's token count), got %lld",
+                     (long long)p->T, (long long)h[n1 - 1]);
+  for (int64_t i = 0; s == GDP_OK && i + 1 < n1; i++)
+    for (int64_t t = h[i]; t < h[i + 1]; t++) p->seq_start[t] = h[i];
+  free(h);
+  return s;
+}
+
+static gdp_status conv_plan_make(const char *func, gdp_ctx *ctx, const gdp_tensor *x,
+                                 const gdp_tensor *weight, const gdp_tensor *bias,
+                                 const gdp_tensor *halo, const gdp_tensor *cu,
+                                 gdp_activation act, const gdp_tensor *d_out, conv_plan *p) {
+  char a[128];
+  memset(p, 0, sizeof *p);
+  GDP_TRY(check_ctx_cpu(func, ctx));
+  GDP_TRY(need_tensor(func, "x", x));
+  GDP_TRY(need_tensor(func, "weight", weight));
+  GDP_TRY(check_float_on(func, "x", ctx, x));
+  GDP_TRY(check_float_on(func, "weight", ctx, weight));
+  GDP_TRY(check_float_on(func, "bias", ctx, bias));
+  GDP_TRY(check_float_on(func, "halo", ctx, halo));
+  GDP_TRY(check_float_on(func, "d_out", ctx, d_out));
+  if (act != GDP_ACT_NONE && act != GDP_ACT_SILU)
+    return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG,
+                        "activation: expected GDP_ACT_NONE (0) or GDP_ACT_SILU (1), got %d",
+                        (int)act);
+  if (x->ndim != 3)
+    return GDP_ERROR_IN(func, GDP_ERR_SHAPE, "x: expected 3 dims [T,B,C], got %s",
+                        shape_of(a, sizeof a, x));
+  p->T = x->shape[0], p->B = x->shape[1], p->C = x->shape[2];
+  if (weight->ndim == 3 && weight->shape[1] == 1) {
+    p->W = weight->shape[2];
+  } else if (weight->ndim == 2) {
+    p->W = weight->shape[1];
+  } else {
+    return GDP_ERROR_IN(func, GDP_ERR_SHAPE, "weight: expected [C,W] or [C,1,W] with C = %lld, got %s",
+                        (long long)p->C, shape_of(a, sizeof a, weight));
+  }
+  if (weight->shape[0] != p->C)
+    return GDP_ERROR_IN(func, GDP_ERR_SHAPE,
+                        "weight: expected [C,W] or [C,1,W] with C = %lld (x's channels), got %s",
+                        (long long)p->C, shape_of(a, sizeof a, weight));
+  if (p->W < 1 || p->W > MIXER_CONV_MAX_WIDTH)
+    return GDP_ERROR_IN(func, GDP_ERR_SHAPE, "weight: expected a width W in 1..%d, got %s",
+                        MIXER_CONV_MAX_WIDTH, shape_of(a, sizeof a, weight));
+  if (bias) GDP_TRY(check_shape(func, "bias", bias, 1, (const int64_t[]){p->C}, "[C]"));
+  if (halo) {
+    if (halo->ndim != 3 || halo->shape[1] != p->B || halo->shape[2] != p->C)
+      return GDP_ERROR_IN(func, GDP_ERR_SHAPE, "halo: expected [L,B,C] with B = %lld, C = %lld, got %s",
+                          (long long)p->B, (long long)p->C, shape_of(a, sizeof a, halo));
+    p->L = halo->shape[0];
+  }
+  if (d_out) GDP_TRY(check_same_shape(func, "d_out", d_out, "x [T,B,C]", x));
+  p->compute = x->dtype;
+  return conv_read_cu(func, p, cu);
+}
+
+/* The conv weight tap-major, [W,C] contiguous in `dtype`, as the kernels want it:
+ * Megatron's [C,1,W] (or [C,W]) viewed as [C,W] and transposed. */
+static gdp_status load_weight_tap_major(gdp_ctx *ctx, const conv_plan *p, const gdp_tensor *weight,
+                                        gdp_dtype dtype, gdp_tensor **out) {
+  *out = NULL;
+  const int64_t cw[2] = {p->C, p->W};
+  gdp_tensor *v = NULL, *vt = NULL;
+  gdp_status s = gdp_tensor_reshape((gdp_tensor *)weight, 2, cw, &v);
+  if (s == GDP_OK) s = gdp_tensor_transpose(v, 0, 1, &vt);
+  if (s == GDP_OK) s = load(ctx, vt, dtype, out);
+  gdp_tensor_free(vt);
+  gdp_tensor_free(v);
+  return s;
+}
+
+static gdp_cpu_conv1d_args conv_args(const conv_plan *p, gdp_ctx *ctx, gdp_activation act) {
+  gdp_cpu_conv1d_args a = {.T = p->T, .B = p->B, .C = p->C, .W = p->W,
+                           .seq_start = p->seq_start, .halo_len = p->L,
+                           .silu = act == GDP_ACT_SILU, .num_threads = ctx->num_threads};
+  return a;
+}
+
+gdp_status gdp_mixer_conv1d_forward(gdp_ctx *ctx, const gdp_tensor *x, const gdp_tensor *weight,
+                                    const gdp_tensor *bias, const gdp_tensor *halo,
+                                    const gdp_tensor *cu_seqlens, gdp_activation activation,
+                                    gdp_tensor **out) {
+  static const char *func = "gdp_mixer_conv1d_forward";
+  GDP_TRY(need_out(func, "out", out));
+  *out = NULL;
+  conv_plan p;
+  gdp_tensor *tmp[5] = {0}; /* x, weight [W,C], bias, halo, out */
+  gdp_status s = conv_plan_make(func, ctx, x, weight, bias, halo, cu_seqlens, activation, NULL, &p);
+  if (s == GDP_OK) s = load(ctx, x, p.compute, &tmp[0]);
+  if (s == GDP_OK) s = load_weight_tap_major(ctx, &p, weight, p.compute, &tmp[1]);
+  if (s == GDP_OK) s = load(ctx, bias, p.compute, &tmp[2]);
+  if (s == GDP_OK) s = load(ctx, halo, p.compute, &tmp[3]);
+  if (s == GDP_OK) s = gdp_tensor_empty(ctx, p.compute, 3, x->shape, &tmp[4]);
+  if (s == GDP_OK) {
+    const gdp_cpu_conv1d_args a = conv_args(&p, ctx, activation);
+    if (p.compute == GDP_DTYPE_F64)
+      gdp_cpu_conv1d_fwd_f64(&a, ptr(tmp[0]), ptr(tmp[1]), ptr(tmp[2]), ptr(tmp[3]), ptr(tmp[4]));
+    else
+      gdp_cpu_conv1d_fwd_f32(&a, ptr(tmp[0]), ptr(tmp[1]), ptr(tmp[2]), ptr(tmp[3]), ptr(tmp[4]));
+    *out = tmp[4];
+    tmp[4] = NULL;
+  }
+  free(p.seq_start);
+  FREE_ALL(tmp);
+  return s;
+}
+
+gdp_status gdp_mixer_conv1d_backward(gdp_ctx *ctx, const gdp_tensor *x, const gdp_tensor *weight,
+                                     const gdp_tensor *bias, const gdp_tensor *halo,
+                                     const gdp_tensor *cu_seqlens, gdp_activation activation,
+                                     const gdp_tensor *d_out, gdp_tensor **dx,
+                                     gdp_tensor **dweight, gdp_tensor **dbias,
+                                     gdp_tensor **dhalo) {
+  static const char *func = "gdp_mixer_conv1d_backward";
+  clear_outs(dx, dweight, dbias, dhalo);
+  GDP_TRY(need_tensor(func, "d_out", d_out));
+  conv_plan p;
+  /* x, weight [W,C], bias, halo, d_out, then the results dx, dweight, dbias, dhalo */
+  gdp_tensor *tmp[9] = {0};
+  gdp_status s = conv_plan_make(func, ctx, x, weight, bias, halo, cu_seqlens, activation, d_out, &p);
+  if (s == GDP_OK) s = load(ctx, x, p.compute, &tmp[0]);
+  if (s == GDP_OK) s = load_weight_tap_major(ctx, &p, weight, p.compute, &tmp[1]);
+  if (s == GDP_OK) s = load(ctx, bias, p.compute, &tmp[2]);
+  if (s == GDP_OK) s = load(ctx, halo, p.compute, &tmp[3]);
+  if (s == GDP_OK) s = load(ctx, d_out, p.compute, &tmp[4]);
+  if (s == GDP_OK) s = buffer_like(ctx, dx != NULL, p.compute, x, &tmp[5]);
+  if (s == GDP_OK) s = buffer_like(ctx, dweight != NULL, p.compute, weight, &tmp[6]);
+  if (s == GDP_OK) s = buffer_like(ctx, dbias && bias, p.compute, bias, &tmp[7]);
+  if (s == GDP_OK) s = buffer_like(ctx, dhalo && halo, p.compute, halo, &tmp[8]);
+  if (s == GDP_OK) {
+    const gdp_cpu_conv1d_args a = conv_args(&p, ctx, activation);
+    if (p.compute == GDP_DTYPE_F64)
+      s = gdp_cpu_conv1d_bwd_f64(&a, ptr(tmp[0]), ptr(tmp[1]), ptr(tmp[2]), ptr(tmp[3]),
+                                 ptr(tmp[4]), ptr(tmp[5]), ptr(tmp[6]), ptr(tmp[7]), ptr(tmp[8]));
+    else
+      s = gdp_cpu_conv1d_bwd_f32(&a, ptr(tmp[0]), ptr(tmp[1]), ptr(tmp[2]), ptr(tmp[3]),
+                                 ptr(tmp[4]), ptr(tmp[5]), ptr(tmp[6]), ptr(tmp[7]), ptr(tmp[8]));
+  }
+  if (s == GDP_OK) s = deliver(ctx, &tmp[5], p.compute, dx);
+  if (s == GDP_OK) s = deliver(ctx, &tmp[6], weight->dtype, dweight);
+  if (s == GDP_OK && bias) s = deliver(ctx, &tmp[7], bias->dtype, dbias);
+  if (s == GDP_OK && halo) s = deliver(ctx, &tmp[8], p.compute, dhalo);
+  if (s != GDP_OK) {
+    gdp_tensor **outs[4] = {dx, dweight, dbias, dhalo};
+    for (int i = 0; i < 4; i++)
+      if (outs[i]) {
+        gdp_tensor_free(*outs[i]);
+        *outs[i] = NULL;
+      }
+  }
+  free(p.seq_start);
+  FREE_ALL(tmp);
+  return s;
+}
+
+/* ------------------------------------------------------------------ beta */
+
+static gdp_status beta_check(const char *func, gdp_ctx *ctx, const gdp_tensor *b,
+                             double beta_scale, const gdp_tensor *d_beta) {
+  GDP_TRY(check_ctx_cpu(func, ctx));
+  GDP_TRY(need_tensor(func, "b", b));
+  GDP_TRY(check_float_on(func, "b", ctx, b));
+  GDP_TRY(check_float_on(func, "d_beta", ctx, d_beta));
+  if (!isfinite(beta_scale))
+    return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG,
+                        "beta_scale: expected a finite value (1, or 2 for negative eigenvalues), got %g",
+                        beta_scale);
+  return check_same_shape(func, "d_beta", d_beta, "b", b);
+}
+
+gdp_status gdp_mixer_beta_forward(gdp_ctx *ctx, const gdp_tensor *b, double beta_scale,
+                                  gdp_tensor **beta) {
+  static const char *func = "gdp_mixer_beta_forward";
+  GDP_TRY(need_out(func, "beta", beta));
+  *beta = NULL;
+  GDP_TRY(beta_check(func, ctx, b, beta_scale, NULL));
+  gdp_tensor *tmp[2] = {0};
+  const gdp_dtype dt = b->dtype;
+  gdp_status s = load(ctx, b, dt, &tmp[0]);
+  if (s == GDP_OK) s = gdp_tensor_empty(ctx, dt, b->ndim, b->shape, &tmp[1]);
+  if (s == GDP_OK) {
+    const int64_t n = gdp_tensor_numel(b);
+    if (dt == GDP_DTYPE_F64)
+      gdp_cpu_beta_fwd_f64(n, beta_scale, ptr(tmp[0]), ptr(tmp[1]), ctx->num_threads);
+    else
+      gdp_cpu_beta_fwd_f32(n, beta_scale, ptr(tmp[0]), ptr(tmp[1]), ctx->num_threads);
+    *beta = tmp[1];
+    tmp[1] = NULL;
+  }
+  FREE_ALL(tmp);
+  return s;
+}
+
+gdp_status gdp_mixer_beta_backward(gdp_ctx *ctx, const gdp_tensor *b, double beta_scale,
+                                   const gdp_tensor *d_beta, gdp_tensor **db) {
+  static const char *func = "gdp_mixer_beta_backward";
+  GDP_TRY(need_out(func, "db", db));
+  *db = NULL;
+  GDP_TRY(need_tensor(func, "d_beta", d_beta));
+  GDP_TRY(beta_check(func, ctx, b, beta_scale, d_beta));
+  gdp_tensor *tmp[3] = {0};
+  const gdp_dtype dt = b->dtype;
+  gdp_status s = load(ctx, b, dt, &tmp[0]);
+  if (s == GDP_OK) s = load(ctx, d_beta, dt, &tmp[1]);
+  if (s == GDP_OK) s = gdp_tensor_empty(ctx, dt, b->ndim, b->shape, &tmp[2]);
+  if (s == GDP_OK) {
+    const int64_t n = gdp_tensor_numel(b);
+    if (dt == GDP_DTYPE_F64)
+      gdp_cpu_beta_bwd_f64(n, beta_scale, ptr(tmp[0]), ptr(tmp[1]), ptr(tmp[2]), ctx->num_threads);
+    else
+      gdp_cpu_beta_bwd_f32(n, beta_scale, ptr(tmp[0]), ptr(tmp[1]), ptr(tmp[2]), ctx->num_threads);
+    *db = tmp[2];
+    tmp[2] = NULL;
+  }
+  FREE_ALL(tmp);
+  return s;
+}
+
+/* ------------------------------------------------------------------ decay */
+
+static gdp_status decay_check(const char *func, gdp_ctx *ctx, const gdp_tensor *a,
+                              const gdp_tensor *A_log, const gdp_tensor *dt_bias,
+                              const gdp_tensor *d_g, int64_t *H) {
+  char s1[128];
+  GDP_TRY(check_ctx_cpu(func, ctx));
+  GDP_TRY(need_tensor(func, "a", a));
+  GDP_TRY(need_tensor(func, "A_log", A_log));
+  GDP_TRY(check_float_on(func, "a", ctx, a));
+  GDP_TRY(check_float_on(func, "A_log", ctx, A_log));
+  GDP_TRY(check_float_on(func, "dt_bias", ctx, dt_bias));
+  GDP_TRY(check_float_on(func, "d_g", ctx, d_g));
+  if (a->ndim < 1)
+    return GDP_ERROR_IN(func, GDP_ERR_SHAPE, "a: expected at least 1 dim [...,H], got %s",
+                        shape_of(s1, sizeof s1, a));
+  *H = a->shape[a->ndim - 1];
+  GDP_TRY(check_shape(func, "A_log", A_log, 1, H, "[H] (a's last dim)"));
+  if (dt_bias) GDP_TRY(check_shape(func, "dt_bias", dt_bias, 1, H, "[H] (a's last dim)"));
+  return check_same_shape(func, "d_g", d_g, "a", a);
+}
+
+gdp_status gdp_mixer_decay_forward(gdp_ctx *ctx, const gdp_tensor *a, const gdp_tensor *A_log,
+                                   const gdp_tensor *dt_bias, gdp_tensor **g) {
+  static const char *func = "gdp_mixer_decay_forward";
+  GDP_TRY(need_out(func, "g", g));
+  *g = NULL;
+  int64_t H = 0;
+  GDP_TRY(decay_check(func, ctx, a, A_log, dt_bias, NULL, &H));
+  gdp_tensor *tmp[4] = {0}; /* a, A_log, dt_bias, g */
+  const gdp_dtype dt = a->dtype;
+  gdp_status s = load(ctx, a, dt, &tmp[0]);
+  if (s == GDP_OK) s = load(ctx, A_log, dt, &tmp[1]);
+  if (s == GDP_OK) s = load(ctx, dt_bias, dt, &tmp[2]);
+  if (s == GDP_OK) s = gdp_tensor_empty(ctx, dt, a->ndim, a->shape, &tmp[3]);
+  if (s == GDP_OK) {
+    const int64_t rows = H > 0 ? gdp_tensor_numel(a) / H : 0;
+    if (dt == GDP_DTYPE_F64)
+      gdp_cpu_decay_fwd_f64(rows, H, ptr(tmp[0]), ptr(tmp[1]), ptr(tmp[2]), ptr(tmp[3]),
+                            ctx->num_threads);
+    else
+      gdp_cpu_decay_fwd_f32(rows, H, ptr(tmp[0]), ptr(tmp[1]), ptr(tmp[2]), ptr(tmp[3]),
+                            ctx->num_threads);
+    *g = tmp[3];
+    tmp[3] = NULL;
+  }
+  FREE_ALL(tmp);
+  return s;
+}
+
+gdp_status gdp_mixer_decay_backward(gdp_ctx *ctx, const gdp_tensor *a, const gdp_tensor *A_log,
+                                    const gdp_tensor *dt_bias, const gdp_tensor *d_g,
+                                    gdp_tensor **da, gdp_tensor **dA_log,
+                                    gdp_tensor **ddt_bias) {
+  static const char *func = "gdp_mixer_decay_backward";
+  clear_outs(da, dA_log, ddt_bias, NULL);
+  GDP_TRY(need_tensor(func, "d_g", d_g));
+  int64_t H = 0;
+  GDP_TRY(decay_check(func, ctx, a, A_log, dt_bias, d_g, &H));
+  /* a, A_log, dt_bias, d_g, then da, dA_log, ddt_bias */
+  gdp_tensor *tmp[7] = {0};
+  const gdp_dtype dt = a->dtype;
+  gdp_status s = load(ctx, a, dt, &tmp[0]);
+  if (s == GDP_OK) s = load(ctx, A_log, dt, &tmp[1]);
+  if (s == GDP_OK) s = load(ctx, dt_bias, dt, &tmp[2]);
+  if (s == GDP_OK) s = load(ctx, d_g, dt, &tmp[3]);
+  if (s == GDP_OK) s = buffer_like(ctx, da != NULL, dt, a, &tmp[4]);
+  if (s == GDP_OK) s = buffer_like(ctx, dA_log != NULL, dt, A_log, &tmp[5]);
+  if (s == GDP_OK) s = buffer_like(ctx, ddt_bias && dt_bias, dt, dt_bias, &tmp[6]);
+  if (s == GDP_OK) {
+    const int64_t rows = H > 0 ? gdp_tensor_numel(a) / H : 0;
+    if (dt == GDP_DTYPE_F64)
+      s = gdp_cpu_decay_bwd_f64(rows, H, ptr(tmp[0]), ptr(tmp[1]), ptr(tmp[2]), ptr(tmp[3]),
+                                ptr(tmp[4]), ptr(tmp[5]), ptr(tmp[6]), ctx->num_threads);
+    else
+      s = gdp_cpu_decay_bwd_f32(rows, H, ptr(tmp[0]), ptr(tmp[1]), ptr(tmp[2]), ptr(tmp[3]),
+                                ptr(tmp[4]), ptr(tmp[5]), ptr(tmp[6]), ctx->num_threads);
+  }
+  if (s == GDP_OK) s = deliver(ctx, &tmp[4], dt, da);
+  if (s == GDP_OK) s = deliver(ctx, &tmp[5], A_log->dtype, dA_log);
+  if (s == GDP_OK && dt_bias) s = deliver(ctx, &tmp[6], dt_bias->dtype, ddt_bias);
+  if (s != GDP_OK) {
+    gdp_tensor **outs[3] = {da, dA_log, ddt_bias};
+    for (int i = 0; i < 3; i++)
+      if (outs[i]) {
+        gdp_tensor_free(*outs[i]);
+        *outs[i] = NULL;
+      }
+  }
+  FREE_ALL(tmp);
+  return s;
+}
+
+/* ------------------------------------------------------------------ gated RMSNorm */
+
+static gdp_status norm_check(const char *func, gdp_ctx *ctx, const gdp_tensor *y,
+                             const gdp_tensor *z, const gdp_tensor *weight, int64_t group_size,
+                             double eps, const gdp_tensor *d_out, int64_t *d) {
+  char s1[128];
+  GDP_TRY(check_ctx_cpu(func, ctx));
+  GDP_TRY(need_tensor(func, "y", y));
+  GDP_TRY(need_tensor(func, "weight", weight));
+  GDP_TRY(check_float_on(func, "y", ctx, y));
+  GDP_TRY(check_float_on(func, "z", ctx, z));
+  GDP_TRY(check_float_on(func, "weight", ctx, weight));
+  GDP_TRY(check_float_on(func, "d_out", ctx, d_out));
+  if (y->ndim < 1)
+    return GDP_ERROR_IN(func, GDP_ERR_SHAPE, "y: expected at least 1 dim [...,d], got %s",
+                        shape_of(s1, sizeof s1, y));
+  *d = y->shape[y->ndim - 1];
+  GDP_TRY(check_same_shape(func, "z", z, "y", y));
+  GDP_TRY(check_same_shape(func, "d_out", d_out, "y", y));
+  GDP_TRY(check_shape(func, "weight", weight, 1, d, "[d] (y's last dim)"));
+  if (group_size < 1 || *d % group_size != 0)
+    return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG,
+                        "group_size: expected a divisor of d = %lld (y's last dim), got %lld",
+                        (long long)*d, (long long)group_size);
+  if (!(eps >= 0.0) || !isfinite(eps))
+    return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG, "eps: expected a finite value >= 0, got %g", eps);
+  return GDP_OK;
+}
+
+gdp_status gdp_mixer_gated_rmsnorm_forward(gdp_ctx *ctx, const gdp_tensor *y, const gdp_tensor *z,
+                                           const gdp_tensor *weight, int64_t group_size,
+                                           double eps, gdp_tensor **out) {
+  static const char *func = "gdp_mixer_gated_rmsnorm_forward";
+  GDP_TRY(need_out(func, "out", out));
+  *out = NULL;
+  int64_t d = 0;
+  GDP_TRY(norm_check(func, ctx, y, z, weight, group_size, eps, NULL, &d));
+  gdp_tensor *tmp[4] = {0}; /* y, z, weight, out */
+  const gdp_dtype dt = y->dtype;
+  gdp_status s = load(ctx, y, dt, &tmp[0]);
+  if (s == GDP_OK) s = load(ctx, z, dt, &tmp[1]);
+  if (s == GDP_OK) s = load(ctx, weight, dt, &tmp[2]);
+  if (s == GDP_OK) s = gdp_tensor_empty(ctx, dt, y->ndim, y->shape, &tmp[3]);
+  if (s == GDP_OK) {
+    const int64_t rows = d > 0 ? gdp_tensor_numel(y) / d : 0;
+    if (dt == GDP_DTYPE_F64)
+      s = gdp_cpu_gated_rmsnorm_fwd_f64(rows, d, group_size, eps, ptr(tmp[0]), ptr(tmp[1]),
+                                        ptr(tmp[2]), ptr(tmp[3]), ctx->num_threads);
+    else
+      s = gdp_cpu_gated_rmsnorm_fwd_f32(rows, d, group_size, eps, ptr(tmp[0]), ptr(tmp[1]),
+                                        ptr(tmp[2]), ptr(tmp[3]), ctx->num_threads);
+  }
+  if (s == GDP_OK) {
+    *out = tmp[3];
+    tmp[3] = NULL;
+  }
+  FREE_ALL(tmp);
+  return s;
+}
+
+gdp_status gdp_mixer_gated_rmsnorm_backward(gdp_ctx *ctx, const gdp_tensor *y,
+                                            const gdp_tensor *z, const gdp_tensor *weight,
+                                            int64_t group_size, double eps,
+                                            const gdp_tensor *d_out, gdp_tensor **dy,
+                                            gdp_tensor **dz, gdp_tensor **dweight) {
+  static const char *func = "gdp_mixer_gated_rmsnorm_backward";
+  clear_outs(dy, dz, dweight, NULL);
+  GDP_TRY(need_tensor(func, "d_out", d_out));
+  int64_t d = 0;
+  GDP_TRY(norm_check(func, ctx, y, z, weight, group_size, eps, d_out, &d));
+  /* y, z, weight, d_out, then dy, dz, dweight */
+  gdp_tensor *tmp[7] = {0};
+  const gdp_dtype dt = y->dtype;
+  gdp_status s = load(ctx, y, dt, &tmp[0]);
+  if (s == GDP_OK) s = load(ctx, z, dt, &tmp[1]);
+  if (s == GDP_OK) s = load(ctx, weight, dt, &tmp[2]);
+  if (s == GDP_OK) s = load(ctx, d_out, dt, &tmp[3]);
+  if (s == GDP_OK) s = buffer_like(ctx, dy != NULL, dt, y, &tmp[4]);
+  if (s == GDP_OK) s = buffer_like(ctx, dz && z, dt, y, &tmp[5]);
+  if (s == GDP_OK) s = buffer_like(ctx, dweight != NULL, dt, weight, &tmp[6]);
+  if (s == GDP_OK) {
+    const int64_t rows = d > 0 ? gdp_tensor_numel(y) / d : 0;
+    if (dt == GDP_DTYPE_F64)
+      s = gdp_cpu_gated_rmsnorm_bwd_f64(rows, d, group_size, eps, ptr(tmp[0]), ptr(tmp[1]),
+                                        ptr(tmp[2]), ptr(tmp[3]), ptr(tmp[4]), ptr(tmp[5]),
+                                        ptr(tmp[6]), ctx->num_threads);
+    else
+      s = gdp_cpu_gated_rmsnorm_bwd_f32(rows, d, group_size, eps, ptr(tmp[0]), ptr(tmp[1]),
+                                        ptr(tmp[2]), ptr(tmp[3]), ptr(tmp[4]), ptr(tmp[5]),
+                                        ptr(tmp[6]), ctx->num_threads);
+  }
+  if (s == GDP_OK) s = deliver(ctx, &tmp[4], dt, dy);
+  if (s == GDP_OK && z) s = deliver(ctx, &tmp[5], dt, dz);
+  if (s == GDP_OK) s = deliver(ctx, &tmp[6], weight->dtype, dweight);
+  if (s != GDP_OK) {
+    gdp_tensor **outs[3] = {dy, dz, dweight};
+    for (int i = 0; i < 3; i++)
+      if (outs[i]) {
+        gdp_tensor_free(*outs[i]);
+        *outs[i] = NULL;
+      }
+  }
+  FREE_ALL(tmp);
+  return s;
+}
+
+/* ------------------------------------------------------------------ repeat heads */
+
+/* A device-side view of t [..., H, N] as [..., G, H/G, N] (splitting a dim is always a
+ * view; reshape only as a fallback). */
+static gdp_status split_heads(gdp_tensor *t, int64_t G, gdp_tensor **out) {
+  int64_t shape[GDP_MAX_DIMS];
+  const int nd = t->ndim;
+  for (int i = 0; i < nd - 2; i++) shape[i] = t->shape[i];
+  shape[nd - 2] = G;
+  shape[nd - 1] = t->shape[nd - 2] / G;
+  shape[nd] = t->shape[nd - 1];
+  gdp_status s = gdp_tensor_view(t, nd + 1, shape, out);
+  if (s != GDP_OK) {
+    gdp_clear_error();
+    s = gdp_tensor_reshape(t, nd + 1, shape, out);
+  }
+  return s;
+}
+
+static gdp_status repeat_check(const char *func, gdp_ctx *ctx, const gdp_tensor *t,
+                               const char *name, const char *dims, int64_t count,
+                               const char *count_name) {
+  char s1[128];
+  if (!ctx) return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG, "ctx: expected a context, got NULL");
+  GDP_TRY(need_tensor(func, name, t));
+  const gdp_ctx *tc = t->storage->ctx;
+  if (tc->type != ctx->type || tc->index != ctx->index)
+    return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG, "%s: expected a tensor on %s:%d (ctx), got %s:%d",
+                        name, gdp_device_type_name(ctx->type), ctx->index,
+                        gdp_device_type_name(tc->type), tc->index);
+  if (t->ndim < 2 || t->ndim >= GDP_MAX_DIMS)
+    return GDP_ERROR_IN(func, GDP_ERR_SHAPE, "%s: expected 2..%d dims %s, got %s", name,
+                        GDP_MAX_DIMS - 1, dims, shape_of(s1, sizeof s1, t));
+  if (count < 1)
+    return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG, "%s: expected >= 1, got %lld", count_name,
+                        (long long)count);
+  return GDP_OK;
+}
+
+gdp_status gdp_mixer_repeat_heads_forward(gdp_ctx *ctx, const gdp_tensor *x, int64_t num_heads,
+                                          gdp_tensor **out) {
+  static const char *func = "gdp_mixer_repeat_heads_forward";
+  char s1[128];
+  GDP_TRY(need_out(func, "out", out));
+  *out = NULL;
+  GDP_TRY(repeat_check(func, ctx, x, "x", "[...,G,N]", num_heads, "num_heads"));
+  const int nd = x->ndim;
+  const int64_t G = x->shape[nd - 2];
+  if (G < 1 || num_heads % G != 0)
+    return GDP_ERROR_IN(func, GDP_ERR_SHAPE,
+                        "num_heads: expected a multiple of the group count G = %lld (x %s), got %lld",
+                        (long long)G, shape_of(s1, sizeof s1, x), (long long)num_heads);
+  int64_t shape[GDP_MAX_DIMS];
+  memcpy(shape, x->shape, sizeof(int64_t) * (size_t)nd);
+  shape[nd - 2] = num_heads;
+  gdp_tensor *res = NULL, *split = NULL, *sel = NULL;
+  gdp_status s = gdp_tensor_empty(ctx, x->dtype, nd, shape, &res);
+  if (s == GDP_OK) s = split_heads(res, G, &split);
+  for (int64_t r = 0; s == GDP_OK && r < num_heads / G; r++) {
+    s = gdp_tensor_select(split, nd - 1, r, &sel); /* [..., G, N]: replica r of every group */
+    if (s == GDP_OK) s = gdp_tensor_copy(ctx, sel, x);
+    gdp_tensor_free(sel);
+    sel = NULL;
+  }
+  gdp_tensor_free(split);
+  if (s == GDP_OK) *out = res;
+  else gdp_tensor_free(res);
+  return s;
+}
+
+gdp_status gdp_mixer_repeat_heads_backward(gdp_ctx *ctx, const gdp_tensor *d_out,
+                                           int64_t num_groups, gdp_tensor **dx) {
+  static const char *func = "gdp_mixer_repeat_heads_backward";
+  char s1[128];
+  GDP_TRY(need_out(func, "dx", dx));
+  *dx = NULL;
+  GDP_TRY(repeat_check(func, ctx, d_out, "d_out", "[...,H,N]", num_groups, "num_groups"));
+  const int nd = d_out->ndim;
+  const int64_t H = d_out->shape[nd - 2];
+  if (H % num_groups != 0)
+    return GDP_ERROR_IN(func, GDP_ERR_SHAPE,
+                        "num_groups: expected a divisor of the head count H = %lld (d_out %s), got %lld",
+                        (long long)H, shape_of(s1, sizeof s1, d_out), (long long)num_groups);
+  int64_t shape[GDP_MAX_DIMS];
+  memcpy(shape, d_out->shape, sizeof(int64_t) * (size_t)nd);
+  shape[nd - 2] = num_groups;
+  gdp_tensor *res = NULL, *split = NULL, *sel = NULL;
+  gdp_status s = gdp_tensor_zeros(ctx, d_out->dtype, nd, shape, &res);
+  if (s == GDP_OK) s = split_heads((gdp_tensor *)d_out, num_groups, &split);
+  for (int64_t r = 0; s == GDP_OK && r < H / num_groups; r++) {
+    s = gdp_tensor_select(split, nd - 1, r, &sel);
+    if (s == GDP_OK) s = gdp_tensor_add(res, res, sel, 1.0);
+    gdp_tensor_free(sel);
+    sel = NULL;
+  }
+  gdp_tensor_free(split);
+  if (s == GDP_OK) *dx = res;
+  else gdp_tensor_free(res);
+  return s;
+}
+
+/* ------------------------------------------------------------------ D skip */
+
+static gdp_status dskip_check(const char *func, gdp_ctx *ctx, const gdp_tensor *x_v,
+                              const gdp_tensor *D, int64_t *H, int64_t *P, int *per_channel) {
+  char s1[128], s2[128];
+  GDP_TRY(check_ctx_cpu(func, ctx));
+  GDP_TRY(need_tensor(func, "x_v", x_v));
+  GDP_TRY(need_tensor(func, "D", D));
+  GDP_TRY(check_float_on(func, "x_v", ctx, x_v));
+  GDP_TRY(check_float_on(func, "D", ctx, D));
+  if (x_v->ndim < 2)
+    return GDP_ERROR_IN(func, GDP_ERR_SHAPE, "x_v: expected at least 2 dims [...,H,P], got %s",
+                        shape_of(s1, sizeof s1, x_v));
+  *H = x_v->shape[x_v->ndim - 2];
+  *P = x_v->shape[x_v->ndim - 1];
+  const int64_t nD = gdp_tensor_numel(D);
+  if (nD == *H) *per_channel = 0;
+  else if (nD == *H * *P) *per_channel = 1;
+  else
+    return GDP_ERROR_IN(func, GDP_ERR_SHAPE,
+                        "D: expected H = %lld values (per head) or H*P = %lld (per channel) for "
+                        "x_v %s, got %s",
+                        (long long)*H, (long long)(*H * *P), shape_of(s2, sizeof s2, x_v),
+                        shape_of(s1, sizeof s1, D));
+  return GDP_OK;
+}
+
+gdp_status gdp_mixer_dskip_forward(gdp_ctx *ctx, const gdp_tensor *y, const gdp_tensor *x_v,
+                                   const gdp_tensor *D, gdp_tensor **out) {
+  static const char *func = "gdp_mixer_dskip_forward";
+  GDP_TRY(need_out(func, "out", out));
+  *out = NULL;
+  GDP_TRY(need_tensor(func, "y", y));
+  GDP_TRY(check_ctx_cpu(func, ctx));
+  GDP_TRY(check_float_on(func, "y", ctx, y));
+  int64_t H = 0, P = 0;
+  int per_channel = 0;
+  GDP_TRY(dskip_check(func, ctx, x_v, D, &H, &P, &per_channel));
+  GDP_TRY(check_same_shape(func, "x_v", x_v, "y", y));
+  gdp_tensor *tmp[4] = {0}; /* y, x_v, D, out */
+  const gdp_dtype dt = y->dtype;
+  gdp_status s = load(ctx, y, dt, &tmp[0]);
+  if (s == GDP_OK) s = load(ctx, x_v, dt, &tmp[1]);
+  if (s == GDP_OK) s = load(ctx, D, dt, &tmp[2]);
+  if (s == GDP_OK) s = gdp_tensor_empty(ctx, dt, y->ndim, y->shape, &tmp[3]);
+  if (s == GDP_OK) {
+    const int64_t rows = H * P > 0 ? gdp_tensor_numel(y) / (H * P) : 0;
+    if (dt == GDP_DTYPE_F64)
+      gdp_cpu_dskip_fwd_f64(rows, H, P, per_channel, ptr(tmp[0]), ptr(tmp[1]), ptr(tmp[2]),
+                            ptr(tmp[3]), ctx->num_threads);
+    else
+      gdp_cpu_dskip_fwd_f32(rows, H, P, per_channel, ptr(tmp[0]), ptr(tmp[1]), ptr(tmp[2]),
+                            ptr(tmp[3]), ctx->num_threads);
+    *out = tmp[3];
+    tmp[3] = NULL;
+  }
+  FREE_ALL(tmp);
+  return s;
+}
+
+gdp_status gdp_mixer_dskip_backward(gdp_ctx *ctx, const gdp_tensor *x_v, const gdp_tensor *D,
+                                    const gdp_tensor *d_out, gdp_tensor **dx_v,
+                                    gdp_tensor **dD) {
+  static const char *func = "gdp_mixer_dskip_backward";
+  clear_outs(dx_v, dD, NULL, NULL);
+  GDP_TRY(need_tensor(func, "d_out", d_out));
+  int64_t H = 0, P = 0;
+  int per_channel = 0;
+  GDP_TRY(dskip_check(func, ctx, x_v, D, &H, &P, &per_channel));
+  GDP_TRY(check_float_on(func, "d_out", ctx, d_out));
+  GDP_TRY(check_same_shape(func, "d_out", d_out, "x_v", x_v));
+  gdp_tensor *tmp[5] = {0}; /* x_v, D, d_out, dx_v, dD */
+  const gdp_dtype dt = x_v->dtype;
+  gdp_status s = load(ctx, x_v, dt, &tmp[0]);
+  if (s == GDP_OK) s = load(ctx, D, dt, &tmp[1]);
+  if (s == GDP_OK) s = load(ctx, d_out, dt, &tmp[2]);
+  if (s == GDP_OK) s = buffer_like(ctx, dx_v != NULL, dt, x_v, &tmp[3]);
+  if (s == GDP_OK) s = buffer_like(ctx, dD != NULL, dt, D, &tmp[4]);
+  if (s == GDP_OK) {
+    const int64_t rows = H * P > 0 ? gdp_tensor_numel(x_v) / (H * P) : 0;
+    if (dt == GDP_DTYPE_F64)
+      s = gdp_cpu_dskip_bwd_f64(rows, H, P, per_channel, ptr(tmp[0]), ptr(tmp[1]), ptr(tmp[2]),
+                                ptr(tmp[3]), ptr(tmp[4]), ctx->num_threads);
+    else
+      s = gdp_cpu_dskip_bwd_f32(rows, H, P, per_channel, ptr(tmp[0]), ptr(tmp[1]), ptr(tmp[2]),
+                                ptr(tmp[3]), ptr(tmp[4]), ctx->num_threads);
+  }
+  if (s == GDP_OK) s = deliver(ctx, &tmp[3], dt, dx_v);
+  if (s == GDP_OK) s = deliver(ctx, &tmp[4], D->dtype, dD);
+  if (s != GDP_OK) {
+    if (dx_v) {
+      gdp_tensor_free(*dx_v);
+      *dx_v = NULL;
+    }
+    if (dD) {
+      gdp_tensor_free(*dD);
+      *dD = NULL;
+    }
+  }
+  FREE_ALL(tmp);
+  return s;
+}

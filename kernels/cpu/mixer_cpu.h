@@ -1,0 +1,97 @@
+/*
+ * mixer_cpu.h -- CPU kernels of the mixer layer ops (gdp.h, "mixer layer ops"):
+ * depthwise causal conv1d, the beta/decay gates, the gated grouped RMSNorm and the D
+ * skip, each forward and backward, for float64 (_f64) and float32 (_f32).
+ *
+ * Kernels see contiguous row-major buffers of one dtype and plain sizes; the op layer
+ * (core/src/op_mixer.c) validates, converts and allocates.  Backward outputs may be
+ * NULL (not wanted).  float32 elementwise math is float32; sums over tokens and norm
+ * groups accumulate in double.  Kernels that need scratch memory return GDP_ERR_OOM
+ * with the message set; the others cannot fail.
+ */
+#ifndef GDP_KERNELS_CPU_MIXER_H
+#define GDP_KERNELS_CPU_MIXER_H
+
+#include <stdint.h>
+
+#include "gdp.h"
+
+/* conv1d: x, out, dx [T,B,C]; wt [W,C] (tap-major: the transpose of Megatron's weight, so
+ * that inner loops run over contiguous channels); dweight [C,W]; bias [C] or NULL; halo
+ * [halo_len,B,C] or NULL.
+ * seq_start[t] is the first token of the sequence holding token t; a tap at s < seq_start[t]
+ * reads the halo row halo_len+s when seq_start[t] == 0 and s >= -halo_len, else zero. */
+typedef struct gdp_cpu_conv1d_args {
+  int64_t T, B, C, W;
+  const int64_t *seq_start; /* [T] */
+  int64_t halo_len;         /* 0 without a halo */
+  int silu;                 /* fused SiLU after the bias */
+  int num_threads;
+} gdp_cpu_conv1d_args;
+
+void gdp_cpu_conv1d_fwd_f64(const gdp_cpu_conv1d_args *a, const double *x, const double *wt,
+                            const double *bias, const double *halo, double *out);
+void gdp_cpu_conv1d_fwd_f32(const gdp_cpu_conv1d_args *a, const float *x, const float *wt,
+                            const float *bias, const float *halo, float *out);
+/* dweight [C,W], dbias [C], dhalo [halo_len,B,C]; any may be NULL, so may dx. */
+gdp_status gdp_cpu_conv1d_bwd_f64(const gdp_cpu_conv1d_args *a, const double *x,
+                                  const double *wt, const double *bias, const double *halo,
+                                  const double *d_out, double *dx, double *dweight, double *dbias,
+                                  double *dhalo);
+gdp_status gdp_cpu_conv1d_bwd_f32(const gdp_cpu_conv1d_args *a, const float *x,
+                                  const float *wt, const float *bias, const float *halo,
+                                  const float *d_out, float *dx, float *dweight, float *dbias,
+                                  float *dhalo);
+
+/* beta = scale * sigmoid(b) over n elements; db = d_beta * scale * s (1 - s). */
+void gdp_cpu_beta_fwd_f64(int64_t n, double scale, const double *b, double *beta, int nthreads);
+void gdp_cpu_beta_fwd_f32(int64_t n, double scale, const float *b, float *beta, int nthreads);
+void gdp_cpu_beta_bwd_f64(int64_t n, double scale, const double *b, const double *d_beta,
+                          double *db, int nthreads);
+void gdp_cpu_beta_bwd_f32(int64_t n, double scale, const float *b, const float *d_beta,
+                          float *db, int nthreads);
+
+/* g[r,h] = -exp(A_log[h]) * softplus(a[r,h] + dt_bias[h]) over rows x H; dt_bias may be
+ * NULL.  Backward: da [rows,H]; dA_log, ddt_bias [H] (double sums, any may be NULL). */
+void gdp_cpu_decay_fwd_f64(int64_t rows, int64_t H, const double *a, const double *A_log,
+                           const double *dt_bias, double *g, int nthreads);
+void gdp_cpu_decay_fwd_f32(int64_t rows, int64_t H, const float *a, const float *A_log,
+                           const float *dt_bias, float *g, int nthreads);
+gdp_status gdp_cpu_decay_bwd_f64(int64_t rows, int64_t H, const double *a, const double *A_log,
+                                 const double *dt_bias, const double *d_g, double *da,
+                                 double *dA_log, double *ddt_bias, int nthreads);
+gdp_status gdp_cpu_decay_bwd_f32(int64_t rows, int64_t H, const float *a, const float *A_log,
+                                 const float *dt_bias, const float *d_g, float *da,
+                                 float *dA_log, float *ddt_bias, int nthreads);
+
+/* Gated grouped RMSNorm over rows x d, groups of gs channels: x = y * silu(z) (z NULL: x = y),
+ * out = x * rstd * weight.  Backward: dy, dz [rows,d] (dz NULL without z), dweight [d]. */
+gdp_status gdp_cpu_gated_rmsnorm_fwd_f64(int64_t rows, int64_t d, int64_t gs, double eps,
+                                         const double *y, const double *z, const double *weight,
+                                         double *out, int nthreads);
+gdp_status gdp_cpu_gated_rmsnorm_fwd_f32(int64_t rows, int64_t d, int64_t gs, double eps,
+                                         const float *y, const float *z, const float *weight,
+                                         float *out, int nthreads);
+gdp_status gdp_cpu_gated_rmsnorm_bwd_f64(int64_t rows, int64_t d, int64_t gs, double eps,
+                                         const double *y, const double *z, const double *weight,
+                                         const double *d_out, double *dy, double *dz,
+                                         double *dweight, int nthreads);
+gdp_status gdp_cpu_gated_rmsnorm_bwd_f32(int64_t rows, int64_t d, int64_t gs, double eps,
+                                         const float *y, const float *z, const float *weight,
+                                         const float *d_out, float *dy, float *dz,
+                                         float *dweight, int nthreads);
+
+/* D skip over rows x H x P: out = y + D * x_v with D [H] (per_channel 0) or [H*P] (1).
+ * Backward: dx_v = D * d_out; dD = sum over rows of d_out * x_v (and over P per head). */
+void gdp_cpu_dskip_fwd_f64(int64_t rows, int64_t H, int64_t P, int per_channel, const double *y,
+                           const double *x_v, const double *D, double *out, int nthreads);
+void gdp_cpu_dskip_fwd_f32(int64_t rows, int64_t H, int64_t P, int per_channel, const float *y,
+                           const float *x_v, const float *D, float *out, int nthreads);
+gdp_status gdp_cpu_dskip_bwd_f64(int64_t rows, int64_t H, int64_t P, int per_channel,
+                                 const double *x_v, const double *D, const double *d_out,
+                                 double *dx_v, double *dD, int nthreads);
+gdp_status gdp_cpu_dskip_bwd_f32(int64_t rows, int64_t H, int64_t P, int per_channel,
+                                 const float *x_v, const float *D, const float *d_out,
+                                 float *dx_v, float *dD, int nthreads);
+
+#endif /* GDP_KERNELS_CPU_MIXER_H */

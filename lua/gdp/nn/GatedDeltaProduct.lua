@@ -1,0 +1,512 @@
+-- gdp.nn.GatedDeltaProduct: the Gated DeltaProduct mixer layer with Megatron-Core's
+-- semantics and parameter names (DESIGN.md section 3), forward and backward, in the
+-- style of torch's nn.
+--
+--   local nn = require("gdp.nn")
+--   local m = nn.GatedDeltaProduct{hidden_size = 64, num_heads = 4, head_dim = 16,
+--                                  num_groups = 2, state_dim = 16, num_householder = 2,
+--                                  dtype = "f64", seed = 1}
+--   local out = m:forward(x, cu_seqlens)      -- x [T,B,hidden_size], out like x
+--   local dx = m:backward(x, dy)              -- accumulates m:gradients()
+--   m:parameters()["in_proj.weight"], m:gradients()["A_log"], m:zero_grad()
+--   m:save("mixer.safetensors"); m:load("mixer.safetensors")
+--
+-- Options (defaults): hidden_size, num_heads, head_dim, num_groups (1), state_dim,
+-- num_householder (3), conv_width (4), allow_neg_eigval (false: beta in (0,1); true:
+-- (0,2)), D (false | "head" | "channel": the optional skip y += D * x_v, per head or per
+-- channel = Megatron's D_has_hdim), norm_eps (1e-5), conv_bias (true), dtype ("f64" |
+-- "f32"), device ("cpu"), seed (nil: the device's current RNG stream), algorithm
+-- ("auto": the operator's), init_method_std (0.02), num_layers (1, for out_proj's
+-- scaled init).
+--
+-- Layout.  in_proj maps D_model to [z (d_inner), V (M d_inner), K (M ng N), Q (ng N),
+-- b (M nh), a (nh)] on the last dim, with V inside as (m, head, p), K as (m, group, n)
+-- and b as (m, head); the depthwise conv (+SiLU) runs over the channels [V, K, Q] and
+-- restarts at every packed sequence.  The operator sees q [B,T,nh,N] (groups repeated
+-- to heads: head h uses group h / (nh/ng)), k [B,T*M,nh,N] with row t*M+m, v
+-- [B,T*M,nh,P], beta [B,T*M,nh], g [B,T,nh], L2-normalised q and k, scale N^-1/2 and
+-- no initial state.  The D skip reads x_v = the first value copy (m = 0) of the conv
+-- output (Megatron's GDP has no D; with M = 1 this is Mamba2's x).  Then the gated
+-- RMSNorm RMSNorm(y * SiLU(z)) * norm.weight in groups of d_inner / ng, and out_proj.
+--
+-- Initialisation (Megatron-Core's defaults): in_proj.weight ~ N(0, init_method_std);
+-- out_proj.weight ~ N(0, init_method_std / sqrt(2 num_layers)) (the scaled output init);
+-- conv1d.weight and conv1d.bias ~ U(-1/sqrt(W), 1/sqrt(W)) (torch Conv1d's default,
+-- fan_in = W for a depthwise conv); A ~ U(0, 16), A_log = log A; dt = exp(U(log 1e-3,
+-- log 1e-1)) clamped >= 1e-4, dt_bias = dt + log(-expm1(-dt)); D and norm.weight ones.
+--
+-- Stages.  forward = in_proj_forward -> split_in_proj -> conv_forward -> ssm_inputs ->
+-- ssm_forward -> out_forward, and backward mirrors them (out_backward, ssm_backward,
+-- ssm_inputs_backward, conv_backward, in_proj_backward).  Each stage takes and returns
+-- plain tensors, so that context-parallel variants can put all-to-alls or halo
+-- exchanges between them, and parameter slices in place of the full parameters.
+local ffi = require("ffi")
+local tensor = require("gdp.tensor")
+local ops = require("gdp.ops")
+local gio = require("gdp.io")
+local F = require("gdp.nn.functional")
+
+local argerror = tensor.argerror
+
+local GatedDeltaProduct = {}
+GatedDeltaProduct.__index = GatedDeltaProduct
+GatedDeltaProduct.__name = "GatedDeltaProduct"
+
+local FN = "nn.GatedDeltaProduct"
+
+local option_keys = {
+  hidden_size = true, num_heads = true, head_dim = true, num_groups = true, state_dim = true,
+  num_householder = true, conv_width = true, allow_neg_eigval = true, D = true, norm_eps = true,
+  conv_bias = true, dtype = true, device = true, seed = true, algorithm = true,
+  init_method_std = true, num_layers = true,
+}
+
+-- Megatron's names, in the order of the layer.
+local PARAM_ORDER = {
+  "in_proj.weight", "conv1d.weight", "conv1d.bias", "dt_bias", "A_log", "D", "norm.weight",
+  "out_proj.weight",
+}
+
+local function int_opt(cfg, key, default, min)
+  local v = cfg[key]
+  if v == nil then v = default end
+  if type(v) ~= "number" or v ~= math.floor(v) or v < min then
+    argerror(FN, string.format("%s: expected an integer >= %d, got %s", key, min, tostring(v)))
+  end
+  return v
+end
+
+local function num_opt(cfg, key, default, min)
+  local v = cfg[key]
+  if v == nil then v = default end
+  if type(v) ~= "number" or not (v >= min) or v == math.huge then
+    argerror(FN, string.format("%s: expected a finite number >= %g, got %s", key, min, tostring(v)))
+  end
+  return v
+end
+
+------------------------------------------------------------------------------- construction
+
+-- Values of a tensor computed on the host: fn(i) for i = 1..n, as a tensor of the module's
+-- dtype and device.
+local function host_tensor(self, n, fn)
+  local vals = {}
+  for i = 1, n do vals[i] = fn(i) end
+  return tensor.tensor(vals, { n }, { dtype = self.dtype, device = self.device })
+end
+
+local function init_parameters(self)
+  local opts = { dtype = self.dtype, device = self.device }
+  local p = {}
+  local s = self.sizes
+  p["in_proj.weight"] = tensor.empty({ s.d_in_proj, self.hidden_size }, opts)
+                          :normal_(0, self.init_method_std)
+  local bound = 1 / math.sqrt(self.conv_width)
+  p["conv1d.weight"] = tensor.empty({ s.conv_dim, 1, self.conv_width }, opts):uniform_(-bound, bound)
+  if self.conv_bias then
+    p["conv1d.bias"] = tensor.empty({ s.conv_dim }, opts):uniform_(-bound, bound)
+  end
+  -- Gate parameters: drawn in float64 from the same RNG, transformed on the host.
+  local nh = self.num_heads
+  local dt_u = tensor.empty({ nh }, { dtype = "f64", device = self.device })
+                 :uniform_(math.log(1e-3), math.log(1e-1)):flat()
+  p["dt_bias"] = host_tensor(self, nh, function(i)
+    local dt = math.max(math.exp(dt_u[i]), 1e-4)
+    -- inverse softplus: log(exp(dt) - 1) = dt + log(1 - exp(-dt)) = dt + log(-expm1(-dt));
+    -- -expm1(-dt) written as 1 - exp(-dt) loses digits for small dt, so use the series.
+    local e = dt < 1e-5 and dt * (1 - dt / 2) or (1 - math.exp(-dt))
+    return dt + math.log(e)
+  end)
+  local A_u = tensor.empty({ nh }, { dtype = "f64", device = self.device }):uniform_(0, 16):flat()
+  p["A_log"] = host_tensor(self, nh, function(i) return math.log(A_u[i]) end)
+  if self.D_mode then
+    p["D"] = tensor.ones({ self.D_mode == "channel" and s.d_inner or nh }, opts)
+  end
+  p["norm.weight"] = tensor.ones({ s.d_inner }, opts)
+  p["out_proj.weight"] = tensor.empty({ self.hidden_size, s.d_inner }, opts)
+                           :normal_(0, self.init_method_std / math.sqrt(2 * self.num_layers))
+  return p
+end
+
+function GatedDeltaProduct.new(cfg)
+  if type(cfg) ~= "table" then
+    argerror(FN, "expected an options table {hidden_size =, num_heads =, head_dim =, state_dim =, ...}")
+  end
+  tensor.check_opts(FN, cfg, option_keys)
+  local self = setmetatable({}, GatedDeltaProduct)
+  self.hidden_size = int_opt(cfg, "hidden_size", nil, 1)
+  self.num_heads = int_opt(cfg, "num_heads", nil, 1)
+  self.head_dim = int_opt(cfg, "head_dim", nil, 1)
+  self.num_groups = int_opt(cfg, "num_groups", 1, 1)
+  self.state_dim = int_opt(cfg, "state_dim", nil, 1)
+  self.num_householder = int_opt(cfg, "num_householder", 3, 1)
+  self.conv_width = int_opt(cfg, "conv_width", 4, 1)
+  self.norm_eps = num_opt(cfg, "norm_eps", 1e-5, 0)
+  self.init_method_std = num_opt(cfg, "init_method_std", 0.02, 0)
+  self.num_layers = int_opt(cfg, "num_layers", 1, 1)
+  self.allow_neg_eigval = cfg.allow_neg_eigval == true
+  self.beta_scale = self.allow_neg_eigval and 2 or 1
+  self.conv_bias = cfg.conv_bias ~= false
+  if cfg.D ~= nil and cfg.D ~= false and cfg.D ~= "head" and cfg.D ~= "channel" then
+    argerror(FN, "D: expected false, \"head\" or \"channel\" (D_has_hdim), got " .. tostring(cfg.D))
+  end
+  self.D_mode = cfg.D or false
+  self.dtype = cfg.dtype or "f64"
+  if self.dtype ~= "f64" and self.dtype ~= "f32" then
+    argerror(FN, "dtype: expected \"f64\" or \"f32\", got " .. tostring(self.dtype))
+  end
+  self.device = cfg.device or "cpu"
+  self.algorithm = cfg.algorithm or "auto"
+  if self.num_heads % self.num_groups ~= 0 then
+    argerror(FN, string.format("num_groups: expected a divisor of num_heads = %d, got %d",
+                               self.num_heads, self.num_groups))
+  end
+
+  local nh, P, ng, N, M = self.num_heads, self.head_dim, self.num_groups, self.state_dim,
+                          self.num_householder
+  local s = {}
+  s.d_inner = nh * P
+  s.v_dim = M * s.d_inner         -- V: (m, head, p)
+  s.k_dim = M * ng * N            -- K: (m, group, n)
+  s.q_dim = ng * N
+  s.conv_dim = s.v_dim + s.k_dim + s.q_dim
+  s.b_dim = M * nh                -- b: (m, head)
+  s.a_dim = nh
+  s.d_in_proj = s.d_inner + s.conv_dim + s.b_dim + s.a_dim
+  -- 1-based offsets on the in_proj output's last dim and on the conv channels
+  s.z_off = 1
+  s.xBC_off = 1 + s.d_inner
+  s.b_off = s.xBC_off + s.conv_dim
+  s.a_off = s.b_off + s.b_dim
+  s.v_off, s.k_off, s.q_off = 1, 1 + s.v_dim, 1 + s.v_dim + s.k_dim
+  s.norm_group = s.d_inner / ng
+  self.sizes = s
+  self.scale = N ^ -0.5 -- as Megatron writes it (d_state ** -0.5)
+
+  -- A given seed draws the parameters from its own stream and leaves the device's
+  -- stream where it was.
+  local ctx = tensor.get_ctx(FN, self.device)
+  local saved_seed, saved_offset
+  if cfg.seed ~= nil then
+    if type(cfg.seed) ~= "number" or cfg.seed < 0 or cfg.seed ~= math.floor(cfg.seed) then
+      argerror(FN, "seed: expected an integer >= 0, got " .. tostring(cfg.seed))
+    end
+    saved_seed, saved_offset = ctx:seed(), ctx:rng_offset()
+    ctx:manual_seed(cfg.seed)
+  end
+  local ok, params = pcall(init_parameters, self)
+  if saved_seed ~= nil then
+    ctx:manual_seed(saved_seed)
+    ctx:set_rng_offset(saved_offset)
+  end
+  if not ok then error(params, 0) end
+  self.params = params
+  self.grads = {}
+  for name, t in pairs(params) do
+    self.grads[name] = tensor.zeros(t:shape(), { dtype = self.dtype, device = self.device })
+  end
+  self.cache = nil
+  return self
+end
+
+setmetatable(GatedDeltaProduct, {
+  __call = function(_, cfg) return GatedDeltaProduct.new(cfg) end,
+})
+
+function GatedDeltaProduct:__tostring()
+  return string.format("nn.GatedDeltaProduct(hidden %d, heads %d x %d, groups %d x %d, " ..
+                       "householder %d, conv %d%s%s, %s, %s)",
+                       self.hidden_size, self.num_heads, self.head_dim, self.num_groups,
+                       self.state_dim, self.num_householder, self.conv_width,
+                       self.allow_neg_eigval and ", neg eigval" or "",
+                       self.D_mode and (", D " .. self.D_mode) or "", self.dtype, self.device)
+end
+
+------------------------------------------------------------------------------- parameters
+
+-- Parameter names present in this module, in layer order.
+function GatedDeltaProduct:parameter_names()
+  local out = {}
+  for _, name in ipairs(PARAM_ORDER) do
+    if self.params[name] ~= nil then out[#out + 1] = name end
+  end
+  return out
+end
+
+-- name -> tensor (the live parameters: writing into them changes the module).
+function GatedDeltaProduct:parameters() return self.params end
+
+-- name -> tensor of accumulated gradients.
+function GatedDeltaProduct:gradients() return self.grads end
+
+function GatedDeltaProduct:zero_grad()
+  for _, g in pairs(self.grads) do g:zero() end
+  return self
+end
+
+-- Copies values (any dtype) into the parameters from a table name -> tensor.  Every
+-- parameter must be present with its shape; with strict (default) no other name may be.
+function GatedDeltaProduct:set_parameters(tensors, strict)
+  if strict == nil then strict = true end
+  for _, name in ipairs(self:parameter_names()) do
+    local src = tensors[name]
+    if src == nil then argerror(FN, "set_parameters: missing parameter '" .. name .. "'") end
+    local dst = self.params[name]
+    if tensor.shape_str(src:shape()) ~= tensor.shape_str(dst:shape()) then
+      argerror(FN, string.format("set_parameters: %s: expected shape %s, got %s", name,
+                                 tensor.shape_str(dst:shape()), tensor.shape_str(src:shape())))
+    end
+    dst:copy(src)
+  end
+  if strict then
+    for name in pairs(tensors) do
+      if self.params[name] == nil then
+        argerror(FN, "set_parameters: unexpected tensor '" .. tostring(name) ..
+                     "' (not a parameter of this module; pass strict = false to ignore)")
+      end
+    end
+  end
+  self.cache = nil
+  return self
+end
+
+-- safetensors with Megatron's names and the configuration as metadata.
+function GatedDeltaProduct:save(path)
+  gio.save(path, self.params, {
+    layer = "GatedDeltaProduct", hidden_size = self.hidden_size, num_heads = self.num_heads,
+    head_dim = self.head_dim, num_groups = self.num_groups, state_dim = self.state_dim,
+    num_householder = self.num_householder, conv_width = self.conv_width,
+    allow_neg_eigval = self.allow_neg_eigval, D = self.D_mode or "false",
+    norm_eps = self.norm_eps, conv_bias = self.conv_bias,
+  })
+end
+
+-- Loads parameters saved by save (or any file with Megatron's names; strict = false
+-- ignores the file's other tensors).
+function GatedDeltaProduct:load(path, strict)
+  local tensors = gio.load(path, { device = self.device })
+  return self:set_parameters(tensors, strict)
+end
+
+------------------------------------------------------------------------------- stages
+
+local function check_input(self, fn, x)
+  tensor.tensor_arg(x, fn, "x")
+  if x:dim() ~= 3 or x:size(3) ~= self.hidden_size then
+    argerror(fn, string.format("x: expected [T,B,%d] (sequence-major, hidden_size %d), got %s",
+                               self.hidden_size, self.hidden_size, tensor.shape_str(x:shape())))
+  end
+  if x:dtype() ~= self.dtype then
+    argerror(fn, string.format("x: expected dtype %s (the module's), got %s", self.dtype, x:dtype()))
+  end
+end
+
+-- x [T,B,D] -> the in_proj output [T,B,d_in_proj].
+function GatedDeltaProduct:in_proj_forward(x, weight)
+  local T, B = x:size(1), x:size(2)
+  local x2 = x:reshape(T * B, self.hidden_size)
+  local zx = tensor.matmul(x2, weight or self.params["in_proj.weight"], { trans_b = true })
+  return zx:view(T, B, self.sizes.d_in_proj)
+end
+
+-- Backward of in_proj: returns dx [T,B,D]; accumulates in_proj.weight's gradient.
+function GatedDeltaProduct:in_proj_backward(x, dzx, weight, grad)
+  local T, B = x:size(1), x:size(2)
+  local x2 = x:reshape(T * B, self.hidden_size)
+  local dzx2 = dzx:reshape(T * B, self.sizes.d_in_proj)
+  tensor.matmul(dzx2, x2, { trans_a = true, out = grad or self.grads["in_proj.weight"], beta = 1 })
+  local dx = tensor.matmul(dzx2, weight or self.params["in_proj.weight"])
+  return dx:view(T, B, self.hidden_size)
+end
+
+-- Views of the in_proj output's sections: z [T,B,d_inner], xBC [T,B,conv_dim],
+-- b [T,B,M*nh], a [T,B,nh].
+function GatedDeltaProduct:split_in_proj(zx)
+  local s = self.sizes
+  return {
+    z = zx:narrow(3, s.z_off, s.d_inner),
+    xBC = zx:narrow(3, s.xBC_off, s.conv_dim),
+    b = zx:narrow(3, s.b_off, s.b_dim),
+    a = zx:narrow(3, s.a_off, s.a_dim),
+  }
+end
+
+-- Depthwise causal conv + SiLU over [V, K, Q]; halo [L,B,C] optional (context parallel).
+function GatedDeltaProduct:conv_forward(xBC, cu_seqlens, halo, weight, bias)
+  return F.conv1d(xBC, weight or self.params["conv1d.weight"],
+                  bias or (weight == nil and self.params["conv1d.bias"] or nil),
+                  { activation = "silu", cu_seqlens = cu_seqlens, halo = halo })
+end
+
+-- Returns dxBC [T,B,C] and dhalo (nil without halo); accumulates the conv gradients
+-- into grads (default: the module's) when given.
+function GatedDeltaProduct:conv_backward(xBC, dxBC_c, cu_seqlens, halo, weight, bias, grads)
+  local w = weight or self.params["conv1d.weight"]
+  local b = bias or (weight == nil and self.params["conv1d.bias"] or nil)
+  local r = F.conv1d_backward(xBC, w, b, dxBC_c,
+                              { activation = "silu", cu_seqlens = cu_seqlens, halo = halo })
+  grads = grads or { weight = self.grads["conv1d.weight"], bias = self.grads["conv1d.bias"] }
+  grads.weight:add_(r.dweight)
+  if r.dbias ~= nil and grads.bias ~= nil then grads.bias:add_(r.dbias) end
+  return r.dx, r.dhalo
+end
+
+-- The operator's inputs from the conv output and the gate sections:
+-- {q [B,T,nh,N], k [B,T*M,nh,N], v [B,T*M,nh,P], beta [B,T*M,nh], g [B,T,nh],
+--  x_v [T,B,nh,P] (value copy m = 0, for the D skip)}.
+function GatedDeltaProduct:ssm_inputs(xBC_c, b, a)
+  local s = self.sizes
+  local T, B = xBC_c:size(1), xBC_c:size(2)
+  local nh, P, ng, N, M = self.num_heads, self.head_dim, self.num_groups, self.state_dim,
+                          self.num_householder
+  local V5 = xBC_c:narrow(3, s.v_off, s.v_dim):view(T, B, M, nh, P)
+  local K5 = xBC_c:narrow(3, s.k_off, s.k_dim):view(T, B, M, ng, N)
+  local Q4 = xBC_c:narrow(3, s.q_off, s.q_dim):view(T, B, ng, N)
+  local inp = {}
+  inp.v = V5:permute(2, 1, 3, 4, 5):reshape(B, T * M, nh, P)
+  inp.k = F.repeat_heads(K5, nh):permute(2, 1, 3, 4, 5):reshape(B, T * M, nh, N)
+  inp.q = F.repeat_heads(Q4, nh):permute(2, 1, 3, 4)
+  inp.x_v = V5:select(3, 1)
+  inp.beta = F.beta(b, self.beta_scale):view(T, B, M, nh):permute(2, 1, 3, 4):reshape(B, T * M, nh)
+  inp.g = F.decay(a, self.params["A_log"], self.params["dt_bias"]):permute(2, 1, 3)
+  return inp
+end
+
+-- Backward of ssm_inputs: from the operator's gradients (and dx_v of the D skip) to
+-- dxBC_c [T,B,C], db [T,B,M*nh], da [T,B,nh]; accumulates A_log and dt_bias gradients.
+function GatedDeltaProduct:ssm_inputs_backward(grads, b, a, dx_v)
+  local s = self.sizes
+  local B, T = grads.dq:size(1), grads.dq:size(2)
+  local nh, P, ng, N, M = self.num_heads, self.head_dim, self.num_groups, self.state_dim,
+                          self.num_householder
+  local dxBC_c = tensor.zeros({ T, B, s.conv_dim }, { dtype = self.dtype, device = self.device })
+  local dV5 = dxBC_c:narrow(3, s.v_off, s.v_dim):view(T, B, M, nh, P)
+  dV5:copy(grads.dv:view(B, T, M, nh, P):permute(2, 1, 3, 4, 5))
+  if dx_v ~= nil then dV5:select(3, 1):add_(dx_v) end
+  dxBC_c:narrow(3, s.k_off, s.k_dim):view(T, B, M, ng, N)
+        :copy(F.repeat_heads_backward(grads.dk:view(B, T, M, nh, N):permute(2, 1, 3, 4, 5), ng))
+  dxBC_c:narrow(3, s.q_off, s.q_dim):view(T, B, ng, N)
+        :copy(F.repeat_heads_backward(grads.dq:permute(2, 1, 3, 4), ng))
+  local dbeta = grads.dbeta:view(B, T, M, nh):permute(2, 1, 3, 4)
+  local db = F.beta_backward(b:view(T, B, M, nh), self.beta_scale, dbeta):view(T, B, M * nh)
+  local da, dA_log, ddt = F.decay_backward(a, self.params["A_log"], self.params["dt_bias"],
+                                           grads.dg:permute(2, 1, 3))
+  self.grads["A_log"]:add_(dA_log)
+  self.grads["dt_bias"]:add_(ddt)
+  return dxBC_c, db, da
+end
+
+local function op_args(self, inp, cu_seqlens)
+  return {
+    q = inp.q, k = inp.k, v = inp.v, g = inp.g, beta = inp.beta,
+    num_householder = self.num_householder, scale = self.scale,
+    use_qk_l2norm_in_kernel = true, output_final_state = false,
+    cu_seqlens = cu_seqlens, algorithm = self.algorithm,
+  }
+end
+
+-- The GDP operator: o [B,T,nh,P].
+function GatedDeltaProduct:ssm_forward(inp, cu_seqlens)
+  return (ops.chunk_gated_delta_product(op_args(self, inp, cu_seqlens)))
+end
+
+-- {dq, dk, dv, dbeta, dg} for d_o [B,T,nh,P].
+function GatedDeltaProduct:ssm_backward(inp, cu_seqlens, d_o)
+  local args = op_args(self, inp, cu_seqlens)
+  args["do"] = d_o
+  return ops.chunk_gated_delta_product_backward(args)
+end
+
+-- o [B,T,nh,P] -> out [T,B,D]: D skip, gated RMSNorm with z, out_proj.  Returns out and
+-- the intermediates out_backward needs.
+function GatedDeltaProduct:out_forward(o, z, x_v)
+  local T, B = o:size(2), o:size(1)
+  local s = self.sizes
+  local y = o:permute(2, 1, 3, 4)
+  if self.D_mode then y = F.dskip(y, x_v, self.params["D"]) end
+  local y3 = y:reshape(T, B, s.d_inner)
+  local yn = F.gated_rmsnorm(y3, z, self.params["norm.weight"], s.norm_group, self.norm_eps)
+  local out = tensor.matmul(yn:view(T * B, s.d_inner), self.params["out_proj.weight"],
+                            { trans_b = true })
+  return out:view(T, B, self.hidden_size), { y3 = y3, yn = yn }
+end
+
+-- Backward of out_forward: returns d_o [B,T,nh,P] (a view), dz [T,B,d_inner] and dx_v
+-- (nil without D); accumulates out_proj, norm and D gradients.
+function GatedDeltaProduct:out_backward(saved, z, x_v, dout)
+  local s = self.sizes
+  local T, B = dout:size(1), dout:size(2)
+  local dout2 = dout:reshape(T * B, self.hidden_size)
+  tensor.matmul(dout2, saved.yn:view(T * B, s.d_inner),
+                { trans_a = true, out = self.grads["out_proj.weight"], beta = 1 })
+  local dyn = tensor.matmul(dout2, self.params["out_proj.weight"]):view(T, B, s.d_inner)
+  local dy3, dz, dnw = F.gated_rmsnorm_backward(saved.y3, z, self.params["norm.weight"],
+                                                s.norm_group, self.norm_eps, dyn)
+  self.grads["norm.weight"]:add_(dnw)
+  local dy4 = dy3:view(T, B, self.num_heads, self.head_dim)
+  local dx_v
+  if self.D_mode then
+    local dD
+    dx_v, dD = F.dskip_backward(x_v, self.params["D"], dy4)
+    self.grads["D"]:add_(dD)
+  end
+  return dy4:permute(2, 1, 3, 4), dz, dx_v
+end
+
+------------------------------------------------------------------------------- nn interface
+
+-- out [T,B,D] for x [T,B,D]; cu_seqlens (a table or an int tensor over T, B = 1) packs
+-- independent sequences.  Keeps what backward needs.
+function GatedDeltaProduct:forward(x, cu_seqlens)
+  check_input(self, FN .. ":forward", x)
+  local cu = F.seqlens(cu_seqlens, FN .. ":forward")
+  local zx = self:in_proj_forward(x)
+  local parts = self:split_in_proj(zx)
+  local xBC_c = self:conv_forward(parts.xBC, cu)
+  local inp = self:ssm_inputs(xBC_c, parts.b, parts.a)
+  local o = self:ssm_forward(inp, cu)
+  local out, saved = self:out_forward(o, parts.z, inp.x_v)
+  self.cache = { x = x, cu_in = cu_seqlens, cu = cu, zx = zx, parts = parts, xBC_c = xBC_c,
+                 inp = inp, saved = saved }
+  self.output = out
+  return out
+end
+
+-- dx for the loss sum(out * dy); parameter gradients accumulate (zero_grad resets them).
+-- Uses the last forward when it was run on this x (and these cu_seqlens), else runs it.
+function GatedDeltaProduct:backward(x, dy, cu_seqlens)
+  local fn = FN .. ":backward"
+  check_input(self, fn, x)
+  tensor.tensor_arg(dy, fn, "dy")
+  if tensor.shape_str(dy:shape()) ~= tensor.shape_str(x:shape()) then
+    argerror(fn, string.format("dy: expected the shape of x %s, got %s",
+                               tensor.shape_str(x:shape()), tensor.shape_str(dy:shape())))
+  end
+  local c = self.cache
+  if c == nil or not rawequal(c.x, x) or (cu_seqlens ~= nil and not rawequal(c.cu_in, cu_seqlens)) then
+    self:forward(x, cu_seqlens)
+    c = self.cache
+  end
+  local d_o, dz, dx_v = self:out_backward(c.saved, c.parts.z, c.inp.x_v, dy)
+  local g = self:ssm_backward(c.inp, c.cu, d_o)
+  local dxBC_c, db, da = self:ssm_inputs_backward(g, c.parts.b, c.parts.a, dx_v)
+  local dxBC = self:conv_backward(c.parts.xBC, dxBC_c, c.cu)
+  local s = self.sizes
+  local T, B = x:size(1), x:size(2)
+  local dzx = tensor.zeros({ T, B, s.d_in_proj }, { dtype = self.dtype, device = self.device })
+  dzx:narrow(3, s.z_off, s.d_inner):copy(dz)
+  dzx:narrow(3, s.xBC_off, s.conv_dim):copy(dxBC)
+  dzx:narrow(3, s.b_off, s.b_dim):copy(db)
+  dzx:narrow(3, s.a_off, s.a_dim):copy(da)
+  local dx = self:in_proj_backward(x, dzx)
+  self.grad_input = dx
+  return dx
+end
+
+-- Drops the tensors kept between forward and backward.
+function GatedDeltaProduct:clear_state()
+  self.cache, self.output, self.grad_input = nil, nil, nil
+  return self
+end
+
+return GatedDeltaProduct

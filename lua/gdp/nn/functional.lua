@@ -1,0 +1,211 @@
+-- gdp.nn.functional: the mixer layer ops of libgdp (gdp.h, "mixer layer ops") as
+-- plain functions on tensors, each forward with its backward.  The layers in gdp.nn
+-- are built from these; context-parallel variants reuse them between their
+-- communication steps.
+--
+--   local F = require("gdp.nn.functional")
+--   local y = F.conv1d(x, w, b, {activation = "silu", cu_seqlens = {0, 5, 9}, halo = h})
+--   local g = F.conv1d_backward(x, w, b, dy, {activation = "silu", cu_seqlens = ..., halo = h})
+--   -- g.dx, g.dweight, g.dbias (nil without bias), g.dhalo (nil without halo)
+--
+-- The context is that of the first tensor argument.  Shapes, dtypes and devices are
+-- checked by the C library, whose errors name the argument, expected and actual value.
+local ffi = require("ffi")
+local lib = require("gdp.lib")
+local tensor = require("gdp.tensor")
+
+local argerror, call_alloc, wrap = tensor.argerror, tensor.call_alloc, tensor.wrap
+local tensor_arg = tensor.tensor_arg
+
+local F = {}
+
+local tensor_box = ffi.typeof("gdp_tensor *[1]")
+
+local ACTIVATIONS = { none = lib.GDP_ACT_NONE, silu = lib.GDP_ACT_SILU }
+
+local function opt_tensor(x, fn, what)
+  if x == nil then return nil end
+  return tensor_arg(x, fn, what)
+end
+
+local function number_arg(x, fn, what)
+  if type(x) ~= "number" or x ~= x then
+    argerror(fn, string.format("%s: expected a number, got %s", what, tostring(x)))
+  end
+  return x
+end
+
+local function int_arg(x, fn, what, min)
+  if type(x) ~= "number" or x ~= math.floor(x) or x < min then
+    argerror(fn, string.format("%s: expected an integer >= %d, got %s", what, min, tostring(x)))
+  end
+  return x
+end
+
+-- A Lua table of sequence boundaries becomes an int64 cpu tensor; tensors pass through.
+function F.seqlens(cu, fn)
+  fn = fn or "seqlens"
+  if cu == nil or tensor.is_tensor(cu) then return cu end
+  if type(cu) ~= "table" then
+    argerror(fn, "cu_seqlens: expected a table of integers or an i32/i64 tensor, got " .. type(cu))
+  end
+  for i = 1, #cu do
+    local x = cu[i]
+    if type(x) ~= "number" or x ~= math.floor(x) then
+      argerror(fn, string.format("cu_seqlens[%d]: expected an integer, got %s", i, tostring(x)))
+    end
+  end
+  return tensor.tensor(cu, { #cu }, { dtype = "i64", device = "cpu" })
+end
+
+local conv_keys = { activation = true, cu_seqlens = true, halo = true }
+
+local function conv_opts(fn, opts)
+  opts = tensor.check_opts(fn, opts, conv_keys)
+  local act = ACTIVATIONS[opts.activation or "none"]
+  if act == nil then
+    argerror(fn, "activation: expected \"none\" or \"silu\", got " .. tostring(opts.activation))
+  end
+  return act, F.seqlens(opts.cu_seqlens, fn), opt_tensor(opts.halo, fn, "halo")
+end
+
+-- Depthwise causal conv1d over time: x [T,B,C], weight [C,W] or [C,1,W], bias [C] or nil.
+-- opts: activation ("none" | "silu"), cu_seqlens (restart at every packed sequence,
+-- B = 1), halo [L,B,C] (the tokens before token 0; nil: zeros).
+function F.conv1d(x, weight, bias, opts)
+  local fn = "nn.functional.conv1d"
+  tensor_arg(x, fn, "x")
+  tensor_arg(weight, fn, "weight")
+  opt_tensor(bias, fn, "bias")
+  local act, cu, halo = conv_opts(fn, opts)
+  local out = tensor_box()
+  call_alloc(fn, "gdp_mixer_conv1d_forward", x:ctx(), x, weight, bias, halo, cu, act, out)
+  return wrap(out[0])
+end
+
+-- Backward of sum(conv1d(...) * d_out): {dx, dweight, dbias, dhalo}.
+function F.conv1d_backward(x, weight, bias, d_out, opts)
+  local fn = "nn.functional.conv1d_backward"
+  tensor_arg(x, fn, "x")
+  tensor_arg(weight, fn, "weight")
+  opt_tensor(bias, fn, "bias")
+  tensor_arg(d_out, fn, "d_out")
+  local act, cu, halo = conv_opts(fn, opts)
+  local dx, dw, db, dh = tensor_box(), tensor_box(), tensor_box(), tensor_box()
+  call_alloc(fn, "gdp_mixer_conv1d_backward", x:ctx(), x, weight, bias, halo, cu, act, d_out,
+             dx, dw, db, dh)
+  return { dx = wrap(dx[0]), dweight = wrap(dw[0]), dbias = wrap(db[0]), dhalo = wrap(dh[0]) }
+end
+
+-- beta = scale * sigmoid(b), elementwise.
+function F.beta(b, scale)
+  local fn = "nn.functional.beta"
+  tensor_arg(b, fn, "b")
+  local out = tensor_box()
+  call_alloc(fn, "gdp_mixer_beta_forward", b:ctx(), b, number_arg(scale or 1, fn, "scale"), out)
+  return wrap(out[0])
+end
+
+function F.beta_backward(b, scale, d_beta)
+  local fn = "nn.functional.beta_backward"
+  tensor_arg(b, fn, "b")
+  tensor_arg(d_beta, fn, "d_beta")
+  local out = tensor_box()
+  call_alloc(fn, "gdp_mixer_beta_backward", b:ctx(), b, number_arg(scale or 1, fn, "scale"),
+             d_beta, out)
+  return wrap(out[0])
+end
+
+-- g = -exp(A_log[h]) * softplus(a + dt_bias[h]) for a [..., H]; dt_bias may be nil.
+function F.decay(a, A_log, dt_bias)
+  local fn = "nn.functional.decay"
+  tensor_arg(a, fn, "a")
+  tensor_arg(A_log, fn, "A_log")
+  opt_tensor(dt_bias, fn, "dt_bias")
+  local out = tensor_box()
+  call_alloc(fn, "gdp_mixer_decay_forward", a:ctx(), a, A_log, dt_bias, out)
+  return wrap(out[0])
+end
+
+-- Returns da, dA_log, ddt_bias (nil without dt_bias).
+function F.decay_backward(a, A_log, dt_bias, d_g)
+  local fn = "nn.functional.decay_backward"
+  tensor_arg(a, fn, "a")
+  tensor_arg(A_log, fn, "A_log")
+  opt_tensor(dt_bias, fn, "dt_bias")
+  tensor_arg(d_g, fn, "d_g")
+  local da, dA, ddt = tensor_box(), tensor_box(), tensor_box()
+  call_alloc(fn, "gdp_mixer_decay_backward", a:ctx(), a, A_log, dt_bias, d_g, da, dA, ddt)
+  return wrap(da[0]), wrap(dA[0]), wrap(ddt[0])
+end
+
+-- RMSNorm(y * silu(z)) * weight over the last dim in groups of group_size (z nil: no gate).
+function F.gated_rmsnorm(y, z, weight, group_size, eps)
+  local fn = "nn.functional.gated_rmsnorm"
+  tensor_arg(y, fn, "y")
+  opt_tensor(z, fn, "z")
+  tensor_arg(weight, fn, "weight")
+  group_size = int_arg(group_size or y:size(-1), fn, "group_size", 1)
+  local out = tensor_box()
+  call_alloc(fn, "gdp_mixer_gated_rmsnorm_forward", y:ctx(), y, z, weight, group_size,
+             number_arg(eps or 1e-5, fn, "eps"), out)
+  return wrap(out[0])
+end
+
+-- Returns dy, dz (nil without z), dweight.
+function F.gated_rmsnorm_backward(y, z, weight, group_size, eps, d_out)
+  local fn = "nn.functional.gated_rmsnorm_backward"
+  tensor_arg(y, fn, "y")
+  opt_tensor(z, fn, "z")
+  tensor_arg(weight, fn, "weight")
+  tensor_arg(d_out, fn, "d_out")
+  group_size = int_arg(group_size or y:size(-1), fn, "group_size", 1)
+  local dy, dz, dw = tensor_box(), tensor_box(), tensor_box()
+  call_alloc(fn, "gdp_mixer_gated_rmsnorm_backward", y:ctx(), y, z, weight, group_size,
+             number_arg(eps or 1e-5, fn, "eps"), d_out, dy, dz, dw)
+  return wrap(dy[0]), wrap(dz[0]), wrap(dw[0])
+end
+
+-- x [..., G, N] -> [..., num_heads, N]; head h reads group h / (num_heads / G).
+function F.repeat_heads(x, num_heads)
+  local fn = "nn.functional.repeat_heads"
+  tensor_arg(x, fn, "x")
+  local out = tensor_box()
+  call_alloc(fn, "gdp_mixer_repeat_heads_forward", x:ctx(), x,
+             int_arg(num_heads, fn, "num_heads", 1), out)
+  return wrap(out[0])
+end
+
+-- d_out [..., H, N] -> [..., num_groups, N] (sums over each group's heads).
+function F.repeat_heads_backward(d_out, num_groups)
+  local fn = "nn.functional.repeat_heads_backward"
+  tensor_arg(d_out, fn, "d_out")
+  local out = tensor_box()
+  call_alloc(fn, "gdp_mixer_repeat_heads_backward", d_out:ctx(), d_out,
+             int_arg(num_groups, fn, "num_groups", 1), out)
+  return wrap(out[0])
+end
+
+-- y + D * x_v for y, x_v [..., H, P]; D [H] or [H*P].
+function F.dskip(y, x_v, D)
+  local fn = "nn.functional.dskip"
+  tensor_arg(y, fn, "y")
+  tensor_arg(x_v, fn, "x_v")
+  tensor_arg(D, fn, "D")
+  local out = tensor_box()
+  call_alloc(fn, "gdp_mixer_dskip_forward", y:ctx(), y, x_v, D, out)
+  return wrap(out[0])
+end
+
+-- Returns dx_v, dD (dy is d_out itself).
+function F.dskip_backward(x_v, D, d_out)
+  local fn = "nn.functional.dskip_backward"
+  tensor_arg(x_v, fn, "x_v")
+  tensor_arg(D, fn, "D")
+  tensor_arg(d_out, fn, "d_out")
+  local dx, dD = tensor_box(), tensor_box()
+  call_alloc(fn, "gdp_mixer_dskip_backward", x_v:ctx(), x_v, D, d_out, dx, dD)
+  return wrap(dx[0]), wrap(dD[0])
+end
+
+return F

@@ -1,0 +1,379 @@
+-- The Gated DeltaProduct mixer layer (gdp.nn.GatedDeltaProduct) and its ops
+-- (gdp.nn.functional): golden Megatron-semantics cases, finite differences of the
+-- whole layer, packing, parameters, save/load, initialisation and errors.
+local gdp = require("gdp")
+local nn = require("gdp.nn")
+local F = nn.functional
+local H = gdp_test
+
+local TOL = { f64 = 1e-10, f32 = 1e-4 }
+
+-- A module from the metadata of a golden mixer file.
+local function module_for(meta, dtype)
+  return nn.GatedDeltaProduct{
+    hidden_size = tonumber(meta.d_model), num_heads = tonumber(meta.nheads),
+    head_dim = tonumber(meta.headdim), num_groups = tonumber(meta.ngroups),
+    state_dim = tonumber(meta.d_state), num_householder = tonumber(meta.num_householder),
+    conv_width = tonumber(meta.d_conv), conv_bias = meta.conv_bias == "true",
+    allow_neg_eigval = tonumber(meta.beta_scale) == 2, norm_eps = tonumber(meta.norm_eps),
+    dtype = dtype,
+  }
+end
+
+describe("nn.GatedDeltaProduct golden cases", function()
+  local files = H.list_files(H.golden_dir, "^mixer_.*%.safetensors$")
+
+  it("finds the mixer cases", function()
+    assert.is_true(#files >= 2, "expected the mixer_*.safetensors cases in " .. H.golden_dir)
+  end)
+
+  for _, path in ipairs(files) do
+    for _, dtype in ipairs({ "f64", "f32" }) do
+      it(path:match("[^/]+$") .. " " .. dtype .. ": out, grad.x and every grad.<param>", function()
+        local t, meta = gdp.load(path)
+        local m = module_for(meta, dtype)
+        assert.is_true(math.abs(m.scale - tonumber(meta.scale)) <= 1e-15 * m.scale)
+        m:set_parameters(t, false)
+        local x = t.x:to(dtype)
+        local out = m:forward(x, t.cu_seqlens)
+        local dx = m:backward(x, t.dy:to(dtype))
+        assert.tensor_near(out, t.out, TOL[dtype])
+        assert.tensor_near(dx, t["grad.x"], TOL[dtype])
+        local names = m:parameter_names()
+        for _, name in ipairs(names) do
+          local ref = t["grad." .. name]
+          assert.is_not_nil(ref, "the golden file lacks grad." .. name)
+          assert.tensor_near(m:gradients()[name], ref, TOL[dtype])
+        end
+        -- every gradient in the file is checked (no parameter missing from the module)
+        for name in pairs(t) do
+          local p = name:match("^grad%.(.+)$")
+          if p and p ~= "x" then assert.is_not_nil(m:parameters()[p], "module lacks " .. p) end
+        end
+      end)
+    end
+  end
+end)
+
+-- Relative error of central differences against the analytic gradient over `samples`
+-- random entries of a contiguous tensor p (modified in place and restored).
+local function fd_error(loss, p, grad, samples)
+  local flat, gflat = p:view(p:numel()), grad:contiguous():view(grad:numel())
+  local n = p:numel()
+  local h = 1e-5
+  local num, den = 0, 0
+  for s = 1, math.min(samples, n) do
+    local i = samples >= n and s or math.random(n)
+    local keep = flat:get(i)
+    flat:set(keep + h, i)
+    local lp = loss()
+    flat:set(keep - h, i)
+    local lm = loss()
+    flat:set(keep, i)
+    local fd = (lp - lm) / (2 * h)
+    local g = gflat:get(i)
+    num = num + (fd - g) ^ 2
+    den = den + g * g
+  end
+  if den == 0 then return num == 0 and 0 or math.huge end
+  return math.sqrt(num / den)
+end
+
+local function randomize(m, scale)
+  -- larger-than-init random parameters so that every path carries signal
+  local p = m:parameters()
+  for name, t in pairs(p) do
+    if name == "A_log" then t:uniform_(-1, 1)
+    elseif name == "dt_bias" then t:uniform_(-1, 1)
+    elseif name == "norm.weight" or name == "D" then t:uniform_(0.5, 1.5)
+    else t:normal_(0, scale) end
+  end
+end
+
+describe("nn.GatedDeltaProduct finite differences (f64)", function()
+  local configs = {
+    { label = "M=1, ng=nh, no D, B=2", T = 6, B = 2,
+      cfg = { hidden_size = 6, num_heads = 2, head_dim = 3, num_groups = 2, state_dim = 4,
+              num_householder = 1 } },
+    { label = "M=2, ng<nh, D head, packed short + empty", T = 9, B = 1, cu = { 0, 1, 1, 5, 9, 9 },
+      cfg = { hidden_size = 5, num_heads = 4, head_dim = 2, num_groups = 2, state_dim = 3,
+              num_householder = 2, D = "head" } },
+    { label = "M=3, ng=1, D channel, neg eigval, no conv bias, packed", T = 8, B = 1,
+      cu = { 0, 3, 3, 8 },
+      cfg = { hidden_size = 7, num_heads = 2, head_dim = 3, num_groups = 1, state_dim = 4,
+              num_householder = 3, D = "channel", allow_neg_eigval = true, conv_bias = false } },
+    { label = "M=2, ng=nh=3, W=3, B=2", T = 5, B = 2,
+      cfg = { hidden_size = 4, num_heads = 3, head_dim = 2, num_groups = 3, state_dim = 2,
+              num_householder = 2, conv_width = 3 } },
+  }
+  for ci, c in ipairs(configs) do
+    it(c.label, function()
+      H.reseed(100 + ci)
+      math.randomseed(H.seed + ci)
+      local cfg = {}
+      for k, v in pairs(c.cfg) do cfg[k] = v end
+      cfg.dtype, cfg.seed = "f64", H.seed + ci
+      local m = nn.GatedDeltaProduct(cfg)
+      randomize(m, 0.5)
+      local x = gdp.randn({ c.T, c.B, cfg.hidden_size }, { dtype = "f64" })
+      local dy = gdp.randn({ c.T, c.B, cfg.hidden_size }, { dtype = "f64" })
+      m:zero_grad()
+      m:forward(x, c.cu)
+      local dx = m:backward(x, dy, c.cu)
+      local function loss() return m:forward(x, c.cu):dot(dy) end
+      local worst, worst_name = 0, nil
+      local function check(name, p, g)
+        local e = fd_error(loss, p, g, 12)
+        assert.is_true(e <= 1e-6, string.format("%s: finite differences vs backward: %.3e", name, e))
+        if e > worst then worst, worst_name = e, name end
+      end
+      local verbose = os.getenv("GDP_TEST_VERBOSE")
+      check("x", x, dx)
+      for _, name in ipairs(m:parameter_names()) do
+        check(name, m:parameters()[name], m:gradients()[name])
+      end
+      if verbose then
+        io.stderr:write(string.format("  %s: worst finite-difference error %.2e (%s)\n", c.label,
+                                      worst, worst_name))
+      end
+      -- the gradients are not all zero (the check above would pass vacuously)
+      assert.is_true(m:gradients()["A_log"]:norm() > 0 and dx:norm() > 0)
+    end)
+  end
+end)
+
+describe("nn.GatedDeltaProduct packing", function()
+  local cfg = { hidden_size = 8, num_heads = 4, head_dim = 3, num_groups = 2, state_dim = 4,
+                num_householder = 2, D = "head", dtype = "f64", seed = 7 }
+
+  it("a packed batch equals its sequences run one by one (no leak across starts)", function()
+    H.reseed(11)
+    local m = nn.GatedDeltaProduct(cfg)
+    local cu = { 0, 3, 3, 8, 9, 14 }
+    local x = gdp.randn({ 14, 1, 8 }, { dtype = "f64" })
+    local packed = m:forward(x, cu)
+    for s = 1, #cu - 1 do
+      local len = cu[s + 1] - cu[s]
+      if len > 0 then
+        local xs = x:narrow(1, cu[s] + 1, len):contiguous()
+        local alone = m:forward(xs)
+        assert.tensor_near(packed:narrow(1, cu[s] + 1, len):contiguous(), alone, 1e-12)
+      end
+    end
+  end)
+
+  it("B columns equal the same sequences packed", function()
+    H.reseed(12)
+    local m = nn.GatedDeltaProduct(cfg)
+    local T = 6
+    local x = gdp.randn({ T, 2, 8 }, { dtype = "f64" })
+    local dy = gdp.randn({ T, 2, 8 }, { dtype = "f64" })
+    local out = m:forward(x)
+    m:zero_grad()
+    local dx = m:backward(x, dy)
+    local g_unpacked = m:gradients()["in_proj.weight"]:clone()
+    -- pack: [T,2,D] -> columns one after the other [2T,1,D]
+    local xp = gdp.zeros({ 2 * T, 1, 8 }, { dtype = "f64" })
+    local dyp = gdp.zeros({ 2 * T, 1, 8 }, { dtype = "f64" })
+    for b = 1, 2 do
+      xp:narrow(1, (b - 1) * T + 1, T):select(2, 1):copy(x:select(2, b))
+      dyp:narrow(1, (b - 1) * T + 1, T):select(2, 1):copy(dy:select(2, b))
+    end
+    local cu = { 0, T, 2 * T }
+    local outp = m:forward(xp, cu)
+    m:zero_grad()
+    local dxp = m:backward(xp, dyp, cu)
+    for b = 1, 2 do
+      assert.tensor_near(outp:narrow(1, (b - 1) * T + 1, T):select(2, 1):contiguous(),
+                         out:select(2, b):contiguous(), 1e-12)
+      assert.tensor_near(dxp:narrow(1, (b - 1) * T + 1, T):select(2, 1):contiguous(),
+                         dx:select(2, b):contiguous(), 1e-12)
+    end
+    assert.tensor_near(m:gradients()["in_proj.weight"], g_unpacked, 1e-12)
+  end)
+end)
+
+describe("nn.GatedDeltaProduct parameters", function()
+  local base = { hidden_size = 16, num_heads = 4, head_dim = 8, num_groups = 2, state_dim = 8,
+                 num_householder = 3, D = "channel", seed = 3 }
+
+  it("has Megatron's names and shapes", function()
+    local m = nn.GatedDeltaProduct(base)
+    local d_inner, C = 32, 3 * 32 + 3 * 2 * 8 + 2 * 8
+    local want = {
+      ["in_proj.weight"] = { d_inner + C + 3 * 4 + 4, 16 },
+      ["conv1d.weight"] = { C, 1, 4 }, ["conv1d.bias"] = { C },
+      dt_bias = { 4 }, A_log = { 4 }, D = { d_inner }, ["norm.weight"] = { d_inner },
+      ["out_proj.weight"] = { 16, d_inner },
+    }
+    local n = 0
+    for name, t in pairs(m:parameters()) do
+      n = n + 1
+      assert.are.same(want[name], t:shape(), name)
+      assert.are.same(want[name], m:gradients()[name]:shape(), "grad " .. name)
+      assert.are.equal("f64", t:dtype())
+    end
+    assert.are.equal(8, n)
+    assert.are.same({ "in_proj.weight", "conv1d.weight", "conv1d.bias", "dt_bias", "A_log", "D",
+                      "norm.weight", "out_proj.weight" }, m:parameter_names())
+    local m2 = nn.GatedDeltaProduct{ hidden_size = 8, num_heads = 2, head_dim = 4, state_dim = 4,
+                                     conv_bias = false, D = "head", dtype = "f32" }
+    assert.is_nil(m2:parameters()["conv1d.bias"])
+    assert.are.same({ 2 }, m2:parameters().D:shape())
+    assert.are.equal("f32", m2:parameters()["in_proj.weight"]:dtype())
+  end)
+
+  it("initialises like Megatron and is reproducible from its seed", function()
+    gdp.manual_seed(5)
+    local before = gdp.randn({ 4 }, { dtype = "f64" }):flat()
+    gdp.manual_seed(5)
+    local m = nn.GatedDeltaProduct(base)
+    local after = gdp.randn({ 4 }, { dtype = "f64" }):flat()
+    assert.are.same(before, after) -- a seeded module leaves the global stream alone
+    local m_again = nn.GatedDeltaProduct(base)
+    for name, t in pairs(m:parameters()) do
+      assert.are.equal(0, gdp.rel_error(m_again:parameters()[name], t), name)
+    end
+    local p = m:parameters()
+    for _, a in ipairs(p.A_log:flat()) do
+      assert.is_true(math.exp(a) > 0 and math.exp(a) < 16)
+    end
+    for _, b in ipairs(p.dt_bias:flat()) do
+      local dt = b > 20 and b or math.log(1 + math.exp(b)) -- softplus(dt_bias) = dt
+      assert.is_true(dt >= 1e-3 * (1 - 1e-9) and dt <= 1e-1 * (1 + 1e-9), "dt " .. dt)
+    end
+    assert.are.equal(32, p["norm.weight"]:sum())
+    assert.are.equal(32, p.D:sum())
+    assert.is_true(p["conv1d.weight"]:max_abs() <= 0.5 and p["conv1d.bias"]:max_abs() <= 0.5)
+    local w = p["in_proj.weight"]
+    local std = w:norm() / math.sqrt(w:numel())
+    assert.is_true(std > 0.018 and std < 0.022, "in_proj std " .. std)
+    local wo = p["out_proj.weight"]
+    local std_o = wo:norm() / math.sqrt(wo:numel())
+    assert.is_true(std_o > 0.012 and std_o < 0.016, "out_proj std " .. std_o)
+  end)
+
+  it("accumulates gradients until zero_grad", function()
+    H.reseed(21)
+    local m = nn.GatedDeltaProduct(base)
+    local x = gdp.randn({ 5, 2, 16 }, { dtype = "f64" })
+    local dy = gdp.randn({ 5, 2, 16 }, { dtype = "f64" })
+    m:forward(x)
+    m:backward(x, dy)
+    local once = {}
+    for name, g in pairs(m:gradients()) do once[name] = g:clone() end
+    m:backward(x, dy)
+    for name, g in pairs(m:gradients()) do
+      assert.tensor_near(g, once[name] * 2, 1e-14)
+    end
+    m:zero_grad()
+    for name, g in pairs(m:gradients()) do assert.are.equal(0, g:max_abs(), name) end
+  end)
+
+  it("saves and loads safetensors under Megatron's names", function()
+    local m = nn.GatedDeltaProduct(base)
+    local path = os.tmpname()
+    m:save(path)
+    local t, meta = gdp.load(path)
+    assert.are.equal("GatedDeltaProduct", meta.layer)
+    assert.are.equal("channel", meta.D)
+    for _, name in ipairs(m:parameter_names()) do assert.is_not_nil(t[name], name) end
+    local other = nn.GatedDeltaProduct{ hidden_size = 16, num_heads = 4, head_dim = 8,
+                                        num_groups = 2, state_dim = 8, num_householder = 3,
+                                        D = "channel", seed = 99, dtype = "f32" }
+    other:load(path)
+    for name, p in pairs(m:parameters()) do
+      assert.tensor_near(other:parameters()[name], p, 1e-7)
+    end
+    -- a file of another configuration is refused with the parameter's name
+    local small = nn.GatedDeltaProduct{ hidden_size = 8, num_heads = 2, head_dim = 4, state_dim = 4 }
+    H.expect_error(function() small:load(path) end, "in_proj.weight", "expected shape")
+    os.remove(path)
+  end)
+end)
+
+describe("nn.GatedDeltaProduct errors", function()
+  it("checks its options", function()
+    H.expect_error(function() nn.GatedDeltaProduct{ hidden_size = 8, num_heads = 3, head_dim = 2,
+                                                    num_groups = 2, state_dim = 4 } end,
+                   "num_groups: expected a divisor of num_heads = 3, got 2")
+    H.expect_error(function() nn.GatedDeltaProduct{ hidden_size = 8, num_heads = 2, head_dim = 2,
+                                                    state_dim = 4, D = "yes" } end,
+                   "D: expected false, \"head\" or \"channel\"")
+    H.expect_error(function() nn.GatedDeltaProduct{ hidden_size = 8, num_heads = 2, head_dim = 2,
+                                                    state_dim = 4, num_housholder = 2 } end,
+                   "unknown option 'num_housholder'")
+    H.expect_error(function() nn.GatedDeltaProduct{ num_heads = 2, head_dim = 2, state_dim = 4 } end,
+                   "hidden_size: expected an integer >= 1")
+  end)
+
+  it("checks x", function()
+    local m = nn.GatedDeltaProduct{ hidden_size = 8, num_heads = 2, head_dim = 2, state_dim = 4 }
+    H.expect_error(function() m:forward(gdp.zeros({ 4, 1, 7 }, { dtype = "f64" })) end,
+                   "x: expected [T,B,8]", "got [4x1x7]")
+    H.expect_error(function() m:forward(gdp.zeros({ 4, 1, 8 }, { dtype = "f32" })) end,
+                   "x: expected dtype f64 (the module's), got f32")
+    H.expect_error(function() m:forward(gdp.zeros({ 4, 2, 8 }, { dtype = "f64" }), { 0, 4 }) end,
+                   "packed sequences need B = 1")
+    H.expect_error(function() m:forward(gdp.zeros({ 4, 1, 8 }, { dtype = "f64" }), { 0, 3 }) end,
+                   "expected the last entry = T = 4")
+    local x = gdp.randn({ 4, 1, 8 }, { dtype = "f64" })
+    H.expect_error(function() m:backward(x, gdp.zeros({ 4, 1, 7 }, { dtype = "f64" })) end,
+                   "dy: expected the shape of x")
+    H.assert_alive()
+  end)
+end)
+
+describe("nn.functional", function()
+  it("conv1d: restarts, halo, and the C library's shape errors", function()
+    H.reseed(31)
+    local x = gdp.randn({ 7, 1, 3 }, { dtype = "f64" })
+    local w = gdp.randn({ 3, 1, 4 }, { dtype = "f64" })
+    local halo = gdp.randn({ 3, 1, 3 }, { dtype = "f64" })
+    local y = F.conv1d(x, w, nil, { activation = "silu", cu_seqlens = { 0, 2, 7 }, halo = halo })
+    -- the second sequence sees neither the first one nor the halo
+    local alone = F.conv1d(x:narrow(1, 3, 5):contiguous(), w, nil, { activation = "silu" })
+    assert.tensor_near(y:narrow(1, 3, 5):contiguous(), alone, 1e-15)
+    -- the first one continues the halo: same as convolving [halo; x] and dropping the halo
+    local joined = gdp.zeros({ 5, 1, 3 }, { dtype = "f64" })
+    joined:narrow(1, 1, 3):copy(halo)
+    joined:narrow(1, 4, 2):copy(x:narrow(1, 1, 2))
+    local ref = F.conv1d(joined, w, nil, { activation = "silu" }):narrow(1, 4, 2):contiguous()
+    assert.tensor_near(y:narrow(1, 1, 2):contiguous(), ref, 1e-15)
+    local g = F.conv1d_backward(x, w, nil, gdp.randn({ 7, 1, 3 }, { dtype = "f64" }),
+                                { activation = "silu", cu_seqlens = { 0, 2, 7 }, halo = halo })
+    assert.are.same({ 3, 1, 3 }, g.dhalo:shape())
+    assert.are.same({ 3, 1, 4 }, g.dweight:shape())
+    assert.is_nil(g.dbias)
+    H.expect_error(function() F.conv1d(x, gdp.zeros({ 4, 4 }, { dtype = "f64" })) end,
+                   "GDP_ERR_SHAPE", "weight: expected [C,W] or [C,1,W] with C = 3")
+    H.expect_error(function() F.conv1d(x, w, nil, { activation = "relu" }) end,
+                   "activation: expected \"none\" or \"silu\"")
+  end)
+
+  it("gates, norm, repeat_heads and D skip round-trip shapes", function()
+    H.reseed(32)
+    local b = gdp.randn({ 5, 2, 6 }, { dtype = "f32" })
+    local beta = F.beta(b, 2)
+    assert.is_true(beta:max_abs() < 2)
+    local a = gdp.randn({ 5, 2, 3 }, { dtype = "f32" })
+    local A_log = gdp.zeros({ 3 }, { dtype = "f32" })
+    local g = F.decay(a, A_log, nil)
+    assert.is_true(g:max_abs() > 0)
+    for _, v in ipairs(g:flat()) do assert.is_true(v <= 0) end
+    local q = gdp.randn({ 5, 2, 2, 4 }, { dtype = "f64" })
+    local rep = F.repeat_heads(q, 6)
+    assert.are.same({ 5, 2, 6, 4 }, rep:shape())
+    assert.tensor_near(F.repeat_heads_backward(rep, 2), q * 3, 1e-15)
+    H.expect_error(function() F.repeat_heads(q, 5) end, "num_heads: expected a multiple of the group count G = 2")
+    local y = gdp.randn({ 4, 3, 5 }, { dtype = "f64" })
+    local out = F.gated_rmsnorm(y, nil, gdp.ones({ 5 }, { dtype = "f64" }), 5, 0)
+    for r = 1, 4 do
+      local ms = 0
+      for c = 1, 5 do ms = ms + out:get(r, 1, c) ^ 2 end
+      assert.is_true(math.abs(ms / 5 - 1) < 1e-12)
+    end
+    H.expect_error(function() F.dskip(y, y, gdp.ones({ 4 }, { dtype = "f64" })) end,
+                   "D: expected H = 3 values (per head) or H*P = 15 (per channel)")
+  end)
+end)
