@@ -8,8 +8,8 @@
 -- exceeds the dtype's tolerance (f64 1e-10, f32 1e-4, bf16 1e-2) or is NaN, or when a
 -- case fails to run.  The case format is described in spec/fixtures/golden/README.md
 -- (operator cases: q, k, v, beta, g, h0, cu_seqlens, do, dht and the references).
--- Mixer-layer cases (mixer_*.safetensors, holding in_proj.weight) are reported as
--- skipped until the mixer exists: add a checker to CHECKERS below.
+-- Mixer-layer cases (mixer_*.safetensors, holding in_proj.weight) run through
+-- gdp.nn.GatedDeltaProduct (cpu, f64/f32) and check out, grad.x and every grad.<param>.
 
 local config = {
   device = "cpu",        -- cpu | cuda | cuda:<i>
@@ -60,7 +60,16 @@ local function check_operator(t, meta)
 end
 
 local function check_mixer(t, meta)
-  return { { tensor = "-", status = "skipped", note = "mixer layer not implemented yet (issue 3)" } }
+  if opts.device ~= "cpu" or opts.dtype == "bf16" then
+    return { { tensor = "-", status = "skipped",
+               note = "the mixer layer runs on cpu in f64/f32 (got " .. opts.device .. ", " .. opts.dtype .. ")" } }
+  end
+  local rows, times = require("gdp.nn.golden").check_case(t, meta, { dtype = opts.dtype, tol = tol })
+  local out = {}
+  for _, r in ipairs(rows) do
+    out[#out + 1] = { tensor = r.name, err = r.err, tol = r.tol, status = r.ok and "PASS" or "FAIL" }
+  end
+  return out, string.format("fwd %.1f ms, bwd %.1f ms", times.fwd_ms, times.bwd_ms)
 end
 
 local CHECKERS = {

@@ -702,8 +702,8 @@ static gdp_status cpu_matmul(gdp_ctx *ctx, gdp_tensor *out, const gdp_tensor *a,
   }
   gdp_status st = GDP_OK;
   gdp_tensor *ta_tmp = NULL, *tb_tmp = NULL, *out_tmp = NULL;
-  int ea, eb, eo;
-  int64_t lda, ldb, ldo;
+  int ea = 0, eb = 0, eo = 0; /* set by gemm_operand; initialised for -Wmaybe-uninitialized */
+  int64_t lda = 0, ldb = 0, ldo = 0;
   if (!blas_view(a, trans_a, &ea, &lda)) {
     st = gdp_tensor_contiguous((gdp_tensor *)a, &ta_tmp);
     if (st != GDP_OK) goto done;

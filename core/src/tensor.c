@@ -463,7 +463,7 @@ gdp_status gdp_tensor_reshape(gdp_tensor *t, int ndim, const int64_t *shape, gdp
 gdp_status gdp_tensor_narrow(gdp_tensor *t, int dim, int64_t start, int64_t length,
                              gdp_tensor **out) {
   GDP_TRY(check_view_args(__func__, t, out));
-  int d;
+  int d = 0;
   GDP_TRY(norm_dim(__func__, "dim", dim, t, &d));
   char tb[160];
   int64_t size = t->shape[d];
@@ -485,7 +485,7 @@ gdp_status gdp_tensor_narrow(gdp_tensor *t, int dim, int64_t start, int64_t leng
 
 gdp_status gdp_tensor_select(gdp_tensor *t, int dim, int64_t index, gdp_tensor **out) {
   GDP_TRY(check_view_args(__func__, t, out));
-  int d;
+  int d = 0;
   GDP_TRY(norm_dim(__func__, "dim", dim, t, &d));
   int64_t size = t->shape[d];
   if (index < -size || index >= size) {
@@ -508,7 +508,7 @@ gdp_status gdp_tensor_select(gdp_tensor *t, int dim, int64_t index, gdp_tensor *
 
 gdp_status gdp_tensor_transpose(gdp_tensor *t, int dim0, int dim1, gdp_tensor **out) {
   GDP_TRY(check_view_args(__func__, t, out));
-  int d0, d1;
+  int d0 = 0, d1 = 0;
   GDP_TRY(norm_dim(__func__, "dim0", dim0, t, &d0));
   GDP_TRY(norm_dim(__func__, "dim1", dim1, t, &d1));
   int64_t shape[GDP_MAX_DIMS], stride[GDP_MAX_DIMS];
@@ -533,7 +533,7 @@ gdp_status gdp_tensor_permute(gdp_tensor *t, int ndim, const int *perm, gdp_tens
   int seen[GDP_MAX_DIMS] = {0};
   int64_t shape[GDP_MAX_DIMS], stride[GDP_MAX_DIMS];
   for (int i = 0; i < ndim; i++) {
-    int d;
+    int d = 0;
     if (perm[i] < -ndim || perm[i] >= ndim)
       return GDP_ERROR(GDP_ERR_INVALID_ARG, "perm[%d]: expected -%d <= perm[%d] < %d for %s, got %d",
                        i, ndim, i, ndim, SHAPE_STR(tb, t), perm[i]);
