@@ -307,4 +307,7 @@ function M.gdp_flops(B, T, H, K, V, n, pass)
   error("gdp.ops.gdp_flops: pass: expected forward, backward or forward_backward, got " .. tostring(pass), 2)
 end
 
+-- Exposed for the layers (gdp.nn.functional): one conversion rule for cu_seqlens.
+M.seqlens_arg = seqlens
+
 return M

@@ -13,6 +13,7 @@
 local ffi = require("ffi")
 local lib = require("gdp.lib")
 local tensor = require("gdp.tensor")
+local ops = require("gdp.ops")
 
 local argerror, call_alloc, wrap = tensor.argerror, tensor.call_alloc, tensor.wrap
 local tensor_arg = tensor.tensor_arg
@@ -42,20 +43,10 @@ local function int_arg(x, fn, what, min)
   return x
 end
 
--- A Lua table of sequence boundaries becomes an int64 cpu tensor; tensors pass through.
+-- A Lua table of sequence boundaries becomes an int64 cpu tensor; tensors pass through
+-- (the operator's rule, gdp.ops).
 function F.seqlens(cu, fn)
-  fn = fn or "seqlens"
-  if cu == nil or tensor.is_tensor(cu) then return cu end
-  if type(cu) ~= "table" then
-    argerror(fn, "cu_seqlens: expected a table of integers or an i32/i64 tensor, got " .. type(cu))
-  end
-  for i = 1, #cu do
-    local x = cu[i]
-    if type(x) ~= "number" or x ~= math.floor(x) then
-      argerror(fn, string.format("cu_seqlens[%d]: expected an integer, got %s", i, tostring(x)))
-    end
-  end
-  return tensor.tensor(cu, { #cu }, { dtype = "i64", device = "cpu" })
+  return ops.seqlens_arg(fn or "seqlens", cu)
 end
 
 local conv_keys = { activation = true, cu_seqlens = true, halo = true }
