@@ -1,0 +1,114 @@
+/*
+ * gdp_chunk.cuh -- internal interface between gdp_fwd.cu and gdp_bwd.cu: the argument
+ * block of the GDP kernels, the per-call plan (chunk table, workspace), and the
+ * launchers the backward reuses from the forward (prep and state pass recompute).
+ *
+ * Chunkwise algorithm (DESIGN.md section 2), over the expanded stream of T*n steps,
+ * chunks of C steps = TC whole tokens (C = 32, 64, 48, 64 for n = 1, 2, 3, 4), so
+ * every sequence starts a chunk.  Per chunk c and head h, with kn, qn the normalised
+ * keys/queries, gc the in-chunk cumulative log decay (g on step 0 of each token),
+ * last = gc[C-1] and query a on step ia = a*n + n-1:
+ *   A  = strictly-lower(beta_i e^{gc_i-gc_j} kn_i.kn_j),  T = (I + A)^-1
+ *   W  = T diag(beta e^{gc}) Kn,   U = T diag(beta) V
+ *   Qd = scale e^{gc_ia} qn_a,     Kd = e^{last-gc_j} kn_j
+ *   Pm = scale e^{gc_ia-gc_j} qn_a.kn_j  (j <= ia)        [TC x C: query rows only]
+ *   D  = U - W S,  o = Qd S + Pm D,  S <- e^{last} S + Kd^T D
+ * Workspace per (chunk, head), bf16: W[C][K] U[C][V] Kd[C][K] Qd[TC][K] Pm[TC][C];
+ * float elast.  The backward adds h[K][V] (S at chunk start), D[C][V], dH[K][V]
+ * (gradient of S at chunk end) and dD[C][V].
+ */
+#ifndef GDP_KERNELS_CUDA_CHUNK_CUH
+#define GDP_KERNELS_CUDA_CHUNK_CUH
+
+#include <stdio.h>
+
+#include "common.cuh"
+#include "gdp_cuda.h"
+
+namespace gdpcu {
+
+constexpr int kChunkThreads = 256; /* 8 warps in every chunk kernel */
+constexpr float kNormEps = 1e-6f;
+
+struct ChunkInfo {
+  int seq, t0, ntok, pad;
+};
+
+struct GdpArgs {
+  /* problem */
+  const void *q, *k, *v, *g, *beta;
+  const float *h0;
+  void *o;
+  float *ht;
+  const void *d_o;
+  const float *dht;
+  void *dq, *dk, *dv, *dbeta, *dg;
+  float *dh0;
+  int H, K, V, n, C, TC, l2norm;
+  float scale;
+  /* sequences and chunks (device copies) */
+  const long long *cu; /* N+1 token offsets */
+  const ChunkInfo *chunks;
+  const int *choff; /* N+1 chunk offsets */
+  int N, nchunks;
+  int nstages; /* pipeline depth of the sequential kernels (set at launch) */
+  /* workspace */
+  bf16 *W, *U, *Kd, *Qd, *Pm;
+  float *elast;
+  bf16 *hbuf, *Dbuf, *dHbuf, *dDbuf;
+};
+
+/* Chunk steps for n Householder steps per token (0: no chunk path for this n). */
+inline int chunk_steps(int64_t n) {
+  switch (n) {
+    case 1: return 32;
+    case 2: return 64;
+    case 3: return 48;
+    case 4: return 64;
+    default: return 0;
+  }
+}
+
+/* The chunk kernels keep a K x V state tile and C x K, C x V panels in shared memory. */
+inline bool chunk_path_ok(const gdp_gdp_problem *p) {
+  return p->dtype == GDP_DTYPE_BF16 && chunk_steps(p->n) > 0 && p->K % 16 == 0 && p->K <= 128 &&
+         p->V % 16 == 0 && p->V <= 128;
+}
+
+/* Host-side plan of one call: device copies of the tables and the workspace, all in
+ * one stream-ordered allocation released by plan_free. */
+struct Plan {
+  GdpArgs a;
+  void *block;
+  cudaStream_t stream;
+  int bv_fwd, bv_bwd;
+};
+
+/* Shared helpers (gdp_fwd.cu). */
+gdp_status validate_problem(const gdp_gdp_problem *p, const char *what);
+gdp_status device_alloc(void **ptr, size_t bytes, cudaStream_t stream);
+gdp_status upload_cu_seqlens(const gdp_gdp_problem *p, long long *dst, cudaStream_t stream);
+int smem_optin_bytes();
+int num_sms();
+
+gdp_status plan_make(const gdp_gdp_problem *p, cudaStream_t stream, bool backward, GdpArgs base,
+                     Plan *plan);
+void plan_free(Plan *plan);
+
+/* Launchers shared with the backward (defined in gdp_fwd.cu). */
+gdp_status launch_prep(const Plan &plan);
+/* store_states: write h and D per chunk (backward recompute) instead of o. */
+gdp_status launch_state(const Plan &plan, bool store_states);
+
+/* Optional per-kernel timing (GDP_CUDA_PROFILE=1 in the environment): each launch is
+ * bracketed by events and the call synchronises at its end, so only for the lab. */
+void prof_begin(cudaStream_t stream);
+void prof_mark(const char *name, cudaStream_t stream);
+void prof_end(cudaStream_t stream);
+
+}  // namespace gdpcu
+
+/* Lab hook: prints and clears the accumulated per-kernel times (ms, sum over calls). */
+extern "C" void gdp_cuda_gdp_profile_dump(FILE *out, double divide_by);
+
+#endif
