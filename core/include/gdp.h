@@ -429,6 +429,126 @@ gdp_status gdp_mixer_dskip_backward(gdp_ctx *ctx, const gdp_tensor *x_v, const g
                                     const gdp_tensor *d_out, gdp_tensor **dx_v,
                                     gdp_tensor **dD);
 
+/* ------------------------------------------------------------------ collectives */
+
+/*
+ * gdp_comm: a communicator over a group of ranks (one process per rank, launched by
+ * mpirun).  CPU tensors travel over MPI (GPU tensors over NCCL later, same calls).
+ * Ranks are 0-based (MPI's numbering).  Handles are reference counted like tensors.
+ *
+ * Collectives are blocking and must be called by every rank of the communicator in
+ * the same order with the same dtype and (where the call says so) the same shapes.
+ * Tensors may be non-contiguous (they are made contiguous internally) but must be on
+ * the cpu (cuda tensors: GDP_ERR_UNSUPPORTED until the NCCL path exists).  Argument
+ * checks are local and cheap; a rank whose arguments are bad returns an error at once
+ * while the others may wait for it, so code that cannot rule out rank-dependent bad
+ * input first calls gdp_comm_agree_status / gdp_comm_agree_values.  With the
+ * environment variable GDP_COMM_CHECK=1 (read when a communicator is made; set it on
+ * every rank) every collective first agrees on dtype, shapes, op, root and the
+ * all-to-all row counts, so a mismatch is an error on every rank instead of a hang.
+ * MPI failures return GDP_ERR_MPI with the failing MPI call and MPI's error string
+ * (the communicators use MPI_ERRORS_RETURN: MPI never aborts the process).
+ */
+typedef struct gdp_comm gdp_comm;
+
+/* The process-wide MPI_COMM_WORLD communicator (a new reference to the same handle on
+ * every call, so its byte counters are shared).  The first call initialises MPI (thread
+ * level FUNNELED: call MPI from the main thread only) unless it already is, and then
+ * registers an atexit handler that finalises it.  A size-1, non-MPI communicator when
+ * the library was built without MPI or the process was not launched by mpirun (no
+ * OMPI_COMM_WORLD_SIZE, PMI_SIZE, PMI_RANK, PMIX_RANK or MPI_LOCALNRANKS in the
+ * environment).  A build without MPI launched with more than one process fails with
+ * GDP_ERR_UNSUPPORTED instead of silently running each rank alone.  Owned result. */
+gdp_status gdp_comm_world(gdp_comm **out);
+/* A new size-1 communicator that never touches MPI.  Owned result. */
+gdp_status gdp_comm_self(gdp_comm **out);
+/* MPI_Comm_split (collective): ranks passing the same color >= 0 form a new
+ * communicator, ordered by key (ties by rank in c).  A negative color gives
+ * *out = NULL (this rank joins no group: MPI_UNDEFINED).  Owned result. */
+gdp_status gdp_comm_split(gdp_comm *c, int color, int key, gdp_comm **out);
+gdp_comm *gdp_comm_retain(gdp_comm *c);
+/* NULL-safe; the MPI communicator is freed with the last reference (unless MPI has
+ * already been finalised). */
+void gdp_comm_free(gdp_comm *c);
+/* -1 for NULL. */
+int gdp_comm_rank(const gdp_comm *c);
+int gdp_comm_size(const gdp_comm *c);
+/* 1 when c is backed by an MPI communicator (even of size 1), else 0. */
+int gdp_comm_is_mpi(const gdp_comm *c);
+
+/* out [size, *in.shape] (out[r] is rank r's `in`); `in` may be out[rank] itself (in
+ * place), any other overlap is copied first. */
+gdp_status gdp_comm_allgather(gdp_comm *c, gdp_tensor *out, const gdp_tensor *in);
+/* Equal split along dim 0: in and out have the same shape [size * R, ...]; rows
+ * [j*R, (j+1)*R) of `in` go to rank j and rows [j*R, (j+1)*R) of `out` come from rank j.
+ * out may be in (in place). */
+gdp_status gdp_comm_alltoall(gdp_comm *c, gdp_tensor *out, const gdp_tensor *in);
+/* Unequal split along dim 0: send_rows[j] consecutive rows of `in` go to rank j and
+ * recv_rows[j] rows of `out` come from rank j, both arrays of `size` entries >= 0 in
+ * rank order, summing to in's and out's dim 0; the dims after 0 agree.  Rank i's
+ * send_rows[j] must equal rank j's recv_rows[i] (checked under GDP_COMM_CHECK=1). */
+gdp_status gdp_comm_alltoallv(gdp_comm *c, gdp_tensor *out, const int64_t *recv_rows,
+                              const gdp_tensor *in, const int64_t *send_rows);
+
+typedef enum gdp_reduce_op {
+  GDP_REDUCE_OP_SUM = 0,
+  GDP_REDUCE_OP_MAX = 1,
+  GDP_REDUCE_OP_MIN = 2
+} gdp_reduce_op;
+
+/* "sum", "max", "min"; "?" for other values. */
+const char *gdp_reduce_op_name(gdp_reduce_op op);
+/* In place, elementwise over ranks.  bf16 travels and is reduced as float32 (and
+ * counted as 4 bytes per element), then rounded once. */
+gdp_status gdp_comm_allreduce(gdp_comm *c, gdp_tensor *t, gdp_reduce_op op);
+/* t on every rank becomes root's t. */
+gdp_status gdp_comm_broadcast(gdp_comm *c, gdp_tensor *t, int root);
+/* Point to point, blocking; tag >= 0; peer a rank of c.  recv's t must hold exactly
+ * the number of elements sent, in the sender's dtype; otherwise the receiver gets
+ * GDP_ERR_SHAPE and the message is dropped.  A size-1 non-MPI communicator cannot send
+ * to itself (it would block forever): use sendrecv. */
+gdp_status gdp_comm_send(gdp_comm *c, const gdp_tensor *t, int peer, int tag);
+gdp_status gdp_comm_recv(gdp_comm *c, gdp_tensor *t, int peer, int tag);
+/* Sends `send` to dst and receives `recv` from src at once (no deadlock in rings);
+ * send and recv may differ in size and must not share storage.  dst = -1 (then send
+ * may be NULL) or src = -1 (recv may be NULL) skips that half, like MPI_PROC_NULL at
+ * the ends of a non-periodic chain. */
+gdp_status gdp_comm_sendrecv(gdp_comm *c, const gdp_tensor *send, int dst, gdp_tensor *recv,
+                             int src, int tag);
+gdp_status gdp_comm_barrier(gdp_comm *c);
+
+/* Agreement (collective), so that bad input is an error on every rank instead of a
+ * hang.  Every rank passes its local status and message (NULL: gdp_last_error());
+ * every rank returns the same status: GDP_OK when all passed GDP_OK, else the status of
+ * the lowest failing rank, with a message naming the failing ranks and that rank's
+ * message. */
+gdp_status gdp_comm_agree_status(gdp_comm *c, gdp_status local, const char *local_msg);
+/* Every rank passes n int64 values; GDP_ERR_INVALID_ARG on every rank when the counts
+ * differ (checked first) or any value differs from rank 0's, naming `what`, the
+ * differing ranks and their values. */
+gdp_status gdp_comm_agree_values(gdp_comm *c, const char *what, const int64_t *values,
+                                 int64_t n);
+
+/* Payload byte counters of this rank, summed over the collectives and point-to-point
+ * calls above (agreement, split and barrier traffic is not counted).  Two definitions:
+ *   bytes_sent / bytes_received: what this rank sends to / receives from OTHER ranks
+ *     (self-copies excluded), counted as the logical data movement, independent of the
+ *     algorithm MPI picks: allgather and allreduce of S bytes: (size-1)*S each way;
+ *     all-to-all: the blocks for / from the other ranks; broadcast: root sends
+ *     (size-1)*S, the others receive S; send/recv/sendrecv: the message (0 to self).
+ *   bytes_sent_incl_self / bytes_received_incl_self: the same with this rank's own
+ *     block counted as if it travelled (allgather: size*S each way, so received equals
+ *     out's bytes; all-to-all: in's bytes sent, out's received; allreduce: size*S;
+ *     broadcast: root sends size*S, every rank receives S; point to point: the message).
+ *     DESIGN.md's per-rank volume formulas (e.g. 4*cp*H*K*(K+V) for the chunkwise
+ *     all-gather of float32 summaries) count this way.
+ * A failing call counts nothing. */
+int64_t gdp_comm_bytes_sent(const gdp_comm *c);
+int64_t gdp_comm_bytes_received(const gdp_comm *c);
+int64_t gdp_comm_bytes_sent_incl_self(const gdp_comm *c);
+int64_t gdp_comm_bytes_received_incl_self(const gdp_comm *c);
+void gdp_comm_reset_counters(gdp_comm *c);
+
 #ifndef GDP_CDEF
 #ifdef __cplusplus
 }
