@@ -35,6 +35,17 @@
 -- fan_in = W for a depthwise conv); A ~ U(0, 16), A_log = log A; dt = exp(U(log 1e-3,
 -- log 1e-1)) clamped >= 1e-4, dt_bias = dt + log(-expm1(-dt)); D and norm.weight ones.
 --
+-- Context parallelism (DESIGN.md section 4; gdp.cp): cp_mode = "headwise" (all-to-all
+-- around the conv and the operator, Megatron's GDPContextParallel) or "chunkwise" (state
+-- passing with a conv halo), cp_group = a gdp.comm communicator, cp_layout = "zigzag"
+-- (headwise default) or "contiguous" (chunkwise: always).  forward(x, cu_seqlens) then
+-- takes the rank-local tokens x [T/cp,B,D] in that layout (gdp.cp.shard.split makes
+-- them) and the GLOBAL cu_seqlens, and returns the rank-local output; backward returns
+-- the rank-local dx.  Parameters are broadcast from cp rank 0 at construction and the
+-- parameter gradients of each backward are summed over the group (cp_reduce_grads =
+-- false leaves them rank-partial, for a caller that reduces them with its data-parallel
+-- gradients).  Ranks check once per call that they agree on shapes and configuration.
+--
 -- Stages.  forward = in_proj_forward -> split_in_proj -> conv_forward -> ssm_inputs ->
 -- ssm_forward -> out_forward, and backward mirrors them (out_backward, ssm_backward,
 -- ssm_inputs_backward, conv_backward, in_proj_backward).  Each stage takes and returns
@@ -59,6 +70,7 @@ local option_keys = {
   num_householder = true, conv_width = true, allow_neg_eigval = true, D = true, norm_eps = true,
   conv_bias = true, dtype = true, device = true, seed = true, algorithm = true,
   init_method_std = true, num_layers = true,
+  cp_mode = true, cp_group = true, cp_layout = true, cp_reduce_grads = true,
 }
 
 -- Megatron's names, in the order of the layer.
@@ -128,7 +140,7 @@ local function init_parameters(self)
   return p
 end
 
-function GatedDeltaProduct.new(cfg)
+local function construct(cfg)
   if type(cfg) ~= "table" then
     argerror(FN, "expected an options table {hidden_size =, num_heads =, head_dim =, state_dim =, ...}")
   end
@@ -162,26 +174,26 @@ function GatedDeltaProduct.new(cfg)
                                self.num_heads, self.num_groups))
   end
 
-  local nh, P, ng, N, M = self.num_heads, self.head_dim, self.num_groups, self.state_dim,
-                          self.num_householder
-  local s = {}
-  s.d_inner = nh * P
-  s.v_dim = M * s.d_inner         -- V: (m, head, p)
-  s.k_dim = M * ng * N            -- K: (m, group, n)
-  s.q_dim = ng * N
-  s.conv_dim = s.v_dim + s.k_dim + s.q_dim
-  s.b_dim = M * nh                -- b: (m, head)
-  s.a_dim = nh
-  s.d_in_proj = s.d_inner + s.conv_dim + s.b_dim + s.a_dim
-  -- 1-based offsets on the in_proj output's last dim and on the conv channels
-  s.z_off = 1
-  s.xBC_off = 1 + s.d_inner
-  s.b_off = s.xBC_off + s.conv_dim
-  s.a_off = s.b_off + s.b_dim
-  s.v_off, s.k_off, s.q_off = 1, 1 + s.v_dim, 1 + s.v_dim + s.k_dim
-  s.norm_group = s.d_inner / ng
-  self.sizes = s
-  self.scale = N ^ -0.5 -- as Megatron writes it (d_state ** -0.5)
+  self.sizes = GatedDeltaProduct.compute_sizes(self.num_heads, self.head_dim, self.num_groups,
+                                               self.state_dim, self.num_householder)
+  self.scale = self.state_dim ^ -0.5 -- as Megatron writes it (d_state ** -0.5)
+
+  local cp_mode = cfg.cp_mode
+  if cp_mode == false then cp_mode = nil end
+  if cp_mode ~= nil and cp_mode ~= "headwise" and cp_mode ~= "chunkwise" then
+    argerror(FN, "cp_mode: expected nil, \"headwise\" or \"chunkwise\", got " .. tostring(cp_mode))
+  end
+  self.cp_mode = cp_mode
+  if cp_mode ~= nil then
+    if cfg.cp_group == nil then
+      argerror(FN, "cp_group: expected a gdp.comm communicator with cp_mode = \"" .. cp_mode .. "\", got nil")
+    end
+    self.cp_group = cfg.cp_group
+    self.cp_layout = cfg.cp_layout or (cp_mode == "headwise" and "zigzag" or "contiguous")
+    self.cp_reduce_grads = cfg.cp_reduce_grads ~= false
+  elseif cfg.cp_group ~= nil or cfg.cp_layout ~= nil then
+    argerror(FN, "cp_group/cp_layout: given without cp_mode (\"headwise\" or \"chunkwise\")")
+  end
 
   -- A given seed draws the parameters from its own stream and leaves the device's
   -- stream where it was.
@@ -209,17 +221,54 @@ function GatedDeltaProduct.new(cfg)
   return self
 end
 
+function GatedDeltaProduct.new(cfg)
+  if type(cfg) == "table" and cfg.cp_mode and cfg.cp_group ~= nil then
+    -- Context parallel: a configuration error on one rank is raised on every rank
+    -- (instead of leaving the others waiting in the first collective).
+    local cp = require("gdp.cp")
+    local self = cp.shard.agreed(cfg.cp_group, construct, cfg)
+    cp.attach(self)
+    return self
+  end
+  return construct(cfg)
+end
+
+-- Section sizes and offsets of a layer with nh heads of dim P, ng groups of state dim N
+-- and M Householder steps (context-parallel ranks use it with their local head and
+-- group counts).
+function GatedDeltaProduct.compute_sizes(nh, P, ng, N, M)
+  local s = {}
+  s.d_inner = nh * P
+  s.v_dim = M * s.d_inner         -- V: (m, head, p)
+  s.k_dim = M * ng * N            -- K: (m, group, n)
+  s.q_dim = ng * N
+  s.conv_dim = s.v_dim + s.k_dim + s.q_dim
+  s.b_dim = M * nh                -- b: (m, head)
+  s.a_dim = nh
+  s.d_in_proj = s.d_inner + s.conv_dim + s.b_dim + s.a_dim
+  -- 1-based offsets on the in_proj output's last dim and on the conv channels
+  s.z_off = 1
+  s.xBC_off = 1 + s.d_inner
+  s.b_off = s.xBC_off + s.conv_dim
+  s.a_off = s.b_off + s.b_dim
+  s.v_off, s.k_off, s.q_off = 1, 1 + s.v_dim, 1 + s.v_dim + s.k_dim
+  s.norm_group = s.d_inner / ng
+  return s
+end
+
 setmetatable(GatedDeltaProduct, {
   __call = function(_, cfg) return GatedDeltaProduct.new(cfg) end,
 })
 
 function GatedDeltaProduct:__tostring()
   return string.format("nn.GatedDeltaProduct(hidden %d, heads %d x %d, groups %d x %d, " ..
-                       "householder %d, conv %d%s%s, %s, %s)",
+                       "householder %d, conv %d%s%s, %s, %s%s)",
                        self.hidden_size, self.num_heads, self.head_dim, self.num_groups,
                        self.state_dim, self.num_householder, self.conv_width,
                        self.allow_neg_eigval and ", neg eigval" or "",
-                       self.D_mode and (", D " .. self.D_mode) or "", self.dtype, self.device)
+                       self.D_mode and (", D " .. self.D_mode) or "", self.dtype, self.device,
+                       self.cp_mode and string.format(", cp %s %s x %d", self.cp_mode,
+                                                      self.cp_layout, self.cp_group:size()) or "")
 end
 
 ------------------------------------------------------------------------------- parameters
@@ -458,6 +507,11 @@ end
 -- out [T,B,D] for x [T,B,D]; cu_seqlens (a table or an int tensor over T, B = 1) packs
 -- independent sequences.  Keeps what backward needs.
 function GatedDeltaProduct:forward(x, cu_seqlens)
+  if self.cp_mode then
+    local out = require("gdp.cp").layer_forward(self, x, cu_seqlens)
+    self.output = out
+    return out
+  end
   check_input(self, FN .. ":forward", x)
   local cu = F.seqlens(cu_seqlens, FN .. ":forward")
   local zx = self:in_proj_forward(x)
@@ -486,6 +540,11 @@ function GatedDeltaProduct:backward(x, dy, cu_seqlens)
   if c == nil or not rawequal(c.x, x) or (cu_seqlens ~= nil and not rawequal(c.cu_in, cu_seqlens)) then
     self:forward(x, cu_seqlens)
     c = self.cache
+  end
+  if self.cp_mode then
+    local dx = require("gdp.cp").layer_backward(self, dy)
+    self.grad_input = dx
+    return dx
   end
   local d_o, dz, dx_v = self:out_backward(c.saved, c.parts.z, c.inp.x_v, dy)
   local g = self:ssm_backward(c.inp, c.cu, d_o)

@@ -1,0 +1,121 @@
+-- gdp.cp: context parallelism of the Gated DeltaProduct mixer (DESIGN.md section 4).
+--
+--   local gdp = require("gdp")
+--   local group = gdp.comm.world()
+--   -- headwise all-to-all (Megatron's GDPContextParallel):
+--   local hcp = gdp.cp.GDPContextParallel{cp_group = group, d_inner_local_tp = ..., ...}
+--   -- chunkwise state passing:
+--   local o, saved = gdp.cp.gdp_chunkwise_context_parallel(q, k, v, g, beta, cu, n, scale,
+--                                                          group, gdp.cp.cpu_backend(), p, f)
+--   -- or the whole layer: gdp.nn.GatedDeltaProduct{..., cp_mode = "chunkwise", cp_group = group}
+--   -- sharding helpers: gdp.cp.shard.split / gather
+--
+-- Which to choose: chunkwise moves a fixed 4*cp*H*K*(K+V) bytes per layer and direction
+-- (independent of the sequence length, any cp); headwise moves activations (grows with
+-- the sequence length) and needs cp <= num_heads, but runs the unmodified operator on
+-- whole sequences.  See README.md, "Context parallelism".
+local tensor = require("gdp.tensor")
+local shard = require("gdp.cp.shard")
+local chunkwise = require("gdp.cp.chunkwise")
+local headwise = require("gdp.cp.headwise")
+
+local M = {}
+
+M.shard = shard
+M.chunkwise = chunkwise
+M.headwise = headwise
+
+M.GDPContextParallel = headwise.GDPContextParallel
+
+M.gdp_chunkwise_context_parallel = chunkwise.gdp_chunkwise_context_parallel
+M.gdp_chunkwise_context_parallel_backward = chunkwise.gdp_chunkwise_context_parallel_backward
+M.cpu_backend = chunkwise.cpu_backend
+M.packed_sequence_cp_metadata = chunkwise.packed_sequence_cp_metadata
+M.unpacked_cp_metadata = chunkwise.unpacked_cp_metadata
+M.conv_halo_exchange = chunkwise.conv_halo_exchange
+M.conv_halo_exchange_backward = chunkwise.conv_halo_exchange_backward
+
+-- Layer support (used by gdp.nn.GatedDeltaProduct with cp_mode set).
+M.MODES = { headwise = true, chunkwise = true }
+
+local DTYPE_CODE = { f64 = 1, f32 = 2 }
+local D_CODE = { [false] = 0, head = 1, channel = 2 }
+
+-- Called by GatedDeltaProduct.new (collective): ranks agree on the configuration, the
+-- parameters become identical on all ranks (broadcast from cp rank 0, so that a layer
+-- built without a seed is still one layer), then the mode's state is built.
+function M.attach(m)
+  local group = m.cp_group
+  group:agree("nn.GatedDeltaProduct: context-parallel configuration (cp_mode, layout, hidden, " ..
+              "heads, head_dim, groups, state_dim, householder, conv_width, D, conv_bias, " ..
+              "neg eigval, dtype)",
+              { m.cp_mode == "headwise" and 1 or 2, m.cp_layout == "zigzag" and 1 or 2,
+                m.hidden_size, m.num_heads, m.head_dim, m.num_groups, m.state_dim,
+                m.num_householder, m.conv_width, D_CODE[m.D_mode] or 3, m.conv_bias and 1 or 0,
+                m.allow_neg_eigval and 1 or 0, DTYPE_CODE[m.dtype] or 0 })
+  for _, name in ipairs(m:parameter_names()) do group:broadcast(m.params[name], 0) end
+  if m.cp_mode == "headwise" then headwise.attach(m) else chunkwise.attach(m) end
+end
+
+function M.layer_forward(module, x, cu_seqlens)
+  if module.cp_mode == "headwise" then return headwise.layer_forward(module, x, cu_seqlens) end
+  return chunkwise.layer_forward(module, x, cu_seqlens)
+end
+
+-- Sums the step's parameter gradients over the group with one all-reduce of a flat
+-- buffer, then adds them into the module's accumulated gradients.
+local function reduce_into(m, scratch, target)
+  local names = m:parameter_names()
+  local total = 0
+  for _, name in ipairs(names) do total = total + scratch[name]:numel() end
+  local flat = tensor.empty({ total }, { dtype = m.dtype, device = m.device })
+  local pos = 0
+  for _, name in ipairs(names) do
+    local g = scratch[name]
+    flat:narrow(1, pos + 1, g:numel()):copy(g:reshape(g:numel()))
+    pos = pos + g:numel()
+  end
+  m.cp_group:all_reduce(flat, "sum")
+  pos = 0
+  for _, name in ipairs(names) do
+    local g = target[name]
+    g:add_(flat:narrow(1, pos + 1, g:numel()):view(g:shape()))
+    pos = pos + g:numel()
+  end
+end
+
+-- Backward of the rank-local output: returns the rank-local dx.  The step's parameter
+-- gradients go to scratch buffers first; with cp_reduce_grads (default) they are summed
+-- over the group before they are added to m:gradients(), so that every rank ends with
+-- the gradients of the cp = 1 layer on the global batch.
+function M.layer_backward(m, dy)
+  local target = m.grads
+  local scratch = m.cp_scratch
+  if scratch == nil then
+    scratch = {}
+    for name, t in pairs(target) do
+      scratch[name] = tensor.zeros(t:shape(), { dtype = t:dtype(), device = t:device() })
+    end
+    m.cp_scratch = scratch
+  else
+    for _, t in pairs(scratch) do t:zero() end
+  end
+  m.grads = scratch
+  local ok, dx = pcall(m.cp_mode == "headwise" and headwise.layer_backward or chunkwise.layer_backward,
+                       m, dy)
+  m.grads = target
+  if not ok then error(dx, 0) end
+  local b0 = m.cp_group:bytes()
+  if m.cp_reduce_grads then
+    reduce_into(m, scratch, target)
+  else
+    for name, t in pairs(target) do t:add_(scratch[name]) end
+  end
+  local b1 = m.cp_group:bytes()
+  if m.cp_bytes then
+    m.cp_bytes.grad_reduce = (b1.sent - b0.sent) + (b1.received - b0.received)
+  end
+  return dx
+end
+
+return M
