@@ -48,8 +48,10 @@ describe("cuda #gpu", function()
     assert.tensor_near(m:cpu(), gdp.matmul(a, b, { trans_b = true }), 1e-5)
   end)
 
-  for _, dtype in ipairs({ "f32", "bf16" }) do
-    it("the operator matches the float64 cpu recurrence (" .. dtype .. ")", function()
+  -- auto is the recurrent path on cuda for now; the chunked path (bf16) is checked too.
+  for _, case in ipairs({ { "f32", "auto" }, { "bf16", "auto" }, { "bf16", "chunk" } }) do
+    local dtype, algorithm = case[1], case[2]
+    it("the operator matches the float64 cpu recurrence (" .. dtype .. ", " .. algorithm .. ")", function()
       if not need_gpu() then return end
       H.reseed(303)
       local args = ops.random_inputs({ B = 1, T = 150, H = 2, K = 64, V = 64, n = 2, grads = true,
@@ -59,6 +61,7 @@ describe("cuda #gpu", function()
       local o_ref, ht_ref = ops.chunk_gated_delta_product(ref)
       local g_ref = ops.chunk_gated_delta_product_backward(ref)
       local dev = ops.convert_inputs(args, dtype, "cuda")
+      dev.algorithm = algorithm
       local ctx = gdp.device("cuda")
       if not ctx:supports("gdp_forward", dtype) then
         pending("cuda backend has no GDP forward for " .. dtype)

@@ -1010,7 +1010,7 @@ extern "C" gdp_status gdp_cuda_gdp_backward(const gdp_gdp_problem *p, const gdp_
   a.scale = (float)p->scale;
   a.N = (int)p->N;
   if (p->N == 0) return GDP_OK;
-  if (p->algorithm != GDP_ALGO_RECURRENT && chunk_path_ok(p)) {
+  if (use_chunk_path(p)) {
     Plan plan;
     prof_begin(stream);
     GDP_TRY(plan_make(p, stream, true, a, &plan));

@@ -882,7 +882,7 @@ extern "C" gdp_status gdp_cuda_gdp_forward(const gdp_gdp_problem *p, const gdp_g
   cudaStream_t stream = (cudaStream_t)stream_;
   GdpArgs a = fwd_args(p, io);
   if (p->N == 0) return GDP_OK;
-  if (p->algorithm != GDP_ALGO_RECURRENT && chunk_path_ok(p)) {
+  if (use_chunk_path(p)) {
     Plan plan;
     prof_begin(stream);
     GDP_TRY(plan_make(p, stream, false, a, &plan));
