@@ -719,13 +719,7 @@ function M.layer_backward(m, dy)
   local c = m.cache
   local group = m.cp_group
   local x = c.x
-  shard.agreed(group, function()
-    tensor.tensor_arg(dy, fn, "dy")
-    if shape_str(dy:shape()) ~= shape_str(x:shape()) then
-      argerror(fn, string.format("dy: expected the shape of x %s, got %s", shape_str(x:shape()),
-                                 shape_str(dy:shape())))
-    end
-  end)
+  shard.agree_dy(group, fn, dy, x)
   local b1 = group:bytes()
   local d_o, dz, dx_v = m:out_backward(c.saved_out, c.parts.z, c.inp.x_v, dy)
   local g = M.gdp_chunkwise_context_parallel_backward(c.saved, d_o)

@@ -594,13 +594,7 @@ function M.layer_backward(m, dy)
   local hcp = m.cp_state
   local group = m.cp_group
   local x = c.x
-  shard.agreed(group, function()
-    tensor.tensor_arg(dy, fn, "dy")
-    if shape_str(dy:shape()) ~= shape_str(x:shape()) then
-      argerror(fn, string.format("dy: expected the shape of x %s, got %s", shape_str(x:shape()),
-                                 shape_str(dy:shape())))
-    end
-  end)
+  shard.agree_dy(group, fn, dy, x)
   local b1 = group:bytes()
   local s = m.sizes
   local Tl, B = x:size(1), x:size(2)

@@ -36,6 +36,16 @@ function M.agreed(group, fn, ...)
   return group:pcall(fn, ...)
 end
 
+-- Collective: checks that the upstream gradient dy of a CP layer's backward has the
+-- shape of the layer's rank-local input x, failing on every rank otherwise.
+function M.agree_dy(group, fn, dy, x)
+  M.agreed(group, function()
+    tensor.tensor_arg(dy, fn, "dy")
+    local want, got = tensor.shape_str(x:shape()), tensor.shape_str(dy:shape())
+    if want ~= got then argerror(fn, string.format("dy: expected the shape of x %s, got %s", want, got)) end
+  end)
+end
+
 -- Collective: ranks agree on the local token tensor's leading shape [T/cp, B], on whether
 -- the input is packed (cu_seqlens given) and on the global cu_seqlens themselves.
 function M.agree_tokens(group, fn, x, cu)
@@ -179,32 +189,32 @@ local function shape_with(x, dim, n)
   return s
 end
 
--- Gathered (rank-concatenated) order -> natural order along `dim`: the headwise "undo".
-function M.undo_order(x, cp, opts)
+-- Moves the blocks of x along `dim` between gathered (rank-concatenated) order and
+-- natural order; `to_natural` picks the direction.  One routine for both, so that the
+-- undo and the redo can never disagree about where a block goes.
+local function reorder(x, cp, opts, fn, to_natural)
   opts = opts or {}
   local dim = opts.dim or 1
   local T = x:size(dim)
   local layout = opts.layout or "zigzag"
   if layout == "contiguous" then return x end
   local out = tensor.empty(x:shape(), { dtype = x:dtype(), device = x:device() })
-  for _, m in ipairs(M.moves(T, cp, layout, M.seqlens_table(opts.cu_seqlens, "cp.shard.undo_order"))) do
-    out:narrow(dim, m[2] + 1, m[3]):copy(x:narrow(dim, m[1] + 1, m[3]))
+  for _, m in ipairs(M.moves(T, cp, layout, M.seqlens_table(opts.cu_seqlens, fn))) do
+    local from, to = m[1], m[2] -- gathered offset, natural offset, length m[3]
+    if not to_natural then from, to = to, from end
+    out:narrow(dim, to + 1, m[3]):copy(x:narrow(dim, from + 1, m[3]))
   end
   return out
 end
 
+-- Gathered order -> natural order along `dim`: the headwise "undo".
+function M.undo_order(x, cp, opts)
+  return reorder(x, cp, opts, "cp.shard.undo_order", true)
+end
+
 -- Natural order -> gathered order along `dim`: the headwise "redo".
 function M.redo_order(x, cp, opts)
-  opts = opts or {}
-  local dim = opts.dim or 1
-  local T = x:size(dim)
-  local layout = opts.layout or "zigzag"
-  if layout == "contiguous" then return x end
-  local out = tensor.empty(x:shape(), { dtype = x:dtype(), device = x:device() })
-  for _, m in ipairs(M.moves(T, cp, layout, M.seqlens_table(opts.cu_seqlens, "cp.shard.redo_order"))) do
-    out:narrow(dim, m[1] + 1, m[3]):copy(x:narrow(dim, m[2] + 1, m[3]))
-  end
-  return out
+  return reorder(x, cp, opts, "cp.shard.redo_order", false)
 end
 
 -- Rank `rank`'s local part of a global tensor x (token dim `dim`): a new contiguous
