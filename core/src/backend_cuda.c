@@ -445,10 +445,13 @@ static gdp_status gemm(gdp_ctx *ctx, gdp_dtype dtype, int64_t m, int64_t n, int6
     GDP_CUBLAS_TRY(cublasDgemm(st->blas, opx, opy, (int)m, (int)n, (int)k, &alpha, x->ptr,
                                (int)ldx, y->ptr, (int)ldy, &beta, c, (int)ldc));
   } else {
+    /* float32, or bfloat16 operands and result with float32 accumulation (the tensor
+     * cores' rate: the ceiling the GDP kernels are measured against). */
+    cudaDataType_t t = dtype == GDP_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_32F;
     float alpha_f = (float)alpha, beta_f = (float)beta;
-    GDP_CUBLAS_TRY(cublasGemmEx(st->blas, opx, opy, (int)m, (int)n, (int)k, &alpha_f, x->ptr,
-                                CUDA_R_32F, (int)ldx, y->ptr, CUDA_R_32F, (int)ldy, &beta_f, c,
-                                CUDA_R_32F, (int)ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    GDP_CUBLAS_TRY(cublasGemmEx(st->blas, opx, opy, (int)m, (int)n, (int)k, &alpha_f, x->ptr, t,
+                                (int)ldx, y->ptr, t, (int)ldy, &beta_f, c, t, (int)ldc,
+                                CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   }
   return GDP_OK;
 }
@@ -477,8 +480,8 @@ static gdp_status cuda_matmul(gdp_ctx *ctx, gdp_tensor *out, const gdp_tensor *a
                               const gdp_tensor *b, int trans_a, int trans_b, double alpha,
                               double beta) {
   GDP_TRY(op_begin(ctx, "matmul", out));
-  if (out->dtype != GDP_DTYPE_F32 && out->dtype != GDP_DTYPE_F64)
-    return GDP_ERROR(GDP_ERR_DTYPE, "matmul on cuda needs f32 or f64, got %s",
+  if (out->dtype != GDP_DTYPE_F32 && out->dtype != GDP_DTYPE_F64 && out->dtype != GDP_DTYPE_BF16)
+    return GDP_ERROR(GDP_ERR_DTYPE, "matmul on cuda needs f32, f64 or bf16, got %s",
                      gdp_dtype_name(out->dtype));
   if (a->dtype != out->dtype || b->dtype != out->dtype)
     return GDP_ERROR(GDP_ERR_DTYPE, "matmul dtypes differ: out %s, a %s, b %s",
@@ -575,7 +578,7 @@ static int cuda_supports(gdp_op op, gdp_dtype dtype) {
     case GDP_OP_ELEMENTWISE:
     case GDP_OP_REDUCE: return (int)dtype >= 0 && dtype < GDP_DTYPE_COUNT;
     case GDP_OP_RNG: return is_float;
-    case GDP_OP_MATMUL: return dtype == GDP_DTYPE_F64 || dtype == GDP_DTYPE_F32;
+    case GDP_OP_MATMUL: return is_float;
     /* The kernels answer per problem (gdp_cuda_gdp_supported); per dtype these two. */
     case GDP_OP_GDP_FORWARD:
     case GDP_OP_GDP_BACKWARD: return dtype == GDP_DTYPE_F32 || dtype == GDP_DTYPE_BF16;

@@ -282,9 +282,10 @@ gdp_status gdp_tensor_matmul(gdp_tensor *out, const gdp_tensor *a, const gdp_ten
   GDP_TRY(check_same_dtype(func, "out", out, "a", a));
   GDP_TRY(check_same_dtype(func, "out", out, "b", b));
   gdp_ctx *ctx = ctx_of(out);
-  if (out->dtype != GDP_DTYPE_F32 && out->dtype != GDP_DTYPE_F64)
-    return GDP_ERROR(GDP_ERR_DTYPE, "expected f32 or f64 tensors, got %s",
+  if (out->dtype != GDP_DTYPE_F32 && out->dtype != GDP_DTYPE_F64 && out->dtype != GDP_DTYPE_BF16)
+    return GDP_ERROR(GDP_ERR_DTYPE, "expected f32, f64 or bf16 tensors, got %s",
                      gdp_dtype_name(out->dtype));
+  /* bf16 (float32 accumulation) exists on cuda only; the cpu answers unsupported. */
   GDP_TRY(check_supported(func, ctx, GDP_OP_MATMUL, "matmul", out->dtype));
   char ab[160], bb[160], ob[160];
   const struct {

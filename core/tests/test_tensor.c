@@ -1031,7 +1031,12 @@ static void test_matmul(void) {
   CHECK_OK(gdp_tensor_zeros(ctx, GDP_DTYPE_I32, 2, s44, &i32));
   CHECK_OK(gdp_tensor_zeros(ctx, GDP_DTYPE_I32, 2, s44, &i32b));
   CHECK_OK(gdp_tensor_zeros(ctx, GDP_DTYPE_I32, 2, s44, &i32o));
-  CHECK_ERR(gdp_tensor_matmul(i32o, i32, i32b, 0, 0, 1.0, 0.0), GDP_ERR_DTYPE, "expected f32 or f64 tensors, got i32");
+  CHECK_ERR(gdp_tensor_matmul(i32o, i32, i32b, 0, 0, 1.0, 0.0), GDP_ERR_DTYPE, "expected f32, f64 or bf16 tensors, got i32");
+  /* bf16 matmul exists on cuda only: the cpu says so rather than computing */
+  gdp_tensor *h16 = NULL;
+  CHECK_OK(gdp_tensor_zeros(ctx, GDP_DTYPE_BF16, 2, s44, &h16));
+  CHECK_ERR(gdp_tensor_matmul(h16, h16, h16, 0, 0, 1.0, 0.0), GDP_ERR_UNSUPPORTED, "bf16");
+  gdp_tensor_free(h16);
   int64_t s3d[3] = {2, 2, 2};
   gdp_tensor *t3 = NULL;
   CHECK_OK(gdp_tensor_zeros(ctx, GDP_DTYPE_F32, 3, s3d, &t3));
