@@ -13,7 +13,10 @@
  *                                    path against the recurrent one at that size
  *
  * Variants: 1 = recurrent (one block per sequence, head and 32 value columns),
- *           2 = chunkwise WY on tensor cores (bf16 only; f32 falls back to 1).
+ *           2 = chunkwise WY on tensor cores (bf16 only; f32 falls back to 1),
+ *           3 = chunkwise, forward on mma.sync with the state in registers (gdp_fwd_v3.cu;
+ *               forward only, its backward is variant 2's; bf16, K, V = 64/128, n <= 3),
+ *           4 = variant 2's prep + variant 3's state pass (isolates the two kernels).
  * The oracle is gdp_cpu_gdp_{fwd,bwd}_recurrent_f64 (kernels/cpu/gdp_recurrent.c) on
  * l2-normalised inputs, with the backward of the norm done here in float64.
  */
@@ -576,16 +579,25 @@ static int selftest(void) {
 /* ================================================================== GPU side */
 
 #include "cuda/gdp_chunk.cuh"
+#include "cuda/gdp_fwd_v3.cuh"
 
 static const char *variant_name(int v) {
   static char buf[32];
   if (v == 1) return "recurrent";
+  if (v == 3) return "chunk_v3";
+  if (v == 4) return "v3_oldprep";
   const char *bv = getenv("GDP_CUDA_BV");
   if (!bv) return "chunk";
   snprintf(buf, sizeof buf, "chunk_bv%s", bv);
   return buf;
 }
 static int variant_algo(int v) { return v == 1 ? GDP_ALGO_RECURRENT : GDP_ALGO_CHUNK; }
+/* The forward of a variant (3 and 4 have their own entry point; their backward is
+ * variant 2's). */
+static gdp_status variant_forward(int v, const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io) {
+  if (v == 3 || v == 4) return gdp_cuda_gdp_forward_v3(p, io, 0, v == 3);
+  return gdp_cuda_gdp_forward(p, io, 0);
+}
 
 /* A device buffer of `count` elements of dtype (token tensors) or float32 (states). */
 struct DBuf {
@@ -680,7 +692,7 @@ static void must(gdp_status st, const char *what) {
 static void run_gpu(const Prob &P, DevProblem &d, int dtype, int variant, Outputs &got) {
   gdp_gdp_problem p = to_problem(P, dtype, variant_algo(variant), P.l2norm ? 1 : 0);
   gdp_gdp_fwd_io f = fwd_io(P, d, true);
-  must(gdp_cuda_gdp_forward(&p, &f, 0), "gdp_cuda_gdp_forward");
+  must(variant_forward(variant, &p, &f), "gdp_cuda_gdp_forward");
   gdp_gdp_bwd_io b = bwd_io(P, d, true);
   must(gdp_cuda_gdp_backward(&p, &b, 0), "gdp_cuda_gdp_backward");
   CK(cudaDeviceSynchronize());
@@ -699,6 +711,11 @@ static void run_gpu(const Prob &P, DevProblem &d, int dtype, int variant, Output
 static bool chunk_covers(const Prob &P, int dtype) {
   gdp_gdp_problem p = to_problem(P, dtype, GDP_ALGO_CHUNK, 1);
   return gdpcu::chunk_path_ok(&p);
+}
+
+static bool v3_covers(const Prob &P, int dtype, int variant) {
+  gdp_gdp_problem p = to_problem(P, dtype, GDP_ALGO_CHUNK, 1);
+  return gdp_cuda_gdp_forward_v3_supported(&p, variant == 3) != 0;
 }
 
 static int gpu_check(const vector<int> &variants, uint64_t seed, bool quick) {
@@ -721,6 +738,7 @@ static int gpu_check(const vector<int> &variants, uint64_t seed, bool quick) {
           dev_inputs(P, in, dtype, d);
           for (int var : variants) {
             if (var == 2 && !chunk_covers(P, dtype)) continue;
+            if ((var == 3 || var == 4) && !v3_covers(P, dtype, var)) continue;
             Outputs got;
             run_gpu(P, d, dtype, var, got);
             char label[160];
@@ -747,6 +765,7 @@ static int gpu_check(const vector<int> &variants, uint64_t seed, bool quick) {
       dev_inputs(P, in, dtype, d);
       for (int var : variants) {
         if (var == 2 && !chunk_covers(P, dtype)) continue;
+        if ((var == 3 || var == 4) && !v3_covers(P, dtype, var)) continue;
         Outputs got;
         run_gpu(P, d, dtype, var, got);
         char label[160];
@@ -801,14 +820,14 @@ static int gpu_bench(int64_t B, int64_t T, int64_t n, const vector<int> &variant
     gdp_gdp_bwd_io b = bwd_io(P, d, false);
     const int myreps = var == 1 ? std::max(2, reps / 10) : reps;
     for (int w = 0; w < 2; w++) {
-      must(gdp_cuda_gdp_forward(&p, &f, 0), "forward");
+      must(variant_forward(var, &p, &f), "forward");
       must(gdp_cuda_gdp_backward(&p, &b, 0), "backward");
     }
     CK(cudaDeviceSynchronize());
     vector<double> tf, tb, tfb;
     for (int i = 0; i < myreps; i++) {
       CK(cudaEventRecord(e0, 0));
-      must(gdp_cuda_gdp_forward(&p, &f, 0), "forward");
+      must(variant_forward(var, &p, &f), "forward");
       CK(cudaEventRecord(e1, 0));
       must(gdp_cuda_gdp_backward(&p, &b, 0), "backward");
       CK(cudaEventRecord(e2, 0));
@@ -822,7 +841,7 @@ static int gpu_bench(int64_t B, int64_t T, int64_t n, const vector<int> &variant
     printf("  %-9s fwd %8.3f ms   bwd %8.3f ms   fwd+bwd %8.3f ms\n", variant_name(var), mf, mb, mfb);
     if (getenv("GDP_CUDA_PROFILE")) {
       gdp_cuda_gdp_profile_dump(stdout, 1e30); /* clear warm-up/timed entries */
-      must(gdp_cuda_gdp_forward(&p, &f, 0), "forward");
+      must(variant_forward(var, &p, &f), "forward");
       must(gdp_cuda_gdp_backward(&p, &b, 0), "backward");
       printf("  %s per kernel (one profiled call, synchronised):\n", variant_name(var));
       gdp_cuda_gdp_profile_dump(stdout, 1.0);
@@ -835,7 +854,7 @@ static int gpu_bench(int64_t B, int64_t T, int64_t n, const vector<int> &variant
               variant_name(var), (long long)B, (long long)T, (long long)n, mf, mb, mfb, myreps);
     Outputs got;
     gdp_gdp_fwd_io f2 = fwd_io(P, d, false);
-    must(gdp_cuda_gdp_forward(&p, &f2, 0), "forward");
+    must(variant_forward(var, &p, &f2), "forward");
     must(gdp_cuda_gdp_backward(&p, &b, 0), "backward");
     CK(cudaDeviceSynchronize());
     download(d.o, P.T() * P.H * P.V, GDP_DTYPE_BF16, got.o);
@@ -846,12 +865,14 @@ static int gpu_bench(int64_t B, int64_t T, int64_t n, const vector<int> &variant
     download(d.dg, P.T() * P.H, GDP_DTYPE_BF16, got.dg);
     outs.push_back(got);
   }
-  if (outs.size() == 2) {
+  for (size_t vi = 1; vi < outs.size(); vi++) {
     int fails = 0;
-    vector<Named> items = {{"o", &outs[1].o, &outs[0].o},       {"dq", &outs[1].dq, &outs[0].dq},
-                           {"dk", &outs[1].dk, &outs[0].dk},    {"dv", &outs[1].dv, &outs[0].dv},
-                           {"dbeta", &outs[1].dbeta, &outs[0].dbeta}, {"dg", &outs[1].dg, &outs[0].dg}};
-    compare_all("  chunk vs recurrent at this size:", items, 1e-2, &fails);
+    vector<Named> items = {{"o", &outs[vi].o, &outs[0].o},       {"dq", &outs[vi].dq, &outs[0].dq},
+                           {"dk", &outs[vi].dk, &outs[0].dk},    {"dv", &outs[vi].dv, &outs[0].dv},
+                           {"dbeta", &outs[vi].dbeta, &outs[0].dbeta}, {"dg", &outs[vi].dg, &outs[0].dg}};
+    char label[96];
+    snprintf(label, sizeof label, "  %s vs %s at this size:", variant_name(variants[vi]), variant_name(variants[0]));
+    compare_all(label, items, 1e-2, &fails);
   }
   if (js) fclose(js);
   return 0;

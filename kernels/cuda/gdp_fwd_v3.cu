@@ -1,0 +1,671 @@
+/*
+ * gdp_fwd_v3.cu -- variant 3 of the chunked GDP forward (bf16 in, float32 accumulation
+ * and float32 state): a prep kernel and a state pass with the state in registers, both
+ * on raw mma.sync m16n8k16 bf16 tensor-core instructions with compile-time shapes.
+ *
+ * The two kernels meet through variant 2's global workspace (the per-chunk panels W, U,
+ * Kd, Qd, Pm and e^{last}, gdp_chunk.cuh), so either can be paired with variant 2's
+ * counterpart: gdp_cuda_gdp_forward_v3(..., new_prep = 0) runs variant 2's
+ * chunk_prep_kernel before the new state pass (the lab's variant 4).  Not in the
+ * library's dispatch: it stays lab-only until validated on the device.  The state-pass
+ * algebra, per chunk c of a sequence, head h (gdp_chunk.cuh):
+ *     D = U - W S,   o = Qd S + Pm D   (TC query rows),   S <- e^{last} S + Kd^T D.
+ * The prep's method is described above prep_kernel_v3.
+ *
+ * Why the state pass is laid out the way it is (kernels/cuda/NOTES.md, "Variant 3"):
+ *  - Everything is computed transposed: S^T (BV x K), D^T = U^T - S^T W^T (BV x C),
+ *    o^T = S^T Qd^T + D^T Pm^T (BV x TC), S^T <- e^{last} S^T + D^T Kd.  Then the value
+ *    columns x are the M dimension of every product, and the float32 accumulator
+ *    fragment of S^T (row x, column pairs along r) is, once rounded to bf16, exactly the
+ *    A-operand fragment of the next product (row x, k pairs along r) -- the same holds
+ *    for D^T.  So S and D never leave registers: no shared-memory staging, no
+ *    transpose, and the state stays float32 across the whole sequence.
+ *  - A warp owns 16 value columns and all K key rows of S^T: 64 (K = 128) float
+ *    registers of state per thread.  Warps of a block never exchange data; they only
+ *    share the chunk panels, which arrive in shared memory by cp.async, three chunks
+ *    deep, so the next chunks' loads overlap this chunk's products.
+ *  - B operands come from shared memory by ldmatrix (.trans for Kd, and for U, whose
+ *    transposed 8x8 blocks land directly in the accumulator layout).  Panel rows are
+ *    padded by 16 bytes so the eight rows of each 8x8 matrix fall in distinct banks.
+ *  - Shapes are template parameters (K, C, TC, BV): every loop is unrolled, every
+ *    register array is indexed by constants (no local memory).
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "gdp_chunk.cuh"
+#include "gdp_fwd_v3.cuh"
+
+namespace gdpcu {
+namespace v3 {
+
+constexpr int kStages = 3; /* chunk panels in flight: current + next two */
+constexpr int kPad = 8;    /* bf16 elements (16 bytes) of padding per shared row */
+
+/* Shared-memory layout of one pipeline stage (bytes).  Every region and row starts on
+ * 16 bytes, as ldmatrix and cp.async need. */
+template <int K, int C, int TC, int BV>
+struct Layout {
+  static constexpr int ldK = K + kPad, ldC = C + kPad, ldB = BV + kPad;
+  static constexpr int oW = 0;
+  static constexpr int oKd = oW + C * ldK * 2;
+  static constexpr int oQd = oKd + C * ldK * 2;
+  static constexpr int oPm = oQd + TC * ldK * 2;
+  static constexpr int oU = oPm + TC * ldC * 2;
+  static constexpr int stage = (oU + C * ldB * 2 + 127) / 128 * 128;
+  static constexpr int total = stage * kStages;
+};
+
+/* ------------------------------------------------------------------ PTX wrappers */
+
+/* Four 8x8 bf16 matrices; lanes 8i..8i+7 give the row addresses of matrix i.  Thread t
+ * receives, of matrix i, row t/4 columns 2(t%4), 2(t%4)+1 (register i). */
+__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t &r0, uint32_t &r1, uint32_t &r2,
+                                        uint32_t &r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+/* Same, transposed: thread t receives rows 2(t%4), 2(t%4)+1 of column t/4. */
+__device__ __forceinline__ void ldsm_x4_t(uint32_t addr, uint32_t &r0, uint32_t &r1, uint32_t &r2,
+                                          uint32_t &r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+/* d += A (16x16, row) * B (16x8, col), bf16 in, float32 accumulate. */
+__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+/* Two floats -> bf16x2, the first in the low half (the lower column index). */
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t *>(&v);
+}
+__device__ __forceinline__ float2 unpack_bf16(uint32_t v) {
+  __nv_bfloat162 b = *reinterpret_cast<__nv_bfloat162 *>(&v);
+  return __bfloat1622float2(b);
+}
+
+/* ROWS x COLS bf16 panel, global row stride gld -> shared row stride sld, 16 bytes per
+ * cp.async; all NT threads of the block take part.  A thread keeps one 16-byte column
+ * and steps down the rows, so its addresses are one base plus constant strides (few
+ * registers).  The workspace rows are complete (prep zero-fills past the sequence
+ * end), so no predicate. */
+template <int ROWS, int COLS, int NT>
+__device__ __forceinline__ void copy_panel(unsigned char *dst, int sld, const bf16 *src, int64_t gld) {
+  constexpr int per_row = COLS / 8;
+  if constexpr (NT % per_row == 0) {
+    constexpr int row_step = NT / per_row;
+    const int r0 = (int)threadIdx.x / per_row, c8 = ((int)threadIdx.x % per_row) * 8;
+    unsigned char *d = dst + (r0 * sld + c8) * 2;
+    const bf16 *g = src + (int64_t)r0 * gld + c8;
+#pragma unroll
+    for (int r = 0; r < ROWS; r += row_step)
+      if (ROWS % row_step == 0 || r + r0 < ROWS) cp_async16(d + r * sld * 2, g + (int64_t)r * gld, true);
+  } else { /* rows of 6 chunks (C = 48): plain index arithmetic, small panel */
+    constexpr int total = ROWS * per_row;
+#pragma unroll
+    for (int e0 = 0; e0 < total; e0 += NT) {
+      const int e = e0 + (int)threadIdx.x;
+      if (total % NT == 0 || e < total) {
+        const int r = e / per_row, c8 = (e % per_row) * 8;
+        cp_async16(dst + (r * sld + c8) * 2, src + (int64_t)r * gld + c8, true);
+      }
+    }
+  }
+}
+
+/* ------------------------------------------------------------------ the state pass */
+
+/* Grid (sequence, head, value block of BV columns); BV/16 warps, warp w owns value
+ * columns col0 + 16w .. +15.  Fragment coordinates (grp = lane/4, tig = lane%4):
+ *   St[nt][e]  = S^T[x][r],  x = 16w + grp + 8(e/2),  r = 8nt + 2tig + e%2
+ *   Dt[nt][e]  = -D^T[x][j], j = 8nt + 2tig + e%2      (accumulated negated, see D)
+ *   Ot[nt][e]  = o^T[x][a],  a = 8nt + 2tig + e%2
+ * and the bf16 A fragments Sa[kt], Da[kt] cover k columns 16kt..16kt+15. */
+template <int K, int C, int TC, int BV>
+__global__ void __launch_bounds__(BV / 16 * 32, 1) state_kernel_v3(GdpArgs a) {
+  using L = Layout<K, C, TC, BV>;
+  constexpr int NT = BV / 16 * 32;
+  static_assert(K % 32 == 0 && C % 16 == 0 && TC % 16 == 0 && BV % 16 == 0, "tile shapes");
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int s = blockIdx.x, h = blockIdx.y, col0 = blockIdx.z * BV;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int grp = lane >> 2, tig = lane & 3;
+  const int H = a.H, V = a.V;
+  const int cbeg = a.choff[s], nc = a.choff[s + 1] - cbeg;
+  const int64_t soff = ((int64_t)s * H + h) * K * V;
+  const int xw = col0 + warp * 16; /* this warp's first value column */
+
+  float St[K / 8][4];
+#pragma unroll
+  for (int nt = 0; nt < K / 8; nt++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      const int r = nt * 8 + 2 * tig + (e & 1), x = xw + grp + 8 * (e >> 1);
+      St[nt][e] = a.h0 ? a.h0[soff + (int64_t)r * V + x] : 0.f;
+    }
+
+  /* Stage it % kStages holds chunk it; every call commits a group (maybe empty) so that
+   * the wait count below is the same on every iteration. */
+  auto issue = [&](int it) {
+    if (it < nc) {
+      unsigned char *st = smem + (it % kStages) * L::stage;
+      const int64_t base = (int64_t)(cbeg + it) * H + h;
+      copy_panel<C, K, NT>(st + L::oW, L::ldK, a.W + base * C * K, K);
+      copy_panel<C, K, NT>(st + L::oKd, L::ldK, a.Kd + base * C * K, K);
+      copy_panel<TC, K, NT>(st + L::oQd, L::ldK, a.Qd + base * TC * K, K);
+      copy_panel<TC, C, NT>(st + L::oPm, L::ldC, a.Pm + base * TC * C, C);
+      copy_panel<C, BV, NT>(st + L::oU, L::ldB, a.U + base * C * V + col0, V);
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int it = 0; it < kStages - 1; it++) issue(it);
+
+  /* Per-lane ldmatrix offsets (elements), fixed for the whole pass:
+   *  - non-transposed B pairs (W, Qd, Pm: stored [n][k]): matrices (n lo, k lo),
+   *    (n lo, k hi), (n hi, k lo), (n hi, k hi) -> fragments (n-tile nt, nt+1);
+   *  - transposed B pairs (Kd: stored [k][n]): matrices (k lo, n lo), (k hi, n lo),
+   *    (k lo, n hi), (k hi, n hi);
+   *  - U^T (U stored [j][x]): matrices (j lo, x lo), (j lo, x hi), (j hi, x lo),
+   *    (j hi, x hi) = accumulator halves c01/c23 of j-tiles 2jt, 2jt+1. */
+  const int nrow = (lane >> 4) * 8 + (lane & 7), ncol = ((lane >> 3) & 1) * 8;
+  const int trow = ((lane >> 3) & 1) * 8 + (lane & 7), tcol = (lane >> 4) * 8;
+  const int urow = (lane >> 4) * 8 + (lane & 7), ucol = warp * 16 + ((lane >> 3) & 1) * 8;
+  const uint32_t smem0 = smem_addr(smem);
+
+  for (int it = 0; it < nc; it++) {
+    const int c = cbeg + it;
+    /* scalars first: their latency overlaps the wait */
+    const float el = a.elast[(int64_t)c * H + h];
+    const ChunkInfo ci = a.chunks[c];
+    cp_async_wait<kStages - 2>();
+    __syncthreads(); /* chunk it visible to all warps; stage (it-1) free */
+    issue(it + kStages - 1);
+
+    const uint32_t sb = smem0 + (it % kStages) * L::stage;
+    const uint32_t sW = sb + L::oW, sKd = sb + L::oKd, sQd = sb + L::oQd, sPm = sb + L::oPm,
+                   sU = sb + L::oU;
+
+    /* S^T at the chunk start as bf16 A fragments (for D and o) */
+    uint32_t Sa[K / 16][4];
+#pragma unroll
+    for (int kt = 0; kt < K / 16; kt++) {
+      Sa[kt][0] = pack_bf16(St[2 * kt][0], St[2 * kt][1]);
+      Sa[kt][1] = pack_bf16(St[2 * kt][2], St[2 * kt][3]);
+      Sa[kt][2] = pack_bf16(St[2 * kt + 1][0], St[2 * kt + 1][1]);
+      Sa[kt][3] = pack_bf16(St[2 * kt + 1][2], St[2 * kt + 1][3]);
+    }
+
+    /* -D^T = -U^T + S^T W^T (the mma only adds, so the accumulator starts at -U^T and
+     * the sign is restored, exactly, when it is rounded into Da) */
+    float Dt[C / 8][4];
+#pragma unroll
+    for (int jt = 0; jt < C / 16; jt++) {
+      uint32_t u0, u1, u2, u3;
+      ldsm_x4_t(sU + ((jt * 16 + urow) * L::ldB + ucol) * 2, u0, u1, u2, u3);
+      const float2 f0 = unpack_bf16(u0), f1 = unpack_bf16(u1), f2 = unpack_bf16(u2),
+                   f3 = unpack_bf16(u3);
+      Dt[2 * jt][0] = -f0.x, Dt[2 * jt][1] = -f0.y, Dt[2 * jt][2] = -f1.x, Dt[2 * jt][3] = -f1.y;
+      Dt[2 * jt + 1][0] = -f2.x, Dt[2 * jt + 1][1] = -f2.y;
+      Dt[2 * jt + 1][2] = -f3.x, Dt[2 * jt + 1][3] = -f3.y;
+    }
+#pragma unroll
+    for (int kt = 0; kt < K / 16; kt++)
+#pragma unroll
+      for (int nt = 0; nt < C / 8; nt += 2) {
+        uint32_t b0, b1, b2, b3;
+        ldsm_x4(sW + ((nt * 8 + nrow) * L::ldK + kt * 16 + ncol) * 2, b0, b1, b2, b3);
+        mma16816(Dt[nt], Sa[kt], b0, b1);
+        mma16816(Dt[nt + 1], Sa[kt], b2, b3);
+      }
+    uint32_t Da[C / 16][4];
+#pragma unroll
+    for (int kt = 0; kt < C / 16; kt++) {
+      Da[kt][0] = pack_bf16(-Dt[2 * kt][0], -Dt[2 * kt][1]);
+      Da[kt][1] = pack_bf16(-Dt[2 * kt][2], -Dt[2 * kt][3]);
+      Da[kt][2] = pack_bf16(-Dt[2 * kt + 1][0], -Dt[2 * kt + 1][1]);
+      Da[kt][3] = pack_bf16(-Dt[2 * kt + 1][2], -Dt[2 * kt + 1][3]);
+    }
+
+    /* o^T = S^T Qd^T + D^T Pm^T, then straight to global (rows past the sequence end,
+     * which prep filled with zeros, are not stored) */
+    {
+      float Ot[TC / 8][4];
+#pragma unroll
+      for (int nt = 0; nt < TC / 8; nt++) Ot[nt][0] = Ot[nt][1] = Ot[nt][2] = Ot[nt][3] = 0.f;
+#pragma unroll
+      for (int kt = 0; kt < K / 16; kt++)
+#pragma unroll
+        for (int nt = 0; nt < TC / 8; nt += 2) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4(sQd + ((nt * 8 + nrow) * L::ldK + kt * 16 + ncol) * 2, b0, b1, b2, b3);
+          mma16816(Ot[nt], Sa[kt], b0, b1);
+          mma16816(Ot[nt + 1], Sa[kt], b2, b3);
+        }
+#pragma unroll
+      for (int kt = 0; kt < C / 16; kt++)
+#pragma unroll
+        for (int nt = 0; nt < TC / 8; nt += 2) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4(sPm + ((nt * 8 + nrow) * L::ldC + kt * 16 + ncol) * 2, b0, b1, b2, b3);
+          mma16816(Ot[nt], Da[kt], b0, b1);
+          mma16816(Ot[nt + 1], Da[kt], b2, b3);
+        }
+      bf16 *o = (bf16 *)a.o;
+      const int64_t obase = (int64_t)ci.t0 * H + h;
+#pragma unroll
+      for (int nt = 0; nt < TC / 8; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          const int qa = nt * 8 + 2 * tig + (e & 1), x = xw + grp + 8 * (e >> 1);
+          if (qa < ci.ntok) o[(obase + (int64_t)qa * H) * V + x] = __float2bfloat16(Ot[nt][e]);
+        }
+    }
+
+    /* S^T <- e^{last} S^T + D^T Kd  (float32 throughout) */
+#pragma unroll
+    for (int nt = 0; nt < K / 8; nt++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) St[nt][e] *= el;
+#pragma unroll
+    for (int kt = 0; kt < C / 16; kt++)
+#pragma unroll
+      for (int nt = 0; nt < K / 8; nt += 2) {
+        uint32_t b0, b1, b2, b3;
+        ldsm_x4_t(sKd + ((kt * 16 + trow) * L::ldK + nt * 8 + tcol) * 2, b0, b1, b2, b3);
+        mma16816(St[nt], Da[kt], b0, b1);
+        mma16816(St[nt + 1], Da[kt], b2, b3);
+      }
+  }
+  cp_async_wait<0>(); /* no copy may outlive the block (the tail groups are empty) */
+
+  if (a.ht) {
+#pragma unroll
+    for (int nt = 0; nt < K / 8; nt++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        const int r = nt * 8 + 2 * tig + (e & 1), x = xw + grp + 8 * (e >> 1);
+        a.ht[soff + (int64_t)r * V + x] = St[nt][e];
+      }
+  }
+}
+
+/* ------------------------------------------------------------------ the prep */
+
+/* Shared-memory layout of the prep kernel (bytes). */
+template <int K, int V, int C, int TC>
+struct PrepLayout {
+  static constexpr int ldK = K + kPad, ldV = V + kPad, ldT = C + kPad, ldA = C + 4;
+  static constexpr int oK = 0;                        /* k rows, then kn (bf16) */
+  static constexpr int oQ = oK + C * ldK * 2;         /* q rows, then qn (bf16) */
+  static constexpr int oV = oQ + TC * ldK * 2;        /* v rows (bf16, as given) */
+  static constexpr int oA = oV + C * ldV * 2;         /* A (float) */
+  static constexpr int oTw = oA + C * ldA * 4;        /* T diag(beta e^gc) (bf16) */
+  static constexpr int oTu = oTw + C * ldT * 2;       /* T diag(beta) (bf16) */
+  static constexpr int oBeta = oTu + C * ldT * 2;     /* beta (float) */
+  static constexpr int oGp = oBeta + C * 4;           /* g on token starts (float) */
+  static constexpr int oGc = oGp + C * 4;             /* in-chunk cumulative g */
+  static constexpr int total = oGc + C * 4;
+};
+
+/* A fragment (16 x 16, row-major source with row stride ld elements) at rows rb,
+ * columns kb: matrices (rows lo, k lo), (rows hi, k lo), (rows lo, k hi), (rows hi, k hi)
+ * are a0a1, a2a3, a4a5, a6a7. */
+__device__ __forceinline__ void load_afrag(uint32_t base, int ld, int rb, int kb, uint32_t (&fa)[4]) {
+  const int lane = threadIdx.x & 31;
+  const int row = rb + (lane & 7) + ((lane >> 3) & 1) * 8, col = kb + (lane >> 4) * 8;
+  ldsm_x4(base + (row * ld + col) * 2, fa[0], fa[1], fa[2], fa[3]);
+}
+
+/* One block (4 warps) per (chunk, head).  Same outputs as variant 2's chunk_prep_kernel
+ * (gdp_fwd.cu): W, U, Kd, Qd, Pm (bf16) and e^{last}, with these differences of method:
+ *  - products on mma.sync with the accumulators' epilogues applied in registers;
+ *  - T = (I + A)^-1 by forward substitution with one thread per column of T, the column
+ *    in registers (no barrier inside the solve: the columns are independent), float32;
+ *  - beta and e^{gc} are folded into T's columns before its bf16 rounding
+ *    (W = (T diag(beta e^gc)) Kn, U = (T diag(beta)) V), so v enters the product exactly
+ *    as given instead of through a rounded beta v. */
+template <int K, int V, int C, int TC>
+__global__ void __launch_bounds__(128) prep_kernel_v3(GdpArgs a) {
+  using L = PrepLayout<K, V, C, TC>;
+  static_assert(K % 64 == 0 && V % 64 == 0 && C % 16 == 0 && TC % 16 == 0 && C <= 64, "prep shapes");
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int c = blockIdx.x, h = blockIdx.y;
+  const ChunkInfo ci = a.chunks[c];
+  const int H = a.H, n = a.n, nv = ci.ntok * n;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, grp = lane >> 2, tig = lane & 3;
+  const int64_t CHi = (int64_t)c * H + h;
+  const int64_t krow0 = (int64_t)ci.t0 * n;
+  const bf16 *gk = (const bf16 *)a.k, *gq = (const bf16 *)a.q, *gv = (const bf16 *)a.v,
+             *gg = (const bf16 *)a.g, *gbeta = (const bf16 *)a.beta;
+  bf16 *sK = (bf16 *)(smem + L::oK), *sQ = (bf16 *)(smem + L::oQ);
+  float *sA = (float *)(smem + L::oA), *sBeta = (float *)(smem + L::oBeta),
+        *sGp = (float *)(smem + L::oGp), *sGc = (float *)(smem + L::oGc);
+  bf16 *sTw = (bf16 *)(smem + L::oTw), *sTu = (bf16 *)(smem + L::oTu);
+  const uint32_t s0 = smem_addr(smem);
+
+  /* rows in by cp.async, 16 bytes a thread, zero-filled past the sequence end */
+  for (int e = tid; e < C * (K / 8); e += 128) {
+    const int i = e / (K / 8), c8 = (e % (K / 8)) * 8;
+    const bool ok = i < nv;
+    cp_async16(smem + L::oK + (i * L::ldK + c8) * 2,
+               ok ? (const void *)(gk + ((krow0 + i) * H + h) * K + c8) : (const void *)gk, ok);
+  }
+  for (int e = tid; e < TC * (K / 8); e += 128) {
+    const int i = e / (K / 8), c8 = (e % (K / 8)) * 8;
+    const bool ok = i < ci.ntok;
+    cp_async16(smem + L::oQ + (i * L::ldK + c8) * 2,
+               ok ? (const void *)(gq + (((int64_t)ci.t0 + i) * H + h) * K + c8) : (const void *)gq, ok);
+  }
+  for (int e = tid; e < C * (V / 8); e += 128) {
+    const int i = e / (V / 8), c8 = (e % (V / 8)) * 8;
+    const bool ok = i < nv;
+    cp_async16(smem + L::oV + (i * L::ldV + c8) * 2,
+               ok ? (const void *)(gv + ((krow0 + i) * H + h) * V + c8) : (const void *)gv, ok);
+  }
+  cp_async_commit();
+  if (tid < C) {
+    const bool ok = tid < nv;
+    const int64_t row = (krow0 + tid) * H + h;
+    sBeta[tid] = ok ? __bfloat162float(gbeta[row]) : 0.f;
+    sGp[tid] = (ok && gg && tid % n == 0) ? __bfloat162float(gg[((int64_t)ci.t0 + tid / n) * H + h]) : 0.f;
+  }
+  __syncthreads();
+  if (tid < C) { /* same summation order as variant 2 */
+    float acc = 0.f;
+    for (int m = 0; m <= tid; m++) acc += sGp[m];
+    sGc[tid] = acc;
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  const float last = sGc[C - 1];
+
+  /* l2 norms, in place (bf16), and the decayed copies Kd, Qd straight to global */
+  {
+    bf16 *gKd = a.Kd + CHi * C * K, *gQd = a.Qd + CHi * TC * K;
+    for (int i = warp; i < C + TC; i += 4) {
+      const bool isq = i >= C;
+      const int row = isq ? i - C : i;
+      bf16 *src = isq ? sQ + row * L::ldK : sK + row * L::ldK;
+      float x[K / 32], ss = 0.f;
+#pragma unroll
+      for (int m = 0; m < K / 32; m++) {
+        x[m] = __bfloat162float(src[lane + 32 * m]);
+        ss += x[m] * x[m];
+      }
+      const float inv = a.l2norm ? rsqrtf(warp_sum(ss) + kNormEps) : 1.f;
+      const float f = isq ? a.scale * __expf(sGc[row * n + n - 1]) : __expf(last - sGc[row]);
+      bf16 *dst = isq ? gQd + (int64_t)row * K : gKd + (int64_t)row * K;
+#pragma unroll
+      for (int m = 0; m < K / 32; m++) {
+        src[lane + 32 * m] = __float2bfloat16(x[m] * inv);
+        dst[lane + 32 * m] = __float2bfloat16(x[m] * inv * f);
+      }
+    }
+  }
+  __syncthreads();
+
+  /* A = strictly-lower(beta_i e^{gc_i-gc_j} kn_i.kn_j) -> shared (float);
+   * Pm = scale e^{gc_ia-gc_j} qn_a.kn_j (j <= ia) -> global.  One 16-row item per warp. */
+  {
+    const int nrow = (lane >> 4) * 8 + (lane & 7), ncol = ((lane >> 3) & 1) * 8;
+    bf16 *gPm = a.Pm + CHi * TC * C;
+    for (int item = warp; item < C / 16 + TC / 16; item += 4) {
+      const bool isq = item >= C / 16;
+      const int rb = (isq ? item - C / 16 : item) * 16;
+      const uint32_t abase = s0 + (isq ? L::oQ : L::oK);
+      float acc[C / 8][4];
+#pragma unroll
+      for (int nt = 0; nt < C / 8; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+#pragma unroll
+      for (int kt = 0; kt < K / 16; kt++) {
+        uint32_t fa[4];
+        load_afrag(abase, L::ldK, rb, kt * 16, fa);
+#pragma unroll
+        for (int nt = 0; nt < C / 8; nt += 2) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4(s0 + L::oK + ((nt * 8 + nrow) * L::ldK + kt * 16 + ncol) * 2, b0, b1, b2, b3);
+          mma16816(acc[nt], fa, b0, b1);
+          mma16816(acc[nt + 1], fa, b2, b3);
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < C / 8; nt++)
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+          const int i = rb + grp + 8 * hf, j = nt * 8 + 2 * tig;
+          const float v0 = acc[nt][2 * hf], v1 = acc[nt][2 * hf + 1];
+          if (!isq) {
+            const float bi = sBeta[i], gi = sGc[i];
+            sA[i * L::ldA + j] = i > j ? bi * __expf(gi - sGc[j]) * v0 : 0.f;
+            sA[i * L::ldA + j + 1] = i > j + 1 ? bi * __expf(gi - sGc[j + 1]) * v1 : 0.f;
+          } else {
+            const int ia = i * n + n - 1;
+            const float gi = sGc[ia];
+            const float p0 = j <= ia ? a.scale * __expf(gi - sGc[j]) * v0 : 0.f;
+            const float p1 = j + 1 <= ia ? a.scale * __expf(gi - sGc[j + 1]) * v1 : 0.f;
+            *reinterpret_cast<uint32_t *>(gPm + (int64_t)i * C + j) = pack_bf16(p0, p1);
+          }
+        }
+    }
+  }
+  __syncthreads();
+
+  /* T = (I + A)^-1: thread x solves column x, (I + A) t = e_x, by forward substitution
+   * in registers; A is read by broadcast (every thread the same address).  Then the
+   * column is scaled by beta_x e^{gc_x} (-> Tw) and by beta_x (-> Tu), rounded to bf16. */
+  if (tid < C) {
+    const int x = tid;
+    float t[C];
+#pragma unroll
+    for (int i = 0; i < C; i++) {
+      /* four partial sums: the dependent chain of one row is i/4 long instead of i */
+      float s[4] = {(i == x) ? 1.f : 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int j = 0; j < i; j++) s[j & 3] -= sA[i * L::ldA + j] * t[j];
+      t[i] = (s[0] + s[1]) + (s[2] + s[3]);
+    }
+    const float bx = sBeta[x], bgx = bx * __expf(sGc[x]);
+#pragma unroll
+    for (int i = 0; i < C; i++) {
+      sTw[i * L::ldT + x] = __float2bfloat16(t[i] * bgx);
+      sTu[i * L::ldT + x] = __float2bfloat16(t[i] * bx);
+    }
+  }
+  __syncthreads();
+
+  /* W = Tw Kn, U = Tu V: items of 16 rows x 64 columns, round robin over the warps */
+  {
+    const int trow = ((lane >> 3) & 1) * 8 + (lane & 7), tcol = (lane >> 4) * 8;
+    constexpr int itemsW = (C / 16) * (K / 64), itemsU = (C / 16) * (V / 64);
+    for (int item = warp; item < itemsW + itemsU; item += 4) {
+      const bool isu = item >= itemsW;
+      const int it2 = isu ? item - itemsW : item;
+      const int halves = isu ? V / 64 : K / 64;
+      const int rb = (it2 / halves) * 16, cb = (it2 % halves) * 64;
+      const uint32_t tbase = s0 + (isu ? L::oTu : L::oTw), bbase = s0 + (isu ? L::oV : L::oK);
+      const int ldb = isu ? L::ldV : L::ldK;
+      float acc[8][4];
+#pragma unroll
+      for (int nt = 0; nt < 8; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+#pragma unroll
+      for (int kt = 0; kt < C / 16; kt++) {
+        uint32_t fa[4];
+        load_afrag(tbase, L::ldT, rb, kt * 16, fa);
+#pragma unroll
+        for (int nt = 0; nt < 8; nt += 2) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4_t(bbase + ((kt * 16 + trow) * ldb + cb + nt * 8 + tcol) * 2, b0, b1, b2, b3);
+          mma16816(acc[nt], fa, b0, b1);
+          mma16816(acc[nt + 1], fa, b2, b3);
+        }
+      }
+      bf16 *out = isu ? a.U + CHi * C * V : a.W + CHi * C * K;
+      const int ldo = isu ? V : K;
+#pragma unroll
+      for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+          const int i = rb + grp + 8 * hf, col = cb + nt * 8 + 2 * tig;
+          *reinterpret_cast<uint32_t *>(out + (int64_t)i * ldo + col) =
+              pack_bf16(acc[nt][2 * hf], acc[nt][2 * hf + 1]);
+        }
+    }
+  }
+  if (tid == 0) a.elast[CHi] = __expf(last);
+}
+
+/* ------------------------------------------------------------------ host side */
+
+template <int K, int C, int TC, int BV>
+static gdp_status launch_bv(const Plan &plan, bool dry_run, int *blocks_per_sm) {
+  using L = Layout<K, C, TC, BV>;
+  auto kern = state_kernel_v3<K, C, TC, BV>;
+  GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
+  if (dry_run) {
+    GDP_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, kern, BV / 16 * 32,
+                                                               L::total));
+    return GDP_OK;
+  }
+  const GdpArgs &a = plan.a;
+  kern<<<dim3((unsigned)a.N, (unsigned)a.H, (unsigned)(a.V / BV)), BV / 16 * 32, L::total,
+         plan.stream>>>(a);
+  GDP_CUDA_LAUNCHED("state_kernel_v3");
+  return GDP_OK;
+}
+
+template <int K, int C, int TC>
+static gdp_status launch_k(const Plan &plan, int bv, bool dry_run, int *occ) {
+  switch (bv) {
+    case 64: return launch_bv<K, C, TC, 64>(plan, dry_run, occ);
+    case 32: return launch_bv<K, C, TC, 32>(plan, dry_run, occ);
+    default: return launch_bv<K, C, TC, 16>(plan, dry_run, occ);
+  }
+}
+
+static gdp_status launch_state_v3(const Plan &plan, int bv, bool dry_run, int *occ) {
+  const GdpArgs &a = plan.a;
+  if (a.K == 128) {
+    if (a.n == 1) return launch_k<128, 32, 32>(plan, bv, dry_run, occ);
+    if (a.n == 2) return launch_k<128, 64, 32>(plan, bv, dry_run, occ);
+    return launch_k<128, 48, 16>(plan, bv, dry_run, occ);
+  }
+  if (a.n == 1) return launch_k<64, 32, 32>(plan, bv, dry_run, occ);
+  if (a.n == 2) return launch_k<64, 64, 32>(plan, bv, dry_run, occ);
+  return launch_k<64, 48, 16>(plan, bv, dry_run, occ);
+}
+
+/* Value-block width: the fewest waves of blocks; on a tie the narrower block (more SMs
+ * busy, fewer warps sharing one SM's shared-memory bandwidth).  Every block walks all
+ * chunks of its sequence, so a wave costs one sequence's full chain.
+ * GDP_CUDA_V3_BV=16|32|64 forces a width (lab experiments). */
+static int choose_bv(const Plan &plan) {
+  const GdpArgs &a = plan.a;
+  const char *env = getenv("GDP_CUDA_V3_BV");
+  if (env) {
+    const int bv = atoi(env);
+    if ((bv == 16 || bv == 32 || bv == 64) && a.V % bv == 0) return bv;
+  }
+  int best = 16;
+  double best_waves = INFINITY;
+  for (int bv : {16, 32, 64}) {
+    if (a.V % bv) continue;
+    /* occupancy depends only on (K, n, bv): asked once, then cached (benign race) */
+    static int occ_cache[2][3][3] = {};
+    int &occ = occ_cache[a.K == 128][a.n - 1][bv == 16 ? 0 : bv == 32 ? 1 : 2];
+    if (occ == 0 && launch_state_v3(plan, bv, true, &occ) != GDP_OK) occ = -1;
+    if (occ < 1) continue;
+    const double blocks = (double)a.N * a.H * (a.V / bv);
+    const double waves = ceil(blocks / ((double)num_sms() * occ));
+    if (waves < best_waves) best_waves = waves, best = bv;
+  }
+  return best;
+}
+
+template <int K, int V, int C, int TC>
+static gdp_status launch_prep_kv(const Plan &plan) {
+  using L = PrepLayout<K, V, C, TC>;
+  auto kern = prep_kernel_v3<K, V, C, TC>;
+  GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
+  kern<<<dim3((unsigned)plan.a.nchunks, (unsigned)plan.a.H), 128, L::total, plan.stream>>>(plan.a);
+  GDP_CUDA_LAUNCHED("prep_kernel_v3");
+  return GDP_OK;
+}
+
+template <int K, int V>
+static gdp_status launch_prep_n(const Plan &plan) {
+  if (plan.a.n == 1) return launch_prep_kv<K, V, 32, 32>(plan);
+  if (plan.a.n == 2) return launch_prep_kv<K, V, 64, 32>(plan);
+  return launch_prep_kv<K, V, 48, 16>(plan);
+}
+
+static gdp_status launch_prep_v3(const Plan &plan) {
+  if (plan.a.nchunks == 0) return GDP_OK;
+  const int K = plan.a.K, V = plan.a.V;
+  if (K == 128) return V == 128 ? launch_prep_n<128, 128>(plan) : launch_prep_n<128, 64>(plan);
+  return V == 128 ? launch_prep_n<64, 128>(plan) : launch_prep_n<64, 64>(plan);
+}
+
+}  // namespace v3
+}  // namespace gdpcu
+
+using namespace gdpcu;
+
+extern "C" int gdp_cuda_gdp_forward_v3_supported(const gdp_gdp_problem *p, int new_prep) {
+  if (!p || !chunk_path_ok(p) || !(p->K == 64 || p->K == 128) || p->n < 1 || p->n > 3) return 0;
+  return !new_prep || p->V == 64 || p->V == 128;
+}
+
+extern "C" gdp_status gdp_cuda_gdp_forward_v3(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io,
+                                              void *stream_, int new_prep) {
+  GDP_TRY(validate_problem(p, "forward_v3"));
+  if (!io) return GDP_ERROR(GDP_ERR_INVALID_ARG, "io is NULL");
+  if (!gdp_cuda_gdp_forward_v3_supported(p, new_prep))
+    return GDP_ERROR(GDP_ERR_UNSUPPORTED,
+                     "forward_v3 takes bf16, n = 1..3, K = 64 or 128, V = 64 or 128 (a multiple of "
+                     "16 <= 128 with the old prep); got dtype %d n=%lld K=%lld V=%lld",
+                     p->dtype, (long long)p->n, (long long)p->K, (long long)p->V);
+  if (p->T_total > 0 && (!io->q || !io->k || !io->v || !io->beta || !io->o))
+    return GDP_ERROR(GDP_ERR_INVALID_ARG, "q, k, v, beta and o must be non-NULL");
+  if (p->N == 0) return GDP_OK;
+  cudaStream_t stream = (cudaStream_t)stream_;
+  GdpArgs a;
+  memset(&a, 0, sizeof a);
+  a.q = io->q;
+  a.k = io->k;
+  a.v = io->v;
+  a.g = io->g;
+  a.beta = io->beta;
+  a.h0 = (const float *)io->h0;
+  a.o = io->o;
+  a.ht = (float *)io->ht;
+  a.H = (int)p->H;
+  a.K = (int)p->K;
+  a.V = (int)p->V;
+  a.n = (int)p->n;
+  a.l2norm = p->l2norm_in_kernel;
+  a.scale = (float)p->scale;
+  a.N = (int)p->N;
+  Plan plan;
+  prof_begin(stream);
+  gdp_status st = plan_make(p, stream, false, a, &plan);
+  if (st != GDP_OK) {
+    prof_end(stream);
+    return st;
+  }
+  prof_mark("fwd plan+upload", stream);
+  st = new_prep ? v3::launch_prep_v3(plan) : launch_prep(plan);
+  prof_mark(new_prep ? "fwd prep v3" : "fwd prep", stream);
+  if (st == GDP_OK) st = v3::launch_state_v3(plan, v3::choose_bv(plan), false, nullptr);
+  prof_mark("fwd state+output v3", stream);
+  plan_free(&plan);
+  prof_end(stream);
+  return st;
+}

@@ -1,0 +1,30 @@
+/*
+ * gdp_fwd_v3.cuh -- variant 3 of the chunked GDP forward (lab only; not in the library's
+ * dispatch until it has been validated on the device).  See kernels/cuda/NOTES.md,
+ * "Variant 3".
+ */
+#ifndef GDP_KERNELS_CUDA_FWD_V3_CUH
+#define GDP_KERNELS_CUDA_FWD_V3_CUH
+
+#include "gdp_cuda.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* 1 when variant 3 takes this problem: bf16, n = 1..3, K in {64, 128}, and V in
+ * {64, 128} with its own prep (new_prep = 1), or V a multiple of 16 up to 128 with
+ * variant 2's prep (new_prep = 0). */
+int gdp_cuda_gdp_forward_v3_supported(const gdp_gdp_problem *p, int new_prep);
+
+/* Same contract as gdp_cuda_gdp_forward.  new_prep = 1: variant 3's prep kernel, else
+ * variant 2's chunk_prep_kernel; then the register-resident state pass of variant 3.
+ * GDP_ERR_UNSUPPORTED outside the problems above. */
+gdp_status gdp_cuda_gdp_forward_v3(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io, void *stream,
+                                   int new_prep);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
