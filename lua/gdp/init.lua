@@ -66,7 +66,7 @@ end
 -- `require "gdp"` stays light and a module's load error surfaces where it is used.
 setmetatable(gdp, {
   __index = function(t, key)
-    if key == "nn" or key == "cp" or key == "comm" then
+    if key == "nn" or key == "cp" or key == "comm" or key == "sweep" then
       local mod = require("gdp." .. key)
       rawset(t, key, mod)
       return mod
