@@ -82,17 +82,7 @@ if opts.threads > 0 then ctx:set_num_threads(opts.threads) end
 
 local run = opts.save and results.new_run("bench_gdp", { config = opts, seed = opts.seed, args = arg }) or nil
 
-local function timed(fn)
-  ctx:sync()
-  local t0 = gdp.time()
-  fn()
-  ctx:sync()
-  return gdp.time() - t0
-end
-
-local function free_all(t)
-  for _, x in pairs(t) do if gdp.is_tensor(x) then x:free() end end
-end
+local function timed(fn) return gdp.ops.timed(ctx, fn) end
 
 -- sgemm reference on the same device.
 local function bench_sgemm()
@@ -140,32 +130,12 @@ local function min_bytes(pass)
 end
 
 local function bench_op()
-  local fwd, fwdbwd = {}, {}
-  local problem = {
+  return gdp.ops.time_forward_backward({
     B = opts.B, T = opts.T, H = opts.H, K = opts.K, V = opts.V, n = opts.n,
     dtype = opts.dtype, device = ctx, grads = true, use_qk_l2norm_in_kernel = opts.use_qk_l2norm,
     output_final_state = true,
-  }
-  for r = 1, opts.warmup + opts["repeat"] do
-    local args = gdp.ops.random_inputs(problem) -- fresh inputs every repeat
-    args.algorithm = opts.algorithm
-    args.chunk_size = opts.chunk_size
-    local o, ht, grads
-    local t_fwd = timed(function() o, ht = gdp.ops.chunk_gated_delta_product(args) end)
-    o:free(); if ht then ht:free() end
-    local t_fb = timed(function()
-      o, ht = gdp.ops.chunk_gated_delta_product(args)
-      grads = gdp.ops.chunk_gated_delta_product_backward(args)
-    end)
-    o:free(); if ht then ht:free() end
-    free_all(grads)
-    free_all(args)
-    if r > opts.warmup then
-      fwd[#fwd + 1] = t_fwd
-      fwdbwd[#fwdbwd + 1] = t_fb
-    end
-  end
-  return util.median(fwd), util.median(fwdbwd)
+  }, { warmup = opts.warmup, samples = opts["repeat"], algorithm = opts.algorithm,
+       chunk_size = opts.chunk_size })
 end
 
 local row = {

@@ -79,17 +79,7 @@ local run = results.new_run("householder_sweep", {
   extra = { resumed_from = opts.resume ~= "" and opts.resume or nil },
 })
 
-local function timed(fn)
-  ctx:sync()
-  local t0 = gdp.time()
-  fn()
-  ctx:sync()
-  return gdp.time() - t0
-end
-
-local function free_all(t)
-  for _, x in pairs(t) do if gdp.is_tensor(x) then x:free() end end
-end
+local free_all = gdp.ops.free_all
 
 local function rel_err(x, ref)
   return gdp.rel_error(x:to({ dtype = "f64", device = "cpu" }), ref)
@@ -97,30 +87,10 @@ end
 
 -- Median forward and forward+backward seconds on fresh inputs.
 local function measure_time(cfg)
-  local problem = {
+  return gdp.ops.time_forward_backward({
     B = cfg.B, T = cfg.T, H = cfg.H, K = cfg.K, V = cfg.V, n = cfg.n, dtype = cfg.dtype, device = ctx,
     grads = true, use_qk_l2norm_in_kernel = cfg.use_qk_l2norm, output_final_state = true,
-  }
-  local fwd, fwdbwd = {}, {}
-  for r = 1, cfg.warmup + cfg.samples do
-    local args = gdp.ops.random_inputs(problem)
-    args.algorithm, args.chunk_size = cfg.algorithm, cfg.chunk_size
-    local o, ht, grads
-    local t_fwd = timed(function() o, ht = gdp.ops.chunk_gated_delta_product(args) end)
-    o:free(); if ht then ht:free() end
-    local t_fb = timed(function()
-      o, ht = gdp.ops.chunk_gated_delta_product(args)
-      grads = gdp.ops.chunk_gated_delta_product_backward(args)
-    end)
-    o:free(); if ht then ht:free() end
-    free_all(grads)
-    free_all(args)
-    if r > cfg.warmup then
-      fwd[#fwd + 1] = t_fwd
-      fwdbwd[#fwdbwd + 1] = t_fb
-    end
-  end
-  return util.median(fwd), util.median(fwdbwd)
+  }, { warmup = cfg.warmup, samples = cfg.samples, algorithm = cfg.algorithm, chunk_size = cfg.chunk_size })
 end
 
 -- Relative errors of the config's path against the float64 recurrence on the cpu.

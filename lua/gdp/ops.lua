@@ -21,6 +21,7 @@
 local ffi = require("ffi")
 local lib = require("gdp.lib")
 local tensor = require("gdp.tensor")
+local util = require("gdp.util")
 
 local argerror, check, call_alloc, wrap = tensor.argerror, tensor.check, tensor.call_alloc, tensor.wrap
 local shape_str = tensor.shape_str
@@ -305,6 +306,49 @@ function M.gdp_flops(B, T, H, K, V, n, pass)
   if pass == "backward" then return 2 * fwd end
   if pass == "forward_backward" then return 3 * fwd end
   error("gdp.ops.gdp_flops: pass: expected forward, backward or forward_backward, got " .. tostring(pass), 2)
+end
+
+-- Seconds that fn() takes on ctx's device, synchronised before and after so that the
+-- queued work of a device is inside the measurement.
+function M.timed(ctx, fn)
+  ctx:sync()
+  local t0 = lib.gdp_time_now()
+  fn()
+  ctx:sync()
+  return lib.gdp_time_now() - t0
+end
+
+-- Frees every tensor among the values of t (explicit frees keep device memory flat in
+-- timing loops instead of waiting for the collector).
+function M.free_all(t)
+  for _, x in pairs(t) do if tensor.is_tensor(x) then x:free() end end
+end
+
+-- Median seconds of the forward and of forward+backward on `problem` (a random_inputs
+-- table, with grads), over `samples` runs after `warmup` untimed ones, each on fresh
+-- random inputs drawn outside the timed region (never zeros, never the same buffers).
+-- opts: warmup, samples, algorithm, chunk_size.
+function M.time_forward_backward(problem, opts)
+  local fwd, fwdbwd = {}, {}
+  for r = 1, opts.warmup + opts.samples do
+    local args = M.random_inputs(problem)
+    args.algorithm, args.chunk_size = opts.algorithm, opts.chunk_size
+    local ctx = args.q:ctx()
+    local o, ht, grads
+    local t_fwd = M.timed(ctx, function() o, ht = M.chunk_gated_delta_product(args) end)
+    o:free(); if ht then ht:free() end
+    local t_fb = M.timed(ctx, function()
+      o, ht = M.chunk_gated_delta_product(args)
+      grads = M.chunk_gated_delta_product_backward(args)
+    end)
+    o:free(); if ht then ht:free() end
+    M.free_all(grads)
+    M.free_all(args)
+    if r > opts.warmup then
+      fwd[#fwd + 1], fwdbwd[#fwdbwd + 1] = t_fwd, t_fb
+    end
+  end
+  return util.median(fwd), util.median(fwdbwd)
 end
 
 -- Exposed for the layers (gdp.nn.functional): one conversion rule for cu_seqlens.
