@@ -648,27 +648,13 @@ function M.attach(m)
   m.cp_backend = M.cpu_backend()
 end
 
-local function check_layer_input(m, fn, x)
-  tensor.tensor_arg(x, fn, "x")
-  if x:dim() ~= 3 or x:size(3) ~= m.hidden_size then
-    argerror(fn, string.format("x: expected the rank-local [T/cp,B,%d], got %s", m.hidden_size,
-                               shape_str(x:shape())))
-  end
-  if x:dtype() ~= m.dtype then
-    argerror(fn, string.format("x: expected dtype %s (the module's), got %s", m.dtype, x:dtype()))
-  end
-  if x:size(1) < 1 then
-    argerror(fn, "x: every rank must hold at least one token (T/cp >= 1), got " .. shape_str(x:shape()))
-  end
-end
-
 function M.layer_forward(m, x, cu_in)
   local fn = "nn.GatedDeltaProduct:forward (chunkwise CP)"
   local group = m.cp_group
   local cp, r = group:size(), group:rank()
   local b0 = group:bytes()
   local cu, meta = shard.agreed(group, function()
-    check_layer_input(m, fn, x)
+    shard.check_layer_input(m, fn, x, 1)
     local cu = shard.seqlens_table(cu_in, fn)
     local meta
     if cu ~= nil then
@@ -730,14 +716,7 @@ function M.layer_backward(m, dy)
   local Lc = x:size(1)
   local Lt = dtail:size(1)
   if Lt > 0 then dxBC:narrow(1, Lc - Lt + 1, Lt):add_(dtail) end
-  local s = m.sizes
-  local T, B = x:size(1), x:size(2)
-  local dzx = tensor.empty({ T, B, s.d_in_proj }, { dtype = m.dtype, device = m.device })
-  dzx:narrow(3, s.z_off, s.d_inner):copy(dz)
-  dzx:narrow(3, s.xBC_off, s.conv_dim):copy(dxBC)
-  dzx:narrow(3, s.b_off, s.b_dim):copy(db)
-  dzx:narrow(3, s.a_off, s.a_dim):copy(da)
-  local dx = m:in_proj_backward(x, dzx)
+  local dx = m:in_proj_backward(x, m:join_in_proj(dz, dxBC, db, da))
   local b2 = group:bytes()
   m.cp_bytes = m.cp_bytes or {}
   m.cp_bytes.backward_sent, m.cp_bytes.backward_received = b2.sent - b1.sent, b2.received - b1.received

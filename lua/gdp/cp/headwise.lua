@@ -529,24 +529,13 @@ local function local_module(m, hcp)
   return view
 end
 
-local function check_layer_input(m, fn, x)
-  tensor.tensor_arg(x, fn, "x")
-  if x:dim() ~= 3 or x:size(3) ~= m.hidden_size then
-    argerror(fn, string.format("x: expected the rank-local [T/cp,B,%d], got %s", m.hidden_size,
-                               shape_str(x:shape())))
-  end
-  if x:dtype() ~= m.dtype then
-    argerror(fn, string.format("x: expected dtype %s (the module's), got %s", m.dtype, x:dtype()))
-  end
-end
-
 function M.layer_forward(m, x, cu_in)
   local fn = "nn.GatedDeltaProduct:forward (headwise CP)"
   local hcp = m.cp_state
   local group = m.cp_group
   local b0 = group:bytes()
   local cu = shard.agreed(group, function()
-    check_layer_input(m, fn, x)
+    shard.check_layer_input(m, fn, x)
     local cu = shard.seqlens_table(cu_in, fn)
     hcp:check_tokens(fn, x, cu)
     return cu

@@ -36,6 +36,23 @@ function M.agreed(group, fn, ...)
   return group:pcall(fn, ...)
 end
 
+-- Local check of a CP layer's rank-local input x [T/cp, B, hidden] (dtype of the module;
+-- at least `min_tokens` tokens when given).  Not collective: callers run it under agreed().
+function M.check_layer_input(m, fn, x, min_tokens)
+  tensor.tensor_arg(x, fn, "x")
+  if x:dim() ~= 3 or x:size(3) ~= m.hidden_size then
+    argerror(fn, string.format("x: expected the rank-local [T/cp,B,%d], got %s", m.hidden_size,
+                               tensor.shape_str(x:shape())))
+  end
+  if x:dtype() ~= m.dtype then
+    argerror(fn, string.format("x: expected dtype %s (the module's), got %s", m.dtype, x:dtype()))
+  end
+  if min_tokens and x:size(1) < min_tokens then
+    argerror(fn, string.format("x: every rank must hold at least %d token(s) (T/cp >= %d), got %s",
+                               min_tokens, min_tokens, tensor.shape_str(x:shape())))
+  end
+end
+
 -- Collective: checks that the upstream gradient dy of a CP layer's backward has the
 -- shape of the layer's rank-local input x, failing on every rank otherwise.
 function M.agree_dy(group, fn, dy, x)

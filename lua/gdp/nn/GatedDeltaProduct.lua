@@ -380,6 +380,18 @@ function GatedDeltaProduct:split_in_proj(zx)
   }
 end
 
+-- The inverse of split_in_proj for gradients: one [T, B, d_in_proj] tensor from the
+-- gradients of its four sections (which cover it whole).
+function GatedDeltaProduct:join_in_proj(dz, dxBC, db, da)
+  local s = self.sizes
+  local dzx = tensor.empty({ dz:size(1), dz:size(2), s.d_in_proj }, { dtype = self.dtype, device = self.device })
+  dzx:narrow(3, s.z_off, s.d_inner):copy(dz)
+  dzx:narrow(3, s.xBC_off, s.conv_dim):copy(dxBC)
+  dzx:narrow(3, s.b_off, s.b_dim):copy(db)
+  dzx:narrow(3, s.a_off, s.a_dim):copy(da)
+  return dzx
+end
+
 -- Depthwise causal conv + SiLU over [V, K, Q]; halo [L,B,C] optional (context parallel).
 function GatedDeltaProduct:conv_forward(xBC, cu_seqlens, halo, weight, bias)
   return F.conv1d(xBC, weight or self.params["conv1d.weight"],
@@ -550,14 +562,7 @@ function GatedDeltaProduct:backward(x, dy, cu_seqlens)
   local g = self:ssm_backward(c.inp, c.cu, d_o)
   local dxBC_c, db, da = self:ssm_inputs_backward(g, c.parts.b, c.parts.a, dx_v)
   local dxBC = self:conv_backward(c.parts.xBC, dxBC_c, c.cu)
-  local s = self.sizes
-  local T, B = x:size(1), x:size(2)
-  local dzx = tensor.zeros({ T, B, s.d_in_proj }, { dtype = self.dtype, device = self.device })
-  dzx:narrow(3, s.z_off, s.d_inner):copy(dz)
-  dzx:narrow(3, s.xBC_off, s.conv_dim):copy(dxBC)
-  dzx:narrow(3, s.b_off, s.b_dim):copy(db)
-  dzx:narrow(3, s.a_off, s.a_dim):copy(da)
-  local dx = self:in_proj_backward(x, dzx)
+  local dx = self:in_proj_backward(x, self:join_in_proj(dz, dxBC, db, da))
   self.grad_input = dx
   return dx
 end
