@@ -14,9 +14,10 @@
  *
  * Variants: 1 = recurrent (one block per sequence, head and 32 value columns),
  *           2 = chunkwise WY on tensor cores (bf16 only; f32 falls back to 1),
- *           3 = chunkwise, forward on mma.sync with the state in registers (gdp_fwd_v3.cu;
- *               forward only, its backward is variant 2's; bf16, K, V = 64/128, n <= 3),
- *           4 = variant 2's prep + variant 3's state pass (isolates the two kernels).
+ *           3 = chunkwise on mma.sync with the states in registers: forward gdp_fwd_v3.cu,
+ *               backward gdp_bwd_v3.cu (its per-chunk gradient kernel is still variant
+ *               2's); bf16, K, V = 64/128, n <= 3,
+ *           4 = variant 2's prep + variant 3's forward state pass, variant 2's backward.
  * The oracle is gdp_cpu_gdp_{fwd,bwd}_recurrent_f64 (kernels/cpu/gdp_recurrent.c) on
  * l2-normalised inputs, with the backward of the norm done here in float64.
  */
@@ -579,6 +580,7 @@ static int selftest(void) {
 /* ================================================================== GPU side */
 
 #include "cuda/gdp_chunk.cuh"
+#include "cuda/gdp_bwd_v3.cuh"
 #include "cuda/gdp_fwd_v3.cuh"
 
 static const char *variant_name(int v) {
@@ -597,6 +599,11 @@ static int variant_algo(int v) { return v == 1 ? GDP_ALGO_RECURRENT : GDP_ALGO_C
 static gdp_status variant_forward(int v, const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io) {
   if (v == 3 || v == 4) return gdp_cuda_gdp_forward_v3(p, io, 0, v == 3);
   return gdp_cuda_gdp_forward(p, io, 0);
+}
+/* The backward of a variant (3 has its own entry point). */
+static gdp_status variant_backward(int v, const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io) {
+  if (v == 3) return gdp_cuda_gdp_backward_v3(p, io, 0);
+  return gdp_cuda_gdp_backward(p, io, 0);
 }
 
 /* A device buffer of `count` elements of dtype (token tensors) or float32 (states). */
@@ -694,7 +701,7 @@ static void run_gpu(const Prob &P, DevProblem &d, int dtype, int variant, Output
   gdp_gdp_fwd_io f = fwd_io(P, d, true);
   must(variant_forward(variant, &p, &f), "gdp_cuda_gdp_forward");
   gdp_gdp_bwd_io b = bwd_io(P, d, true);
-  must(gdp_cuda_gdp_backward(&p, &b, 0), "gdp_cuda_gdp_backward");
+  must(variant_backward(variant, &p, &b), "gdp_cuda_gdp_backward");
   CK(cudaDeviceSynchronize());
   CK(cudaGetLastError());
   const int64_t T = P.T(), H = P.H, K = P.K, V = P.V, n = P.n, N = P.N();
@@ -715,7 +722,8 @@ static bool chunk_covers(const Prob &P, int dtype) {
 
 static bool v3_covers(const Prob &P, int dtype, int variant) {
   gdp_gdp_problem p = to_problem(P, dtype, GDP_ALGO_CHUNK, 1);
-  return gdp_cuda_gdp_forward_v3_supported(&p, variant == 3) != 0;
+  return gdp_cuda_gdp_forward_v3_supported(&p, variant == 3) != 0 &&
+         (variant != 3 || gdp_cuda_gdp_backward_v3_supported(&p) != 0);
 }
 
 static int gpu_check(const vector<int> &variants, uint64_t seed, bool quick) {
@@ -821,7 +829,7 @@ static int gpu_bench(int64_t B, int64_t T, int64_t n, const vector<int> &variant
     const int myreps = var == 1 ? std::max(2, reps / 10) : reps;
     for (int w = 0; w < 2; w++) {
       must(variant_forward(var, &p, &f), "forward");
-      must(gdp_cuda_gdp_backward(&p, &b, 0), "backward");
+      must(variant_backward(var, &p, &b), "backward");
     }
     CK(cudaDeviceSynchronize());
     vector<double> tf, tb, tfb;
@@ -829,7 +837,7 @@ static int gpu_bench(int64_t B, int64_t T, int64_t n, const vector<int> &variant
       CK(cudaEventRecord(e0, 0));
       must(variant_forward(var, &p, &f), "forward");
       CK(cudaEventRecord(e1, 0));
-      must(gdp_cuda_gdp_backward(&p, &b, 0), "backward");
+      must(variant_backward(var, &p, &b), "backward");
       CK(cudaEventRecord(e2, 0));
       CK(cudaEventSynchronize(e2));
       tf.push_back(time_ms(e0, e1));
@@ -842,7 +850,7 @@ static int gpu_bench(int64_t B, int64_t T, int64_t n, const vector<int> &variant
     if (getenv("GDP_CUDA_PROFILE")) {
       gdp_cuda_gdp_profile_dump(stdout, 1e30); /* clear warm-up/timed entries */
       must(variant_forward(var, &p, &f), "forward");
-      must(gdp_cuda_gdp_backward(&p, &b, 0), "backward");
+      must(variant_backward(var, &p, &b), "backward");
       printf("  %s per kernel (one profiled call, synchronised):\n", variant_name(var));
       gdp_cuda_gdp_profile_dump(stdout, 1.0);
     }
@@ -855,7 +863,7 @@ static int gpu_bench(int64_t B, int64_t T, int64_t n, const vector<int> &variant
     Outputs got;
     gdp_gdp_fwd_io f2 = fwd_io(P, d, false);
     must(variant_forward(var, &p, &f2), "forward");
-    must(gdp_cuda_gdp_backward(&p, &b, 0), "backward");
+    must(variant_backward(var, &p, &b), "backward");
     CK(cudaDeviceSynchronize());
     download(d.o, P.T() * P.H * P.V, GDP_DTYPE_BF16, got.o);
     download(d.dq, P.T() * P.H * P.K, GDP_DTYPE_BF16, got.dq);

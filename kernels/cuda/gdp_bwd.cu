@@ -958,7 +958,7 @@ static gdp_status launch_dstate_bv(const Plan &plan) {
   return GDP_OK;
 }
 
-static gdp_status launch_grad(const Plan &plan) {
+gdp_status launch_grad(const Plan &plan) { /* also variant 3's backward (gdp_bwd_v3.cu) */
   const GdpArgs &a = plan.a;
   if (a.nchunks == 0) return GDP_OK;
   const size_t smem = grad_layout(a.K, a.V, a.C, a.TC).total;

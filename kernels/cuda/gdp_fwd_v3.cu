@@ -606,7 +606,7 @@ static gdp_status launch_prep_n(const Plan &plan) {
   return launch_prep_kv<K, V, 48, 16>(plan);
 }
 
-static gdp_status launch_prep_v3(const Plan &plan) {
+gdp_status launch_prep_v3(const Plan &plan) { /* also the backward v3 (gdp_bwd_v3.cu) */
   if (plan.a.nchunks == 0) return GDP_OK;
   const int K = plan.a.K, V = plan.a.V;
   if (K == 128) return V == 128 ? launch_prep_n<128, 128>(plan) : launch_prep_n<128, 64>(plan);

@@ -1,0 +1,29 @@
+/*
+ * gdp_bwd_v3.cuh -- variant 3 of the chunked GDP backward (lab only; not in the
+ * library's dispatch until it has been validated on the device).  See
+ * kernels/cuda/NOTES.md, "Variant 3 backward".
+ */
+#ifndef GDP_KERNELS_CUDA_BWD_V3_CUH
+#define GDP_KERNELS_CUDA_BWD_V3_CUH
+
+#include "gdp_cuda.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* 1 when variant 3's backward takes this problem: bf16, n = 1..3, K and V in {64, 128}
+ * (the problems variant 3's forward takes with its own prep). */
+int gdp_cuda_gdp_backward_v3_supported(const gdp_gdp_problem *p);
+
+/* Same contract as gdp_cuda_gdp_backward.  Recompute with variant 3's prep and a
+ * register-resident state pass that stores the chunk states, the reverse
+ * state-gradient pass with dS in float32 registers, then variant 2's per-chunk gradient
+ * kernel.  GDP_ERR_UNSUPPORTED outside the problems above. */
+gdp_status gdp_cuda_gdp_backward_v3(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io, void *stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

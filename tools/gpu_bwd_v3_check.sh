@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One device call (session 3): validates and times the lab's variant 3 with the new
+# chunked backward (kernels/cuda/gdp_bwd_v3.cu: v3 recompute + register-resident reverse
+# state-gradient pass; the per-chunk gradient kernel is still variant 2's) against the
+# float64 oracle and variant 2.  About 2-3 minutes.  Run from the repository root on the
+# GPU machine:
+#   source .devbundle/env.sh && OUT=<dir> bash tools/gpu_bwd_v3_check.sh
+set -u
+OUT=${OUT:?set OUT}
+B=/tmp/lbv3; mkdir -p $B
+F="-O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icore/include -Icore/src -Ikernels -Ikernels/cuda --expt-relaxed-constexpr -lineinfo"
+echo "== build (ptxas report of gdp_bwd_v3.cu in $OUT/ptxas_bwd_v3.log)"
+( gcc -O2 -fopenmp -Icore/include -Icore/src -Ikernels -c kernels/cpu/gdp_recurrent.c -o $B/rec.o &
+  nvcc $F -c kernels/cuda/gdp_fwd.cu -o $B/f.o &
+  nvcc $F -c kernels/cuda/gdp_bwd.cu -o $B/b.o &
+  nvcc $F -c kernels/cuda/gdp_fwd_v3.cu -o $B/v3.o &
+  nvcc $F -Xptxas -v -c kernels/cuda/gdp_bwd_v3.cu -o $B/bv3.o 2> $OUT/ptxas_bwd_v3.log &
+  nvcc $F -c kernels/bench/gdp_cuda_lab.cu -o $B/lab.o &
+  wait ) > $OUT/build.log 2>&1
+nvcc $F -Xcompiler -fopenmp $B/*.o -o $B/lab >> $OUT/build.log 2>&1 || { grep -i error $OUT/build.log | head -20; exit 1; }
+grep -B1 -E "[1-9][0-9]* bytes spill" $OUT/ptxas_bwd_v3.log | grep -oE "_Z[A-Za-z0-9_]+|[0-9]+ bytes spill stores" | paste - - | head
+L=$B/lab
+
+echo "== lab check: variant 3 (fwd v3 + bwd v3) and variant 2, vs the float64 oracle"
+timeout 75 $L check v3 v2 > $OUT/check.log 2>&1; echo "check rc=$?"
+grep -E "^device|check:" $OUT/check.log
+grep -E "chunk_v3" $OUT/check.log | sed -E 's/ +/ /g' | head -40
+
+echo "== compute-sanitizer memcheck on a small problem (variant 3)"
+timeout 40 compute-sanitizer --tool memcheck $L bench 1 300 2 v3 --reps 1 > $OUT/sanitizer.log 2>&1
+grep -E "ERROR SUMMARY|Invalid|out of bounds" $OUT/sanitizer.log | head -5
+
+echo "== lab bench (median of 10): variants 2 and 3"
+for s in "4 4096 2" "4 4096 1" "4 4096 3" "1 32768 2"; do
+  timeout 45 $L bench $s v2 v3 --reps 10 --json $OUT/lab.jsonl 2>&1 | grep -v "^device"
+done | tee $OUT/bench_lab.log
+echo "== per kernel (one synchronised call each), 4 x 4096 n = 2 and 1 x 32768 n = 2"
+for s in "4 4096 2" "1 32768 2"; do
+  echo "-- $s"; GDP_CUDA_PROFILE=1 timeout 40 $L bench $s v2 v3 --reps 2 2>&1 | grep -E "per kernel|ms" | grep -v " 0.0000 ms"
+done | tee $OUT/profile.log
+echo "== value-block width of the v3 sequential kernels at 4 x 4096 n = 2 and 1 x 32768 n = 2"
+for s in "4 4096 2" "1 32768 2"; do
+  for bv in 16 32 64; do echo "BV=$bv $s"; GDP_CUDA_V3_BV=$bv timeout 30 $L bench $s v3 --reps 5 2>&1 | grep " fwd "; done
+done | tee $OUT/bv_sweep.log
