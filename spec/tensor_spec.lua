@@ -100,6 +100,14 @@ describe("tensor creation", function()
     assert.are_not.same(a, c)
   end)
 
+  it("rejects ragged nested tables, also when the first row is empty", function()
+    -- the shape is read along the first entries: {{}, {1, 2}} looks like [2x0]
+    assert.has_error(function() gdp.tensor({ {}, { 1, 2 } }) end)
+    assert.has_error(function() gdp.tensor({ { {} }, { { 3 } } }) end)
+    assert.are.same({ 2, 0 }, gdp.tensor({ {}, {} }):shape())
+    assert.are.same({ 0 }, gdp.tensor({}):shape())
+  end)
+
   it("makes aranges", function()
     assert.are.same({ 0, 1, 2, 3 }, gdp.arange(4, { dtype = "f64" }):totable())
     assert.are.same({ 2, 4, 6 }, gdp.arange(2, 8, 2, { dtype = "i64" }):totable())
@@ -285,6 +293,31 @@ describe("arithmetic", function()
     end
     return out
   end
+
+  it("updates in place from a view of itself in another layout (t:add_(t^T), shifted copy)", function()
+    local n = 20 + math.random(0, 9)
+    local t = gdp.randn({ n, n }, { dtype = "f64" })
+    local x = t:totable()
+    t:add_(t:transpose(1, 2))
+    local bad = 0
+    for i = 1, n do
+      for j = 1, n do
+        if t:get(i, j) ~= x[i][j] + x[j][i] then bad = bad + 1 end
+      end
+    end
+    assert.are.equal(0, bad)
+    local u = gdp.randn({ n, 3 }, { dtype = "f64" })
+    local y = u:totable()
+    local ut = u:transpose(1, 2)
+    ut:narrow(2, 2, n - 1):copy(ut:narrow(2, 1, n - 1))
+    bad = 0
+    for i = 2, n do
+      for j = 1, 3 do
+        if u:get(i, j) ~= y[i - 1][j] then bad = bad + 1 end
+      end
+    end
+    assert.are.equal(0, bad)
+  end)
 
   it("adds, subtracts, multiplies and divides tensors and numbers", function()
     assert_values(a + b, map2(xa, xb, function(p, q) return p + q end), 1e-15)

@@ -203,7 +203,9 @@ gdp_status gdp_tensor_contiguous(gdp_tensor *t, gdp_tensor **out);
 gdp_status gdp_tensor_clone(gdp_tensor *t, gdp_tensor **out);
 
 /* Copies src into dst (same shape; any dtypes, any strides; host<->device through
-   ctx's stream).  ctx may be NULL (dst's context is used). */
+   ctx's stream).  ctx may be NULL (dst's context is used).  dst and src may share
+   memory (e.g. t and its transpose, or shifted windows of one tensor): dst gets src's
+   values as they were before the call. */
 gdp_status gdp_tensor_copy(gdp_ctx *ctx, gdp_tensor *dst, const gdp_tensor *src);
 /* New contiguous tensor of `dtype` on ctx's device holding t's values. */
 gdp_status gdp_tensor_to(gdp_ctx *ctx, const gdp_tensor *t, gdp_dtype dtype, gdp_tensor **out);
@@ -225,7 +227,8 @@ gdp_status gdp_tensor_normal(gdp_tensor *t, double mean, double std);
 
 /* ------------------------------------------------------------------ elementwise, reductions */
 
-/* out = a + alpha * b (same shapes; out may alias a or b). */
+/* out = a + alpha * b (same shapes; out may alias a or b, also in another layout such
+   as a transpose: inputs are read as they were before the call). */
 gdp_status gdp_tensor_add(gdp_tensor *out, const gdp_tensor *a, const gdp_tensor *b,
                           double alpha);
 /* out = a * b elementwise. */

@@ -89,6 +89,11 @@ struct gdp_tensor {
   int64_t offset;               /* in elements */
 };
 
+/* 1 when a and b share storage bytes but are not the very same elements in the same
+ * layout (same dtype, offset, shape and strides): writing one while reading the other
+ * element by element would then read values already overwritten (tensor.c). */
+int gdp_tensor_partial_overlap(const gdp_tensor *a, const gdp_tensor *b);
+
 /* Address of element 0 of t (host or device address). */
 static inline void *gdp_tensor_ptr(const gdp_tensor *t) {
   return (char *)t->storage->data + (size_t)t->offset * gdp_dtype_size(t->dtype);

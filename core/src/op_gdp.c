@@ -341,9 +341,11 @@ static void inputs_free(gdp_op_inputs *in) {
 static void l2norm_fwd(const gdp_op_plan *plan, const gdp_tensor *x, gdp_tensor *y) {
   const int64_t rows = gdp_tensor_numel(x) / plan->K;
   if (plan->compute == GDP_DTYPE_F64)
-    gdp_cpu_l2norm_fwd_f64(rows, plan->K, GDP_L2NORM_EPS, gdp_tensor_data(x), gdp_tensor_data(y));
+    gdp_cpu_l2norm_fwd_f64(rows, plan->K, GDP_L2NORM_EPS, gdp_tensor_data(x), gdp_tensor_data(y),
+                           plan->p.num_threads);
   else
-    gdp_cpu_l2norm_fwd_f32(rows, plan->K, GDP_L2NORM_EPS, gdp_tensor_data(x), gdp_tensor_data(y));
+    gdp_cpu_l2norm_fwd_f32(rows, plan->K, GDP_L2NORM_EPS, gdp_tensor_data(x), gdp_tensor_data(y),
+                           plan->p.num_threads);
 }
 
 /* dx = backward of the norm at raw x, given dy; in place (dx is dy). */
@@ -351,10 +353,10 @@ static void l2norm_bwd_inplace(const gdp_op_plan *plan, const gdp_tensor *x, gdp
   const int64_t rows = gdp_tensor_numel(x) / plan->K;
   if (plan->compute == GDP_DTYPE_F64)
     gdp_cpu_l2norm_bwd_f64(rows, plan->K, GDP_L2NORM_EPS, gdp_tensor_data(x),
-                           gdp_tensor_data(dxy), gdp_tensor_data(dxy));
+                           gdp_tensor_data(dxy), gdp_tensor_data(dxy), plan->p.num_threads);
   else
     gdp_cpu_l2norm_bwd_f32(rows, plan->K, GDP_L2NORM_EPS, gdp_tensor_data(x),
-                           gdp_tensor_data(dxy), gdp_tensor_data(dxy));
+                           gdp_tensor_data(dxy), gdp_tensor_data(dxy), plan->p.num_threads);
 }
 
 static gdp_status inputs_make(gdp_ctx *ctx, const gdp_op_plan *plan, const gdp_tensor *q,

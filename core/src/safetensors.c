@@ -206,6 +206,7 @@ static gdp_status parse_entry(const char *path, const cJSON *item, uint64_t data
   /* numel * size must fit the data section; checking the running product against it
    * after every factor keeps the multiplication from overflowing. */
   uint64_t nbytes = e->dtype->size;
+  uint64_t span = 1; /* product with 0 counted as 1: gdp's strides must fit in int64 */
   int zero = 0;
   int d = 0;
   char num_buf[40];
@@ -216,6 +217,7 @@ static gdp_status parse_entry(const char *path, const cJSON *item, uint64_t data
                       "tensor '%s': shape[%d] must be a non-negative integer, got %s", name, d,
                       json_desc(s, num_buf, sizeof num_buf));
     e->shape[d] = (int64_t)n;
+    if (n > 1) span = span > (uint64_t)INT64_MAX / 8 / n ? UINT64_MAX : span * n;
     if (n == 0) zero = 1;
     if (!zero && nbytes > data_size / n) /* only matters when the tensor is not empty */
       nbytes = UINT64_MAX;
@@ -223,6 +225,11 @@ static gdp_status parse_entry(const char *path, const cJSON *item, uint64_t data
       nbytes *= n;
   }
   if (zero) nbytes = 0;
+  /* a non-empty tensor is bounded by the data section (checked below); an empty one
+   * only by this */
+  if (zero && span == UINT64_MAX)
+    return LOAD_ERR(GDP_ERR_IO, "tensor '%s': empty, but its shape is too large (sizes multiply "
+                    "past int64 bytes)", name);
 
   if (!cJSON_IsArray(offs) || cJSON_GetArraySize(offs) != 2)
     return LOAD_ERR(GDP_ERR_IO,

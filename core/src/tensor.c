@@ -61,6 +61,8 @@ static gdp_status check_shape(const char *func, int ndim, const int64_t *shape,
     return GDP_ERROR_IN(func, GDP_ERR_SHAPE, "ndim: expected 0..%d, got %d", GDP_MAX_DIMS, ndim);
   if (ndim > 0 && !shape) return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG, "shape is NULL");
   int64_t limit = INT64_MAX / (int64_t)(gdp_dtype_size(dtype) ? gdp_dtype_size(dtype) : 1);
+  /* the product of the sizes with 0 counted as 1: an empty tensor's row-major strides
+   * (contiguous_strides) must fit as well */
   int64_t n = 1;
   for (int i = 0; i < ndim; i++) {
     if (shape[i] < 0) {
@@ -68,12 +70,12 @@ static gdp_status check_shape(const char *func, int ndim, const int64_t *shape,
       return GDP_ERROR_IN(func, GDP_ERR_SHAPE, "shape %s: size of dim %d must be >= 0, got %" PRId64,
                           gdp_shape_str(sb, sizeof sb, ndim, shape), i, shape[i]);
     }
-    if (shape[i] > 0 && n > limit / shape[i]) {
+    if (shape[i] > 1 && n > limit / shape[i]) {
       char sb[160];
       return GDP_ERROR_IN(func, GDP_ERR_SHAPE, "shape %s: too many elements for int64 bytes",
                           gdp_shape_str(sb, sizeof sb, ndim, shape));
     }
-    n *= shape[i];
+    if (shape[i] > 1) n *= shape[i];
   }
   return GDP_OK;
 }
@@ -346,7 +348,7 @@ static gdp_status infer_shape(const char *func, const gdp_tensor *t, int ndim,
     return GDP_ERROR_IN(func, GDP_ERR_SHAPE, "ndim: expected 0..%d, got %d", GDP_MAX_DIMS, ndim);
   if (ndim > 0 && !shape) return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG, "shape is NULL");
   int infer = -1;
-  int64_t known = 1;
+  int64_t known = 1, span = 1; /* span: product with 0 counted as 1 (for the strides) */
   for (int i = 0; i < ndim; i++) {
     if (shape[i] == -1) {
       if (infer >= 0)
@@ -357,6 +359,11 @@ static gdp_status infer_shape(const char *func, const gdp_tensor *t, int ndim,
       return GDP_ERROR_IN(func, GDP_ERR_SHAPE, "shape %s: size of dim %d must be >= 0 or -1, got %" PRId64,
                           gdp_shape_str(sb, sizeof sb, ndim, shape), i, shape[i]);
     } else {
+      /* a wrapped product could match numel and pass sizes the storage cannot hold */
+      if (shape[i] > 1 && span > INT64_MAX / shape[i])
+        return GDP_ERROR_IN(func, GDP_ERR_SHAPE, "shape %s: the product of the sizes overflows int64",
+                            gdp_shape_str(sb, sizeof sb, ndim, shape));
+      if (shape[i] > 1) span *= shape[i];
       known *= shape[i];
     }
     resolved[i] = shape[i];
@@ -579,6 +586,22 @@ gdp_status gdp_tensor_clone(gdp_tensor *t, gdp_tensor **out) {
 
 /* ------------------------------------------------------------------ copies */
 
+int gdp_tensor_partial_overlap(const gdp_tensor *a, const gdp_tensor *b) {
+  if (a->storage != b->storage) return 0;
+  int64_t na = numel_of(a->ndim, a->shape), nb = numel_of(b->ndim, b->shape);
+  if (na == 0 || nb == 0) return 0;
+  int same = a->dtype == b->dtype && a->offset == b->offset && a->ndim == b->ndim;
+  for (int d = 0; same && d < a->ndim; d++)
+    same = a->shape[d] == b->shape[d] && (a->shape[d] == 1 || a->stride[d] == b->stride[d]);
+  if (same) return 0;
+  /* byte ranges touched (strides are >= 0); conservative for interleaved views */
+  int64_t alo = a->offset, ahi = a->offset, blo = b->offset, bhi = b->offset;
+  for (int d = 0; d < a->ndim; d++) ahi += (a->shape[d] - 1) * a->stride[d];
+  for (int d = 0; d < b->ndim; d++) bhi += (b->shape[d] - 1) * b->stride[d];
+  size_t ea = gdp_dtype_size(a->dtype), eb = gdp_dtype_size(b->dtype);
+  return (size_t)alo * ea < (size_t)(bhi + 1) * eb && (size_t)blo * eb < (size_t)(ahi + 1) * ea;
+}
+
 static gdp_status check_same_shape(const char *func, const char *an, const gdp_tensor *a,
                                    const char *bn, const gdp_tensor *b) {
   int same = a->ndim == b->ndim;
@@ -657,7 +680,15 @@ gdp_status gdp_tensor_copy(gdp_ctx *ctx, gdp_tensor *dst, const gdp_tensor *src)
   /* the caller's context (its stream) does the work on its own device */
   gdp_ctx *dwork = ctx && same_device(ctx, dctx) ? ctx : dctx;
   gdp_ctx *swork = ctx && same_device(ctx, sctx) ? ctx : sctx;
-  if (same_device(dctx, sctx)) return dwork->backend->copy(dwork, dst, src);
+  if (same_device(dctx, sctx)) {
+    if (!gdp_tensor_partial_overlap(dst, src)) return dwork->backend->copy(dwork, dst, src);
+    /* strided copies walk element by element (in parallel): read src out first */
+    gdp_tensor *staged = NULL;
+    GDP_TRY(copy_same_device(__func__, swork, src, src->dtype, &staged));
+    gdp_status st = dwork->backend->copy(dwork, dst, staged);
+    gdp_tensor_free(staged);
+    return st;
+  }
   return copy_cross_device(dwork, dst, swork, src);
 }
 

@@ -121,7 +121,21 @@ static gdp_status binary_op(const char *func, gdp_tensor *out, const gdp_tensor 
   gdp_ctx *ctx = ctx_of(out);
   GDP_TRY(check_supported(func, ctx, GDP_OP_ELEMENTWISE, "elementwise arithmetic", out->dtype));
   if (gdp_tensor_numel(out) == 0) return GDP_OK;
-  return after_op(func, ctx, ctx->backend->binary(ctx, out, a, b, kind, alpha));
+  /* out may alias an input exactly (each chunk is read before it is written), but an
+   * input that shares memory with out in another layout (a transpose, a shifted
+   * window) would be read after it was overwritten: stage such inputs first. */
+  gdp_tensor *staged_a = NULL, *staged_b = NULL;
+  gdp_status st = GDP_OK;
+  if (gdp_tensor_partial_overlap(out, a)) st = gdp_tensor_clone((gdp_tensor *)a, &staged_a);
+  if (st == GDP_OK && b && gdp_tensor_partial_overlap(out, b))
+    st = gdp_tensor_clone((gdp_tensor *)b, &staged_b);
+  if (st == GDP_OK)
+    st = after_op(func, ctx,
+                  ctx->backend->binary(ctx, out, staged_a ? staged_a : a,
+                                       staged_b ? staged_b : b, kind, alpha));
+  gdp_tensor_free(staged_a);
+  gdp_tensor_free(staged_b);
+  return st;
 }
 
 gdp_status gdp_tensor_add(gdp_tensor *out, const gdp_tensor *a, const gdp_tensor *b,

@@ -486,6 +486,15 @@ static void test_chunk_vs_recurrent(void) {
                  .with_dht = 1, .l2norm = 1, .beta_max = 2.0};
     chunk_case("packed {0,150,150,263} K=V=128 n=4 gated", &p, chunks, 2);
   }
+  {
+    /* chunk 1, and chunks far longer than any sequence: the workspaces must be sized by
+     * the steps a chunk can hold, not by chunk_size (2^40 squared overflows size_t) */
+    const int64_t odd_chunks[] = {1, 100000, (int64_t)1 << 40};
+    int64_t cu[] = {0, 5, 5, 17};
+    problem p = {.B = 1, .T = 17, .H = 2, .K = 5, .V = 3, .n = 3, .N = 3, .cu = cu, .gated = 1,
+                 .with_h0 = 1, .with_dht = 1, .l2norm = 1, .beta_max = 2.0};
+    chunk_case("packed {0,5,5,17} K=5 V=3 n=3 odd chunk sizes", &p, odd_chunks, 3);
+  }
 }
 
 /* ------------------------------------------------------------------ misc op behaviour */
@@ -758,6 +767,41 @@ static void test_validation(void) {
   problem_free(&p);
 }
 
+/* Threads alive in this process (-1 without /proc). */
+static int count_threads(void) {
+  DIR *d = opendir("/proc/self/task");
+  if (!d) return -1;
+  int n = 0;
+  for (struct dirent *e; (e = readdir(d));)
+    if (e->d_name[0] != '.') n++;
+  closedir(d);
+  return n;
+}
+
+/* gdp_ctx_set_num_threads(ctx, 1) makes the op single-threaded, the q/k L2 norm of the
+ * op layer included (it used OpenMP's default team, all cores).  Runs first, before any
+ * other test has started OpenMP's pool: a pool started now would be the op's doing. */
+static void test_num_threads_respected(void) {
+  printf("(misc) ctx num_threads 1 starts no threads\n");
+  gdp_ctx_set_num_threads(ctx, 1);
+  problem p = {.B = 1, .T = 1100, .H = 2, .K = 64, .V = 4, .n = 1, .gated = 1, .l2norm = 1,
+               .with_dht = 1, .beta_max = 1.0}; /* k: 2200 rows of 64, past the parallel cutoff */
+  problem_fill(&p);
+  op_in in;
+  problem_tensors(&p, GDP_DTYPE_F64, -1, NULL, 0.0, &in);
+  gdp_gdp_options opts = problem_opts(&p, GDP_ALGO_CHUNK, 64);
+  const int before = count_threads();
+  op_out out;
+  CHECK_OK(run_op(&opts, &in, 1, &out));
+  const int after = count_threads();
+  CHECK(before < 0 || after == before, "threads: %d before the op, %d after (num_threads 1)",
+        before, after);
+  op_out_free(&out);
+  op_in_free(&in);
+  problem_free(&p);
+  gdp_ctx_set_num_threads(ctx, 0);
+}
+
 /* Options helpers and the layout the FFI checks. */
 static void test_options(void) {
   gdp_gdp_options o;
@@ -779,6 +823,7 @@ int main(void) {
   CHECK_OK(gdp_ctx_new(GDP_DEVICE_CPU, 0, &ctx));
   if (!ctx) TEST_END();
   const int64_t live0 = gdp_mem_live_bytes(GDP_DEVICE_CPU);
+  test_num_threads_respected();
   test_options();
   test_validation();
   test_finite_differences();

@@ -648,6 +648,15 @@ static void test_malformed(void) {
     if (s == GDP_OK) gdp_st_free(f);
   }
 
+  /* An empty tensor whose other sizes multiply past int64 (its row-major strides would
+   * overflow), in either order of the dims: damage, not a tensor. */
+  write_header(p, "{\"a\":{\"dtype\":\"F32\",\"shape\":[0,9007199254740992,9007199254740992],"
+                  "\"data_offsets\":[0,0]}}", 0);
+  EXPECT_FAIL(p, GDP_ERR_IO, "too large");
+  write_header(p, "{\"a\":{\"dtype\":\"F32\",\"shape\":[9007199254740992,9007199254740992,0],"
+                  "\"data_offsets\":[0,0]}}", 0);
+  EXPECT_FAIL(p, GDP_ERR_IO, "too large");
+
   /* A NUL byte inside the header. */
   write_raw(p, 20, "{\"a\":\0 \"b\"}        ", 20, 0);
   EXPECT_FAIL(p, GDP_ERR_IO, "NUL");

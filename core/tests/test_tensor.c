@@ -1125,6 +1125,92 @@ static void test_empty_and_scalar(void) {
 
 /* ------------------------------------------------------------------ memory accounting */
 
+/* ------------------------------------------------------------------ adversarial */
+
+/* A shape whose product overflows int64 must be refused, not wrapped: 3*11*c wraps to
+ * exactly 1 mod 2^64, so a wrapped check would accept a 1-element tensor viewed as
+ * [3, 11, c] (an 8-byte storage with strides of ~10^18 elements). */
+static void test_shape_overflow(void) {
+  gdp_tensor *t = arange(1, (int64_t[]){1}), *v = NULL;
+  const int64_t c = 1117984489315730401LL;
+  CHECK_ERR(gdp_tensor_view(t, 3, (int64_t[]){3, 11, c}, &v), GDP_ERR_SHAPE, "overflow");
+  CHECK(v == NULL, "no view on failure");
+  CHECK_ERR(gdp_tensor_reshape(t, 3, (int64_t[]){3, 11, c}, &v), GDP_ERR_SHAPE, "overflow");
+  CHECK(v == NULL, "no reshape on failure");
+  gdp_tensor_free(v);
+  /* with -1: the known sizes overflow (2^62 * 4 wraps to 0) */
+  CHECK_ERR(gdp_tensor_reshape(t, 3, (int64_t[]){(int64_t)1 << 62, 4, -1}, &v), GDP_ERR_SHAPE, "overflow");
+  gdp_tensor_free(v);
+  /* empty tensors too: the row-major strides of [0, 2^53, 2^53] overflow int64, whatever
+   * the order of the dims */
+  const int64_t big = (int64_t)1 << 53;
+  gdp_tensor *e = NULL;
+  CHECK_ERR(gdp_tensor_zeros(ctx, GDP_DTYPE_F32, 3, (int64_t[]){0, big, big}, &e), GDP_ERR_SHAPE,
+            "too many elements");
+  CHECK(e == NULL, "no tensor on failure");
+  CHECK_ERR(gdp_tensor_empty(ctx, GDP_DTYPE_F32, 3, (int64_t[]){big, big, 0}, &e), GDP_ERR_SHAPE,
+            "too many elements");
+  CHECK_OK(gdp_tensor_zeros(ctx, GDP_DTYPE_F32, 2, (int64_t[]){0, 4}, &e));
+  CHECK_ERR(gdp_tensor_view(e, 3, (int64_t[]){0, big, big}, &v), GDP_ERR_SHAPE, "overflow");
+  gdp_tensor_free(v);
+  gdp_tensor_free(e);
+  gdp_tensor_free(t);
+}
+
+/* Copies and elementwise ops whose output shares memory with an input laid out
+ * differently (a transpose, a shifted window) must give the values of the input as
+ * it was before the call, like the contiguous (memmove) path does. */
+static void test_overlapping_copies(void) {
+  const int64_t n = 40 + (int64_t)(tu_rand_u64() % 9);
+  /* copy(t, t^T): the tiled transpose path */
+  gdp_tensor *t = random_tensor(GDP_DTYPE_F64, 2, (int64_t[]){n, n}), *tt = NULL;
+  double *before = values(t);
+  CHECK_OK(gdp_tensor_transpose(t, 0, 1, &tt));
+  CHECK_OK(gdp_tensor_copy(NULL, t, tt));
+  int bad = 0;
+  for (int64_t i = 0; i < n; i++)
+    for (int64_t j = 0; j < n; j++) bad += get2(t, i, j) != before[j * n + i];
+  CHECK(bad == 0, "copy(t, t^T): %d of %lld elements wrong", bad, (long long)(n * n));
+  free(before);
+  /* add(t, t, t^T) must be symmetric: out aliases a (same layout) and b (transposed) */
+  before = values(t);
+  CHECK_OK(gdp_tensor_add(t, t, tt, 1.0));
+  bad = 0;
+  for (int64_t i = 0; i < n; i++)
+    for (int64_t j = 0; j < n; j++) bad += get2(t, i, j) != before[i * n + j] + before[j * n + i];
+  CHECK(bad == 0, "add(t, t, t^T): %d of %lld elements wrong", bad, (long long)(n * n));
+  free(before);
+  gdp_tensor_free(tt);
+  gdp_tensor_free(t);
+
+  /* a strided window shifted by one row onto itself (columns of a [m,3] tensor) */
+  const int64_t m = 100 + (int64_t)(tu_rand_u64() % 50);
+  gdp_tensor *u = random_tensor(GDP_DTYPE_F32, 2, (int64_t[]){m, 3}), *ut = NULL, *dst = NULL,
+             *src = NULL;
+  before = values(u);
+  CHECK_OK(gdp_tensor_transpose(u, 0, 1, &ut));
+  CHECK_OK(gdp_tensor_narrow(ut, 1, 1, m - 1, &dst));
+  CHECK_OK(gdp_tensor_narrow(ut, 1, 0, m - 1, &src));
+  CHECK_OK(gdp_tensor_copy(NULL, dst, src));
+  bad = 0;
+  for (int64_t i = 1; i < m; i++)
+    for (int64_t j = 0; j < 3; j++) bad += get2(u, i, j) != before[(i - 1) * 3 + j];
+  CHECK(bad == 0, "shifted strided copy: %d of %lld elements wrong", bad, (long long)(3 * (m - 1)));
+  /* and the same shift through scale (out overlaps a) */
+  free(before);
+  before = values(u);
+  CHECK_OK(gdp_tensor_scale(dst, src, 2.0));
+  bad = 0;
+  for (int64_t i = 1; i < m; i++)
+    for (int64_t j = 0; j < 3; j++) bad += get2(u, i, j) != 2.0 * before[(i - 1) * 3 + j];
+  CHECK(bad == 0, "shifted strided scale: %d elements wrong", bad);
+  free(before);
+  gdp_tensor_free(src);
+  gdp_tensor_free(dst);
+  gdp_tensor_free(ut);
+  gdp_tensor_free(u);
+}
+
 static void test_memory(int64_t baseline) {
   int64_t s[2] = {100, 10};
   gdp_tensor *t = NULL, *v = NULL;
@@ -1159,6 +1245,8 @@ int main(void) {
   test_reductions();
   test_matmul();
   test_empty_and_scalar();
+  test_shape_overflow();
+  test_overlapping_copies();
   test_memory(baseline);
   /* a tensor may outlive the caller's reference to its context */
   gdp_tensor *t = NULL;

@@ -72,6 +72,16 @@ static ck_dims ck_dims_of(const gdp_gdp_problem *p) {
   d.V = p->V;
   d.n = p->n;
   d.C = p->chunk_size > 0 ? p->chunk_size : 64;
+  /* No chunk holds more steps than the longest sequence, and the workspaces grow with
+   * C^2: clamp, so that a chunk_size beyond every sequence neither allocates for steps
+   * that never come nor overflows size_t.  Chunk boundaries are unchanged (each
+   * sequence is then one chunk either way). */
+  int64_t longest = 1;
+  for (int64_t s = 0; s < p->N; s++) {
+    const int64_t L = (p->cu_seqlens[s + 1] - p->cu_seqlens[s]) * p->n;
+    if (L > longest) longest = L;
+  }
+  if (d.C > longest) d.C = longest;
   d.mmax = (d.C + d.n - 1) / d.n;
   d.ldk = p->H * p->K;
   d.ldv = p->H * p->V;

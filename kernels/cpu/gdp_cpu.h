@@ -23,12 +23,15 @@ gdp_status gdp_cpu_gdp_fwd_chunk_f32(const gdp_gdp_problem *p, const gdp_gdp_fwd
 gdp_status gdp_cpu_gdp_bwd_chunk_f32(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io);
 
 /* Row-wise L2 normalisation y = x / sqrt(sum x^2 + eps) over `dim` contiguous values
- * per row, and its backward dx = r (dy - y (y . dy)).  x and y may alias in forward. */
-void gdp_cpu_l2norm_fwd_f64(int64_t rows, int64_t dim, double eps, const double *x, double *y);
-void gdp_cpu_l2norm_fwd_f32(int64_t rows, int64_t dim, double eps, const float *x, float *y);
+ * per row, and its backward dx = r (dy - y (y . dy)).  x and y may alias in forward.
+ * num_threads: the context's worker threads (< 1: one). */
+void gdp_cpu_l2norm_fwd_f64(int64_t rows, int64_t dim, double eps, const double *x, double *y,
+                            int num_threads);
+void gdp_cpu_l2norm_fwd_f32(int64_t rows, int64_t dim, double eps, const float *x, float *y,
+                            int num_threads);
 void gdp_cpu_l2norm_bwd_f64(int64_t rows, int64_t dim, double eps, const double *x,
-                            const double *dy, double *dx);
+                            const double *dy, double *dx, int num_threads);
 void gdp_cpu_l2norm_bwd_f32(int64_t rows, int64_t dim, double eps, const float *x,
-                            const float *dy, float *dx);
+                            const float *dy, float *dx, int num_threads);
 
 #endif /* GDP_KERNELS_CPU_GDP_H */

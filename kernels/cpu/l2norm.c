@@ -13,8 +13,13 @@
 
 #include "gdp_cpu.h"
 
-void gdp_cpu_l2norm_fwd_f64(int64_t rows, int64_t dim, double eps, const double *x, double *y) {
-#pragma omp parallel for schedule(static) if (rows * dim > (1 << 16))
+/* The context's thread count, not OpenMP's default team (all cores). */
+static int l2_threads(int num_threads) { return num_threads < 1 ? 1 : num_threads; }
+
+void gdp_cpu_l2norm_fwd_f64(int64_t rows, int64_t dim, double eps, const double *x, double *y,
+                            int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(l2_threads(num_threads)) \
+    if (rows * dim > (1 << 16))
   for (int64_t i = 0; i < rows; i++) {
     const double *xi = x + i * dim;
     double *yi = y + i * dim;
@@ -25,8 +30,10 @@ void gdp_cpu_l2norm_fwd_f64(int64_t rows, int64_t dim, double eps, const double 
   }
 }
 
-void gdp_cpu_l2norm_fwd_f32(int64_t rows, int64_t dim, double eps, const float *x, float *y) {
-#pragma omp parallel for schedule(static) if (rows * dim > (1 << 16))
+void gdp_cpu_l2norm_fwd_f32(int64_t rows, int64_t dim, double eps, const float *x, float *y,
+                            int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(l2_threads(num_threads)) \
+    if (rows * dim > (1 << 16))
   for (int64_t i = 0; i < rows; i++) {
     const float *xi = x + i * dim;
     float *yi = y + i * dim;
@@ -38,8 +45,9 @@ void gdp_cpu_l2norm_fwd_f32(int64_t rows, int64_t dim, double eps, const float *
 }
 
 void gdp_cpu_l2norm_bwd_f64(int64_t rows, int64_t dim, double eps, const double *x,
-                            const double *dy, double *dx) {
-#pragma omp parallel for schedule(static) if (rows * dim > (1 << 16))
+                            const double *dy, double *dx, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(l2_threads(num_threads)) \
+    if (rows * dim > (1 << 16))
   for (int64_t i = 0; i < rows; i++) {
     const double *xi = x + i * dim, *dyi = dy + i * dim;
     double *dxi = dx + i * dim;
@@ -55,8 +63,9 @@ void gdp_cpu_l2norm_bwd_f64(int64_t rows, int64_t dim, double eps, const double 
 }
 
 void gdp_cpu_l2norm_bwd_f32(int64_t rows, int64_t dim, double eps, const float *x,
-                            const float *dy, float *dx) {
-#pragma omp parallel for schedule(static) if (rows * dim > (1 << 16))
+                            const float *dy, float *dx, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(l2_threads(num_threads)) \
+    if (rows * dim > (1 << 16))
   for (int64_t i = 0; i < rows; i++) {
     const float *xi = x + i * dim, *dyi = dy + i * dim;
     float *dxi = dx + i * dim;

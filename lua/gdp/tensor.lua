@@ -560,9 +560,9 @@ function M.tensor(data, a2, a3)
     x = x[1]
   end
   local flat = {}
-  if #shape > 0 and shape[#shape] > 0 or #shape == 1 then
-    flatten("tensor", data, shape, 1, flat, "")
-  end
+  -- always walk the whole table: a shape ending in 0 (read from an empty first row)
+  -- must still be checked against the other rows, e.g. {{}, {1, 2}}
+  flatten("tensor", data, shape, 1, flat, "")
   return from_flat("tensor", flat, shape, opts)
 end
 
