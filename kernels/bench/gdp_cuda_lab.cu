@@ -15,8 +15,8 @@
  * Variants: 1 = recurrent (one block per sequence, head and 32 value columns),
  *           2 = chunkwise WY on tensor cores (bf16 only; f32 falls back to 1),
  *           3 = chunkwise on mma.sync with the states in registers: forward gdp_fwd_v3.cu,
- *               backward gdp_bwd_v3.cu (its per-chunk gradient kernel is still variant
- *               2's); bf16, K, V = 64/128, n <= 3,
+ *               backward gdp_bwd_v3.cu (GDP_CUDA_V3_GRAD=v2: with variant 2's per-chunk
+ *               gradient kernel, named chunk_v3_gradv2); bf16, K, V = 64/128, n <= 3,
  *           4 = variant 2's prep + variant 3's forward state pass, variant 2's backward.
  * The oracle is gdp_cpu_gdp_{fwd,bwd}_recurrent_f64 (kernels/cpu/gdp_recurrent.c) on
  * l2-normalised inputs, with the backward of the norm done here in float64.
@@ -586,7 +586,10 @@ static int selftest(void) {
 static const char *variant_name(int v) {
   static char buf[32];
   if (v == 1) return "recurrent";
-  if (v == 3) return "chunk_v3";
+  if (v == 3) {
+    const char *g = getenv("GDP_CUDA_V3_GRAD");
+    return g && !strcmp(g, "v2") ? "chunk_v3_gradv2" : "chunk_v3";
+  }
   if (v == 4) return "v3_oldprep";
   const char *bv = getenv("GDP_CUDA_BV");
   if (!bv) return "chunk";

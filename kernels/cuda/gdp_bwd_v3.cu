@@ -6,12 +6,16 @@
  *  1. recompute the per-chunk panels with variant 3's prep (gdp_fwd_v3.cu, unchanged);
  *  2. bwd_states_kernel_v3: the forward v3 state pass (S^T float32 in registers for the
  *     whole sequence) without the output products; per chunk it stores h = S at the
- *     chunk start and D = U - W h (bf16, variant 2's workspace layout);
+ *     chunk start (float32, transposed [V][K]) and D = U - W h (bf16, variant 2's layout);
  *  3. dstate_kernel_v3: the reverse state-gradient pass, dH^T float32 in registers:
  *        dD^T = dO^T Pm + dH^T Kd^T,    dH^T <- e^{last} dH^T + dO^T Qd - dD^T W,
- *     storing dH (gradient of the chunk-end state) and dD per chunk, and dh0 at the end;
- *  4. variant 2's chunk_grad_kernel (gdp_bwd.cu) reads h, D, dH, dD and writes every
- *     token gradient.  Its replacement is the next step (NOTES.md).
+ *     storing dH (gradient of the chunk-end state; float32, transposed) and dD (bf16) per
+ *     chunk, and dh0 at the end;
+ *  4. grad_state_kernel_v3: the per-chunk gradient terms that need the K x V matrices
+ *     (dq final; dKnA, dWg, dgcA partials), from the float32 h and dH;
+ *  5. grad_wy_kernel_v3: the WY part (T, dT, dA): dk, dv, dbeta, dg final.
+ * GDP_CUDA_V3_GRAD=v2 replaces 4-5 by variant 2's chunk_grad_kernel (gdp_bwd.cu), and 2-3
+ * then store bf16 h and dH for it instead of the float32 copies.
  *
  * The layout argument is the forward's (gdp_fwd_v3.cu): with everything transposed the
  * value columns x are the M side of every product, so a float32 accumulator fragment
@@ -39,6 +43,16 @@ namespace v3b {
 
 constexpr int kStages = 3; /* chunk panels in flight: current + next two */
 constexpr int kPad = 8;    /* bf16 elements (16 bytes) of padding per shared row */
+
+/* Float32 side buffers of the per-chunk gradient kernel (per (chunk, head) CHi):
+ * hT32, dHT32 [V][K] (h^T and dH^T, written by the two sequential kernels), and the state
+ * part's outputs for the WY part: dKnA [C][K] float, dWg [C][K] bf16, dgcA [C] float. */
+struct GradStateOut {
+  float *hT32, *dHT32;
+  float *dKnA;
+  bf16 *dWg;
+  float *dgcA;
+};
 
 /* ------------------------------------------------------------------ PTX wrappers
  * (the same as gdp_fwd_v3.cu's; kept local so the two files stay independent) */
@@ -113,6 +127,18 @@ __device__ __forceinline__ void store_afrag(bf16 *base, int r0, const uint32_t (
   }
 }
 
+/* The float32 accumulator tiles X[nt] of a transposed K-column matrix (X[nt][e] = M^T[x][r],
+ * x = grp + 8(e/2), r = 8nt + 2tig + e%2) to M^T's row-major [x][r] float32 copy: `base`
+ * points at (x = this lane's grp row, r = 2tig); each register pair is one 8-byte store. */
+template <int K>
+__device__ __forceinline__ void store_fragT32(float *base, const float (&X)[K / 8][4]) {
+#pragma unroll
+  for (int nt = 0; nt < K / 8; nt++) {
+    *reinterpret_cast<float2 *>(base + nt * 8) = make_float2(X[nt][0], X[nt][1]);
+    *reinterpret_cast<float2 *>(base + 8 * K + nt * 8) = make_float2(X[nt][2], X[nt][3]);
+  }
+}
+
 /* ROWS x COLS bf16 panel, global row stride gld -> shared row stride sld, 16 bytes per
  * cp.async, all NT threads; rows >= valid are zero-filled (nothing read).  A thread
  * keeps one 16-byte column and steps down the rows (one base, constant strides). */
@@ -166,7 +192,7 @@ struct StatesLayout {
  * to variant 2's workspace, then S^T <- e^{last} S^T + D^T Kd.  No ht: the forward gave
  * it. */
 template <int K, int V, int C, int BV>
-__global__ void __launch_bounds__(BV / 16 * 32, 1) bwd_states_kernel_v3(GdpArgs a) {
+__global__ void __launch_bounds__(BV / 16 * 32, 1) bwd_states_kernel_v3(GdpArgs a, float *hT32) {
   using L = StatesLayout<K, C, BV>;
   constexpr int NT = BV / 16 * 32;
   static_assert(K % 32 == 0 && C % 16 == 0 && BV % 16 == 0, "tile shapes");
@@ -229,11 +255,12 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) bwd_states_kernel_v3(GdpArgs 
       Dt[2 * jt + 1][2] = -f3.x, Dt[2 * jt + 1][3] = -f3.y;
     }
     bf16 *gh = a.hbuf + CHi * K * V + xw + grp;
+    if (hT32) store_fragT32<K>(hT32 + CHi * V * K + (int64_t)(xw + grp) * K + 2 * tig, St);
 #pragma unroll
     for (int kt = 0; kt < K / 16; kt++) {
       uint32_t Sa[4];
       afrag_kt(St, kt, Sa, 1.f);
-      store_afrag<V>(gh, kt * 16 + 2 * tig, Sa);
+      if (!hT32) store_afrag<V>(gh, kt * 16 + 2 * tig, Sa); /* bf16 h only for variant 2's kernel */
 #pragma unroll
       for (int nt = 0; nt < C / 8; nt += 2) {
         uint32_t b0, b1, b2, b3;
@@ -291,7 +318,7 @@ struct DStateLayout {
  * Pm[a][j] is zero for j > ia = a n + n - 1, so the (a-tile, j-tile) pairs wholly past
  * the diagonal are skipped at compile time (NN = C / TC = n). */
 template <int K, int V, int C, int TC, int BV>
-__global__ void __launch_bounds__(BV / 16 * 32, 1) dstate_kernel_v3(GdpArgs a) {
+__global__ void __launch_bounds__(BV / 16 * 32, 1) dstate_kernel_v3(GdpArgs a, float *dHT32) {
   using L = DStateLayout<K, C, TC, BV>;
   constexpr int NT = BV / 16 * 32;
   constexpr int NN = C / TC;
@@ -359,11 +386,12 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) dstate_kernel_v3(GdpArgs a) {
 #pragma unroll
     for (int nt = 0; nt < C / 8; nt++) Gt[nt][0] = Gt[nt][1] = Gt[nt][2] = Gt[nt][3] = 0.f;
     bf16 *gdh = a.dHbuf + CHi * K * V + xw + grp;
+    if (dHT32) store_fragT32<K>(dHT32 + CHi * V * K + (int64_t)(xw + grp) * K + 2 * tig, Ht);
 #pragma unroll
     for (int kt = 0; kt < K / 16; kt++) {
       uint32_t Ha[4];
       afrag_kt(Ht, kt, Ha, 1.f);
-      store_afrag<V>(gdh, kt * 16 + 2 * tig, Ha);
+      if (!dHT32) store_afrag<V>(gdh, kt * 16 + 2 * tig, Ha); /* bf16 dH only for variant 2's kernel */
 #pragma unroll
       for (int nt = 0; nt < C / 8; nt += 2) {
         uint32_t b0, b1, b2, b3;
@@ -437,6 +465,808 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) dstate_kernel_v3(GdpArgs a) {
   }
 }
 
+/* ------------------------------------------------------------------ per-chunk gradients, state part */
+
+/* Shared-memory layout of grad_state_kernel_v3 (bytes; rows padded by 16 bytes). */
+template <int K, int V, int C, int TC>
+struct GradStateLayout {
+  static constexpr int ldK = K + kPad, ldV = V + kPad, ldC = C + kPad;
+  static constexpr int oHb = 0;                       /* dH^T, later h^T: [V][K] bf16 (from float32) */
+  static constexpr int oD = oHb + V * ldK * 2;        /* D  [C][V] */
+  static constexpr int odD = oD + C * ldV * 2;        /* dD [C][V] */
+  static constexpr int odO = odD + C * ldV * 2;       /* dO [TC][V], query rows, 0 past the end */
+  static constexpr int oKn = odO + TC * ldV * 2;      /* kn [C][K] */
+  static constexpr int oQn = oKn + C * ldK * 2;       /* qn [TC][K] */
+  static constexpr int oPs = oQn + TC * ldK * 2;      /* Ps [TC][C] */
+  static constexpr int oF = oPs + TC * ldC * 2;       /* floats below */
+  static constexpr int fGp = 0, fGc = C, fDgc = 2 * C, fZ = 3 * C, fQinv = 4 * C, fQdot = 4 * C + TC,
+                       fDot = 4 * C + 2 * TC, nF = 4 * C + 2 * TC + 8;
+  static constexpr int total = oF + nF * 4;
+};
+
+/* The state part of the per-chunk gradients (one block of 8 warps per (chunk, head)):
+ * everything that needs the K x V matrices h (S at the chunk start) and dH (gradient of
+ * the chunk-end state), read as the float32 transposed copies the two sequential kernels
+ * wrote (rounded once to bf16 for the tensor cores; <dH, h> in float32).  With kn, qn the
+ * normalised keys / queries (bf16 as the prep rounds them), gc the in-chunk cumulative log
+ * decay, ia = a n + n - 1 the step of query a:
+ *   DP  = dO D^T,  QK = qn kn^T                                  (TC x C)
+ *   Ps  = scale e^{gc_ia - gc_j} DP  (j <= ia)
+ *   dqn = scale e^{gc_ia} dO h^T + Ps kn  -> dq (l2-norm backward applied; final)
+ *   dKnA = e^{last - gc_j} (D dH^T)_j + (Ps^T qn)_j              (C x K, float32)
+ *   dWg  = -dD h^T                                               (C x K, bf16)
+ *   dgcA_j = -sum_a Ps_aj QK_aj + [j = ia] qn_a . dqn_a - z_j
+ *            + [j = C-1] (e^{last} <dH, h> + sum_s z_s),   z_j = kn_j . e^{last-gc_j} (D dH^T)_j
+ * i.e. the terms of variant 2's chunk_grad_kernel phases P1-P6 (gdp_bwd.cu); the WY part
+ * (T, dT, dA, dv, dbeta and the rest of dk, dg) adds to dKnA and dgcA.  Only the TC query
+ * rows enter the query products (dO is zero on the other steps). */
+template <int K, int V, int C, int TC>
+__global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradStateOut go) {
+  using L = GradStateLayout<K, V, C, TC>;
+  constexpr int NN = C / TC;
+  static_assert(K % 64 == 0 && V % 16 == 0 && C % 16 == 0 && TC % 16 == 0 && NN * TC == C, "shapes");
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int c = blockIdx.x, h = blockIdx.y;
+  const ChunkInfo ci = a.chunks[c];
+  const int H = a.H, n = NN, nv = ci.ntok * NN;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, grp = lane >> 2, tig = lane & 3;
+  const int64_t CHi = (int64_t)c * H + h;
+  const int64_t krow0 = (int64_t)ci.t0 * NN;
+  const float scale = a.scale;
+  const bf16 *gk = (const bf16 *)a.k, *gq = (const bf16 *)a.q, *gg = (const bf16 *)a.g,
+             *d_o = (const bf16 *)a.d_o;
+  float *sF = (float *)(smem + L::oF);
+  float *sGp = sF + L::fGp, *sGc = sF + L::fGc, *sDgc = sF + L::fDgc, *sZ = sF + L::fZ,
+        *sQinv = sF + L::fQinv, *sQdot = sF + L::fQdot, *sDot = sF + L::fDot;
+  const uint32_t s0 = smem_addr(smem);
+
+  /* ---- loads: D, dD, dO by cp.async; kn, qn normalised; <dH, h> from the float32 copies,
+   * dH^T -> bf16 shared (h^T replaces it after the dH products: one K x V buffer keeps the
+   * block at ~108 KB, two blocks per SM) */
+  copy_panel<C, V, 256>(smem + L::oD, L::ldV, a.Dbuf + CHi * C * V, V, C);
+  copy_panel<C, V, 256>(smem + L::odD, L::ldV, a.dDbuf + CHi * C * V, V, C);
+  copy_panel<TC, V, 256>(smem + L::odO, L::ldV, d_o + ((int64_t)ci.t0 * H + h) * V, (int64_t)H * V, ci.ntok);
+  cp_async_commit();
+  if (tid < C) {
+    sGp[tid] = (gg && tid < nv && tid % n == 0) ? __bfloat162float(gg[((int64_t)ci.t0 + tid / n) * H + h]) : 0.f;
+    sDgc[tid] = 0.f;
+    sZ[tid] = 0.f;
+  }
+  if (tid < TC) sQdot[tid] = 0.f;
+  {
+    const float4 *ph = (const float4 *)(go.hT32 + CHi * V * K), *pd = (const float4 *)(go.dHT32 + CHi * V * K);
+    float dot = 0.f;
+    constexpr int nvec = V * K / 4, per = 4;
+#pragma unroll
+    for (int e0 = 0; e0 < nvec; e0 += 256 * per) {
+      float4 hv[per], dv[per];
+#pragma unroll
+      for (int u = 0; u < per; u++) {
+        const int e = e0 + u * 256 + tid;
+        if (nvec % (256 * per) == 0 || e < nvec) hv[u] = ph[e], dv[u] = pd[e];
+      }
+#pragma unroll
+      for (int u = 0; u < per; u++) {
+        const int e = e0 + u * 256 + tid;
+        if (nvec % (256 * per) == 0 || e < nvec) {
+          dot += hv[u].x * dv[u].x + hv[u].y * dv[u].y + hv[u].z * dv[u].z + hv[u].w * dv[u].w;
+          const int x = (4 * e) / K, r = (4 * e) % K;
+          *reinterpret_cast<uint2 *>(smem + L::oHb + (x * L::ldK + r) * 2) =
+              make_uint2(pack_bf16(dv[u].x, dv[u].y), pack_bf16(dv[u].z, dv[u].w));
+        }
+      }
+    }
+    dot = warp_sum(dot);
+    if (lane == 0) sDot[warp] = dot;
+  }
+  /* kn, qn rows (warp per row): x * rsqrt(|x|^2 + eps), rows past the end zero */
+  for (int i = warp; i < C + TC; i += 8) {
+    const bool isq = i >= C;
+    const int row = isq ? i - C : i;
+    const bool ok = row < (isq ? ci.ntok : nv);
+    const bf16 *src = isq ? gq + (((int64_t)ci.t0 + row) * H + h) * K : gk + ((krow0 + row) * H + h) * K;
+    float x[K / 32], ss = 0.f;
+#pragma unroll
+    for (int m = 0; m < K / 32; m++) {
+      x[m] = ok ? __bfloat162float(src[lane + 32 * m]) : 0.f;
+      ss += x[m] * x[m];
+    }
+    const float inv = a.l2norm ? rsqrtf(warp_sum(ss) + kNormEps) : 1.f;
+    bf16 *dst = (bf16 *)(smem + (isq ? L::oQn : L::oKn)) + row * L::ldK;
+#pragma unroll
+    for (int m = 0; m < K / 32; m++) dst[lane + 32 * m] = __float2bfloat16(x[m] * inv);
+    if (isq && lane == 0) sQinv[row] = inv;
+  }
+  __syncthreads();
+  if (tid < C) { /* same summation order as the prep */
+    float acc = 0.f;
+    for (int m = 0; m <= tid; m++) acc += sGp[m];
+    sGc[tid] = acc;
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  const float last = sGc[C - 1];
+
+  /* lane offsets of the ldmatrix forms:
+   *  A from [m][k] rows (non-trans):   row = (l&7) + 8((l>>3)&1), col = 8(l>>4)
+   *  A from [k][m] rows (trans):       krow = (l&7) + 8(l>>4),    mcol = 8((l>>3)&1)
+   *  B pair from [n][k] rows:          nrow = (l&7) + 8(l>>4),    ncol = 8((l>>3)&1)
+   *  B pair from [k][n] rows (trans):  trow = (l&7) + 8((l>>3)&1), tcol = 8(l>>4) */
+  const int arow = (lane & 7) + 8 * ((lane >> 3) & 1), acol = 8 * (lane >> 4);
+  const int atk = (lane & 7) + 8 * (lane >> 4), atm = 8 * ((lane >> 3) & 1);
+  const int nrow = (lane & 7) + 8 * (lane >> 4), ncol = 8 * ((lane >> 3) & 1);
+  const int trow = arow, tcol = acol;
+
+  /* ---- P1: DP = dO D^T and QK = qn kn^T for (16 query rows) x (16 steps) items;
+   * Ps -> shared (bf16); dgc_j -= sum_a Ps QK (column sums over the 16 rows). */
+  for (int item = warp; item < (TC / 16) * (C / 16); item += 8) {
+    const int mb = (item / (C / 16)) * 16, jb = (item % (C / 16)) * 16;
+    float dp[2][4] = {}, qk[2][4] = {};
+    if (jb <= (mb + 15) * n + n - 1) { /* else Ps is zero on the whole item */
+#pragma unroll
+      for (int kt = 0; kt < V / 16; kt++) {
+        uint32_t fa[4], b0, b1, b2, b3;
+        ldsm_x4(s0 + L::odO + ((mb + arow) * L::ldV + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+        ldsm_x4(s0 + L::oD + ((jb + nrow) * L::ldV + kt * 16 + ncol) * 2, b0, b1, b2, b3);
+        mma16816(dp[0], fa, b0, b1);
+        mma16816(dp[1], fa, b2, b3);
+      }
+#pragma unroll
+      for (int kt = 0; kt < K / 16; kt++) {
+        uint32_t fa[4], b0, b1, b2, b3;
+        ldsm_x4(s0 + L::oQn + ((mb + arow) * L::ldK + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+        ldsm_x4(s0 + L::oKn + ((jb + nrow) * L::ldK + kt * 16 + ncol) * 2, b0, b1, b2, b3);
+        mma16816(qk[0], fa, b0, b1);
+        mma16816(qk[1], fa, b2, b3);
+      }
+    }
+    float colsum[2][2] = {};
+#pragma unroll
+    for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+      for (int hf = 0; hf < 2; hf++) {
+        const int qa = mb + grp + 8 * hf, ia = qa * n + n - 1, j = jb + 8 * nt + 2 * tig;
+        const float gi = sGc[ia];
+        const float p0 = j <= ia ? scale * __expf(gi - sGc[j]) * dp[nt][2 * hf] : 0.f;
+        const float p1 = j + 1 <= ia ? scale * __expf(gi - sGc[j + 1]) * dp[nt][2 * hf + 1] : 0.f;
+        *reinterpret_cast<uint32_t *>(smem + L::oPs + (qa * L::ldC + j) * 2) = pack_bf16(p0, p1);
+        colsum[nt][0] += p0 * qk[nt][2 * hf];
+        colsum[nt][1] += p1 * qk[nt][2 * hf + 1];
+      }
+#pragma unroll
+    for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        float v = colsum[nt][e];
+        v += __shfl_xor_sync(0xffffffffu, v, 4);
+        v += __shfl_xor_sync(0xffffffffu, v, 8);
+        v += __shfl_xor_sync(0xffffffffu, v, 16);
+        if (grp == 0) atomicAdd(sDgc + jb + 8 * nt + 2 * tig + e, -v);
+      }
+  }
+  __syncthreads();
+
+  /* ---- P3a: per 16 steps x 64 key columns: dKnA = e^{last-gc_j} D dH^T + Ps^T qn (z_j
+   * on the way). */
+  for (int item = warp; item < (C / 16) * (K / 64); item += 8) {
+    const int jb = (item / (K / 64)) * 16, rb = (item % (K / 64)) * 64;
+    {
+      float acc[8][4] = {};
+#pragma unroll
+      for (int kt = 0; kt < V / 16; kt++) {
+        uint32_t fa[4];
+        ldsm_x4(s0 + L::oD + ((jb + arow) * L::ldV + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+#pragma unroll
+        for (int nt = 0; nt < 8; nt += 2) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4_t(s0 + L::oHb + ((kt * 16 + trow) * L::ldK + rb + nt * 8 + tcol) * 2, b0, b1, b2, b3);
+          mma16816(acc[nt], fa, b0, b1);
+          mma16816(acc[nt + 1], fa, b2, b3);
+        }
+      }
+#pragma unroll
+      for (int hf = 0; hf < 2; hf++) {
+        const int j = jb + grp + 8 * hf;
+        const float w = __expf(last - sGc[j]);
+        float z = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++) {
+          acc[nt][2 * hf] *= w;
+          acc[nt][2 * hf + 1] *= w;
+          const float2 kv = unpack_bf16(*reinterpret_cast<const uint32_t *>(
+              smem + L::oKn + (j * L::ldK + rb + nt * 8 + 2 * tig) * 2));
+          z += kv.x * acc[nt][2 * hf] + kv.y * acc[nt][2 * hf + 1];
+        }
+        z += __shfl_xor_sync(0xffffffffu, z, 1);
+        z += __shfl_xor_sync(0xffffffffu, z, 2);
+        if (tig == 0) atomicAdd(sZ + j, z);
+      }
+      /* + Ps^T qn: A = Ps^T (rows j, k = query a) by ldmatrix.trans from Ps [a][j] */
+#pragma unroll
+      for (int kt = 0; kt < TC / 16; kt++) {
+        if (jb > (kt * 16 + 15) * n + n - 1) continue; /* Ps zero there */
+        uint32_t fa[4];
+        ldsm_x4_t(s0 + L::oPs + ((kt * 16 + atk) * L::ldC + jb + atm) * 2, fa[0], fa[1], fa[2], fa[3]);
+#pragma unroll
+        for (int nt = 0; nt < 8; nt += 2) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4_t(s0 + L::oQn + ((kt * 16 + trow) * L::ldK + rb + nt * 8 + tcol) * 2, b0, b1, b2, b3);
+          mma16816(acc[nt], fa, b0, b1);
+          mma16816(acc[nt + 1], fa, b2, b3);
+        }
+      }
+      float *out = go.dKnA + CHi * C * K + (int64_t)(jb + grp) * K + rb + 2 * tig;
+#pragma unroll
+      for (int nt = 0; nt < 8; nt++) {
+        *reinterpret_cast<float2 *>(out + nt * 8) = make_float2(acc[nt][0], acc[nt][1]);
+        *reinterpret_cast<float2 *>(out + 8 * K + nt * 8) = make_float2(acc[nt][2], acc[nt][3]);
+      }
+    }
+  }
+  __syncthreads(); /* dH^T no longer read: h^T takes its place */
+  {
+    const float4 *ph = (const float4 *)(go.hT32 + CHi * V * K);
+    constexpr int nvec = V * K / 4, per = 4;
+#pragma unroll
+    for (int e0 = 0; e0 < nvec; e0 += 256 * per) {
+      float4 hv[per];
+#pragma unroll
+      for (int u = 0; u < per; u++) {
+        const int e = e0 + u * 256 + tid;
+        if (nvec % (256 * per) == 0 || e < nvec) hv[u] = ph[e];
+      }
+#pragma unroll
+      for (int u = 0; u < per; u++) {
+        const int e = e0 + u * 256 + tid;
+        if (nvec % (256 * per) == 0 || e < nvec) {
+          const int x = (4 * e) / K, r = (4 * e) % K;
+          *reinterpret_cast<uint2 *>(smem + L::oHb + (x * L::ldK + r) * 2) =
+              make_uint2(pack_bf16(hv[u].x, hv[u].y), pack_bf16(hv[u].z, hv[u].w));
+        }
+      }
+    }
+  }
+  __syncthreads();
+
+  /* ---- P3b: dWg = -dD h^T per (16 steps x 64 key columns) */
+  for (int item = warp; item < (C / 16) * (K / 64); item += 8) {
+    const int jb = (item / (K / 64)) * 16, rb = (item % (K / 64)) * 64;
+    {
+      float acc[8][4] = {};
+#pragma unroll
+      for (int kt = 0; kt < V / 16; kt++) {
+        uint32_t fa[4];
+        ldsm_x4(s0 + L::odD + ((jb + arow) * L::ldV + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+#pragma unroll
+        for (int nt = 0; nt < 8; nt += 2) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4_t(s0 + L::oHb + ((kt * 16 + trow) * L::ldK + rb + nt * 8 + tcol) * 2, b0, b1, b2, b3);
+          mma16816(acc[nt], fa, b0, b1);
+          mma16816(acc[nt + 1], fa, b2, b3);
+        }
+      }
+      bf16 *out = go.dWg + CHi * C * K + (int64_t)(jb + grp) * K + rb + 2 * tig;
+#pragma unroll
+      for (int nt = 0; nt < 8; nt++) {
+        *reinterpret_cast<uint32_t *>(out + nt * 8) = pack_bf16(-acc[nt][0], -acc[nt][1]);
+        *reinterpret_cast<uint32_t *>(out + 8 * K + nt * 8) = pack_bf16(-acc[nt][2], -acc[nt][3]);
+      }
+    }
+  }
+
+  /* ---- P2: dqn = scale e^{gc_ia} dO h^T + Ps kn, items of 16 query rows x 32 key
+   * columns; row dots qn . dqn across the items of a row through shared memory. */
+  constexpr int nQ = (TC / 16) * (K / 32);
+  static_assert(nQ <= 8, "one dq item per warp");
+  float dqa[4][4] = {};
+  const int qmb = (warp / (K / 32)) * 16, qrb = (warp % (K / 32)) * 32;
+  if (warp < nQ) {
+#pragma unroll
+    for (int kt = 0; kt < V / 16; kt++) {
+      uint32_t fa[4];
+      ldsm_x4(s0 + L::odO + ((qmb + arow) * L::ldV + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+#pragma unroll
+      for (int nt = 0; nt < 4; nt += 2) {
+        uint32_t b0, b1, b2, b3;
+        ldsm_x4_t(s0 + L::oHb + ((kt * 16 + trow) * L::ldK + qrb + nt * 8 + tcol) * 2, b0, b1, b2, b3);
+        mma16816(dqa[nt], fa, b0, b1);
+        mma16816(dqa[nt + 1], fa, b2, b3);
+      }
+    }
+    const float f0 = scale * __expf(sGc[(qmb + grp) * n + n - 1]),
+                f1 = scale * __expf(sGc[(qmb + grp + 8) * n + n - 1]);
+#pragma unroll
+    for (int nt = 0; nt < 4; nt++) dqa[nt][0] *= f0, dqa[nt][1] *= f0, dqa[nt][2] *= f1, dqa[nt][3] *= f1;
+#pragma unroll
+    for (int kt = 0; kt < C / 16; kt++) {
+      if (kt * 16 > (qmb + 15) * n + n - 1) continue; /* Ps zero there */
+      uint32_t fa[4];
+      ldsm_x4(s0 + L::oPs + ((qmb + arow) * L::ldC + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+#pragma unroll
+      for (int nt = 0; nt < 4; nt += 2) {
+        uint32_t b0, b1, b2, b3;
+        ldsm_x4_t(s0 + L::oKn + ((kt * 16 + trow) * L::ldK + qrb + nt * 8 + tcol) * 2, b0, b1, b2, b3);
+        mma16816(dqa[nt], fa, b0, b1);
+        mma16816(dqa[nt + 1], fa, b2, b3);
+      }
+    }
+    /* qn . dqn over this item's columns: quad sums, then across items in shared memory */
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+      const int qa = qmb + grp + 8 * hf;
+      float d = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < 4; nt++) {
+        const float2 qv = unpack_bf16(*reinterpret_cast<const uint32_t *>(
+            smem + L::oQn + (qa * L::ldK + qrb + nt * 8 + 2 * tig) * 2));
+        d += qv.x * dqa[nt][2 * hf] + qv.y * dqa[nt][2 * hf + 1];
+      }
+      d += __shfl_xor_sync(0xffffffffu, d, 1);
+      d += __shfl_xor_sync(0xffffffffu, d, 2);
+      if (tig == 0) atomicAdd(sQdot + qa, d);
+    }
+  }
+
+  __syncthreads();
+
+  /* ---- P4: dq out (l2-norm backward: dq = inv (dqn - qn (qn . dqn))), gate terms */
+  if (warp < nQ) {
+    bf16 *dq = (bf16 *)a.dq;
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+      const int qa = qmb + grp + 8 * hf;
+      if (qa >= ci.ntok) continue;
+      const float inv = sQinv[qa], dot = sQdot[qa];
+      bf16 *row = dq + (((int64_t)ci.t0 + qa) * H + h) * K + qrb + 2 * tig;
+#pragma unroll
+      for (int nt = 0; nt < 4; nt++) {
+        float o0 = dqa[nt][2 * hf], o1 = dqa[nt][2 * hf + 1];
+        if (a.l2norm) {
+          const float2 qv = unpack_bf16(*reinterpret_cast<const uint32_t *>(
+              smem + L::oQn + (qa * L::ldK + qrb + nt * 8 + 2 * tig) * 2));
+          o0 = inv * (o0 - qv.x * dot);
+          o1 = inv * (o1 - qv.y * dot);
+        }
+        *reinterpret_cast<uint32_t *>(row + nt * 8) = pack_bf16(o0, o1);
+      }
+    }
+  }
+  if (warp == 0) {
+    float zs = 0.f;
+    for (int j = lane; j < C; j += 32) zs += sZ[j];
+    zs = warp_sum(zs);
+    float dts = 0.f;
+#pragma unroll
+    for (int w = 0; w < 8; w++) dts += sDot[w];
+    for (int j = lane; j < C; j += 32) {
+      float v = sDgc[j] - sZ[j];
+      if (j % n == n - 1) v += sQdot[j / n];
+      if (j == C - 1) v += __expf(last) * dts + zs;
+      go.dgcA[CHi * C + j] = v;
+    }
+  }
+}
+
+/* ------------------------------------------------------------------ per-chunk gradients, WY part */
+
+template <int K, int V, int C>
+struct GradWYLayout {
+  static constexpr int ldK = K + kPad, ldV = V + kPad, ldC = C + kPad, ldA = C + 4;
+  /* Regions, with the later tenants of dead ones (the barriers between the phases order
+   * them): A (W1-W2) lives where dW lands after the solve; X (W4) over v, G (W5-W6) over
+   * dD (v and dD are last read in W3).  ~107 KB at K = V = 128, C = 64: two blocks per SM. */
+  static constexpr int szWA = C * ldK * 2 > C * ldA * 4 ? C * ldK * 2 : C * ldA * 4;
+  static constexpr int oKn = 0;                   /* kn [C][K] */
+  static constexpr int oV = oKn + C * ldK * 2;    /* v [C][V] as given; then X = dT T^T (bf16) */
+  static constexpr int odD = oV + C * ldV * 2;    /* dD [C][V]; then G = dA o beta_i Gamma (bf16) */
+  static constexpr int odW = odD + C * ldV * 2;   /* A (float, W1-W2); then dW [C][K] (state part) */
+  static constexpr int oKK = odW + szWA;          /* kn kn^T (float) */
+  static constexpr int oT = oKK + C * ldA * 4;    /* T = (I + A)^-1 (bf16) */
+  static constexpr int odT = oT + C * ldC * 2;    /* dT diag-scaled (bf16) */
+  static constexpr int oF = odT + C * ldC * 2;
+  static constexpr int oA = odW, oX = oV, oG = odD;
+  static_assert(C <= V, "X and G fit in the v and dD regions");
+  static constexpr int fGp = 0, fGc = C, fBeta = 2 * C, fDgc = 3 * C, fDb = 4 * C, fDot = 5 * C, fKinv = 6 * C,
+                       nF = 7 * C;
+  static constexpr int total = oF + nF * 4;
+};
+
+/* The WY part of the per-chunk gradients (one block of 8 warps per (chunk, head)), after
+ * grad_state_kernel_v3 (its dKnA, dWg, dgcA) -- variant 2's phases P7-P8 on mma.sync:
+ *   A = strictly-lower(beta_i e^{gc_i-gc_j} kn_i.kn_j),  T = (I + A)^-1
+ *   dVb = T^T dD:  dv = beta dVb,  dbeta += v . dVb
+ *   dKb = T^T dW:  dKn += beta e^{gc} dKb,  s = e^{gc} kn . dKb: dbeta += s, dgc += beta s
+ *   dT = (dD V^T + dW kn^T diag(e^{gc})) diag(beta),  X = dT T^T,  dA = -T^T X (strictly lower)
+ *   G = dA o beta_i e^{gc_i-gc_j}: dKn += G kn + G^T kn; dbeta_i += sum_j dA e kk;
+ *   dgc_i += sum_j dA A_ij, dgc_j -= sum_i dA A_ij
+ *   dk = l2-norm backward of dKnA + dKn;  dg = reverse cumsum of dgcA + dgc (step 0 rows).
+ * Warp w < (C/16)(K/64) owns the dKn item (16 steps x 64 key columns) in registers from
+ * dKb to the dk store.  Two blocks per SM at C = 64 (128 registers, no spill); at C = 32 / 48
+ * the 128-register cap spills 24-48 bytes, so those keep one block's register budget. */
+template <int K, int V, int C, int TC>
+__global__ void __launch_bounds__(256, C == 64 ? 2 : 1) grad_wy_kernel_v3(GdpArgs a, GradStateOut go) {
+  using L = GradWYLayout<K, V, C>;
+  constexpr int NN = C / TC, NB = C / 16, NI = (C / 16) * (K / 64);
+  static_assert(K % 64 == 0 && V % 64 == 0 && C % 16 == 0 && C <= 64 && NI <= 8, "shapes");
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int c = blockIdx.x, h = blockIdx.y;
+  const ChunkInfo ci = a.chunks[c];
+  const int H = a.H, n = NN, nv = ci.ntok * NN;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, grp = lane >> 2, tig = lane & 3;
+  const int64_t CHi = (int64_t)c * H + h;
+  const int64_t krow0 = (int64_t)ci.t0 * NN;
+  const bf16 *gk = (const bf16 *)a.k, *gv = (const bf16 *)a.v, *gg = (const bf16 *)a.g,
+             *gbeta = (const bf16 *)a.beta;
+  float *sF = (float *)(smem + L::oF);
+  float *sGp = sF + L::fGp, *sGc = sF + L::fGc, *sBeta = sF + L::fBeta, *sDgc = sF + L::fDgc, *sDb = sF + L::fDb,
+        *sDot = sF + L::fDot, *sKinv = sF + L::fKinv;
+  float *sA = (float *)(smem + L::oA), *sKK = (float *)(smem + L::oKK);
+  const uint32_t s0 = smem_addr(smem);
+
+  copy_panel<C, V, 256>(smem + L::oV, L::ldV, gv + (krow0 * H + h) * V, (int64_t)H * V, nv);
+  copy_panel<C, V, 256>(smem + L::odD, L::ldV, a.dDbuf + CHi * C * V, V, C);
+  cp_async_commit();
+  if (tid < C) {
+    const bool ok = tid < nv;
+    sGp[tid] = (gg && ok && tid % n == 0) ? __bfloat162float(gg[((int64_t)ci.t0 + tid / n) * H + h]) : 0.f;
+    sBeta[tid] = ok ? __bfloat162float(gbeta[(krow0 + tid) * H + h]) : 0.f;
+    sDgc[tid] = go.dgcA[CHi * C + tid];
+    sDb[tid] = 0.f;
+    sDot[tid] = 0.f;
+  }
+  __syncthreads();
+  if (tid < C) { /* same summation order as the prep */
+    float acc = 0.f;
+    for (int m = 0; m <= tid; m++) acc += sGp[m];
+    sGc[tid] = acc;
+  }
+  __syncthreads();
+  for (int i = warp; i < C; i += 8) { /* kn, rows past the end zero */
+    const bool ok = i < nv;
+    const bf16 *src = gk + ((krow0 + i) * H + h) * K;
+    float x[K / 32], ss = 0.f;
+#pragma unroll
+    for (int m = 0; m < K / 32; m++) {
+      x[m] = ok ? __bfloat162float(src[lane + 32 * m]) : 0.f;
+      ss += x[m] * x[m];
+    }
+    const float inv = a.l2norm ? rsqrtf(warp_sum(ss) + kNormEps) : 1.f;
+    bf16 *dn = (bf16 *)(smem + L::oKn) + i * L::ldK;
+#pragma unroll
+    for (int m = 0; m < K / 32; m++) dn[lane + 32 * m] = __float2bfloat16(x[m] * inv);
+    if (lane == 0) sKinv[i] = inv;
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  const int arow = (lane & 7) + 8 * ((lane >> 3) & 1), acol = 8 * (lane >> 4);
+  const int atk = (lane & 7) + 8 * (lane >> 4), atm = 8 * ((lane >> 3) & 1);
+  const int nrow = (lane & 7) + 8 * (lane >> 4), ncol = 8 * ((lane >> 3) & 1);
+  const int trow = arow, tcol = acol;
+
+  /* ---- W1: KK = kn kn^T and A on the lower 16x16 tiles (float, shared) */
+  for (int item = warp; item < NB * NB; item += 8) {
+    const int ti = item / NB, tj = item % NB;
+    if (tj > ti) continue;
+    float acc[2][4] = {};
+#pragma unroll
+    for (int kt = 0; kt < K / 16; kt++) {
+      uint32_t fa[4], b0, b1, b2, b3;
+      ldsm_x4(s0 + L::oKn + ((ti * 16 + arow) * L::ldK + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+      ldsm_x4(s0 + L::oKn + ((tj * 16 + nrow) * L::ldK + kt * 16 + ncol) * 2, b0, b1, b2, b3);
+      mma16816(acc[0], fa, b0, b1);
+      mma16816(acc[1], fa, b2, b3);
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        const int i = ti * 16 + grp + 8 * (e >> 1), j = tj * 16 + nt * 8 + 2 * tig + (e & 1);
+        sKK[i * L::ldA + j] = acc[nt][e];
+        sA[i * L::ldA + j] = i > j ? sBeta[i] * __expf(sGc[i] - sGc[j]) * acc[nt][e] : 0.f;
+      }
+  }
+  __syncthreads();
+
+  /* ---- W2: T = (I + A)^-1, thread x solves column x (as the prep does) -> bf16 */
+  if (tid < C) {
+    const int x = tid;
+    float t[C];
+#pragma unroll
+    for (int i = 0; i < C; i++) {
+      float s[4] = {(i == x) ? 1.f : 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int j = 0; j < i; j++) s[j & 3] -= sA[i * L::ldA + j] * t[j];
+      t[i] = (s[0] + s[1]) + (s[2] + s[3]);
+    }
+    bf16 *Tb = (bf16 *)(smem + L::oT);
+#pragma unroll
+    for (int i = 0; i < C; i++) Tb[i * L::ldC + x] = __float2bfloat16(t[i]);
+  }
+  __syncthreads(); /* A is dead: dW lands in its place */
+  copy_panel<C, K, 256>(smem + L::odW, L::ldK, go.dWg + CHi * C * K, K, C);
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+
+  /* ---- W3: dKb (own item, kept), dVb (dv out), dT tiles */
+  const int jb = (warp / (K / 64)) * 16, rb = (warp % (K / 64)) * 64;
+  float dkn[8][4] = {};
+  if (warp < NI) {
+#pragma unroll
+    for (int kt = 0; kt < NB; kt++) {
+      if (kt * 16 + 15 < jb) continue; /* T^T[j][i] = 0 for i < j */
+      uint32_t fa[4];
+      ldsm_x4_t(s0 + L::oT + ((kt * 16 + atk) * L::ldC + jb + atm) * 2, fa[0], fa[1], fa[2], fa[3]);
+#pragma unroll
+      for (int nt = 0; nt < 8; nt += 2) {
+        uint32_t b0, b1, b2, b3;
+        ldsm_x4_t(s0 + L::odW + ((kt * 16 + trow) * L::ldK + rb + nt * 8 + tcol) * 2, b0, b1, b2, b3);
+        mma16816(dkn[nt], fa, b0, b1);
+        mma16816(dkn[nt + 1], fa, b2, b3);
+      }
+    }
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+      const int j = jb + grp + 8 * hf;
+      const float eg = __expf(sGc[j]), bj = sBeta[j];
+      float s = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < 8; nt++) {
+        const float2 kv = unpack_bf16(*reinterpret_cast<const uint32_t *>(
+            smem + L::oKn + (j * L::ldK + rb + nt * 8 + 2 * tig) * 2));
+        s += kv.x * dkn[nt][2 * hf] + kv.y * dkn[nt][2 * hf + 1];
+        dkn[nt][2 * hf] *= bj * eg;
+        dkn[nt][2 * hf + 1] *= bj * eg;
+      }
+      s *= eg;
+      s += __shfl_xor_sync(0xffffffffu, s, 1);
+      s += __shfl_xor_sync(0xffffffffu, s, 2);
+      if (tig == 0) {
+        atomicAdd(sDb + j, s);
+        atomicAdd(sDgc + j, bj * s);
+      }
+    }
+  }
+  for (int item = warp; item < NB * (V / 64); item += 8) { /* dVb = T^T dD */
+    const int vjb = (item / (V / 64)) * 16, xb = (item % (V / 64)) * 64;
+    float acc[8][4] = {};
+#pragma unroll
+    for (int kt = 0; kt < NB; kt++) {
+      if (kt * 16 + 15 < vjb) continue;
+      uint32_t fa[4];
+      ldsm_x4_t(s0 + L::oT + ((kt * 16 + atk) * L::ldC + vjb + atm) * 2, fa[0], fa[1], fa[2], fa[3]);
+#pragma unroll
+      for (int nt = 0; nt < 8; nt += 2) {
+        uint32_t b0, b1, b2, b3;
+        ldsm_x4_t(s0 + L::odD + ((kt * 16 + trow) * L::ldV + xb + nt * 8 + tcol) * 2, b0, b1, b2, b3);
+        mma16816(acc[nt], fa, b0, b1);
+        mma16816(acc[nt + 1], fa, b2, b3);
+      }
+    }
+    bf16 *dv = (bf16 *)a.dv;
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+      const int j = vjb + grp + 8 * hf;
+      const float bj = sBeta[j];
+      float s = 0.f;
+      bf16 *row = dv + ((krow0 + j) * H + h) * V + xb + 2 * tig;
+#pragma unroll
+      for (int nt = 0; nt < 8; nt++) {
+        const float2 vv = unpack_bf16(*reinterpret_cast<const uint32_t *>(
+            smem + L::oV + (j * L::ldV + xb + nt * 8 + 2 * tig) * 2));
+        s += vv.x * acc[nt][2 * hf] + vv.y * acc[nt][2 * hf + 1];
+        if (j < nv) *reinterpret_cast<uint32_t *>(row + nt * 8) = pack_bf16(bj * acc[nt][2 * hf], bj * acc[nt][2 * hf + 1]);
+      }
+      s += __shfl_xor_sync(0xffffffffu, s, 1);
+      s += __shfl_xor_sync(0xffffffffu, s, 2);
+      if (tig == 0) atomicAdd(sDb + j, s);
+    }
+  }
+  for (int item = warp; item < NB * NB; item += 8) { /* dT = (dD V^T + dW kn^T diag(e^{gc})) diag(beta) */
+    const int ti = item / NB, tj = item % NB;
+    float acc[2][4] = {}, acg[2][4] = {};
+#pragma unroll
+    for (int kt = 0; kt < V / 16; kt++) {
+      uint32_t fa[4], b0, b1, b2, b3;
+      ldsm_x4(s0 + L::odD + ((ti * 16 + arow) * L::ldV + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+      ldsm_x4(s0 + L::oV + ((tj * 16 + nrow) * L::ldV + kt * 16 + ncol) * 2, b0, b1, b2, b3);
+      mma16816(acc[0], fa, b0, b1);
+      mma16816(acc[1], fa, b2, b3);
+    }
+#pragma unroll
+    for (int kt = 0; kt < K / 16; kt++) {
+      uint32_t fa[4], b0, b1, b2, b3;
+      ldsm_x4(s0 + L::odW + ((ti * 16 + arow) * L::ldK + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+      ldsm_x4(s0 + L::oKn + ((tj * 16 + nrow) * L::ldK + kt * 16 + ncol) * 2, b0, b1, b2, b3);
+      mma16816(acg[0], fa, b0, b1);
+      mma16816(acg[1], fa, b2, b3);
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; nt++) {
+      const int j = tj * 16 + nt * 8 + 2 * tig;
+      const float e0 = __expf(sGc[j]), e1 = __expf(sGc[j + 1]);
+#pragma unroll
+      for (int hf = 0; hf < 2; hf++) {
+        const int i = ti * 16 + grp + 8 * hf;
+        *reinterpret_cast<uint32_t *>(smem + L::odT + (i * L::ldC + j) * 2) =
+            pack_bf16(sBeta[j] * (acc[nt][2 * hf] + e0 * acg[nt][2 * hf]),
+                      sBeta[j + 1] * (acc[nt][2 * hf + 1] + e1 * acg[nt][2 * hf + 1]));
+      }
+    }
+  }
+  __syncthreads();
+
+  /* ---- W4: X = dT T^T (T[j][m] = 0 for m > j) */
+  for (int item = warp; item < NB * NB; item += 8) {
+    const int ti = item / NB, tj = item % NB;
+    float acc[2][4] = {};
+#pragma unroll
+    for (int kt = 0; kt < NB; kt++) {
+      if (kt > tj) continue;
+      uint32_t fa[4], b0, b1, b2, b3;
+      ldsm_x4(s0 + L::odT + ((ti * 16 + arow) * L::ldC + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+      ldsm_x4(s0 + L::oT + ((tj * 16 + nrow) * L::ldC + kt * 16 + ncol) * 2, b0, b1, b2, b3);
+      mma16816(acc[0], fa, b0, b1);
+      mma16816(acc[1], fa, b2, b3);
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+      for (int hf = 0; hf < 2; hf++) {
+        const int i = ti * 16 + grp + 8 * hf, j = tj * 16 + nt * 8 + 2 * tig;
+        *reinterpret_cast<uint32_t *>(smem + L::oX + (i * L::ldC + j) * 2) =
+            pack_bf16(acc[nt][2 * hf], acc[nt][2 * hf + 1]);
+      }
+  }
+  __syncthreads();
+
+  /* ---- W5: dA = -T^T X on the strictly lower part; G -> shared; dbeta, dgc sums */
+  for (int item = warp; item < NB * NB; item += 8) {
+    const int ti = item / NB, tj = item % NB;
+    float acc[2][4] = {};
+    if (tj <= ti) {
+#pragma unroll
+      for (int kt = 0; kt < NB; kt++) {
+        if (kt < ti) continue; /* T^T[i][m] = 0 for m < i */
+        uint32_t fa[4], b0, b1, b2, b3;
+        ldsm_x4_t(s0 + L::oT + ((kt * 16 + atk) * L::ldC + ti * 16 + atm) * 2, fa[0], fa[1], fa[2], fa[3]);
+        ldsm_x4_t(s0 + L::oX + ((kt * 16 + trow) * L::ldC + tj * 16 + tcol) * 2, b0, b1, b2, b3);
+        mma16816(acc[0], fa, b0, b1);
+        mma16816(acc[1], fa, b2, b3);
+      }
+    }
+    float rdb[2] = {}, rdg[2] = {}, cdg[2][2] = {};
+#pragma unroll
+    for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+      for (int hf = 0; hf < 2; hf++) {
+        const int i = ti * 16 + grp + 8 * hf, j0 = tj * 16 + nt * 8 + 2 * tig;
+        float gv[2];
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+          const int j = j0 + e;
+          gv[e] = 0.f;
+          if (i > j) {
+            const float da = -acc[nt][2 * hf + e], ee = __expf(sGc[i] - sGc[j]), kk = sKK[i * L::ldA + j];
+            const float aij = sBeta[i] * ee * kk; /* = A_ij, recomputed (A's region holds dW now) */
+            gv[e] = da * sBeta[i] * ee;
+            rdb[hf] += da * ee * kk;
+            rdg[hf] += da * aij;
+            cdg[nt][e] -= da * aij;
+          }
+        }
+        *reinterpret_cast<uint32_t *>(smem + L::oG + (i * L::ldC + j0) * 2) = pack_bf16(gv[0], gv[1]);
+      }
+    if (tj <= ti) {
+#pragma unroll
+      for (int hf = 0; hf < 2; hf++) {
+        float b = rdb[hf], g2 = rdg[hf];
+        b += __shfl_xor_sync(0xffffffffu, b, 1);
+        b += __shfl_xor_sync(0xffffffffu, b, 2);
+        g2 += __shfl_xor_sync(0xffffffffu, g2, 1);
+        g2 += __shfl_xor_sync(0xffffffffu, g2, 2);
+        if (tig == 0) {
+          atomicAdd(sDb + ti * 16 + grp + 8 * hf, b);
+          atomicAdd(sDgc + ti * 16 + grp + 8 * hf, g2);
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+          float v = cdg[nt][e];
+          v += __shfl_xor_sync(0xffffffffu, v, 4);
+          v += __shfl_xor_sync(0xffffffffu, v, 8);
+          v += __shfl_xor_sync(0xffffffffu, v, 16);
+          if (grp == 0) atomicAdd(sDgc + tj * 16 + nt * 8 + 2 * tig + e, v);
+        }
+    }
+  }
+  __syncthreads();
+
+  /* ---- W6: own item: dKn += G kn + G^T kn + dKnA; l2-norm backward; dk out */
+  if (warp < NI) {
+#pragma unroll
+    for (int kt = 0; kt < NB; kt++) {
+      if (kt * 16 > jb + 15) continue; /* G[j][m] = 0 for m >= j */
+      uint32_t fa[4];
+      ldsm_x4(s0 + L::oG + ((jb + arow) * L::ldC + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+#pragma unroll
+      for (int nt = 0; nt < 8; nt += 2) {
+        uint32_t b0, b1, b2, b3;
+        ldsm_x4_t(s0 + L::oKn + ((kt * 16 + trow) * L::ldK + rb + nt * 8 + tcol) * 2, b0, b1, b2, b3);
+        mma16816(dkn[nt], fa, b0, b1);
+        mma16816(dkn[nt + 1], fa, b2, b3);
+      }
+    }
+#pragma unroll
+    for (int kt = 0; kt < NB; kt++) {
+      if (kt * 16 + 15 <= jb) continue; /* G[m][j] = 0 for m <= j */
+      uint32_t fa[4];
+      ldsm_x4_t(s0 + L::oG + ((kt * 16 + atk) * L::ldC + jb + atm) * 2, fa[0], fa[1], fa[2], fa[3]);
+#pragma unroll
+      for (int nt = 0; nt < 8; nt += 2) {
+        uint32_t b0, b1, b2, b3;
+        ldsm_x4_t(s0 + L::oKn + ((kt * 16 + trow) * L::ldK + rb + nt * 8 + tcol) * 2, b0, b1, b2, b3);
+        mma16816(dkn[nt], fa, b0, b1);
+        mma16816(dkn[nt + 1], fa, b2, b3);
+      }
+    }
+    const float *pa = go.dKnA + CHi * C * K + (int64_t)(jb + grp) * K + rb + 2 * tig;
+#pragma unroll
+    for (int nt = 0; nt < 8; nt++) {
+      const float2 u0 = *reinterpret_cast<const float2 *>(pa + nt * 8),
+                   u1 = *reinterpret_cast<const float2 *>(pa + 8 * K + nt * 8);
+      dkn[nt][0] += u0.x, dkn[nt][1] += u0.y, dkn[nt][2] += u1.x, dkn[nt][3] += u1.y;
+    }
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+      const int j = jb + grp + 8 * hf;
+      float d = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < 8; nt++) {
+        const float2 kv = unpack_bf16(*reinterpret_cast<const uint32_t *>(
+            smem + L::oKn + (j * L::ldK + rb + nt * 8 + 2 * tig) * 2));
+        d += kv.x * dkn[nt][2 * hf] + kv.y * dkn[nt][2 * hf + 1];
+      }
+      d += __shfl_xor_sync(0xffffffffu, d, 1);
+      d += __shfl_xor_sync(0xffffffffu, d, 2);
+      if (tig == 0) atomicAdd(sDot + j, d);
+    }
+  }
+  __syncthreads();
+  if (warp < NI) {
+    bf16 *dk = (bf16 *)a.dk;
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+      const int j = jb + grp + 8 * hf;
+      if (j >= nv) continue;
+      const float inv = sKinv[j], dot = sDot[j];
+      bf16 *row = dk + ((krow0 + j) * H + h) * K + rb + 2 * tig;
+#pragma unroll
+      for (int nt = 0; nt < 8; nt++) {
+        float o0 = dkn[nt][2 * hf], o1 = dkn[nt][2 * hf + 1];
+        if (a.l2norm) {
+          const float2 kv = unpack_bf16(*reinterpret_cast<const uint32_t *>(
+              smem + L::oKn + (j * L::ldK + rb + nt * 8 + 2 * tig) * 2));
+          o0 = inv * (o0 - kv.x * dot);
+          o1 = inv * (o1 - kv.y * dot);
+        }
+        *reinterpret_cast<uint32_t *>(row + nt * 8) = pack_bf16(o0, o1);
+      }
+    }
+  }
+  if (tid < nv) ((bf16 *)a.dbeta)[(krow0 + tid) * H + h] = __float2bfloat16(sDb[tid]);
+  if (gg && tid == 32 * 7) { /* reverse cumsum of the step gradients; a token's dg is its step 0's */
+    float run = 0.f;
+    for (int i = C - 1; i >= 0; i--) {
+      run += sDgc[i];
+      if (i < nv && i % n == 0) ((bf16 *)a.dg)[((int64_t)ci.t0 + i / n) * H + h] = __float2bfloat16(run);
+    }
+  }
+}
+
 /* ------------------------------------------------------------------ host side */
 
 template <class Kern>
@@ -447,9 +1277,10 @@ static gdp_status occupancy(Kern kern, int threads, int smem, int *blocks_per_sm
 }
 
 /* One launch of both sequential kernels at value-block width BV (dry_run: occupancy of
- * the dstate kernel only, the larger of the two). */
+ * the dstate kernel only, the larger of the two).  f32: the float32 transposed copy of h
+ * (states) or dH (dstate) for the v3 gradient kernel, or NULL. */
 template <int K, int V, int C, int TC, int BV>
-static gdp_status launch_seq_bv(const Plan &plan, bool states, bool dry_run, int *occ) {
+static gdp_status launch_seq_bv(const Plan &plan, bool states, bool dry_run, int *occ, float *f32) {
   const GdpArgs &a = plan.a;
   const dim3 grid((unsigned)a.N, (unsigned)a.H, (unsigned)(a.V / BV));
   constexpr int threads = BV / 16 * 32;
@@ -458,41 +1289,79 @@ static gdp_status launch_seq_bv(const Plan &plan, bool states, bool dry_run, int
     auto kern = bwd_states_kernel_v3<K, V, C, BV>;
     constexpr int smem = StatesLayout<K, C, BV>::total;
     GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    kern<<<grid, threads, smem, plan.stream>>>(a);
+    kern<<<grid, threads, smem, plan.stream>>>(a, f32);
     GDP_CUDA_LAUNCHED("bwd_states_kernel_v3");
   } else {
     auto kern = dstate_kernel_v3<K, V, C, TC, BV>;
     constexpr int smem = DStateLayout<K, C, TC, BV>::total;
     GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    kern<<<grid, threads, smem, plan.stream>>>(a);
+    kern<<<grid, threads, smem, plan.stream>>>(a, f32);
     GDP_CUDA_LAUNCHED("dstate_kernel_v3");
   }
   return GDP_OK;
 }
 
 template <int K, int V, int C, int TC>
-static gdp_status launch_seq_k(const Plan &plan, int bv, bool states, bool dry_run, int *occ) {
+static gdp_status launch_seq_k(const Plan &plan, int bv, bool states, bool dry_run, int *occ, float *f32) {
   switch (bv) {
-    case 64: return launch_seq_bv<K, V, C, TC, 64>(plan, states, dry_run, occ);
-    case 32: return launch_seq_bv<K, V, C, TC, 32>(plan, states, dry_run, occ);
-    default: return launch_seq_bv<K, V, C, TC, 16>(plan, states, dry_run, occ);
+    case 64: return launch_seq_bv<K, V, C, TC, 64>(plan, states, dry_run, occ, f32);
+    case 32: return launch_seq_bv<K, V, C, TC, 32>(plan, states, dry_run, occ, f32);
+    default: return launch_seq_bv<K, V, C, TC, 16>(plan, states, dry_run, occ, f32);
   }
 }
 
 template <int K, int V>
-static gdp_status launch_seq_n(const Plan &plan, int bv, bool states, bool dry_run, int *occ) {
-  if (plan.a.n == 1) return launch_seq_k<K, V, 32, 32>(plan, bv, states, dry_run, occ);
-  if (plan.a.n == 2) return launch_seq_k<K, V, 64, 32>(plan, bv, states, dry_run, occ);
-  return launch_seq_k<K, V, 48, 16>(plan, bv, states, dry_run, occ);
+static gdp_status launch_seq_n(const Plan &plan, int bv, bool states, bool dry_run, int *occ, float *f32) {
+  if (plan.a.n == 1) return launch_seq_k<K, V, 32, 32>(plan, bv, states, dry_run, occ, f32);
+  if (plan.a.n == 2) return launch_seq_k<K, V, 64, 32>(plan, bv, states, dry_run, occ, f32);
+  return launch_seq_k<K, V, 48, 16>(plan, bv, states, dry_run, occ, f32);
 }
 
-static gdp_status launch_seq(const Plan &plan, int bv, bool states, bool dry_run, int *occ) {
+static gdp_status launch_seq(const Plan &plan, int bv, bool states, bool dry_run, int *occ, float *f32 = nullptr) {
   const GdpArgs &a = plan.a;
   if (a.K == 128)
-    return a.V == 128 ? launch_seq_n<128, 128>(plan, bv, states, dry_run, occ)
-                      : launch_seq_n<128, 64>(plan, bv, states, dry_run, occ);
-  return a.V == 128 ? launch_seq_n<64, 128>(plan, bv, states, dry_run, occ)
-                    : launch_seq_n<64, 64>(plan, bv, states, dry_run, occ);
+    return a.V == 128 ? launch_seq_n<128, 128>(plan, bv, states, dry_run, occ, f32)
+                      : launch_seq_n<128, 64>(plan, bv, states, dry_run, occ, f32);
+  return a.V == 128 ? launch_seq_n<64, 128>(plan, bv, states, dry_run, occ, f32)
+                    : launch_seq_n<64, 64>(plan, bv, states, dry_run, occ, f32);
+}
+
+/* The per-chunk gradients: the state part, then (wy) the WY part; one 8-warp block per
+ * (chunk, head) each. */
+template <int K, int V, int C, int TC>
+static gdp_status launch_grad_state_kv(const Plan &plan, const GradStateOut &go, bool wy) {
+  const dim3 grid((unsigned)plan.a.nchunks, (unsigned)plan.a.H);
+  if (!wy) {
+    using L = GradStateLayout<K, V, C, TC>;
+    auto kern = grad_state_kernel_v3<K, V, C, TC>;
+    GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
+    /* two blocks per SM need the largest shared-memory carveout */
+    GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+    kern<<<grid, 256, L::total, plan.stream>>>(plan.a, go);
+    GDP_CUDA_LAUNCHED("grad_state_kernel_v3");
+  } else {
+    using L = GradWYLayout<K, V, C>;
+    auto kern = grad_wy_kernel_v3<K, V, C, TC>;
+    GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
+    GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+    kern<<<grid, 256, L::total, plan.stream>>>(plan.a, go);
+    GDP_CUDA_LAUNCHED("grad_wy_kernel_v3");
+  }
+  return GDP_OK;
+}
+
+template <int K, int V>
+static gdp_status launch_grad_state_n(const Plan &plan, const GradStateOut &go, bool wy) {
+  if (plan.a.n == 1) return launch_grad_state_kv<K, V, 32, 32>(plan, go, wy);
+  if (plan.a.n == 2) return launch_grad_state_kv<K, V, 64, 32>(plan, go, wy);
+  return launch_grad_state_kv<K, V, 48, 16>(plan, go, wy);
+}
+
+static gdp_status launch_grad_v3(const Plan &plan, const GradStateOut &go, bool wy) {
+  if (plan.a.nchunks == 0) return GDP_OK;
+  const int K = plan.a.K, V = plan.a.V;
+  if (K == 128) return V == 128 ? launch_grad_state_n<128, 128>(plan, go, wy) : launch_grad_state_n<128, 64>(plan, go, wy);
+  return V == 128 ? launch_grad_state_n<64, 128>(plan, go, wy) : launch_grad_state_n<64, 64>(plan, go, wy);
 }
 
 /* Value-block width as in the forward v3: the fewest waves, narrower on a tie.
@@ -575,15 +1444,49 @@ extern "C" gdp_status gdp_cuda_gdp_backward_v3(const gdp_gdp_problem *p, const g
     return st;
   }
   prof_mark("bwd plan+upload", stream);
+  /* The v3 gradient kernels' float32 copies of h and dH and the state part's outputs (one
+   * stream-ordered allocation).  GDP_CUDA_V3_GRAD=v2 takes variant 2's gradient kernel
+   * instead, fed by bf16 copies of h and dH (comparison / fallback). */
+  const char *genv = getenv("GDP_CUDA_V3_GRAD");
+  const bool grad_state = !(genv && strcmp(genv, "v2") == 0);
+  v3b::GradStateOut go;
+  memset(&go, 0, sizeof go);
+  void *extra = nullptr;
+  if (grad_state && plan.a.nchunks > 0) {
+    const size_t CH = (size_t)plan.a.nchunks * plan.a.H, K = (size_t)plan.a.K, V = (size_t)plan.a.V,
+                 C = (size_t)plan.a.C;
+    const size_t bHT = align128(CH * V * K * 4), bKn = align128(CH * C * K * 4), bW = align128(CH * C * K * 2),
+                 bG = align128(CH * C * 4);
+    st = device_alloc(&extra, 2 * bHT + bKn + bW + bG, stream);
+    if (st != GDP_OK) {
+      plan_free(&plan);
+      prof_end(stream);
+      return st;
+    }
+    char *e = (char *)extra;
+    go.hT32 = (float *)e;
+    go.dHT32 = (float *)(e + bHT);
+    go.dKnA = (float *)(e + 2 * bHT);
+    go.dWg = (bf16 *)(e + 2 * bHT + bKn);
+    go.dgcA = (float *)(e + 2 * bHT + bKn + bW);
+  }
   st = v3::launch_prep_v3(plan);
   prof_mark("bwd prep v3 (recompute)", stream);
   const int bv = v3b::choose_bv(plan);
-  if (st == GDP_OK) st = v3b::launch_seq(plan, bv, true, false, nullptr);
+  if (st == GDP_OK) st = v3b::launch_seq(plan, bv, true, false, nullptr, go.hT32);
   prof_mark("bwd states v3 (recompute)", stream);
-  if (st == GDP_OK) st = v3b::launch_seq(plan, bv, false, false, nullptr);
+  if (st == GDP_OK) st = v3b::launch_seq(plan, bv, false, false, nullptr, go.dHT32);
   prof_mark("bwd state gradients v3", stream);
-  if (st == GDP_OK) st = launch_grad(plan);
-  prof_mark("bwd chunk gradients (v2)", stream);
+  if (grad_state) {
+    if (st == GDP_OK) st = v3b::launch_grad_v3(plan, go, false);
+    prof_mark("bwd chunk gradients v3, state part", stream);
+    if (st == GDP_OK) st = v3b::launch_grad_v3(plan, go, true);
+    prof_mark("bwd chunk gradients v3, WY part", stream);
+  } else {
+    if (st == GDP_OK) st = launch_grad(plan);
+    prof_mark("bwd chunk gradients (v2)", stream);
+  }
+  if (extra) cudaFreeAsync(extra, stream);
   plan_free(&plan);
   prof_end(stream);
   return st;

@@ -17,9 +17,10 @@ extern "C" {
 int gdp_cuda_gdp_backward_v3_supported(const gdp_gdp_problem *p);
 
 /* Same contract as gdp_cuda_gdp_backward.  Recompute with variant 3's prep and a
- * register-resident state pass that stores the chunk states, the reverse
- * state-gradient pass with dS in float32 registers, then variant 2's per-chunk gradient
- * kernel.  GDP_ERR_UNSUPPORTED outside the problems above. */
+ * register-resident state pass that stores the chunk states (float32), the reverse
+ * state-gradient pass with dS in float32 registers, then the two v3 per-chunk gradient
+ * kernels (state part, WY part; GDP_CUDA_V3_GRAD=v2: variant 2's kernel instead).
+ * GDP_ERR_UNSUPPORTED outside the problems above. */
 gdp_status gdp_cuda_gdp_backward_v3(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io, void *stream);
 
 #ifdef __cplusplus
