@@ -28,6 +28,7 @@
 #include <string.h>
 
 #include "gdp_bwd_v3.cuh"
+#include "mma_sm90.cuh"
 #include "gdp_chunk.cuh"
 
 namespace gdpcu {
@@ -54,40 +55,8 @@ struct GradStateOut {
   float *dgcA;
 };
 
-/* ------------------------------------------------------------------ PTX wrappers
- * (the same as gdp_fwd_v3.cu's; kept local so the two files stay independent) */
+/* ------------------------------------------------------------------ PTX wrappers: mma_sm90.cuh */
 
-/* Four 8x8 bf16 matrices; lanes 8i..8i+7 give the row addresses of matrix i.  Thread t
- * receives, of matrix i, row t/4 columns 2(t%4), 2(t%4)+1 (register i). */
-__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t &r0, uint32_t &r1, uint32_t &r2,
-                                        uint32_t &r3) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-               : "r"(addr));
-}
-/* Same, transposed: thread t receives rows 2(t%4), 2(t%4)+1 of column t/4. */
-__device__ __forceinline__ void ldsm_x4_t(uint32_t addr, uint32_t &r0, uint32_t &r1, uint32_t &r2,
-                                          uint32_t &r3) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-               : "r"(addr));
-}
-/* d += A (16x16, row) * B (16x8, col), bf16 in, float32 accumulate. */
-__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t *>(&v);
-}
-__device__ __forceinline__ float2 unpack_bf16(uint32_t v) {
-  __nv_bfloat162 b = *reinterpret_cast<__nv_bfloat162 *>(&v);
-  return __bfloat1622float2(b);
-}
 
 /* Accumulator tiles X[2kt], X[2kt+1] (16 rows x 16 columns, float) -> the bf16 A
  * fragment of k-tile kt, times `sign` (exact: a sign flip commutes with rounding). */
