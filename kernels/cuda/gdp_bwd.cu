@@ -971,21 +971,18 @@ gdp_status launch_grad(const Plan &plan) { /* also variant 3's backward (gdp_bwd
   return GDP_OK;
 }
 
-}  // namespace gdpcu
-
-using namespace gdpcu;
-
-extern "C" gdp_status gdp_cuda_gdp_backward(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io,
-                                            void *stream_) {
-  GDP_TRY(validate_problem(p, "backward"));
-  if (!io) return GDP_ERROR(GDP_ERR_INVALID_ARG, "io is NULL");
+gdp_status validate_bwd_io(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io, const char *what) {
+  if (!io) return GDP_ERROR(GDP_ERR_INVALID_ARG, "%s: io is NULL", what);
   if (p->T_total > 0 && (!io->q || !io->k || !io->v || !io->beta || !io->d_o || !io->dq || !io->dk ||
                          !io->dv || !io->dbeta))
-    return GDP_ERROR(GDP_ERR_INVALID_ARG, "q, k, v, beta, d_o, dq, dk, dv and dbeta must be non-NULL");
+    return GDP_ERROR(GDP_ERR_INVALID_ARG, "%s: q, k, v, beta, d_o, dq, dk, dv and dbeta must be non-NULL", what);
   if ((io->g == NULL) != (io->dg == NULL))
-    return GDP_ERROR(GDP_ERR_INVALID_ARG, "dg must be given exactly when g is (g %s, dg %s)",
-                     io->g ? "set" : "NULL", io->dg ? "set" : "NULL");
-  cudaStream_t stream = (cudaStream_t)stream_;
+    return GDP_ERROR(GDP_ERR_INVALID_ARG, "%s: dg must be given exactly when g is (g %s, dg %s)",
+                     what, io->g ? "set" : "NULL", io->dg ? "set" : "NULL");
+  return GDP_OK;
+}
+
+GdpArgs bwd_args(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io) {
   GdpArgs a;
   memset(&a, 0, sizeof a);
   a.q = io->q;
@@ -1009,6 +1006,19 @@ extern "C" gdp_status gdp_cuda_gdp_backward(const gdp_gdp_problem *p, const gdp_
   a.l2norm = p->l2norm_in_kernel;
   a.scale = (float)p->scale;
   a.N = (int)p->N;
+  return a;
+}
+
+}  // namespace gdpcu
+
+using namespace gdpcu;
+
+extern "C" gdp_status gdp_cuda_gdp_backward(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io,
+                                            void *stream_) {
+  GDP_TRY(validate_problem(p, "backward"));
+  GDP_TRY(validate_bwd_io(p, io, "backward"));
+  cudaStream_t stream = (cudaStream_t)stream_;
+  GdpArgs a = bwd_args(p, io);
   if (p->N == 0) return GDP_OK;
   if (use_chunk_path(p)) {
     Plan plan;

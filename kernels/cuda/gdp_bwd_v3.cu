@@ -1369,42 +1369,14 @@ extern "C" int gdp_cuda_gdp_backward_v3_supported(const gdp_gdp_problem *p) {
 extern "C" gdp_status gdp_cuda_gdp_backward_v3(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io,
                                                void *stream_) {
   GDP_TRY(validate_problem(p, "backward_v3"));
-  if (!io) return GDP_ERROR(GDP_ERR_INVALID_ARG, "io is NULL");
+  GDP_TRY(validate_bwd_io(p, io, "backward_v3"));
   if (!gdp_cuda_gdp_backward_v3_supported(p))
     return GDP_ERROR(GDP_ERR_UNSUPPORTED,
                      "backward_v3 takes bf16, n = 1..3, K and V = 64 or 128; got dtype %d n=%lld K=%lld V=%lld",
                      p->dtype, (long long)p->n, (long long)p->K, (long long)p->V);
-  if (p->T_total > 0 && (!io->q || !io->k || !io->v || !io->beta || !io->d_o || !io->dq || !io->dk ||
-                         !io->dv || !io->dbeta))
-    return GDP_ERROR(GDP_ERR_INVALID_ARG, "q, k, v, beta, d_o, dq, dk, dv and dbeta must be non-NULL");
-  if ((io->g == NULL) != (io->dg == NULL))
-    return GDP_ERROR(GDP_ERR_INVALID_ARG, "dg must be given exactly when g is (g %s, dg %s)",
-                     io->g ? "set" : "NULL", io->dg ? "set" : "NULL");
   if (p->N == 0) return GDP_OK;
   cudaStream_t stream = (cudaStream_t)stream_;
-  GdpArgs a;
-  memset(&a, 0, sizeof a);
-  a.q = io->q;
-  a.k = io->k;
-  a.v = io->v;
-  a.g = io->g;
-  a.beta = io->beta;
-  a.h0 = (const float *)io->h0;
-  a.d_o = io->d_o;
-  a.dht = (const float *)io->dht;
-  a.dq = io->dq;
-  a.dk = io->dk;
-  a.dv = io->dv;
-  a.dbeta = io->dbeta;
-  a.dg = io->dg;
-  a.dh0 = (float *)io->dh0;
-  a.H = (int)p->H;
-  a.K = (int)p->K;
-  a.V = (int)p->V;
-  a.n = (int)p->n;
-  a.l2norm = p->l2norm_in_kernel;
-  a.scale = (float)p->scale;
-  a.N = (int)p->N;
+  GdpArgs a = bwd_args(p, io);
   Plan plan;
   prof_begin(stream);
   gdp_status st = plan_make(p, stream, true, a, &plan);

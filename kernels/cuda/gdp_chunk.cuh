@@ -95,6 +95,12 @@ struct Plan {
 
 /* Shared helpers (gdp_fwd.cu). */
 gdp_status validate_problem(const gdp_gdp_problem *p, const char *what);
+/* The io block's required buffers for the call named `what` (gdp_fwd.cu, gdp_bwd.cu). */
+gdp_status validate_fwd_io(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io, const char *what);
+gdp_status validate_bwd_io(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io, const char *what);
+/* The kernels' argument block from a problem and its buffers (every variant). */
+GdpArgs fwd_args(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io);
+GdpArgs bwd_args(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io);
 gdp_status device_alloc(void **ptr, size_t bytes, cudaStream_t stream);
 gdp_status upload_cu_seqlens(const gdp_gdp_problem *p, long long *dst, cudaStream_t stream);
 int smem_optin_bytes();

@@ -64,6 +64,13 @@ gdp_status validate_problem(const gdp_gdp_problem *p, const char *what) {
   return GDP_OK;
 }
 
+gdp_status validate_fwd_io(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io, const char *what) {
+  if (!io) return GDP_ERROR(GDP_ERR_INVALID_ARG, "%s: io is NULL", what);
+  if (p->T_total > 0 && (!io->q || !io->k || !io->v || !io->beta || !io->o))
+    return GDP_ERROR(GDP_ERR_INVALID_ARG, "%s: q, k, v, beta and o must be non-NULL", what);
+  return GDP_OK;
+}
+
 /* ------------------------------------------------------------------ host-to-device tables */
 
 /* Small tables (cu_seqlens, chunk lists) travel through pinned staging buffers so that
@@ -852,7 +859,7 @@ extern "C" int gdp_cuda_gdp_supported(const gdp_gdp_problem *p) {
   return 1;
 }
 
-static GdpArgs fwd_args(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io) {
+GdpArgs gdpcu::fwd_args(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io) {
   GdpArgs a;
   memset(&a, 0, sizeof a);
   a.q = io->q;
@@ -876,9 +883,7 @@ static GdpArgs fwd_args(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io) {
 extern "C" gdp_status gdp_cuda_gdp_forward(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io,
                                            void *stream_) {
   GDP_TRY(validate_problem(p, "forward"));
-  if (!io) return GDP_ERROR(GDP_ERR_INVALID_ARG, "io is NULL");
-  if (p->T_total > 0 && (!io->q || !io->k || !io->v || !io->beta || !io->o))
-    return GDP_ERROR(GDP_ERR_INVALID_ARG, "q, k, v, beta and o must be non-NULL");
+  GDP_TRY(validate_fwd_io(p, io, "forward"));
   cudaStream_t stream = (cudaStream_t)stream_;
   GdpArgs a = fwd_args(p, io);
   if (p->N == 0) return GDP_OK;

@@ -595,33 +595,15 @@ extern "C" int gdp_cuda_gdp_forward_v3_supported(const gdp_gdp_problem *p, int n
 extern "C" gdp_status gdp_cuda_gdp_forward_v3(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io,
                                               void *stream_, int new_prep) {
   GDP_TRY(validate_problem(p, "forward_v3"));
-  if (!io) return GDP_ERROR(GDP_ERR_INVALID_ARG, "io is NULL");
+  GDP_TRY(validate_fwd_io(p, io, "forward_v3"));
   if (!gdp_cuda_gdp_forward_v3_supported(p, new_prep))
     return GDP_ERROR(GDP_ERR_UNSUPPORTED,
                      "forward_v3 takes bf16, n = 1..3, K = 64 or 128, V = 64 or 128 (a multiple of "
                      "16 <= 128 with the old prep); got dtype %d n=%lld K=%lld V=%lld",
                      p->dtype, (long long)p->n, (long long)p->K, (long long)p->V);
-  if (p->T_total > 0 && (!io->q || !io->k || !io->v || !io->beta || !io->o))
-    return GDP_ERROR(GDP_ERR_INVALID_ARG, "q, k, v, beta and o must be non-NULL");
   if (p->N == 0) return GDP_OK;
   cudaStream_t stream = (cudaStream_t)stream_;
-  GdpArgs a;
-  memset(&a, 0, sizeof a);
-  a.q = io->q;
-  a.k = io->k;
-  a.v = io->v;
-  a.g = io->g;
-  a.beta = io->beta;
-  a.h0 = (const float *)io->h0;
-  a.o = io->o;
-  a.ht = (float *)io->ht;
-  a.H = (int)p->H;
-  a.K = (int)p->K;
-  a.V = (int)p->V;
-  a.n = (int)p->n;
-  a.l2norm = p->l2norm_in_kernel;
-  a.scale = (float)p->scale;
-  a.N = (int)p->N;
+  GdpArgs a = fwd_args(p, io);
   Plan plan;
   prof_begin(stream);
   gdp_status st = plan_make(p, stream, false, a, &plan);
