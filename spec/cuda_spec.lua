@@ -48,13 +48,24 @@ describe("cuda #gpu", function()
     assert.tensor_near(m:cpu(), gdp.matmul(a, b, { trans_b = true }), 1e-5)
   end)
 
-  -- auto is the recurrent path on cuda for now; the chunked path (bf16) is checked too.
-  for _, case in ipairs({ { "f32", "auto" }, { "bf16", "auto" }, { "bf16", "chunk" } }) do
-    local dtype, algorithm = case[1], case[2]
-    it("the operator matches the float64 cpu recurrence (" .. dtype .. ", " .. algorithm .. ")", function()
+  -- Every CUDA variant (kernels/cuda/gdp_dispatch.cu) through the shapes that select it:
+  -- bf16 with n <= 3 and K, V in {64, 128} -> variant 3 (auto and chunk); other bf16
+  -- shapes -> variant 2 under chunk, the recurrent kernel under auto; f32 -> recurrent.
+  -- Packed, with an empty sequence, an initial state and odd lengths.
+  local cases = {
+    { "f32", "auto", 64, 64, 2 }, { "f32", "recurrent", 48, 96, 3 },
+    { "bf16", "auto", 64, 64, 1 }, { "bf16", "auto", 64, 64, 2 }, { "bf16", "auto", 64, 128, 3 },
+    { "bf16", "chunk", 128, 128, 2 }, { "bf16", "auto", 128, 64, 1 },
+    { "bf16", "auto", 48, 96, 2 }, { "bf16", "chunk", 48, 96, 2 }, { "bf16", "chunk", 32, 16, 4 },
+    { "bf16", "recurrent", 64, 64, 2 },
+  }
+  for _, case in ipairs(cases) do
+    local dtype, algorithm, K, V, n = case[1], case[2], case[3], case[4], case[5]
+    local label = string.format("%s, %s, K=%d V=%d n=%d", dtype, algorithm, K, V, n)
+    it("the operator matches the float64 cpu recurrence (" .. label .. ")", function()
       if not need_gpu() then return end
-      H.reseed(303)
-      local args = ops.random_inputs({ B = 1, T = 150, H = 2, K = 64, V = 64, n = 2, grads = true,
+      H.reseed(303 + K + 7 * V + 31 * n)
+      local args = ops.random_inputs({ B = 1, T = 150, H = 2, K = K, V = V, n = n, grads = true,
                                        initial_state = true, cu_seqlens = { 0, 40, 40, 150 } })
       local ref = ops.convert_inputs(args, "f64", "cpu")
       ref.algorithm = "recurrent"
@@ -62,24 +73,30 @@ describe("cuda #gpu", function()
       local g_ref = ops.chunk_gated_delta_product_backward(ref)
       local dev = ops.convert_inputs(args, dtype, "cuda")
       dev.algorithm = algorithm
-      local ctx = gdp.device("cuda")
-      if not ctx:supports("gdp_forward", dtype) then
-        pending("cuda backend has no GDP forward for " .. dtype)
-        return
-      end
       local o, ht = ops.chunk_gated_delta_product(dev)
       assert.are.equal("cuda:0", o:device())
       local tol = ops.TOLERANCE[dtype]
       assert.tensor_near(o, o_ref, tol)
       assert.tensor_near(ht, ht_ref, tol)
-      if ctx:supports("gdp_backward", dtype) then
-        local grads = ops.chunk_gated_delta_product_backward(dev)
-        for _, name in ipairs({ "dq", "dk", "dv", "dbeta", "dg", "dh0" }) do
-          assert.tensor_near(grads[name], g_ref[name], tol)
-        end
+      local grads = ops.chunk_gated_delta_product_backward(dev)
+      for _, name in ipairs({ "dq", "dk", "dv", "dbeta", "dg", "dh0" }) do
+        assert.tensor_near(grads[name], g_ref[name], tol)
       end
     end)
   end
+
+  it("golden cases on cuda in bf16 (auto)", function()
+    if not need_gpu() then return end
+    local files = H.list_files(H.golden_dir, "^gdp_.*%.safetensors$")
+    if #files == 0 then pending("no golden fixtures") return end
+    for _, file in ipairs(files) do
+      local t, meta = gdp.load(file)
+      local rows = ops.check_golden_case(t, meta, { dtype = "bf16", device = "cuda" })
+      for _, r in ipairs(rows) do
+        assert.is_true(r.ok, string.format("%s: %s rel error %.3e", file, r.name, r.err))
+      end
+    end
+  end)
 
   it("golden cases on cuda in f32", function()
     if not need_gpu() then return end

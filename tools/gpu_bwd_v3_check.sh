@@ -8,18 +8,10 @@
 #   source .devbundle/env.sh && OUT=<dir> bash tools/gpu_bwd_v3_check.sh
 set -u
 OUT=${OUT:?set OUT}
-B=/tmp/lbv3; mkdir -p $B
-F="-O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icore/include -Icore/src -Ikernels -Ikernels/cuda --expt-relaxed-constexpr -lineinfo"
-echo "== build (ptxas report of gdp_bwd_v3.cu in $OUT/ptxas_bwd_v3.log)"
-( gcc -O2 -fopenmp -Icore/include -Icore/src -Ikernels -c kernels/cpu/gdp_recurrent.c -o $B/rec.o &
-  nvcc $F -c kernels/cuda/gdp_fwd.cu -o $B/f.o &
-  nvcc $F -c kernels/cuda/gdp_bwd.cu -o $B/b.o &
-  nvcc $F -c kernels/cuda/gdp_fwd_v3.cu -o $B/v3.o &
-  nvcc $F -Xptxas -v -c kernels/cuda/gdp_bwd_v3.cu -o $B/bv3.o 2> $OUT/ptxas_bwd_v3.log &
-  nvcc $F -c kernels/bench/gdp_cuda_lab.cu -o $B/lab.o &
-  wait ) > $OUT/build.log 2>&1
-nvcc $F -Xcompiler -fopenmp $B/*.o -o $B/lab >> $OUT/build.log 2>&1 || { grep -i error $OUT/build.log | head -20; exit 1; }
-grep -B1 -E "[1-9][0-9]* bytes spill" $OUT/ptxas_bwd_v3.log | grep -oE "_Z[A-Za-z0-9_]+|[0-9]+ bytes spill stores" | paste - - | head
+B=/tmp/lbv3
+echo "== build (ptxas report in $OUT/ptxas.log)"
+bash tools/gpu_lab_build.sh $B || exit 1
+cp $B/ptxas.log $OUT/ptxas.log
 L=$B/lab
 
 echo "== lab check: variant 3 (fwd v3 + bwd v3) and variant 2, vs the float64 oracle"

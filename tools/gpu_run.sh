@@ -30,26 +30,11 @@ git rev-parse --short HEAD 2>/dev/null | sed 's/^/git HEAD /' | tee -a "$LOG"
 
 # ---------------------------------------------------------------- build (nvcc directly:
 # only the lab's own sources, so half-written files elsewhere cannot break it)
-B=build-h5lab
-mkdir -p $B
-F="-O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icore/include -Icore/src -Ikernels -Ikernels/cuda --expt-relaxed-constexpr -lineinfo"
+B=build-gpulab
 stamp "build"
-(
-  gcc -O2 -fopenmp -Icore/include -Icore/src -Ikernels -c kernels/cpu/gdp_recurrent.c -o $B/rec.o &
-  nvcc $F -Xptxas -v -c kernels/cuda/gdp_fwd.cu -o $B/gdp_fwd.o 2>$B/ptxas_fwd.txt &
-  nvcc $F -Xptxas -v -c kernels/cuda/gdp_bwd.cu -o $B/gdp_bwd.o 2>$B/ptxas_bwd.txt &
-  nvcc $F -c kernels/bench/gdp_cuda_lab.cu -o $B/lab.o &
-  wait
-) 2>&1 | grep -v deprecated | tee -a "$LOG"
-nvcc $F -Xcompiler -fopenmp $B/lab.o $B/gdp_fwd.o $B/gdp_bwd.o $B/rec.o -o $B/gdp_cuda_lab 2>&1 | tee -a "$LOG"
-grep -h "Compiling entry\|registers\|spill" $B/ptxas_fwd.txt $B/ptxas_bwd.txt | grep -v " 0 bytes spill stores, 0 bytes spill loads" \
-  | sed 's/ptxas info    : //' >>"$LOG"
-if [ ! -x $B/gdp_cuda_lab ]; then
-  cat $B/ptxas_fwd.txt $B/ptxas_bwd.txt | grep -i error | head -30 | tee -a "$LOG"
-  stamp "BUILD FAILED"
-  exit 1
-fi
-LAB=$B/gdp_cuda_lab
+bash tools/gpu_lab_build.sh $B 2>&1 | tee -a "$LOG"
+[ -x $B/lab ] || { stamp "BUILD FAILED"; exit 1; }
+LAB=$B/lab
 
 stamp "selftest (CPU mirror of the chunk algebra vs the oracle)"
 $LAB selftest 2>&1 | tail -3 | tee -a "$LOG"

@@ -597,16 +597,17 @@ static const char *variant_name(int v) {
   return buf;
 }
 static int variant_algo(int v) { return v == 1 ? GDP_ALGO_RECURRENT : GDP_ALGO_CHUNK; }
-/* The forward of a variant (3 and 4 have their own entry point; their backward is
- * variant 2's). */
+/* The forward of a variant (4 = variant 2's prep + variant 3's state pass). */
 static gdp_status variant_forward(int v, const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io) {
   if (v == 3 || v == 4) return gdp_cuda_gdp_forward_v3(p, io, 0, v == 3);
-  return gdp_cuda_gdp_forward(p, io, 0);
+  if (v == 2) return gdp_cuda_gdp_forward_v2(p, io, 0);
+  return gdp_cuda_gdp_forward_recurrent(p, io, 0);
 }
-/* The backward of a variant (3 has its own entry point). */
+/* The backward of a variant (4 has variant 2's). */
 static gdp_status variant_backward(int v, const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io) {
   if (v == 3) return gdp_cuda_gdp_backward_v3(p, io, 0);
-  return gdp_cuda_gdp_backward(p, io, 0);
+  if (v == 2 || v == 4) return gdp_cuda_gdp_backward_v2(p, io, 0);
+  return gdp_cuda_gdp_backward_recurrent(p, io, 0);
 }
 
 /* A device buffer of `count` elements of dtype (token tensors) or float32 (states). */

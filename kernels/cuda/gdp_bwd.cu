@@ -1013,36 +1013,47 @@ GdpArgs bwd_args(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io) {
 
 using namespace gdpcu;
 
-extern "C" gdp_status gdp_cuda_gdp_backward(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io,
-                                            void *stream_) {
-  GDP_TRY(validate_problem(p, "backward"));
-  GDP_TRY(validate_bwd_io(p, io, "backward"));
+extern "C" gdp_status gdp_cuda_gdp_backward_v2(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io,
+                                               void *stream_) {
+  GDP_TRY(validate_problem(p, "backward_v2"));
+  GDP_TRY(validate_bwd_io(p, io, "backward_v2"));
+  if (!chunk_path_ok(p))
+    return GDP_ERROR(GDP_ERR_UNSUPPORTED,
+                     "backward_v2 takes bf16, n = 1..4, K and V multiples of 16 up to 128; got dtype %d "
+                     "n=%lld K=%lld V=%lld",
+                     p->dtype, (long long)p->n, (long long)p->K, (long long)p->V);
+  if (p->N == 0) return GDP_OK;
+  cudaStream_t stream = (cudaStream_t)stream_;
+  Plan plan;
+  prof_begin(stream);
+  GDP_TRY(plan_make(p, stream, true, bwd_args(p, io), &plan));
+  plan.bv_bwd = choose_dstate_bv(plan.a, p->N);
+  prof_mark("bwd plan+upload", stream);
+  gdp_status st = launch_prep(plan);
+  prof_mark("bwd prep (recompute)", stream);
+  if (st == GDP_OK) st = launch_state(plan, true);
+  prof_mark("bwd states (recompute)", stream);
+  if (st == GDP_OK) {
+    switch (plan.bv_bwd) {
+      case 64: st = launch_dstate_bv<64>(plan); break;
+      case 32: st = launch_dstate_bv<32>(plan); break;
+      default: st = launch_dstate_bv<16>(plan); break;
+    }
+  }
+  prof_mark("bwd state gradients", stream);
+  if (st == GDP_OK) st = launch_grad(plan);
+  prof_mark("bwd chunk gradients", stream);
+  plan_free(&plan);
+  prof_end(stream);
+  return st;
+}
+
+extern "C" gdp_status gdp_cuda_gdp_backward_recurrent(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io,
+                                                      void *stream_) {
+  GDP_TRY(validate_problem(p, "backward_recurrent"));
+  GDP_TRY(validate_bwd_io(p, io, "backward_recurrent"));
+  if (p->N == 0) return GDP_OK;
   cudaStream_t stream = (cudaStream_t)stream_;
   GdpArgs a = bwd_args(p, io);
-  if (p->N == 0) return GDP_OK;
-  if (use_chunk_path(p)) {
-    Plan plan;
-    prof_begin(stream);
-    GDP_TRY(plan_make(p, stream, true, a, &plan));
-    plan.bv_bwd = choose_dstate_bv(plan.a, p->N);
-    prof_mark("bwd plan+upload", stream);
-    gdp_status st = launch_prep(plan);
-    prof_mark("bwd prep (recompute)", stream);
-    if (st == GDP_OK) st = launch_state(plan, true);
-    prof_mark("bwd states (recompute)", stream);
-    if (st == GDP_OK) {
-      switch (plan.bv_bwd) {
-        case 64: st = launch_dstate_bv<64>(plan); break;
-        case 32: st = launch_dstate_bv<32>(plan); break;
-        default: st = launch_dstate_bv<16>(plan); break;
-      }
-    }
-    prof_mark("bwd state gradients", stream);
-    if (st == GDP_OK) st = launch_grad(plan);
-    prof_mark("bwd chunk gradients", stream);
-    plan_free(&plan);
-    prof_end(stream);
-    return st;
-  }
   return p->dtype == GDP_DTYPE_BF16 ? rec_backward<bf16>(p, a, stream) : rec_backward<float>(p, a, stream);
 }

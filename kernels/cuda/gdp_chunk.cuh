@@ -75,15 +75,6 @@ inline bool chunk_path_ok(const gdp_gdp_problem *p) {
          p->V % 16 == 0 && p->V <= 128;
 }
 
-/* AUTO takes the recurrent path for now: the chunked path keeps the per-chunk states
- * h and dH in bf16, and two golden cases (a long gated sequence's dg, an ungated
- * dh0) then land at 1.2e-2, over the bf16 tolerance of 1e-2, while the recurrent
- * path stays under 6.2e-3 (results/cuda/session1_final).  CHUNK selects it explicitly
- * (lab, benchmarks, the #gpu spec) until its states move to float32. */
-inline bool use_chunk_path(const gdp_gdp_problem *p) {
-  return p->algorithm == GDP_ALGO_CHUNK && chunk_path_ok(p);
-}
-
 /* Host-side plan of one call: device copies of the tables and the workspace, all in
  * one stream-ordered allocation released by plan_free. */
 struct Plan {

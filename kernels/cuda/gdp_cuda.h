@@ -17,10 +17,24 @@
 extern "C" {
 #endif
 
+/* The library's entry points (gdp_dispatch.cu): pick a variant for the problem and
+ * its algorithm (AUTO, CHUNK, RECURRENT), see the table there. */
 gdp_status gdp_cuda_gdp_forward(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io,
                                 void *stream);
 gdp_status gdp_cuda_gdp_backward(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io,
                                  void *stream);
+
+/* The variants themselves (same contracts; the lab calls them directly).  Each returns
+ * GDP_ERR_UNSUPPORTED for a problem it does not take.  Variant 3's entry points are in
+ * gdp_fwd_v3.cuh and gdp_bwd_v3.cuh. */
+gdp_status gdp_cuda_gdp_forward_recurrent(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io,
+                                          void *stream);
+gdp_status gdp_cuda_gdp_backward_recurrent(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io,
+                                           void *stream);
+gdp_status gdp_cuda_gdp_forward_v2(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io,
+                                   void *stream);
+gdp_status gdp_cuda_gdp_backward_v2(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io,
+                                    void *stream);
 /* 1 when the CUDA kernels handle this problem (sizes, dtype), else 0 with no error. */
 int gdp_cuda_gdp_supported(const gdp_gdp_problem *p);
 

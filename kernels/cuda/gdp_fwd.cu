@@ -880,26 +880,37 @@ GdpArgs gdpcu::fwd_args(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io) {
   return a;
 }
 
-extern "C" gdp_status gdp_cuda_gdp_forward(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io,
-                                           void *stream_) {
-  GDP_TRY(validate_problem(p, "forward"));
-  GDP_TRY(validate_fwd_io(p, io, "forward"));
+extern "C" gdp_status gdp_cuda_gdp_forward_v2(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io,
+                                              void *stream_) {
+  GDP_TRY(validate_problem(p, "forward_v2"));
+  GDP_TRY(validate_fwd_io(p, io, "forward_v2"));
+  if (!chunk_path_ok(p))
+    return GDP_ERROR(GDP_ERR_UNSUPPORTED,
+                     "forward_v2 takes bf16, n = 1..4, K and V multiples of 16 up to 128; got dtype %d "
+                     "n=%lld K=%lld V=%lld",
+                     p->dtype, (long long)p->n, (long long)p->K, (long long)p->V);
+  if (p->N == 0) return GDP_OK;
+  cudaStream_t stream = (cudaStream_t)stream_;
+  Plan plan;
+  prof_begin(stream);
+  GDP_TRY(plan_make(p, stream, false, fwd_args(p, io), &plan));
+  prof_mark("fwd plan+upload", stream);
+  gdp_status st = launch_prep(plan);
+  prof_mark("fwd prep", stream);
+  if (st == GDP_OK) st = launch_state(plan, false);
+  prof_mark("fwd state+output", stream);
+  plan_free(&plan);
+  prof_end(stream);
+  return st;
+}
+
+extern "C" gdp_status gdp_cuda_gdp_forward_recurrent(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io,
+                                                     void *stream_) {
+  GDP_TRY(validate_problem(p, "forward_recurrent"));
+  GDP_TRY(validate_fwd_io(p, io, "forward_recurrent"));
+  if (p->N == 0) return GDP_OK;
   cudaStream_t stream = (cudaStream_t)stream_;
   GdpArgs a = fwd_args(p, io);
-  if (p->N == 0) return GDP_OK;
-  if (use_chunk_path(p)) {
-    Plan plan;
-    prof_begin(stream);
-    GDP_TRY(plan_make(p, stream, false, a, &plan));
-    prof_mark("fwd plan+upload", stream);
-    gdp_status st = launch_prep(plan);
-    prof_mark("fwd prep", stream);
-    if (st == GDP_OK) st = launch_state(plan, false);
-    prof_mark("fwd state+output", stream);
-    plan_free(&plan);
-    prof_end(stream);
-    return st;
-  }
   void *cu = nullptr;
   GDP_TRY(device_alloc(&cu, ((size_t)p->N + 1) * sizeof(long long), stream));
   gdp_status st = upload_cu_seqlens(p, (long long *)cu, stream);

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# gpu_lab_build.sh DIR -- builds the CUDA kernel lab (kernels/bench/gdp_cuda_lab.cu with
+# every GDP kernel variant and the float64 oracle) into DIR/lab with nvcc directly, in
+# parallel, with the ptxas register/spill report in DIR/ptxas.log.  Faster than the CMake
+# build on the GPU machine and independent of the rest of the tree.  Exit status 1 (and
+# the first errors on stderr) when the build fails.
+set -u
+B=${1:?usage: tools/gpu_lab_build.sh DIR}
+mkdir -p "$B"
+F="-O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icore/include -Icore/src -Ikernels -Ikernels/cuda --expt-relaxed-constexpr -lineinfo"
+rm -f "$B"/*.o "$B"/ptxas_*.log "$B/lab"
+(
+  gcc -O2 -fopenmp -Icore/include -Icore/src -Ikernels -c kernels/cpu/gdp_recurrent.c -o "$B/rec.o" &
+  for f in gdp_fwd gdp_bwd gdp_fwd_v3 gdp_bwd_v3; do
+    nvcc $F -Xptxas -v -c kernels/cuda/$f.cu -o "$B/$f.o" 2>"$B/ptxas_$f.log" &
+  done
+  nvcc $F -c kernels/bench/gdp_cuda_lab.cu -o "$B/lab.o" &
+  wait
+) >"$B/build.log" 2>&1
+cat "$B"/ptxas_*.log >"$B/ptxas.log"
+if ! nvcc $F -Xcompiler -fopenmp "$B"/*.o -o "$B/lab" >>"$B/build.log" 2>&1; then
+  grep -ih "error" "$B/build.log" "$B/ptxas.log" | head -20 >&2
+  exit 1
+fi
+# Kernels that spill (there should be none).
+grep -B2 -E "[1-9][0-9]* bytes spill" "$B/ptxas.log" | grep -oE "_Z[A-Za-z0-9_]+|[0-9]+ bytes spill stores" | paste - - | head >&2
+exit 0
