@@ -268,20 +268,32 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) state_kernel_v3(GdpArgs a) {
 
 /* ------------------------------------------------------------------ the prep */
 
-/* Shared-memory layout of the prep kernel (bytes). */
+/* Offset (floats) of row i of the packed strictly-lower A: row r holds its r entries
+ * j < r, padded to a multiple of 4 so that every row starts on 16 bytes (the solve reads
+ * it by LDS.128).  Sum over r < i of 4 ceil(r/4) = 4 S(i+3), S(N) = sum_{u<N} floor(u/4)
+ * = 2p(p-1) + s p for N = 4p + s. */
+__host__ __device__ constexpr int prep_a_row(int i) {
+  return 4 * (2 * ((i + 3) / 4) * ((i + 3) / 4 - 1) + ((i + 3) % 4) * ((i + 3) / 4));
+}
+
+/* Shared-memory layout of the prep kernel (bytes).  k (then kn) and v stay resident; the
+ * region from oQ on is used twice: first by q (then qn) and the packed A, then -- after
+ * the barrier that ends the solve's reads of A -- by the bf16 panels Tw^T and Tu^T
+ * (row x = column x of T, the layout the solve's threads write with 16-byte stores).
+ * At K = V = 128, C = 64 that is 52.5 KB: four blocks per SM. */
 template <int K, int V, int C, int TC>
 struct PrepLayout {
-  static constexpr int ldK = K + kPad, ldV = V + kPad, ldT = C + kPad, ldA = C + 4;
-  static constexpr int oK = 0;                        /* k rows, then kn (bf16) */
-  static constexpr int oQ = oK + C * ldK * 2;         /* q rows, then qn (bf16) */
-  static constexpr int oV = oQ + TC * ldK * 2;        /* v rows (bf16, as given) */
-  static constexpr int oA = oV + C * ldV * 2;         /* A (float) */
-  static constexpr int oTw = oA + C * ldA * 4;        /* T diag(beta e^gc) (bf16) */
-  static constexpr int oTu = oTw + C * ldT * 2;       /* T diag(beta) (bf16) */
-  static constexpr int oBeta = oTu + C * ldT * 2;     /* beta (float) */
-  static constexpr int oGp = oBeta + C * 4;           /* g on token starts (float) */
-  static constexpr int oGc = oGp + C * 4;             /* in-chunk cumulative g */
-  static constexpr int total = oGc + C * 4;
+  static constexpr int ldK = K + kPad, ldV = V + kPad, ldT = C + kPad;
+  static constexpr int oK = 0;                   /* k rows, then kn (bf16) */
+  static constexpr int oV = oK + C * ldK * 2;    /* v rows (bf16, as given) */
+  static constexpr int oBeta = oV + C * ldV * 2; /* beta (float) */
+  static constexpr int oGc = oBeta + C * 4;      /* in-chunk cumulative g (float) */
+  static constexpr int oQ = oGc + C * 4;         /* q rows, then qn (bf16) */
+  static constexpr int oA = oQ + TC * ldK * 2;   /* A, packed rows (float) */
+  static constexpr int oTw = oQ;                 /* (T diag(beta e^gc))^T (bf16) */
+  static constexpr int oTu = oTw + C * ldT * 2;  /* (T diag(beta))^T (bf16) */
+  static constexpr int endA = oA + prep_a_row(C) * 4, endT = oTu + C * ldT * 2;
+  static constexpr int total = endA > endT ? endA : endT;
 };
 
 /* A fragment (16 x 16, row-major source with row stride ld elements) at rows rb,
@@ -293,112 +305,236 @@ __device__ __forceinline__ void load_afrag(uint32_t base, int ld, int rb, int kb
   ldsm_x4(base + (row * ld + col) * 2, fa[0], fa[1], fa[2], fa[3]);
 }
 
+/* Compile-time loops: the body gets its index as a type (PrepIdx<I>::value), so that
+ * tile counts may depend on it and every register array stays constant-indexed. */
+template <int I> struct PrepIdx { static constexpr int value = I; };
+template <int N, int I = 0, class F>
+__device__ __forceinline__ void prep_static_for(F &&f) {
+  if constexpr (I < N) {
+    f(PrepIdx<I>{});
+    prep_static_for<N, I + 1>(f);
+  }
+}
+
+/* Items of unequal cost (Cost::of(i), i < NI) onto the block's 4 warps: largest first
+ * onto the least loaded warp (lower index on ties).  Evaluated by the compiler. */
+template <int NI, class Cost>
+struct PrepSched {
+  int owner[NI] = {};
+  constexpr PrepSched() {
+    int load[4] = {0, 0, 0, 0};
+    bool done[NI] = {};
+    for (int k = 0; k < NI; k++) {
+      int best = -1;
+      for (int i = 0; i < NI; i++)
+        if (!done[i] && (best < 0 || Cost::of(i) > Cost::of(best))) best = i;
+      int w = 0;
+      for (int u = 1; u < 4; u++)
+        if (load[u] < load[w]) w = u;
+      done[best] = true;
+      owner[best] = w;
+      load[w] += Cost::of(best);
+    }
+  }
+};
+/* The A / Pm products: item i < C/16 is A's row block i, which needs only key columns
+ * < 16(i+1) (strictly lower); item C/16 + q is Pm's query rows 16q..16q+15, which need
+ * only key rows <= a n + n - 1.  Cost: pairs of 8-column tiles. */
+template <int C, int TC>
+struct PrepApmCost {
+  static constexpr int of(int i) {
+    return i < C / 16 ? i + 1
+                      : (((i - C / 16) * 16 + 15) * (C / TC) + C / TC - 1) / 16 + 1 < C / 16
+                            ? (((i - C / 16) * 16 + 15) * (C / TC) + C / TC - 1) / 16 + 1
+                            : C / 16;
+  }
+};
+/* W = Tw Kn, U = Tu V: item g NR + r is row block r of 64-column group g (W's groups
+ * first); T is lower triangular, so it needs only the k tiles kt <= r. */
+template <int C>
+struct PrepWuCost {
+  static constexpr int of(int i) { return i % (C / 16) + 1; }
+};
+template <int C, int TC>
+struct PrepScheds {
+  static constexpr PrepSched<C / 16 + TC / 16, PrepApmCost<C, TC>> apm{};
+};
+template <int K, int V, int C>
+struct PrepWuSched {
+  static constexpr PrepSched<(K / 64 + V / 64) * (C / 16), PrepWuCost<C>> wu{};
+};
+
+/* Column x (>= X0) of T = (I + A)^-1 by forward substitution, the column in registers;
+ * rows above X0 are zero and skipped (X0 a multiple of 4, so each row's four partial
+ * sums take the same terms in the same order as without the skip). */
+template <int C, int X0>
+__device__ __forceinline__ void prep_solve_column(const float *sA, int x, float (&t)[C]) {
+#pragma unroll
+  for (int i = 0; i < X0; i++) t[i] = 0.f;
+#pragma unroll
+  for (int i = X0; i < C; i++) {
+    /* four partial sums: the dependent chain of one row is i/4 long instead of i */
+    float s[4] = {(i == x) ? 1.f : 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int j = X0; j < i; j++) s[j & 3] -= sA[prep_a_row(i) + j] * t[j];
+    t[i] = (s[0] + s[1]) + (s[2] + s[3]);
+  }
+}
+
 /* One block (4 warps) per (chunk, head).  Same outputs as variant 2's chunk_prep_kernel
  * (gdp_fwd.cu): W, U, Kd, Qd, Pm (bf16) and e^{last}, with these differences of method:
- *  - products on mma.sync with the accumulators' epilogues applied in registers;
+ *  - products on mma.sync with the accumulators' epilogues applied in registers; tiles
+ *    that are zero by the causal structure (A above the diagonal, Pm past each query's
+ *    last key row, T above the diagonal) are skipped, with a compile-time schedule
+ *    balancing the remaining tiles over the warps;
  *  - T = (I + A)^-1 by forward substitution with one thread per column of T, the column
  *    in registers (no barrier inside the solve: the columns are independent), float32;
+ *    A is stored packed (strictly lower part only) so that the block fits 4 per SM;
  *  - beta and e^{gc} are folded into T's columns before its bf16 rounding
  *    (W = (T diag(beta e^gc)) Kn, U = (T diag(beta)) V), so v enters the product exactly
- *    as given instead of through a rounded beta v. */
+ *    as given instead of through a rounded beta v;
+ *  - the l2 norms run K/8 lanes per row, 16 bytes a lane, every row of the chunk
+ *    unrolled (the rows' shuffle chains overlap);
+ *  - v arrives in its own cp.async group, waited for only before U's product. */
 template <int K, int V, int C, int TC>
-__global__ void __launch_bounds__(128) prep_kernel_v3(GdpArgs a) {
+__global__ void __launch_bounds__(128, 4) prep_kernel_v3(GdpArgs a) {
   using L = PrepLayout<K, V, C, TC>;
-  static_assert(K % 64 == 0 && V % 64 == 0 && C % 16 == 0 && TC % 16 == 0 && C <= 64, "prep shapes");
+  static_assert(K % 64 == 0 && V % 64 == 0 && C % 16 == 0 && TC % 16 == 0 && C <= 64 && TC <= 32 &&
+                    C % TC == 0,
+                "prep shapes");
+  constexpr int n = C / TC; /* tokens of n key rows: the launcher pairs (C, TC) with n */
   extern __shared__ __align__(128) unsigned char smem[];
   const int c = blockIdx.x, h = blockIdx.y;
   const ChunkInfo ci = a.chunks[c];
-  const int H = a.H, n = a.n, nv = ci.ntok * n;
+  const int H = a.H, nv = ci.ntok * n;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, grp = lane >> 2, tig = lane & 3;
   const int64_t CHi = (int64_t)c * H + h;
   const int64_t krow0 = (int64_t)ci.t0 * n;
   const bf16 *gk = (const bf16 *)a.k, *gq = (const bf16 *)a.q, *gv = (const bf16 *)a.v,
              *gg = (const bf16 *)a.g, *gbeta = (const bf16 *)a.beta;
   bf16 *sK = (bf16 *)(smem + L::oK), *sQ = (bf16 *)(smem + L::oQ);
-  float *sA = (float *)(smem + L::oA), *sBeta = (float *)(smem + L::oBeta),
-        *sGp = (float *)(smem + L::oGp), *sGc = (float *)(smem + L::oGc);
+  float *sA = (float *)(smem + L::oA), *sBeta = (float *)(smem + L::oBeta), *sGc = (float *)(smem + L::oGc);
   bf16 *sTw = (bf16 *)(smem + L::oTw), *sTu = (bf16 *)(smem + L::oTu);
   const uint32_t s0 = smem_addr(smem);
 
-  /* rows in by cp.async, 16 bytes a thread, zero-filled past the sequence end */
-  for (int e = tid; e < C * (K / 8); e += 128) {
-    const int i = e / (K / 8), c8 = (e % (K / 8)) * 8;
-    const bool ok = i < nv;
-    cp_async16(smem + L::oK + (i * L::ldK + c8) * 2,
-               ok ? (const void *)(gk + ((krow0 + i) * H + h) * K + c8) : (const void *)gk, ok);
+  /* rows in by cp.async, 16 bytes a thread, zero-filled past the sequence end: k and q
+   * (needed first) in one group, v (needed last) in a second */
+  {
+    /* a thread keeps one 16-byte column of each panel and steps down the rows: one base
+     * pointer plus constant row strides (few instructions per copy) */
+    constexpr int KC = K / 8, VC = V / 8, RK = 128 / KC, RV = 128 / VC;
+    static_assert(C % RK == 0 && TC % RK == 0 && C % RV == 0, "whole load rounds");
+    const int64_t strideK = (int64_t)RK * H * K, strideV = (int64_t)RV * H * V;
+    const int ik = tid / KC, ck = (tid % KC) * 8, iv = tid / VC, cv = (tid % VC) * 8;
+    const bf16 *pk = gk + ((krow0 + ik) * H + h) * K + ck;
+    const bf16 *pq = gq + (((int64_t)ci.t0 + ik) * H + h) * K + ck;
+    const bf16 *pv = gv + ((krow0 + iv) * H + h) * V + cv;
+#pragma unroll
+    for (int r = 0; r < C / RK; r++) {
+      const bool ok = ik + r * RK < nv;
+      cp_async16(smem + L::oK + ((ik + r * RK) * L::ldK + ck) * 2,
+                 ok ? (const void *)(pk + r * strideK) : (const void *)gk, ok);
+    }
+#pragma unroll
+    for (int r = 0; r < TC / RK; r++) {
+      const bool ok = ik + r * RK < ci.ntok;
+      cp_async16(smem + L::oQ + ((ik + r * RK) * L::ldK + ck) * 2,
+                 ok ? (const void *)(pq + r * strideK) : (const void *)gq, ok);
+    }
+    cp_async_commit();
+#pragma unroll
+    for (int r = 0; r < C / RV; r++) {
+      const bool ok = iv + r * RV < nv;
+      cp_async16(smem + L::oV + ((iv + r * RV) * L::ldV + cv) * 2,
+                 ok ? (const void *)(pv + r * strideV) : (const void *)gv, ok);
+    }
+    cp_async_commit();
   }
-  for (int e = tid; e < TC * (K / 8); e += 128) {
-    const int i = e / (K / 8), c8 = (e % (K / 8)) * 8;
-    const bool ok = i < ci.ntok;
-    cp_async16(smem + L::oQ + (i * L::ldK + c8) * 2,
-               ok ? (const void *)(gq + (((int64_t)ci.t0 + i) * H + h) * K + c8) : (const void *)gq, ok);
-  }
-  for (int e = tid; e < C * (V / 8); e += 128) {
-    const int i = e / (V / 8), c8 = (e % (V / 8)) * 8;
-    const bool ok = i < nv;
-    cp_async16(smem + L::oV + (i * L::ldV + c8) * 2,
-               ok ? (const void *)(gv + ((krow0 + i) * H + h) * V + c8) : (const void *)gv, ok);
-  }
-  cp_async_commit();
-  if (tid < C) {
-    const bool ok = tid < nv;
-    const int64_t row = (krow0 + tid) * H + h;
-    sBeta[tid] = ok ? __bfloat162float(gbeta[row]) : 0.f;
-    sGp[tid] = (ok && gg && tid % n == 0) ? __bfloat162float(gg[((int64_t)ci.t0 + tid / n) * H + h]) : 0.f;
-  }
-  __syncthreads();
-  if (tid < C) { /* same summation order as variant 2 */
+  if (tid < C) sBeta[tid] = tid < nv ? __bfloat162float(gbeta[(krow0 + tid) * H + h]) : 0.f;
+  if (warp == 0) {
+    /* gc of key row i = g summed over the tokens <= i/n, token by token from 0.f: the
+     * same additions, in the same order, as variant 2's row-wise sum (whose other terms
+     * are exact zeros).  Lane t ends with the sum through token t. */
+    const float gt = (gg && lane < ci.ntok) ? __bfloat162float(gg[((int64_t)ci.t0 + lane) * H + h]) : 0.f;
     float acc = 0.f;
-    for (int m = 0; m <= tid; m++) acc += sGp[m];
-    sGc[tid] = acc;
+#pragma unroll
+    for (int m = 0; m < TC; m++) {
+      const float gm = __shfl_sync(0xffffffffu, gt, m);
+      if (m <= lane) acc += gm;
+    }
+    if (lane < TC)
+#pragma unroll
+      for (int r = 0; r < n; r++) sGc[lane * n + r] = acc;
   }
-  cp_async_wait<0>();
+  cp_async_wait<1>(); /* k and q are in; v may still be in flight */
   __syncthreads();
   const float last = sGc[C - 1];
 
-  /* l2 norms, in place (bf16), and the decayed copies Kd, Qd straight to global */
+  /* l2 norms, in place (bf16), and the decayed copies Kd, Qd straight to global: LPR
+   * lanes per row, 8 elements a lane, RPS rows per warp and step */
   {
+    constexpr int LPR = K / 8, RPS = 32 / LPR, STEPS = (C + TC) / (4 * RPS);
+    static_assert((C + TC) % (4 * RPS) == 0 && C % RPS == 0, "l2 rows");
     bf16 *gKd = a.Kd + CHi * C * K, *gQd = a.Qd + CHi * TC * K;
-    for (int i = warp; i < C + TC; i += 4) {
+    const int sub = lane / LPR, c8 = (lane % LPR) * 8;
+#pragma unroll
+    for (int st = 0; st < STEPS; st++) {
+      const int i = (st * 4 + warp) * RPS + sub;
       const bool isq = i >= C;
       const int row = isq ? i - C : i;
-      bf16 *src = isq ? sQ + row * L::ldK : sK + row * L::ldK;
-      float x[K / 32], ss = 0.f;
+      bf16 *src = (isq ? sQ : sK) + row * L::ldK + c8;
+      const uint4 raw = *reinterpret_cast<const uint4 *>(src);
+      const uint32_t w4[4] = {raw.x, raw.y, raw.z, raw.w};
+      float x[8], ss = 0.f;
 #pragma unroll
-      for (int m = 0; m < K / 32; m++) {
-        x[m] = __bfloat162float(src[lane + 32 * m]);
-        ss += x[m] * x[m];
+      for (int m = 0; m < 4; m++) {
+        const float2 p = unpack_bf16(w4[m]);
+        x[2 * m] = p.x;
+        x[2 * m + 1] = p.y;
       }
-      const float inv = a.l2norm ? rsqrtf(warp_sum(ss) + kNormEps) : 1.f;
+#pragma unroll
+      for (int m = 0; m < 8; m++) ss += x[m] * x[m];
+#pragma unroll
+      for (int o = LPR / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+      const float inv = a.l2norm ? rsqrtf(ss + kNormEps) : 1.f;
       const float f = isq ? a.scale * __expf(sGc[row * n + n - 1]) : __expf(last - sGc[row]);
-      bf16 *dst = isq ? gQd + (int64_t)row * K : gKd + (int64_t)row * K;
+      uint32_t kn[4], kd[4];
 #pragma unroll
-      for (int m = 0; m < K / 32; m++) {
-        src[lane + 32 * m] = __float2bfloat16(x[m] * inv);
-        dst[lane + 32 * m] = __float2bfloat16(x[m] * inv * f);
+      for (int m = 0; m < 4; m++) {
+        const float y0 = x[2 * m] * inv, y1 = x[2 * m + 1] * inv;
+        kn[m] = pack_bf16(y0, y1);
+        kd[m] = pack_bf16(y0 * f, y1 * f);
       }
+      *reinterpret_cast<uint4 *>(src) = make_uint4(kn[0], kn[1], kn[2], kn[3]);
+      *reinterpret_cast<uint4 *>((isq ? gQd : gKd) + (int64_t)row * K + c8) =
+          make_uint4(kd[0], kd[1], kd[2], kd[3]);
     }
   }
   __syncthreads();
 
-  /* A = strictly-lower(beta_i e^{gc_i-gc_j} kn_i.kn_j) -> shared (float);
-   * Pm = scale e^{gc_ia-gc_j} qn_a.kn_j (j <= ia) -> global.  One 16-row item per warp. */
+  /* A = strictly-lower(beta_i e^{gc_i-gc_j} kn_i.kn_j) -> shared (float, packed rows);
+   * Pm = scale e^{gc_ia-gc_j} qn_a.kn_j (j <= ia) -> global.  Items of 16 rows, only
+   * their nonzero column tiles; Pm's skipped tiles are stored as zeros. */
   {
+    constexpr int NA = C / 16, NI = NA + TC / 16;
     const int nrow = (lane >> 4) * 8 + (lane & 7), ncol = ((lane >> 3) & 1) * 8;
     bf16 *gPm = a.Pm + CHi * TC * C;
-    for (int item = warp; item < C / 16 + TC / 16; item += 4) {
-      const bool isq = item >= C / 16;
-      const int rb = (isq ? item - C / 16 : item) * 16;
+    prep_static_for<NI>([&](auto I) {
+      constexpr int item = decltype(I)::value;
+      constexpr bool isq = item >= NA;
+      constexpr int rb = (isq ? item - NA : item) * 16, NT = 2 * PrepApmCost<C, TC>::of(item);
+      constexpr int owner = PrepScheds<C, TC>::apm.owner[item];
+      if (warp != owner) return;
       const uint32_t abase = s0 + (isq ? L::oQ : L::oK);
-      float acc[C / 8][4];
+      float acc[NT][4];
 #pragma unroll
-      for (int nt = 0; nt < C / 8; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-#pragma unroll
+      for (int nt = 0; nt < NT; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+#pragma unroll 4 /* not 8: the hoisted fragments would spill at 128 registers */
       for (int kt = 0; kt < K / 16; kt++) {
         uint32_t fa[4];
         load_afrag(abase, L::ldK, rb, kt * 16, fa);
 #pragma unroll
-        for (int nt = 0; nt < C / 8; nt += 2) {
+        for (int nt = 0; nt < NT; nt += 2) {
           uint32_t b0, b1, b2, b3;
           ldsm_x4(s0 + L::oK + ((nt * 8 + nrow) * L::ldK + kt * 16 + ncol) * 2, b0, b1, b2, b3);
           mma16816(acc[nt], fa, b0, b1);
@@ -406,68 +542,91 @@ __global__ void __launch_bounds__(128) prep_kernel_v3(GdpArgs a) {
         }
       }
 #pragma unroll
-      for (int nt = 0; nt < C / 8; nt++)
+      for (int hf = 0; hf < 2; hf++) {
+        const int i = rb + grp + 8 * hf;
+        if constexpr (!isq) {
+          const float bi = sBeta[i], gi = sGc[i];
+          float *arow = sA + prep_a_row(i);
 #pragma unroll
-        for (int hf = 0; hf < 2; hf++) {
-          const int i = rb + grp + 8 * hf, j = nt * 8 + 2 * tig;
-          const float v0 = acc[nt][2 * hf], v1 = acc[nt][2 * hf + 1];
-          if (!isq) {
-            const float bi = sBeta[i], gi = sGc[i];
-            sA[i * L::ldA + j] = i > j ? bi * __expf(gi - sGc[j]) * v0 : 0.f;
-            sA[i * L::ldA + j + 1] = i > j + 1 ? bi * __expf(gi - sGc[j + 1]) * v1 : 0.f;
-          } else {
-            const int ia = i * n + n - 1;
-            const float gi = sGc[ia];
-            const float p0 = j <= ia ? a.scale * __expf(gi - sGc[j]) * v0 : 0.f;
-            const float p1 = j + 1 <= ia ? a.scale * __expf(gi - sGc[j + 1]) * v1 : 0.f;
-            *reinterpret_cast<uint32_t *>(gPm + (int64_t)i * C + j) = pack_bf16(p0, p1);
+          for (int nt = 0; nt < NT; nt++) {
+            const int j = nt * 8 + 2 * tig;
+            if (j < i) arow[j] = bi * __expf(gi - sGc[j]) * acc[nt][2 * hf];
+            if (j + 1 < i) arow[j + 1] = bi * __expf(gi - sGc[j + 1]) * acc[nt][2 * hf + 1];
           }
+        } else {
+          const int ia = i * n + n - 1;
+          const float gi = sGc[ia];
+          bf16 *prow = gPm + (int64_t)i * C;
+#pragma unroll
+          for (int nt = 0; nt < NT; nt++) {
+            const int j = nt * 8 + 2 * tig;
+            const float p0 = j <= ia ? a.scale * __expf(gi - sGc[j]) * acc[nt][2 * hf] : 0.f;
+            const float p1 = j + 1 <= ia ? a.scale * __expf(gi - sGc[j + 1]) * acc[nt][2 * hf + 1] : 0.f;
+            *reinterpret_cast<uint32_t *>(prow + j) = pack_bf16(p0, p1);
+          }
+#pragma unroll
+          for (int nt = NT; nt < C / 8; nt++) /* past every query's last key row */
+            *reinterpret_cast<uint32_t *>(prow + nt * 8 + 2 * tig) = 0u;
         }
-    }
+      }
+    });
   }
   __syncthreads();
 
   /* T = (I + A)^-1: thread x solves column x, (I + A) t = e_x, by forward substitution
-   * in registers; A is read by broadcast (every thread the same address).  Then the
-   * column is scaled by beta_x e^{gc_x} (-> Tw) and by beta_x (-> Tu), rounded to bf16. */
-  if (tid < C) {
-    const int x = tid;
+   * in registers; A is read by broadcast (every thread the same address).  Warp 0 takes
+   * columns 0..31, warp 1 columns 32..C-1, which are zero above row 32 (skipped).  Then
+   * the column is scaled by beta_x e^{gc_x} (-> Tw) and by beta_x (-> Tu), rounded to
+   * bf16 and stored as row x of Tw^T, Tu^T -- over q and A, hence the barrier between. */
+  {
     float t[C];
-#pragma unroll
-    for (int i = 0; i < C; i++) {
-      /* four partial sums: the dependent chain of one row is i/4 long instead of i */
-      float s[4] = {(i == x) ? 1.f : 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int j = 0; j < i; j++) s[j & 3] -= sA[i * L::ldA + j] * t[j];
-      t[i] = (s[0] + s[1]) + (s[2] + s[3]);
+    const int x = tid;
+    if (warp == 0) prep_solve_column<C, 0>(sA, x, t);
+    if constexpr (C > 32) {
+      if (warp == 1 && x < C) prep_solve_column<C, 32>(sA, x, t);
     }
-    const float bx = sBeta[x], bgx = bx * __expf(sGc[x]);
+    __syncthreads();
+    if (x < C) {
+      const float bx = sBeta[x], bgx = bx * __expf(sGc[x]);
 #pragma unroll
-    for (int i = 0; i < C; i++) {
-      sTw[i * L::ldT + x] = __float2bfloat16(t[i] * bgx);
-      sTu[i * L::ldT + x] = __float2bfloat16(t[i] * bx);
+      for (int i = 0; i < C; i += 8) {
+        uint32_t w4[4], u4[4];
+#pragma unroll
+        for (int m = 0; m < 4; m++) {
+          w4[m] = pack_bf16(t[i + 2 * m] * bgx, t[i + 2 * m + 1] * bgx);
+          u4[m] = pack_bf16(t[i + 2 * m] * bx, t[i + 2 * m + 1] * bx);
+        }
+        *reinterpret_cast<uint4 *>(sTw + x * L::ldT + i) = make_uint4(w4[0], w4[1], w4[2], w4[3]);
+        *reinterpret_cast<uint4 *>(sTu + x * L::ldT + i) = make_uint4(u4[0], u4[1], u4[2], u4[3]);
+      }
     }
   }
+  cp_async_wait<0>(); /* v */
   __syncthreads();
 
-  /* W = Tw Kn, U = Tu V: items of 16 rows x 64 columns, round robin over the warps */
+  /* W = Tw Kn, U = Tu V: items of 16 rows x 64 columns, k tiles up to the diagonal.  The
+   * A fragments come from the transposed panels by ldmatrix.trans: matrix m = lane/8
+   * covers k rows kt 16 + 8(m/2).. and T rows rb + 8(m%2).. */
   {
+    constexpr int GK = K / 64, NR = C / 16, NI = (GK + V / 64) * NR;
     const int trow = ((lane >> 3) & 1) * 8 + (lane & 7), tcol = (lane >> 4) * 8;
-    constexpr int itemsW = (C / 16) * (K / 64), itemsU = (C / 16) * (V / 64);
-    for (int item = warp; item < itemsW + itemsU; item += 4) {
-      const bool isu = item >= itemsW;
-      const int it2 = isu ? item - itemsW : item;
-      const int halves = isu ? V / 64 : K / 64;
-      const int rb = (it2 / halves) * 16, cb = (it2 % halves) * 64;
-      const uint32_t tbase = s0 + (isu ? L::oTu : L::oTw), bbase = s0 + (isu ? L::oV : L::oK);
-      const int ldb = isu ? L::ldV : L::ldK;
+    const int aoff = ((lane >> 4) * 8 + (lane & 7)) * L::ldT + ((lane >> 3) & 1) * 8;
+    prep_static_for<NI>([&](auto I) {
+      constexpr int item = decltype(I)::value, g = item / NR, r = item % NR;
+      constexpr bool isu = g >= GK;
+      constexpr int rb = r * 16, cb = (isu ? g - GK : g) * 64;
+      constexpr int owner = PrepWuSched<K, V, C>::wu.owner[item];
+      if (warp != owner) return;
+      const uint32_t tbase = s0 + (isu ? L::oTu : L::oTw) + (rb + aoff) * 2,
+                     bbase = s0 + (isu ? L::oV : L::oK);
+      constexpr int ldb = isu ? L::ldV : L::ldK;
       float acc[8][4];
 #pragma unroll
       for (int nt = 0; nt < 8; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-#pragma unroll
-      for (int kt = 0; kt < C / 16; kt++) {
+#pragma unroll 2 /* fully unrolled, the hoisted fragments would spill at 128 registers */
+      for (int kt = 0; kt <= r; kt++) {
         uint32_t fa[4];
-        load_afrag(tbase, L::ldT, rb, kt * 16, fa);
+        ldsm_x4_t(tbase + kt * 16 * L::ldT * 2, fa[0], fa[1], fa[2], fa[3]);
 #pragma unroll
         for (int nt = 0; nt < 8; nt += 2) {
           uint32_t b0, b1, b2, b3;
@@ -477,7 +636,7 @@ __global__ void __launch_bounds__(128) prep_kernel_v3(GdpArgs a) {
         }
       }
       bf16 *out = isu ? a.U + CHi * C * V : a.W + CHi * C * K;
-      const int ldo = isu ? V : K;
+      constexpr int ldo = isu ? V : K;
 #pragma unroll
       for (int nt = 0; nt < 8; nt++)
 #pragma unroll
@@ -486,7 +645,7 @@ __global__ void __launch_bounds__(128) prep_kernel_v3(GdpArgs a) {
           *reinterpret_cast<uint32_t *>(out + (int64_t)i * ldo + col) =
               pack_bf16(acc[nt][2 * hf], acc[nt][2 * hf + 1]);
         }
-    }
+    });
   }
   if (tid == 0) a.elast[CHi] = __expf(last);
 }
@@ -563,6 +722,9 @@ static gdp_status launch_prep_kv(const Plan &plan) {
   using L = PrepLayout<K, V, C, TC>;
   auto kern = prep_kernel_v3<K, V, C, TC>;
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
+  /* four blocks of up to 52.5 KB per SM need (nearly) all of the unified L1 as shared memory */
+  GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                    cudaSharedmemCarveoutMaxShared));
   kern<<<dim3((unsigned)plan.a.nchunks, (unsigned)plan.a.H), 128, L::total, plan.stream>>>(plan.a);
   GDP_CUDA_LAUNCHED("prep_kernel_v3");
   return GDP_OK;
