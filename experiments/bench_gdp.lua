@@ -1,35 +1,71 @@
--- bench_gdp: times the GDP operator's forward and forward+backward and compares its
--- useful throughput with the device's single-precision matmul, measured in the same run.
+-- bench_gdp: times the GDP operator's forward and forward+backward at one or more shapes,
+-- compares its useful throughput with ceilings measured in the same run, and (cuda,
+-- --against-fla) with fla's chunk_gated_delta_product timed in the same run.
 --
 --   ./gdp experiments/bench_gdp.lua [--device cpu|cuda] [--dtype f32|bf16|f64]
---         [--B 1 --T 4096 --H 4 --K 128 --V 128 --n 2] [--warmup 1] [--repeat 5] [--json]
---         [--no-save] [--help]
+--         [--B 1 --T 4096 --H 4 --K 128 --V 128 --n 2] [--shapes BxTxn,...]
+--         [--against-fla [--fla-path DIR] [--python python3]] [--warmup 1] [--repeat 5]
+--         [--json] [--no-save] [--help]
 --
+-- The issue's comparison (H200, all shapes in one call, ceilings measured once):
+--   ./gdp experiments/bench_gdp.lua --device cuda --dtype bf16 --H 16 --K 128 --V 128 \
+--         --shapes 4x4096x1,4x4096x2,4x4096x3,1x32768x2 --against-fla --repeat 30 --json
+--
+-- --shapes lists B x T x n (batch, tokens per sequence, Householder steps), comma-separated,
+-- and overrides --B/--T/--n (default: that single shape); H, K, V are common to all.
 -- Each repeat draws fresh random inputs (never zeros) outside the timed region; the
--- reported times are medians.  Throughput uses the recurrence's own FLOP count:
+-- reported times are medians.  Inputs (--inputs): "gdp" is gdp.ops.random_inputs
+-- (g ~ U(-0.2, -0.01), beta ~ U(0, 1)); "fla" is what tools/fla_bench.py draws
+-- (g = logsigmoid(N(0, 1)), beta = sigmoid(U(0, 1))); "auto" is fla with --against-fla,
+-- else gdp.  Both: q, k, v, dO ~ N(0, 1), L2 norm of q and k in the kernel, no initial
+-- state; the final state ht (and a dht in the backward) unless --no-final-state, and fla
+-- is asked for the same.
+--
+-- FLOP: the recurrence's own count (not the chunk algorithm's, which does more):
 -- forward 2*K*V*(2n+1) per token and head, backward twice that, forward+backward three
 -- times the forward.  sgemm_gflops is gdp.matmul on f32 M = N = K = sgemm_size on the
 -- same device (OpenBLAS on all cores on the cpu).
 --
--- On cuda the run also measures two ceilings (METHOD: measure them where you time):
+-- On cuda the run also measures two ceilings once (METHOD: measure them where you time):
 -- bf16 matmul TFLOP/s (cuBLAS, float32 accumulation, M = N = K = matmul_size) and
--- device-copy TB/s (bytes read + written), and reports the fraction of each that the
--- operator reaches and the floor max(FLOP / matmul rate, fewest bytes / copy rate),
--- where the fewest bytes read every input once and write every output once.
+-- device-copy TB/s (bytes read + written), and reports per shape the fraction of each
+-- that the operator reaches, the floor max(FLOP / matmul rate, fewest bytes / copy
+-- rate), where the fewest bytes read every input once and write every output once, and
+-- the gap: measured time / floor (1 = at the floor).
 --
--- Output: a table on stdout (stderr with --json, whose stdout is ONE JSON object with
+-- --against-fla (cuda, --dtype bf16): after our shapes, runs
+--   PYTHONPATH=<fla-path> python3 tools/fla_bench.py --shapes ... --H --K --V --reps R ...
+-- once for all shapes (fla's source: fla/__init__.py, fla/utils, fla/ops, fla/modules
+-- in --fla-path, default <repo>/.fla; TRITON_CACHE_DIR with a warm cache saves fla's
+-- minutes of first compile, see tools/gpu_run.sh), and reports fla's fwd and fwd+bwd
+-- medians, speedup = fla ms / our ms (> 1: we are faster), and fla's fraction of the
+-- same ceilings.  Before timing anything it checks the device, the dtype, the fla folder,
+-- python3 and (fla_bench.py --check) torch, triton, fla and a CUDA device, and stops with
+-- exit status 2 and every problem named.
+-- Test hook: --fla-cmd CMD replaces `python3 tools/fla_bench.py` (CMD gets the same
+-- arguments, and `--check` first, which must print "ok"), skips the device, folder and
+-- python3 checks, and so lets a stub exercise the comparison on the cpu
+-- (spec/bench_fla_spec.lua).
+--
+-- Output: a table on stdout (stderr with --json, whose stdout is ONE JSON object: the
+-- configuration, command, ceilings, flop_count, fla's versions, and `shapes`, an array of
+-- per-shape objects; with one shape its fields are also at the top level, as before:
 -- gflops and fraction_of_sgemm for forward+backward, gflops_fwd, sgemm_gflops, fwd_ms,
--- fwdbwd_ms and the configuration); a run folder experiments/runs/bench_gdp/<time>-<sha>/
--- (meta.json, results.csv, plot.gp) and one row appended to
--- experiments/runs/bench_gdp/results.csv per run.
+-- fwdbwd_ms, ...); a run folder experiments/runs/bench_gdp/<time>-<sha>/ (meta.json,
+-- bench_gdp.json = that object, results.csv with one row per shape, plot.gp) and one row
+-- per shape appended to experiments/runs/bench_gdp/results.csv.  Exit status 0 when every
+-- shape (and fla) ran, 1 when something failed, 2 on bad options or a missing fla setup.
 
 local config = {
   device = "cpu",
   dtype = "f32",
   B = 1, T = 4096, H = 4, K = 128, V = 128, n = 2,
+  shapes = "",             -- BxTxn,BxTxn,...; empty: the single --B/--T/--n shape
   algorithm = "auto",      -- auto | chunk | recurrent
   chunk_size = 64,
   use_qk_l2norm = true,
+  final_state = true,      -- output ht (and take a dht in the backward)
+  inputs = "auto",         -- auto | gdp | fla: distribution of g and beta
   warmup = 1,
   ["repeat"] = 5,
   sgemm_size = 1024,
@@ -40,46 +76,214 @@ local config = {
   threads = 0,             -- cpu worker threads; 0: the library's default (all cores)
   seed = 1234,
   json = false,
-  against_fla = false,     -- cuda only; not implemented yet
+  against_fla = false,     -- cuda, bf16: also time fla at the same shapes in this run
+  fla_path = "",           -- folder holding fla/ (empty: <repo>/.fla)
+  python = "python3",      -- interpreter for tools/fla_bench.py
+  fla_reps = 0,            -- fla's timed repeats (0: --repeat)
+  fla_warmup = 5,          -- fla's untimed repeats (Triton autotuning happens there)
+  fla_cmd = "",            -- test hook: replaces `python3 tools/fla_bench.py`
   save = true,             -- write the run folder and the study's results.csv
 }
 
+local ffi = require("ffi")
 local gdp = require("gdp")
 local util = require("gdp.util")
 local results = require("gdp.results")
 
 local opts = util.parse_args(arg, config, {
   usage = "./gdp experiments/bench_gdp.lua [options]",
-  description = "Benchmarks chunk_gated_delta_product forward and forward+backward.",
+  description = "Benchmarks chunk_gated_delta_product forward and forward+backward (and fla's, --against-fla).",
   help = {
     { "device", "cpu, cuda or cuda:<i>" }, { "dtype", "input dtype" },
     { "B", "batch" }, { "T", "tokens per sequence" }, { "H", "heads" }, { "K", "key dim" },
     { "V", "value dim" }, { "n", "Householder steps per token" },
+    { "shapes", "BxTxn,... timed in one run (overrides --B/--T/--n)" },
     { "warmup", "untimed repeats first" }, { "repeat", "timed repeats (median)" },
     { "json", "print one JSON object on stdout" },
     { "save", "write the run folder and append to the study's results.csv" },
     { "algorithm", "operator algorithm" }, { "chunk_size", "steps per chunk" },
+    { "final_state", "output ht, backward takes dht (fla too)" },
+    { "inputs", "g/beta distribution: fla = logsigmoid/sigmoid, gdp = uniform; auto: fla with --against-fla" },
     { "threads", "cpu threads (0: all cores)" }, { "sgemm_size", "M = N = K of the matmul reference" },
-    { "against_fla", "also time fla (cuda; not implemented yet)" },
+    { "against_fla", "also time fla at the same shapes (cuda, bf16)" },
+    { "fla_path", "folder holding fla/ (empty: <repo>/.fla)" },
+    { "python", "python for tools/fla_bench.py" },
+    { "fla_reps", "fla's timed repeats (0: --repeat)" }, { "fla_warmup", "fla's untimed repeats" },
+    { "fla_cmd", "test hook: command replacing `python3 tools/fla_bench.py`" },
     { "ceilings", "cuda: measure the bf16 matmul and copy ceilings in this run" },
     { "matmul_size", "M = N = K of the bf16 matmul ceiling" }, { "copy_mib", "MiB copied for the copy ceiling" },
   },
-  choices = { dtype = { "f64", "f32", "bf16" }, algorithm = { "auto", "chunk", "recurrent" } },
+  choices = { dtype = { "f64", "f32", "bf16" }, algorithm = { "auto", "chunk", "recurrent" },
+              inputs = { "auto", "gdp", "fla" } },
 })
 
 -- Human-readable output goes to stderr when stdout carries the JSON.
 local out = opts.json and io.stderr or io.stdout
 local function say(fmt, ...) out:write(string.format(fmt, ...), "\n") end
 
-if opts.against_fla then
-  io.stderr:write("bench_gdp: --against-fla is not implemented yet (cuda only; it needs fla on the GPU machine)\n")
+-- A problem with the options or the setup: named on stderr, exit status 2, nothing timed.
+local function refuse(lines)
+  for _, l in ipairs(lines) do io.stderr:write("bench_gdp: error: ", l, "\n") end
+  os.exit(2)
 end
+
+------------------------------------------------------------------------------- shapes
+
+-- "4x4096x1, 1x32768x2" -> {{B = 4, T = 4096, n = 1}, {B = 1, T = 32768, n = 2}};
+-- nil and a message on anything else.  The same syntax as tools/fla_bench.py --shapes.
+local function parse_shapes(text)
+  local shapes = {}
+  for item in (text .. ","):gmatch("([^,]*),") do
+    local b, t, n = item:match("^%s*(%d+)x(%d+)x(%d+)%s*$")
+    b, t, n = tonumber(b), tonumber(t), tonumber(n)
+    if not (b and b > 0 and t > 0 and n > 0) then
+      return nil, string.format("--shapes: expected comma-separated BxTxn items of positive integers " ..
+                                "such as 4x4096x2, got '%s' in '%s'", item, text)
+    end
+    shapes[#shapes + 1] = { B = b, T = t, n = n }
+  end
+  return shapes
+end
+
+local shapes
+if opts.shapes ~= "" then
+  local err
+  shapes, err = parse_shapes(opts.shapes)
+  if not shapes then refuse({ err }) end
+else
+  shapes = { { B = opts.B, T = opts.T, n = opts.n } }
+end
+local function shape_text(s) return string.format("%dx%dx%d", s.B, s.T, s.n) end
+local shape_list = {}
+for i, s in ipairs(shapes) do shape_list[i] = shape_text(s) end
+shape_list = table.concat(shape_list, ",")
+
+local inputs = opts.inputs
+if inputs == "auto" then inputs = opts.against_fla and "fla" or "gdp" end
+
+------------------------------------------------------------------------------- fla
+
+-- The repository root, from this script's path (the launcher does not change directory).
+local root = (arg[0]:match("^(.*)/[^/]*$") or ".") .. "/.."
+root = util.capture("cd " .. util.shell_quote(root) .. " && pwd") or root
+
+local fla_dir = opts.fla_path ~= "" and opts.fla_path or (root .. "/.fla")
+if fla_dir:sub(1, 1) ~= "/" then fla_dir = (util.capture("pwd") or ".") .. "/" .. fla_dir end
+
+-- Output (stdout and stderr) and exit status of a shell command.
+local function sh(cmd)
+  local p = io.popen("{ " .. cmd .. "; } 2>&1; echo \"rc=$?\"")
+  local text = p:read("*a")
+  p:close()
+  local rc = tonumber(text:match("rc=(%d+)%s*$"))
+  return (text:gsub("rc=%d+%s*$", ""):gsub("%s+$", "")), rc
+end
+
+-- The command that runs fla_bench.py (or the --fla-cmd stub) with fla on PYTHONPATH.
+local function fla_command(args)
+  local tool = opts.fla_cmd ~= "" and opts.fla_cmd
+    or (util.shell_quote(opts.python) .. " " .. util.shell_quote(root .. "/tools/fla_bench.py"))
+  return "(export PYTHONPATH=" .. util.shell_quote(fla_dir) .. "${PYTHONPATH:+:$PYTHONPATH}; " ..
+         tool .. " " .. args .. ")"
+end
+
+-- Everything that would stop the fla run, found before anything is timed.
+local function fla_problems()
+  local problems = {}
+  local hooked = opts.fla_cmd ~= ""
+  if not hooked and not opts.device:match("^cuda") then
+    problems[#problems + 1] = string.format("--against-fla: fla's kernels are Triton and need a CUDA GPU; " ..
+      "got --device %s (run with --device cuda)", opts.device)
+  end
+  if opts.dtype ~= "bf16" then
+    problems[#problems + 1] = string.format("--against-fla compares at bf16, the dtype fla_bench.py uses; " ..
+      "got --dtype %s (pass --dtype bf16)", opts.dtype)
+  end
+  if hooked then
+    -- the stub stands for python3 and fla: only its own check remains
+  else
+    local f = io.open(fla_dir .. "/fla/__init__.py", "r")
+    local usable = true
+    if f then
+      f:close()
+    else
+      usable = false
+      problems[#problems + 1] = string.format("--against-fla: no fla source at %s (missing %s/fla/__init__.py): " ..
+        "copy fla's fla/__init__.py, fla/utils, fla/ops and fla/modules (github fla-org/flash-linear-attention) " ..
+        "there, or pass --fla-path DIR", fla_dir, fla_dir)
+    end
+    local found, rc = sh("command -v " .. util.shell_quote(opts.python))
+    if rc ~= 0 then
+      usable = false
+      problems[#problems + 1] = string.format("--against-fla: %s not found on PATH (tools/fla_bench.py needs " ..
+        "python3 with torch and triton; pass --python PATH)", opts.python)
+    else
+      opts.python_path = found
+    end
+    if not usable then return problems end
+  end
+  local cmd = fla_command("--check")
+  local text, rc = sh(cmd)
+  local last = text:match("([^\n]*)$")
+  if rc ~= 0 or last ~= "ok" then
+    problems[#problems + 1] = string.format("--against-fla: %s (PYTHONPATH=%s%s; checked with: %s)",
+      last ~= "" and last or ("exit status " .. tostring(rc)), fla_dir,
+      hooked and "" or (", python " .. (opts.python_path or opts.python)), cmd)
+  end
+  return problems
+end
+
+if opts.against_fla then
+  local problems = fla_problems()
+  if #problems > 0 then refuse(problems) end
+end
+
+-- Runs fla at every shape at once; returns its decoded JSON (rows keyed by shape added
+-- as by_shape) and the command, or nil, a message and the command.
+local function run_fla()
+  local args = string.format("--shapes %s --H %d --K %d --V %d --reps %d --warmup %d --seed %d%s",
+    shape_list, opts.H, opts.K, opts.V, opts.fla_reps > 0 and opts.fla_reps or opts["repeat"],
+    opts.fla_warmup, opts.seed, opts.final_state and " --final-state" or "")
+  local cmd = fla_command(args)
+  local tmp = os.tmpname()
+  io.stderr:write("bench_gdp: running fla: ", cmd, "\n")
+  -- stderr (fla's progress, or its traceback) goes straight to ours
+  local status = os.execute(cmd .. " > " .. util.shell_quote(tmp))
+  local f = io.open(tmp, "r")
+  local text = f and f:read("*a") or ""
+  if f then f:close() end
+  os.remove(tmp)
+  if not (status == 0 or status == true) then
+    local rc = type(status) == "number" and (status >= 256 and status / 256 or status) or tostring(status)
+    return nil, string.format("fla_bench.py failed (exit status %s; its stderr is above)", tostring(rc)), cmd
+  end
+  -- the JSON object starts on a line of its own (anything a library printed before it is skipped)
+  local start = text:sub(1, 1) == "{" and 1 or text:find("\n{")
+  if not start then return nil, "fla_bench.py printed no JSON object: " .. text:sub(1, 200), cmd end
+  local ok, obj = pcall(util.json_decode, text:sub(start))
+  if not ok then return nil, "fla_bench.py's output is not JSON: " .. obj, cmd end
+  if type(obj) ~= "table" or type(obj.rows or obj.shapes) ~= "table" then
+    return nil, "fla_bench.py's JSON has no rows array", cmd
+  end
+  obj.by_shape = {}
+  for _, r in ipairs(obj.rows or obj.shapes) do
+    -- a row at other H, K or V is not a time for this run's shapes
+    if type(r) == "table" and r.B and r.T and r.n and (r.H or opts.H) == opts.H and (r.K or opts.K) == opts.K
+       and (r.V or opts.V) == opts.V then
+      obj.by_shape[shape_text(r)] = r
+    end
+  end
+  return obj, nil, cmd
+end
+
+------------------------------------------------------------------------------- timing
 
 local start_time = os.date("!%Y-%m-%dT%H:%M:%SZ")
 gdp.manual_seed(opts.seed)
 local ctx = gdp.device(opts.device)
 if opts.threads > 0 then ctx:set_num_threads(opts.threads) end
 
+local git = results.git_info()
 local run = opts.save and results.new_run("bench_gdp", { config = opts, seed = opts.seed, args = arg }) or nil
 
 local function timed(fn) return gdp.ops.timed(ctx, fn) end
@@ -95,6 +299,7 @@ local function bench_sgemm()
   for i = 1, opts.sgemm_repeat do
     times[i] = timed(function() gdp.matmul(a, b, { out = c }) end)
   end
+  a:free(); b:free(); c:free()
   return 2 * N * N * N / util.median(times) / 1e9
 end
 
@@ -118,94 +323,275 @@ local function bench_ceilings()
   return 2 * N ^ 3 / util.median(mm) / 1e12, 2 * n * 4 / util.median(cp) / 1e12
 end
 
--- Fewest bytes the operator must move: every input read once, every output written once.
-local function min_bytes(pass)
-  local B, T, H, K, V, n = opts.B, opts.T, opts.H, opts.K, opts.V, opts.n
+-- Fewest bytes the operator must move at shape s: every input read once, every output
+-- written once.
+local function min_bytes(s, pass)
+  local B, T, H, K, V, n = s.B, s.T, opts.H, opts.K, opts.V, s.n
   local e = ({ f64 = 8, f32 = 4, bf16 = 2 })[opts.dtype]
+  local state = opts.final_state and 4 * B * H * K * V or 0 -- ht out, dht in (f32)
   local qkvbg = B * T * H * K + B * T * n * H * (K + V + 1) + B * T * H
-  local fwd = e * (qkvbg + B * T * H * V) + 4 * B * H * K * V -- inputs, o, ht (f32)
+  local fwd = e * (qkvbg + B * T * H * V) + state -- inputs, o, ht
   if pass == "forward" then return fwd end
-  -- backward: the inputs and dO again, the five gradients out
-  return fwd + e * (qkvbg + B * T * H * V) + e * qkvbg
+  -- backward: the inputs and dO (and dht) again, the five gradients out
+  return fwd + e * (qkvbg + B * T * H * V) + state + e * qkvbg
 end
 
-local function bench_op()
-  return gdp.ops.time_forward_backward({
-    B = opts.B, T = opts.T, H = opts.H, K = opts.K, V = opts.V, n = opts.n,
-    dtype = opts.dtype, device = ctx, grads = true, use_qk_l2norm_in_kernel = opts.use_qk_l2norm,
-    output_final_state = true,
-  }, { warmup = opts.warmup, samples = opts["repeat"], algorithm = opts.algorithm,
-       chunk_size = opts.chunk_size })
+-- A tensor of `shape` drawn on the host by draw (gdp.randn or gdp.rand, so the seed
+-- governs it), mapped elementwise by fn, then moved to the run's dtype and device.
+local function host_drawn(draw, shape, fn)
+  local h = draw(shape, { dtype = "f32", device = "cpu" })
+  local p = ffi.cast("float *", h:data())
+  for i = 0, h:numel() - 1 do p[i] = fn(p[i]) end
+  local t = h:to({ dtype = opts.dtype, device = ctx, copy = true })
+  h:free()
+  return t
+end
+local function logsigmoid(x) return math.min(x, 0) - math.log(1 + math.exp(-math.abs(x))) end
+local function sigmoid(x) return 1 / (1 + math.exp(-x)) end
+
+-- One set of random inputs at shape s, in the --inputs distribution.
+local function draw_inputs(s)
+  local args = gdp.ops.random_inputs({
+    B = s.B, T = s.T, H = opts.H, K = opts.K, V = opts.V, n = s.n, dtype = opts.dtype, device = ctx,
+    grads = true, use_qk_l2norm_in_kernel = opts.use_qk_l2norm, output_final_state = opts.final_state,
+  })
+  if not opts.final_state then args.dht:free(); args.dht = nil end
+  if inputs == "fla" then
+    args.g:free(); args.beta:free()
+    args.g = host_drawn(gdp.randn, { s.B, s.T, opts.H }, logsigmoid)
+    args.beta = host_drawn(gdp.rand, { s.B, s.T * s.n, opts.H }, sigmoid)
+  end
+  args.algorithm, args.chunk_size = opts.algorithm, opts.chunk_size
+  return args
 end
 
-local row = {
-  start_time = start_time, git_sha = results.git_info().short, device = ctx:name(), dtype = opts.dtype,
-  algorithm = opts.algorithm, B = opts.B, T = opts.T, H = opts.H, K = opts.K, V = opts.V, n = opts.n,
-  threads = ctx:num_threads(), ["repeat"] = opts["repeat"],
+-- Median seconds of the forward and of forward+backward at shape s.
+local function time_shape(s)
+  local fwd, fwdbwd = {}, {}
+  for r = 1, opts.warmup + opts["repeat"] do
+    local args = draw_inputs(s)
+    local o, ht, grads
+    local t_fwd = timed(function() o, ht = gdp.ops.chunk_gated_delta_product(args) end)
+    o:free(); if ht then ht:free() end
+    local t_fb = timed(function()
+      o, ht = gdp.ops.chunk_gated_delta_product(args)
+      grads = gdp.ops.chunk_gated_delta_product_backward(args)
+    end)
+    o:free(); if ht then ht:free() end
+    gdp.ops.free_all(grads)
+    gdp.ops.free_all(args)
+    if r > opts.warmup then fwd[#fwd + 1], fwdbwd[#fwdbwd + 1] = t_fwd, t_fb end
+  end
+  return util.median(fwd), util.median(fwdbwd)
+end
+
+-- Fields common to the run and to every CSV row.
+local common = {
+  start_time = start_time, git_sha = git.short, device = ctx:name(), dtype = opts.dtype,
+  algorithm = opts.algorithm, H = opts.H, K = opts.K, V = opts.V, threads = ctx:num_threads(),
+  ["repeat"] = opts["repeat"], inputs = inputs, final_state = opts.final_state,
 }
+local ceil = {}     -- sgemm_gflops, bf16_matmul_tflops, copy_tbps
+local failures = {} -- messages of whatever failed
+
 local ok, err = pcall(function()
-  row.sgemm_gflops = bench_sgemm()
-  local t_fwd, t_fb = bench_op()
-  local flops_fwd = gdp.ops.gdp_flops(opts.B, opts.T, opts.H, opts.K, opts.V, opts.n, "forward")
-  row.fwd_ms = t_fwd * 1e3
-  row.fwdbwd_ms = t_fb * 1e3
-  row.gflops_fwd = flops_fwd / t_fwd / 1e9
-  row.gflops = 3 * flops_fwd / t_fb / 1e9
-  row.fraction_of_sgemm = row.gflops / row.sgemm_gflops
-  row.tokens_per_s = opts.B * opts.T / t_fb
-  if opts.ceilings and row.device:match("^cuda") then
-    row.bf16_matmul_tflops, row.copy_tbps = bench_ceilings()
-    local fb_bytes = min_bytes("forward_backward")
-    row.fraction_of_bf16_matmul = row.gflops / (row.bf16_matmul_tflops * 1e3)
-    row.fraction_of_copy = fb_bytes / t_fb / (row.copy_tbps * 1e12)
-    row.floor_fwdbwd_ms = 1e3 * math.max(3 * flops_fwd / (row.bf16_matmul_tflops * 1e12),
-                                         fb_bytes / (row.copy_tbps * 1e12))
-    row.floor_fwd_ms = 1e3 * math.max(flops_fwd / (row.bf16_matmul_tflops * 1e12),
-                                      min_bytes("forward") / (row.copy_tbps * 1e12))
+  ceil.sgemm_gflops = bench_sgemm()
+  if opts.ceilings and common.device:match("^cuda") then
+    ceil.bf16_matmul_tflops, ceil.copy_tbps = bench_ceilings()
   end
 end)
-row.status = ok and "ok" or "error"
-if not ok then row.error = tostring(err) end
+if not ok then failures[#failures + 1] = "ceilings: " .. tostring(err) end
 
-local columns = { "start_time", "git_sha", "device", "dtype", "algorithm", "B", "T", "H", "K", "V", "n",
-                  "threads", "repeat", "fwd_ms", "fwdbwd_ms", "gflops_fwd", "gflops", "sgemm_gflops",
-                  "fraction_of_sgemm", "tokens_per_s", "bf16_matmul_tflops", "copy_tbps",
-                  "fraction_of_bf16_matmul", "fraction_of_copy", "floor_fwd_ms", "floor_fwdbwd_ms",
-                  "status", "error", "run_dir" }
-if run then
-  row.run_dir = run.dir
-  local csv = run:csv(columns)
-  csv:row(row)
-  local study_csv = results.append_csv(results.root .. "/bench_gdp/results.csv", columns, row)
-  run:plot({ x = nil, y = { "gflops", "sgemm_gflops" }, csv = study_csv and "../" .. study_csv:match("[^/]+$"),
-             title = "bench_gdp: GFLOP/s per run (forward+backward)", ylabel = "GFLOP/s", style = "points" })
-  run:finish({ status = row.status, error = row.error })
+-- The figures of times (seconds) at shape s against the ceilings; `prefix` names them
+-- (fla's: "fla_").
+local function figures(s, t_fwd, t_fb, prefix, into)
+  local flops_fwd = gdp.ops.gdp_flops(s.B, s.T, opts.H, opts.K, opts.V, s.n, "forward")
+  local function put(k, v) into[prefix .. k] = v end
+  put("fwd_ms", t_fwd * 1e3)
+  put("fwdbwd_ms", t_fb * 1e3)
+  put("gflops_fwd", flops_fwd / t_fwd / 1e9)
+  put("gflops", 3 * flops_fwd / t_fb / 1e9)
+  put("tokens_per_s", s.B * s.T / t_fb)
+  put("tokens_per_s_fwd", s.B * s.T / t_fwd)
+  if ceil.sgemm_gflops then put("fraction_of_sgemm", into[prefix .. "gflops"] / ceil.sgemm_gflops) end
+  if ceil.bf16_matmul_tflops then
+    local mm, cp = ceil.bf16_matmul_tflops * 1e12, ceil.copy_tbps * 1e12
+    local fb_bytes, f_bytes = min_bytes(s, "forward_backward"), min_bytes(s, "forward")
+    put("fraction_of_bf16_matmul", 3 * flops_fwd / t_fb / mm)
+    put("fraction_of_bf16_matmul_fwd", flops_fwd / t_fwd / mm)
+    put("fraction_of_copy", fb_bytes / t_fb / cp)
+    put("fraction_of_copy_fwd", f_bytes / t_fwd / cp)
+    local floor_fb = math.max(3 * flops_fwd / mm, fb_bytes / cp)
+    local floor_f = math.max(flops_fwd / mm, f_bytes / cp)
+    if prefix == "" then
+      into.floor_fwdbwd_ms, into.floor_fwd_ms = floor_fb * 1e3, floor_f * 1e3
+      into.floor_bound = 3 * flops_fwd / mm >= fb_bytes / cp and "matmul" or "copy"
+    end
+    put("gap_fwdbwd", t_fb / floor_fb)
+    put("gap_fwd", t_fwd / floor_f)
+  end
 end
 
-say("# gdp %s on %s, %s, B=%d T=%d H=%d K=%d V=%d n=%d, algorithm %s, %d threads, median of %d",
-    gdp.version, row.device, opts.dtype, opts.B, opts.T, opts.H, opts.K, opts.V, opts.n,
-    opts.algorithm, row.threads, opts["repeat"])
-if ok then
+-- The shapes are timed even when a ceiling failed: their figures just lack the fractions.
+local rows = {}
+for i, s in ipairs(shapes) do
+  local row = { B = s.B, T = s.T, n = s.n, H = opts.H, K = opts.K, V = opts.V }
+  rows[i] = row
+  local shape_ok, shape_err = pcall(function()
+    local t_fwd, t_fb = time_shape(s)
+    figures(s, t_fwd, t_fb, "", row)
+  end)
+  row.status = shape_ok and "ok" or "error"
+  if not shape_ok then
+    row.error = tostring(shape_err)
+    failures[#failures + 1] = shape_text(s) .. ": " .. row.error
+  end
+  io.stderr:write(string.format("bench_gdp: %s %s\n", shape_text(s),
+    shape_ok and string.format("fwd %.4g ms, fwd+bwd %.4g ms", row.fwd_ms, row.fwdbwd_ms) or row.error))
+end
+
+local fla, fla_err, fla_cmd
+if opts.against_fla then
+  fla, fla_err, fla_cmd = run_fla()
+  if not fla then failures[#failures + 1] = "fla: " .. fla_err end
+  for i, s in ipairs(shapes) do
+    local row, r = rows[i], fla and fla.by_shape[shape_text(s)]
+    if r and tonumber(r.fwd_ms) and tonumber(r.fwdbwd_ms) then
+      figures(s, r.fwd_ms / 1e3, r.fwdbwd_ms / 1e3, "fla_", row)
+      if row.fwd_ms then
+        row.speedup_fwd = row.fla_fwd_ms / row.fwd_ms
+        row.speedup_fwdbwd = row.fla_fwdbwd_ms / row.fwdbwd_ms
+      end
+    else
+      row.fla_error = fla_err or "fla_bench.py gave no times for " .. shape_text(s)
+      if fla then failures[#failures + 1] = "fla: " .. row.fla_error end
+    end
+  end
+end
+
+local status = #failures == 0 and "ok" or "error"
+
+------------------------------------------------------------------------------- output
+
+local command = { "./gdp", arg[0] }
+for _, a in ipairs(arg) do
+  command[#command + 1] = a:match("^[%w%-_.,:=/+]+$") and a or util.shell_quote(a)
+end
+command = table.concat(command, " ")
+
+local report = {
+  command = command, config = opts, shapes = util.json_array(rows), status = status,
+  error = #failures > 0 and table.concat(failures, "; ") or nil, git_dirty = git.dirty,
+  flop_count = "recurrence: forward 2*K*V*(2n+1) per token and head, backward twice that",
+  floor = "max(FLOP / bf16 matmul rate, fewest bytes / copy rate); gap = time / floor",
+  speedup = "fla ms / our ms (> 1: ours is faster)",
+  gdp_version = gdp.version, end_time = os.date("!%Y-%m-%dT%H:%M:%SZ"),
+}
+for k, v in pairs(common) do report[k] = v end
+for k, v in pairs(ceil) do report[k] = v end
+if opts.against_fla then
+  report.fla = { command = fla_cmd, error = fla_err, pythonpath = fla_dir }
+  for _, k in ipairs({ "tool", "fla_version", "fla_commit", "fla_path", "torch", "triton", "python",
+                       "device", "final_state", "reps", "warmup" }) do
+    if fla then report.fla[k] = fla[k] end
+  end
+  if fla and not fla.fla_commit then report.fla.fla_commit = "unknown" end
+end
+-- One shape: its figures at the top level too, as before --shapes.
+if #shapes == 1 and rows[1] then
+  for k, v in pairs(rows[1]) do if k ~= "status" and k ~= "error" then report[k] = v end end
+end
+
+local columns = { "start_time", "git_sha", "device", "dtype", "algorithm", "inputs", "final_state",
+                  "B", "T", "H", "K", "V", "n", "threads", "repeat", "fwd_ms", "fwdbwd_ms", "gflops_fwd",
+                  "gflops", "sgemm_gflops", "fraction_of_sgemm", "tokens_per_s", "tokens_per_s_fwd",
+                  "bf16_matmul_tflops", "copy_tbps", "fraction_of_bf16_matmul", "fraction_of_bf16_matmul_fwd",
+                  "fraction_of_copy", "fraction_of_copy_fwd", "floor_fwd_ms", "floor_fwdbwd_ms", "floor_bound",
+                  "gap_fwd", "gap_fwdbwd", "fla_fwd_ms", "fla_fwdbwd_ms", "speedup_fwd", "speedup_fwdbwd",
+                  "fla_fraction_of_bf16_matmul", "fla_fraction_of_copy", "fla_gap_fwdbwd", "fla_version",
+                  "fla_error", "status", "error", "run_dir" }
+if run then
+  report.run_dir = run.dir
+  local csv = run:csv(columns)
+  local study_csv
+  local known = {}
+  for _, c in ipairs(columns) do known[c] = true end
+  local csv_rows = #rows > 0 and rows or { { status = "error" } }
+  for _, r in ipairs(csv_rows) do
+    local line = {}
+    for k, v in pairs(common) do line[k] = v end
+    for k, v in pairs(ceil) do line[k] = v end
+    for k, v in pairs(r) do if known[k] then line[k] = v end end
+    line.fla_version = fla and fla.fla_version or nil
+    line.run_dir = run.dir
+    if line.status ~= "error" and status == "error" then line.status = "error" end
+    line.error = line.error or report.error
+    csv:row(line)
+    study_csv = results.append_csv(results.root .. "/bench_gdp/results.csv", columns, line)
+  end
+  run:plot({ x = nil, y = { "gflops", "sgemm_gflops" }, csv = study_csv and "../" .. study_csv:match("[^/]+$"),
+             title = "bench_gdp: GFLOP/s per shape and run (forward+backward)", ylabel = "GFLOP/s", style = "points" })
+  local f = io.open(run.dir .. "/bench_gdp.json", "w")
+  if f then f:write(util.json_encode(report, 1), "\n") f:close() end
+  run:finish({ status = status, error = report.error })
+end
+
+local r1 = rows[1]
+say("# gdp %s on %s, %s, %s, H=%d K=%d V=%d, algorithm %s, %d threads, median of %d; inputs %s, %s",
+    gdp.version, common.device, opts.dtype, #shapes == 1 and string.format("B=%d T=%d n=%d", shapes[1].B,
+    shapes[1].T, shapes[1].n) or (#shapes .. " shapes"), opts.H, opts.K, opts.V, opts.algorithm,
+    common.threads, opts["repeat"], inputs, opts.final_state and "final state" or "no final state")
+if #shapes == 1 and not opts.against_fla and r1 and r1.status == "ok" then
+  -- the single-shape table of before --shapes
   say("%s", util.format_table({ "pass", "time_ms", "GFLOP/s", "of_sgemm" }, {
-    { "forward", row.fwd_ms, row.gflops_fwd, row.gflops_fwd / row.sgemm_gflops },
-    { "forward+backward", row.fwdbwd_ms, row.gflops, row.fraction_of_sgemm },
-    { "sgemm " .. opts.sgemm_size, "", row.sgemm_gflops, 1 },
+    { "forward", r1.fwd_ms, r1.gflops_fwd, r1.gflops_fwd / ceil.sgemm_gflops },
+    { "forward+backward", r1.fwdbwd_ms, r1.gflops, r1.fraction_of_sgemm },
+    { "sgemm " .. opts.sgemm_size, "", ceil.sgemm_gflops, 1 },
   }, "%.4g"))
-  say("# %.0f tokens/s forward+backward", row.tokens_per_s)
-  if row.bf16_matmul_tflops then
+  say("# %.0f tokens/s forward+backward", r1.tokens_per_s)
+  if ceil.bf16_matmul_tflops then
     say("# ceilings measured now: bf16 matmul %.0f TFLOP/s, copy %.2f TB/s; forward+backward " ..
         "reaches %.3f of the matmul and %.3f of the copy rate; floor %.3f ms fwd, %.3f ms fwd+bwd",
-        row.bf16_matmul_tflops, row.copy_tbps, row.fraction_of_bf16_matmul, row.fraction_of_copy,
-        row.floor_fwd_ms, row.floor_fwdbwd_ms)
+        ceil.bf16_matmul_tflops, ceil.copy_tbps, r1.fraction_of_bf16_matmul, r1.fraction_of_copy,
+        r1.floor_fwd_ms, r1.floor_fwdbwd_ms)
   end
-else
-  say("# error: %s", row.error)
+elseif #rows > 0 then
+  say("# FLOP: the recurrence's count; speedup = fla ms / our ms; of_mm, of_copy: fraction of the ceilings " ..
+      "(fwd+bwd); gap = time / floor")
+  if ceil.sgemm_gflops then say("# sgemm %d: %.4g GFLOP/s", opts.sgemm_size, ceil.sgemm_gflops) end
+  if ceil.bf16_matmul_tflops then
+    say("# ceilings measured now: bf16 matmul %.0f TFLOP/s, copy %.2f TB/s", ceil.bf16_matmul_tflops, ceil.copy_tbps)
+  end
+  local header = { "BxTxn", "fwd_ms", "fwdbwd_ms", "Mtok/s" }
+  local has_fla, has_ceil = opts.against_fla, ceil.bf16_matmul_tflops ~= nil
+  if has_fla then for _, h in ipairs({ "fla_fwd", "fla_fwdbwd", "speedup_fwd", "speedup_fb" }) do header[#header + 1] = h end end
+  if has_ceil then for _, h in ipairs({ "of_mm", "of_copy", "floor_ms", "gap" }) do header[#header + 1] = h end end
+  if has_fla and has_ceil then for _, h in ipairs({ "fla_of_mm", "fla_gap" }) do header[#header + 1] = h end end
+  local lines = {}
+  for i, r in ipairs(rows) do
+    local l = { shape_text(shapes[i]), r.fwd_ms or r.status, r.fwdbwd_ms, r.tokens_per_s and r.tokens_per_s / 1e6 }
+    if has_fla then
+      for _, k in ipairs({ "fla_fwd_ms", "fla_fwdbwd_ms", "speedup_fwd", "speedup_fwdbwd" }) do l[#l + 1] = r[k] or "-" end
+    end
+    if has_ceil then
+      for _, k in ipairs({ "fraction_of_bf16_matmul", "fraction_of_copy", "floor_fwdbwd_ms", "gap_fwdbwd" }) do
+        l[#l + 1] = r[k] or "-"
+      end
+    end
+    if has_fla and has_ceil then
+      for _, k in ipairs({ "fla_fraction_of_bf16_matmul", "fla_gap_fwdbwd" }) do l[#l + 1] = r[k] or "-" end
+    end
+    lines[i] = l
+  end
+  say("%s", util.format_table(header, lines, "%.4g"))
+  if fla then
+    say("# fla %s (commit %s), torch %s, triton %s, on %s", tostring(fla.fla_version or "?"),
+        tostring(fla.fla_commit or "unknown"), tostring(fla.torch or "?"), tostring(fla.triton or "?"),
+        tostring(fla.device or "?"))
+  end
 end
+for _, f in ipairs(failures) do say("# error: %s", f) end
 if run then say("# run folder: %s", run.dir) end
 
-if opts.json then
-  local obj = {}
-  for k, v in pairs(row) do obj[k] = v end
-  io.stdout:write(util.json_encode(obj), "\n")
-end
-os.exit(ok and 0 or 1)
+if opts.json then io.stdout:write(util.json_encode(report), "\n") end
+os.exit(status == "ok" and 0 or 1)

@@ -305,4 +305,119 @@ function M.shell_quote(s)
   return "'" .. tostring(s):gsub("'", "'\\''") .. "'"
 end
 
+
+-- util.json_decode(text) -> value: the inverse of json_encode, for JSON written by other
+-- tools (tools/fla_bench.py).  null becomes nil; NaN, Infinity and -Infinity (Python's
+-- json.dumps writes them) become numbers.  Errors name the byte and what was there.
+local function utf8_char(cp)
+  if cp < 0x80 then return string.char(cp) end
+  if cp < 0x800 then return string.char(0xC0 + math.floor(cp / 0x40), 0x80 + cp % 0x40) end
+  if cp < 0x10000 then
+    return string.char(0xE0 + math.floor(cp / 0x1000), 0x80 + math.floor(cp / 0x40) % 0x40, 0x80 + cp % 0x40)
+  end
+  return string.char(0xF0 + math.floor(cp / 0x40000), 0x80 + math.floor(cp / 0x1000) % 0x40,
+                     0x80 + math.floor(cp / 0x40) % 0x40, 0x80 + cp % 0x40)
+end
+
+local ESCAPES = { ['"'] = '"', ["\\"] = "\\", ["/"] = "/", b = "\b", f = "\f", n = "\n", r = "\r", t = "\t" }
+local LITERALS = { ["true"] = true, ["false"] = false, ["NaN"] = 0 / 0, ["Infinity"] = math.huge,
+                   ["-Infinity"] = -math.huge }
+
+function M.json_decode(text)
+  local pos = 1
+  local function fail(what)
+    error(string.format("%s at byte %d (near '%s')", what, pos, text:sub(pos, pos + 24)), 0)
+  end
+  local function skip() pos = text:find("[^ \t\r\n]", pos) or #text + 1 end
+  local value
+  local function str()
+    pos = pos + 1
+    local parts = {}
+    while true do
+      local s = text:find('["\\%c]', pos)
+      if not s then fail("unterminated string") end
+      parts[#parts + 1] = text:sub(pos, s - 1)
+      pos = s
+      local c = text:sub(s, s)
+      if c == '"' then pos = s + 1 return table.concat(parts) end
+      if c ~= "\\" then fail("control character in a string") end
+      local e = text:sub(s + 1, s + 1)
+      if e == "u" then
+        local hex = text:match("^%x%x%x%x", s + 2)
+        if not hex then fail("bad \\u escape") end
+        local cp = tonumber(hex, 16)
+        pos = s + 6
+        local lo = cp >= 0xD800 and cp <= 0xDBFF and text:match("^\\u(%x%x%x%x)", pos)
+        lo = lo and tonumber(lo, 16)
+        if lo and lo >= 0xDC00 and lo <= 0xDFFF then -- a surrogate pair: one code point
+          cp = 0x10000 + (cp - 0xD800) * 0x400 + (lo - 0xDC00)
+          pos = pos + 6
+        end
+        parts[#parts + 1] = utf8_char(cp)
+      elseif ESCAPES[e] then
+        parts[#parts + 1] = ESCAPES[e]
+        pos = s + 2
+      else
+        fail("bad escape")
+      end
+    end
+  end
+  function value()
+    skip()
+    local c = text:sub(pos, pos)
+    if c == "{" then
+      local obj = {}
+      pos = pos + 1
+      skip()
+      if text:sub(pos, pos) == "}" then pos = pos + 1 return obj end
+      while true do
+        skip()
+        if text:sub(pos, pos) ~= '"' then fail("expected a string key") end
+        local key = str()
+        skip()
+        if text:sub(pos, pos) ~= ":" then fail("expected ':'") end
+        pos = pos + 1
+        obj[key] = value()
+        skip()
+        c = text:sub(pos, pos)
+        pos = pos + 1
+        if c == "}" then return obj end
+        if c ~= "," then pos = pos - 1 fail("expected ',' or '}'") end
+      end
+    elseif c == "[" then
+      local arr, n = {}, 0
+      pos = pos + 1
+      skip()
+      if text:sub(pos, pos) == "]" then pos = pos + 1 return arr end
+      while true do
+        n = n + 1
+        arr[n] = value()
+        skip()
+        c = text:sub(pos, pos)
+        pos = pos + 1
+        if c == "]" then return arr end
+        if c ~= "," then pos = pos - 1 fail("expected ',' or ']'") end
+      end
+    elseif c == '"' then
+      return str()
+    end
+    local num = text:match("^-?%d[%d.eE+-]*", pos)
+    if num then
+      local v = tonumber(num)
+      if not v then fail("bad number") end
+      pos = pos + #num
+      return v
+    end
+    for word, v in pairs(LITERALS) do
+      if text:sub(pos, pos + #word - 1) == word then pos = pos + #word return v end
+    end
+    if text:sub(pos, pos + 3) == "null" then pos = pos + 4 return nil end
+    fail(pos > #text and "unexpected end" or "unexpected character")
+  end
+  local v = value()
+  skip()
+  if pos <= #text then fail("text after the JSON value") end
+  return v
+end
+
 return M
