@@ -141,6 +141,12 @@ __device__ __forceinline__ void copy_panel(unsigned char *dst, int sld, const bf
   }
 }
 
+/* Pull `bytes` (a multiple of 16, 16-byte aligned) into L2 with one bulk-copy-engine
+ * request: no register result, nothing waits on it. */
+__device__ __forceinline__ void prefetch_l2_bulk(const void *p, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+
 /* ------------------------------------------------------------------ recompute: states */
 
 template <int K, int C, int BV>
@@ -489,12 +495,16 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
         *sQinv = sF + L::fQinv, *sQdot = sF + L::fQdot, *sDot = sF + L::fDot;
   const uint32_t s0 = smem_addr(smem);
 
-  /* ---- loads: D, dD, dO by cp.async; kn, qn normalised; <dH, h> from the float32 copies,
-   * dH^T -> bf16 shared (h^T replaces it after the dH products: one K x V buffer keeps the
-   * block at ~108 KB, two blocks per SM) */
+  /* ---- loads, all issued up front so that they overlap: D, dD, dO and the raw k, q rows
+   * by cp.async (k, q are normalised in place below, so no row waits on a global load
+   * of its own); <dH, h> from the float32 copies in two rounds of 16 16-byte loads per
+   * thread, dH^T -> bf16 shared (h^T replaces it after the dH products: one K x V buffer
+   * keeps the block at ~108 KB, two blocks per SM) */
   copy_panel<C, V, 256>(smem + L::oD, L::ldV, a.Dbuf + CHi * C * V, V, C);
   copy_panel<C, V, 256>(smem + L::odD, L::ldV, a.dDbuf + CHi * C * V, V, C);
   copy_panel<TC, V, 256>(smem + L::odO, L::ldV, d_o + ((int64_t)ci.t0 * H + h) * V, (int64_t)H * V, ci.ntok);
+  copy_panel<C, K, 256>(smem + L::oKn, L::ldK, gk + (krow0 * H + h) * K, (int64_t)H * K, nv);
+  copy_panel<TC, K, 256>(smem + L::oQn, L::ldK, gq + ((int64_t)ci.t0 * H + h) * K, (int64_t)H * K, ci.ntok);
   cp_async_commit();
   if (tid < C) {
     sGp[tid] = (gg && tid < nv && tid % n == 0) ? __bfloat162float(gg[((int64_t)ci.t0 + tid / n) * H + h]) : 0.f;
@@ -503,16 +513,19 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
   }
   if (tid < TC) sQdot[tid] = 0.f;
   {
+    /* dH is read once (streaming loads); h is read again after P3a, so its first read
+     * keeps the default caching.  The per-thread summation order of the dot is e
+     * ascending in steps of 256, as before. */
     const float4 *ph = (const float4 *)(go.hT32 + CHi * V * K), *pd = (const float4 *)(go.dHT32 + CHi * V * K);
     float dot = 0.f;
-    constexpr int nvec = V * K / 4, per = 4;
+    constexpr int nvec = V * K / 4, per = 8;
 #pragma unroll
     for (int e0 = 0; e0 < nvec; e0 += 256 * per) {
       float4 hv[per], dv[per];
 #pragma unroll
       for (int u = 0; u < per; u++) {
         const int e = e0 + u * 256 + tid;
-        if (nvec % (256 * per) == 0 || e < nvec) hv[u] = ph[e], dv[u] = pd[e];
+        if (nvec % (256 * per) == 0 || e < nvec) hv[u] = ph[e], dv[u] = __ldcs(pd + e);
       }
 #pragma unroll
       for (int u = 0; u < per; u++) {
@@ -528,31 +541,32 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
     dot = warp_sum(dot);
     if (lane == 0) sDot[warp] = dot;
   }
-  /* kn, qn rows (warp per row): x * rsqrt(|x|^2 + eps), rows past the end zero */
-  for (int i = warp; i < C + TC; i += 8) {
-    const bool isq = i >= C;
-    const int row = isq ? i - C : i;
-    const bool ok = row < (isq ? ci.ntok : nv);
-    const bf16 *src = isq ? gq + (((int64_t)ci.t0 + row) * H + h) * K : gk + ((krow0 + row) * H + h) * K;
-    float x[K / 32], ss = 0.f;
-#pragma unroll
-    for (int m = 0; m < K / 32; m++) {
-      x[m] = ok ? __bfloat162float(src[lane + 32 * m]) : 0.f;
-      ss += x[m] * x[m];
-    }
-    const float inv = a.l2norm ? rsqrtf(warp_sum(ss) + kNormEps) : 1.f;
-    bf16 *dst = (bf16 *)(smem + (isq ? L::oQn : L::oKn)) + row * L::ldK;
-#pragma unroll
-    for (int m = 0; m < K / 32; m++) dst[lane + 32 * m] = __float2bfloat16(x[m] * inv);
-    if (isq && lane == 0) sQinv[row] = inv;
-  }
+  cp_async_wait<0>();
   __syncthreads();
+  /* h is read again after P3a: keep it in L2 until then */
+  if (tid == 0) prefetch_l2_bulk(go.hT32 + CHi * V * K, V * K * 4);
   if (tid < C) { /* same summation order as the prep */
     float acc = 0.f;
     for (int m = 0; m <= tid; m++) acc += sGp[m];
     sGc[tid] = acc;
   }
-  cp_async_wait<0>();
+  /* kn, qn rows in place (warp per row): x * rsqrt(|x|^2 + eps); rows past the end were
+   * zero-filled by the copy and stay zero */
+  for (int i = warp; i < C + TC; i += 8) {
+    const bool isq = i >= C;
+    const int row = isq ? i - C : i;
+    bf16 *rp = (bf16 *)(smem + (isq ? L::oQn : L::oKn)) + row * L::ldK;
+    float x[K / 32], ss = 0.f;
+#pragma unroll
+    for (int m = 0; m < K / 32; m++) {
+      x[m] = __bfloat162float(rp[lane + 32 * m]);
+      ss += x[m] * x[m];
+    }
+    const float inv = a.l2norm ? rsqrtf(warp_sum(ss) + kNormEps) : 1.f;
+#pragma unroll
+    for (int m = 0; m < K / 32; m++) rp[lane + 32 * m] = __float2bfloat16(x[m] * inv);
+    if (isq && lane == 0) sQinv[row] = inv;
+  }
   __syncthreads();
   const float last = sGc[C - 1];
 
@@ -674,15 +688,16 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
   }
   __syncthreads(); /* dH^T no longer read: h^T takes its place */
   {
+    /* last read of h: one round of 16 streaming 16-byte loads per thread at K = V = 128 */
     const float4 *ph = (const float4 *)(go.hT32 + CHi * V * K);
-    constexpr int nvec = V * K / 4, per = 4;
+    constexpr int nvec = V * K / 4, per = 16;
 #pragma unroll
     for (int e0 = 0; e0 < nvec; e0 += 256 * per) {
       float4 hv[per];
 #pragma unroll
       for (int u = 0; u < per; u++) {
         const int e = e0 + u * 256 + tid;
-        if (nvec % (256 * per) == 0 || e < nvec) hv[u] = ph[e];
+        if (nvec % (256 * per) == 0 || e < nvec) hv[u] = __ldcs(ph + e);
       }
 #pragma unroll
       for (int u = 0; u < per; u++) {
@@ -872,9 +887,17 @@ __global__ void __launch_bounds__(256, C == 64 ? 2 : 1) grad_wy_kernel_v3(GdpArg
   float *sA = (float *)(smem + L::oA), *sKK = (float *)(smem + L::oKK);
   const uint32_t s0 = smem_addr(smem);
 
+  /* All loads up front: v, dD and the raw k rows by cp.async (k normalised in place
+   * below); dWg (read after the solve) and dKnA (read at the end) are pulled into L2 now
+   * so that those later reads do not wait on DRAM. */
   copy_panel<C, V, 256>(smem + L::oV, L::ldV, gv + (krow0 * H + h) * V, (int64_t)H * V, nv);
   copy_panel<C, V, 256>(smem + L::odD, L::ldV, a.dDbuf + CHi * C * V, V, C);
+  copy_panel<C, K, 256>(smem + L::oKn, L::ldK, gk + (krow0 * H + h) * K, (int64_t)H * K, nv);
   cp_async_commit();
+  if (tid == 0) {
+    prefetch_l2_bulk(go.dWg + CHi * C * K, C * K * 2);
+    prefetch_l2_bulk(go.dKnA + CHi * C * K, C * K * 4);
+  }
   if (tid < C) {
     const bool ok = tid < nv;
     sGp[tid] = (gg && ok && tid % n == 0) ? __bfloat162float(gg[((int64_t)ci.t0 + tid / n) * H + h]) : 0.f;
@@ -883,29 +906,26 @@ __global__ void __launch_bounds__(256, C == 64 ? 2 : 1) grad_wy_kernel_v3(GdpArg
     sDb[tid] = 0.f;
     sDot[tid] = 0.f;
   }
+  cp_async_wait<0>();
   __syncthreads();
   if (tid < C) { /* same summation order as the prep */
     float acc = 0.f;
     for (int m = 0; m <= tid; m++) acc += sGp[m];
     sGc[tid] = acc;
   }
-  __syncthreads();
-  for (int i = warp; i < C; i += 8) { /* kn, rows past the end zero */
-    const bool ok = i < nv;
-    const bf16 *src = gk + ((krow0 + i) * H + h) * K;
+  for (int i = warp; i < C; i += 8) { /* kn in place; rows past the end were zero-filled */
+    bf16 *rp = (bf16 *)(smem + L::oKn) + i * L::ldK;
     float x[K / 32], ss = 0.f;
 #pragma unroll
     for (int m = 0; m < K / 32; m++) {
-      x[m] = ok ? __bfloat162float(src[lane + 32 * m]) : 0.f;
+      x[m] = __bfloat162float(rp[lane + 32 * m]);
       ss += x[m] * x[m];
     }
     const float inv = a.l2norm ? rsqrtf(warp_sum(ss) + kNormEps) : 1.f;
-    bf16 *dn = (bf16 *)(smem + L::oKn) + i * L::ldK;
 #pragma unroll
-    for (int m = 0; m < K / 32; m++) dn[lane + 32 * m] = __float2bfloat16(x[m] * inv);
+    for (int m = 0; m < K / 32; m++) rp[lane + 32 * m] = __float2bfloat16(x[m] * inv);
     if (lane == 0) sKinv[i] = inv;
   }
-  cp_async_wait<0>();
   __syncthreads();
 
   const int arow = (lane & 7) + 8 * ((lane >> 3) & 1), acol = 8 * (lane >> 4);
@@ -1034,6 +1054,7 @@ __global__ void __launch_bounds__(256, C == 64 ? 2 : 1) grad_wy_kernel_v3(GdpArg
   }
   for (int item = warp; item < NB * NB; item += 8) { /* dT = (dD V^T + dW kn^T diag(e^{gc})) diag(beta) */
     const int ti = item / NB, tj = item % NB;
+    if (tj > ti) continue; /* X's lower tiles, the only ones dA reads, need dT[ti][m <= tj] */
     float acc[2][4] = {}, acg[2][4] = {};
 #pragma unroll
     for (int kt = 0; kt < V / 16; kt++) {
@@ -1066,9 +1087,11 @@ __global__ void __launch_bounds__(256, C == 64 ? 2 : 1) grad_wy_kernel_v3(GdpArg
   }
   __syncthreads();
 
-  /* ---- W4: X = dT T^T (T[j][m] = 0 for m > j) */
+  /* ---- W4: X = dT T^T (T[j][m] = 0 for m > j); only the lower tiles: dA[ti][tj <= ti]
+   * reads X[m][tj] for m >= ti >= tj */
   for (int item = warp; item < NB * NB; item += 8) {
     const int ti = item / NB, tj = item % NB;
+    if (tj > ti) continue;
     float acc[2][4] = {};
 #pragma unroll
     for (int kt = 0; kt < NB; kt++) {
@@ -1090,11 +1113,13 @@ __global__ void __launch_bounds__(256, C == 64 ? 2 : 1) grad_wy_kernel_v3(GdpArg
   }
   __syncthreads();
 
-  /* ---- W5: dA = -T^T X on the strictly lower part; G -> shared; dbeta, dgc sums */
+  /* ---- W5: dA = -T^T X on the strictly lower part; G -> shared (lower tiles: W6 reads
+   * G[jb][m <= jb] and G[m >= jb][jb] only); dbeta, dgc sums */
   for (int item = warp; item < NB * NB; item += 8) {
     const int ti = item / NB, tj = item % NB;
+    if (tj > ti) continue;
     float acc[2][4] = {};
-    if (tj <= ti) {
+    {
 #pragma unroll
       for (int kt = 0; kt < NB; kt++) {
         if (kt < ti) continue; /* T^T[i][m] = 0 for m < i */
@@ -1127,7 +1152,7 @@ __global__ void __launch_bounds__(256, C == 64 ? 2 : 1) grad_wy_kernel_v3(GdpArg
         }
         *reinterpret_cast<uint32_t *>(smem + L::oG + (i * L::ldC + j0) * 2) = pack_bf16(gv[0], gv[1]);
       }
-    if (tj <= ti) {
+    {
 #pragma unroll
       for (int hf = 0; hf < 2; hf++) {
         float b = rdb[hf], g2 = rdg[hf];
@@ -1227,11 +1252,21 @@ __global__ void __launch_bounds__(256, C == 64 ? 2 : 1) grad_wy_kernel_v3(GdpArg
     }
   }
   if (tid < nv) ((bf16 *)a.dbeta)[(krow0 + tid) * H + h] = __float2bfloat16(sDb[tid]);
-  if (gg && tid == 32 * 7) { /* reverse cumsum of the step gradients; a token's dg is its step 0's */
+  if (gg && tid == 32 * 7) { /* reverse cumsum of the step gradients; a token's dg is its step 0's.
+                               * All C values are read first (vector loads), then the same
+                               * sequential sum: the chain is C adds, not C shared-memory round trips. */
+    float dgc[C];
+#pragma unroll
+    for (int i = 0; i < C; i += 4) {
+      const float4 v4 = *reinterpret_cast<const float4 *>(sDgc + i);
+      dgc[i] = v4.x, dgc[i + 1] = v4.y, dgc[i + 2] = v4.z, dgc[i + 3] = v4.w;
+    }
     float run = 0.f;
+    bf16 *dgo = (bf16 *)a.dg + (int64_t)ci.t0 * H + h;
+#pragma unroll
     for (int i = C - 1; i >= 0; i--) {
-      run += sDgc[i];
-      if (i < nv && i % n == 0) ((bf16 *)a.dg)[((int64_t)ci.t0 + i / n) * H + h] = __float2bfloat16(run);
+      run += dgc[i];
+      if (i % n == 0 && i < nv) dgo[(int64_t)(i / n) * H] = __float2bfloat16(run);
     }
   }
 }
