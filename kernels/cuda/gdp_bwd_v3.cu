@@ -1,6 +1,6 @@
 /*
- * gdp_bwd_v3.cu -- variant 3 of the chunked GDP backward (lab only, not in the library's
- * dispatch until validated on the device; kernels/cuda/NOTES.md, "Variant 3 backward").
+ * gdp_bwd_v3.cu -- variant 3 of the chunked GDP backward, the library's bf16 path where it
+ * applies (gdp_dispatch.cu; kernels/cuda/NOTES.md, "Variant 3 backward").
  *
  * Steps (the chunk algebra is in gdp_chunk.cuh):
  *  1. recompute the per-chunk panels with variant 3's prep (gdp_fwd_v3.cu, unchanged);

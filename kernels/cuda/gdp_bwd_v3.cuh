@@ -1,7 +1,7 @@
 /*
- * gdp_bwd_v3.cuh -- variant 3 of the chunked GDP backward (lab only; not in the
- * library's dispatch until it has been validated on the device).  See
- * kernels/cuda/NOTES.md, "Variant 3 backward".
+ * gdp_bwd_v3.cuh -- variant 3 of the chunked GDP backward: the library's bf16 path for
+ * n = 1..3, K and V in {64, 128} (gdp_dispatch.cu).  See kernels/cuda/NOTES.md,
+ * "Variant 3 backward".
  */
 #ifndef GDP_KERNELS_CUDA_BWD_V3_CUH
 #define GDP_KERNELS_CUDA_BWD_V3_CUH

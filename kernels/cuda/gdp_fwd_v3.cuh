@@ -1,6 +1,6 @@
 /*
- * gdp_fwd_v3.cuh -- variant 3 of the chunked GDP forward (lab only; not in the library's
- * dispatch until it has been validated on the device).  See kernels/cuda/NOTES.md,
+ * gdp_fwd_v3.cuh -- variant 3 of the chunked GDP forward: the library's bf16 path for
+ * n = 1..3, K and V in {64, 128} (gdp_dispatch.cu).  See kernels/cuda/NOTES.md,
  * "Variant 3".
  */
 #ifndef GDP_KERNELS_CUDA_FWD_V3_CUH
