@@ -50,14 +50,16 @@ describe("cuda #gpu", function()
 
   -- Every CUDA variant (kernels/cuda/gdp_dispatch.cu) through the shapes that select it:
   -- bf16 with n <= 3 and K, V in {64, 128} -> variant 3 (auto and chunk); other bf16
-  -- shapes -> variant 2 under chunk, the recurrent kernel under auto; f32 -> recurrent.
-  -- Packed, with an empty sequence, an initial state and odd lengths.
+  -- shapes -> variant 2 under chunk, the recurrent kernel under auto; f32 -> recurrent
+  -- (K up to 256, any V: the last three cases). Packed, with an empty sequence, an
+  -- initial state and odd lengths.
   local cases = {
     { "f32", "auto", 64, 64, 2 }, { "f32", "recurrent", 48, 96, 3 },
     { "bf16", "auto", 64, 64, 1 }, { "bf16", "auto", 64, 64, 2 }, { "bf16", "auto", 64, 128, 3 },
     { "bf16", "chunk", 128, 128, 2 }, { "bf16", "auto", 128, 64, 1 },
     { "bf16", "auto", 48, 96, 2 }, { "bf16", "chunk", 48, 96, 2 }, { "bf16", "chunk", 32, 16, 4 },
     { "bf16", "recurrent", 64, 64, 2 },
+    { "bf16", "auto", 256, 256, 2 }, { "f32", "auto", 100, 200, 1 }, { "bf16", "auto", 256, 40, 3 },
   }
   for _, case in ipairs(cases) do
     local dtype, algorithm, K, V, n = case[1], case[2], case[3], case[4], case[5]
