@@ -87,6 +87,38 @@ describe("cuda #gpu", function()
     end)
   end
 
+  -- GDP_CUDA_VARIANT forces a variant: all three on a shape each of them takes, and a
+  -- clear error for a bad value.
+  it("GDP_CUDA_VARIANT forces each variant; a bad value is an error naming it", function()
+    if not need_gpu() then return end
+    local ffi = require("ffi")
+    pcall(ffi.cdef, "int setenv(const char *, const char *, int); int unsetenv(const char *);")
+    H.reseed(404)
+    local args = ops.random_inputs({ B = 1, T = 90, H = 2, K = 64, V = 64, n = 2, grads = true,
+                                     initial_state = true, cu_seqlens = { 0, 33, 90 } })
+    local ref = ops.convert_inputs(args, "f64", "cpu")
+    ref.algorithm = "recurrent"
+    local o_ref = ops.chunk_gated_delta_product(ref)
+    local g_ref = ops.chunk_gated_delta_product_backward(ref)
+    local dev = ops.convert_inputs(args, "bf16", "cuda")
+    local ok, err = pcall(function()
+      for _, v in ipairs({ "1", "2", "3" }) do
+        ffi.C.setenv("GDP_CUDA_VARIANT", v, 1)
+        local o = ops.chunk_gated_delta_product(dev)
+        assert.tensor_near(o, o_ref, ops.TOLERANCE.bf16)
+        local grads = ops.chunk_gated_delta_product_backward(dev)
+        assert.tensor_near(grads.dk, g_ref.dk, ops.TOLERANCE.bf16)
+        assert.tensor_near(grads.dg, g_ref.dg, ops.TOLERANCE.bf16)
+      end
+      ffi.C.setenv("GDP_CUDA_VARIANT", "7", 1)
+      local bad_ok, bad = pcall(ops.chunk_gated_delta_product, dev)
+      assert.is_false(bad_ok)
+      assert.truthy(tostring(bad):find("GDP_CUDA_VARIANT must be 1, 2 or 3", 1, true), tostring(bad))
+    end)
+    ffi.C.unsetenv("GDP_CUDA_VARIANT")
+    assert(ok, err)
+  end)
+
   it("golden cases on cuda in bf16 (auto)", function()
     if not need_gpu() then return end
     local files = H.list_files(H.golden_dir, "^gdp_.*%.safetensors$")

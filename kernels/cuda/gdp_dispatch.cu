@@ -26,11 +26,14 @@ using namespace gdpcu;
 
 namespace {
 
-/* The variant for a problem: 1, 2 or 3. */
+/* The variant for a problem: 1, 2 or 3 (0 with the message set: a bad GDP_CUDA_VARIANT). */
 int choose_variant(const gdp_gdp_problem *p) {
   const char *forced = getenv("GDP_CUDA_VARIANT");
-  if (forced && (forced[0] == '1' || forced[0] == '2' || forced[0] == '3') && forced[1] == '\0')
-    return forced[0] - '0';
+  if (forced && forced[0] != '\0') {
+    if ((forced[0] == '1' || forced[0] == '2' || forced[0] == '3') && forced[1] == '\0') return forced[0] - '0';
+    GDP_ERROR(GDP_ERR_INVALID_ARG, "GDP_CUDA_VARIANT must be 1, 2 or 3 (or unset), got '%s'", forced);
+    return 0;
+  }
   if (p->algorithm == GDP_ALGO_RECURRENT || p->dtype != GDP_DTYPE_BF16) return 1;
   if (gdp_cuda_gdp_forward_v3_supported(p, 1) && gdp_cuda_gdp_backward_v3_supported(p)) return 3;
   if (p->algorithm == GDP_ALGO_CHUNK && chunk_path_ok(p)) return 2;
@@ -44,6 +47,7 @@ extern "C" gdp_status gdp_cuda_gdp_forward(const gdp_gdp_problem *p, const gdp_g
   GDP_TRY(validate_problem(p, "forward"));
   GDP_TRY(validate_fwd_io(p, io, "forward"));
   switch (choose_variant(p)) {
+    case 0: return GDP_ERR_INVALID_ARG;
     case 3: return gdp_cuda_gdp_forward_v3(p, io, stream, 1);
     case 2: return gdp_cuda_gdp_forward_v2(p, io, stream);
     default: return gdp_cuda_gdp_forward_recurrent(p, io, stream);
@@ -55,6 +59,7 @@ extern "C" gdp_status gdp_cuda_gdp_backward(const gdp_gdp_problem *p, const gdp_
   GDP_TRY(validate_problem(p, "backward"));
   GDP_TRY(validate_bwd_io(p, io, "backward"));
   switch (choose_variant(p)) {
+    case 0: return GDP_ERR_INVALID_ARG;
     case 3: return gdp_cuda_gdp_backward_v3(p, io, stream);
     case 2: return gdp_cuda_gdp_backward_v2(p, io, stream);
     default: return gdp_cuda_gdp_backward_recurrent(p, io, stream);
