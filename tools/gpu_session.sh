@@ -5,10 +5,10 @@
 #   source .devbundle/env.sh && OUT=$OUT bash tools/gpu_session.sh check   (~5 min)
 #   source .devbundle/env.sh && OUT=$OUT bash tools/gpu_session.sh bench   (~6 min; carry .fla)
 # check: the kernel lab's check of variants 3 and 2 against the float64 oracle, memcheck and
-#        racecheck on a small problem, `./gdp test --quick` (every suite, #gpu specs
-#        included), check_reference --device cuda in bf16 and f32, per-kernel times.
-# bench: bench_gdp at the four shapes with fla in the same run (JSON), after the
-#        lab's per-kernel profile at each shape.
+#        racecheck on small problems, the lab's per-kernel times at the four benchmark
+#        shapes, `./gdp test --quick` (every suite, #gpu specs included), and
+#        check_reference --device cuda in bf16 and f32.
+# bench: bench_gdp at the four shapes with fla in the same run (JSON).
 # Logs go to $OUT (at most 8 files come back from a call).
 set -u
 MODE=${1:?usage: tools/gpu_session.sh check|bench}
@@ -34,6 +34,11 @@ if [ "$MODE" = check ]; then
     timeout 60 compute-sanitizer --tool memcheck $B/lab bench 1 300 $n v3 --reps 1 2>&1 | grep -E "ERROR SUMMARY" | tee -a "$LOG"
     timeout 90 compute-sanitizer --tool racecheck $B/lab bench 1 300 $n v3 --reps 1 2>&1 | grep -E "RACECHECK SUMMARY" | tee -a "$LOG"
   done
+  stamp "lab per-kernel profile (one synchronised call per kernel)"
+  IFS='|'; for s in $SHAPES; do
+    IFS=' '; echo "-- $s" >> "$OUT/profile.log"
+    GDP_CUDA_PROFILE=1 timeout 40 $B/lab bench $s v3 --reps 3 2>&1 | grep -vE "^device| 0.0000 ms" >> "$OUT/profile.log"
+  done; IFS=' '
   wait
   stamp "./gdp test --quick"
   timeout 300 ./gdp test --quick > "$OUT/gdp_test.log" 2>&1; echo "gdp test rc=$?" | tee -a "$LOG"
@@ -48,16 +53,10 @@ if [ "$MODE" = check ]; then
 fi
 
 if [ "$MODE" = bench ]; then
-  bash tools/gpu_lab_build.sh $B 2>&1 | tee -a "$LOG"
-  ( ./gdp build > "$OUT/gdp_build.log" 2>&1 ) &
-  stamp "lab per-kernel profile (one synchronised call per kernel)"
-  IFS='|'; for s in $SHAPES; do
-    IFS=' '; echo "-- $s" >> "$OUT/profile.log"
-    GDP_CUDA_PROFILE=1 timeout 40 $B/lab bench $s v3 --reps 3 2>&1 | grep -vE "^device| 0.0000 ms" >> "$OUT/profile.log"
-  done; IFS=' '
-  wait
+  stamp "./gdp build"
+  ./gdp build > "$OUT/gdp_build.log" 2>&1 || { stamp "BUILD FAILED"; tail -20 "$OUT/gdp_build.log"; exit 1; }
   stamp "bench_gdp with fla (fla's first Triton compile takes minutes)"
-  timeout 480 ./gdp experiments/bench_gdp.lua --device cuda --dtype bf16 --H 16 --K 128 --V 128 \
+  timeout 450 ./gdp experiments/bench_gdp.lua --device cuda --dtype bf16 --H 16 --K 128 --V 128 \
     --shapes 4x4096x1,4x4096x2,4x4096x3,1x32768x2 --against-fla --repeat 30 --json \
     > "$OUT/bench_gdp.json" 2> "$OUT/bench_gdp.log"
   echo "bench_gdp rc=$?" | tee -a "$LOG"
