@@ -156,6 +156,14 @@ def write_safetensors(path, tensors, meta):
 
 def main():
     os.makedirs(OUT_DIR, exist_ok=True)
+    only = set(sys.argv[1:])  # case names to (re)write; none: all of them
+    global make_case
+    if only:
+        all_cases = make_case
+
+        def make_case(name, *args, **kw):
+            if name in only:
+                all_cases(name, *args, **kw)
     # Ungated DeltaProduct, negative eigenvalues, unit-norm keys given (use_qk_l2norm false).
     make_case("gdp_x_n2_ungated_unitk", 101, B=2, T=57, H=2, K=32, V=48, n=2, gated=False,
               use_l2=False, beta_max=2.0, with_h0=True)
@@ -168,6 +176,13 @@ def main():
     # Long: a thousand tokens with slow decay, so early tokens still matter at the end.
     make_case("gdp_x_n2_long", 104, B=1, T=1001, H=1, K=16, V=16, n=2, gated=True,
               use_l2=True, beta_max=1.0, with_h0=True, g_range=(0.99, 0.9999))
+    # n = 3 at K = V = 128, packed with an empty sequence: the shape where the bf16 chunked
+    # CUDA kernels' dg sits closest to 1e-2 (kernels/cuda/NOTES.md).  (A K = V = 64 case of
+    # 300 slowly decaying tokens was tried and left out: its dg is 1.6e-2 from the float64
+    # reference already when the float64 recurrence runs on the bf16-rounded inputs, so no
+    # bf16 implementation can meet the 1e-2 bar on it.)
+    make_case("gdp_x_n3_k128_packed", 106, B=1, T=64, H=1, K=128, V=128, n=3, gated=True,
+              use_l2=True, beta_max=1.0, with_h0=False, cu=[0, 17, 17, 64])
 
 
 if __name__ == "__main__":
