@@ -48,6 +48,14 @@ describe("cuda #gpu", function()
     assert.tensor_near(m:cpu(), gdp.matmul(a, b, { trans_b = true }), 1e-5)
   end)
 
+  -- The float64 cpu recurrence on the same inputs: o, ht and the gradients.
+  local function oracle(args)
+    local ref = ops.convert_inputs(args, "f64", "cpu")
+    ref.algorithm = "recurrent"
+    local o, ht = ops.chunk_gated_delta_product(ref)
+    return o, ht, ops.chunk_gated_delta_product_backward(ref)
+  end
+
   -- Every CUDA variant (kernels/cuda/gdp_dispatch.cu) through the shapes that select it:
   -- bf16 with n <= 3 and K, V in {64, 128} -> variant 3 (auto and chunk); other bf16
   -- shapes -> variant 2 under chunk, the recurrent kernel under auto; f32 -> recurrent
@@ -69,10 +77,7 @@ describe("cuda #gpu", function()
       H.reseed(303 + K + 7 * V + 31 * n)
       local args = ops.random_inputs({ B = 1, T = 150, H = 2, K = K, V = V, n = n, grads = true,
                                        initial_state = true, cu_seqlens = { 0, 40, 40, 150 } })
-      local ref = ops.convert_inputs(args, "f64", "cpu")
-      ref.algorithm = "recurrent"
-      local o_ref, ht_ref = ops.chunk_gated_delta_product(ref)
-      local g_ref = ops.chunk_gated_delta_product_backward(ref)
+      local o_ref, ht_ref, g_ref = oracle(args)
       local dev = ops.convert_inputs(args, dtype, "cuda")
       dev.algorithm = algorithm
       local o, ht = ops.chunk_gated_delta_product(dev)
@@ -96,10 +101,7 @@ describe("cuda #gpu", function()
     H.reseed(404)
     local args = ops.random_inputs({ B = 1, T = 90, H = 2, K = 64, V = 64, n = 2, grads = true,
                                      initial_state = true, cu_seqlens = { 0, 33, 90 } })
-    local ref = ops.convert_inputs(args, "f64", "cpu")
-    ref.algorithm = "recurrent"
-    local o_ref = ops.chunk_gated_delta_product(ref)
-    local g_ref = ops.chunk_gated_delta_product_backward(ref)
+    local o_ref, _, g_ref = oracle(args)
     local dev = ops.convert_inputs(args, "bf16", "cuda")
     local ok, err = pcall(function()
       for _, v in ipairs({ "1", "2", "3" }) do
@@ -119,29 +121,18 @@ describe("cuda #gpu", function()
     assert(ok, err)
   end)
 
-  it("golden cases on cuda in bf16 (auto)", function()
-    if not need_gpu() then return end
-    local files = H.list_files(H.golden_dir, "^gdp_.*%.safetensors$")
-    if #files == 0 then pending("no golden fixtures") return end
-    for _, file in ipairs(files) do
-      local t, meta = gdp.load(file)
-      local rows = ops.check_golden_case(t, meta, { dtype = "bf16", device = "cuda" })
-      for _, r in ipairs(rows) do
-        assert.is_true(r.ok, string.format("%s: %s rel error %.3e", file, r.name, r.err))
+  for _, dtype in ipairs({ "bf16", "f32" }) do
+    it("golden cases on cuda in " .. dtype .. " (auto)", function()
+      if not need_gpu() then return end
+      local files = H.list_files(H.golden_dir, "^gdp_.*%.safetensors$")
+      if #files == 0 then pending("no golden fixtures") return end
+      for _, file in ipairs(files) do
+        local t, meta = gdp.load(file)
+        local rows = ops.check_golden_case(t, meta, { dtype = dtype, device = "cuda" })
+        for _, r in ipairs(rows) do
+          assert.is_true(r.ok, string.format("%s: %s rel error %.3e", file, r.name, r.err))
+        end
       end
-    end
-  end)
-
-  it("golden cases on cuda in f32", function()
-    if not need_gpu() then return end
-    local files = H.list_files(H.golden_dir, "^gdp_.*%.safetensors$")
-    if #files == 0 then pending("no golden fixtures") return end
-    for _, file in ipairs(files) do
-      local t, meta = gdp.load(file)
-      local rows = ops.check_golden_case(t, meta, { dtype = "f32", device = "cuda" })
-      for _, r in ipairs(rows) do
-        assert.is_true(r.ok, string.format("%s: %s rel error %.3e", file, r.name, r.err))
-      end
-    end
-  end)
+    end)
+  end
 end)

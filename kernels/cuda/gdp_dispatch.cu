@@ -42,6 +42,9 @@ int choose_variant(const gdp_gdp_problem *p) {
 
 }  // namespace
 
+/* The variants validate again (the lab calls them directly); checking here first makes
+ * a bad argument's message name the library call ("forward"), whichever variant would
+ * have run, and keeps choose_variant from reading an invalid problem.  Host-side only. */
 extern "C" gdp_status gdp_cuda_gdp_forward(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io,
                                            void *stream) {
   GDP_TRY(validate_problem(p, "forward"));
