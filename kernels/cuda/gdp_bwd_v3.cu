@@ -869,6 +869,14 @@ __device__ __forceinline__ int fresh_sreg() {
   return t;
 }
 
+/* Blocks per SM that grad_wy_kernel_v3 is compiled for: two (128 registers) where ptxas
+ * fits that without spilling -- C = 64, and C = 32 except <128, 64, 32, 32> (4 bytes) --
+ * else one (up to 202 registers; C = 48 spills 8-48 bytes at 128 in 3 of 4 shapes).
+ * Shared memory allows two everywhere (<= 107 KB). */
+constexpr int grad_wy_blocks(int K, int V, int C) {
+  return C == 64 || (C == 32 && !(K == 128 && V == 64)) ? 2 : 1;
+}
+
 /* The WY part of the per-chunk gradients (one block of 8 warps per (chunk, head)), after
  * grad_state_kernel_v3 (its dKnA, dWg, dgcA) and the recompute's prep (T^T, bf16, the
  * only precision this kernel uses T in: every product with T is on bf16 mma operands,
@@ -882,11 +890,9 @@ __device__ __forceinline__ int fresh_sreg() {
  *   dgc_i += sum_j dA A_ij, dgc_j -= sum_i dA A_ij
  *   dk = l2-norm backward of dKnA + dKn;  dg = reverse cumsum of dgcA + dgc (step 0 rows).
  * Warp w < (C/16)(K/64) owns the dKn item (16 steps x 64 key columns) in registers from
- * dKb to the dk store.  Two blocks per SM at C = 64 (128 registers, no spill); at C = 32 / 48
- * the 128-register cap spills in some shapes (4-48 bytes), so those keep one block's
- * register budget. */
+ * dKb to the dk store.  Blocks per SM: grad_wy_blocks. */
 template <int K, int V, int C, int TC>
-__global__ void __launch_bounds__(256, C == 64 ? 2 : 1) grad_wy_kernel_v3(GdpArgs a, GradStateOut go) {
+__global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v3(GdpArgs a, GradStateOut go) {
   using L = GradWYLayout<K, V, C>;
   constexpr int NN = C / TC, NB = C / 16, NI = (C / 16) * (K / 64);
   static_assert(K % 64 == 0 && V % 64 == 0 && C % 16 == 0 && C <= 64 && NI <= 8, "shapes");
