@@ -3,7 +3,8 @@
  * applies (gdp_dispatch.cu; kernels/cuda/NOTES.md, "Variant 3 backward").
  *
  * Steps (the chunk algebra is in gdp_chunk.cuh):
- *  1. recompute the per-chunk panels with variant 3's prep (gdp_fwd_v3.cu, unchanged);
+ *  1. recompute the per-chunk panels with variant 3's prep (gdp_fwd_v3.cu), which here
+ *     also stores T^T = ((I + A)^-1)^T (bf16) for step 5;
  *  2. bwd_states_kernel_v3: the forward v3 state pass (S^T float32 in registers for the
  *     whole sequence) without the output products; per chunk it stores h = S at the
  *     chunk start (float32, transposed [V][K]) and D = U - W h (bf16, variant 2's layout);
@@ -13,7 +14,7 @@
  *     chunk, and dh0 at the end;
  *  4. grad_state_kernel_v3: the per-chunk gradient terms that need the K x V matrices
  *     (dq final; dKnA, dWg, dgcA partials), from the float32 h and dH;
- *  5. grad_wy_kernel_v3: the WY part (T, dT, dA): dk, dv, dbeta, dg final.
+ *  5. grad_wy_kernel_v3: the WY part (dT, dA; T from step 1): dk, dv, dbeta, dg final.
  * GDP_CUDA_V3_GRAD=v2 replaces 4-5 by variant 2's chunk_grad_kernel (gdp_bwd.cu), and 2-3
  * then store bf16 h and dH for it instead of the float32 copies.
  *
@@ -37,7 +38,7 @@ namespace gdpcu {
  * (gdp_fwd_v3.cu). */
 gdp_status launch_grad(const Plan &plan);
 namespace v3 {
-gdp_status launch_prep_v3(const Plan &plan);
+gdp_status launch_prep_v3(const Plan &plan, bf16 *Tt);
 }
 
 namespace v3b {
@@ -46,13 +47,15 @@ constexpr int kStages = 3; /* chunk panels in flight: current + next two */
 constexpr int kPad = 8;    /* bf16 elements (16 bytes) of padding per shared row */
 
 /* Float32 side buffers of the per-chunk gradient kernel (per (chunk, head) CHi):
- * hT32, dHT32 [V][K] (h^T and dH^T, written by the two sequential kernels), and the state
- * part's outputs for the WY part: dKnA [C][K] float, dWg [C][K] bf16, dgcA [C] float. */
+ * hT32, dHT32 [V][K] (h^T and dH^T, written by the two sequential kernels), the state
+ * part's outputs for the WY part: dKnA [C][K] float, dWg [C][K] bf16, dgcA [C] float, and
+ * Tt [C][C] bf16: T^T = ((I + A)^-1)^T, written by the recompute's prep. */
 struct GradStateOut {
   float *hT32, *dHT32;
   float *dKnA;
   bf16 *dWg;
   float *dgcA;
+  bf16 *Tt;
 };
 
 /* ------------------------------------------------------------------ PTX wrappers: mma_sm90.cuh */
@@ -837,27 +840,49 @@ template <int K, int V, int C>
 struct GradWYLayout {
   static constexpr int ldK = K + kPad, ldV = V + kPad, ldC = C + kPad, ldA = C + 4;
   /* Regions, with the later tenants of dead ones (the barriers between the phases order
-   * them): A (W1-W2) lives where dW lands after the solve; X (W4) over v, G (W5-W6) over
-   * dD (v and dD are last read in W3).  ~107 KB at K = V = 128, C = 64: two blocks per SM. */
-  static constexpr int szWA = C * ldK * 2 > C * ldA * 4 ? C * ldK * 2 : C * ldA * 4;
+   * them): X (W4) over v, G (W5-W6) over dD (v and dD are last read in W3).  ~107 KB at
+   * K = V = 128, C = 64: two blocks per SM. */
   static constexpr int oKn = 0;                   /* kn [C][K] */
   static constexpr int oV = oKn + C * ldK * 2;    /* v [C][V] as given; then X = dT T^T (bf16) */
   static constexpr int odD = oV + C * ldV * 2;    /* dD [C][V]; then G = dA o beta_i Gamma (bf16) */
-  static constexpr int odW = odD + C * ldV * 2;   /* A (float, W1-W2); then dW [C][K] (state part) */
-  static constexpr int oKK = odW + szWA;          /* kn kn^T (float) */
-  static constexpr int oT = oKK + C * ldA * 4;    /* T = (I + A)^-1 (bf16) */
+  static constexpr int odW = odD + C * ldV * 2;   /* dW [C][K] (state part) */
+  static constexpr int oKK = odW + C * ldK * 2;   /* kn kn^T (float) */
+  static constexpr int oT = oKK + C * ldA * 4;    /* T^T, T = (I + A)^-1 (bf16, from the prep) */
   static constexpr int odT = oT + C * ldC * 2;    /* dT diag-scaled (bf16) */
   static constexpr int oF = odT + C * ldC * 2;
-  static constexpr int oA = odW, oX = oV, oG = odD;
+  static constexpr int oX = oV, oG = odD;
   static_assert(C <= V, "X and G fit in the v and dD regions");
   static constexpr int fGp = 0, fGc = C, fBeta = 2 * C, fDgc = 3 * C, fDb = 4 * C, fDot = 5 * C, fKinv = 6 * C,
                        nF = 7 * C;
   static constexpr int total = oF + nF * 4;
 };
 
+/* A special register (0: %tid.x, 1: %ctaid.x, 2: %ctaid.y) read anew: volatile, so never
+ * merged with an earlier read -- a way to make the compiler recompute values derived from
+ * it instead of keeping them live (or spilled) for the whole kernel. */
+template <int R>
+__device__ __forceinline__ int fresh_sreg() {
+  int t;
+  if constexpr (R == 0) asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+  if constexpr (R == 1) asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(t));
+  if constexpr (R == 2) asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(t));
+  return t;
+}
+
+/* Blocks per SM that grad_wy_kernel_v3 is compiled for: two (128 registers) where ptxas
+ * fits that without spilling -- C = 64, and C = 32 except <128, 64, 32, 32> (4 bytes) --
+ * else one (up to 202 registers; C = 48 spills 8-48 bytes at 128 in 3 of 4 shapes).
+ * Shared memory allows two everywhere (<= 107 KB). */
+constexpr int grad_wy_blocks(int K, int V, int C) {
+  return C == 64 || (C == 32 && !(K == 128 && V == 64)) ? 2 : 1;
+}
+
 /* The WY part of the per-chunk gradients (one block of 8 warps per (chunk, head)), after
- * grad_state_kernel_v3 (its dKnA, dWg, dgcA) -- variant 2's phases P7-P8 on mma.sync:
- *   A = strictly-lower(beta_i e^{gc_i-gc_j} kn_i.kn_j),  T = (I + A)^-1
+ * grad_state_kernel_v3 (its dKnA, dWg, dgcA) and the recompute's prep (T^T, bf16, the
+ * only precision this kernel uses T in: every product with T is on bf16 mma operands,
+ * and the epilogues use A, recomputed in float32 from kn kn^T) -- variant 2's phases
+ * P7-P8 on mma.sync:
+ *   A = strictly-lower(beta_i e^{gc_i-gc_j} kn_i.kn_j),  T = (I + A)^-1 (the prep's)
  *   dVb = T^T dD:  dv = beta dVb,  dbeta += v . dVb
  *   dKb = T^T dW:  dKn += beta e^{gc} dKb,  s = e^{gc} kn . dKb: dbeta += s, dgc += beta s
  *   dT = (dD V^T + dW kn^T diag(e^{gc})) diag(beta),  X = dT T^T,  dA = -T^T X (strictly lower)
@@ -865,10 +890,9 @@ struct GradWYLayout {
  *   dgc_i += sum_j dA A_ij, dgc_j -= sum_i dA A_ij
  *   dk = l2-norm backward of dKnA + dKn;  dg = reverse cumsum of dgcA + dgc (step 0 rows).
  * Warp w < (C/16)(K/64) owns the dKn item (16 steps x 64 key columns) in registers from
- * dKb to the dk store.  Two blocks per SM at C = 64 (128 registers, no spill); at C = 32 / 48
- * the 128-register cap spills 24-48 bytes, so those keep one block's register budget. */
+ * dKb to the dk store.  Blocks per SM: grad_wy_blocks. */
 template <int K, int V, int C, int TC>
-__global__ void __launch_bounds__(256, C == 64 ? 2 : 1) grad_wy_kernel_v3(GdpArgs a, GradStateOut go) {
+__global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v3(GdpArgs a, GradStateOut go) {
   using L = GradWYLayout<K, V, C>;
   constexpr int NN = C / TC, NB = C / 16, NI = (C / 16) * (K / 64);
   static_assert(K % 64 == 0 && V % 64 == 0 && C % 16 == 0 && C <= 64 && NI <= 8, "shapes");
@@ -884,20 +908,21 @@ __global__ void __launch_bounds__(256, C == 64 ? 2 : 1) grad_wy_kernel_v3(GdpArg
   float *sF = (float *)(smem + L::oF);
   float *sGp = sF + L::fGp, *sGc = sF + L::fGc, *sBeta = sF + L::fBeta, *sDgc = sF + L::fDgc, *sDb = sF + L::fDb,
         *sDot = sF + L::fDot, *sKinv = sF + L::fKinv;
-  float *sA = (float *)(smem + L::oA), *sKK = (float *)(smem + L::oKK);
+  float *sKK = (float *)(smem + L::oKK);
   const uint32_t s0 = smem_addr(smem);
 
-  /* All loads up front: v, dD and the raw k rows by cp.async (k normalised in place
-   * below); dWg (read after the solve) and dKnA (read at the end) are pulled into L2 now
-   * so that those later reads do not wait on DRAM. */
-  copy_panel<C, V, 256>(smem + L::oV, L::ldV, gv + (krow0 * H + h) * V, (int64_t)H * V, nv);
-  copy_panel<C, V, 256>(smem + L::odD, L::ldV, a.dDbuf + CHi * C * V, V, C);
+  /* All loads up front, by cp.async in two groups: the raw k rows (normalised in place
+   * below, then kn kn^T), then v, dD, dW and T^T (first read in W3, so their latency
+   * overlaps the norms and KK).  dKnA (read at the end) is pulled into L2 now so that
+   * that read does not wait on DRAM. */
   copy_panel<C, K, 256>(smem + L::oKn, L::ldK, gk + (krow0 * H + h) * K, (int64_t)H * K, nv);
   cp_async_commit();
-  if (tid == 0) {
-    prefetch_l2_bulk(go.dWg + CHi * C * K, C * K * 2);
-    prefetch_l2_bulk(go.dKnA + CHi * C * K, C * K * 4);
-  }
+  copy_panel<C, V, 256>(smem + L::oV, L::ldV, gv + (krow0 * H + h) * V, (int64_t)H * V, nv);
+  copy_panel<C, V, 256>(smem + L::odD, L::ldV, a.dDbuf + CHi * C * V, V, C);
+  copy_panel<C, K, 256>(smem + L::odW, L::ldK, go.dWg + CHi * C * K, K, C);
+  copy_panel<C, C, 256>(smem + L::oT, L::ldC, go.Tt + CHi * C * C, C, C);
+  cp_async_commit();
+  if (tid == 0) prefetch_l2_bulk(go.dKnA + CHi * C * K, C * K * 4);
   if (tid < C) {
     const bool ok = tid < nv;
     sGp[tid] = (gg && ok && tid % n == 0) ? __bfloat162float(gg[((int64_t)ci.t0 + tid / n) * H + h]) : 0.f;
@@ -906,7 +931,7 @@ __global__ void __launch_bounds__(256, C == 64 ? 2 : 1) grad_wy_kernel_v3(GdpArg
     sDb[tid] = 0.f;
     sDot[tid] = 0.f;
   }
-  cp_async_wait<0>();
+  cp_async_wait<1>(); /* k */
   __syncthreads();
   if (tid < C) { /* same summation order as the prep */
     float acc = 0.f;
@@ -933,7 +958,7 @@ __global__ void __launch_bounds__(256, C == 64 ? 2 : 1) grad_wy_kernel_v3(GdpArg
   const int nrow = (lane & 7) + 8 * (lane >> 4), ncol = 8 * ((lane >> 3) & 1);
   const int trow = arow, tcol = acol;
 
-  /* ---- W1: KK = kn kn^T and A on the lower 16x16 tiles (float, shared) */
+  /* ---- W1: KK = kn kn^T on the lower 16x16 tiles (float, shared; first read in W5) */
   for (int item = warp; item < NB * NB; item += 8) {
     const int ti = item / NB, tj = item % NB;
     if (tj > ti) continue;
@@ -952,30 +977,9 @@ __global__ void __launch_bounds__(256, C == 64 ? 2 : 1) grad_wy_kernel_v3(GdpArg
       for (int e = 0; e < 4; e++) {
         const int i = ti * 16 + grp + 8 * (e >> 1), j = tj * 16 + nt * 8 + 2 * tig + (e & 1);
         sKK[i * L::ldA + j] = acc[nt][e];
-        sA[i * L::ldA + j] = i > j ? sBeta[i] * __expf(sGc[i] - sGc[j]) * acc[nt][e] : 0.f;
       }
   }
-  __syncthreads();
-
-  /* ---- W2: T = (I + A)^-1, thread x solves column x (as the prep does) -> bf16 */
-  if (tid < C) {
-    const int x = tid;
-    float t[C];
-#pragma unroll
-    for (int i = 0; i < C; i++) {
-      float s[4] = {(i == x) ? 1.f : 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int j = 0; j < i; j++) s[j & 3] -= sA[i * L::ldA + j] * t[j];
-      t[i] = (s[0] + s[1]) + (s[2] + s[3]);
-    }
-    bf16 *Tb = (bf16 *)(smem + L::oT);
-#pragma unroll
-    for (int i = 0; i < C; i++) Tb[i * L::ldC + x] = __float2bfloat16(t[i]);
-  }
-  __syncthreads(); /* A is dead: dW lands in its place */
-  copy_panel<C, K, 256>(smem + L::odW, L::ldK, go.dWg + CHi * C * K, K, C);
-  cp_async_commit();
-  cp_async_wait<0>();
+  cp_async_wait<0>(); /* v, dD, dW, T^T */
   __syncthreads();
 
   /* ---- W3: dKb (own item, kept), dVb (dv out), dT tiles */
@@ -986,7 +990,7 @@ __global__ void __launch_bounds__(256, C == 64 ? 2 : 1) grad_wy_kernel_v3(GdpArg
     for (int kt = 0; kt < NB; kt++) {
       if (kt * 16 + 15 < jb) continue; /* T^T[j][i] = 0 for i < j */
       uint32_t fa[4];
-      ldsm_x4_t(s0 + L::oT + ((kt * 16 + atk) * L::ldC + jb + atm) * 2, fa[0], fa[1], fa[2], fa[3]);
+      ldsm_x4(s0 + L::oT + ((jb + arow) * L::ldC + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
 #pragma unroll
       for (int nt = 0; nt < 8; nt += 2) {
         uint32_t b0, b1, b2, b3;
@@ -1024,7 +1028,7 @@ __global__ void __launch_bounds__(256, C == 64 ? 2 : 1) grad_wy_kernel_v3(GdpArg
     for (int kt = 0; kt < NB; kt++) {
       if (kt * 16 + 15 < vjb) continue;
       uint32_t fa[4];
-      ldsm_x4_t(s0 + L::oT + ((kt * 16 + atk) * L::ldC + vjb + atm) * 2, fa[0], fa[1], fa[2], fa[3]);
+      ldsm_x4(s0 + L::oT + ((vjb + arow) * L::ldC + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
 #pragma unroll
       for (int nt = 0; nt < 8; nt += 2) {
         uint32_t b0, b1, b2, b3;
@@ -1098,7 +1102,7 @@ __global__ void __launch_bounds__(256, C == 64 ? 2 : 1) grad_wy_kernel_v3(GdpArg
       if (kt > tj) continue;
       uint32_t fa[4], b0, b1, b2, b3;
       ldsm_x4(s0 + L::odT + ((ti * 16 + arow) * L::ldC + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
-      ldsm_x4(s0 + L::oT + ((tj * 16 + nrow) * L::ldC + kt * 16 + ncol) * 2, b0, b1, b2, b3);
+      ldsm_x4_t(s0 + L::oT + ((kt * 16 + trow) * L::ldC + tj * 16 + tcol) * 2, b0, b1, b2, b3);
       mma16816(acc[0], fa, b0, b1);
       mma16816(acc[1], fa, b2, b3);
     }
@@ -1124,7 +1128,7 @@ __global__ void __launch_bounds__(256, C == 64 ? 2 : 1) grad_wy_kernel_v3(GdpArg
       for (int kt = 0; kt < NB; kt++) {
         if (kt < ti) continue; /* T^T[i][m] = 0 for m < i */
         uint32_t fa[4], b0, b1, b2, b3;
-        ldsm_x4_t(s0 + L::oT + ((kt * 16 + atk) * L::ldC + ti * 16 + atm) * 2, fa[0], fa[1], fa[2], fa[3]);
+        ldsm_x4(s0 + L::oT + ((ti * 16 + arow) * L::ldC + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
         ldsm_x4_t(s0 + L::oX + ((kt * 16 + trow) * L::ldC + tj * 16 + tcol) * 2, b0, b1, b2, b3);
         mma16816(acc[0], fa, b0, b1);
         mma16816(acc[1], fa, b2, b3);
@@ -1143,7 +1147,7 @@ __global__ void __launch_bounds__(256, C == 64 ? 2 : 1) grad_wy_kernel_v3(GdpArg
           gv[e] = 0.f;
           if (i > j) {
             const float da = -acc[nt][2 * hf + e], ee = __expf(sGc[i] - sGc[j]), kk = sKK[i * L::ldA + j];
-            const float aij = sBeta[i] * ee * kk; /* = A_ij, recomputed (A's region holds dW now) */
+            const float aij = sBeta[i] * ee * kk; /* = A_ij, recomputed (A is not kept) */
             gv[e] = da * sBeta[i] * ee;
             rdb[hf] += da * ee * kk;
             rdg[hf] += da * aij;
@@ -1179,75 +1183,83 @@ __global__ void __launch_bounds__(256, C == 64 ? 2 : 1) grad_wy_kernel_v3(GdpArg
   }
   __syncthreads();
 
-  /* ---- W6: own item: dKn += G kn + G^T kn + dKnA; l2-norm backward; dk out */
-  if (warp < NI) {
+  /* W6 and the dk store take the block's indices afresh (fresh_sreg: volatile reads of
+   * %tid.x, %ctaid.x/y, which the compiler neither hoists nor merges with the first):
+   * derived from the first reads, the row offsets stayed live from the loads and W3 on
+   * and were spilled at 128 registers. */
+  {
+    const int jb = (fresh_sreg<0>() >> 5) / (K / 64) * 16, rb = (fresh_sreg<0>() >> 5) % (K / 64) * 64;
+    const int64_t CHi = (int64_t)fresh_sreg<1>() * H + fresh_sreg<2>();
+    /* ---- W6: own item: dKn += G kn + G^T kn + dKnA; l2-norm backward; dk out */
+    if (warp < NI) {
 #pragma unroll
-    for (int kt = 0; kt < NB; kt++) {
-      if (kt * 16 > jb + 15) continue; /* G[j][m] = 0 for m >= j */
-      uint32_t fa[4];
-      ldsm_x4(s0 + L::oG + ((jb + arow) * L::ldC + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+      for (int kt = 0; kt < NB; kt++) {
+        if (kt * 16 > jb + 15) continue; /* G[j][m] = 0 for m >= j */
+        uint32_t fa[4];
+        ldsm_x4(s0 + L::oG + ((jb + arow) * L::ldC + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
 #pragma unroll
-      for (int nt = 0; nt < 8; nt += 2) {
-        uint32_t b0, b1, b2, b3;
-        ldsm_x4_t(s0 + L::oKn + ((kt * 16 + trow) * L::ldK + rb + nt * 8 + tcol) * 2, b0, b1, b2, b3);
-        mma16816(dkn[nt], fa, b0, b1);
-        mma16816(dkn[nt + 1], fa, b2, b3);
+        for (int nt = 0; nt < 8; nt += 2) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4_t(s0 + L::oKn + ((kt * 16 + trow) * L::ldK + rb + nt * 8 + tcol) * 2, b0, b1, b2, b3);
+          mma16816(dkn[nt], fa, b0, b1);
+          mma16816(dkn[nt + 1], fa, b2, b3);
+        }
       }
-    }
 #pragma unroll
-    for (int kt = 0; kt < NB; kt++) {
-      if (kt * 16 + 15 <= jb) continue; /* G[m][j] = 0 for m <= j */
-      uint32_t fa[4];
-      ldsm_x4_t(s0 + L::oG + ((kt * 16 + atk) * L::ldC + jb + atm) * 2, fa[0], fa[1], fa[2], fa[3]);
+      for (int kt = 0; kt < NB; kt++) {
+        if (kt * 16 + 15 <= jb) continue; /* G[m][j] = 0 for m <= j */
+        uint32_t fa[4];
+        ldsm_x4_t(s0 + L::oG + ((kt * 16 + atk) * L::ldC + jb + atm) * 2, fa[0], fa[1], fa[2], fa[3]);
 #pragma unroll
-      for (int nt = 0; nt < 8; nt += 2) {
-        uint32_t b0, b1, b2, b3;
-        ldsm_x4_t(s0 + L::oKn + ((kt * 16 + trow) * L::ldK + rb + nt * 8 + tcol) * 2, b0, b1, b2, b3);
-        mma16816(dkn[nt], fa, b0, b1);
-        mma16816(dkn[nt + 1], fa, b2, b3);
+        for (int nt = 0; nt < 8; nt += 2) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4_t(s0 + L::oKn + ((kt * 16 + trow) * L::ldK + rb + nt * 8 + tcol) * 2, b0, b1, b2, b3);
+          mma16816(dkn[nt], fa, b0, b1);
+          mma16816(dkn[nt + 1], fa, b2, b3);
+        }
       }
-    }
-    const float *pa = go.dKnA + CHi * C * K + (int64_t)(jb + grp) * K + rb + 2 * tig;
-#pragma unroll
-    for (int nt = 0; nt < 8; nt++) {
-      const float2 u0 = *reinterpret_cast<const float2 *>(pa + nt * 8),
-                   u1 = *reinterpret_cast<const float2 *>(pa + 8 * K + nt * 8);
-      dkn[nt][0] += u0.x, dkn[nt][1] += u0.y, dkn[nt][2] += u1.x, dkn[nt][3] += u1.y;
-    }
-#pragma unroll
-    for (int hf = 0; hf < 2; hf++) {
-      const int j = jb + grp + 8 * hf;
-      float d = 0.f;
+      const float *pa = go.dKnA + CHi * C * K + (int64_t)(jb + grp) * K + rb + 2 * tig;
 #pragma unroll
       for (int nt = 0; nt < 8; nt++) {
-        const float2 kv = unpack_bf16(*reinterpret_cast<const uint32_t *>(
-            smem + L::oKn + (j * L::ldK + rb + nt * 8 + 2 * tig) * 2));
-        d += kv.x * dkn[nt][2 * hf] + kv.y * dkn[nt][2 * hf + 1];
+        const float2 u0 = *reinterpret_cast<const float2 *>(pa + nt * 8),
+                     u1 = *reinterpret_cast<const float2 *>(pa + 8 * K + nt * 8);
+        dkn[nt][0] += u0.x, dkn[nt][1] += u0.y, dkn[nt][2] += u1.x, dkn[nt][3] += u1.y;
       }
-      d += __shfl_xor_sync(0xffffffffu, d, 1);
-      d += __shfl_xor_sync(0xffffffffu, d, 2);
-      if (tig == 0) atomicAdd(sDot + j, d);
-    }
-  }
-  __syncthreads();
-  if (warp < NI) {
-    bf16 *dk = (bf16 *)a.dk;
 #pragma unroll
-    for (int hf = 0; hf < 2; hf++) {
-      const int j = jb + grp + 8 * hf;
-      if (j >= nv) continue;
-      const float inv = sKinv[j], dot = sDot[j];
-      bf16 *row = dk + ((krow0 + j) * H + h) * K + rb + 2 * tig;
+      for (int hf = 0; hf < 2; hf++) {
+        const int j = jb + grp + 8 * hf;
+        float d = 0.f;
 #pragma unroll
-      for (int nt = 0; nt < 8; nt++) {
-        float o0 = dkn[nt][2 * hf], o1 = dkn[nt][2 * hf + 1];
-        if (a.l2norm) {
+        for (int nt = 0; nt < 8; nt++) {
           const float2 kv = unpack_bf16(*reinterpret_cast<const uint32_t *>(
               smem + L::oKn + (j * L::ldK + rb + nt * 8 + 2 * tig) * 2));
-          o0 = inv * (o0 - kv.x * dot);
-          o1 = inv * (o1 - kv.y * dot);
+          d += kv.x * dkn[nt][2 * hf] + kv.y * dkn[nt][2 * hf + 1];
         }
-        *reinterpret_cast<uint32_t *>(row + nt * 8) = pack_bf16(o0, o1);
+        d += __shfl_xor_sync(0xffffffffu, d, 1);
+        d += __shfl_xor_sync(0xffffffffu, d, 2);
+        if (tig == 0) atomicAdd(sDot + j, d);
+      }
+    }
+    __syncthreads();
+    if (warp < NI) {
+      bf16 *dk = (bf16 *)a.dk;
+#pragma unroll
+      for (int hf = 0; hf < 2; hf++) {
+        const int j = jb + grp + 8 * hf;
+        if (j >= nv) continue;
+        const float inv = sKinv[j], dot = sDot[j];
+        bf16 *row = dk + ((krow0 + j) * H + h) * K + rb + 2 * tig;
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++) {
+          float o0 = dkn[nt][2 * hf], o1 = dkn[nt][2 * hf + 1];
+          if (a.l2norm) {
+            const float2 kv = unpack_bf16(*reinterpret_cast<const uint32_t *>(
+                smem + L::oKn + (j * L::ldK + rb + nt * 8 + 2 * tig) * 2));
+            o0 = inv * (o0 - kv.x * dot);
+            o1 = inv * (o1 - kv.y * dot);
+          }
+          *reinterpret_cast<uint32_t *>(row + nt * 8) = pack_bf16(o0, o1);
+        }
       }
     }
   }
@@ -1420,8 +1432,8 @@ extern "C" gdp_status gdp_cuda_gdp_backward_v3(const gdp_gdp_problem *p, const g
     return st;
   }
   prof_mark("bwd plan+upload", stream);
-  /* The v3 gradient kernels' float32 copies of h and dH and the state part's outputs (one
-   * stream-ordered allocation).  GDP_CUDA_V3_GRAD=v2 takes variant 2's gradient kernel
+  /* The v3 gradient kernels' float32 copies of h and dH, the state part's outputs and T^T
+   * from the prep (one stream-ordered allocation; the forward never pays for T).  GDP_CUDA_V3_GRAD=v2 takes variant 2's gradient kernel
    * instead, fed by bf16 copies of h and dH (comparison / fallback). */
   const char *genv = getenv("GDP_CUDA_V3_GRAD");
   const bool grad_state = !(genv && strcmp(genv, "v2") == 0);
@@ -1432,8 +1444,8 @@ extern "C" gdp_status gdp_cuda_gdp_backward_v3(const gdp_gdp_problem *p, const g
     const size_t CH = (size_t)plan.a.nchunks * plan.a.H, K = (size_t)plan.a.K, V = (size_t)plan.a.V,
                  C = (size_t)plan.a.C;
     const size_t bHT = align128(CH * V * K * 4), bKn = align128(CH * C * K * 4), bW = align128(CH * C * K * 2),
-                 bG = align128(CH * C * 4);
-    st = device_alloc(&extra, 2 * bHT + bKn + bW + bG, stream);
+                 bG = align128(CH * C * 4), bT = align128(CH * C * C * 2);
+    st = device_alloc(&extra, 2 * bHT + bKn + bW + bG + bT, stream);
     if (st != GDP_OK) {
       plan_free(&plan);
       prof_end(stream);
@@ -1445,8 +1457,9 @@ extern "C" gdp_status gdp_cuda_gdp_backward_v3(const gdp_gdp_problem *p, const g
     go.dKnA = (float *)(e + 2 * bHT);
     go.dWg = (bf16 *)(e + 2 * bHT + bKn);
     go.dgcA = (float *)(e + 2 * bHT + bKn + bW);
+    go.Tt = (bf16 *)(e + 2 * bHT + bKn + bW + bG);
   }
-  st = v3::launch_prep_v3(plan);
+  st = v3::launch_prep_v3(plan, go.Tt); /* NULL (no T store) for variant 2's gradient kernel */
   prof_mark("bwd prep v3 (recompute)", stream);
   const int bv = v3b::choose_bv(plan);
   if (st == GDP_OK) st = v3b::launch_seq(plan, bv, true, false, nullptr, go.hT32);

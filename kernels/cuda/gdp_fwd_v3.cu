@@ -395,9 +395,13 @@ __device__ __forceinline__ void prep_solve_column(const float *sA, int x, float 
  *    as given instead of through a rounded beta v;
  *  - the l2 norms run K/8 lanes per row, 16 bytes a lane, every row of the chunk
  *    unrolled (the rows' shuffle chains overlap);
- *  - v arrives in its own cp.async group, waited for only before U's product. */
-template <int K, int V, int C, int TC>
-__global__ void __launch_bounds__(128, 4) prep_kernel_v3(GdpArgs a) {
+ *  - v arrives in its own cp.async group, waited for only before U's product.
+ * STORE_T (the backward's recompute only): T itself, unscaled, rounded to bf16, also goes
+ * to global as T^T (row x = column x of T, [C][C] per (chunk, head) at Tt), for
+ * grad_wy_kernel_v3 (gdp_bwd_v3.cu), which would otherwise solve for it again.  The
+ * forward's instantiation (STORE_T = false) is the same code as without it. */
+template <int K, int V, int C, int TC, bool STORE_T>
+__global__ void __launch_bounds__(128, 4) prep_kernel_v3(GdpArgs a, bf16 *Tt) {
   using L = PrepLayout<K, V, C, TC>;
   static_assert(K % 64 == 0 && V % 64 == 0 && C % 16 == 0 && TC % 16 == 0 && C <= 64 && TC <= 32 &&
                     C % TC == 0,
@@ -598,6 +602,12 @@ __global__ void __launch_bounds__(128, 4) prep_kernel_v3(GdpArgs a) {
         }
         *reinterpret_cast<uint4 *>(sTw + x * L::ldT + i) = make_uint4(w4[0], w4[1], w4[2], w4[3]);
         *reinterpret_cast<uint4 *>(sTu + x * L::ldT + i) = make_uint4(u4[0], u4[1], u4[2], u4[3]);
+        if constexpr (STORE_T) { /* row x of T^T: 16-byte stores, a thread's row contiguous */
+          uint32_t t4[4];
+#pragma unroll
+          for (int m = 0; m < 4; m++) t4[m] = pack_bf16(t[i + 2 * m], t[i + 2 * m + 1]);
+          *reinterpret_cast<uint4 *>(Tt + (CHi * C + x) * C + i) = make_uint4(t4[0], t4[1], t4[2], t4[3]);
+        }
       }
     }
   }
@@ -717,31 +727,39 @@ static int choose_bv(const Plan &plan) {
   return best;
 }
 
-template <int K, int V, int C, int TC>
-static gdp_status launch_prep_kv(const Plan &plan) {
+template <int K, int V, int C, int TC, bool STORE_T>
+static gdp_status launch_prep_kvt(const Plan &plan, bf16 *Tt) {
   using L = PrepLayout<K, V, C, TC>;
-  auto kern = prep_kernel_v3<K, V, C, TC>;
+  auto kern = prep_kernel_v3<K, V, C, TC, STORE_T>;
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
   /* four blocks of up to 52.5 KB per SM need (nearly) all of the unified L1 as shared memory */
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout,
                                     cudaSharedmemCarveoutMaxShared));
-  kern<<<dim3((unsigned)plan.a.nchunks, (unsigned)plan.a.H), 128, L::total, plan.stream>>>(plan.a);
+  kern<<<dim3((unsigned)plan.a.nchunks, (unsigned)plan.a.H), 128, L::total, plan.stream>>>(plan.a, Tt);
   GDP_CUDA_LAUNCHED("prep_kernel_v3");
   return GDP_OK;
 }
 
-template <int K, int V>
-static gdp_status launch_prep_n(const Plan &plan) {
-  if (plan.a.n == 1) return launch_prep_kv<K, V, 32, 32>(plan);
-  if (plan.a.n == 2) return launch_prep_kv<K, V, 64, 32>(plan);
-  return launch_prep_kv<K, V, 48, 16>(plan);
+template <int K, int V, int C, int TC>
+static gdp_status launch_prep_kv(const Plan &plan, bf16 *Tt) {
+  return Tt ? launch_prep_kvt<K, V, C, TC, true>(plan, Tt) : launch_prep_kvt<K, V, C, TC, false>(plan, nullptr);
 }
 
-gdp_status launch_prep_v3(const Plan &plan) { /* also the backward v3 (gdp_bwd_v3.cu) */
+template <int K, int V>
+static gdp_status launch_prep_n(const Plan &plan, bf16 *Tt) {
+  if (plan.a.n == 1) return launch_prep_kv<K, V, 32, 32>(plan, Tt);
+  if (plan.a.n == 2) return launch_prep_kv<K, V, 64, 32>(plan, Tt);
+  return launch_prep_kv<K, V, 48, 16>(plan, Tt);
+}
+
+/* Also the backward v3's recompute (gdp_bwd_v3.cu), which passes Tt (bf16 [C][C] per
+ * (chunk, head), its own workspace) to get T^T stored for its gradient kernel; the
+ * forward passes NULL and runs the kernel without that store. */
+gdp_status launch_prep_v3(const Plan &plan, bf16 *Tt) {
   if (plan.a.nchunks == 0) return GDP_OK;
   const int K = plan.a.K, V = plan.a.V;
-  if (K == 128) return V == 128 ? launch_prep_n<128, 128>(plan) : launch_prep_n<128, 64>(plan);
-  return V == 128 ? launch_prep_n<64, 128>(plan) : launch_prep_n<64, 64>(plan);
+  if (K == 128) return V == 128 ? launch_prep_n<128, 128>(plan, Tt) : launch_prep_n<128, 64>(plan, Tt);
+  return V == 128 ? launch_prep_n<64, 128>(plan, Tt) : launch_prep_n<64, 64>(plan, Tt);
 }
 
 }  // namespace v3
@@ -774,7 +792,7 @@ extern "C" gdp_status gdp_cuda_gdp_forward_v3(const gdp_gdp_problem *p, const gd
     return st;
   }
   prof_mark("fwd plan+upload", stream);
-  st = new_prep ? v3::launch_prep_v3(plan) : launch_prep(plan);
+  st = new_prep ? v3::launch_prep_v3(plan, nullptr) : launch_prep(plan);
   prof_mark(new_prep ? "fwd prep v3" : "fwd prep", stream);
   if (st == GDP_OK) st = v3::launch_state_v3(plan, v3::choose_bv(plan), false, nullptr);
   prof_mark("fwd state+output v3", stream);
