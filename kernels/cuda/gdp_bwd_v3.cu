@@ -155,7 +155,8 @@ struct StatesLayout {
   static constexpr int oW = 0;
   static constexpr int oKd = oW + C * ldK * 2;
   static constexpr int oU = oKd + C * ldK * 2;
-  static constexpr int stage = (oU + C * ldB * 2 + 127) / 128 * 128;
+  static constexpr int oUl = oU + C * ldB * 2; /* U's residual (a.Ulo), when given */
+  static constexpr int stage = (oUl + C * ldB * 2 + 127) / 128 * 128;
   static constexpr int total = stage * kStages;
 };
 
@@ -196,6 +197,7 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) bwd_states_kernel_v3(GdpArgs 
       copy_panel<C, K, NT>(st + L::oW, L::ldK, a.W + base * C * K, K, C);
       copy_panel<C, K, NT>(st + L::oKd, L::ldK, a.Kd + base * C * K, K, C);
       copy_panel<C, BV, NT>(st + L::oU, L::ldB, a.U + base * C * V + col0, V, C);
+      if (a.Ulo) copy_panel<C, BV, NT>(st + L::oUl, L::ldB, a.Ulo + base * C * V + col0, V, C);
     }
     cp_async_commit();
   };
@@ -206,6 +208,7 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) bwd_states_kernel_v3(GdpArgs 
   const int trow = ((lane >> 3) & 1) * 8 + (lane & 7), tcol = (lane >> 4) * 8;
   const int urow = (lane >> 4) * 8 + (lane & 7), ucol = warp * 16 + ((lane >> 3) & 1) * 8;
   const uint32_t smem0 = smem_addr(smem);
+  const bool ulo = a.Ulo != nullptr;
 
   for (int it = 0; it < nc; it++) {
     const int64_t CHi = (int64_t)(cbeg + it) * H + h;
@@ -217,14 +220,22 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) bwd_states_kernel_v3(GdpArgs 
     const uint32_t sW = sb + L::oW, sKd = sb + L::oKd, sU = sb + L::oU;
 
     /* -D^T = -U^T + S^T W^T, the bf16 A fragment of S^T built per k tile (4 registers
-     * live instead of K/4) and stored as h on the way */
+     * live instead of K/4) and stored as h on the way.  U = hi + lo when the residual is
+     * given (hi + lo is exact in float32): the gate gradient's z terms take D from here,
+     * and a bf16-only U was the largest single error in dg (NOTES.md, "dg precision"). */
     float Dt[C / 8][4];
 #pragma unroll
     for (int jt = 0; jt < C / 16; jt++) {
       uint32_t u0, u1, u2, u3;
       ldsm_x4_t(sU + ((jt * 16 + urow) * L::ldB + ucol) * 2, u0, u1, u2, u3);
-      const float2 f0 = unpack_bf16(u0), f1 = unpack_bf16(u1), f2 = unpack_bf16(u2),
-                   f3 = unpack_bf16(u3);
+      float2 f0 = unpack_bf16(u0), f1 = unpack_bf16(u1), f2 = unpack_bf16(u2), f3 = unpack_bf16(u3);
+      if (ulo) {
+        uint32_t l0, l1, l2, l3;
+        ldsm_x4_t(sU + (L::oUl - L::oU) + ((jt * 16 + urow) * L::ldB + ucol) * 2, l0, l1, l2, l3);
+        const float2 g0 = unpack_bf16(l0), g1 = unpack_bf16(l1), g2 = unpack_bf16(l2), g3 = unpack_bf16(l3);
+        f0.x += g0.x, f0.y += g0.y, f1.x += g1.x, f1.y += g1.y;
+        f2.x += g2.x, f2.y += g2.y, f3.x += g3.x, f3.y += g3.y;
+      }
       Dt[2 * jt][0] = -f0.x, Dt[2 * jt][1] = -f0.y, Dt[2 * jt][2] = -f1.x, Dt[2 * jt][3] = -f1.y;
       Dt[2 * jt + 1][0] = -f2.x, Dt[2 * jt + 1][1] = -f2.y;
       Dt[2 * jt + 1][2] = -f3.x, Dt[2 * jt + 1][3] = -f3.y;
@@ -1446,6 +1457,9 @@ extern "C" gdp_status gdp_cuda_gdp_backward_v3(const gdp_gdp_problem *p, const g
     go.dWg = (bf16 *)(e + 2 * bHT + bKn);
     go.dgcA = (float *)(e + 2 * bHT + bKn + bW);
   }
+  /* U's bf16 residual for the recompute (GdpArgs::Ulo): it lives in the bf16 h buffer,
+   * which only variant 2's gradient kernel uses */
+  if (grad_state) plan.a.Ulo = plan.a.hbuf;
   st = v3::launch_prep_v3(plan);
   prof_mark("bwd prep v3 (recompute)", stream);
   const int bv = v3b::choose_bv(plan);
