@@ -466,7 +466,7 @@ struct GradStateLayout {
   static constexpr int oPs = oQn + TC * ldK * 2;      /* Ps [TC][C] */
   static constexpr int oF = oPs + TC * ldC * 2;       /* floats below */
   static constexpr int fGp = 0, fGc = C, fDgc = 2 * C, fZ = 3 * C, fQinv = 4 * C, fQdot = 4 * C + TC,
-                       fDot = 4 * C + 2 * TC, nF = 4 * C + 2 * TC + 8;
+                       fDot = 4 * C + 2 * TC, fKinv = 4 * C + 2 * TC + 8, nF = 5 * C + 2 * TC + 8;
   static constexpr int total = oF + nF * 4;
 };
 
@@ -503,7 +503,7 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
              *d_o = (const bf16 *)a.d_o;
   float *sF = (float *)(smem + L::oF);
   float *sGp = sF + L::fGp, *sGc = sF + L::fGc, *sDgc = sF + L::fDgc, *sZ = sF + L::fZ,
-        *sQinv = sF + L::fQinv, *sQdot = sF + L::fQdot, *sDot = sF + L::fDot;
+        *sQinv = sF + L::fQinv, *sQdot = sF + L::fQdot, *sDot = sF + L::fDot, *sKinv = sF + L::fKinv;
   const uint32_t s0 = smem_addr(smem);
 
   /* ---- loads, all issued up front so that they overlap: D, dD, dO and the raw k, q rows
@@ -561,22 +561,23 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
     for (int m = 0; m <= tid; m++) acc += sGp[m];
     sGc[tid] = acc;
   }
-  /* kn, qn rows in place (warp per row): x * rsqrt(|x|^2 + eps); rows past the end were
-   * zero-filled by the copy and stay zero */
+  /* The k, q rows stay raw (exact bf16) and only their norms are taken (warp per row):
+   * kinv, qinv = rsqrt(|x|^2 + eps).  Every product below uses the raw rows and folds the
+   * norms into its epilogue, so kn and qn are never rounded to bf16 here: the gate
+   * gradient's z terms (kn . (D dH^T)) lost ~1.9e-3 of dg's precision to that rounding
+   * (NOTES.md, "dg precision").  Rows past the end were zero-filled and stay zero. */
   for (int i = warp; i < C + TC; i += 8) {
     const bool isq = i >= C;
     const int row = isq ? i - C : i;
-    bf16 *rp = (bf16 *)(smem + (isq ? L::oQn : L::oKn)) + row * L::ldK;
-    float x[K / 32], ss = 0.f;
+    const bf16 *rp = (const bf16 *)(smem + (isq ? L::oQn : L::oKn)) + row * L::ldK;
+    float ss = 0.f;
 #pragma unroll
     for (int m = 0; m < K / 32; m++) {
-      x[m] = __bfloat162float(rp[lane + 32 * m]);
-      ss += x[m] * x[m];
+      const float x = __bfloat162float(rp[lane + 32 * m]);
+      ss += x * x;
     }
     const float inv = a.l2norm ? rsqrtf(warp_sum(ss) + kNormEps) : 1.f;
-#pragma unroll
-    for (int m = 0; m < K / 32; m++) rp[lane + 32 * m] = __float2bfloat16(x[m] * inv);
-    if (isq && lane == 0) sQinv[row] = inv;
+    if (lane == 0) (isq ? sQinv : sKinv)[row] = inv;
   }
   __syncthreads();
   const float last = sGc[C - 1];
@@ -620,9 +621,11 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
 #pragma unroll
       for (int hf = 0; hf < 2; hf++) {
         const int qa = mb + grp + 8 * hf, ia = qa * n + n - 1, j = jb + 8 * nt + 2 * tig;
-        const float gi = sGc[ia];
-        const float p0 = j <= ia ? scale * __expf(gi - sGc[j]) * dp[nt][2 * hf] : 0.f;
-        const float p1 = j + 1 <= ia ? scale * __expf(gi - sGc[j + 1]) * dp[nt][2 * hf + 1] : 0.f;
+        const float gi = sGc[ia], qi = sQinv[qa];
+        /* Ps'' = qinv_a Ps_aj kinv_j: the raw-row products below need exactly these factors,
+         * and Ps'' qk_raw = Ps qk (qk from raw rows) */
+        const float p0 = j <= ia ? scale * __expf(gi - sGc[j]) * dp[nt][2 * hf] * (qi * sKinv[j]) : 0.f;
+        const float p1 = j + 1 <= ia ? scale * __expf(gi - sGc[j + 1]) * dp[nt][2 * hf + 1] * (qi * sKinv[j + 1]) : 0.f;
         *reinterpret_cast<uint32_t *>(smem + L::oPs + (qa * L::ldC + j) * 2) = pack_bf16(p0, p1);
         colsum[nt][0] += p0 * qk[nt][2 * hf];
         colsum[nt][1] += p1 * qk[nt][2 * hf + 1];
@@ -661,7 +664,7 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
 #pragma unroll
       for (int hf = 0; hf < 2; hf++) {
         const int j = jb + grp + 8 * hf;
-        const float w = __expf(last - sGc[j]);
+        const float w = __expf(last - sGc[j]) * sKinv[j]; /* kinv_j: z = k_raw . acc is then kn . w (D dH^T) */
         float z = 0.f;
 #pragma unroll
         for (int nt = 0; nt < 8; nt++) {
@@ -689,11 +692,13 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
           mma16816(acc[nt + 1], fa, b2, b3);
         }
       }
+      /* acc = kinv_j (w (D dH^T) + Ps^T qn)_j: divide kinv_j out */
+      const float n0 = 1.f / sKinv[jb + grp], n1 = 1.f / sKinv[jb + grp + 8];
       float *out = go.dKnA + CHi * C * K + (int64_t)(jb + grp) * K + rb + 2 * tig;
 #pragma unroll
       for (int nt = 0; nt < 8; nt++) {
-        *reinterpret_cast<float2 *>(out + nt * 8) = make_float2(acc[nt][0], acc[nt][1]);
-        *reinterpret_cast<float2 *>(out + 8 * K + nt * 8) = make_float2(acc[nt][2], acc[nt][3]);
+        *reinterpret_cast<float2 *>(out + nt * 8) = make_float2(acc[nt][0] * n0, acc[nt][1] * n0);
+        *reinterpret_cast<float2 *>(out + 8 * K + nt * 8) = make_float2(acc[nt][2] * n1, acc[nt][3] * n1);
       }
     }
   }
@@ -768,8 +773,9 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
         mma16816(dqa[nt + 1], fa, b2, b3);
       }
     }
-    const float f0 = scale * __expf(sGc[(qmb + grp) * n + n - 1]),
-                f1 = scale * __expf(sGc[(qmb + grp + 8) * n + n - 1]);
+    /* dqa = qinv_a dqn: the dO h^T part times qinv_a here, the Ps'' k_raw part has it */
+    const float f0 = scale * __expf(sGc[(qmb + grp) * n + n - 1]) * sQinv[qmb + grp],
+                f1 = scale * __expf(sGc[(qmb + grp + 8) * n + n - 1]) * sQinv[qmb + grp + 8];
 #pragma unroll
     for (int nt = 0; nt < 4; nt++) dqa[nt][0] *= f0, dqa[nt][1] *= f0, dqa[nt][2] *= f1, dqa[nt][3] *= f1;
 #pragma unroll
@@ -811,7 +817,8 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
     for (int hf = 0; hf < 2; hf++) {
       const int qa = qmb + grp + 8 * hf;
       if (qa >= ci.ntok) continue;
-      const float inv = sQinv[qa], dot = sQdot[qa];
+      /* dqa = qinv dqn and qn = qinv q_raw, so dq = qinv (dqn - qn (qn . dqn)) = dqa - q_raw qinv^2 dot */
+      const float inv = sQinv[qa], dot = sQdot[qa] * inv * inv;
       bf16 *row = dq + (((int64_t)ci.t0 + qa) * H + h) * K + qrb + 2 * tig;
 #pragma unroll
       for (int nt = 0; nt < 4; nt++) {
@@ -819,8 +826,8 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
         if (a.l2norm) {
           const float2 qv = unpack_bf16(*reinterpret_cast<const uint32_t *>(
               smem + L::oQn + (qa * L::ldK + qrb + nt * 8 + 2 * tig) * 2));
-          o0 = inv * (o0 - qv.x * dot);
-          o1 = inv * (o1 - qv.y * dot);
+          o0 = o0 - qv.x * dot;
+          o1 = o1 - qv.y * dot;
         }
         *reinterpret_cast<uint32_t *>(row + nt * 8) = pack_bf16(o0, o1);
       }
