@@ -158,7 +158,8 @@ struct StatesLayout {
   static constexpr int oW = 0;
   static constexpr int oKd = oW + C * ldK * 2;
   static constexpr int oU = oKd + C * ldK * 2;
-  static constexpr int stage = (oU + C * ldB * 2 + 127) / 128 * 128;
+  static constexpr int oUl = oU + C * ldB * 2; /* U's residual (a.Ulo), when given */
+  static constexpr int stage = (oUl + C * ldB * 2 + 127) / 128 * 128;
   static constexpr int total = stage * kStages;
 };
 
@@ -199,6 +200,7 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) bwd_states_kernel_v3(GdpArgs 
       copy_panel<C, K, NT>(st + L::oW, L::ldK, a.W + base * C * K, K, C);
       copy_panel<C, K, NT>(st + L::oKd, L::ldK, a.Kd + base * C * K, K, C);
       copy_panel<C, BV, NT>(st + L::oU, L::ldB, a.U + base * C * V + col0, V, C);
+      if (a.Ulo) copy_panel<C, BV, NT>(st + L::oUl, L::ldB, a.Ulo + base * C * V + col0, V, C);
     }
     cp_async_commit();
   };
@@ -209,6 +211,7 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) bwd_states_kernel_v3(GdpArgs 
   const int trow = ((lane >> 3) & 1) * 8 + (lane & 7), tcol = (lane >> 4) * 8;
   const int urow = (lane >> 4) * 8 + (lane & 7), ucol = warp * 16 + ((lane >> 3) & 1) * 8;
   const uint32_t smem0 = smem_addr(smem);
+  const bool ulo = a.Ulo != nullptr;
 
   for (int it = 0; it < nc; it++) {
     const int64_t CHi = (int64_t)(cbeg + it) * H + h;
@@ -220,14 +223,22 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) bwd_states_kernel_v3(GdpArgs 
     const uint32_t sW = sb + L::oW, sKd = sb + L::oKd, sU = sb + L::oU;
 
     /* -D^T = -U^T + S^T W^T, the bf16 A fragment of S^T built per k tile (4 registers
-     * live instead of K/4) and stored as h on the way */
+     * live instead of K/4) and stored as h on the way.  U = hi + lo when the residual is
+     * given (hi + lo is exact in float32): the gate gradient's z terms take D from here,
+     * and a bf16-only U was the largest single error in dg (NOTES.md, "dg precision"). */
     float Dt[C / 8][4];
 #pragma unroll
     for (int jt = 0; jt < C / 16; jt++) {
       uint32_t u0, u1, u2, u3;
       ldsm_x4_t(sU + ((jt * 16 + urow) * L::ldB + ucol) * 2, u0, u1, u2, u3);
-      const float2 f0 = unpack_bf16(u0), f1 = unpack_bf16(u1), f2 = unpack_bf16(u2),
-                   f3 = unpack_bf16(u3);
+      float2 f0 = unpack_bf16(u0), f1 = unpack_bf16(u1), f2 = unpack_bf16(u2), f3 = unpack_bf16(u3);
+      if (ulo) {
+        uint32_t l0, l1, l2, l3;
+        ldsm_x4_t(sU + (L::oUl - L::oU) + ((jt * 16 + urow) * L::ldB + ucol) * 2, l0, l1, l2, l3);
+        const float2 g0 = unpack_bf16(l0), g1 = unpack_bf16(l1), g2 = unpack_bf16(l2), g3 = unpack_bf16(l3);
+        f0.x += g0.x, f0.y += g0.y, f1.x += g1.x, f1.y += g1.y;
+        f2.x += g2.x, f2.y += g2.y, f3.x += g3.x, f3.y += g3.y;
+      }
       Dt[2 * jt][0] = -f0.x, Dt[2 * jt][1] = -f0.y, Dt[2 * jt][2] = -f1.x, Dt[2 * jt][3] = -f1.y;
       Dt[2 * jt + 1][0] = -f2.x, Dt[2 * jt + 1][1] = -f2.y;
       Dt[2 * jt + 1][2] = -f3.x, Dt[2 * jt + 1][3] = -f3.y;
@@ -458,7 +469,7 @@ struct GradStateLayout {
   static constexpr int oPs = oQn + TC * ldK * 2;      /* Ps [TC][C] */
   static constexpr int oF = oPs + TC * ldC * 2;       /* floats below */
   static constexpr int fGp = 0, fGc = C, fDgc = 2 * C, fZ = 3 * C, fQinv = 4 * C, fQdot = 4 * C + TC,
-                       fDot = 4 * C + 2 * TC, nF = 4 * C + 2 * TC + 8;
+                       fDot = 4 * C + 2 * TC, fKinv = 4 * C + 2 * TC + 8, nF = 5 * C + 2 * TC + 8;
   static constexpr int total = oF + nF * 4;
 };
 
@@ -495,7 +506,7 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
              *d_o = (const bf16 *)a.d_o;
   float *sF = (float *)(smem + L::oF);
   float *sGp = sF + L::fGp, *sGc = sF + L::fGc, *sDgc = sF + L::fDgc, *sZ = sF + L::fZ,
-        *sQinv = sF + L::fQinv, *sQdot = sF + L::fQdot, *sDot = sF + L::fDot;
+        *sQinv = sF + L::fQinv, *sQdot = sF + L::fQdot, *sDot = sF + L::fDot, *sKinv = sF + L::fKinv;
   const uint32_t s0 = smem_addr(smem);
 
   /* ---- loads, all issued up front so that they overlap: D, dD, dO and the raw k, q rows
@@ -553,22 +564,23 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
     for (int m = 0; m <= tid; m++) acc += sGp[m];
     sGc[tid] = acc;
   }
-  /* kn, qn rows in place (warp per row): x * rsqrt(|x|^2 + eps); rows past the end were
-   * zero-filled by the copy and stay zero */
+  /* The k, q rows stay raw (exact bf16) and only their norms are taken (warp per row):
+   * kinv, qinv = rsqrt(|x|^2 + eps).  Every product below uses the raw rows and folds the
+   * norms into its epilogue, so kn and qn are never rounded to bf16 here: the gate
+   * gradient's z terms (kn . (D dH^T)) lost ~1.9e-3 of dg's precision to that rounding
+   * (NOTES.md, "dg precision").  Rows past the end were zero-filled and stay zero. */
   for (int i = warp; i < C + TC; i += 8) {
     const bool isq = i >= C;
     const int row = isq ? i - C : i;
-    bf16 *rp = (bf16 *)(smem + (isq ? L::oQn : L::oKn)) + row * L::ldK;
-    float x[K / 32], ss = 0.f;
+    const bf16 *rp = (const bf16 *)(smem + (isq ? L::oQn : L::oKn)) + row * L::ldK;
+    float ss = 0.f;
 #pragma unroll
     for (int m = 0; m < K / 32; m++) {
-      x[m] = __bfloat162float(rp[lane + 32 * m]);
-      ss += x[m] * x[m];
+      const float x = __bfloat162float(rp[lane + 32 * m]);
+      ss += x * x;
     }
     const float inv = a.l2norm ? rsqrtf(warp_sum(ss) + kNormEps) : 1.f;
-#pragma unroll
-    for (int m = 0; m < K / 32; m++) rp[lane + 32 * m] = __float2bfloat16(x[m] * inv);
-    if (isq && lane == 0) sQinv[row] = inv;
+    if (lane == 0) (isq ? sQinv : sKinv)[row] = inv;
   }
   __syncthreads();
   const float last = sGc[C - 1];
@@ -612,9 +624,11 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
 #pragma unroll
       for (int hf = 0; hf < 2; hf++) {
         const int qa = mb + grp + 8 * hf, ia = qa * n + n - 1, j = jb + 8 * nt + 2 * tig;
-        const float gi = sGc[ia];
-        const float p0 = j <= ia ? scale * __expf(gi - sGc[j]) * dp[nt][2 * hf] : 0.f;
-        const float p1 = j + 1 <= ia ? scale * __expf(gi - sGc[j + 1]) * dp[nt][2 * hf + 1] : 0.f;
+        const float gi = sGc[ia], qi = sQinv[qa];
+        /* Ps'' = qinv_a Ps_aj kinv_j: the raw-row products below need exactly these factors,
+         * and Ps'' qk_raw = Ps qk (qk from raw rows) */
+        const float p0 = j <= ia ? scale * __expf(gi - sGc[j]) * dp[nt][2 * hf] * (qi * sKinv[j]) : 0.f;
+        const float p1 = j + 1 <= ia ? scale * __expf(gi - sGc[j + 1]) * dp[nt][2 * hf + 1] * (qi * sKinv[j + 1]) : 0.f;
         *reinterpret_cast<uint32_t *>(smem + L::oPs + (qa * L::ldC + j) * 2) = pack_bf16(p0, p1);
         colsum[nt][0] += p0 * qk[nt][2 * hf];
         colsum[nt][1] += p1 * qk[nt][2 * hf + 1];
@@ -653,7 +667,7 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
 #pragma unroll
       for (int hf = 0; hf < 2; hf++) {
         const int j = jb + grp + 8 * hf;
-        const float w = __expf(last - sGc[j]);
+        const float w = __expf(last - sGc[j]) * sKinv[j]; /* kinv_j: z = k_raw . acc is then kn . w (D dH^T) */
         float z = 0.f;
 #pragma unroll
         for (int nt = 0; nt < 8; nt++) {
@@ -681,11 +695,13 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
           mma16816(acc[nt + 1], fa, b2, b3);
         }
       }
+      /* acc = kinv_j (w (D dH^T) + Ps^T qn)_j: divide kinv_j out */
+      const float n0 = 1.f / sKinv[jb + grp], n1 = 1.f / sKinv[jb + grp + 8];
       float *out = go.dKnA + CHi * C * K + (int64_t)(jb + grp) * K + rb + 2 * tig;
 #pragma unroll
       for (int nt = 0; nt < 8; nt++) {
-        *reinterpret_cast<float2 *>(out + nt * 8) = make_float2(acc[nt][0], acc[nt][1]);
-        *reinterpret_cast<float2 *>(out + 8 * K + nt * 8) = make_float2(acc[nt][2], acc[nt][3]);
+        *reinterpret_cast<float2 *>(out + nt * 8) = make_float2(acc[nt][0] * n0, acc[nt][1] * n0);
+        *reinterpret_cast<float2 *>(out + 8 * K + nt * 8) = make_float2(acc[nt][2] * n1, acc[nt][3] * n1);
       }
     }
   }
@@ -760,8 +776,9 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
         mma16816(dqa[nt + 1], fa, b2, b3);
       }
     }
-    const float f0 = scale * __expf(sGc[(qmb + grp) * n + n - 1]),
-                f1 = scale * __expf(sGc[(qmb + grp + 8) * n + n - 1]);
+    /* dqa = qinv_a dqn: the dO h^T part times qinv_a here, the Ps'' k_raw part has it */
+    const float f0 = scale * __expf(sGc[(qmb + grp) * n + n - 1]) * sQinv[qmb + grp],
+                f1 = scale * __expf(sGc[(qmb + grp + 8) * n + n - 1]) * sQinv[qmb + grp + 8];
 #pragma unroll
     for (int nt = 0; nt < 4; nt++) dqa[nt][0] *= f0, dqa[nt][1] *= f0, dqa[nt][2] *= f1, dqa[nt][3] *= f1;
 #pragma unroll
@@ -803,7 +820,8 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
     for (int hf = 0; hf < 2; hf++) {
       const int qa = qmb + grp + 8 * hf;
       if (qa >= ci.ntok) continue;
-      const float inv = sQinv[qa], dot = sQdot[qa];
+      /* dqa = qinv dqn and qn = qinv q_raw, so dq = qinv (dqn - qn (qn . dqn)) = dqa - q_raw qinv^2 dot */
+      const float inv = sQinv[qa], dot = sQdot[qa] * inv * inv;
       bf16 *row = dq + (((int64_t)ci.t0 + qa) * H + h) * K + qrb + 2 * tig;
 #pragma unroll
       for (int nt = 0; nt < 4; nt++) {
@@ -811,8 +829,8 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
         if (a.l2norm) {
           const float2 qv = unpack_bf16(*reinterpret_cast<const uint32_t *>(
               smem + L::oQn + (qa * L::ldK + qrb + nt * 8 + 2 * tig) * 2));
-          o0 = inv * (o0 - qv.x * dot);
-          o1 = inv * (o1 - qv.y * dot);
+          o0 = o0 - qv.x * dot;
+          o1 = o1 - qv.y * dot;
         }
         *reinterpret_cast<uint32_t *>(row + nt * 8) = pack_bf16(o0, o1);
       }
@@ -1459,6 +1477,9 @@ extern "C" gdp_status gdp_cuda_gdp_backward_v3(const gdp_gdp_problem *p, const g
     go.dgcA = (float *)(e + 2 * bHT + bKn + bW);
     go.Tt = (bf16 *)(e + 2 * bHT + bKn + bW + bG);
   }
+  /* U's bf16 residual for the recompute (GdpArgs::Ulo): it lives in the bf16 h buffer,
+   * which only variant 2's gradient kernel uses */
+  if (grad_state) plan.a.Ulo = plan.a.hbuf;
   st = v3::launch_prep_v3(plan, go.Tt); /* NULL (no T store) for variant 2's gradient kernel */
   prof_mark("bwd prep v3 (recompute)", stream);
   const int bv = v3b::choose_bv(plan);

@@ -54,6 +54,9 @@ struct GdpArgs {
   int nstages; /* pipeline depth of the sequential kernels (set at launch) */
   /* workspace */
   bf16 *W, *U, *Kd, *Qd, *Pm;
+  /* v3 backward only (else NULL): U - bf16(U), so that the recompute's D = U - W h starts
+   * from U to ~16 bits instead of 8 (dg's z terms amplify D's error; NOTES.md) */
+  bf16 *Ulo;
   float *elast;
   bf16 *hbuf, *Dbuf, *dHbuf, *dDbuf;
 };

@@ -646,14 +646,22 @@ __global__ void __launch_bounds__(128, 4) prep_kernel_v3(GdpArgs a, bf16 *Tt) {
         }
       }
       bf16 *out = isu ? a.U + CHi * C * V : a.W + CHi * C * K;
+      /* the backward's recompute also wants U's rounding residual (a.Ulo, gdp_chunk.cuh):
+       * U - bf16(U) is exact in float32, its bf16 rounding keeps U to ~16 bits */
+      bf16 *outlo = (isu && a.Ulo) ? a.Ulo + CHi * C * V : nullptr;
       constexpr int ldo = isu ? V : K;
 #pragma unroll
       for (int nt = 0; nt < 8; nt++)
 #pragma unroll
         for (int hf = 0; hf < 2; hf++) {
           const int i = rb + grp + 8 * hf, col = cb + nt * 8 + 2 * tig;
-          *reinterpret_cast<uint32_t *>(out + (int64_t)i * ldo + col) =
-              pack_bf16(acc[nt][2 * hf], acc[nt][2 * hf + 1]);
+          const uint32_t hi = pack_bf16(acc[nt][2 * hf], acc[nt][2 * hf + 1]);
+          *reinterpret_cast<uint32_t *>(out + (int64_t)i * ldo + col) = hi;
+          if (isu && outlo) {
+            const float2 h2 = unpack_bf16(hi);
+            *reinterpret_cast<uint32_t *>(outlo + (int64_t)i * ldo + col) =
+                pack_bf16(acc[nt][2 * hf] - h2.x, acc[nt][2 * hf + 1] - h2.y);
+          }
         }
     });
   }
