@@ -1,29 +1,63 @@
 #!/usr/bin/env bash
 # gpu_branches.sh -- on the GPU machine, validates and times the kernel lab of every tree
 # snapshot under .branches/ (tools/snapshot_branches.sh) next to the working tree's own:
-# one lab build each (in parallel), `lab check v3` against the float64 oracle, racecheck on
-# a small problem, then medians of 10 at the four benchmark shapes and the per-kernel
-# profile at 4 x 4096, n = 2.  Run from the repository root:
+# one lab build each (in parallel), then, correctness first for every tree, `lab check`
+# against the float64 oracle (variant 3, and variant 5 = v3 saving for backward where the
+# tree's lab has it) and racecheck on a small problem; then medians of 10 at the four
+# benchmark shapes; then the per-kernel profile at 4 x 4096, n = 2 and, for a tree whose
+# gradient kernels read GDP_CUDA_V3_GRAD_AHEAD, a sweep of it.  Every stage after the
+# builds is skipped once BUDGET_S (default 540) seconds have passed, so the call ends
+# inside the device's 10-minute limit with what it has.  Run from the repository root:
 #   source .devbundle/env.sh && OUT=$OUT bash tools/gpu_branches.sh      (carry .branches)
 set -u
 OUT=${OUT:?set OUT}
+BUDGET_S=${BUDGET_S:-540}
 root=$PWD
+t0=$(date +%s)
+LOG=$OUT/branches.log
+say() { echo "$*" | tee -a "$LOG"; }
+left() { [ $(( $(date +%s) - t0 )) -lt "$BUDGET_S" ] || { say "[$(( $(date +%s) - t0 ))s] out of time: skipped $*"; return 1; }; }
 trees=("$root")
 for d in "$root"/.branches/*/; do [ -d "$d/kernels" ] && trees+=("${d%/}"); done
 name() { [ "$1" = "$root" ] && echo main || basename "$1"; }
+lab() { echo "/tmp/lab-$(name "$1")/lab"; }
+# variants a tree's lab knows: 5 where the lab has the saving forward
+variants() { if grep -q "forward_v3_save" "$1/kernels/bench/gdp_cuda_lab.cu" 2>/dev/null; then echo "v3 v5"; else echo v3; fi; }
 for t in "${trees[@]}"; do
   ( cd "$t" && bash "$root/tools/gpu_lab_build.sh" "/tmp/lab-$(name "$t")" > "$OUT/build_$(name "$t").log" 2>&1 ) &
 done
 wait
+say "[$(( $(date +%s) - t0 ))s] builds done"
 for t in "${trees[@]}"; do
-  n=$(name "$t"); L=/tmp/lab-$n/lab
-  echo "===== $n $(cat "$t/COMMIT" 2>/dev/null | cut -c1-10)" | tee -a "$OUT/branches.log"
-  [ -x "$L" ] || { echo "BUILD FAILED" | tee -a "$OUT/branches.log"; continue; }
-  timeout 90 $L check v3 > "$OUT/check_$n.log" 2>&1
-  echo "check rc=$? $(grep -E 'check:' "$OUT/check_$n.log")" | tee -a "$OUT/branches.log"
-  timeout 60 compute-sanitizer --tool racecheck $L bench 1 300 2 v3 --reps 1 2>&1 | grep -E "RACECHECK SUMMARY" | tee -a "$OUT/branches.log"
-  for s in "4 4096 1" "4 4096 2" "4 4096 3" "1 32768 2"; do
-    timeout 30 $L bench $s v3 --reps 10 2>&1 | grep -E "chunk_v3" | sed "s/^/[$s] /" | tee -a "$OUT/branches.log"
-  done
-  GDP_CUDA_PROFILE=1 timeout 30 $L bench 4 4096 2 v3 --reps 2 2>&1 | grep -E "^    " | grep -v " 0.0000 ms" | tee -a "$OUT/branches.log"
+  n=$(name "$t"); L=$(lab "$t")
+  say "===== $n $(cut -c1-10 "$t/COMMIT" 2>/dev/null) check ($(variants "$t"))"
+  [ -x "$L" ] || { say "BUILD FAILED"; continue; }
+  left "check $n" || break
+  timeout 120 $L check $(variants "$t") > "$OUT/check_$n.log" 2>&1
+  say "check rc=$? $(grep -E 'check:' "$OUT/check_$n.log" | tail -1)"
+  grep -E "FAIL" "$OUT/check_$n.log" | head -5 | tee -a "$LOG"
+  timeout 60 compute-sanitizer --tool racecheck $L bench 1 300 2 $(variants "$t") --reps 1 2>&1 | grep -E "RACECHECK SUMMARY" | tee -a "$LOG"
 done
+for t in "${trees[@]}"; do
+  n=$(name "$t"); L=$(lab "$t"); [ -x "$L" ] || continue
+  left "bench $n" || break
+  say "===== $n bench"
+  for s in "4 4096 1" "4 4096 2" "4 4096 3" "1 32768 2"; do
+    timeout 40 $L bench $s $(variants "$t") --reps 10 2>&1 | grep -E "chunk_v3|v3_save|saved" | sed "s/^/[$s] /" | tee -a "$LOG"
+  done
+done
+for t in "${trees[@]}"; do
+  n=$(name "$t"); L=$(lab "$t"); [ -x "$L" ] || continue
+  left "profile $n" || break
+  say "===== $n profile 4 4096 2"
+  GDP_CUDA_PROFILE=1 timeout 30 $L bench 4 4096 2 v3 --reps 2 2>&1 | grep -E "^    " | grep -v " 0.0000 ms" | tee -a "$LOG"
+  if grep -q GDP_CUDA_V3_GRAD_AHEAD "$t/kernels/cuda/gdp_bwd_v3.cu"; then
+    for ga in 0 8 16 33 66 auto; do
+      left "grad-ahead $ga" || break
+      for s in "4 4096 2" "4 4096 3"; do
+        GDP_CUDA_V3_GRAD_AHEAD=$ga timeout 30 $L bench $s v3 --reps 10 2>&1 | grep -E "chunk_v3" | sed "s/^/[ahead=$ga $s] /" | tee -a "$LOG"
+      done
+    done
+  fi
+done
+say "[$(( $(date +%s) - t0 ))s] done"
