@@ -89,6 +89,35 @@ __device__ __forceinline__ void copy_panel(unsigned char *dst, int sld, const bf
   }
 }
 
+/* ------------------------------------------------------------------ saved-state stores */
+
+/* The two stores of a forward that keeps its states for the backward (SAVE below), in
+ * exactly the layouts bwd_states_kernel_v3 writes (gdp_bwd_v3.cu), so the backward's
+ * gradient kernels read them unchanged:
+ *  - h^T float32 [V][K] per (chunk, head): the accumulator tiles X[nt][e] = S^T[x][r],
+ *    x = grp + 8(e/2), r = 8nt + 2tig + e%2; `base` points at (x = this lane's grp row,
+ *    r = 2tig), each register pair one 8-byte store;
+ *  - D bf16 [C][V] (variant 2's layout): the A fragment of D^T for k tile kt, register q
+ *    = D[16kt + 2tig + 8(q/2) + {0,1}][x + 8(q%2)], `base` at column x of this lane. */
+template <int K>
+__device__ __forceinline__ void save_hT32(float *base, const float (&X)[K / 8][4]) {
+#pragma unroll
+  for (int nt = 0; nt < K / 8; nt++) {
+    *reinterpret_cast<float2 *>(base + nt * 8) = make_float2(X[nt][0], X[nt][1]);
+    *reinterpret_cast<float2 *>(base + 8 * K + nt * 8) = make_float2(X[nt][2], X[nt][3]);
+  }
+}
+
+__device__ __forceinline__ void save_dfrag(bf16 *base, int V, int r0, const uint32_t (&A)[4]) {
+  bf16 *p = base + (int64_t)r0 * V;
+#pragma unroll
+  for (int q = 0; q < 4; q++) {
+    const __nv_bfloat162 v2 = *reinterpret_cast<const __nv_bfloat162 *>(&A[q]);
+    p[(8 * (q >> 1)) * V + 8 * (q & 1)] = v2.x;
+    p[(8 * (q >> 1) + 1) * V + 8 * (q & 1)] = v2.y;
+  }
+}
+
 /* ------------------------------------------------------------------ the state pass */
 
 /* Grid (sequence, head, value block of BV columns); BV/16 warps, warp w owns value
@@ -96,9 +125,12 @@ __device__ __forceinline__ void copy_panel(unsigned char *dst, int sld, const bf
  *   St[nt][e]  = S^T[x][r],  x = 16w + grp + 8(e/2),  r = 8nt + 2tig + e%2
  *   Dt[nt][e]  = -D^T[x][j], j = 8nt + 2tig + e%2      (accumulated negated, see D)
  *   Ot[nt][e]  = o^T[x][a],  a = 8nt + 2tig + e%2
- * and the bf16 A fragments Sa[kt], Da[kt] cover k columns 16kt..16kt+15. */
-template <int K, int C, int TC, int BV>
-__global__ void __launch_bounds__(BV / 16 * 32, 1) state_kernel_v3(GdpArgs a) {
+ * and the bf16 A fragments Sa[kt], Da[kt] cover k columns 16kt..16kt+15.
+ * SAVE (a forward kept for the backward): per chunk also h^T (float32, S at the chunk
+ * start) to hT32 and D (bf16) to a.Dbuf, the values bwd_states_kernel_v3 would
+ * recompute -- the same products in the same order, so the same bits. */
+template <int K, int C, int TC, int BV, bool SAVE = false>
+__global__ void __launch_bounds__(BV / 16 * 32, 1) state_kernel_v3(GdpArgs a, float *hT32) {
   using L = Layout<K, C, TC, BV>;
   constexpr int NT = BV / 16 * 32;
   static_assert(K % 32 == 0 && C % 16 == 0 && TC % 16 == 0 && BV % 16 == 0, "tile shapes");
@@ -161,6 +193,7 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) state_kernel_v3(GdpArgs a) {
     const uint32_t sb = smem0 + (it % kStages) * L::stage;
     const uint32_t sW = sb + L::oW, sKd = sb + L::oKd, sQd = sb + L::oQd, sPm = sb + L::oPm,
                    sU = sb + L::oU;
+    if constexpr (SAVE) save_hT32<K>(hT32 + ((int64_t)c * H + h) * V * K + (int64_t)(xw + grp) * K + 2 * tig, St);
 
     /* S^T at the chunk start as bf16 A fragments (for D and o) */
     uint32_t Sa[K / 16][4];
@@ -201,6 +234,11 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) state_kernel_v3(GdpArgs a) {
       Da[kt][1] = pack_bf16(-Dt[2 * kt][2], -Dt[2 * kt][3]);
       Da[kt][2] = pack_bf16(-Dt[2 * kt + 1][0], -Dt[2 * kt + 1][1]);
       Da[kt][3] = pack_bf16(-Dt[2 * kt + 1][2], -Dt[2 * kt + 1][3]);
+    }
+    if constexpr (SAVE) {
+      bf16 *gD = a.Dbuf + ((int64_t)c * H + h) * C * V + xw + grp;
+#pragma unroll
+      for (int kt = 0; kt < C / 16; kt++) save_dfrag(gD, V, kt * 16 + 2 * tig, Da[kt]);
     }
 
     /* o^T = S^T Qd^T + D^T Pm^T, then straight to global (rows past the sequence end,
@@ -653,9 +691,9 @@ __global__ void __launch_bounds__(128, 4) prep_kernel_v3(GdpArgs a) {
 /* ------------------------------------------------------------------ host side */
 
 template <int K, int C, int TC, int BV>
-static gdp_status launch_bv(const Plan &plan, bool dry_run, int *blocks_per_sm) {
+static gdp_status launch_bv(const Plan &plan, bool dry_run, int *blocks_per_sm, float *hT32) {
   using L = Layout<K, C, TC, BV>;
-  auto kern = state_kernel_v3<K, C, TC, BV>;
+  auto kern = hT32 ? state_kernel_v3<K, C, TC, BV, true> : state_kernel_v3<K, C, TC, BV, false>;
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
   if (dry_run) {
     GDP_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, kern, BV / 16 * 32,
@@ -664,30 +702,31 @@ static gdp_status launch_bv(const Plan &plan, bool dry_run, int *blocks_per_sm) 
   }
   const GdpArgs &a = plan.a;
   kern<<<dim3((unsigned)a.N, (unsigned)a.H, (unsigned)(a.V / BV)), BV / 16 * 32, L::total,
-         plan.stream>>>(a);
+         plan.stream>>>(a, hT32);
   GDP_CUDA_LAUNCHED("state_kernel_v3");
   return GDP_OK;
 }
 
 template <int K, int C, int TC>
-static gdp_status launch_k(const Plan &plan, int bv, bool dry_run, int *occ) {
+static gdp_status launch_k(const Plan &plan, int bv, bool dry_run, int *occ, float *hT32) {
   switch (bv) {
-    case 64: return launch_bv<K, C, TC, 64>(plan, dry_run, occ);
-    case 32: return launch_bv<K, C, TC, 32>(plan, dry_run, occ);
-    default: return launch_bv<K, C, TC, 16>(plan, dry_run, occ);
+    case 64: return launch_bv<K, C, TC, 64>(plan, dry_run, occ, hT32);
+    case 32: return launch_bv<K, C, TC, 32>(plan, dry_run, occ, hT32);
+    default: return launch_bv<K, C, TC, 16>(plan, dry_run, occ, hT32);
   }
 }
 
-static gdp_status launch_state_v3(const Plan &plan, int bv, bool dry_run, int *occ) {
+/* hT32 non-NULL: the SAVE pass (h^T to hT32 and D to plan.a.Dbuf, besides o). */
+static gdp_status launch_state_v3(const Plan &plan, int bv, bool dry_run, int *occ, float *hT32 = nullptr) {
   const GdpArgs &a = plan.a;
   if (a.K == 128) {
-    if (a.n == 1) return launch_k<128, 32, 32>(plan, bv, dry_run, occ);
-    if (a.n == 2) return launch_k<128, 64, 32>(plan, bv, dry_run, occ);
-    return launch_k<128, 48, 16>(plan, bv, dry_run, occ);
+    if (a.n == 1) return launch_k<128, 32, 32>(plan, bv, dry_run, occ, hT32);
+    if (a.n == 2) return launch_k<128, 64, 32>(plan, bv, dry_run, occ, hT32);
+    return launch_k<128, 48, 16>(plan, bv, dry_run, occ, hT32);
   }
-  if (a.n == 1) return launch_k<64, 32, 32>(plan, bv, dry_run, occ);
-  if (a.n == 2) return launch_k<64, 64, 32>(plan, bv, dry_run, occ);
-  return launch_k<64, 48, 16>(plan, bv, dry_run, occ);
+  if (a.n == 1) return launch_k<64, 32, 32>(plan, bv, dry_run, occ, hT32);
+  if (a.n == 2) return launch_k<64, 64, 32>(plan, bv, dry_run, occ, hT32);
+  return launch_k<64, 48, 16>(plan, bv, dry_run, occ, hT32);
 }
 
 /* Value-block width: the fewest waves of blocks; on a tie the narrower block (more SMs
@@ -744,6 +783,19 @@ gdp_status launch_prep_v3(const Plan &plan) { /* also the backward v3 (gdp_bwd_v
   return V == 128 ? launch_prep_n<64, 128>(plan) : launch_prep_n<64, 64>(plan);
 }
 
+SavedLayout saved_layout(const gdp_gdp_problem *p) {
+  SavedLayout L;
+  const int64_t TC = chunk_steps(p->n) / p->n;
+  int64_t nchunks = 0;
+  for (int64_t s = 0; s < p->N; s++) nchunks += (p->cu_seqlens[s + 1] - p->cu_seqlens[s] + TC - 1) / TC;
+  const size_t CH = (size_t)nchunks * (size_t)p->H;
+  L.plan = align128(plan_bytes(p, false));
+  L.o_hT32 = L.plan;
+  L.o_D = L.o_hT32 + align128(CH * (size_t)(p->V * p->K) * 4);
+  L.total = L.o_D + align128(CH * (size_t)(chunk_steps(p->n) * p->V) * 2);
+  return L;
+}
+
 }  // namespace v3
 }  // namespace gdpcu
 
@@ -754,8 +806,10 @@ extern "C" int gdp_cuda_gdp_forward_v3_supported(const gdp_gdp_problem *p, int n
   return !new_prep || p->V == 64 || p->V == 128;
 }
 
-extern "C" gdp_status gdp_cuda_gdp_forward_v3(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io,
-                                              void *stream_, int new_prep) {
+/* The forward; saved non-NULL (variant 3's prep only): the plan lives in the caller's
+ * block (saved_layout) and the state pass also stores h^T and D there. */
+static gdp_status forward_v3(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io, void *stream_, int new_prep,
+                             void *saved) {
   GDP_TRY(validate_problem(p, "forward_v3"));
   GDP_TRY(validate_fwd_io(p, io, "forward_v3"));
   if (!gdp_cuda_gdp_forward_v3_supported(p, new_prep))
@@ -768,17 +822,42 @@ extern "C" gdp_status gdp_cuda_gdp_forward_v3(const gdp_gdp_problem *p, const gd
   GdpArgs a = fwd_args(p, io);
   Plan plan;
   prof_begin(stream);
-  gdp_status st = plan_make(p, stream, false, a, &plan);
+  v3::SavedLayout sl = {0, 0, 0, 0};
+  float *hT32 = nullptr;
+  if (saved) {
+    sl = v3::saved_layout(p);
+    hT32 = (float *)((char *)saved + sl.o_hT32);
+  }
+  gdp_status st = plan_make(p, stream, false, a, &plan, saved, true);
   if (st != GDP_OK) {
     prof_end(stream);
     return st;
   }
+  if (saved) plan.a.Dbuf = (bf16 *)((char *)saved + sl.o_D);
   prof_mark("fwd plan+upload", stream);
   st = new_prep ? v3::launch_prep_v3(plan) : launch_prep(plan);
   prof_mark(new_prep ? "fwd prep v3" : "fwd prep", stream);
-  if (st == GDP_OK) st = v3::launch_state_v3(plan, v3::choose_bv(plan), false, nullptr);
-  prof_mark("fwd state+output v3", stream);
+  if (st == GDP_OK) st = v3::launch_state_v3(plan, v3::choose_bv(plan), false, nullptr, hT32);
+  prof_mark(saved ? "fwd state+output v3 (saving h, D)" : "fwd state+output v3", stream);
   plan_free(&plan);
   prof_end(stream);
   return st;
+}
+
+extern "C" gdp_status gdp_cuda_gdp_forward_v3(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io,
+                                              void *stream, int new_prep) {
+  return forward_v3(p, io, stream, new_prep, nullptr);
+}
+
+extern "C" size_t gdp_cuda_gdp_v3_saved_bytes(const gdp_gdp_problem *p) {
+  if (!gdp_cuda_gdp_forward_v3_supported(p, 1) || validate_problem(p, "v3_saved_bytes") != GDP_OK) return 0;
+  return v3::saved_layout(p).total;
+}
+
+extern "C" gdp_status gdp_cuda_gdp_forward_v3_save(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io,
+                                                   void *stream, void *saved) {
+  if (!saved)
+    return GDP_ERROR(GDP_ERR_INVALID_ARG, "forward_v3_save: saved: expected a device block of "
+                                          "gdp_cuda_gdp_v3_saved_bytes bytes, got NULL");
+  return forward_v3(p, io, stream, 1, saved);
 }
