@@ -337,8 +337,9 @@ gdp_status gdp_gdp_backward(gdp_ctx *ctx, const gdp_gdp_options *opts, const gdp
  * is not NULL, also returns in *saved (owned; free with gdp_gdp_saved_free) what the
  * backward would otherwise recompute: on cuda variant 3 (bf16, n <= 3, K and V in
  * {64, 128}) the per-chunk panels, the chunk-start states h (float32) and D (bf16) --
- * about (2C + 2C + TC)K + CV + TC C + 4KV + 2CV bytes per chunk and head, e.g. 1.1 GB
- * at B x T = 4 x 4096, H = 16, K = V = 128, n = 2 -- which gdp_gdp_backward_ex then reads
+ * 2(2C + TC)K + 4CV + 2 TC C + 4KV + 4 bytes per chunk of C steps (TC tokens) and head,
+ * C = 32, 64, 48 for n = 1, 2, 3, e.g. 1.17 GB at B x T = 4 x 4096, H = 16, K = V = 128,
+ * n = 2 -- which gdp_gdp_backward_ex then reads
  * instead of running the prep and the state pass again.  Backends and variants that
  * keep nothing (cpu; cuda variants 1 and 2) still return a saved object, of 0 bytes,
  * and their backward recomputes: results identical to the plain calls.
@@ -350,8 +351,10 @@ gdp_status gdp_gdp_backward(gdp_ctx *ctx, const gdp_gdp_options *opts, const gdp
  * VALUES of its forward, which are not checked: a backward with other q, k, v, g, beta
  * or h0 values of the same shapes returns gradients of the forward's inputs.  It holds a
  * reference to its context, and its device memory counts in gdp_mem_live_bytes; freeing
- * it is stream-ordered (work already queued that reads it finishes first).  One object
- * may serve several backwards (it is only read).
+ * it is stream-ordered on that context's stream (work already queued there that reads it
+ * finishes first).  Use it with the context of its forward: another context of the same
+ * device has another stream, so synchronise (gdp_ctx_sync) between them, as for any
+ * tensor.  One object may serve several backwards (it is only read).
  */
 typedef struct gdp_gdp_saved gdp_gdp_saved;
 
