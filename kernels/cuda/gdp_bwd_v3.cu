@@ -1440,14 +1440,13 @@ static gdp_status backward_v3_saved(const gdp_gdp_problem *p, const gdp_gdp_bwd_
   }
   prof_mark("bwd plan (saved)", stream);
   const int bv = v3b::choose_bv(plan);
-  if (plan.a.nchunks > 0) {
-    st = v3b::launch_seq(plan, bv, false, false, nullptr, go.dHT32);
-    prof_mark("bwd state gradients v3", stream);
-    if (st == GDP_OK) st = v3b::launch_grad_v3(plan, go, false);
-    prof_mark("bwd chunk gradients v3, state part", stream);
-    if (st == GDP_OK) st = v3b::launch_grad_v3(plan, go, true);
-    prof_mark("bwd chunk gradients v3, WY part", stream);
-  }
+  /* also without chunks (every sequence empty): the reverse pass writes dh0 = dht */
+  st = v3b::launch_seq(plan, bv, false, false, nullptr, go.dHT32);
+  prof_mark("bwd state gradients v3", stream);
+  if (st == GDP_OK) st = v3b::launch_grad_v3(plan, go, false);
+  prof_mark("bwd chunk gradients v3, state part", stream);
+  if (st == GDP_OK) st = v3b::launch_grad_v3(plan, go, true);
+  prof_mark("bwd chunk gradients v3, WY part", stream);
   if (extra) cudaFreeAsync(extra, stream);
   plan_free(&plan);
   prof_end(stream);
