@@ -5,7 +5,7 @@
 --   ./gdp experiments/bench_gdp.lua [--device cpu|cuda] [--dtype f32|bf16|f64]
 --         [--B 1 --T 4096 --H 4 --K 128 --V 128 --n 2] [--shapes BxTxn,...]
 --         [--against-fla [--fla-path DIR] [--python python3]] [--warmup 1] [--repeat 5]
---         [--json] [--no-save] [--help]
+--         [--save-for-backward] [--json] [--no-save] [--help]
 --
 -- The issue's comparison (H200, all shapes in one call, ceilings measured once):
 --   ./gdp experiments/bench_gdp.lua --device cuda --dtype bf16 --H 16 --K 128 --V 128 \
@@ -47,6 +47,10 @@
 -- python3 checks, and so lets a stub exercise the comparison on the cpu
 -- (spec/bench_fla_spec.lua).
 --
+-- --save-for-backward: the timed forwards keep what the backward would recompute
+-- (save_for_backward = true; cuda variant 3 keeps its chunk panels and states) and the
+-- backward of forward+backward reads it; the kept bytes are freed after each repeat.
+--
 -- Output: a table on stdout (stderr with --json, whose stdout is ONE JSON object: the
 -- configuration, command, ceilings, flop_count, fla's versions, and `shapes`, an array of
 -- per-shape objects; with one shape its fields are also at the top level, as before:
@@ -83,6 +87,7 @@ local config = {
   fla_warmup = 5,          -- fla's untimed repeats (Triton autotuning happens there)
   fla_cmd = "",            -- test hook: replaces `python3 tools/fla_bench.py`
   save = true,             -- write the run folder and the study's results.csv
+  save_for_backward = false, -- forwards keep their workspace for the backward (gdp.ops)
 }
 
 local ffi = require("ffi")
@@ -108,6 +113,7 @@ local opts = util.parse_args(arg, config, {
     { "against_fla", "also time fla at the same shapes (cuda, bf16)" },
     { "fla_path", "folder holding fla/ (empty: <repo>/.fla)" },
     { "python", "python for tools/fla_bench.py" },
+    { "save_for_backward", "forwards keep panels and states; the backward reads them" },
     { "fla_reps", "fla's timed repeats (0: --repeat)" }, { "fla_warmup", "fla's untimed repeats" },
     { "fla_cmd", "test hook: command replacing `python3 tools/fla_bench.py`" },
     { "ceilings", "cuda: measure the bf16 matmul and copy ceilings in this run" },
@@ -370,14 +376,19 @@ local function time_shape(s)
   local fwd, fwdbwd = {}, {}
   for r = 1, opts.warmup + opts["repeat"] do
     local args = draw_inputs(s)
-    local o, ht, grads
-    local t_fwd = timed(function() o, ht = gdp.ops.chunk_gated_delta_product(args) end)
+    local o, ht, grads, saved
+    args.save_for_backward = opts.save_for_backward or nil
+    local t_fwd = timed(function() o, ht, saved = gdp.ops.chunk_gated_delta_product(args) end)
     o:free(); if ht then ht:free() end
+    if saved then saved:free() end
     local t_fb = timed(function()
-      o, ht = gdp.ops.chunk_gated_delta_product(args)
+      o, ht, saved = gdp.ops.chunk_gated_delta_product(args)
+      args.saved = saved
       grads = gdp.ops.chunk_gated_delta_product_backward(args)
     end)
     o:free(); if ht then ht:free() end
+    if saved then saved:free() end
+    args.saved, args.save_for_backward = nil, nil
     gdp.ops.free_all(grads)
     gdp.ops.free_all(args)
     if r > opts.warmup then fwd[#fwd + 1], fwdbwd[#fwdbwd + 1] = t_fwd, t_fb end
@@ -488,6 +499,8 @@ local report = {
   gdp_version = gdp.version, end_time = os.date("!%Y-%m-%dT%H:%M:%SZ"),
 }
 for k, v in pairs(common) do report[k] = v end
+-- in the JSON and meta.json (the config), not a CSV column: the study's CSV keeps its header
+report.save_for_backward = opts.save_for_backward
 for k, v in pairs(ceil) do report[k] = v end
 if opts.against_fla then
   report.fla = { command = fla_cmd, error = fla_err, pythonpath = fla_dir }
@@ -540,7 +553,8 @@ local r1 = rows[1]
 say("# gdp %s on %s, %s, %s, H=%d K=%d V=%d, algorithm %s, %d threads, median of %d; inputs %s, %s",
     gdp.version, common.device, opts.dtype, #shapes == 1 and string.format("B=%d T=%d n=%d", shapes[1].B,
     shapes[1].T, shapes[1].n) or (#shapes .. " shapes"), opts.H, opts.K, opts.V, opts.algorithm,
-    common.threads, opts["repeat"], inputs, opts.final_state and "final state" or "no final state")
+    common.threads, opts["repeat"], inputs, (opts.final_state and "final state" or "no final state") ..
+    (opts.save_for_backward and ", save for backward" or ""))
 if #shapes == 1 and not opts.against_fla and r1 and r1.status == "ok" then
   -- the single-shape table of before --shapes
   say("%s", util.format_table({ "pass", "time_ms", "GFLOP/s", "of_sgemm" }, {

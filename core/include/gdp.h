@@ -332,6 +332,55 @@ gdp_status gdp_gdp_backward(gdp_ctx *ctx, const gdp_gdp_options *opts, const gdp
                             gdp_tensor **dv, gdp_tensor **dbeta, gdp_tensor **dg,
                             gdp_tensor **dh0);
 
+/*
+ * Save for backward (opt-in).  gdp_gdp_forward_ex is gdp_gdp_forward that, when saved
+ * is not NULL, also returns in *saved (owned; free with gdp_gdp_saved_free) what the
+ * backward would otherwise recompute: on cuda variant 3 (bf16, n <= 3, K and V in
+ * {64, 128}) the per-chunk panels, the chunk-start states h (float32), D (bf16) and the
+ * prep's T^T (bf16) -- 2(2C + TC)K + 4CV + 2 TC C + 2C^2 + 4KV + 4 bytes per chunk of
+ * C steps (TC tokens) and head, C = 32, 64, 48 for n = 1, 2, 3, e.g. 1.24 GB at
+ * B x T = 4 x 4096, H = 16, K = V = 128,
+ * n = 2 -- which gdp_gdp_backward_ex then reads
+ * instead of running the prep and the state pass again.  Backends and variants that
+ * keep nothing (cpu; cuda variants 1 and 2) still return a saved object, of 0 bytes,
+ * and their backward recomputes: results identical to the plain calls.
+ *
+ * The object records the problem (dtype, device, B, T, H, K, V, n, gated, h0 present,
+ * use_qk_l2norm, scale, algorithm, the backend's variant, the cu_seqlens values) and
+ * gdp_gdp_backward_ex with a saved object refuses any mismatch (GDP_ERR_INVALID_ARG
+ * naming the field, its expected and actual values).  It belongs to the very input
+ * VALUES of its forward, which are not checked: a backward with other q, k, v, g, beta
+ * or h0 values of the same shapes returns gradients of the forward's inputs.  It holds a
+ * reference to its context, and its device memory counts in gdp_mem_live_bytes; freeing
+ * it is stream-ordered on that context's stream (work already queued there that reads it
+ * finishes first).  Use it with the context of its forward: another context of the same
+ * device has another stream, so synchronise (gdp_ctx_sync) between them, as for any
+ * tensor.  One object may serve several backwards (it is only read).
+ */
+typedef struct gdp_gdp_saved gdp_gdp_saved;
+
+/* saved NULL: exactly gdp_gdp_forward.  Else *saved receives the object (NULL on
+ * failure). */
+gdp_status gdp_gdp_forward_ex(gdp_ctx *ctx, const gdp_gdp_options *opts, const gdp_tensor *q,
+                              const gdp_tensor *k, const gdp_tensor *v, const gdp_tensor *g,
+                              const gdp_tensor *beta, const gdp_tensor *h0,
+                              const gdp_tensor *cu_seqlens, gdp_tensor **o, gdp_tensor **ht,
+                              gdp_gdp_saved **saved);
+
+/* gdp_gdp_backward; saved (borrowed) NULL: the same, else the forward's kept buffers. */
+gdp_status gdp_gdp_backward_ex(gdp_ctx *ctx, const gdp_gdp_options *opts, const gdp_tensor *q,
+                               const gdp_tensor *k, const gdp_tensor *v, const gdp_tensor *g,
+                               const gdp_tensor *beta, const gdp_tensor *h0,
+                               const gdp_tensor *cu_seqlens, const gdp_tensor *d_o,
+                               const gdp_tensor *dht, gdp_tensor **dq, gdp_tensor **dk,
+                               gdp_tensor **dv, gdp_tensor **dbeta, gdp_tensor **dg,
+                               gdp_tensor **dh0, const gdp_gdp_saved *saved);
+
+/* Device bytes the object keeps (0 for NULL or when its backend keeps nothing). */
+size_t gdp_gdp_saved_bytes(const gdp_gdp_saved *saved);
+/* Releases the object (owned); NULL is a no-op. */
+void gdp_gdp_saved_free(gdp_gdp_saved *saved);
+
 /* ------------------------------------------------------------------ mixer layer ops */
 
 /*

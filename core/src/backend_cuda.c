@@ -569,6 +569,26 @@ static gdp_status cuda_gdp_backward(gdp_ctx *ctx, const gdp_gdp_problem *p,
   return op_end(ctx);
 }
 
+static gdp_status cuda_gdp_save_plan(gdp_ctx *ctx, const gdp_gdp_problem *p, int *variant,
+                                     size_t *bytes) {
+  return gdp_cuda_gdp_save_plan(p, variant, bytes);
+}
+
+static gdp_status cuda_gdp_forward_save(gdp_ctx *ctx, const gdp_gdp_problem *p,
+                                        const gdp_gdp_fwd_io *io, void *saved) {
+  GDP_TRY(op_begin(ctx, "gdp_forward (saving for backward)", NULL));
+  GDP_TRY(gdp_cuda_gdp_forward_ex(p, io, (void *)state_of(ctx)->stream, saved));
+  return op_end(ctx);
+}
+
+static gdp_status cuda_gdp_backward_saved(gdp_ctx *ctx, const gdp_gdp_problem *p,
+                                          const gdp_gdp_bwd_io *io, int variant,
+                                          const void *saved) {
+  GDP_TRY(op_begin(ctx, saved ? "gdp_backward (saved forward)" : "gdp_backward", NULL));
+  GDP_TRY(gdp_cuda_gdp_backward_ex(p, io, (void *)state_of(ctx)->stream, variant, saved));
+  return op_end(ctx);
+}
+
 /* ------------------------------------------------------------------ capabilities */
 
 static int cuda_supports(gdp_op op, gdp_dtype dtype) {
@@ -605,5 +625,8 @@ const gdp_backend gdp_backend_cuda = {
     .matmul = cuda_matmul,
     .gdp_forward = cuda_gdp_forward,
     .gdp_backward = cuda_gdp_backward,
+    .gdp_save_plan = cuda_gdp_save_plan,
+    .gdp_forward_save = cuda_gdp_forward_save,
+    .gdp_backward_saved = cuda_gdp_backward_saved,
     .supports = cuda_supports,
 };

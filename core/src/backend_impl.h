@@ -53,6 +53,19 @@ struct gdp_backend {
    * already L2-normalised when asked (the op layer does that); see gdp_problem.h. */
   gdp_status (*gdp_forward)(gdp_ctx *ctx, const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io);
   gdp_status (*gdp_backward)(gdp_ctx *ctx, const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io);
+  /* Save for backward (gdp_gdp_forward_ex); all three NULL: the backend keeps nothing
+   * and its saved objects are empty.  gdp_save_plan: the variant that runs p (recorded,
+   * and compared by the backward) and the device bytes its forward keeps (0: none).
+   * gdp_forward_save: the forward, keeping that many bytes in `saved` (allocated by the
+   * op layer through alloc); gdp_backward_saved: the backward of the forward that ran
+   * with `variant` (refused when this call would run another), reading `saved` (NULL:
+   * recompute). */
+  gdp_status (*gdp_save_plan)(gdp_ctx *ctx, const gdp_gdp_problem *p, int *variant,
+                              size_t *bytes);
+  gdp_status (*gdp_forward_save)(gdp_ctx *ctx, const gdp_gdp_problem *p,
+                                 const gdp_gdp_fwd_io *io, void *saved);
+  gdp_status (*gdp_backward_saved)(gdp_ctx *ctx, const gdp_gdp_problem *p,
+                                   const gdp_gdp_bwd_io *io, int variant, const void *saved);
   int (*supports)(gdp_op op, gdp_dtype dtype);
 };
 

@@ -385,13 +385,112 @@ fail:
   return s;
 }
 
+/* ------------------------------------------------------------------ saved forwards */
+
+/* What a forward kept for its backward, and the problem it belongs to (gdp.h). */
+struct gdp_gdp_saved {
+  gdp_ctx *ctx;    /* a reference: the memory goes back through the backend that gave it */
+  void *data;      /* device block from ctx->backend->alloc; NULL when nothing is kept */
+  size_t bytes;
+  gdp_dtype dtype; /* q's */
+  gdp_device_type device;
+  int device_index;
+  int64_t B, T, H, K, V, n, N;
+  int gated, has_h0, l2norm, algorithm, variant;
+  double scale;    /* the effective scale (opts->scale 0 resolved) */
+  int64_t *cu;     /* N+1 cu_seqlens values (host) */
+};
+
+size_t gdp_gdp_saved_bytes(const gdp_gdp_saved *saved) { return saved ? saved->bytes : 0; }
+
+void gdp_gdp_saved_free(gdp_gdp_saved *saved) {
+  if (!saved) return;
+  /* stream-ordered on the ctx's stream (cuda): a backward queued before still reads it */
+  if (saved->data) saved->ctx->backend->release(saved->ctx, saved->data, saved->bytes);
+  gdp_ctx_free(saved->ctx);
+  free(saved->cu);
+  free(saved);
+}
+
+/* A new saved object recording plan's problem; no device memory yet. */
+static gdp_status saved_new(const char *func, gdp_ctx *ctx, const gdp_op_plan *plan,
+                            const gdp_gdp_options *opts, const gdp_tensor *g, const gdp_tensor *h0,
+                            gdp_gdp_saved **out) {
+  gdp_gdp_saved *sv = calloc(1, sizeof *sv);
+  int64_t *cu = malloc((size_t)(plan->N + 1) * sizeof(int64_t));
+  if (!sv || !cu) {
+    free(sv);
+    free(cu);
+    return GDP_ERROR_IN(func, GDP_ERR_OOM, "out of host memory for the saved forward");
+  }
+  memcpy(cu, plan->cu, (size_t)(plan->N + 1) * sizeof(int64_t));
+  sv->ctx = gdp_ctx_retain(ctx);
+  sv->dtype = plan->in_dtype;
+  sv->device = ctx->type;
+  sv->device_index = ctx->index;
+  sv->B = plan->B, sv->T = plan->T, sv->H = plan->H, sv->K = plan->K, sv->V = plan->V;
+  sv->n = plan->n, sv->N = plan->N;
+  sv->gated = g != NULL;
+  sv->has_h0 = h0 != NULL;
+  sv->l2norm = plan->l2norm;
+  sv->algorithm = opts->algorithm;
+  sv->scale = plan->p.scale;
+  sv->cu = cu;
+  *out = sv;
+  return GDP_OK;
+}
+
+/* The saved object belongs to this backward's problem, field by field. */
+static gdp_status saved_check(const char *func, const gdp_gdp_saved *sv, const gdp_ctx *ctx,
+                              const gdp_op_plan *plan, const gdp_gdp_options *opts,
+                              const gdp_tensor *g, const gdp_tensor *h0) {
+#define SAVED_FIELD(name, fwd, here)                                                          \
+  if ((int64_t)(fwd) != (int64_t)(here))                                                     \
+    return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG,                                           \
+                        "saved: %s: expected %lld (the saved forward's), got %lld (this call's)", \
+                        name, (long long)(fwd), (long long)(here));
+  if (sv->dtype != plan->in_dtype)
+    return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG,
+                        "saved: dtype: expected %s (the saved forward's), got %s (this call's)",
+                        gdp_dtype_name(sv->dtype), gdp_dtype_name(plan->in_dtype));
+  if (sv->device != ctx->type || sv->device_index != ctx->index)
+    return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG,
+                        "saved: device: expected %s:%d (the saved forward's), got %s:%d (this call's)",
+                        gdp_device_type_name(sv->device), sv->device_index,
+                        gdp_device_type_name(ctx->type), ctx->index);
+  SAVED_FIELD("B", sv->B, plan->B);
+  SAVED_FIELD("T", sv->T, plan->T);
+  SAVED_FIELD("H", sv->H, plan->H);
+  SAVED_FIELD("K", sv->K, plan->K);
+  SAVED_FIELD("V", sv->V, plan->V);
+  SAVED_FIELD("num_householder", sv->n, plan->n);
+  SAVED_FIELD("gated (g given)", sv->gated, g != NULL);
+  SAVED_FIELD("h0 given", sv->has_h0, h0 != NULL);
+  SAVED_FIELD("use_qk_l2norm", sv->l2norm, plan->l2norm);
+  if (sv->scale != plan->p.scale)
+    return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG,
+                        "saved: scale: expected %.17g (the saved forward's), got %.17g (this call's)",
+                        sv->scale, plan->p.scale);
+  SAVED_FIELD("algorithm", sv->algorithm, opts->algorithm);
+  SAVED_FIELD("number of sequences (cu_seqlens entries - 1)", sv->N, plan->N);
+  for (int64_t s = 0; s <= sv->N; s++)
+    if (sv->cu[s] != plan->cu[s])
+      return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG,
+                          "saved: cu_seqlens[%lld]: expected %lld (the saved forward's), got %lld "
+                          "(this call's)",
+                          (long long)s, (long long)sv->cu[s], (long long)plan->cu[s]);
+#undef SAVED_FIELD
+  return GDP_OK;
+}
+
 /* ------------------------------------------------------------------ forward */
 
-gdp_status gdp_gdp_forward(gdp_ctx *ctx, const gdp_gdp_options *opts, const gdp_tensor *q,
-                           const gdp_tensor *k, const gdp_tensor *v, const gdp_tensor *g,
-                           const gdp_tensor *beta, const gdp_tensor *h0,
-                           const gdp_tensor *cu_seqlens, gdp_tensor **o, gdp_tensor **ht) {
-  static const char *func = "gdp_gdp_forward";
+static gdp_status forward_impl(const char *func, gdp_ctx *ctx, const gdp_gdp_options *opts,
+                               const gdp_tensor *q, const gdp_tensor *k, const gdp_tensor *v,
+                               const gdp_tensor *g, const gdp_tensor *beta, const gdp_tensor *h0,
+                               const gdp_tensor *cu_seqlens, gdp_tensor **o, gdp_tensor **ht,
+                               gdp_gdp_saved **saved) {
+  if (saved) *saved = NULL;
   if (!o) return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG, "o: expected an output pointer, got NULL");
   *o = NULL;
   if (ht) *ht = NULL;
@@ -402,8 +501,19 @@ gdp_status gdp_gdp_forward(gdp_ctx *ctx, const gdp_gdp_options *opts, const gdp_
   gdp_op_plan plan;
   gdp_op_inputs in = {0};
   gdp_tensor *oc = NULL, *htc = NULL;
+  gdp_gdp_saved *sv = NULL;
   gdp_status s = plan_make(func, ctx, opts, q, k, v, g, beta, h0, cu_seqlens, NULL, NULL, 0, &plan);
   if (s != GDP_OK) goto done;
+  if (saved) {
+    if ((s = saved_new(func, ctx, &plan, opts, g, h0, &sv)) != GDP_OK) goto done;
+    if (ctx->backend->gdp_save_plan &&
+        (s = ctx->backend->gdp_save_plan(ctx, &plan.p, &sv->variant, &sv->bytes)) != GDP_OK)
+      goto done;
+    if (sv->bytes > 0 && (s = ctx->backend->alloc(ctx, sv->bytes, &sv->data)) != GDP_OK) {
+      sv->bytes = 0; /* nothing to release */
+      goto done;
+    }
+  }
   if ((s = inputs_make(ctx, &plan, q, k, v, g, beta, h0, &in)) != GDP_OK) goto done;
 
   const int64_t o_shape[4] = {plan.B, plan.T, plan.H, plan.V};
@@ -417,7 +527,11 @@ gdp_status gdp_gdp_forward(gdp_ctx *ctx, const gdp_gdp_options *opts, const gdp_
       .q = data_or_null(in.qn), .k = data_or_null(in.kn), .v = data_or_null(in.vc),
       .g = data_or_null(in.gc), .beta = data_or_null(in.bc), .h0 = data_or_null(in.h0c),
       .o = data_or_null(oc), .ht = data_or_null(htc)};
-  if ((s = ctx->backend->gdp_forward(ctx, &plan.p, &io)) != GDP_OK) goto done;
+  if (sv && sv->data)
+    s = ctx->backend->gdp_forward_save(ctx, &plan.p, &io, sv->data);
+  else
+    s = ctx->backend->gdp_forward(ctx, &plan.p, &io);
+  if (s != GDP_OK) goto done;
 
   if ((s = deliver(ctx, &oc, plan.in_dtype, o)) != GDP_OK) goto done;
   if (htc && (s = deliver(ctx, &htc, plan.state_out, ht)) != GDP_OK) goto done;
@@ -430,6 +544,9 @@ done:
       gdp_tensor_free(*ht);
       *ht = NULL;
     }
+    gdp_gdp_saved_free(sv);
+  } else if (saved) {
+    *saved = sv;
   }
   gdp_tensor_free(oc);
   gdp_tensor_free(htc);
@@ -438,16 +555,31 @@ done:
   return s;
 }
 
+gdp_status gdp_gdp_forward(gdp_ctx *ctx, const gdp_gdp_options *opts, const gdp_tensor *q,
+                           const gdp_tensor *k, const gdp_tensor *v, const gdp_tensor *g,
+                           const gdp_tensor *beta, const gdp_tensor *h0,
+                           const gdp_tensor *cu_seqlens, gdp_tensor **o, gdp_tensor **ht) {
+  return forward_impl("gdp_gdp_forward", ctx, opts, q, k, v, g, beta, h0, cu_seqlens, o, ht, NULL);
+}
+
+gdp_status gdp_gdp_forward_ex(gdp_ctx *ctx, const gdp_gdp_options *opts, const gdp_tensor *q,
+                              const gdp_tensor *k, const gdp_tensor *v, const gdp_tensor *g,
+                              const gdp_tensor *beta, const gdp_tensor *h0,
+                              const gdp_tensor *cu_seqlens, gdp_tensor **o, gdp_tensor **ht,
+                              gdp_gdp_saved **saved) {
+  return forward_impl("gdp_gdp_forward_ex", ctx, opts, q, k, v, g, beta, h0, cu_seqlens, o, ht,
+                      saved);
+}
+
 /* ------------------------------------------------------------------ backward */
 
-gdp_status gdp_gdp_backward(gdp_ctx *ctx, const gdp_gdp_options *opts, const gdp_tensor *q,
-                            const gdp_tensor *k, const gdp_tensor *v, const gdp_tensor *g,
-                            const gdp_tensor *beta, const gdp_tensor *h0,
-                            const gdp_tensor *cu_seqlens, const gdp_tensor *d_o,
-                            const gdp_tensor *dht, gdp_tensor **dq, gdp_tensor **dk,
-                            gdp_tensor **dv, gdp_tensor **dbeta, gdp_tensor **dg,
-                            gdp_tensor **dh0) {
-  static const char *func = "gdp_gdp_backward";
+static gdp_status backward_impl(const char *func, gdp_ctx *ctx, const gdp_gdp_options *opts,
+                                const gdp_tensor *q, const gdp_tensor *k, const gdp_tensor *v,
+                                const gdp_tensor *g, const gdp_tensor *beta, const gdp_tensor *h0,
+                                const gdp_tensor *cu_seqlens, const gdp_tensor *d_o,
+                                const gdp_tensor *dht, gdp_tensor **dq, gdp_tensor **dk,
+                                gdp_tensor **dv, gdp_tensor **dbeta, gdp_tensor **dg,
+                                gdp_tensor **dh0, const gdp_gdp_saved *saved) {
   gdp_tensor **outs[] = {dq, dk, dv, dbeta, dg, dh0};
   static const char *out_names[] = {"dq", "dk", "dv", "dbeta", "dg", "dh0"};
   for (int i = 0; i < 6; i++)
@@ -463,6 +595,7 @@ gdp_status gdp_gdp_backward(gdp_ctx *ctx, const gdp_gdp_options *opts, const gdp
   gdp_tensor *grads[6] = {NULL}; /* dq, dk, dv, dbeta, dg, dh0 in the compute dtype */
   gdp_status s = plan_make(func, ctx, opts, q, k, v, g, beta, h0, cu_seqlens, d_o, dht, 1, &plan);
   if (s != GDP_OK) goto done;
+  if (saved && (s = saved_check(func, saved, ctx, &plan, opts, g, h0)) != GDP_OK) goto done;
   if ((s = inputs_make(ctx, &plan, q, k, v, g, beta, h0, &in)) != GDP_OK) goto done;
   if ((s = as_compute(ctx, d_o, plan.compute, &doc)) != GDP_OK) goto done;
   if ((s = as_compute(ctx, dht, state_compute(&plan), &dhtc)) != GDP_OK) goto done;
@@ -482,7 +615,12 @@ gdp_status gdp_gdp_backward(gdp_ctx *ctx, const gdp_gdp_options *opts, const gdp
       .dq = data_or_null(grads[0]), .dk = data_or_null(grads[1]), .dv = data_or_null(grads[2]),
       .dbeta = data_or_null(grads[3]), .dg = data_or_null(grads[4]),
       .dh0 = data_or_null(grads[5])};
-  if ((s = ctx->backend->gdp_backward(ctx, &plan.p, &io)) != GDP_OK) goto done;
+  /* a saved object of a backend that keeps nothing: the plain backward (recompute) */
+  if (saved && ctx->backend->gdp_backward_saved)
+    s = ctx->backend->gdp_backward_saved(ctx, &plan.p, &io, saved->variant, saved->data);
+  else
+    s = ctx->backend->gdp_backward(ctx, &plan.p, &io);
+  if (s != GDP_OK) goto done;
 
   if (plan.l2norm_here) {
     /* The kernel's dq, dk are with respect to the normalised q, k. */
@@ -508,4 +646,26 @@ done:
   inputs_free(&in);
   plan_free(&plan);
   return s;
+}
+
+gdp_status gdp_gdp_backward(gdp_ctx *ctx, const gdp_gdp_options *opts, const gdp_tensor *q,
+                            const gdp_tensor *k, const gdp_tensor *v, const gdp_tensor *g,
+                            const gdp_tensor *beta, const gdp_tensor *h0,
+                            const gdp_tensor *cu_seqlens, const gdp_tensor *d_o,
+                            const gdp_tensor *dht, gdp_tensor **dq, gdp_tensor **dk,
+                            gdp_tensor **dv, gdp_tensor **dbeta, gdp_tensor **dg,
+                            gdp_tensor **dh0) {
+  return backward_impl("gdp_gdp_backward", ctx, opts, q, k, v, g, beta, h0, cu_seqlens, d_o, dht,
+                       dq, dk, dv, dbeta, dg, dh0, NULL);
+}
+
+gdp_status gdp_gdp_backward_ex(gdp_ctx *ctx, const gdp_gdp_options *opts, const gdp_tensor *q,
+                               const gdp_tensor *k, const gdp_tensor *v, const gdp_tensor *g,
+                               const gdp_tensor *beta, const gdp_tensor *h0,
+                               const gdp_tensor *cu_seqlens, const gdp_tensor *d_o,
+                               const gdp_tensor *dht, gdp_tensor **dq, gdp_tensor **dk,
+                               gdp_tensor **dv, gdp_tensor **dbeta, gdp_tensor **dg,
+                               gdp_tensor **dh0, const gdp_gdp_saved *saved) {
+  return backward_impl("gdp_gdp_backward_ex", ctx, opts, q, k, v, g, beta, h0, cu_seqlens, d_o,
+                       dht, dq, dk, dv, dbeta, dg, dh0, saved);
 }

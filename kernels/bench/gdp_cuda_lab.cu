@@ -17,7 +17,10 @@
  *           3 = chunkwise on mma.sync with the states in registers: forward gdp_fwd_v3.cu,
  *               backward gdp_bwd_v3.cu (GDP_CUDA_V3_GRAD=v2: with variant 2's per-chunk
  *               gradient kernel, named chunk_v3_gradv2); bf16, K, V = 64/128, n <= 3,
- *           4 = variant 2's prep + variant 3's forward state pass, variant 2's backward.
+ *           4 = variant 2's prep + variant 3's forward state pass, variant 2's backward,
+ *           5 = variant 3 saving for backward: the forward keeps its panels, h^T and D
+ *               (gdp_cuda_gdp_forward_v3_save), the backward reads them
+ *               (gdp_cuda_gdp_backward_v3_saved) instead of recomputing.
  * The oracle is gdp_cpu_gdp_{fwd,bwd}_recurrent_f64 (kernels/cpu/gdp_recurrent.c) on
  * l2-normalised inputs, with the backward of the norm done here in float64.
  */
@@ -591,20 +594,36 @@ static const char *variant_name(int v) {
     return g && !strcmp(g, "v2") ? "chunk_v3_gradv2" : "chunk_v3";
   }
   if (v == 4) return "v3_oldprep";
+  if (v == 5) return "v3_saved";
   const char *bv = getenv("GDP_CUDA_BV");
   if (!bv) return "chunk";
   snprintf(buf, sizeof buf, "chunk_bv%s", bv);
   return buf;
 }
 static int variant_algo(int v) { return v == 1 ? GDP_ALGO_RECURRENT : GDP_ALGO_CHUNK; }
+/* Variant 5's kept block: grown as needed, reused across calls (a forward overwrites it,
+ * the next backward reads it; everything runs on the default stream). */
+static void *g_saved = nullptr;
+static size_t g_saved_cap = 0;
+static void *saved_block(const gdp_gdp_problem *p) {
+  const size_t bytes = gdp_cuda_gdp_v3_saved_bytes(p);
+  if (bytes > g_saved_cap) {
+    if (g_saved) CK(cudaFree(g_saved));
+    CK(cudaMalloc(&g_saved, bytes));
+    g_saved_cap = bytes;
+  }
+  return g_saved;
+}
 /* The forward of a variant (4 = variant 2's prep + variant 3's state pass). */
 static gdp_status variant_forward(int v, const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io) {
+  if (v == 5) return gdp_cuda_gdp_forward_v3_save(p, io, 0, saved_block(p));
   if (v == 3 || v == 4) return gdp_cuda_gdp_forward_v3(p, io, 0, v == 3);
   if (v == 2) return gdp_cuda_gdp_forward_v2(p, io, 0);
   return gdp_cuda_gdp_forward_recurrent(p, io, 0);
 }
 /* The backward of a variant (4 has variant 2's). */
 static gdp_status variant_backward(int v, const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io) {
+  if (v == 5) return gdp_cuda_gdp_backward_v3_saved(p, io, 0, g_saved);
   if (v == 3) return gdp_cuda_gdp_backward_v3(p, io, 0);
   if (v == 2 || v == 4) return gdp_cuda_gdp_backward_v2(p, io, 0);
   return gdp_cuda_gdp_backward_recurrent(p, io, 0);
@@ -726,8 +745,8 @@ static bool chunk_covers(const Prob &P, int dtype) {
 
 static bool v3_covers(const Prob &P, int dtype, int variant) {
   gdp_gdp_problem p = to_problem(P, dtype, GDP_ALGO_CHUNK, 1);
-  return gdp_cuda_gdp_forward_v3_supported(&p, variant == 3) != 0 &&
-         (variant != 3 || gdp_cuda_gdp_backward_v3_supported(&p) != 0);
+  return gdp_cuda_gdp_forward_v3_supported(&p, variant != 4) != 0 &&
+         (variant == 4 || gdp_cuda_gdp_backward_v3_supported(&p) != 0);
 }
 
 static int gpu_check(const vector<int> &variants, uint64_t seed, bool quick) {
@@ -750,7 +769,7 @@ static int gpu_check(const vector<int> &variants, uint64_t seed, bool quick) {
           dev_inputs(P, in, dtype, d);
           for (int var : variants) {
             if (var == 2 && !chunk_covers(P, dtype)) continue;
-            if ((var == 3 || var == 4) && !v3_covers(P, dtype, var)) continue;
+            if ((var == 3 || var == 4 || var == 5) && !v3_covers(P, dtype, var)) continue;
             Outputs got;
             run_gpu(P, d, dtype, var, got);
             char label[160];
@@ -777,7 +796,7 @@ static int gpu_check(const vector<int> &variants, uint64_t seed, bool quick) {
       dev_inputs(P, in, dtype, d);
       for (int var : variants) {
         if (var == 2 && !chunk_covers(P, dtype)) continue;
-        if ((var == 3 || var == 4) && !v3_covers(P, dtype, var)) continue;
+        if ((var == 3 || var == 4 || var == 5) && !v3_covers(P, dtype, var)) continue;
         Outputs got;
         run_gpu(P, d, dtype, var, got);
         char label[160];

@@ -29,6 +29,7 @@
 #include <string.h>
 
 #include "gdp_bwd_v3.cuh"
+#include "gdp_fwd_v3.cuh"
 #include "mma_sm90.cuh"
 #include "gdp_chunk.cuh"
 
@@ -1429,6 +1430,73 @@ using namespace gdpcu;
 extern "C" int gdp_cuda_gdp_backward_v3_supported(const gdp_gdp_problem *p) {
   return p && chunk_path_ok(p) && (p->K == 64 || p->K == 128) && (p->V == 64 || p->V == 128) && p->n >= 1 &&
          p->n <= 3;
+}
+
+/* With the blocks a saved forward kept (gdp_cuda_gdp_forward_v3_save): its plan (tables,
+ * panels), h^T and D are read from there, so steps 1-2 are skipped; the state-gradient
+ * pass and the two gradient kernels run as below. */
+static gdp_status backward_v3_saved(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io, cudaStream_t stream,
+                                    const void *saved) {
+  const v3::SavedLayout sl = v3::saved_layout(p);
+  Plan plan;
+  prof_begin(stream);
+  /* the kept block is only read: its tables and panels are the forward's */
+  gdp_status st = plan_make(p, stream, false, bwd_args(p, io), &plan, const_cast<void *>(saved), false);
+  if (st != GDP_OK) {
+    prof_end(stream);
+    return st;
+  }
+  v3b::GradStateOut go;
+  memset(&go, 0, sizeof go);
+  void *extra = nullptr;
+  if (plan.a.nchunks > 0) {
+    const size_t CH = (size_t)plan.a.nchunks * plan.a.H, K = (size_t)plan.a.K, V = (size_t)plan.a.V,
+                 C = (size_t)plan.a.C;
+    const size_t bdD = align128(CH * C * V * 2), bHT = align128(CH * V * K * 4), bKn = align128(CH * C * K * 4),
+                 bW = align128(CH * C * K * 2), bG = align128(CH * C * 4);
+    st = device_alloc(&extra, bdD + bHT + bKn + bW + bG, stream);
+    if (st != GDP_OK) {
+      prof_end(stream);
+      return st;
+    }
+    char *e = (char *)extra;
+    plan.a.Dbuf = (bf16 *)((char *)const_cast<void *>(saved) + sl.o_D);
+    plan.a.dDbuf = (bf16 *)e;
+    go.hT32 = (float *)((char *)const_cast<void *>(saved) + sl.o_hT32);
+    go.dHT32 = (float *)(e + bdD);
+    go.dKnA = (float *)(e + bdD + bHT);
+    go.dWg = (bf16 *)(e + bdD + bHT + bKn);
+    go.dgcA = (float *)(e + bdD + bHT + bKn + bW);
+    go.Tt = (bf16 *)((char *)const_cast<void *>(saved) + sl.o_Tt);
+  }
+  prof_mark("bwd plan (saved)", stream);
+  const int bv = v3b::choose_bv(plan);
+  /* also without chunks (every sequence empty): the reverse pass writes dh0 = dht */
+  st = v3b::launch_seq(plan, bv, false, false, nullptr, go.dHT32);
+  prof_mark("bwd state gradients v3", stream);
+  if (st == GDP_OK) st = v3b::launch_grad_v3(plan, go, false);
+  prof_mark("bwd chunk gradients v3, state part", stream);
+  if (st == GDP_OK) st = v3b::launch_grad_v3(plan, go, true);
+  prof_mark("bwd chunk gradients v3, WY part", stream);
+  if (extra) cudaFreeAsync(extra, stream);
+  plan_free(&plan);
+  prof_end(stream);
+  return st;
+}
+
+extern "C" gdp_status gdp_cuda_gdp_backward_v3_saved(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io,
+                                                     void *stream_, const void *saved) {
+  GDP_TRY(validate_problem(p, "backward_v3"));
+  GDP_TRY(validate_bwd_io(p, io, "backward_v3"));
+  const char *genv = getenv("GDP_CUDA_V3_GRAD");
+  /* variant 2's gradient kernel wants bf16 h and dH, which a saved forward does not keep */
+  if (!saved || (genv && strcmp(genv, "v2") == 0)) return gdp_cuda_gdp_backward_v3(p, io, stream_);
+  if (!gdp_cuda_gdp_backward_v3_supported(p))
+    return GDP_ERROR(GDP_ERR_UNSUPPORTED,
+                     "backward_v3 takes bf16, n = 1..3, K and V = 64 or 128; got dtype %d n=%lld K=%lld V=%lld",
+                     p->dtype, (long long)p->n, (long long)p->K, (long long)p->V);
+  if (p->N == 0) return GDP_OK;
+  return backward_v3_saved(p, io, (cudaStream_t)stream_, saved);
 }
 
 extern "C" gdp_status gdp_cuda_gdp_backward_v3(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io,

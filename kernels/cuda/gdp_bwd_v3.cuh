@@ -23,6 +23,12 @@ int gdp_cuda_gdp_backward_v3_supported(const gdp_gdp_problem *p);
  * GDP_ERR_UNSUPPORTED outside the problems above. */
 gdp_status gdp_cuda_gdp_backward_v3(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io, void *stream);
 
+/* Same, reading the block a gdp_cuda_gdp_forward_v3_save of the same problem and inputs
+ * kept (chunk tables and panels, h^T, D): the prep and the state pass are not run again.
+ * saved NULL (or GDP_CUDA_V3_GRAD=v2, whose kernel needs bf16 h and dH): recompute. */
+gdp_status gdp_cuda_gdp_backward_v3_saved(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io, void *stream,
+                                          const void *saved);
+
 #ifdef __cplusplus
 }
 #endif

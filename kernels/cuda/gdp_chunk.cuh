@@ -100,8 +100,13 @@ gdp_status upload_cu_seqlens(const gdp_gdp_problem *p, long long *dst, cudaStrea
 int smem_optin_bytes();
 int num_sms();
 
+/* ext: NULL allocates the block (freed by plan_free); else the plan lives in the
+ * caller's block of plan_bytes(p, backward) bytes (a forward workspace kept for the
+ * backward), which plan_free leaves alone, and upload_tables = false trusts the chunk
+ * tables already there (written by an earlier plan of the same problem). */
 gdp_status plan_make(const gdp_gdp_problem *p, cudaStream_t stream, bool backward, GdpArgs base,
-                     Plan *plan);
+                     Plan *plan, void *ext = nullptr, bool upload_tables = true);
+size_t plan_bytes(const gdp_gdp_problem *p, bool backward);
 void plan_free(Plan *plan);
 
 /* Launchers shared with the backward (defined in gdp_fwd.cu). */

@@ -24,6 +24,20 @@ gdp_status gdp_cuda_gdp_forward(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *
 gdp_status gdp_cuda_gdp_backward(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io,
                                  void *stream);
 
+/* Save for backward.  gdp_cuda_gdp_save_plan: the variant that runs p (1, 2 or 3; the
+ * same choice as the entry points above) and the device bytes its forward keeps for the
+ * backward (0: that variant keeps nothing and its backward recomputes).
+ * gdp_cuda_gdp_forward_ex: the forward; saved non-NULL (a block of those bytes on the
+ * stream's device, 128-byte aligned) keeps what the backward needs there.
+ * gdp_cuda_gdp_backward_ex: the backward; saved_variant is the forward's variant
+ * (GDP_ERR_INVALID_ARG when this call would choose another), saved its block or NULL
+ * (recompute).  The block belongs to the very inputs of the forward (not checked). */
+gdp_status gdp_cuda_gdp_save_plan(const gdp_gdp_problem *p, int *variant, size_t *bytes);
+gdp_status gdp_cuda_gdp_forward_ex(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io, void *stream,
+                                   void *saved);
+gdp_status gdp_cuda_gdp_backward_ex(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io, void *stream,
+                                    int saved_variant, const void *saved);
+
 /* The variants themselves (same contracts; the lab calls them directly).  Each returns
  * GDP_ERR_UNSUPPORTED for a problem it does not take.  Variant 3's entry points are in
  * gdp_fwd_v3.cuh and gdp_bwd_v3.cuh. */

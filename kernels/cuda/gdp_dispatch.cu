@@ -68,3 +68,46 @@ extern "C" gdp_status gdp_cuda_gdp_backward(const gdp_gdp_problem *p, const gdp_
     default: return gdp_cuda_gdp_backward_recurrent(p, io, stream);
   }
 }
+
+extern "C" gdp_status gdp_cuda_gdp_save_plan(const gdp_gdp_problem *p, int *variant, size_t *bytes) {
+  *variant = 0;
+  *bytes = 0;
+  GDP_TRY(validate_problem(p, "save_plan"));
+  const int v = choose_variant(p);
+  if (v == 0) return GDP_ERR_INVALID_ARG;
+  *variant = v;
+  /* only variant 3 keeps anything: its backward's recompute is what saving removes */
+  if (v == 3 && p->N > 0) *bytes = gdp_cuda_gdp_v3_saved_bytes(p);
+  return GDP_OK;
+}
+
+extern "C" gdp_status gdp_cuda_gdp_forward_ex(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io, void *stream,
+                                              void *saved) {
+  if (!saved) return gdp_cuda_gdp_forward(p, io, stream);
+  GDP_TRY(validate_problem(p, "forward"));
+  GDP_TRY(validate_fwd_io(p, io, "forward"));
+  const int v = choose_variant(p);
+  if (v == 0) return GDP_ERR_INVALID_ARG;
+  if (v != 3)
+    return GDP_ERROR(GDP_ERR_INVALID_ARG,
+                     "saved: variant %d keeps nothing for the backward (gdp_cuda_gdp_save_plan gives 0 "
+                     "bytes), got a block", v);
+  return gdp_cuda_gdp_forward_v3_save(p, io, stream, saved);
+}
+
+extern "C" gdp_status gdp_cuda_gdp_backward_ex(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io, void *stream,
+                                               int saved_variant, const void *saved) {
+  GDP_TRY(validate_problem(p, "backward"));
+  GDP_TRY(validate_bwd_io(p, io, "backward"));
+  const int v = choose_variant(p);
+  if (v == 0) return GDP_ERR_INVALID_ARG;
+  if (saved_variant != v)
+    return GDP_ERROR(GDP_ERR_INVALID_ARG,
+                     "saved: variant: expected %d (the variant this backward runs), got %d (the saved "
+                     "forward's; GDP_CUDA_VARIANT changed between the calls?)",
+                     v, saved_variant);
+  if (!saved) return gdp_cuda_gdp_backward(p, io, stream);
+  if (v != 3)
+    return GDP_ERROR(GDP_ERR_INVALID_ARG, "saved: variant %d keeps nothing for the backward, got a block", v);
+  return gdp_cuda_gdp_backward_v3_saved(p, io, stream, saved);
+}

@@ -374,8 +374,9 @@ static int choose_bv(const GdpArgs &a, int64_t N) {
   return bv;
 }
 
-gdp_status plan_make(const gdp_gdp_problem *p, cudaStream_t stream, bool backward, GdpArgs base,
-                     Plan *plan) {
+/* plan_make, or (plan_bytes_out) only the size of its device block. */
+static gdp_status plan_build(const gdp_gdp_problem *p, cudaStream_t stream, bool backward, GdpArgs base,
+                             Plan *plan, void *ext, bool upload_tables, size_t *plan_bytes_out) {
   memset(plan, 0, sizeof *plan);
   plan->stream = stream;
   GdpArgs a = base;
@@ -410,19 +411,25 @@ gdp_status plan_make(const gdp_gdp_problem *p, cudaStream_t stream, bool backwar
     o_dH = cv.take(CH * K * V * 2);
     o_dD = cv.take(CH * C * V * 2);
   }
-  void *block = nullptr;
-  GDP_TRY(device_alloc(&block, cv.off, stream));
+  if (plan_bytes_out) { /* plan_bytes: the size only */
+    *plan_bytes_out = cv.off;
+    return GDP_OK;
+  }
+  /* ext: the caller's block (a kept forward workspace, see plan_bytes), not freed here */
+  void *block = ext;
+  if (!ext) GDP_TRY(device_alloc(&block, cv.off, stream));
   char *b = (char *)block;
-  /* tables: one staged upload */
-  std::vector<char> host(tables, 0);
-  for (int64_t s = 0; s <= p->N; s++)
-    ((long long *)(host.data() + o_cu))[s] = p->N > 0 ? (long long)p->cu_seqlens[s] : 0;
-  memcpy(host.data() + o_choff, choff.data(), choff.size() * sizeof(int));
-  if (!chunks.empty()) memcpy(host.data() + o_chunks, chunks.data(), chunks.size() * sizeof(ChunkInfo));
-  gdp_status st = upload_async(b, host.data(), tables, stream);
-  if (st != GDP_OK) {
-    cudaFreeAsync(block, stream);
-    return st;
+  if (upload_tables) { /* tables: one staged upload */
+    std::vector<char> host(tables, 0);
+    for (int64_t s = 0; s <= p->N; s++)
+      ((long long *)(host.data() + o_cu))[s] = p->N > 0 ? (long long)p->cu_seqlens[s] : 0;
+    memcpy(host.data() + o_choff, choff.data(), choff.size() * sizeof(int));
+    if (!chunks.empty()) memcpy(host.data() + o_chunks, chunks.data(), chunks.size() * sizeof(ChunkInfo));
+    gdp_status st = upload_async(b, host.data(), tables, stream);
+    if (st != GDP_OK) {
+      if (!ext) cudaFreeAsync(block, stream);
+      return st;
+    }
   }
   a.cu = (const long long *)(b + o_cu);
   a.choff = (const int *)(b + o_choff);
@@ -440,9 +447,24 @@ gdp_status plan_make(const gdp_gdp_problem *p, cudaStream_t stream, bool backwar
     a.dDbuf = (bf16 *)(b + o_dD);
   }
   plan->a = a;
-  plan->block = block;
+  plan->block = ext ? nullptr : block;
   plan->bv_fwd = backward ? choose_bv<true>(a, p->N) : choose_bv<false>(a, p->N);
   return GDP_OK;
+}
+
+gdp_status plan_make(const gdp_gdp_problem *p, cudaStream_t stream, bool backward, GdpArgs base,
+                     Plan *plan, void *ext, bool upload_tables) {
+  return plan_build(p, stream, backward, base, plan, ext, upload_tables, nullptr);
+}
+
+size_t plan_bytes(const gdp_gdp_problem *p, bool backward) {
+  Plan scratch;
+  size_t bytes = 0;
+  GdpArgs none;
+  memset(&none, 0, sizeof none);
+  none.H = (int)p->H, none.K = (int)p->K, none.V = (int)p->V, none.n = (int)p->n;
+  (void)plan_build(p, nullptr, backward, none, &scratch, nullptr, false, &bytes);
+  return bytes;
 }
 
 void plan_free(Plan *plan) {

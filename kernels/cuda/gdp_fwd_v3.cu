@@ -44,8 +44,9 @@ constexpr int kStages = 3; /* chunk panels in flight: current + next two */
 constexpr int kPad = 8;    /* bf16 elements (16 bytes) of padding per shared row */
 
 /* Shared-memory layout of one pipeline stage (bytes).  Every region and row starts on
- * 16 bytes, as ldmatrix and cp.async need. */
-template <int K, int C, int TC, int BV>
+ * 16 bytes, as ldmatrix and cp.async need.  ULO (the saving pass): also U's residual
+ * panel, right after U's (195 KB in all at K = 128, C = 64, BV = 64: still one block). */
+template <int K, int C, int TC, int BV, bool ULO = false>
 struct Layout {
   static constexpr int ldK = K + kPad, ldC = C + kPad, ldB = BV + kPad;
   static constexpr int oW = 0;
@@ -53,7 +54,8 @@ struct Layout {
   static constexpr int oQd = oKd + C * ldK * 2;
   static constexpr int oPm = oQd + TC * ldK * 2;
   static constexpr int oU = oPm + TC * ldC * 2;
-  static constexpr int stage = (oU + C * ldB * 2 + 127) / 128 * 128;
+  static constexpr int oUl = oU + C * ldB * 2;
+  static constexpr int stage = (oUl + (ULO ? C * ldB * 2 : 0) + 127) / 128 * 128;
   static constexpr int total = stage * kStages;
 };
 
@@ -89,6 +91,35 @@ __device__ __forceinline__ void copy_panel(unsigned char *dst, int sld, const bf
   }
 }
 
+/* ------------------------------------------------------------------ saved-state stores */
+
+/* The two stores of a forward that keeps its states for the backward (SAVE below), in
+ * exactly the layouts bwd_states_kernel_v3 writes (gdp_bwd_v3.cu), so the backward's
+ * gradient kernels read them unchanged:
+ *  - h^T float32 [V][K] per (chunk, head): the accumulator tiles X[nt][e] = S^T[x][r],
+ *    x = grp + 8(e/2), r = 8nt + 2tig + e%2; `base` points at (x = this lane's grp row,
+ *    r = 2tig), each register pair one 8-byte store;
+ *  - D bf16 [C][V] (variant 2's layout): the A fragment of D^T for k tile kt, register q
+ *    = D[16kt + 2tig + 8(q/2) + {0,1}][x + 8(q%2)], `base` at column x of this lane. */
+template <int K>
+__device__ __forceinline__ void save_hT32(float *base, const float (&X)[K / 8][4]) {
+#pragma unroll
+  for (int nt = 0; nt < K / 8; nt++) {
+    *reinterpret_cast<float2 *>(base + nt * 8) = make_float2(X[nt][0], X[nt][1]);
+    *reinterpret_cast<float2 *>(base + 8 * K + nt * 8) = make_float2(X[nt][2], X[nt][3]);
+  }
+}
+
+__device__ __forceinline__ void save_dfrag(bf16 *base, int V, int r0, const uint32_t (&A)[4]) {
+  bf16 *p = base + (int64_t)r0 * V;
+#pragma unroll
+  for (int q = 0; q < 4; q++) {
+    const __nv_bfloat162 v2 = *reinterpret_cast<const __nv_bfloat162 *>(&A[q]);
+    p[(8 * (q >> 1)) * V + 8 * (q & 1)] = v2.x;
+    p[(8 * (q >> 1) + 1) * V + 8 * (q & 1)] = v2.y;
+  }
+}
+
 /* ------------------------------------------------------------------ the state pass */
 
 /* Grid (sequence, head, value block of BV columns); BV/16 warps, warp w owns value
@@ -96,10 +127,13 @@ __device__ __forceinline__ void copy_panel(unsigned char *dst, int sld, const bf
  *   St[nt][e]  = S^T[x][r],  x = 16w + grp + 8(e/2),  r = 8nt + 2tig + e%2
  *   Dt[nt][e]  = -D^T[x][j], j = 8nt + 2tig + e%2      (accumulated negated, see D)
  *   Ot[nt][e]  = o^T[x][a],  a = 8nt + 2tig + e%2
- * and the bf16 A fragments Sa[kt], Da[kt] cover k columns 16kt..16kt+15. */
-template <int K, int C, int TC, int BV>
-__global__ void __launch_bounds__(BV / 16 * 32, 1) state_kernel_v3(GdpArgs a) {
-  using L = Layout<K, C, TC, BV>;
+ * and the bf16 A fragments Sa[kt], Da[kt] cover k columns 16kt..16kt+15.
+ * SAVE (a forward kept for the backward): per chunk also h^T (float32, S at the chunk
+ * start) to hT32 and D (bf16) to a.Dbuf, the values bwd_states_kernel_v3 would
+ * recompute -- the same products in the same order, so the same bits. */
+template <int K, int C, int TC, int BV, bool SAVE = false>
+__global__ void __launch_bounds__(BV / 16 * 32, 1) state_kernel_v3(GdpArgs a, float *hT32) {
+  using L = Layout<K, C, TC, BV, SAVE>;
   constexpr int NT = BV / 16 * 32;
   static_assert(K % 32 == 0 && C % 16 == 0 && TC % 16 == 0 && BV % 16 == 0, "tile shapes");
   extern __shared__ __align__(128) unsigned char smem[];
@@ -131,6 +165,7 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) state_kernel_v3(GdpArgs a) {
       copy_panel<TC, K, NT>(st + L::oQd, L::ldK, a.Qd + base * TC * K, K);
       copy_panel<TC, C, NT>(st + L::oPm, L::ldC, a.Pm + base * TC * C, C);
       copy_panel<C, BV, NT>(st + L::oU, L::ldB, a.U + base * C * V + col0, V);
+      if constexpr (SAVE) copy_panel<C, BV, NT>(st + L::oUl, L::ldB, a.Ulo + base * C * V + col0, V);
     }
     cp_async_commit();
   };
@@ -161,6 +196,7 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) state_kernel_v3(GdpArgs a) {
     const uint32_t sb = smem0 + (it % kStages) * L::stage;
     const uint32_t sW = sb + L::oW, sKd = sb + L::oKd, sQd = sb + L::oQd, sPm = sb + L::oPm,
                    sU = sb + L::oU;
+    if constexpr (SAVE) save_hT32<K>(hT32 + ((int64_t)c * H + h) * V * K + (int64_t)(xw + grp) * K + 2 * tig, St);
 
     /* S^T at the chunk start as bf16 A fragments (for D and o) */
     uint32_t Sa[K / 16][4];
@@ -173,14 +209,21 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) state_kernel_v3(GdpArgs a) {
     }
 
     /* -D^T = -U^T + S^T W^T (the mma only adds, so the accumulator starts at -U^T and
-     * the sign is restored, exactly, when it is rounded into Da) */
+     * the sign is restored, exactly, when it is rounded into Da).  SAVE: U = hi + lo, as
+     * in the recompute backward's D (bwd_states_kernel_v3), which this D replaces. */
     float Dt[C / 8][4];
 #pragma unroll
     for (int jt = 0; jt < C / 16; jt++) {
       uint32_t u0, u1, u2, u3;
       ldsm_x4_t(sU + ((jt * 16 + urow) * L::ldB + ucol) * 2, u0, u1, u2, u3);
-      const float2 f0 = unpack_bf16(u0), f1 = unpack_bf16(u1), f2 = unpack_bf16(u2),
-                   f3 = unpack_bf16(u3);
+      float2 f0 = unpack_bf16(u0), f1 = unpack_bf16(u1), f2 = unpack_bf16(u2), f3 = unpack_bf16(u3);
+      if constexpr (SAVE) {
+        uint32_t l0, l1, l2, l3;
+        ldsm_x4_t(sU + (L::oUl - L::oU) + ((jt * 16 + urow) * L::ldB + ucol) * 2, l0, l1, l2, l3);
+        const float2 g0 = unpack_bf16(l0), g1 = unpack_bf16(l1), g2 = unpack_bf16(l2), g3 = unpack_bf16(l3);
+        f0.x += g0.x, f0.y += g0.y, f1.x += g1.x, f1.y += g1.y;
+        f2.x += g2.x, f2.y += g2.y, f3.x += g3.x, f3.y += g3.y;
+      }
       Dt[2 * jt][0] = -f0.x, Dt[2 * jt][1] = -f0.y, Dt[2 * jt][2] = -f1.x, Dt[2 * jt][3] = -f1.y;
       Dt[2 * jt + 1][0] = -f2.x, Dt[2 * jt + 1][1] = -f2.y;
       Dt[2 * jt + 1][2] = -f3.x, Dt[2 * jt + 1][3] = -f3.y;
@@ -201,6 +244,11 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) state_kernel_v3(GdpArgs a) {
       Da[kt][1] = pack_bf16(-Dt[2 * kt][2], -Dt[2 * kt][3]);
       Da[kt][2] = pack_bf16(-Dt[2 * kt + 1][0], -Dt[2 * kt + 1][1]);
       Da[kt][3] = pack_bf16(-Dt[2 * kt + 1][2], -Dt[2 * kt + 1][3]);
+    }
+    if constexpr (SAVE) {
+      bf16 *gD = a.Dbuf + ((int64_t)c * H + h) * C * V + xw + grp;
+#pragma unroll
+      for (int kt = 0; kt < C / 16; kt++) save_dfrag(gD, V, kt * 16 + 2 * tig, Da[kt]);
     }
 
     /* o^T = S^T Qd^T + D^T Pm^T, then straight to global (rows past the sequence end,
@@ -671,41 +719,42 @@ __global__ void __launch_bounds__(128, 4) prep_kernel_v3(GdpArgs a, bf16 *Tt) {
 /* ------------------------------------------------------------------ host side */
 
 template <int K, int C, int TC, int BV>
-static gdp_status launch_bv(const Plan &plan, bool dry_run, int *blocks_per_sm) {
-  using L = Layout<K, C, TC, BV>;
-  auto kern = state_kernel_v3<K, C, TC, BV>;
-  GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
+static gdp_status launch_bv(const Plan &plan, bool dry_run, int *blocks_per_sm, float *hT32) {
+  /* the saving pass (hT32) also stages U's residual: a larger stage */
+  const int smem = hT32 ? Layout<K, C, TC, BV, true>::total : Layout<K, C, TC, BV, false>::total;
+  auto kern = hT32 ? state_kernel_v3<K, C, TC, BV, true> : state_kernel_v3<K, C, TC, BV, false>;
+  GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   if (dry_run) {
-    GDP_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, kern, BV / 16 * 32,
-                                                               L::total));
+    GDP_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, kern, BV / 16 * 32, smem));
     return GDP_OK;
   }
   const GdpArgs &a = plan.a;
-  kern<<<dim3((unsigned)a.N, (unsigned)a.H, (unsigned)(a.V / BV)), BV / 16 * 32, L::total,
-         plan.stream>>>(a);
+  kern<<<dim3((unsigned)a.N, (unsigned)a.H, (unsigned)(a.V / BV)), BV / 16 * 32, smem,
+         plan.stream>>>(a, hT32);
   GDP_CUDA_LAUNCHED("state_kernel_v3");
   return GDP_OK;
 }
 
 template <int K, int C, int TC>
-static gdp_status launch_k(const Plan &plan, int bv, bool dry_run, int *occ) {
+static gdp_status launch_k(const Plan &plan, int bv, bool dry_run, int *occ, float *hT32) {
   switch (bv) {
-    case 64: return launch_bv<K, C, TC, 64>(plan, dry_run, occ);
-    case 32: return launch_bv<K, C, TC, 32>(plan, dry_run, occ);
-    default: return launch_bv<K, C, TC, 16>(plan, dry_run, occ);
+    case 64: return launch_bv<K, C, TC, 64>(plan, dry_run, occ, hT32);
+    case 32: return launch_bv<K, C, TC, 32>(plan, dry_run, occ, hT32);
+    default: return launch_bv<K, C, TC, 16>(plan, dry_run, occ, hT32);
   }
 }
 
-static gdp_status launch_state_v3(const Plan &plan, int bv, bool dry_run, int *occ) {
+/* hT32 non-NULL: the SAVE pass (h^T to hT32 and D to plan.a.Dbuf, besides o). */
+static gdp_status launch_state_v3(const Plan &plan, int bv, bool dry_run, int *occ, float *hT32 = nullptr) {
   const GdpArgs &a = plan.a;
   if (a.K == 128) {
-    if (a.n == 1) return launch_k<128, 32, 32>(plan, bv, dry_run, occ);
-    if (a.n == 2) return launch_k<128, 64, 32>(plan, bv, dry_run, occ);
-    return launch_k<128, 48, 16>(plan, bv, dry_run, occ);
+    if (a.n == 1) return launch_k<128, 32, 32>(plan, bv, dry_run, occ, hT32);
+    if (a.n == 2) return launch_k<128, 64, 32>(plan, bv, dry_run, occ, hT32);
+    return launch_k<128, 48, 16>(plan, bv, dry_run, occ, hT32);
   }
-  if (a.n == 1) return launch_k<64, 32, 32>(plan, bv, dry_run, occ);
-  if (a.n == 2) return launch_k<64, 64, 32>(plan, bv, dry_run, occ);
-  return launch_k<64, 48, 16>(plan, bv, dry_run, occ);
+  if (a.n == 1) return launch_k<64, 32, 32>(plan, bv, dry_run, occ, hT32);
+  if (a.n == 2) return launch_k<64, 64, 32>(plan, bv, dry_run, occ, hT32);
+  return launch_k<64, 48, 16>(plan, bv, dry_run, occ, hT32);
 }
 
 /* Value-block width: the fewest waves of blocks; on a tie the narrower block (more SMs
@@ -770,6 +819,20 @@ gdp_status launch_prep_v3(const Plan &plan, bf16 *Tt) {
   return V == 128 ? launch_prep_n<64, 128>(plan, Tt) : launch_prep_n<64, 64>(plan, Tt);
 }
 
+SavedLayout saved_layout(const gdp_gdp_problem *p) {
+  SavedLayout L;
+  const int64_t TC = chunk_steps(p->n) / p->n;
+  int64_t nchunks = 0;
+  for (int64_t s = 0; s < p->N; s++) nchunks += (p->cu_seqlens[s + 1] - p->cu_seqlens[s] + TC - 1) / TC;
+  const size_t CH = (size_t)nchunks * (size_t)p->H;
+  L.plan = align128(plan_bytes(p, false));
+  L.o_hT32 = L.plan;
+  L.o_D = L.o_hT32 + align128(CH * (size_t)(p->V * p->K) * 4);
+  L.o_Tt = L.o_D + align128(CH * (size_t)(chunk_steps(p->n) * p->V) * 2);
+  L.total = L.o_Tt + align128(CH * (size_t)(chunk_steps(p->n) * chunk_steps(p->n)) * 2);
+  return L;
+}
+
 }  // namespace v3
 }  // namespace gdpcu
 
@@ -780,8 +843,10 @@ extern "C" int gdp_cuda_gdp_forward_v3_supported(const gdp_gdp_problem *p, int n
   return !new_prep || p->V == 64 || p->V == 128;
 }
 
-extern "C" gdp_status gdp_cuda_gdp_forward_v3(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io,
-                                              void *stream_, int new_prep) {
+/* The forward; saved non-NULL (variant 3's prep only): the plan lives in the caller's
+ * block (saved_layout) and the state pass also stores h^T and D there. */
+static gdp_status forward_v3(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io, void *stream_, int new_prep,
+                             void *saved) {
   GDP_TRY(validate_problem(p, "forward_v3"));
   GDP_TRY(validate_fwd_io(p, io, "forward_v3"));
   if (!gdp_cuda_gdp_forward_v3_supported(p, new_prep))
@@ -794,17 +859,54 @@ extern "C" gdp_status gdp_cuda_gdp_forward_v3(const gdp_gdp_problem *p, const gd
   GdpArgs a = fwd_args(p, io);
   Plan plan;
   prof_begin(stream);
-  gdp_status st = plan_make(p, stream, false, a, &plan);
+  v3::SavedLayout sl = {0, 0, 0, 0, 0};
+  float *hT32 = nullptr;
+  bf16 *Tt = nullptr;
+  if (saved) {
+    sl = v3::saved_layout(p);
+    hT32 = (float *)((char *)saved + sl.o_hT32);
+    Tt = (bf16 *)((char *)saved + sl.o_Tt);
+  }
+  gdp_status st = plan_make(p, stream, false, a, &plan, saved, true);
   if (st != GDP_OK) {
     prof_end(stream);
     return st;
   }
+  if (saved) {
+    /* D is kept for the backward, so it gets what the recompute backward's D gets: U's
+     * bf16 residual added before D is formed (GdpArgs::Ulo; the largest single rounding
+     * in dg, NOTES.md "dg precision").  The residual has D's shape, so the prep writes it
+     * into the D region itself and the SAVE state pass overwrites it chunk by chunk: a
+     * block reads its columns of chunk c (cp.async, waited for) before it stores D there,
+     * and no other block touches those columns. */
+    plan.a.Dbuf = (bf16 *)((char *)saved + sl.o_D);
+    plan.a.Ulo = plan.a.Dbuf;
+  }
   prof_mark("fwd plan+upload", stream);
-  st = new_prep ? v3::launch_prep_v3(plan, nullptr) : launch_prep(plan);
+  /* saving: the prep also stores T^T for grad_wy (the recompute backward's prep does) */
+  st = new_prep ? v3::launch_prep_v3(plan, Tt) : launch_prep(plan);
   prof_mark(new_prep ? "fwd prep v3" : "fwd prep", stream);
-  if (st == GDP_OK) st = v3::launch_state_v3(plan, v3::choose_bv(plan), false, nullptr);
-  prof_mark("fwd state+output v3", stream);
+  if (st == GDP_OK) st = v3::launch_state_v3(plan, v3::choose_bv(plan), false, nullptr, hT32);
+  prof_mark(saved ? "fwd state+output v3 (saving h, D)" : "fwd state+output v3", stream);
   plan_free(&plan);
   prof_end(stream);
   return st;
+}
+
+extern "C" gdp_status gdp_cuda_gdp_forward_v3(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io,
+                                              void *stream, int new_prep) {
+  return forward_v3(p, io, stream, new_prep, nullptr);
+}
+
+extern "C" size_t gdp_cuda_gdp_v3_saved_bytes(const gdp_gdp_problem *p) {
+  if (!gdp_cuda_gdp_forward_v3_supported(p, 1) || validate_problem(p, "v3_saved_bytes") != GDP_OK) return 0;
+  return v3::saved_layout(p).total;
+}
+
+extern "C" gdp_status gdp_cuda_gdp_forward_v3_save(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io,
+                                                   void *stream, void *saved) {
+  if (!saved)
+    return GDP_ERROR(GDP_ERR_INVALID_ARG, "forward_v3_save: saved: expected a device block of "
+                                          "gdp_cuda_gdp_v3_saved_bytes bytes, got NULL");
+  return forward_v3(p, io, stream, 1, saved);
 }

@@ -23,8 +23,30 @@ int gdp_cuda_gdp_forward_v3_supported(const gdp_gdp_problem *p, int new_prep);
 gdp_status gdp_cuda_gdp_forward_v3(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io, void *stream,
                                    int new_prep);
 
+/* Save for backward.  gdp_cuda_gdp_v3_saved_bytes: the device bytes a forward of p keeps
+ * for its backward (0: variant 3 does not take p).  gdp_cuda_gdp_forward_v3_save: the
+ * forward (new prep), leaving in `saved` (that many bytes, on the stream's device, 128-byte
+ * aligned) the chunk tables and panels, h^T (float32) and D (bf16) of every chunk, which
+ * gdp_cuda_gdp_backward_v3_saved (gdp_bwd_v3.cuh) reads instead of recomputing them. */
+size_t gdp_cuda_gdp_v3_saved_bytes(const gdp_gdp_problem *p);
+gdp_status gdp_cuda_gdp_forward_v3_save(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io, void *stream,
+                                        void *saved);
+
 #ifdef __cplusplus
 }
+
+namespace gdpcu {
+namespace v3 {
+/* Layout of the kept block (bytes): the forward plan's block (plan_bytes: chunk tables,
+ * W, U, Kd, Qd, Pm, elast) from 0, h^T float32 [CH][V][K] from o_hT32, D bf16 [CH][C][V]
+ * from o_D, T^T bf16 [CH][C][C] (the prep's, for grad_wy) from o_Tt; CH = chunks x
+ * heads. */
+struct SavedLayout {
+  size_t plan, o_hT32, o_D, o_Tt, total;
+};
+SavedLayout saved_layout(const gdp_gdp_problem *p);
+}  // namespace v3
+}  // namespace gdpcu
 #endif
 
 #endif

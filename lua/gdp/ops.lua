@@ -12,6 +12,16 @@
 --   local grads = gdp.ops.chunk_gated_delta_product_backward{ <same>, ["do"] = dO, dht = dht }
 --   -- grads.dq, grads.dk, grads.dv, grads.dbeta, grads.dg (nil if ungated), grads.dh0
 --
+-- Save for backward (opt-in): with save_for_backward = true the forward returns a third
+-- value, a gdp.GdpSaved handle of what the backward would recompute (cuda variant 3: the
+-- chunk panels and states, 1.24 GB at 4 x 4096, H = 16, K = V = 128, n = 2; elsewhere
+-- 0 bytes, and the backward recomputes); pass it as `saved` to the backward, which then
+-- skips the recompute.  It belongs to the forward's input VALUES (not checked; the
+-- problem -- shapes, dtype, device, options, cu_seqlens -- is, field by field).
+--   local o, ht, saved = ops.chunk_gated_delta_product{ <args>, save_for_backward = true }
+--   local grads = ops.chunk_gated_delta_product_backward{ <args>, ["do"] = dO, saved = saved }
+--   saved:bytes(); saved:free()   -- free is idempotent; the GC frees it otherwise
+--
 -- Positional form, as in fla: chunk_gated_delta_product(q, k, v, g, beta, opts).
 -- Layouts (row-major): q [B,T,H,K], k [B,T*n,H,K], v [B,T*n,H,V], beta [B,T*n,H],
 -- g [B,T,H], states [N,H,K,V]; row t*n+j of k/v/beta is Householder step j of token t.
@@ -45,10 +55,40 @@ local common_keys = {
   h0 = true, use_qk_l2norm = true,
   -- the upstream gradients, ignored by the forward so that one table drives both passes
   ["do"] = true, d_o = true, dO = true, dht = true,
+  -- save for backward: the forward's switch and the backward's handle (each ignored by
+  -- the other pass, for the same reason)
+  save_for_backward = true, saved = true,
 }
 local bwd_keys = common_keys
 
 local tensor_box = ffi.typeof("gdp_tensor *[1]")
+local saved_box = ffi.typeof("gdp_gdp_saved *[1]")
+local Saved_ptr = ffi.typeof("gdp_gdp_saved *")
+
+-- gdp.GdpSaved: a saved forward (gdp_gdp_saved), owned through ffi.gc.
+local saved_freed = setmetatable({}, { __mode = "k" })
+local saved_methods = {}
+function saved_methods.bytes(s)
+  if saved_freed[s] then return 0 end
+  return tonumber(lib.gdp_gdp_saved_bytes(s))
+end
+function saved_methods.free(s)
+  if saved_freed[s] then return end
+  saved_freed[s] = true
+  lib.gdp_gdp_saved_free(ffi.gc(s, nil))
+end
+function saved_methods.is_freed(s) return saved_freed[s] == true end
+ffi.metatype("struct gdp_gdp_saved", {
+  __index = saved_methods,
+  __tostring = function(s)
+    if saved_freed[s] then return "gdp.GdpSaved<freed>" end
+    return string.format("gdp.GdpSaved<%d bytes>", tonumber(lib.gdp_gdp_saved_bytes(s)))
+  end,
+})
+
+function M.is_saved(x)
+  return ffi.istype(Saved_ptr, x) and not saved_freed[x]
+end
 
 local function typename(x)
   if type(x) == "cdata" then return tostring(ffi.typeof(x)) end
@@ -161,13 +201,29 @@ local function prepare(fn, args, allowed)
 end
 M._prepare = prepare
 
--- Forward: returns o [B,T,H,V] and ht [N,H,K,V] (nil unless output_final_state).
+-- Forward: returns o [B,T,H,V] and ht [N,H,K,V] (nil unless output_final_state), and
+-- with save_for_backward = true a gdp.GdpSaved for the backward's `saved`.
 function M.chunk_gated_delta_product(a1, k, v, g, beta, opts)
   local args = normalize(FWD, a1, k, v, g, beta, opts)
   local o_opts, q, kk, vv, gg, bb, h0, cu = prepare(FWD, args, common_keys)
+  local save = args.save_for_backward
+  if save ~= nil and type(save) ~= "boolean" then
+    argerror(FWD, "save_for_backward: expected a boolean, got " .. typename(save))
+  end
   local o, ht = tensor_box(), tensor_box()
-  call_alloc(FWD, "gdp_gdp_forward", q:ctx(), o_opts, q, kk, vv, gg, bb, h0, cu, o, ht)
-  return wrap(o[0]), wrap(ht[0])
+  if not save then
+    call_alloc(FWD, "gdp_gdp_forward", q:ctx(), o_opts, q, kk, vv, gg, bb, h0, cu, o, ht)
+    return wrap(o[0]), wrap(ht[0])
+  end
+  local sv = saved_box()
+  call_alloc(FWD, "gdp_gdp_forward_ex", q:ctx(), o_opts, q, kk, vv, gg, bb, h0, cu, o, ht, sv)
+  -- own the handles before anything else can raise
+  local saved = ffi.gc(sv[0], lib.gdp_gdp_saved_free)
+  local out_o, out_ht = wrap(o[0]), wrap(ht[0])
+  if lib.gdp_gdp_saved_bytes(saved) > 0 then
+    tensor.after_alloc(tonumber(lib.gdp_tensor_device_type(q)))
+  end
+  return out_o, out_ht, saved
 end
 
 -- Backward of sum(o * do) + sum(ht * dht): returns {dq, dk, dv, dbeta, dg, dh0}
@@ -181,10 +237,24 @@ function M.chunk_gated_delta_product_backward(a1, k, v, g, beta, opts)
   tensor.tensor_arg(d_o, BWD, "do")
   local dht = args.dht
   if dht ~= nil then tensor.tensor_arg(dht, BWD, "dht") end
+  local saved = args.saved
+  if saved ~= nil then
+    if not ffi.istype(Saved_ptr, saved) then
+      argerror(BWD, "saved: expected the gdp.GdpSaved a forward with save_for_backward = true " ..
+                    "returned, got " .. typename(saved))
+    elseif saved_freed[saved] then
+      argerror(BWD, "saved: it was freed with :free() and cannot be used")
+    end
+  end
   local dq, dk, dv, dbeta, dg, dh0 = tensor_box(), tensor_box(), tensor_box(), tensor_box(),
                                      tensor_box(), tensor_box()
-  call_alloc(BWD, "gdp_gdp_backward", q:ctx(), o_opts, q, kk, vv, gg, bb, h0, cu, d_o, dht,
-             dq, dk, dv, dbeta, dg, dh0)
+  if saved == nil then
+    call_alloc(BWD, "gdp_gdp_backward", q:ctx(), o_opts, q, kk, vv, gg, bb, h0, cu, d_o, dht,
+               dq, dk, dv, dbeta, dg, dh0)
+  else
+    call_alloc(BWD, "gdp_gdp_backward_ex", q:ctx(), o_opts, q, kk, vv, gg, bb, h0, cu, d_o, dht,
+               dq, dk, dv, dbeta, dg, dh0, saved)
+  end
   return {
     dq = wrap(dq[0]), dk = wrap(dk[0]), dv = wrap(dv[0]), dbeta = wrap(dbeta[0]),
     dg = wrap(dg[0]), dh0 = wrap(dh0[0]),

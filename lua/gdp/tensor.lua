@@ -195,6 +195,8 @@ local function after_alloc(devtype)
   end
 end
 
+M.after_alloc = after_alloc -- for other owners of device memory (gdp.ops' saved forwards)
+
 -- Sets the soft limit (bytes) for "cpu" or "cuda".
 function M.set_memory_soft_limit(devtype, bytes)
   local ty = devtype == "cuda" and lib.GDP_DEVICE_CUDA or lib.GDP_DEVICE_CPU
