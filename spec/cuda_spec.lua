@@ -48,9 +48,12 @@ describe("cuda #gpu", function()
     assert.tensor_near(m:cpu(), gdp.matmul(a, b, { trans_b = true }), 1e-5)
   end)
 
-  -- The float64 cpu recurrence on the same inputs: o, ht and the gradients.
-  local function oracle(args)
-    local ref = ops.convert_inputs(args, "f64", "cpu")
+  -- The float64 cpu recurrence on the inputs the device sees (rounded to `dtype` first):
+  -- o, ht and the gradients.  Rounding first keeps the comparison about the kernels: dg
+  -- is ill-conditioned under bf16 input rounding on some draws (kernels/cuda/NOTES.md),
+  -- so against the unrounded inputs a correct kernel can sit just over 1e-2 there.
+  local function oracle(args, dtype)
+    local ref = ops.convert_inputs(ops.convert_inputs(args, dtype, "cpu"), "f64", "cpu")
     ref.algorithm = "recurrent"
     local o, ht = ops.chunk_gated_delta_product(ref)
     return o, ht, ops.chunk_gated_delta_product_backward(ref)
@@ -77,7 +80,7 @@ describe("cuda #gpu", function()
       H.reseed(303 + K + 7 * V + 31 * n)
       local args = ops.random_inputs({ B = 1, T = 150, H = 2, K = K, V = V, n = n, grads = true,
                                        initial_state = true, cu_seqlens = { 0, 40, 40, 150 } })
-      local o_ref, ht_ref, g_ref = oracle(args)
+      local o_ref, ht_ref, g_ref = oracle(args, dtype)
       local dev = ops.convert_inputs(args, dtype, "cuda")
       dev.algorithm = algorithm
       local o, ht = ops.chunk_gated_delta_product(dev)
@@ -101,7 +104,7 @@ describe("cuda #gpu", function()
     H.reseed(404)
     local args = ops.random_inputs({ B = 1, T = 90, H = 2, K = 64, V = 64, n = 2, grads = true,
                                      initial_state = true, cu_seqlens = { 0, 33, 90 } })
-    local o_ref, _, g_ref = oracle(args)
+    local o_ref, _, g_ref = oracle(args, "bf16")
     local dev = ops.convert_inputs(args, "bf16", "cuda")
     local ok, err = pcall(function()
       for _, v in ipairs({ "1", "2", "3" }) do
@@ -141,7 +144,7 @@ describe("cuda #gpu", function()
       H.reseed(505 + K + 7 * V + 31 * n)
       local args = ops.random_inputs({ B = 1, T = 200, H = 2, K = K, V = V, n = n, grads = true,
                                        initial_state = true, cu_seqlens = { 0, 70, 70, 200 } })
-      local o_ref, ht_ref, g_ref = oracle(args)
+      local o_ref, ht_ref, g_ref = oracle(args, dtype)
       local dev = ops.convert_inputs(args, dtype, "cuda")
       local tol = ops.TOLERANCE[dtype]
       local o0, ht0 = ops.chunk_gated_delta_product(dev)
@@ -209,7 +212,7 @@ describe("cuda #gpu", function()
     local ok, err = pcall(function()
       ffi.C.setenv("GDP_CUDA_VARIANT", "1", 1)
       H.expect_error(function() ops.chunk_gated_delta_product_backward(dev) end,
-                     "GDP_ERR_INVALID_ARG", "saved: variant: expected 3 (the saved forward's), got 1")
+                     "GDP_ERR_INVALID_ARG", "saved: variant: expected 1 (the variant this backward runs), got 3")
     end)
     ffi.C.unsetenv("GDP_CUDA_VARIANT")
     assert(ok, err)

@@ -7,7 +7,10 @@
 # benchmark shapes; then the per-kernel profile at 4 x 4096, n = 2 and, for a tree whose
 # gradient kernels read GDP_CUDA_V3_GRAD_AHEAD, a sweep of it.  Every stage after the
 # builds is skipped once BUDGET_S (default 540) seconds have passed, so the call ends
-# inside the device's 10-minute limit with what it has.  Run from the repository root:
+# inside the device's 10-minute limit with what it has.  SKIP_MAIN=1 leaves the working
+# tree's own lab out (another script checked it); SKIP_BUILD=1 takes the labs already
+# built in /tmp/lab-<name> (tools/gpu_session.sh builds them while it works).  Run from
+# the repository root:
 #   source .devbundle/env.sh && OUT=$OUT bash tools/gpu_branches.sh      (carry .branches)
 set -u
 OUT=${OUT:?set OUT}
@@ -17,16 +20,21 @@ t0=$(date +%s)
 LOG=$OUT/branches.log
 say() { echo "$*" | tee -a "$LOG"; }
 left() { [ $(( $(date +%s) - t0 )) -lt "$BUDGET_S" ] || { say "[$(( $(date +%s) - t0 ))s] out of time: skipped $*"; return 1; }; }
-trees=("$root")
+trees=()
+[ "${SKIP_MAIN:-0}" = 1 ] || trees+=("$root")
 for d in "$root"/.branches/*/; do [ -d "$d/kernels" ] && trees+=("${d%/}"); done
 name() { [ "$1" = "$root" ] && echo main || basename "$1"; }
 lab() { echo "/tmp/lab-$(name "$1")/lab"; }
 # variants a tree's lab knows: 5 where the lab has the saving forward
 variants() { if grep -q "forward_v3_save" "$1/kernels/bench/gdp_cuda_lab.cu" 2>/dev/null; then echo "v3 v5"; else echo v3; fi; }
-for t in "${trees[@]}"; do
-  ( cd "$t" && bash "$root/tools/gpu_lab_build.sh" "/tmp/lab-$(name "$t")" > "$OUT/build_$(name "$t").log" 2>&1 ) &
-done
-wait
+build_all() {
+  for t in "${trees[@]}"; do
+    ( cd "$t" && bash "$root/tools/gpu_lab_build.sh" "/tmp/lab-$(name "$t")" > "$OUT/build_$(name "$t").log" 2>&1 ) &
+  done
+  wait
+}
+if [ "${BUILD_ONLY:-0}" = 1 ]; then build_all; exit 0; fi
+[ "${SKIP_BUILD:-0}" = 1 ] || build_all
 say "[$(( $(date +%s) - t0 ))s] builds done"
 for t in "${trees[@]}"; do
   n=$(name "$t"); L=$(lab "$t")

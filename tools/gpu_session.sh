@@ -1,17 +1,23 @@
 #!/usr/bin/env bash
-# gpu_session.sh check|bench -- the two device calls that re-establish, on the H200, what
-# the CUDA issue asks for, each well inside the 10-minute limit of one call.  Run from the
+# gpu_session.sh check|lab|bench -- device calls that re-establish, on the H200, what the
+# CUDA issue asks for, each well inside the 10-minute limit of one call.  Run from the
 # repository root:
-#   source .devbundle/env.sh && OUT=$OUT bash tools/gpu_session.sh check   (~5 min)
+#   source .devbundle/env.sh && OUT=$OUT bash tools/gpu_session.sh check   (~7.5 min)
+#   source .devbundle/env.sh && OUT=$OUT bash tools/gpu_session.sh lab     (~8 min)
 #   source .devbundle/env.sh && OUT=$OUT bash tools/gpu_session.sh bench   (~6 min; carry .fla)
-# check: the kernel lab's check of variants 3 and 2 against the float64 oracle, memcheck and
-#        racecheck on small problems, the lab's per-kernel times at the four benchmark
-#        shapes, `./gdp test --quick` (every suite, #gpu specs included), and
-#        check_reference --device cuda in bf16 and f32.
+# check: the kernel lab's check of variants 3, 5 (3 saving for backward) and 2 against the
+#        float64 oracle, `./gdp test --quick` (every suite, #gpu specs included),
+#        check_reference --device cuda in bf16 and f32, memcheck and racecheck on small
+#        problems, the lab's medians and per-kernel times at the four benchmark shapes,
+#        and any lab branches under .branches/ (tools/gpu_branches.sh).
+# lab:   for kernel work between full checks: the lab's check of variants 3 and 5,
+#        memcheck/racecheck, `./gdp test --quick`, lab branches under .branches/ (checks
+#        first, then timings), the lab's medians and per-kernel times, and bench_gdp (the
+#        library, no fla) at the four shapes, plain and saving for backward (JSON).
 # bench: bench_gdp at the issue's four shapes with fla in the same run (JSON).
 # Logs go to $OUT (at most 8 files come back from a call).
 set -u
-MODE=${1:?usage: tools/gpu_session.sh check|bench}
+MODE=${1:?usage: tools/gpu_session.sh check|lab|bench}
 OUT=${OUT:?set OUT}
 mkdir -p "$OUT"
 LOG=$OUT/session.log
@@ -21,33 +27,117 @@ stamp "$MODE on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null 
 B=/tmp/gdp-lab
 SHAPES="4 4096 1|4 4096 2|4 4096 3|1 32768 2"
 
+# The stages run most-important first and each is skipped once BUDGET_S (default 520)
+# seconds have passed, so the call ends inside the device's 10-minute limit.
+BUDGET_S=${BUDGET_S:-520}
+left() { [ $(( $(date +%s) - t0 )) -lt "$BUDGET_S" ] || { stamp "out of time: skipped $*"; return 1; }; }
+
 if [ "$MODE" = check ]; then
+  # lab branches snapshotted under .branches/ (tools/snapshot_branches.sh) are built on
+  # the side and checked and timed at the end (tools/gpu_branches.sh; logs in one tarball)
+  nbr=$(ls -d .branches/*/kernels 2>/dev/null | wc -l)
+  if [ "$nbr" -gt 0 ]; then
+    mkdir -p "$OUT/branches"
+    ( SKIP_MAIN=1 BUILD_ONLY=1 OUT=$OUT/branches bash tools/gpu_branches.sh > /dev/null 2>&1 ) &
+    brpid=$!
+  fi
   stamp "build the lab"
   bash tools/gpu_lab_build.sh $B 2>&1 | tee -a "$LOG"
   [ -x $B/lab ] || { stamp "LAB BUILD FAILED"; exit 1; }
   ( ./gdp build > "$OUT/gdp_build.log" 2>&1; echo "gdp build rc=$?" >> "$LOG" ) &
-  stamp "lab check v3 v2"
-  timeout 120 $B/lab check v3 v2 > "$OUT/lab_check.log" 2>&1; echo "lab check rc=$?" | tee -a "$LOG"
-  grep -E "check:" "$OUT/lab_check.log" | tee -a "$LOG"
-  stamp "compute-sanitizer (1 x 300, n = 2 and 3)"
-  for n in 2 3; do
-    timeout 60 compute-sanitizer --tool memcheck $B/lab bench 1 300 $n v3 --reps 1 2>&1 | grep -E "ERROR SUMMARY" | tee -a "$LOG"
-    timeout 90 compute-sanitizer --tool racecheck $B/lab bench 1 300 $n v3 --reps 1 2>&1 | grep -E "RACECHECK SUMMARY" | tee -a "$LOG"
+  gbpid=$!
+  stamp "lab check v3 v5 v2 (v5 = v3 saving for backward)"
+  timeout 150 $B/lab check v3 v5 v2 > "$OUT/lab_check.log" 2>&1; echo "lab check rc=$?" | tee -a "$LOG"
+  grep -E "check:|FAIL" "$OUT/lab_check.log" | tee -a "$LOG"
+  wait $gbpid
+  if left "./gdp test --quick"; then
+    stamp "./gdp test --quick"
+    timeout 240 ./gdp test --quick > "$OUT/gdp_test.log" 2>&1; echo "gdp test rc=$?" | tee -a "$LOG"
+    grep -E "^  .* (ok|FAILED)$|passed, [0-9]+ failed|save_for_backward.*worst|skipping" "$OUT/gdp_test.log" | tee -a "$LOG"
+  fi
+  if left "check_reference"; then
+    stamp "check_reference --device cuda"
+    for dt in bf16 f32; do
+      echo "== $dt" >> "$OUT/check_cuda.log"
+      timeout 90 ./gdp experiments/check_reference.lua --device cuda --dtype $dt >> "$OUT/check_cuda.log" 2>&1
+      echo "check_reference $dt rc=$? $(tail -1 "$OUT/check_cuda.log")" | tee -a "$LOG"
+    done
+  fi
+  if left "compute-sanitizer"; then
+    stamp "compute-sanitizer (1 x 300, n = 2 and 3, v3 and v5)"
+    for n in 2 3; do
+      timeout 60 compute-sanitizer --tool memcheck $B/lab bench 1 300 $n v3 v5 --reps 1 2>&1 | grep -E "ERROR SUMMARY" | tee -a "$LOG"
+      timeout 90 compute-sanitizer --tool racecheck $B/lab bench 1 300 $n v3 v5 --reps 1 2>&1 | grep -E "RACECHECK SUMMARY" | tee -a "$LOG"
+    done
+  fi
+  if left "profile"; then
+    stamp "lab medians and per-kernel profile (one synchronised call per kernel)"
+    IFS='|'; for s in $SHAPES; do
+      IFS=' '; echo "-- $s" >> "$OUT/profile.log"
+      timeout 40 $B/lab bench $s v3 v5 --reps 10 2>&1 | grep -E "chunk_v3|v3_saved" | sed "s/^/[$s] /" | tee -a "$LOG"
+      GDP_CUDA_PROFILE=1 timeout 40 $B/lab bench $s v3 v5 --reps 2 2>&1 | grep -vE "^device| 0.0000 ms" >> "$OUT/profile.log"
+    done; IFS=' '
+  fi
+  if [ "$nbr" -gt 0 ]; then
+    wait $brpid
+    stamp "lab branches"
+    SKIP_MAIN=1 SKIP_BUILD=1 BUDGET_S=$(( BUDGET_S - ($(date +%s) - t0) )) OUT=$OUT/branches bash tools/gpu_branches.sh 2>&1 | tee -a "$LOG"
+    cp "$OUT/branches/branches.log" "$OUT/branches.log" 2>/dev/null
+    tar czf "$OUT/branches.tgz" -C "$OUT" branches && rm -rf "$OUT/branches"
+  fi
+  stamp "done"
+  exit 0
+fi
+
+if [ "$MODE" = lab ]; then
+  nbr=$(ls -d .branches/*/kernels 2>/dev/null | wc -l)
+  mkdir -p "$OUT/branches"
+  ( SKIP_MAIN=1 BUILD_ONLY=1 OUT=$OUT/branches bash tools/gpu_branches.sh > /dev/null 2>&1 ) &
+  brpid=$!
+  ( ./gdp build > "$OUT/gdp_build.log" 2>&1; echo "gdp build rc=$?" >> "$LOG" ) &
+  gbpid=$!
+  stamp "build the lab"
+  bash tools/gpu_lab_build.sh $B 2>&1 | tee -a "$LOG"
+  [ -x $B/lab ] || { stamp "LAB BUILD FAILED"; exit 1; }
+  stamp "lab check v3 v5"
+  timeout 120 $B/lab check v3 v5 > "$OUT/lab_check.log" 2>&1; echo "lab check rc=$?" | tee -a "$LOG"
+  grep -E "check:|FAIL" "$OUT/lab_check.log" | tee -a "$LOG"
+  stamp "compute-sanitizer (1 x 300, n = 2, v3 and v5)"
+  timeout 60 compute-sanitizer --tool memcheck $B/lab bench 1 300 2 v3 v5 --reps 1 2>&1 | grep -E "ERROR SUMMARY" | tee -a "$LOG"
+  timeout 90 compute-sanitizer --tool racecheck $B/lab bench 1 300 2 v3 v5 --reps 1 2>&1 | grep -E "RACECHECK SUMMARY" | tee -a "$LOG"
+  wait $gbpid
+  if left "./gdp test --quick"; then
+    stamp "./gdp test --quick"
+    timeout 200 ./gdp test --quick > "$OUT/gdp_test.log" 2>&1; echo "gdp test rc=$?" | tee -a "$LOG"
+    grep -E "^  .* (ok|FAILED)$|passed, [0-9]+ failed|FAILED  \]|save_for_backward.*worst|skipping" "$OUT/gdp_test.log" | tee -a "$LOG"
+  fi
+  wait $brpid
+  if [ "$nbr" -gt 0 ] && left "lab branches"; then
+    stamp "lab branches (checks, then timings)"
+    SKIP_MAIN=1 SKIP_BUILD=1 BUDGET_S=$(( BUDGET_S - 120 - ($(date +%s) - t0) )) OUT=$OUT/branches bash tools/gpu_branches.sh 2>&1 | tee -a "$LOG"
+  fi
+  if left "lab medians and profile"; then
+    stamp "lab medians (10) and per-kernel profile"
+    IFS='|'; for s in $SHAPES; do
+      IFS=' '; echo "-- $s" >> "$OUT/profile.log"
+      timeout 40 $B/lab bench $s v3 v5 --reps 10 2>&1 | grep -E "chunk_v3|v3_saved" | sed "s/^/[$s] /" | tee -a "$LOG"
+      GDP_CUDA_PROFILE=1 timeout 40 $B/lab bench $s v3 v5 --reps 2 2>&1 | grep -vE "^device| 0.0000 ms" >> "$OUT/profile.log"
+    done; IFS=' '
+    echo "-- 4 4096 2 without U's residual (GDP_CUDA_V3_ULO=0)" >> "$OUT/profile.log"
+    GDP_CUDA_V3_ULO=0 GDP_CUDA_PROFILE=1 timeout 40 $B/lab bench 4 4096 2 v3 v5 --reps 2 2>&1 | grep -vE "^device| 0.0000 ms" >> "$OUT/profile.log"
+  fi
+  for save in "" --save-for-backward; do
+    left "bench_gdp $save" || break
+    stamp "bench_gdp (library, no fla) $save"
+    timeout 90 ./gdp experiments/bench_gdp.lua --device cuda --dtype bf16 --H 16 --K 128 --V 128 \
+      --shapes 4x4096x1,4x4096x2,4x4096x3,1x32768x2 --repeat 20 --json --no-save $save \
+      > "$OUT/bench_gdp${save:+_saved}.json" 2>> "$OUT/bench_gdp.log"
+    echo "bench_gdp $save rc=$?" | tee -a "$LOG"
   done
-  stamp "lab per-kernel profile (one synchronised call per kernel)"
-  IFS='|'; for s in $SHAPES; do
-    IFS=' '; echo "-- $s" >> "$OUT/profile.log"
-    GDP_CUDA_PROFILE=1 timeout 40 $B/lab bench $s v3 --reps 3 2>&1 | grep -vE "^device| 0.0000 ms" >> "$OUT/profile.log"
-  done; IFS=' '
-  wait
-  stamp "./gdp test --quick"
-  timeout 300 ./gdp test --quick > "$OUT/gdp_test.log" 2>&1; echo "gdp test rc=$?" | tee -a "$LOG"
-  grep -E "^  .* (ok|FAILED)$|passed, [0-9]+ failed" "$OUT/gdp_test.log" | tee -a "$LOG"
-  stamp "check_reference --device cuda"
-  for dt in bf16 f32; do
-    timeout 90 ./gdp experiments/check_reference.lua --device cuda --dtype $dt > "$OUT/check_cuda_$dt.log" 2>&1
-    echo "check_reference $dt rc=$? $(tail -1 "$OUT/check_cuda_$dt.log")" | tee -a "$LOG"
-  done
+  tail -12 "$OUT/bench_gdp.log" 2>/dev/null >> "$LOG"
+  cp "$OUT/branches/branches.log" "$OUT/branches.log" 2>/dev/null
+  tar czf "$OUT/more.tgz" -C "$OUT" branches profile.log gdp_build.log bench_gdp.log 2>/dev/null &&
+    rm -rf "$OUT/branches" "$OUT/gdp_build.log" "$OUT/bench_gdp.log"
   stamp "done"
   exit 0
 fi

@@ -1547,7 +1547,7 @@ extern "C" gdp_status gdp_cuda_gdp_backward_v3(const gdp_gdp_problem *p, const g
   }
   /* U's bf16 residual for the recompute (GdpArgs::Ulo): it lives in the bf16 h buffer,
    * which only variant 2's gradient kernel uses */
-  if (grad_state) plan.a.Ulo = plan.a.hbuf;
+  if (grad_state && v3::keep_u_residual()) plan.a.Ulo = plan.a.hbuf;
   st = v3::launch_prep_v3(plan, go.Tt); /* NULL (no T store) for variant 2's gradient kernel */
   prof_mark("bwd prep v3 (recompute)", stream);
   const int bv = v3b::choose_bv(plan);

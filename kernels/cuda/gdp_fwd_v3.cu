@@ -444,11 +444,16 @@ __device__ __forceinline__ void prep_solve_column(const float *sA, int x, float 
  *  - the l2 norms run K/8 lanes per row, 16 bytes a lane, every row of the chunk
  *    unrolled (the rows' shuffle chains overlap);
  *  - v arrives in its own cp.async group, waited for only before U's product.
- * STORE_T (the backward's recompute only): T itself, unscaled, rounded to bf16, also goes
- * to global as T^T (row x = column x of T, [C][C] per (chunk, head) at Tt), for
- * grad_wy_kernel_v3 (gdp_bwd_v3.cu), which would otherwise solve for it again.  The
- * forward's instantiation (STORE_T = false) is the same code as without it. */
-template <int K, int V, int C, int TC, bool STORE_T>
+ * For the panels a backward will read (the recompute backward's prep and a forward
+ * saving for backward): STORE_T: T itself, unscaled, rounded to bf16, also goes to
+ * global as T^T (row x = column x of T, [C][C] per (chunk, head) at Tt), for
+ * grad_wy_kernel_v3 (gdp_bwd_v3.cu), which would otherwise solve for it again; STORE_ULO:
+ * U's bf16 rounding residual to a.Ulo.  Both are template flags, not runtime tests: with
+ * the residual's runtime test in it (never taken), the plain forward's prep at n = 2 ran
+ * 0.86 ms instead of 0.50 on the H200 (session 3); its instantiation <false, false> is
+ * instruction for instruction the kernel without either store.
+ */
+template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO>
 __global__ void __launch_bounds__(128, 4) prep_kernel_v3(GdpArgs a, bf16 *Tt) {
   using L = PrepLayout<K, V, C, TC>;
   static_assert(K % 64 == 0 && V % 64 == 0 && C % 16 == 0 && TC % 16 == 0 && C <= 64 && TC <= 32 &&
@@ -696,7 +701,6 @@ __global__ void __launch_bounds__(128, 4) prep_kernel_v3(GdpArgs a, bf16 *Tt) {
       bf16 *out = isu ? a.U + CHi * C * V : a.W + CHi * C * K;
       /* the backward's recompute also wants U's rounding residual (a.Ulo, gdp_chunk.cuh):
        * U - bf16(U) is exact in float32, its bf16 rounding keeps U to ~16 bits */
-      bf16 *outlo = (isu && a.Ulo) ? a.Ulo + CHi * C * V : nullptr;
       constexpr int ldo = isu ? V : K;
 #pragma unroll
       for (int nt = 0; nt < 8; nt++)
@@ -705,9 +709,9 @@ __global__ void __launch_bounds__(128, 4) prep_kernel_v3(GdpArgs a, bf16 *Tt) {
           const int i = rb + grp + 8 * hf, col = cb + nt * 8 + 2 * tig;
           const uint32_t hi = pack_bf16(acc[nt][2 * hf], acc[nt][2 * hf + 1]);
           *reinterpret_cast<uint32_t *>(out + (int64_t)i * ldo + col) = hi;
-          if (isu && outlo) {
+          if constexpr (STORE_ULO && isu) {
             const float2 h2 = unpack_bf16(hi);
-            *reinterpret_cast<uint32_t *>(outlo + (int64_t)i * ldo + col) =
+            *reinterpret_cast<uint32_t *>(a.Ulo + CHi * C * V + (int64_t)i * ldo + col) =
                 pack_bf16(acc[nt][2 * hf] - h2.x, acc[nt][2 * hf + 1] - h2.y);
           }
         }
@@ -784,10 +788,10 @@ static int choose_bv(const Plan &plan) {
   return best;
 }
 
-template <int K, int V, int C, int TC, bool STORE_T>
+template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO>
 static gdp_status launch_prep_kvt(const Plan &plan, bf16 *Tt) {
   using L = PrepLayout<K, V, C, TC>;
-  auto kern = prep_kernel_v3<K, V, C, TC, STORE_T>;
+  auto kern = prep_kernel_v3<K, V, C, TC, STORE_T, STORE_ULO>;
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
   /* four blocks of up to 52.5 KB per SM need (nearly) all of the unified L1 as shared memory */
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout,
@@ -799,7 +803,9 @@ static gdp_status launch_prep_kvt(const Plan &plan, bf16 *Tt) {
 
 template <int K, int V, int C, int TC>
 static gdp_status launch_prep_kv(const Plan &plan, bf16 *Tt) {
-  return Tt ? launch_prep_kvt<K, V, C, TC, true>(plan, Tt) : launch_prep_kvt<K, V, C, TC, false>(plan, nullptr);
+  if (!Tt) return launch_prep_kvt<K, V, C, TC, false, false>(plan, nullptr);
+  return plan.a.Ulo ? launch_prep_kvt<K, V, C, TC, true, true>(plan, Tt)
+                    : launch_prep_kvt<K, V, C, TC, true, false>(plan, Tt);
 }
 
 template <int K, int V>
@@ -809,14 +815,27 @@ static gdp_status launch_prep_n(const Plan &plan, bf16 *Tt) {
   return launch_prep_kv<K, V, 48, 16>(plan, Tt);
 }
 
-/* Also the backward v3's recompute (gdp_bwd_v3.cu), which passes Tt (bf16 [C][C] per
- * (chunk, head), its own workspace) to get T^T stored for its gradient kernel; the
- * forward passes NULL and runs the kernel without that store. */
+/* Also the backward v3's recompute (gdp_bwd_v3.cu) and the saving forward, which pass Tt
+ * (bf16 [C][C] per (chunk, head)) to get T^T (and U's residual, where plan.a.Ulo is set)
+ * stored for the backward's kernels; the plain forward passes NULL and runs the kernel
+ * without either store. */
 gdp_status launch_prep_v3(const Plan &plan, bf16 *Tt) {
+  /* the residual is only written by the BWD instantiation: without it, the state pass
+   * that reads a.Ulo would read whatever the buffer held */
+  if (plan.a.Ulo && !Tt)
+    return GDP_ERROR(GDP_ERR_INTERNAL, "launch_prep_v3: Ulo given without Tt (the residual is stored only "
+                                       "with T^T)");
   if (plan.a.nchunks == 0) return GDP_OK;
   const int K = plan.a.K, V = plan.a.V;
   if (K == 128) return V == 128 ? launch_prep_n<128, 128>(plan, Tt) : launch_prep_n<128, 64>(plan, Tt);
   return V == 128 ? launch_prep_n<64, 128>(plan, Tt) : launch_prep_n<64, 64>(plan, Tt);
+}
+
+/* GDP_CUDA_V3_ULO=0 drops U's residual from the backward's D (lab experiments: what the
+ * residual costs in the prep and the state passes, and what it buys in dg). */
+bool keep_u_residual() {
+  const char *env = getenv("GDP_CUDA_V3_ULO");
+  return !(env && strcmp(env, "0") == 0);
 }
 
 SavedLayout saved_layout(const gdp_gdp_problem *p) {
@@ -880,7 +899,7 @@ static gdp_status forward_v3(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io,
      * block reads its columns of chunk c (cp.async, waited for) before it stores D there,
      * and no other block touches those columns. */
     plan.a.Dbuf = (bf16 *)((char *)saved + sl.o_D);
-    plan.a.Ulo = plan.a.Dbuf;
+    if (v3::keep_u_residual()) plan.a.Ulo = plan.a.Dbuf;
   }
   prof_mark("fwd plan+upload", stream);
   /* saving: the prep also stores T^T for grad_wy (the recompute backward's prep does) */

@@ -45,6 +45,7 @@ struct SavedLayout {
   size_t plan, o_hT32, o_D, o_Tt, total;
 };
 SavedLayout saved_layout(const gdp_gdp_problem *p);
+bool keep_u_residual();
 }  // namespace v3
 }  // namespace gdpcu
 #endif
