@@ -45,6 +45,11 @@ for t in "${trees[@]}"; do
   say "check rc=$? $(grep -E 'check:' "$OUT/check_$n.log" | tail -1)"
   grep -E "FAIL" "$OUT/check_$n.log" | head -5 | tee -a "$LOG"
   timeout 60 compute-sanitizer --tool racecheck $L bench 1 300 2 $(variants "$t") --reps 1 2>&1 | grep -E "RACECHECK SUMMARY" | tee -a "$LOG"
+  # a gradient kernel that prefetches a later block's inputs (GDP_CUDA_V3_GS_AHEAD): its
+  # addresses, at a distance the small problem reaches
+  if grep -q GDP_CUDA_V3_GS_AHEAD "$t/kernels/cuda/gdp_bwd_v3.cu"; then
+    GDP_CUDA_V3_GS_AHEAD=1 timeout 60 compute-sanitizer --tool memcheck $L bench 1 300 2 v3 --reps 1 2>&1 | grep -E "ERROR SUMMARY" | sed "s/^/[GS_AHEAD=1] /" | tee -a "$LOG"
+  fi
 done
 for t in "${trees[@]}"; do
   n=$(name "$t"); L=$(lab "$t"); [ -x "$L" ] || continue
@@ -59,6 +64,13 @@ for t in "${trees[@]}"; do
   left "profile $n" || break
   say "===== $n profile 4 4096 2"
   GDP_CUDA_PROFILE=1 timeout 30 $L bench 4 4096 2 v3 --reps 2 2>&1 | grep -E "^    " | grep -v " 0.0000 ms" | tee -a "$LOG"
+  if grep -q GDP_CUDA_V3_GS_AHEAD "$t/kernels/cuda/gdp_bwd_v3.cu"; then
+    for s in "4 4096 2" "4 4096 3"; do
+      left "gs-ahead off" || break
+      GDP_CUDA_V3_GS_AHEAD=0 GDP_CUDA_PROFILE=1 timeout 30 $L bench $s v3 --reps 2 2>&1 | grep -E "chunk_v3 |state part" | sed "s/^/[GS_AHEAD=0 $s] /" | tee -a "$LOG"
+      GDP_CUDA_PROFILE=1 timeout 30 $L bench $s v3 --reps 2 2>&1 | grep -E "chunk_v3 |state part" | sed "s/^/[GS_AHEAD=default $s] /" | tee -a "$LOG"
+    done
+  fi
   if grep -q GDP_CUDA_V3_GRAD_AHEAD "$t/kernels/cuda/gdp_bwd_v3.cu"; then
     for ga in 0 8 16 33 66 auto; do
       left "grad-ahead $ga" || break
