@@ -150,6 +150,16 @@ __device__ __forceinline__ void prefetch_l2_bulk(const void *p, uint32_t bytes) 
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 }
 
+/* 4 bytes global -> shared (needs only 4-byte alignment, unlike cp_async16). */
+__device__ __forceinline__ void cp_async4(void *dst, const void *src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(dst)), "l"(src));
+}
+
+/* Pull the cache line holding p into L2 (a hint: no register result, nothing waits). */
+__device__ __forceinline__ void prefetch_l2_line(const void *p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p) : "memory");
+}
+
 /* ------------------------------------------------------------------ recompute: states */
 
 template <int K, int C, int BV>
@@ -470,7 +480,9 @@ struct GradStateLayout {
   static constexpr int oF = oPs + TC * ldC * 2;       /* floats below */
   static constexpr int fGp = 0, fGc = C, fDgc = 2 * C, fZ = 3 * C, fQinv = 4 * C, fQdot = 4 * C + TC,
                        fDot = 4 * C + 2 * TC, fKinv = 4 * C + 2 * TC + 8, nF = 5 * C + 2 * TC + 8;
-  static constexpr int total = oF + nF * 4;
+  static constexpr int oNext = oF + nF * 4; /* ChunkInfo of the block `ahead` slots on (16 bytes) */
+  static_assert(oNext % 16 == 0, "ChunkInfo alignment");
+  static constexpr int total = oNext + 16;
 };
 
 /* The state part of the per-chunk gradients (one block of 8 warps per (chunk, head)):
@@ -490,7 +502,7 @@ struct GradStateLayout {
  * (T, dT, dA, dv, dbeta and the rest of dk, dg) adds to dKnA and dgcA.  Only the TC query
  * rows enter the query products (dO is zero on the other steps). */
 template <int K, int V, int C, int TC>
-__global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradStateOut go) {
+__global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradStateOut go, int ahead) {
   using L = GradStateLayout<K, V, C, TC>;
   constexpr int NN = C / TC;
   static_assert(K % 64 == 0 && V % 16 == 0 && C % 16 == 0 && TC % 16 == 0 && NN * TC == C, "shapes");
@@ -525,6 +537,13 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
   copy_panel<TC, V, 256>(smem + L::odO, L::ldV, d_o + ((int64_t)ci.t0 * H + h) * V, (int64_t)H * V, ci.ntok);
   copy_panel<C, K, 256>(smem + L::oKn, L::ldK, gk + (krow0 * H + h) * K, (int64_t)H * K, nv);
   copy_panel<TC, K, 256>(smem + L::oQn, L::ldK, gq + ((int64_t)ci.t0 * H + h) * K, (int64_t)H * K, ci.ntok);
+  /* the block `ahead` launch slots on (launcher: the resident block count, so roughly the
+   * block that starts when this one ends): its ChunkInfo comes in with the panels, for the
+   * L2 prefetch of its inputs after P3a (below) */
+  const int64_t lin_ahead = (int64_t)blockIdx.y * gridDim.x + blockIdx.x + ahead;
+  const bool do_ahead = ahead > 0 && lin_ahead < (int64_t)gridDim.x * gridDim.y; /* block-uniform */
+  if (do_ahead && tid < 4) /* the ChunkInfo's four ints, 4-byte copies (the table is only int-aligned) */
+    cp_async4(smem + L::oNext + 4 * tid, (const int *)(a.chunks + lin_ahead % gridDim.x) + tid);
   cp_async_commit();
   copy_panel<C, V, 256>(smem + L::odD, L::ldV, a.dDbuf + CHi * C * V, V, C);
   cp_async_commit();
@@ -753,6 +772,40 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
     }
   }
   __syncthreads(); /* dH^T no longer read by any warp: h^T takes its place */
+  if (do_ahead) {
+    /* Cross-block pipelining through L2: the inputs of the block `ahead` slots on (h^T,
+     * dH^T, D, dD by bulk prefetches; its strided k, q, dO rows a 128-byte line per
+     * thread) start streaming from DRAM now, ~40% of a block lifetime before that block
+     * starts, so its cp.async panels and float32 reads hit L2 and the DRAM traffic runs
+     * under the resident blocks' products.  Hints only: nothing waits on them, and only
+     * rows inside that block's chunk are touched. */
+    const int cn = (int)(lin_ahead % gridDim.x), hn = (int)(lin_ahead / gridDim.x);
+    const int64_t CHn = (int64_t)cn * H + hn;
+    const ChunkInfo cin = *reinterpret_cast<const ChunkInfo *>(smem + L::oNext);
+    if (tid == 0) {
+      prefetch_l2_bulk(go.dHT32 + CHn * V * K, V * K * 4);
+      prefetch_l2_bulk(go.hT32 + CHn * V * K, V * K * 4);
+    }
+    if (tid == 32) {
+      prefetch_l2_bulk(a.Dbuf + CHn * C * V, C * V * 2);
+      prefetch_l2_bulk(a.dDbuf + CHn * C * V, C * V * 2);
+    }
+    constexpr int lk = K / 64, lv = V / 64, nk = C * lk, nq = TC * lk, no = TC * lv; /* 128-byte lines */
+    for (int i = tid; i < nk + nq + no; i += 256) {
+      const bf16 *p = nullptr;
+      if (i < nk) {
+        const int r = i / lk;
+        if (r < cin.ntok * NN) p = gk + (((int64_t)cin.t0 * NN + r) * H + hn) * K + (i % lk) * 64;
+      } else if (i < nk + nq) {
+        const int r = (i - nk) / lk;
+        if (r < cin.ntok) p = gq + (((int64_t)cin.t0 + r) * H + hn) * K + ((i - nk) % lk) * 64;
+      } else {
+        const int r = (i - nk - nq) / lv;
+        if (r < cin.ntok) p = d_o + (((int64_t)cin.t0 + r) * H + hn) * V + ((i - nk - nq) % lv) * 64;
+      }
+      if (p) prefetch_l2_line(p);
+    }
+  }
   {
     const float4 *ph = (const float4 *)(go.hT32 + CHi * V * K);
     float4 hl[perH - earlyH > 0 ? perH - earlyH : 1];
@@ -1409,7 +1462,19 @@ static gdp_status launch_grad_state_kv(const Plan &plan, const GradStateOut &go,
     GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
     /* two blocks per SM need the largest shared-memory carveout */
     GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
-    kern<<<grid, 256, L::total, plan.stream>>>(plan.a, go);
+    /* L2 prefetch distance in launch slots: the resident block count (blocks start in
+     * launch order, so block b + resident starts about when block b ends); off with
+     * GDP_CUDA_V3_GS_AHEAD=0, any other value is taken as the distance. */
+    static int resident = 0; /* depends only on the instantiation; benign race */
+    if (resident == 0) {
+      int occ = 0;
+      GDP_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, 256, L::total));
+      resident = occ > 0 ? occ * num_sms() : -1;
+    }
+    int ahead = resident > 0 ? resident : 0;
+    const char *env = getenv("GDP_CUDA_V3_GS_AHEAD");
+    if (env) ahead = atoi(env) > 0 ? atoi(env) : 0;
+    kern<<<grid, 256, L::total, plan.stream>>>(plan.a, go, ahead);
     GDP_CUDA_LAUNCHED("grad_state_kernel_v3");
   } else {
     using L = GradWYLayout<K, V, C>;
