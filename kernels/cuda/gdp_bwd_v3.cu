@@ -772,45 +772,46 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
     }
   }
   __syncthreads(); /* dH^T no longer read by any warp: h^T takes its place */
-  if (do_ahead) {
-    /* Cross-block pipelining through L2: the inputs of the block `ahead` slots on (h^T,
-     * dH^T, D, dD by bulk prefetches; its strided k, q, dO rows a 128-byte line per
-     * thread) start streaming from DRAM now, ~40% of a block lifetime before that block
-     * starts, so its cp.async panels and float32 reads hit L2 and the DRAM traffic runs
-     * under the resident blocks' products.  Hints only: nothing waits on them, and only
-     * rows inside that block's chunk are touched. */
-    const int cn = (int)(lin_ahead % gridDim.x), hn = (int)(lin_ahead / gridDim.x);
-    const int64_t CHn = (int64_t)cn * H + hn;
-    const ChunkInfo cin = *reinterpret_cast<const ChunkInfo *>(smem + L::oNext);
-    if (tid == 0) {
-      prefetch_l2_bulk(go.dHT32 + CHn * V * K, V * K * 4);
-      prefetch_l2_bulk(go.hT32 + CHn * V * K, V * K * 4);
-    }
-    if (tid == 32) {
-      prefetch_l2_bulk(a.Dbuf + CHn * C * V, C * V * 2);
-      prefetch_l2_bulk(a.dDbuf + CHn * C * V, C * V * 2);
-    }
-    constexpr int lk = K / 64, lv = V / 64, nk = C * lk, nq = TC * lk, no = TC * lv; /* 128-byte lines */
-    for (int i = tid; i < nk + nq + no; i += 256) {
-      const bf16 *p = nullptr;
-      if (i < nk) {
-        const int r = i / lk;
-        if (r < cin.ntok * NN) p = gk + (((int64_t)cin.t0 * NN + r) * H + hn) * K + (i % lk) * 64;
-      } else if (i < nk + nq) {
-        const int r = (i - nk) / lk;
-        if (r < cin.ntok) p = gq + (((int64_t)cin.t0 + r) * H + hn) * K + ((i - nk) % lk) * 64;
-      } else {
-        const int r = (i - nk - nq) / lv;
-        if (r < cin.ntok) p = d_o + (((int64_t)cin.t0 + r) * H + hn) * V + ((i - nk - nq) % lv) * 64;
-      }
-      if (p) prefetch_l2_line(p);
-    }
-  }
   {
     const float4 *ph = (const float4 *)(go.hT32 + CHi * V * K);
     float4 hl[perH - earlyH > 0 ? perH - earlyH : 1];
 #pragma unroll
     for (int u = earlyH; u < perH; u++) hl[u - earlyH] = __ldcs(ph + u * 256 + tid);
+    /* (the late h^T loads are in flight: the prefetch hints fill their latency) */
+    if (do_ahead) {
+      /* Cross-block pipelining through L2: the inputs of the block `ahead` slots on (h^T,
+       * dH^T, D, dD by bulk prefetches; its strided k, q, dO rows a 128-byte line per
+       * thread) start streaming from DRAM now, ~40% of a block lifetime before that block
+       * starts, so its cp.async panels and float32 reads hit L2 and the DRAM traffic runs
+       * under the resident blocks' products.  Hints only: nothing waits on them, and only
+       * rows inside that block's chunk are touched. */
+      const int cn = (int)(lin_ahead % gridDim.x), hn = (int)(lin_ahead / gridDim.x);
+      const int64_t CHn = (int64_t)cn * H + hn;
+      const ChunkInfo cin = *reinterpret_cast<const ChunkInfo *>(smem + L::oNext);
+      if (tid == 0) {
+        prefetch_l2_bulk(go.dHT32 + CHn * V * K, V * K * 4);
+        prefetch_l2_bulk(go.hT32 + CHn * V * K, V * K * 4);
+      }
+      if (tid == 32) {
+        prefetch_l2_bulk(a.Dbuf + CHn * C * V, C * V * 2);
+        prefetch_l2_bulk(a.dDbuf + CHn * C * V, C * V * 2);
+      }
+      constexpr int lk = K / 64, lv = V / 64, nk = C * lk, nq = TC * lk, no = TC * lv; /* 128-byte lines */
+      for (int i = tid; i < nk + nq + no; i += 256) {
+        const bf16 *p = nullptr;
+        if (i < nk) {
+          const int r = i / lk;
+          if (r < cin.ntok * NN) p = gk + (((int64_t)cin.t0 * NN + r) * H + hn) * K + (i % lk) * 64;
+        } else if (i < nk + nq) {
+          const int r = (i - nk) / lk;
+          if (r < cin.ntok) p = gq + (((int64_t)cin.t0 + r) * H + hn) * K + ((i - nk) % lk) * 64;
+        } else {
+          const int r = (i - nk - nq) / lv;
+          if (r < cin.ntok) p = d_o + (((int64_t)cin.t0 + r) * H + hn) * V + ((i - nk - nq) % lv) * 64;
+        }
+        if (p) prefetch_l2_line(p);
+      }
+    }
 #pragma unroll
     for (int u = 0; u < perH; u++) {
       const int e = u * 256 + tid;
