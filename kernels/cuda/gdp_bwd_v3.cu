@@ -151,6 +151,16 @@ __device__ __forceinline__ void prefetch_l2_bulk(const void *p, uint32_t bytes) 
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 }
 
+/* 4 bytes global -> shared (needs only 4-byte alignment, unlike cp_async16). */
+__device__ __forceinline__ void cp_async4(void *dst, const void *src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(dst)), "l"(src));
+}
+
+/* Pull the cache line holding p into L2 (a hint: no register result, nothing waits). */
+__device__ __forceinline__ void prefetch_l2_line(const void *p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p) : "memory");
+}
+
 /* ------------------------------------------------------------------ recompute: states */
 
 template <int K, int C, int BV>
@@ -471,7 +481,9 @@ struct GradStateLayout {
   static constexpr int oF = oPs + TC * ldC * 2;       /* floats below */
   static constexpr int fGp = 0, fGc = C, fDgc = 2 * C, fZ = 3 * C, fQinv = 4 * C, fQdot = 4 * C + TC,
                        fDot = 4 * C + 2 * TC, fKinv = 4 * C + 2 * TC + 8, nF = 5 * C + 2 * TC + 8;
-  static constexpr int total = oF + nF * 4;
+  static constexpr int oNext = oF + nF * 4; /* ChunkInfo of the block `ahead` slots on (16 bytes) */
+  static_assert(oNext % 16 == 0, "ChunkInfo alignment");
+  static constexpr int total = oNext + 16;
 };
 
 /* The state part of the per-chunk gradients (one block of 8 warps per (chunk, head)):
@@ -491,7 +503,7 @@ struct GradStateLayout {
  * (T, dT, dA, dv, dbeta and the rest of dk, dg) adds to dKnA and dgcA.  Only the TC query
  * rows enter the query products (dO is zero on the other steps). */
 template <int K, int V, int C, int TC>
-__global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradStateOut go) {
+__global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradStateOut go, int ahead) {
   using L = GradStateLayout<K, V, C, TC>;
   constexpr int NN = C / TC;
   static_assert(K % 64 == 0 && V % 16 == 0 && C % 16 == 0 && TC % 16 == 0 && NN * TC == C, "shapes");
@@ -506,82 +518,83 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
   const bf16 *gk = (const bf16 *)a.k, *gq = (const bf16 *)a.q, *gg = (const bf16 *)a.g,
              *d_o = (const bf16 *)a.d_o;
   float *sF = (float *)(smem + L::oF);
-  float *sGp = sF + L::fGp, *sGc = sF + L::fGc, *sDgc = sF + L::fDgc, *sZ = sF + L::fZ,
+  float *sGc = sF + L::fGc, *sDgc = sF + L::fDgc, *sZ = sF + L::fZ,
         *sQinv = sF + L::fQinv, *sQdot = sF + L::fQdot, *sDot = sF + L::fDot, *sKinv = sF + L::fKinv;
   const uint32_t s0 = smem_addr(smem);
 
-  /* ---- loads, all issued up front so that they overlap: D, dD, dO and the raw k, q rows
-   * by cp.async (k, q are normalised in place below, so no row waits on a global load
-   * of its own); <dH, h> from the float32 copies in two rounds of 16 16-byte loads per
-   * thread, dH^T -> bf16 shared (h^T replaces it after the dH products: one K x V buffer
-   * keeps the block at ~108 KB, two blocks per SM) */
+  /* ---- loads.  The float32 h^T, dH^T panels (128 KB at K = V = 128, two thirds of the
+   * block's DRAM bytes) are pulled into L2 first, by two bulk prefetches that hold no
+   * register and no shared memory; the bf16 panels follow by cp.async (dD, needed only
+   * from P3b on, in a second group).  The block then computes the cumulative gate, the
+   * k / q norms and P1 (none of which reads h or dH) while that DRAM stream runs, and only
+   * then reads the float32 copies (<dH, h>, dH^T -> bf16 shared), from L2.  Before, the
+   * two rounds of float32 loads came first and each waited a full DRAM latency with
+   * nothing else to do (ncu: 20.5 warp cycles per instruction, DRAM 52%). */
+  if (tid == 0) {
+    prefetch_l2_bulk(go.dHT32 + CHi * V * K, V * K * 4);
+    prefetch_l2_bulk(go.hT32 + CHi * V * K, V * K * 4);
+  }
   copy_panel<C, V, 256>(smem + L::oD, L::ldV, a.Dbuf + CHi * C * V, V, C);
-  copy_panel<C, V, 256>(smem + L::odD, L::ldV, a.dDbuf + CHi * C * V, V, C);
   copy_panel<TC, V, 256>(smem + L::odO, L::ldV, d_o + ((int64_t)ci.t0 * H + h) * V, (int64_t)H * V, ci.ntok);
   copy_panel<C, K, 256>(smem + L::oKn, L::ldK, gk + (krow0 * H + h) * K, (int64_t)H * K, nv);
   copy_panel<TC, K, 256>(smem + L::oQn, L::ldK, gq + ((int64_t)ci.t0 * H + h) * K, (int64_t)H * K, ci.ntok);
+  /* the block `ahead` launch slots on (launcher: the resident block count, so roughly the
+   * block that starts when this one ends): its ChunkInfo comes in with the panels, for the
+   * L2 prefetch of its inputs after P3a (below) */
+  const int64_t lin_ahead = (int64_t)blockIdx.y * gridDim.x + blockIdx.x + ahead;
+  const bool do_ahead = ahead > 0 && lin_ahead < (int64_t)gridDim.x * gridDim.y; /* block-uniform */
+  if (do_ahead && tid < 4) /* the ChunkInfo's four ints, 4-byte copies (the table is only int-aligned) */
+    cp_async4(smem + L::oNext + 4 * tid, (const int *)(a.chunks + lin_ahead % gridDim.x) + tid);
+  cp_async_commit();
+  copy_panel<C, V, 256>(smem + L::odD, L::ldV, a.dDbuf + CHi * C * V, V, C);
   cp_async_commit();
   if (tid < C) {
-    sGp[tid] = (gg && tid < nv && tid % n == 0) ? __bfloat162float(gg[((int64_t)ci.t0 + tid / n) * H + h]) : 0.f;
     sDgc[tid] = 0.f;
     sZ[tid] = 0.f;
   }
   if (tid < TC) sQdot[tid] = 0.f;
-  {
-    /* dH is read once (streaming loads); h is read again after P3a, so its first read
-     * keeps the default caching.  The per-thread summation order of the dot is e
-     * ascending in steps of 256, as before. */
-    const float4 *ph = (const float4 *)(go.hT32 + CHi * V * K), *pd = (const float4 *)(go.dHT32 + CHi * V * K);
-    float dot = 0.f;
-    constexpr int nvec = V * K / 4, per = 8;
-#pragma unroll
-    for (int e0 = 0; e0 < nvec; e0 += 256 * per) {
-      float4 hv[per], dv[per];
-#pragma unroll
-      for (int u = 0; u < per; u++) {
-        const int e = e0 + u * 256 + tid;
-        if (nvec % (256 * per) == 0 || e < nvec) hv[u] = ph[e], dv[u] = __ldcs(pd + e);
-      }
-#pragma unroll
-      for (int u = 0; u < per; u++) {
-        const int e = e0 + u * 256 + tid;
-        if (nvec % (256 * per) == 0 || e < nvec) {
-          dot += hv[u].x * dv[u].x + hv[u].y * dv[u].y + hv[u].z * dv[u].z + hv[u].w * dv[u].w;
-          const int x = (4 * e) / K, r = (4 * e) % K;
-          *reinterpret_cast<uint2 *>(smem + L::oHb + (x * L::ldK + r) * 2) =
-              make_uint2(pack_bf16(dv[u].x, dv[u].y), pack_bf16(dv[u].z, dv[u].w));
-        }
-      }
-    }
-    dot = warp_sum(dot);
-    if (lane == 0) sDot[warp] = dot;
-  }
-  cp_async_wait<0>();
-  __syncthreads();
-  /* h is read again after P3a: keep it in L2 until then */
-  if (tid == 0) prefetch_l2_bulk(go.hT32 + CHi * V * K, V * K * 4);
-  if (tid < C) { /* same summation order as the prep */
+  if (warp == 0) {
+    /* gc of key row i = g summed over the tokens <= i/n, token by token from 0.f: the
+     * prep's shuffle scan (gdp_fwd_v3.cu), so the same additions in the same order, and
+     * bit-identical to the serial loop over shared memory it replaces (whose other terms
+     * were exact zeros), without its 64 dependent shared loads.  Lane t ends with the
+     * sum through token t. */
+    const float gt = (gg && lane < ci.ntok) ? __bfloat162float(gg[((int64_t)ci.t0 + lane) * H + h]) : 0.f;
     float acc = 0.f;
-    for (int m = 0; m <= tid; m++) acc += sGp[m];
-    sGc[tid] = acc;
+#pragma unroll
+    for (int m = 0; m < TC; m++) {
+      const float gm = __shfl_sync(0xffffffffu, gt, m);
+      if (m <= lane) acc += gm;
+    }
+    if (lane < TC)
+#pragma unroll
+      for (int r = 0; r < n; r++) sGc[lane * n + r] = acc;
   }
-  /* The k, q rows stay raw (exact bf16) and only their norms are taken (warp per row):
+  cp_async_wait<1>(); /* D, dO, k, q (this thread's copies) */
+  __syncthreads();
+  /* The k, q rows stay raw (exact bf16) and only their norms are taken:
    * kinv, qinv = rsqrt(|x|^2 + eps).  Every product below uses the raw rows and folds the
    * norms into its epilogue, so kn and qn are never rounded to bf16 here: the gate
    * gradient's z terms (kn . (D dH^T)) lost ~1.9e-3 of dg's precision to that rounding
-   * (NOTES.md, "dg precision").  Rows past the end were zero-filled and stay zero. */
-  for (int i = warp; i < C + TC; i += 8) {
+   * (NOTES.md, "dg precision").  Rows past the end were zero-filled and stay zero.
+   * A quad per row (8 rows per warp and pass, 16-byte loads, two shuffles) instead of a
+   * warp per row (12 serial rows of five-shuffle sums per warp at C = 64). */
+  for (int i0 = 8 * warp; i0 < C + TC; i0 += 64) { /* C + TC is a multiple of 16: warp-uniform */
+    const int i = i0 + (lane >> 2);
     const bool isq = i >= C;
     const int row = isq ? i - C : i;
-    const bf16 *rp = (const bf16 *)(smem + (isq ? L::oQn : L::oKn)) + row * L::ldK;
+    const unsigned char *rp = smem + (isq ? L::oQn : L::oKn) + (row * L::ldK + 8 * (lane & 3)) * 2;
     float ss = 0.f;
 #pragma unroll
     for (int m = 0; m < K / 32; m++) {
-      const float x = __bfloat162float(rp[lane + 32 * m]);
-      ss += x * x;
+      const uint4 u = *reinterpret_cast<const uint4 *>(rp + 64 * m);
+      const float2 x0 = unpack_bf16(u.x), x1 = unpack_bf16(u.y), x2 = unpack_bf16(u.z), x3 = unpack_bf16(u.w);
+      ss += x0.x * x0.x + x0.y * x0.y + x1.x * x1.x + x1.y * x1.y + x2.x * x2.x + x2.y * x2.y + x3.x * x3.x + x3.y * x3.y;
     }
-    const float inv = a.l2norm ? rsqrtf(warp_sum(ss) + kNormEps) : 1.f;
-    if (lane == 0) (isq ? sQinv : sKinv)[row] = inv;
+    ss += __shfl_xor_sync(0xffffffffu, ss, 1);
+    ss += __shfl_xor_sync(0xffffffffu, ss, 2);
+    const float inv = a.l2norm ? rsqrtf(ss + kNormEps) : 1.f;
+    if ((lane & 3) == 0) (isq ? sQinv : sKinv)[row] = inv;
   }
   __syncthreads();
   const float last = sGc[C - 1];
@@ -645,14 +658,59 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
         if (grp == 0) atomicAdd(sDgc + jb + 8 * nt + 2 * tig + e, -v);
       }
   }
+
+  /* ---- the float32 copies, now (mostly) L2 hits: <dH, h> and dH^T -> bf16 shared (h^T
+   * replaces it after the dH products: one K x V buffer keeps the block at ~108 KB, two
+   * blocks per SM).  Two rounds of 16 16-byte loads per thread at K = V = 128; dH is read
+   * once (streaming loads), h again after P3a (default caching).  The per-thread
+   * summation order of the dot is e ascending in steps of 256, as before. */
+  {
+    const float4 *ph = (const float4 *)(go.hT32 + CHi * V * K), *pd = (const float4 *)(go.dHT32 + CHi * V * K);
+    float dot = 0.f;
+    constexpr int nvec = V * K / 4, per = 8;
+#pragma unroll
+    for (int e0 = 0; e0 < nvec; e0 += 256 * per) {
+      float4 hv[per], dv[per];
+#pragma unroll
+      for (int u = 0; u < per; u++) {
+        const int e = e0 + u * 256 + tid;
+        if (nvec % (256 * per) == 0 || e < nvec) hv[u] = ph[e], dv[u] = __ldcs(pd + e);
+      }
+#pragma unroll
+      for (int u = 0; u < per; u++) {
+        const int e = e0 + u * 256 + tid;
+        if (nvec % (256 * per) == 0 || e < nvec) {
+          dot += hv[u].x * dv[u].x + hv[u].y * dv[u].y + hv[u].z * dv[u].z + hv[u].w * dv[u].w;
+          const int x = (4 * e) / K, r = (4 * e) % K;
+          *reinterpret_cast<uint2 *>(smem + L::oHb + (x * L::ldK + r) * 2) =
+              make_uint2(pack_bf16(dv[u].x, dv[u].y), pack_bf16(dv[u].z, dv[u].w));
+        }
+      }
+    }
+    dot = warp_sum(dot);
+    if (lane == 0) sDot[warp] = dot;
+  }
+  /* h is read again after P3a: keep it in L2 until then */
+  if (tid == 0) prefetch_l2_bulk(go.hT32 + CHi * V * K, V * K * 4);
+  cp_async_wait<0>(); /* dD (read from P3b on; the barriers below publish it) */
   __syncthreads();
 
   /* ---- P3a: per 16 steps x 64 key columns: dKnA = e^{last-gc_j} D dH^T + Ps^T qn (z_j
-   * on the way). */
-  for (int item = warp; item < (C / 16) * (K / 64); item += 8) {
-    const int jb = (item / (K / 64)) * 16, rb = (item % (K / 64)) * 64;
-    {
-      float acc[8][4] = {};
+   * on the way); item = warp (at most 8 items).  Once a warp's D dH^T products are done it
+   * no longer reads dH^T, so it issues its share of the h^T reload (L2) into registers
+   * right then and finishes its item (z, Ps^T qn, the dKnA store) while those loads are in
+   * flight; the barrier then only guards the shared-memory overwrite. */
+  constexpr int nP3 = (C / 16) * (K / 64);
+  static_assert(nP3 <= 8, "one P3 item per warp");
+  /* float4 of h^T per thread: 4 .. 16; at most 8 are held across the rest of the item
+   * (16 spill at K = V = 128 under the 128-register cap), the others load after it */
+  constexpr int nvecH = V * K / 4, perH = nvecH / 256, earlyH = perH < 8 ? perH : 8;
+  static_assert(nvecH % 256 == 0 && perH <= 16 && perH - earlyH <= earlyH, "h^T reload: two rounds at most");
+  float4 hv[earlyH];
+  {
+    const int jb = (warp / (K / 64)) * 16, rb = (warp % (K / 64)) * 64;
+    float acc[8][4] = {};
+    if (warp < nP3) {
 #pragma unroll
       for (int kt = 0; kt < V / 16; kt++) {
         uint32_t fa[4];
@@ -665,6 +723,14 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
           mma16816(acc[nt + 1], fa, b2, b3);
         }
       }
+    }
+    {
+      /* last read of h: streaming 16-byte loads, written over dH^T after the barrier */
+      const float4 *ph = (const float4 *)(go.hT32 + CHi * V * K);
+#pragma unroll
+      for (int u = 0; u < earlyH; u++) hv[u] = __ldcs(ph + u * 256 + tid);
+    }
+    if (warp < nP3) {
 #pragma unroll
       for (int hf = 0; hf < 2; hf++) {
         const int j = jb + grp + 8 * hf;
@@ -706,28 +772,54 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
       }
     }
   }
-  __syncthreads(); /* dH^T no longer read: h^T takes its place */
+  __syncthreads(); /* dH^T no longer read by any warp: h^T takes its place */
   {
-    /* last read of h: one round of 16 streaming 16-byte loads per thread at K = V = 128 */
     const float4 *ph = (const float4 *)(go.hT32 + CHi * V * K);
-    constexpr int nvec = V * K / 4, per = 16;
+    float4 hl[perH - earlyH > 0 ? perH - earlyH : 1];
 #pragma unroll
-    for (int e0 = 0; e0 < nvec; e0 += 256 * per) {
-      float4 hv[per];
-#pragma unroll
-      for (int u = 0; u < per; u++) {
-        const int e = e0 + u * 256 + tid;
-        if (nvec % (256 * per) == 0 || e < nvec) hv[u] = __ldcs(ph + e);
+    for (int u = earlyH; u < perH; u++) hl[u - earlyH] = __ldcs(ph + u * 256 + tid);
+    /* (the late h^T loads are in flight: the prefetch hints fill their latency) */
+    if (do_ahead) {
+      /* Cross-block pipelining through L2: the inputs of the block `ahead` slots on (h^T,
+       * dH^T, D, dD by bulk prefetches; its strided k, q, dO rows a 128-byte line per
+       * thread) start streaming from DRAM now, ~40% of a block lifetime before that block
+       * starts, so its cp.async panels and float32 reads hit L2 and the DRAM traffic runs
+       * under the resident blocks' products.  Hints only: nothing waits on them, and only
+       * rows inside that block's chunk are touched. */
+      const int cn = (int)(lin_ahead % gridDim.x), hn = (int)(lin_ahead / gridDim.x);
+      const int64_t CHn = (int64_t)cn * H + hn;
+      const ChunkInfo cin = *reinterpret_cast<const ChunkInfo *>(smem + L::oNext);
+      if (tid == 0) {
+        prefetch_l2_bulk(go.dHT32 + CHn * V * K, V * K * 4);
+        prefetch_l2_bulk(go.hT32 + CHn * V * K, V * K * 4);
       }
-#pragma unroll
-      for (int u = 0; u < per; u++) {
-        const int e = e0 + u * 256 + tid;
-        if (nvec % (256 * per) == 0 || e < nvec) {
-          const int x = (4 * e) / K, r = (4 * e) % K;
-          *reinterpret_cast<uint2 *>(smem + L::oHb + (x * L::ldK + r) * 2) =
-              make_uint2(pack_bf16(hv[u].x, hv[u].y), pack_bf16(hv[u].z, hv[u].w));
+      if (tid == 32) {
+        prefetch_l2_bulk(a.Dbuf + CHn * C * V, C * V * 2);
+        prefetch_l2_bulk(a.dDbuf + CHn * C * V, C * V * 2);
+      }
+      constexpr int lk = K / 64, lv = V / 64, nk = C * lk, nq = TC * lk, no = TC * lv; /* 128-byte lines */
+      for (int i = tid; i < nk + nq + no; i += 256) {
+        const bf16 *p = nullptr;
+        if (i < nk) {
+          const int r = i / lk;
+          if (r < cin.ntok * NN) p = gk + (((int64_t)cin.t0 * NN + r) * H + hn) * K + (i % lk) * 64;
+        } else if (i < nk + nq) {
+          const int r = (i - nk) / lk;
+          if (r < cin.ntok) p = gq + (((int64_t)cin.t0 + r) * H + hn) * K + ((i - nk) % lk) * 64;
+        } else {
+          const int r = (i - nk - nq) / lv;
+          if (r < cin.ntok) p = d_o + (((int64_t)cin.t0 + r) * H + hn) * V + ((i - nk - nq) % lv) * 64;
         }
+        if (p) prefetch_l2_line(p);
       }
+    }
+#pragma unroll
+    for (int u = 0; u < perH; u++) {
+      const int e = u * 256 + tid;
+      const int x = (4 * e) / K, r = (4 * e) % K;
+      const float4 v = u < earlyH ? hv[u] : hl[u - earlyH];
+      *reinterpret_cast<uint2 *>(smem + L::oHb + (x * L::ldK + r) * 2) =
+          make_uint2(pack_bf16(v.x, v.y), pack_bf16(v.z, v.w));
     }
   }
   __syncthreads();
@@ -1372,7 +1464,19 @@ static gdp_status launch_grad_state_kv(const Plan &plan, const GradStateOut &go,
     GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
     /* two blocks per SM need the largest shared-memory carveout */
     GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
-    kern<<<grid, 256, L::total, plan.stream>>>(plan.a, go);
+    /* L2 prefetch distance in launch slots: the resident block count (blocks start in
+     * launch order, so block b + resident starts about when block b ends); off with
+     * GDP_CUDA_V3_GS_AHEAD=0, any other value is taken as the distance. */
+    static int resident = 0; /* depends only on the instantiation; benign race */
+    if (resident == 0) {
+      int occ = 0;
+      GDP_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, 256, L::total));
+      resident = occ > 0 ? occ * num_sms() : -1;
+    }
+    int ahead = resident > 0 ? resident : 0;
+    const char *env = getenv("GDP_CUDA_V3_GS_AHEAD");
+    if (env) ahead = atoi(env) > 0 ? atoi(env) : 0;
+    kern<<<grid, 256, L::total, plan.stream>>>(plan.a, go, ahead);
     GDP_CUDA_LAUNCHED("grad_state_kernel_v3");
   } else {
     using L = GradWYLayout<K, V, C>;
