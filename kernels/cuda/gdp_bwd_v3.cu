@@ -980,12 +980,37 @@ __device__ __forceinline__ int fresh_sreg() {
   return t;
 }
 
-/* Blocks per SM that grad_wy_kernel_v3 is compiled for: two (128 registers) where ptxas
- * fits that without spilling -- C = 64, and C = 32 except <128, 64, 32, 32> (4 bytes) --
- * else one (up to 202 registers; C = 48 spills 8-48 bytes at 128 in 3 of 4 shapes).
- * Shared memory allows two everywhere (<= 107 KB). */
+/* The lower 16x16 tiles (tj <= ti) of a C x C matrix, numbered row by row: t = ti (ti + 1) / 2
+ * + tj.  The item loops below deal these out to the warps, so at C = 48 (6 lower tiles) no
+ * warp gets two while others get none (the upper tiles used to take slots of the deal). */
+__device__ __forceinline__ void lower_tile(int t, int &ti, int &tj) {
+  /* t < 10 (C <= 64): ti, tj are nibble t of 0x3333222110, 0x3210210100 (no loop) */
+  ti = (int)((0x3333222110ull >> (4 * t)) & 15u);
+  tj = (int)((0x3210210100ull >> (4 * t)) & 15u);
+}
+
+/* A lane's ldmatrix row / column maps and its accumulator row / column pair (grp, tig),
+ * computed from a fresh read of %tid.x: each phase of grad_wy_kernel_v3 takes its own copy,
+ * so that none is held (or spilled) across the barriers -- they cost a few integer
+ * instructions to rebuild, registers otherwise.  arow/acol: A operand (and the .trans B
+ * operand: row = k); atk/atm: A operand by .trans; nrow/ncol: B operand, non-transposed. */
+struct LaneMaps {
+  int grp, tig, arow, acol, atk, atm, nrow, ncol;
+};
+__device__ __forceinline__ LaneMaps lane_maps() {
+  const int l = fresh_sreg<0>() & 31;
+  return {l >> 2, l & 3, (l & 7) + 8 * ((l >> 3) & 1), 8 * (l >> 4), (l & 7) + 8 * (l >> 4), 8 * ((l >> 3) & 1),
+          (l & 7) + 8 * (l >> 4), 8 * ((l >> 3) & 1)};
+}
+
+/* Blocks per SM that grad_wy_kernel_v3 is compiled for, where ptxas (nvcc 13.0) fits it
+ * with 0 bytes spilled: three (80 registers) at C = 32 and 48 except K = 128, V = 64 (8
+ * bytes at 80), two (128 registers) there and at C = 64 (at 80 registers C = 64 spills, and
+ * three blocks would need <= 75 KB of shared memory: it has 74-107).  C = 48 used to take
+ * one (it spilled at 128 while dKb was held from W3 to W6).  Shared memory (1 KB reserved
+ * per block included): C = 32 <= 45 KB, C = 48 <= 74 KB, so three fit in 228 KB. */
 constexpr int grad_wy_blocks(int K, int V, int C) {
-  return C == 64 || (C == 32 && !(K == 128 && V == 64)) ? 2 : 1;
+  return (C == 32 || C == 48) && !(K == 128 && V == 64) ? 3 : 2;
 }
 
 /* The WY part of the per-chunk gradients (one block of 8 warps per (chunk, head)), after
@@ -1005,13 +1030,13 @@ constexpr int grad_wy_blocks(int K, int V, int C) {
 template <int K, int V, int C, int TC>
 __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v3(GdpArgs a, GradStateOut go) {
   using L = GradWYLayout<K, V, C>;
-  constexpr int NN = C / TC, NB = C / 16, NI = (C / 16) * (K / 64);
-  static_assert(K % 64 == 0 && V % 64 == 0 && C % 16 == 0 && C <= 64 && NI <= 8, "shapes");
+  constexpr int NN = C / TC, NB = C / 16, NI = (C / 16) * (K / 64), NL = NB * (NB + 1) / 2, NVB = NB * (V / 64);
+  static_assert(K % 64 == 0 && V % 64 == 0 && C % 16 == 0 && C <= 64 && NI <= 8 && NL <= 10, "shapes");
   extern __shared__ __align__(128) unsigned char smem[];
   const int c = blockIdx.x, h = blockIdx.y;
   const ChunkInfo ci = a.chunks[c];
   const int H = a.H, n = NN, nv = ci.ntok * NN;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, grp = lane >> 2, tig = lane & 3;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int64_t CHi = (int64_t)c * H + h;
   const int64_t krow0 = (int64_t)ci.t0 * NN;
   const bf16 *gk = (const bf16 *)a.k, *gv = (const bf16 *)a.v, *gg = (const bf16 *)a.g,
@@ -1064,21 +1089,18 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
   }
   __syncthreads();
 
-  const int arow = (lane & 7) + 8 * ((lane >> 3) & 1), acol = 8 * (lane >> 4);
-  const int atk = (lane & 7) + 8 * (lane >> 4), atm = 8 * ((lane >> 3) & 1);
-  const int nrow = (lane & 7) + 8 * (lane >> 4), ncol = 8 * ((lane >> 3) & 1);
-  const int trow = arow, tcol = acol;
 
   /* ---- W1: KK = kn kn^T on the lower 16x16 tiles (float, shared; first read in W5) */
-  for (int item = warp; item < NB * NB; item += 8) {
-    const int ti = item / NB, tj = item % NB;
-    if (tj > ti) continue;
+  for (int item = warp; item < NL; item += 8) {
+    int ti, tj;
+    lower_tile(item, ti, tj);
+    const LaneMaps m = lane_maps();
     float acc[2][4] = {};
 #pragma unroll
     for (int kt = 0; kt < K / 16; kt++) {
       uint32_t fa[4], b0, b1, b2, b3;
-      ldsm_x4(s0 + L::oKn + ((ti * 16 + arow) * L::ldK + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
-      ldsm_x4(s0 + L::oKn + ((tj * 16 + nrow) * L::ldK + kt * 16 + ncol) * 2, b0, b1, b2, b3);
+      ldsm_x4(s0 + L::oKn + ((ti * 16 + m.arow) * L::ldK + kt * 16 + m.acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+      ldsm_x4(s0 + L::oKn + ((tj * 16 + m.nrow) * L::ldK + kt * 16 + m.ncol) * 2, b0, b1, b2, b3);
       mma16816(acc[0], fa, b0, b1);
       mma16816(acc[1], fa, b2, b3);
     }
@@ -1086,64 +1108,30 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
     for (int nt = 0; nt < 2; nt++)
 #pragma unroll
       for (int e = 0; e < 4; e++) {
-        const int i = ti * 16 + grp + 8 * (e >> 1), j = tj * 16 + nt * 8 + 2 * tig + (e & 1);
+        const int i = ti * 16 + m.grp + 8 * (e >> 1), j = tj * 16 + nt * 8 + 2 * m.tig + (e & 1);
         sKK[i * L::ldA + j] = acc[nt][e];
       }
   }
   cp_async_wait<0>(); /* v, dD, dW, T^T */
   __syncthreads();
 
-  /* ---- W3: dKb (own item, kept), dVb (dv out), dT tiles */
-  const int jb = (warp / (K / 64)) * 16, rb = (warp % (K / 64)) * 64;
-  float dkn[8][4] = {};
-  if (warp < NI) {
-#pragma unroll
-    for (int kt = 0; kt < NB; kt++) {
-      if (kt * 16 + 15 < jb) continue; /* T^T[j][i] = 0 for i < j */
-      uint32_t fa[4];
-      ldsm_x4(s0 + L::oT + ((jb + arow) * L::ldC + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
-#pragma unroll
-      for (int nt = 0; nt < 8; nt += 2) {
-        uint32_t b0, b1, b2, b3;
-        ldsm_x4_t(s0 + L::odW + ((kt * 16 + trow) * L::ldK + rb + nt * 8 + tcol) * 2, b0, b1, b2, b3);
-        mma16816(dkn[nt], fa, b0, b1);
-        mma16816(dkn[nt + 1], fa, b2, b3);
-      }
-    }
-#pragma unroll
-    for (int hf = 0; hf < 2; hf++) {
-      const int j = jb + grp + 8 * hf;
-      const float eg = __expf(sGc[j]), bj = sBeta[j];
-      float s = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < 8; nt++) {
-        const float2 kv = unpack_bf16(*reinterpret_cast<const uint32_t *>(
-            smem + L::oKn + (j * L::ldK + rb + nt * 8 + 2 * tig) * 2));
-        s += kv.x * dkn[nt][2 * hf] + kv.y * dkn[nt][2 * hf + 1];
-        dkn[nt][2 * hf] *= bj * eg;
-        dkn[nt][2 * hf + 1] *= bj * eg;
-      }
-      s *= eg;
-      s += __shfl_xor_sync(0xffffffffu, s, 1);
-      s += __shfl_xor_sync(0xffffffffu, s, 2);
-      if (tig == 0) {
-        atomicAdd(sDb + j, s);
-        atomicAdd(sDgc + j, bj * s);
-      }
-    }
-  }
-  for (int item = warp; item < NB * (V / 64); item += 8) { /* dVb = T^T dD */
+  /* ---- W3: dVb (dv out) and the dT tiles, dealt out as one list (dT item t to warp
+   * (NVB + t) % 8).  dKb = T^T dW is computed in W6, where its accumulators are needed
+   * (T^T and dW stay untouched until then): held from here to W6 they made C = 48
+   * spill at 128 registers. */
+  for (int item = warp; item < NVB; item += 8) { /* dVb = T^T dD */
+    const LaneMaps m = lane_maps();
     const int vjb = (item / (V / 64)) * 16, xb = (item % (V / 64)) * 64;
     float acc[8][4] = {};
 #pragma unroll
     for (int kt = 0; kt < NB; kt++) {
       if (kt * 16 + 15 < vjb) continue;
       uint32_t fa[4];
-      ldsm_x4(s0 + L::oT + ((vjb + arow) * L::ldC + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+      ldsm_x4(s0 + L::oT + ((vjb + m.arow) * L::ldC + kt * 16 + m.acol) * 2, fa[0], fa[1], fa[2], fa[3]);
 #pragma unroll
       for (int nt = 0; nt < 8; nt += 2) {
         uint32_t b0, b1, b2, b3;
-        ldsm_x4_t(s0 + L::odD + ((kt * 16 + trow) * L::ldV + xb + nt * 8 + tcol) * 2, b0, b1, b2, b3);
+        ldsm_x4_t(s0 + L::odD + ((kt * 16 + m.arow) * L::ldV + xb + nt * 8 + m.acol) * 2, b0, b1, b2, b3);
         mma16816(acc[nt], fa, b0, b1);
         mma16816(acc[nt + 1], fa, b2, b3);
       }
@@ -1151,49 +1139,52 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
     bf16 *dv = (bf16 *)a.dv;
 #pragma unroll
     for (int hf = 0; hf < 2; hf++) {
-      const int j = vjb + grp + 8 * hf;
+      const int j = vjb + m.grp + 8 * hf;
       const float bj = sBeta[j];
       float s = 0.f;
-      bf16 *row = dv + ((krow0 + j) * H + h) * V + xb + 2 * tig;
+      bf16 *row = dv + ((krow0 + j) * H + h) * V + xb + 2 * m.tig;
 #pragma unroll
       for (int nt = 0; nt < 8; nt++) {
         const float2 vv = unpack_bf16(*reinterpret_cast<const uint32_t *>(
-            smem + L::oV + (j * L::ldV + xb + nt * 8 + 2 * tig) * 2));
+            smem + L::oV + (j * L::ldV + xb + nt * 8 + 2 * m.tig) * 2));
         s += vv.x * acc[nt][2 * hf] + vv.y * acc[nt][2 * hf + 1];
         if (j < nv) *reinterpret_cast<uint32_t *>(row + nt * 8) = pack_bf16(bj * acc[nt][2 * hf], bj * acc[nt][2 * hf + 1]);
       }
       s += __shfl_xor_sync(0xffffffffu, s, 1);
       s += __shfl_xor_sync(0xffffffffu, s, 2);
-      if (tig == 0) atomicAdd(sDb + j, s);
+      if (m.tig == 0) atomicAdd(sDb + j, s);
     }
   }
-  for (int item = warp; item < NB * NB; item += 8) { /* dT = (dD V^T + dW kn^T diag(e^{gc})) diag(beta) */
-    const int ti = item / NB, tj = item % NB;
-    if (tj > ti) continue; /* X's lower tiles, the only ones dA reads, need dT[ti][m <= tj] */
+  /* dT = (dD V^T + dW kn^T diag(e^{gc})) diag(beta), lower tiles only: X's lower tiles, the
+   * only ones dA reads, need dT[ti][m <= tj] */
+  for (int item = ((fresh_sreg<0>() >> 5) + 8 - NVB % 8) % 8; item < NL; item += 8) {
+    int ti, tj;
+    lower_tile(item, ti, tj);
+    const LaneMaps m = lane_maps();
     float acc[2][4] = {}, acg[2][4] = {};
 #pragma unroll
     for (int kt = 0; kt < V / 16; kt++) {
       uint32_t fa[4], b0, b1, b2, b3;
-      ldsm_x4(s0 + L::odD + ((ti * 16 + arow) * L::ldV + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
-      ldsm_x4(s0 + L::oV + ((tj * 16 + nrow) * L::ldV + kt * 16 + ncol) * 2, b0, b1, b2, b3);
+      ldsm_x4(s0 + L::odD + ((ti * 16 + m.arow) * L::ldV + kt * 16 + m.acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+      ldsm_x4(s0 + L::oV + ((tj * 16 + m.nrow) * L::ldV + kt * 16 + m.ncol) * 2, b0, b1, b2, b3);
       mma16816(acc[0], fa, b0, b1);
       mma16816(acc[1], fa, b2, b3);
     }
 #pragma unroll
     for (int kt = 0; kt < K / 16; kt++) {
       uint32_t fa[4], b0, b1, b2, b3;
-      ldsm_x4(s0 + L::odW + ((ti * 16 + arow) * L::ldK + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
-      ldsm_x4(s0 + L::oKn + ((tj * 16 + nrow) * L::ldK + kt * 16 + ncol) * 2, b0, b1, b2, b3);
+      ldsm_x4(s0 + L::odW + ((ti * 16 + m.arow) * L::ldK + kt * 16 + m.acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+      ldsm_x4(s0 + L::oKn + ((tj * 16 + m.nrow) * L::ldK + kt * 16 + m.ncol) * 2, b0, b1, b2, b3);
       mma16816(acg[0], fa, b0, b1);
       mma16816(acg[1], fa, b2, b3);
     }
 #pragma unroll
     for (int nt = 0; nt < 2; nt++) {
-      const int j = tj * 16 + nt * 8 + 2 * tig;
+      const int j = tj * 16 + nt * 8 + 2 * m.tig;
       const float e0 = __expf(sGc[j]), e1 = __expf(sGc[j + 1]);
 #pragma unroll
       for (int hf = 0; hf < 2; hf++) {
-        const int i = ti * 16 + grp + 8 * hf;
+        const int i = ti * 16 + m.grp + 8 * hf;
         *reinterpret_cast<uint32_t *>(smem + L::odT + (i * L::ldC + j) * 2) =
             pack_bf16(sBeta[j] * (acc[nt][2 * hf] + e0 * acg[nt][2 * hf]),
                       sBeta[j + 1] * (acc[nt][2 * hf + 1] + e1 * acg[nt][2 * hf + 1]));
@@ -1204,16 +1195,17 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
 
   /* ---- W4: X = dT T^T (T[j][m] = 0 for m > j); only the lower tiles: dA[ti][tj <= ti]
    * reads X[m][tj] for m >= ti >= tj */
-  for (int item = warp; item < NB * NB; item += 8) {
-    const int ti = item / NB, tj = item % NB;
-    if (tj > ti) continue;
+  for (int item = warp; item < NL; item += 8) {
+    int ti, tj;
+    lower_tile(item, ti, tj);
+    const LaneMaps m = lane_maps();
     float acc[2][4] = {};
 #pragma unroll
     for (int kt = 0; kt < NB; kt++) {
       if (kt > tj) continue;
       uint32_t fa[4], b0, b1, b2, b3;
-      ldsm_x4(s0 + L::odT + ((ti * 16 + arow) * L::ldC + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
-      ldsm_x4_t(s0 + L::oT + ((kt * 16 + trow) * L::ldC + tj * 16 + tcol) * 2, b0, b1, b2, b3);
+      ldsm_x4(s0 + L::odT + ((ti * 16 + m.arow) * L::ldC + kt * 16 + m.acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+      ldsm_x4_t(s0 + L::oT + ((kt * 16 + m.arow) * L::ldC + tj * 16 + m.acol) * 2, b0, b1, b2, b3);
       mma16816(acc[0], fa, b0, b1);
       mma16816(acc[1], fa, b2, b3);
     }
@@ -1221,7 +1213,7 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
     for (int nt = 0; nt < 2; nt++)
 #pragma unroll
       for (int hf = 0; hf < 2; hf++) {
-        const int i = ti * 16 + grp + 8 * hf, j = tj * 16 + nt * 8 + 2 * tig;
+        const int i = ti * 16 + m.grp + 8 * hf, j = tj * 16 + nt * 8 + 2 * m.tig;
         *reinterpret_cast<uint32_t *>(smem + L::oX + (i * L::ldC + j) * 2) =
             pack_bf16(acc[nt][2 * hf], acc[nt][2 * hf + 1]);
       }
@@ -1230,17 +1222,18 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
 
   /* ---- W5: dA = -T^T X on the strictly lower part; G -> shared (lower tiles: W6 reads
    * G[jb][m <= jb] and G[m >= jb][jb] only); dbeta, dgc sums */
-  for (int item = warp; item < NB * NB; item += 8) {
-    const int ti = item / NB, tj = item % NB;
-    if (tj > ti) continue;
+  for (int item = warp; item < NL; item += 8) {
+    int ti, tj;
+    lower_tile(item, ti, tj);
+    const LaneMaps m = lane_maps();
     float acc[2][4] = {};
     {
 #pragma unroll
       for (int kt = 0; kt < NB; kt++) {
         if (kt < ti) continue; /* T^T[i][m] = 0 for m < i */
         uint32_t fa[4], b0, b1, b2, b3;
-        ldsm_x4(s0 + L::oT + ((ti * 16 + arow) * L::ldC + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
-        ldsm_x4_t(s0 + L::oX + ((kt * 16 + trow) * L::ldC + tj * 16 + tcol) * 2, b0, b1, b2, b3);
+        ldsm_x4(s0 + L::oT + ((ti * 16 + m.arow) * L::ldC + kt * 16 + m.acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+        ldsm_x4_t(s0 + L::oX + ((kt * 16 + m.arow) * L::ldC + tj * 16 + m.acol) * 2, b0, b1, b2, b3);
         mma16816(acc[0], fa, b0, b1);
         mma16816(acc[1], fa, b2, b3);
       }
@@ -1250,7 +1243,7 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
     for (int nt = 0; nt < 2; nt++)
 #pragma unroll
       for (int hf = 0; hf < 2; hf++) {
-        const int i = ti * 16 + grp + 8 * hf, j0 = tj * 16 + nt * 8 + 2 * tig;
+        const int i = ti * 16 + m.grp + 8 * hf, j0 = tj * 16 + nt * 8 + 2 * m.tig;
         float gv[2];
 #pragma unroll
         for (int e = 0; e < 2; e++) {
@@ -1275,9 +1268,9 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
         b += __shfl_xor_sync(0xffffffffu, b, 2);
         g2 += __shfl_xor_sync(0xffffffffu, g2, 1);
         g2 += __shfl_xor_sync(0xffffffffu, g2, 2);
-        if (tig == 0) {
-          atomicAdd(sDb + ti * 16 + grp + 8 * hf, b);
-          atomicAdd(sDgc + ti * 16 + grp + 8 * hf, g2);
+        if (m.tig == 0) {
+          atomicAdd(sDb + ti * 16 + m.grp + 8 * hf, b);
+          atomicAdd(sDgc + ti * 16 + m.grp + 8 * hf, g2);
         }
       }
 #pragma unroll
@@ -1288,30 +1281,74 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
           v += __shfl_xor_sync(0xffffffffu, v, 4);
           v += __shfl_xor_sync(0xffffffffu, v, 8);
           v += __shfl_xor_sync(0xffffffffu, v, 16);
-          if (grp == 0) atomicAdd(sDgc + tj * 16 + nt * 8 + 2 * tig + e, v);
+          if (m.grp == 0) atomicAdd(sDgc + tj * 16 + nt * 8 + 2 * m.tig + e, v);
         }
     }
   }
   __syncthreads();
 
-  /* W6 and the dk store take the block's indices afresh (fresh_sreg: volatile reads of
-   * %tid.x, %ctaid.x/y, which the compiler neither hoists nor merges with the first):
-   * derived from the first reads, the row offsets stayed live from the loads and W3 on
-   * and were spilled at 128 registers. */
+  /* W6 and the stores after it take the block's indices afresh (fresh_sreg: volatile
+   * reads of %tid.x, %ctaid.x/y, which the compiler neither hoists nor merges with the
+   * first; the chunk's row range is read again, from L1): derived from the first reads,
+   * the row offsets, nv, krow0 and the lane maps stayed live from the loads on and were
+   * spilled at 128 registers (C = 64) and at 80 (three blocks per SM).  The names shadow
+   * the first ones on purpose: the code below reads as the rest of the kernel. */
   {
-    const int jb = (fresh_sreg<0>() >> 5) / (K / 64) * 16, rb = (fresh_sreg<0>() >> 5) % (K / 64) * 64;
-    const int64_t CHi = (int64_t)fresh_sreg<1>() * H + fresh_sreg<2>();
-    /* ---- W6: own item: dKn += G kn + G^T kn + dKnA; l2-norm backward; dk out */
+    const int tid = fresh_sreg<0>(), warp = tid >> 5;
+    const int h = fresh_sreg<2>();
+    const ChunkInfo ci = a.chunks[fresh_sreg<1>()];
+    const int nv = ci.ntok * NN;
+    const int64_t krow0 = (int64_t)ci.t0 * NN;
+    const LaneMaps m = lane_maps();
+    const int jb = warp / (K / 64) * 16, rb = warp % (K / 64) * 64;
+    const int64_t CHi = (int64_t)fresh_sreg<1>() * H + h;
+    /* ---- W6: own item: dKn = beta e^{gc} (T^T dW) + G kn + G^T kn + dKnA; l2-norm
+     * backward; dk out */
+    float dkn[8][4] = {};
     if (warp < NI) {
+#pragma unroll
+      for (int kt = 0; kt < NB; kt++) { /* dKb = T^T dW */
+        if (kt * 16 + 15 < jb) continue; /* T^T[j][i] = 0 for i < j */
+        uint32_t fa[4];
+        ldsm_x4(s0 + L::oT + ((jb + m.arow) * L::ldC + kt * 16 + m.acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+#pragma unroll
+        for (int nt = 0; nt < 8; nt += 2) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4_t(s0 + L::odW + ((kt * 16 + m.arow) * L::ldK + rb + nt * 8 + m.acol) * 2, b0, b1, b2, b3);
+          mma16816(dkn[nt], fa, b0, b1);
+          mma16816(dkn[nt + 1], fa, b2, b3);
+        }
+      }
+#pragma unroll
+      for (int hf = 0; hf < 2; hf++) { /* s = e^{gc} kn . dKb: dbeta += s, dgc += beta s; scale */
+        const int j = jb + m.grp + 8 * hf;
+        const float eg = __expf(sGc[j]), bj = sBeta[j];
+        float s = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++) {
+          const float2 kv = unpack_bf16(*reinterpret_cast<const uint32_t *>(
+              smem + L::oKn + (j * L::ldK + rb + nt * 8 + 2 * m.tig) * 2));
+          s += kv.x * dkn[nt][2 * hf] + kv.y * dkn[nt][2 * hf + 1];
+          dkn[nt][2 * hf] *= bj * eg;
+          dkn[nt][2 * hf + 1] *= bj * eg;
+        }
+        s *= eg;
+        s += __shfl_xor_sync(0xffffffffu, s, 1);
+        s += __shfl_xor_sync(0xffffffffu, s, 2);
+        if (m.tig == 0) {
+          atomicAdd(sDb + j, s);
+          atomicAdd(sDgc + j, bj * s);
+        }
+      }
 #pragma unroll
       for (int kt = 0; kt < NB; kt++) {
         if (kt * 16 > jb + 15) continue; /* G[j][m] = 0 for m >= j */
         uint32_t fa[4];
-        ldsm_x4(s0 + L::oG + ((jb + arow) * L::ldC + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+        ldsm_x4(s0 + L::oG + ((jb + m.arow) * L::ldC + kt * 16 + m.acol) * 2, fa[0], fa[1], fa[2], fa[3]);
 #pragma unroll
         for (int nt = 0; nt < 8; nt += 2) {
           uint32_t b0, b1, b2, b3;
-          ldsm_x4_t(s0 + L::oKn + ((kt * 16 + trow) * L::ldK + rb + nt * 8 + tcol) * 2, b0, b1, b2, b3);
+          ldsm_x4_t(s0 + L::oKn + ((kt * 16 + m.arow) * L::ldK + rb + nt * 8 + m.acol) * 2, b0, b1, b2, b3);
           mma16816(dkn[nt], fa, b0, b1);
           mma16816(dkn[nt + 1], fa, b2, b3);
         }
@@ -1320,16 +1357,16 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
       for (int kt = 0; kt < NB; kt++) {
         if (kt * 16 + 15 <= jb) continue; /* G[m][j] = 0 for m <= j */
         uint32_t fa[4];
-        ldsm_x4_t(s0 + L::oG + ((kt * 16 + atk) * L::ldC + jb + atm) * 2, fa[0], fa[1], fa[2], fa[3]);
+        ldsm_x4_t(s0 + L::oG + ((kt * 16 + m.atk) * L::ldC + jb + m.atm) * 2, fa[0], fa[1], fa[2], fa[3]);
 #pragma unroll
         for (int nt = 0; nt < 8; nt += 2) {
           uint32_t b0, b1, b2, b3;
-          ldsm_x4_t(s0 + L::oKn + ((kt * 16 + trow) * L::ldK + rb + nt * 8 + tcol) * 2, b0, b1, b2, b3);
+          ldsm_x4_t(s0 + L::oKn + ((kt * 16 + m.arow) * L::ldK + rb + nt * 8 + m.acol) * 2, b0, b1, b2, b3);
           mma16816(dkn[nt], fa, b0, b1);
           mma16816(dkn[nt + 1], fa, b2, b3);
         }
       }
-      const float *pa = go.dKnA + CHi * C * K + (int64_t)(jb + grp) * K + rb + 2 * tig;
+      const float *pa = go.dKnA + CHi * C * K + (int64_t)(jb + m.grp) * K + rb + 2 * m.tig;
 #pragma unroll
       for (int nt = 0; nt < 8; nt++) {
         const float2 u0 = *reinterpret_cast<const float2 *>(pa + nt * 8),
@@ -1338,34 +1375,35 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
       }
 #pragma unroll
       for (int hf = 0; hf < 2; hf++) {
-        const int j = jb + grp + 8 * hf;
+        const int j = jb + m.grp + 8 * hf;
         float d = 0.f;
 #pragma unroll
         for (int nt = 0; nt < 8; nt++) {
           const float2 kv = unpack_bf16(*reinterpret_cast<const uint32_t *>(
-              smem + L::oKn + (j * L::ldK + rb + nt * 8 + 2 * tig) * 2));
+              smem + L::oKn + (j * L::ldK + rb + nt * 8 + 2 * m.tig) * 2));
           d += kv.x * dkn[nt][2 * hf] + kv.y * dkn[nt][2 * hf + 1];
         }
         d += __shfl_xor_sync(0xffffffffu, d, 1);
         d += __shfl_xor_sync(0xffffffffu, d, 2);
-        if (tig == 0) atomicAdd(sDot + j, d);
+        if (m.tig == 0) atomicAdd(sDot + j, d);
       }
     }
     __syncthreads();
     if (warp < NI) {
+      const LaneMaps m = lane_maps(); /* afresh: the kn row addresses are not kept across the barrier */
       bf16 *dk = (bf16 *)a.dk;
 #pragma unroll
       for (int hf = 0; hf < 2; hf++) {
-        const int j = jb + grp + 8 * hf;
+        const int j = jb + m.grp + 8 * hf;
         if (j >= nv) continue;
         const float inv = sKinv[j], dot = sDot[j];
-        bf16 *row = dk + ((krow0 + j) * H + h) * K + rb + 2 * tig;
+        bf16 *row = dk + ((krow0 + j) * H + h) * K + rb + 2 * m.tig;
 #pragma unroll
         for (int nt = 0; nt < 8; nt++) {
           float o0 = dkn[nt][2 * hf], o1 = dkn[nt][2 * hf + 1];
           if (a.l2norm) {
             const float2 kv = unpack_bf16(*reinterpret_cast<const uint32_t *>(
-                smem + L::oKn + (j * L::ldK + rb + nt * 8 + 2 * tig) * 2));
+                smem + L::oKn + (j * L::ldK + rb + nt * 8 + 2 * m.tig) * 2));
             o0 = inv * (o0 - kv.x * dot);
             o1 = inv * (o1 - kv.y * dot);
           }
@@ -1373,23 +1411,23 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
         }
       }
     }
-  }
-  if (tid < nv) ((bf16 *)a.dbeta)[(krow0 + tid) * H + h] = __float2bfloat16(sDb[tid]);
-  if (gg && tid == 32 * 7) { /* reverse cumsum of the step gradients; a token's dg is its step 0's.
-                               * All C values are read first (vector loads), then the same
-                               * sequential sum: the chain is C adds, not C shared-memory round trips. */
-    float dgc[C];
+    if (tid < nv) ((bf16 *)a.dbeta)[(krow0 + tid) * H + h] = __float2bfloat16(sDb[tid]);
+    if (gg && tid == 32 * 7) { /* reverse cumsum of the step gradients; a token's dg is its step 0's.
+                                 * All C values are read first (vector loads), then the same
+                                 * sequential sum: the chain is C adds, not C shared-memory round trips. */
+      float dgc[C];
 #pragma unroll
-    for (int i = 0; i < C; i += 4) {
-      const float4 v4 = *reinterpret_cast<const float4 *>(sDgc + i);
-      dgc[i] = v4.x, dgc[i + 1] = v4.y, dgc[i + 2] = v4.z, dgc[i + 3] = v4.w;
-    }
-    float run = 0.f;
-    bf16 *dgo = (bf16 *)a.dg + (int64_t)ci.t0 * H + h;
+      for (int i = 0; i < C; i += 4) {
+        const float4 v4 = *reinterpret_cast<const float4 *>(sDgc + i);
+        dgc[i] = v4.x, dgc[i + 1] = v4.y, dgc[i + 2] = v4.z, dgc[i + 3] = v4.w;
+      }
+      float run = 0.f;
+      bf16 *dgo = (bf16 *)a.dg + (int64_t)ci.t0 * H + h;
 #pragma unroll
-    for (int i = C - 1; i >= 0; i--) {
-      run += dgc[i];
-      if (i % n == 0 && i < nv) dgo[(int64_t)(i / n) * H] = __float2bfloat16(run);
+      for (int i = C - 1; i >= 0; i--) {
+        run += dgc[i];
+        if (i % n == 0 && i < nv) dgo[(int64_t)(i / n) * H] = __float2bfloat16(run);
+      }
     }
   }
 }
