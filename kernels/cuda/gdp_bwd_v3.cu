@@ -151,6 +151,16 @@ __device__ __forceinline__ void prefetch_l2_bulk(const void *p, uint32_t bytes) 
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 }
 
+/* 4 bytes global -> shared (needs only 4-byte alignment, unlike cp_async16). */
+__device__ __forceinline__ void cp_async4(void *dst, const void *src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(dst)), "l"(src));
+}
+
+/* Pull the cache line holding p into L2 (a hint: no register result, nothing waits). */
+__device__ __forceinline__ void prefetch_l2_line(const void *p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p) : "memory");
+}
+
 /* ------------------------------------------------------------------ recompute: states */
 
 template <int K, int C, int BV>
@@ -471,7 +481,9 @@ struct GradStateLayout {
   static constexpr int oF = oPs + TC * ldC * 2;       /* floats below */
   static constexpr int fGp = 0, fGc = C, fDgc = 2 * C, fZ = 3 * C, fQinv = 4 * C, fQdot = 4 * C + TC,
                        fDot = 4 * C + 2 * TC, fKinv = 4 * C + 2 * TC + 8, nF = 5 * C + 2 * TC + 8;
-  static constexpr int total = oF + nF * 4;
+  static constexpr int oNext = oF + nF * 4; /* ChunkInfo of the block `ahead` slots on (16 bytes) */
+  static_assert(oNext % 16 == 0, "ChunkInfo alignment");
+  static constexpr int total = oNext + 16;
 };
 
 /* The state part of the per-chunk gradients (one block of 8 warps per (chunk, head)):
@@ -491,7 +503,7 @@ struct GradStateLayout {
  * (T, dT, dA, dv, dbeta and the rest of dk, dg) adds to dKnA and dgcA.  Only the TC query
  * rows enter the query products (dO is zero on the other steps). */
 template <int K, int V, int C, int TC>
-__global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradStateOut go) {
+__global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradStateOut go, int ahead) {
   using L = GradStateLayout<K, V, C, TC>;
   constexpr int NN = C / TC;
   static_assert(K % 64 == 0 && V % 16 == 0 && C % 16 == 0 && TC % 16 == 0 && NN * TC == C, "shapes");
@@ -506,82 +518,83 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
   const bf16 *gk = (const bf16 *)a.k, *gq = (const bf16 *)a.q, *gg = (const bf16 *)a.g,
              *d_o = (const bf16 *)a.d_o;
   float *sF = (float *)(smem + L::oF);
-  float *sGp = sF + L::fGp, *sGc = sF + L::fGc, *sDgc = sF + L::fDgc, *sZ = sF + L::fZ,
+  float *sGc = sF + L::fGc, *sDgc = sF + L::fDgc, *sZ = sF + L::fZ,
         *sQinv = sF + L::fQinv, *sQdot = sF + L::fQdot, *sDot = sF + L::fDot, *sKinv = sF + L::fKinv;
   const uint32_t s0 = smem_addr(smem);
 
-  /* ---- loads, all issued up front so that they overlap: D, dD, dO and the raw k, q rows
-   * by cp.async (k, q are normalised in place below, so no row waits on a global load
-   * of its own); <dH, h> from the float32 copies in two rounds of 16 16-byte loads per
-   * thread, dH^T -> bf16 shared (h^T replaces it after the dH products: one K x V buffer
-   * keeps the block at ~108 KB, two blocks per SM) */
+  /* ---- loads.  The float32 h^T, dH^T panels (128 KB at K = V = 128, two thirds of the
+   * block's DRAM bytes) are pulled into L2 first, by two bulk prefetches that hold no
+   * register and no shared memory; the bf16 panels follow by cp.async (dD, needed only
+   * from P3b on, in a second group).  The block then computes the cumulative gate, the
+   * k / q norms and P1 (none of which reads h or dH) while that DRAM stream runs, and only
+   * then reads the float32 copies (<dH, h>, dH^T -> bf16 shared), from L2.  Before, the
+   * two rounds of float32 loads came first and each waited a full DRAM latency with
+   * nothing else to do (ncu: 20.5 warp cycles per instruction, DRAM 52%). */
+  if (tid == 0) {
+    prefetch_l2_bulk(go.dHT32 + CHi * V * K, V * K * 4);
+    prefetch_l2_bulk(go.hT32 + CHi * V * K, V * K * 4);
+  }
   copy_panel<C, V, 256>(smem + L::oD, L::ldV, a.Dbuf + CHi * C * V, V, C);
-  copy_panel<C, V, 256>(smem + L::odD, L::ldV, a.dDbuf + CHi * C * V, V, C);
   copy_panel<TC, V, 256>(smem + L::odO, L::ldV, d_o + ((int64_t)ci.t0 * H + h) * V, (int64_t)H * V, ci.ntok);
   copy_panel<C, K, 256>(smem + L::oKn, L::ldK, gk + (krow0 * H + h) * K, (int64_t)H * K, nv);
   copy_panel<TC, K, 256>(smem + L::oQn, L::ldK, gq + ((int64_t)ci.t0 * H + h) * K, (int64_t)H * K, ci.ntok);
+  /* the block `ahead` launch slots on (launcher: the resident block count, so roughly the
+   * block that starts when this one ends): its ChunkInfo comes in with the panels, for the
+   * L2 prefetch of its inputs after P3a (below) */
+  const int64_t lin_ahead = (int64_t)blockIdx.y * gridDim.x + blockIdx.x + ahead;
+  const bool do_ahead = ahead > 0 && lin_ahead < (int64_t)gridDim.x * gridDim.y; /* block-uniform */
+  if (do_ahead && tid < 4) /* the ChunkInfo's four ints, 4-byte copies (the table is only int-aligned) */
+    cp_async4(smem + L::oNext + 4 * tid, (const int *)(a.chunks + lin_ahead % gridDim.x) + tid);
+  cp_async_commit();
+  copy_panel<C, V, 256>(smem + L::odD, L::ldV, a.dDbuf + CHi * C * V, V, C);
   cp_async_commit();
   if (tid < C) {
-    sGp[tid] = (gg && tid < nv && tid % n == 0) ? __bfloat162float(gg[((int64_t)ci.t0 + tid / n) * H + h]) : 0.f;
     sDgc[tid] = 0.f;
     sZ[tid] = 0.f;
   }
   if (tid < TC) sQdot[tid] = 0.f;
-  {
-    /* dH is read once (streaming loads); h is read again after P3a, so its first read
-     * keeps the default caching.  The per-thread summation order of the dot is e
-     * ascending in steps of 256, as before. */
-    const float4 *ph = (const float4 *)(go.hT32 + CHi * V * K), *pd = (const float4 *)(go.dHT32 + CHi * V * K);
-    float dot = 0.f;
-    constexpr int nvec = V * K / 4, per = 8;
-#pragma unroll
-    for (int e0 = 0; e0 < nvec; e0 += 256 * per) {
-      float4 hv[per], dv[per];
-#pragma unroll
-      for (int u = 0; u < per; u++) {
-        const int e = e0 + u * 256 + tid;
-        if (nvec % (256 * per) == 0 || e < nvec) hv[u] = ph[e], dv[u] = __ldcs(pd + e);
-      }
-#pragma unroll
-      for (int u = 0; u < per; u++) {
-        const int e = e0 + u * 256 + tid;
-        if (nvec % (256 * per) == 0 || e < nvec) {
-          dot += hv[u].x * dv[u].x + hv[u].y * dv[u].y + hv[u].z * dv[u].z + hv[u].w * dv[u].w;
-          const int x = (4 * e) / K, r = (4 * e) % K;
-          *reinterpret_cast<uint2 *>(smem + L::oHb + (x * L::ldK + r) * 2) =
-              make_uint2(pack_bf16(dv[u].x, dv[u].y), pack_bf16(dv[u].z, dv[u].w));
-        }
-      }
-    }
-    dot = warp_sum(dot);
-    if (lane == 0) sDot[warp] = dot;
-  }
-  cp_async_wait<0>();
-  __syncthreads();
-  /* h is read again after P3a: keep it in L2 until then */
-  if (tid == 0) prefetch_l2_bulk(go.hT32 + CHi * V * K, V * K * 4);
-  if (tid < C) { /* same summation order as the prep */
+  if (warp == 0) {
+    /* gc of key row i = g summed over the tokens <= i/n, token by token from 0.f: the
+     * prep's shuffle scan (gdp_fwd_v3.cu), so the same additions in the same order, and
+     * bit-identical to the serial loop over shared memory it replaces (whose other terms
+     * were exact zeros), without its 64 dependent shared loads.  Lane t ends with the
+     * sum through token t. */
+    const float gt = (gg && lane < ci.ntok) ? __bfloat162float(gg[((int64_t)ci.t0 + lane) * H + h]) : 0.f;
     float acc = 0.f;
-    for (int m = 0; m <= tid; m++) acc += sGp[m];
-    sGc[tid] = acc;
+#pragma unroll
+    for (int m = 0; m < TC; m++) {
+      const float gm = __shfl_sync(0xffffffffu, gt, m);
+      if (m <= lane) acc += gm;
+    }
+    if (lane < TC)
+#pragma unroll
+      for (int r = 0; r < n; r++) sGc[lane * n + r] = acc;
   }
-  /* The k, q rows stay raw (exact bf16) and only their norms are taken (warp per row):
+  cp_async_wait<1>(); /* D, dO, k, q (this thread's copies) */
+  __syncthreads();
+  /* The k, q rows stay raw (exact bf16) and only their norms are taken:
    * kinv, qinv = rsqrt(|x|^2 + eps).  Every product below uses the raw rows and folds the
    * norms into its epilogue, so kn and qn are never rounded to bf16 here: the gate
    * gradient's z terms (kn . (D dH^T)) lost ~1.9e-3 of dg's precision to that rounding
-   * (NOTES.md, "dg precision").  Rows past the end were zero-filled and stay zero. */
-  for (int i = warp; i < C + TC; i += 8) {
+   * (NOTES.md, "dg precision").  Rows past the end were zero-filled and stay zero.
+   * A quad per row (8 rows per warp and pass, 16-byte loads, two shuffles) instead of a
+   * warp per row (12 serial rows of five-shuffle sums per warp at C = 64). */
+  for (int i0 = 8 * warp; i0 < C + TC; i0 += 64) { /* C + TC is a multiple of 16: warp-uniform */
+    const int i = i0 + (lane >> 2);
     const bool isq = i >= C;
     const int row = isq ? i - C : i;
-    const bf16 *rp = (const bf16 *)(smem + (isq ? L::oQn : L::oKn)) + row * L::ldK;
+    const unsigned char *rp = smem + (isq ? L::oQn : L::oKn) + (row * L::ldK + 8 * (lane & 3)) * 2;
     float ss = 0.f;
 #pragma unroll
     for (int m = 0; m < K / 32; m++) {
-      const float x = __bfloat162float(rp[lane + 32 * m]);
-      ss += x * x;
+      const uint4 u = *reinterpret_cast<const uint4 *>(rp + 64 * m);
+      const float2 x0 = unpack_bf16(u.x), x1 = unpack_bf16(u.y), x2 = unpack_bf16(u.z), x3 = unpack_bf16(u.w);
+      ss += x0.x * x0.x + x0.y * x0.y + x1.x * x1.x + x1.y * x1.y + x2.x * x2.x + x2.y * x2.y + x3.x * x3.x + x3.y * x3.y;
     }
-    const float inv = a.l2norm ? rsqrtf(warp_sum(ss) + kNormEps) : 1.f;
-    if (lane == 0) (isq ? sQinv : sKinv)[row] = inv;
+    ss += __shfl_xor_sync(0xffffffffu, ss, 1);
+    ss += __shfl_xor_sync(0xffffffffu, ss, 2);
+    const float inv = a.l2norm ? rsqrtf(ss + kNormEps) : 1.f;
+    if ((lane & 3) == 0) (isq ? sQinv : sKinv)[row] = inv;
   }
   __syncthreads();
   const float last = sGc[C - 1];
@@ -645,14 +658,59 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
         if (grp == 0) atomicAdd(sDgc + jb + 8 * nt + 2 * tig + e, -v);
       }
   }
+
+  /* ---- the float32 copies, now (mostly) L2 hits: <dH, h> and dH^T -> bf16 shared (h^T
+   * replaces it after the dH products: one K x V buffer keeps the block at ~108 KB, two
+   * blocks per SM).  Two rounds of 16 16-byte loads per thread at K = V = 128; dH is read
+   * once (streaming loads), h again after P3a (default caching).  The per-thread
+   * summation order of the dot is e ascending in steps of 256, as before. */
+  {
+    const float4 *ph = (const float4 *)(go.hT32 + CHi * V * K), *pd = (const float4 *)(go.dHT32 + CHi * V * K);
+    float dot = 0.f;
+    constexpr int nvec = V * K / 4, per = 8;
+#pragma unroll
+    for (int e0 = 0; e0 < nvec; e0 += 256 * per) {
+      float4 hv[per], dv[per];
+#pragma unroll
+      for (int u = 0; u < per; u++) {
+        const int e = e0 + u * 256 + tid;
+        if (nvec % (256 * per) == 0 || e < nvec) hv[u] = ph[e], dv[u] = __ldcs(pd + e);
+      }
+#pragma unroll
+      for (int u = 0; u < per; u++) {
+        const int e = e0 + u * 256 + tid;
+        if (nvec % (256 * per) == 0 || e < nvec) {
+          dot += hv[u].x * dv[u].x + hv[u].y * dv[u].y + hv[u].z * dv[u].z + hv[u].w * dv[u].w;
+          const int x = (4 * e) / K, r = (4 * e) % K;
+          *reinterpret_cast<uint2 *>(smem + L::oHb + (x * L::ldK + r) * 2) =
+              make_uint2(pack_bf16(dv[u].x, dv[u].y), pack_bf16(dv[u].z, dv[u].w));
+        }
+      }
+    }
+    dot = warp_sum(dot);
+    if (lane == 0) sDot[warp] = dot;
+  }
+  /* h is read again after P3a: keep it in L2 until then */
+  if (tid == 0) prefetch_l2_bulk(go.hT32 + CHi * V * K, V * K * 4);
+  cp_async_wait<0>(); /* dD (read from P3b on; the barriers below publish it) */
   __syncthreads();
 
   /* ---- P3a: per 16 steps x 64 key columns: dKnA = e^{last-gc_j} D dH^T + Ps^T qn (z_j
-   * on the way). */
-  for (int item = warp; item < (C / 16) * (K / 64); item += 8) {
-    const int jb = (item / (K / 64)) * 16, rb = (item % (K / 64)) * 64;
-    {
-      float acc[8][4] = {};
+   * on the way); item = warp (at most 8 items).  Once a warp's D dH^T products are done it
+   * no longer reads dH^T, so it issues its share of the h^T reload (L2) into registers
+   * right then and finishes its item (z, Ps^T qn, the dKnA store) while those loads are in
+   * flight; the barrier then only guards the shared-memory overwrite. */
+  constexpr int nP3 = (C / 16) * (K / 64);
+  static_assert(nP3 <= 8, "one P3 item per warp");
+  /* float4 of h^T per thread: 4 .. 16; at most 8 are held across the rest of the item
+   * (16 spill at K = V = 128 under the 128-register cap), the others load after it */
+  constexpr int nvecH = V * K / 4, perH = nvecH / 256, earlyH = perH < 8 ? perH : 8;
+  static_assert(nvecH % 256 == 0 && perH <= 16 && perH - earlyH <= earlyH, "h^T reload: two rounds at most");
+  float4 hv[earlyH];
+  {
+    const int jb = (warp / (K / 64)) * 16, rb = (warp % (K / 64)) * 64;
+    float acc[8][4] = {};
+    if (warp < nP3) {
 #pragma unroll
       for (int kt = 0; kt < V / 16; kt++) {
         uint32_t fa[4];
@@ -665,6 +723,14 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
           mma16816(acc[nt + 1], fa, b2, b3);
         }
       }
+    }
+    {
+      /* last read of h: streaming 16-byte loads, written over dH^T after the barrier */
+      const float4 *ph = (const float4 *)(go.hT32 + CHi * V * K);
+#pragma unroll
+      for (int u = 0; u < earlyH; u++) hv[u] = __ldcs(ph + u * 256 + tid);
+    }
+    if (warp < nP3) {
 #pragma unroll
       for (int hf = 0; hf < 2; hf++) {
         const int j = jb + grp + 8 * hf;
@@ -706,28 +772,54 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
       }
     }
   }
-  __syncthreads(); /* dH^T no longer read: h^T takes its place */
+  __syncthreads(); /* dH^T no longer read by any warp: h^T takes its place */
   {
-    /* last read of h: one round of 16 streaming 16-byte loads per thread at K = V = 128 */
     const float4 *ph = (const float4 *)(go.hT32 + CHi * V * K);
-    constexpr int nvec = V * K / 4, per = 16;
+    float4 hl[perH - earlyH > 0 ? perH - earlyH : 1];
 #pragma unroll
-    for (int e0 = 0; e0 < nvec; e0 += 256 * per) {
-      float4 hv[per];
-#pragma unroll
-      for (int u = 0; u < per; u++) {
-        const int e = e0 + u * 256 + tid;
-        if (nvec % (256 * per) == 0 || e < nvec) hv[u] = __ldcs(ph + e);
+    for (int u = earlyH; u < perH; u++) hl[u - earlyH] = __ldcs(ph + u * 256 + tid);
+    /* (the late h^T loads are in flight: the prefetch hints fill their latency) */
+    if (do_ahead) {
+      /* Cross-block pipelining through L2: the inputs of the block `ahead` slots on (h^T,
+       * dH^T, D, dD by bulk prefetches; its strided k, q, dO rows a 128-byte line per
+       * thread) start streaming from DRAM now, ~40% of a block lifetime before that block
+       * starts, so its cp.async panels and float32 reads hit L2 and the DRAM traffic runs
+       * under the resident blocks' products.  Hints only: nothing waits on them, and only
+       * rows inside that block's chunk are touched. */
+      const int cn = (int)(lin_ahead % gridDim.x), hn = (int)(lin_ahead / gridDim.x);
+      const int64_t CHn = (int64_t)cn * H + hn;
+      const ChunkInfo cin = *reinterpret_cast<const ChunkInfo *>(smem + L::oNext);
+      if (tid == 0) {
+        prefetch_l2_bulk(go.dHT32 + CHn * V * K, V * K * 4);
+        prefetch_l2_bulk(go.hT32 + CHn * V * K, V * K * 4);
       }
-#pragma unroll
-      for (int u = 0; u < per; u++) {
-        const int e = e0 + u * 256 + tid;
-        if (nvec % (256 * per) == 0 || e < nvec) {
-          const int x = (4 * e) / K, r = (4 * e) % K;
-          *reinterpret_cast<uint2 *>(smem + L::oHb + (x * L::ldK + r) * 2) =
-              make_uint2(pack_bf16(hv[u].x, hv[u].y), pack_bf16(hv[u].z, hv[u].w));
+      if (tid == 32) {
+        prefetch_l2_bulk(a.Dbuf + CHn * C * V, C * V * 2);
+        prefetch_l2_bulk(a.dDbuf + CHn * C * V, C * V * 2);
+      }
+      constexpr int lk = K / 64, lv = V / 64, nk = C * lk, nq = TC * lk, no = TC * lv; /* 128-byte lines */
+      for (int i = tid; i < nk + nq + no; i += 256) {
+        const bf16 *p = nullptr;
+        if (i < nk) {
+          const int r = i / lk;
+          if (r < cin.ntok * NN) p = gk + (((int64_t)cin.t0 * NN + r) * H + hn) * K + (i % lk) * 64;
+        } else if (i < nk + nq) {
+          const int r = (i - nk) / lk;
+          if (r < cin.ntok) p = gq + (((int64_t)cin.t0 + r) * H + hn) * K + ((i - nk) % lk) * 64;
+        } else {
+          const int r = (i - nk - nq) / lv;
+          if (r < cin.ntok) p = d_o + (((int64_t)cin.t0 + r) * H + hn) * V + ((i - nk - nq) % lv) * 64;
         }
+        if (p) prefetch_l2_line(p);
       }
+    }
+#pragma unroll
+    for (int u = 0; u < perH; u++) {
+      const int e = u * 256 + tid;
+      const int x = (4 * e) / K, r = (4 * e) % K;
+      const float4 v = u < earlyH ? hv[u] : hl[u - earlyH];
+      *reinterpret_cast<uint2 *>(smem + L::oHb + (x * L::ldK + r) * 2) =
+          make_uint2(pack_bf16(v.x, v.y), pack_bf16(v.z, v.w));
     }
   }
   __syncthreads();
@@ -888,12 +980,37 @@ __device__ __forceinline__ int fresh_sreg() {
   return t;
 }
 
-/* Blocks per SM that grad_wy_kernel_v3 is compiled for: two (128 registers) where ptxas
- * fits that without spilling -- C = 64, and C = 32 except <128, 64, 32, 32> (4 bytes) --
- * else one (up to 202 registers; C = 48 spills 8-48 bytes at 128 in 3 of 4 shapes).
- * Shared memory allows two everywhere (<= 107 KB). */
+/* The lower 16x16 tiles (tj <= ti) of a C x C matrix, numbered row by row: t = ti (ti + 1) / 2
+ * + tj.  The item loops below deal these out to the warps, so at C = 48 (6 lower tiles) no
+ * warp gets two while others get none (the upper tiles used to take slots of the deal). */
+__device__ __forceinline__ void lower_tile(int t, int &ti, int &tj) {
+  /* t < 10 (C <= 64): ti, tj are nibble t of 0x3333222110, 0x3210210100 (no loop) */
+  ti = (int)((0x3333222110ull >> (4 * t)) & 15u);
+  tj = (int)((0x3210210100ull >> (4 * t)) & 15u);
+}
+
+/* A lane's ldmatrix row / column maps and its accumulator row / column pair (grp, tig),
+ * computed from a fresh read of %tid.x: each phase of grad_wy_kernel_v3 takes its own copy,
+ * so that none is held (or spilled) across the barriers -- they cost a few integer
+ * instructions to rebuild, registers otherwise.  arow/acol: A operand (and the .trans B
+ * operand: row = k); atk/atm: A operand by .trans; nrow/ncol: B operand, non-transposed. */
+struct LaneMaps {
+  int grp, tig, arow, acol, atk, atm, nrow, ncol;
+};
+__device__ __forceinline__ LaneMaps lane_maps() {
+  const int l = fresh_sreg<0>() & 31;
+  return {l >> 2, l & 3, (l & 7) + 8 * ((l >> 3) & 1), 8 * (l >> 4), (l & 7) + 8 * (l >> 4), 8 * ((l >> 3) & 1),
+          (l & 7) + 8 * (l >> 4), 8 * ((l >> 3) & 1)};
+}
+
+/* Blocks per SM that grad_wy_kernel_v3 is compiled for, where ptxas (nvcc 13.0) fits it
+ * with 0 bytes spilled: three (80 registers) at C = 32 and 48 except K = 128, V = 64 (8
+ * bytes at 80), two (128 registers) there and at C = 64 (at 80 registers C = 64 spills, and
+ * three blocks would need <= 75 KB of shared memory: it has 74-107).  C = 48 used to take
+ * one (it spilled at 128 while dKb was held from W3 to W6).  Shared memory (1 KB reserved
+ * per block included): C = 32 <= 45 KB, C = 48 <= 74 KB, so three fit in 228 KB. */
 constexpr int grad_wy_blocks(int K, int V, int C) {
-  return C == 64 || (C == 32 && !(K == 128 && V == 64)) ? 2 : 1;
+  return (C == 32 || C == 48) && !(K == 128 && V == 64) ? 3 : 2;
 }
 
 /* The WY part of the per-chunk gradients (one block of 8 warps per (chunk, head)), after
@@ -913,13 +1030,13 @@ constexpr int grad_wy_blocks(int K, int V, int C) {
 template <int K, int V, int C, int TC>
 __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v3(GdpArgs a, GradStateOut go) {
   using L = GradWYLayout<K, V, C>;
-  constexpr int NN = C / TC, NB = C / 16, NI = (C / 16) * (K / 64);
-  static_assert(K % 64 == 0 && V % 64 == 0 && C % 16 == 0 && C <= 64 && NI <= 8, "shapes");
+  constexpr int NN = C / TC, NB = C / 16, NI = (C / 16) * (K / 64), NL = NB * (NB + 1) / 2, NVB = NB * (V / 64);
+  static_assert(K % 64 == 0 && V % 64 == 0 && C % 16 == 0 && C <= 64 && NI <= 8 && NL <= 10, "shapes");
   extern __shared__ __align__(128) unsigned char smem[];
   const int c = blockIdx.x, h = blockIdx.y;
   const ChunkInfo ci = a.chunks[c];
   const int H = a.H, n = NN, nv = ci.ntok * NN;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, grp = lane >> 2, tig = lane & 3;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int64_t CHi = (int64_t)c * H + h;
   const int64_t krow0 = (int64_t)ci.t0 * NN;
   const bf16 *gk = (const bf16 *)a.k, *gv = (const bf16 *)a.v, *gg = (const bf16 *)a.g,
@@ -972,21 +1089,18 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
   }
   __syncthreads();
 
-  const int arow = (lane & 7) + 8 * ((lane >> 3) & 1), acol = 8 * (lane >> 4);
-  const int atk = (lane & 7) + 8 * (lane >> 4), atm = 8 * ((lane >> 3) & 1);
-  const int nrow = (lane & 7) + 8 * (lane >> 4), ncol = 8 * ((lane >> 3) & 1);
-  const int trow = arow, tcol = acol;
 
   /* ---- W1: KK = kn kn^T on the lower 16x16 tiles (float, shared; first read in W5) */
-  for (int item = warp; item < NB * NB; item += 8) {
-    const int ti = item / NB, tj = item % NB;
-    if (tj > ti) continue;
+  for (int item = warp; item < NL; item += 8) {
+    int ti, tj;
+    lower_tile(item, ti, tj);
+    const LaneMaps m = lane_maps();
     float acc[2][4] = {};
 #pragma unroll
     for (int kt = 0; kt < K / 16; kt++) {
       uint32_t fa[4], b0, b1, b2, b3;
-      ldsm_x4(s0 + L::oKn + ((ti * 16 + arow) * L::ldK + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
-      ldsm_x4(s0 + L::oKn + ((tj * 16 + nrow) * L::ldK + kt * 16 + ncol) * 2, b0, b1, b2, b3);
+      ldsm_x4(s0 + L::oKn + ((ti * 16 + m.arow) * L::ldK + kt * 16 + m.acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+      ldsm_x4(s0 + L::oKn + ((tj * 16 + m.nrow) * L::ldK + kt * 16 + m.ncol) * 2, b0, b1, b2, b3);
       mma16816(acc[0], fa, b0, b1);
       mma16816(acc[1], fa, b2, b3);
     }
@@ -994,64 +1108,30 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
     for (int nt = 0; nt < 2; nt++)
 #pragma unroll
       for (int e = 0; e < 4; e++) {
-        const int i = ti * 16 + grp + 8 * (e >> 1), j = tj * 16 + nt * 8 + 2 * tig + (e & 1);
+        const int i = ti * 16 + m.grp + 8 * (e >> 1), j = tj * 16 + nt * 8 + 2 * m.tig + (e & 1);
         sKK[i * L::ldA + j] = acc[nt][e];
       }
   }
   cp_async_wait<0>(); /* v, dD, dW, T^T */
   __syncthreads();
 
-  /* ---- W3: dKb (own item, kept), dVb (dv out), dT tiles */
-  const int jb = (warp / (K / 64)) * 16, rb = (warp % (K / 64)) * 64;
-  float dkn[8][4] = {};
-  if (warp < NI) {
-#pragma unroll
-    for (int kt = 0; kt < NB; kt++) {
-      if (kt * 16 + 15 < jb) continue; /* T^T[j][i] = 0 for i < j */
-      uint32_t fa[4];
-      ldsm_x4(s0 + L::oT + ((jb + arow) * L::ldC + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
-#pragma unroll
-      for (int nt = 0; nt < 8; nt += 2) {
-        uint32_t b0, b1, b2, b3;
-        ldsm_x4_t(s0 + L::odW + ((kt * 16 + trow) * L::ldK + rb + nt * 8 + tcol) * 2, b0, b1, b2, b3);
-        mma16816(dkn[nt], fa, b0, b1);
-        mma16816(dkn[nt + 1], fa, b2, b3);
-      }
-    }
-#pragma unroll
-    for (int hf = 0; hf < 2; hf++) {
-      const int j = jb + grp + 8 * hf;
-      const float eg = __expf(sGc[j]), bj = sBeta[j];
-      float s = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < 8; nt++) {
-        const float2 kv = unpack_bf16(*reinterpret_cast<const uint32_t *>(
-            smem + L::oKn + (j * L::ldK + rb + nt * 8 + 2 * tig) * 2));
-        s += kv.x * dkn[nt][2 * hf] + kv.y * dkn[nt][2 * hf + 1];
-        dkn[nt][2 * hf] *= bj * eg;
-        dkn[nt][2 * hf + 1] *= bj * eg;
-      }
-      s *= eg;
-      s += __shfl_xor_sync(0xffffffffu, s, 1);
-      s += __shfl_xor_sync(0xffffffffu, s, 2);
-      if (tig == 0) {
-        atomicAdd(sDb + j, s);
-        atomicAdd(sDgc + j, bj * s);
-      }
-    }
-  }
-  for (int item = warp; item < NB * (V / 64); item += 8) { /* dVb = T^T dD */
+  /* ---- W3: dVb (dv out) and the dT tiles, dealt out as one list (dT item t to warp
+   * (NVB + t) % 8).  dKb = T^T dW is computed in W6, where its accumulators are needed
+   * (T^T and dW stay untouched until then): held from here to W6 they made C = 48
+   * spill at 128 registers. */
+  for (int item = warp; item < NVB; item += 8) { /* dVb = T^T dD */
+    const LaneMaps m = lane_maps();
     const int vjb = (item / (V / 64)) * 16, xb = (item % (V / 64)) * 64;
     float acc[8][4] = {};
 #pragma unroll
     for (int kt = 0; kt < NB; kt++) {
       if (kt * 16 + 15 < vjb) continue;
       uint32_t fa[4];
-      ldsm_x4(s0 + L::oT + ((vjb + arow) * L::ldC + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+      ldsm_x4(s0 + L::oT + ((vjb + m.arow) * L::ldC + kt * 16 + m.acol) * 2, fa[0], fa[1], fa[2], fa[3]);
 #pragma unroll
       for (int nt = 0; nt < 8; nt += 2) {
         uint32_t b0, b1, b2, b3;
-        ldsm_x4_t(s0 + L::odD + ((kt * 16 + trow) * L::ldV + xb + nt * 8 + tcol) * 2, b0, b1, b2, b3);
+        ldsm_x4_t(s0 + L::odD + ((kt * 16 + m.arow) * L::ldV + xb + nt * 8 + m.acol) * 2, b0, b1, b2, b3);
         mma16816(acc[nt], fa, b0, b1);
         mma16816(acc[nt + 1], fa, b2, b3);
       }
@@ -1059,49 +1139,52 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
     bf16 *dv = (bf16 *)a.dv;
 #pragma unroll
     for (int hf = 0; hf < 2; hf++) {
-      const int j = vjb + grp + 8 * hf;
+      const int j = vjb + m.grp + 8 * hf;
       const float bj = sBeta[j];
       float s = 0.f;
-      bf16 *row = dv + ((krow0 + j) * H + h) * V + xb + 2 * tig;
+      bf16 *row = dv + ((krow0 + j) * H + h) * V + xb + 2 * m.tig;
 #pragma unroll
       for (int nt = 0; nt < 8; nt++) {
         const float2 vv = unpack_bf16(*reinterpret_cast<const uint32_t *>(
-            smem + L::oV + (j * L::ldV + xb + nt * 8 + 2 * tig) * 2));
+            smem + L::oV + (j * L::ldV + xb + nt * 8 + 2 * m.tig) * 2));
         s += vv.x * acc[nt][2 * hf] + vv.y * acc[nt][2 * hf + 1];
         if (j < nv) *reinterpret_cast<uint32_t *>(row + nt * 8) = pack_bf16(bj * acc[nt][2 * hf], bj * acc[nt][2 * hf + 1]);
       }
       s += __shfl_xor_sync(0xffffffffu, s, 1);
       s += __shfl_xor_sync(0xffffffffu, s, 2);
-      if (tig == 0) atomicAdd(sDb + j, s);
+      if (m.tig == 0) atomicAdd(sDb + j, s);
     }
   }
-  for (int item = warp; item < NB * NB; item += 8) { /* dT = (dD V^T + dW kn^T diag(e^{gc})) diag(beta) */
-    const int ti = item / NB, tj = item % NB;
-    if (tj > ti) continue; /* X's lower tiles, the only ones dA reads, need dT[ti][m <= tj] */
+  /* dT = (dD V^T + dW kn^T diag(e^{gc})) diag(beta), lower tiles only: X's lower tiles, the
+   * only ones dA reads, need dT[ti][m <= tj] */
+  for (int item = ((fresh_sreg<0>() >> 5) + 8 - NVB % 8) % 8; item < NL; item += 8) {
+    int ti, tj;
+    lower_tile(item, ti, tj);
+    const LaneMaps m = lane_maps();
     float acc[2][4] = {}, acg[2][4] = {};
 #pragma unroll
     for (int kt = 0; kt < V / 16; kt++) {
       uint32_t fa[4], b0, b1, b2, b3;
-      ldsm_x4(s0 + L::odD + ((ti * 16 + arow) * L::ldV + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
-      ldsm_x4(s0 + L::oV + ((tj * 16 + nrow) * L::ldV + kt * 16 + ncol) * 2, b0, b1, b2, b3);
+      ldsm_x4(s0 + L::odD + ((ti * 16 + m.arow) * L::ldV + kt * 16 + m.acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+      ldsm_x4(s0 + L::oV + ((tj * 16 + m.nrow) * L::ldV + kt * 16 + m.ncol) * 2, b0, b1, b2, b3);
       mma16816(acc[0], fa, b0, b1);
       mma16816(acc[1], fa, b2, b3);
     }
 #pragma unroll
     for (int kt = 0; kt < K / 16; kt++) {
       uint32_t fa[4], b0, b1, b2, b3;
-      ldsm_x4(s0 + L::odW + ((ti * 16 + arow) * L::ldK + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
-      ldsm_x4(s0 + L::oKn + ((tj * 16 + nrow) * L::ldK + kt * 16 + ncol) * 2, b0, b1, b2, b3);
+      ldsm_x4(s0 + L::odW + ((ti * 16 + m.arow) * L::ldK + kt * 16 + m.acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+      ldsm_x4(s0 + L::oKn + ((tj * 16 + m.nrow) * L::ldK + kt * 16 + m.ncol) * 2, b0, b1, b2, b3);
       mma16816(acg[0], fa, b0, b1);
       mma16816(acg[1], fa, b2, b3);
     }
 #pragma unroll
     for (int nt = 0; nt < 2; nt++) {
-      const int j = tj * 16 + nt * 8 + 2 * tig;
+      const int j = tj * 16 + nt * 8 + 2 * m.tig;
       const float e0 = __expf(sGc[j]), e1 = __expf(sGc[j + 1]);
 #pragma unroll
       for (int hf = 0; hf < 2; hf++) {
-        const int i = ti * 16 + grp + 8 * hf;
+        const int i = ti * 16 + m.grp + 8 * hf;
         *reinterpret_cast<uint32_t *>(smem + L::odT + (i * L::ldC + j) * 2) =
             pack_bf16(sBeta[j] * (acc[nt][2 * hf] + e0 * acg[nt][2 * hf]),
                       sBeta[j + 1] * (acc[nt][2 * hf + 1] + e1 * acg[nt][2 * hf + 1]));
@@ -1112,16 +1195,17 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
 
   /* ---- W4: X = dT T^T (T[j][m] = 0 for m > j); only the lower tiles: dA[ti][tj <= ti]
    * reads X[m][tj] for m >= ti >= tj */
-  for (int item = warp; item < NB * NB; item += 8) {
-    const int ti = item / NB, tj = item % NB;
-    if (tj > ti) continue;
+  for (int item = warp; item < NL; item += 8) {
+    int ti, tj;
+    lower_tile(item, ti, tj);
+    const LaneMaps m = lane_maps();
     float acc[2][4] = {};
 #pragma unroll
     for (int kt = 0; kt < NB; kt++) {
       if (kt > tj) continue;
       uint32_t fa[4], b0, b1, b2, b3;
-      ldsm_x4(s0 + L::odT + ((ti * 16 + arow) * L::ldC + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
-      ldsm_x4_t(s0 + L::oT + ((kt * 16 + trow) * L::ldC + tj * 16 + tcol) * 2, b0, b1, b2, b3);
+      ldsm_x4(s0 + L::odT + ((ti * 16 + m.arow) * L::ldC + kt * 16 + m.acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+      ldsm_x4_t(s0 + L::oT + ((kt * 16 + m.arow) * L::ldC + tj * 16 + m.acol) * 2, b0, b1, b2, b3);
       mma16816(acc[0], fa, b0, b1);
       mma16816(acc[1], fa, b2, b3);
     }
@@ -1129,7 +1213,7 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
     for (int nt = 0; nt < 2; nt++)
 #pragma unroll
       for (int hf = 0; hf < 2; hf++) {
-        const int i = ti * 16 + grp + 8 * hf, j = tj * 16 + nt * 8 + 2 * tig;
+        const int i = ti * 16 + m.grp + 8 * hf, j = tj * 16 + nt * 8 + 2 * m.tig;
         *reinterpret_cast<uint32_t *>(smem + L::oX + (i * L::ldC + j) * 2) =
             pack_bf16(acc[nt][2 * hf], acc[nt][2 * hf + 1]);
       }
@@ -1138,17 +1222,18 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
 
   /* ---- W5: dA = -T^T X on the strictly lower part; G -> shared (lower tiles: W6 reads
    * G[jb][m <= jb] and G[m >= jb][jb] only); dbeta, dgc sums */
-  for (int item = warp; item < NB * NB; item += 8) {
-    const int ti = item / NB, tj = item % NB;
-    if (tj > ti) continue;
+  for (int item = warp; item < NL; item += 8) {
+    int ti, tj;
+    lower_tile(item, ti, tj);
+    const LaneMaps m = lane_maps();
     float acc[2][4] = {};
     {
 #pragma unroll
       for (int kt = 0; kt < NB; kt++) {
         if (kt < ti) continue; /* T^T[i][m] = 0 for m < i */
         uint32_t fa[4], b0, b1, b2, b3;
-        ldsm_x4(s0 + L::oT + ((ti * 16 + arow) * L::ldC + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
-        ldsm_x4_t(s0 + L::oX + ((kt * 16 + trow) * L::ldC + tj * 16 + tcol) * 2, b0, b1, b2, b3);
+        ldsm_x4(s0 + L::oT + ((ti * 16 + m.arow) * L::ldC + kt * 16 + m.acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+        ldsm_x4_t(s0 + L::oX + ((kt * 16 + m.arow) * L::ldC + tj * 16 + m.acol) * 2, b0, b1, b2, b3);
         mma16816(acc[0], fa, b0, b1);
         mma16816(acc[1], fa, b2, b3);
       }
@@ -1158,7 +1243,7 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
     for (int nt = 0; nt < 2; nt++)
 #pragma unroll
       for (int hf = 0; hf < 2; hf++) {
-        const int i = ti * 16 + grp + 8 * hf, j0 = tj * 16 + nt * 8 + 2 * tig;
+        const int i = ti * 16 + m.grp + 8 * hf, j0 = tj * 16 + nt * 8 + 2 * m.tig;
         float gv[2];
 #pragma unroll
         for (int e = 0; e < 2; e++) {
@@ -1183,9 +1268,9 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
         b += __shfl_xor_sync(0xffffffffu, b, 2);
         g2 += __shfl_xor_sync(0xffffffffu, g2, 1);
         g2 += __shfl_xor_sync(0xffffffffu, g2, 2);
-        if (tig == 0) {
-          atomicAdd(sDb + ti * 16 + grp + 8 * hf, b);
-          atomicAdd(sDgc + ti * 16 + grp + 8 * hf, g2);
+        if (m.tig == 0) {
+          atomicAdd(sDb + ti * 16 + m.grp + 8 * hf, b);
+          atomicAdd(sDgc + ti * 16 + m.grp + 8 * hf, g2);
         }
       }
 #pragma unroll
@@ -1196,30 +1281,74 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
           v += __shfl_xor_sync(0xffffffffu, v, 4);
           v += __shfl_xor_sync(0xffffffffu, v, 8);
           v += __shfl_xor_sync(0xffffffffu, v, 16);
-          if (grp == 0) atomicAdd(sDgc + tj * 16 + nt * 8 + 2 * tig + e, v);
+          if (m.grp == 0) atomicAdd(sDgc + tj * 16 + nt * 8 + 2 * m.tig + e, v);
         }
     }
   }
   __syncthreads();
 
-  /* W6 and the dk store take the block's indices afresh (fresh_sreg: volatile reads of
-   * %tid.x, %ctaid.x/y, which the compiler neither hoists nor merges with the first):
-   * derived from the first reads, the row offsets stayed live from the loads and W3 on
-   * and were spilled at 128 registers. */
+  /* W6 and the stores after it take the block's indices afresh (fresh_sreg: volatile
+   * reads of %tid.x, %ctaid.x/y, which the compiler neither hoists nor merges with the
+   * first; the chunk's row range is read again, from L1): derived from the first reads,
+   * the row offsets, nv, krow0 and the lane maps stayed live from the loads on and were
+   * spilled at 128 registers (C = 64) and at 80 (three blocks per SM).  The names shadow
+   * the first ones on purpose: the code below reads as the rest of the kernel. */
   {
-    const int jb = (fresh_sreg<0>() >> 5) / (K / 64) * 16, rb = (fresh_sreg<0>() >> 5) % (K / 64) * 64;
-    const int64_t CHi = (int64_t)fresh_sreg<1>() * H + fresh_sreg<2>();
-    /* ---- W6: own item: dKn += G kn + G^T kn + dKnA; l2-norm backward; dk out */
+    const int tid = fresh_sreg<0>(), warp = tid >> 5;
+    const int h = fresh_sreg<2>();
+    const ChunkInfo ci = a.chunks[fresh_sreg<1>()];
+    const int nv = ci.ntok * NN;
+    const int64_t krow0 = (int64_t)ci.t0 * NN;
+    const LaneMaps m = lane_maps();
+    const int jb = warp / (K / 64) * 16, rb = warp % (K / 64) * 64;
+    const int64_t CHi = (int64_t)fresh_sreg<1>() * H + h;
+    /* ---- W6: own item: dKn = beta e^{gc} (T^T dW) + G kn + G^T kn + dKnA; l2-norm
+     * backward; dk out */
+    float dkn[8][4] = {};
     if (warp < NI) {
+#pragma unroll
+      for (int kt = 0; kt < NB; kt++) { /* dKb = T^T dW */
+        if (kt * 16 + 15 < jb) continue; /* T^T[j][i] = 0 for i < j */
+        uint32_t fa[4];
+        ldsm_x4(s0 + L::oT + ((jb + m.arow) * L::ldC + kt * 16 + m.acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+#pragma unroll
+        for (int nt = 0; nt < 8; nt += 2) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4_t(s0 + L::odW + ((kt * 16 + m.arow) * L::ldK + rb + nt * 8 + m.acol) * 2, b0, b1, b2, b3);
+          mma16816(dkn[nt], fa, b0, b1);
+          mma16816(dkn[nt + 1], fa, b2, b3);
+        }
+      }
+#pragma unroll
+      for (int hf = 0; hf < 2; hf++) { /* s = e^{gc} kn . dKb: dbeta += s, dgc += beta s; scale */
+        const int j = jb + m.grp + 8 * hf;
+        const float eg = __expf(sGc[j]), bj = sBeta[j];
+        float s = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++) {
+          const float2 kv = unpack_bf16(*reinterpret_cast<const uint32_t *>(
+              smem + L::oKn + (j * L::ldK + rb + nt * 8 + 2 * m.tig) * 2));
+          s += kv.x * dkn[nt][2 * hf] + kv.y * dkn[nt][2 * hf + 1];
+          dkn[nt][2 * hf] *= bj * eg;
+          dkn[nt][2 * hf + 1] *= bj * eg;
+        }
+        s *= eg;
+        s += __shfl_xor_sync(0xffffffffu, s, 1);
+        s += __shfl_xor_sync(0xffffffffu, s, 2);
+        if (m.tig == 0) {
+          atomicAdd(sDb + j, s);
+          atomicAdd(sDgc + j, bj * s);
+        }
+      }
 #pragma unroll
       for (int kt = 0; kt < NB; kt++) {
         if (kt * 16 > jb + 15) continue; /* G[j][m] = 0 for m >= j */
         uint32_t fa[4];
-        ldsm_x4(s0 + L::oG + ((jb + arow) * L::ldC + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+        ldsm_x4(s0 + L::oG + ((jb + m.arow) * L::ldC + kt * 16 + m.acol) * 2, fa[0], fa[1], fa[2], fa[3]);
 #pragma unroll
         for (int nt = 0; nt < 8; nt += 2) {
           uint32_t b0, b1, b2, b3;
-          ldsm_x4_t(s0 + L::oKn + ((kt * 16 + trow) * L::ldK + rb + nt * 8 + tcol) * 2, b0, b1, b2, b3);
+          ldsm_x4_t(s0 + L::oKn + ((kt * 16 + m.arow) * L::ldK + rb + nt * 8 + m.acol) * 2, b0, b1, b2, b3);
           mma16816(dkn[nt], fa, b0, b1);
           mma16816(dkn[nt + 1], fa, b2, b3);
         }
@@ -1228,16 +1357,16 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
       for (int kt = 0; kt < NB; kt++) {
         if (kt * 16 + 15 <= jb) continue; /* G[m][j] = 0 for m <= j */
         uint32_t fa[4];
-        ldsm_x4_t(s0 + L::oG + ((kt * 16 + atk) * L::ldC + jb + atm) * 2, fa[0], fa[1], fa[2], fa[3]);
+        ldsm_x4_t(s0 + L::oG + ((kt * 16 + m.atk) * L::ldC + jb + m.atm) * 2, fa[0], fa[1], fa[2], fa[3]);
 #pragma unroll
         for (int nt = 0; nt < 8; nt += 2) {
           uint32_t b0, b1, b2, b3;
-          ldsm_x4_t(s0 + L::oKn + ((kt * 16 + trow) * L::ldK + rb + nt * 8 + tcol) * 2, b0, b1, b2, b3);
+          ldsm_x4_t(s0 + L::oKn + ((kt * 16 + m.arow) * L::ldK + rb + nt * 8 + m.acol) * 2, b0, b1, b2, b3);
           mma16816(dkn[nt], fa, b0, b1);
           mma16816(dkn[nt + 1], fa, b2, b3);
         }
       }
-      const float *pa = go.dKnA + CHi * C * K + (int64_t)(jb + grp) * K + rb + 2 * tig;
+      const float *pa = go.dKnA + CHi * C * K + (int64_t)(jb + m.grp) * K + rb + 2 * m.tig;
 #pragma unroll
       for (int nt = 0; nt < 8; nt++) {
         const float2 u0 = *reinterpret_cast<const float2 *>(pa + nt * 8),
@@ -1246,34 +1375,35 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
       }
 #pragma unroll
       for (int hf = 0; hf < 2; hf++) {
-        const int j = jb + grp + 8 * hf;
+        const int j = jb + m.grp + 8 * hf;
         float d = 0.f;
 #pragma unroll
         for (int nt = 0; nt < 8; nt++) {
           const float2 kv = unpack_bf16(*reinterpret_cast<const uint32_t *>(
-              smem + L::oKn + (j * L::ldK + rb + nt * 8 + 2 * tig) * 2));
+              smem + L::oKn + (j * L::ldK + rb + nt * 8 + 2 * m.tig) * 2));
           d += kv.x * dkn[nt][2 * hf] + kv.y * dkn[nt][2 * hf + 1];
         }
         d += __shfl_xor_sync(0xffffffffu, d, 1);
         d += __shfl_xor_sync(0xffffffffu, d, 2);
-        if (tig == 0) atomicAdd(sDot + j, d);
+        if (m.tig == 0) atomicAdd(sDot + j, d);
       }
     }
     __syncthreads();
     if (warp < NI) {
+      const LaneMaps m = lane_maps(); /* afresh: the kn row addresses are not kept across the barrier */
       bf16 *dk = (bf16 *)a.dk;
 #pragma unroll
       for (int hf = 0; hf < 2; hf++) {
-        const int j = jb + grp + 8 * hf;
+        const int j = jb + m.grp + 8 * hf;
         if (j >= nv) continue;
         const float inv = sKinv[j], dot = sDot[j];
-        bf16 *row = dk + ((krow0 + j) * H + h) * K + rb + 2 * tig;
+        bf16 *row = dk + ((krow0 + j) * H + h) * K + rb + 2 * m.tig;
 #pragma unroll
         for (int nt = 0; nt < 8; nt++) {
           float o0 = dkn[nt][2 * hf], o1 = dkn[nt][2 * hf + 1];
           if (a.l2norm) {
             const float2 kv = unpack_bf16(*reinterpret_cast<const uint32_t *>(
-                smem + L::oKn + (j * L::ldK + rb + nt * 8 + 2 * tig) * 2));
+                smem + L::oKn + (j * L::ldK + rb + nt * 8 + 2 * m.tig) * 2));
             o0 = inv * (o0 - kv.x * dot);
             o1 = inv * (o1 - kv.y * dot);
           }
@@ -1281,23 +1411,23 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
         }
       }
     }
-  }
-  if (tid < nv) ((bf16 *)a.dbeta)[(krow0 + tid) * H + h] = __float2bfloat16(sDb[tid]);
-  if (gg && tid == 32 * 7) { /* reverse cumsum of the step gradients; a token's dg is its step 0's.
-                               * All C values are read first (vector loads), then the same
-                               * sequential sum: the chain is C adds, not C shared-memory round trips. */
-    float dgc[C];
+    if (tid < nv) ((bf16 *)a.dbeta)[(krow0 + tid) * H + h] = __float2bfloat16(sDb[tid]);
+    if (gg && tid == 32 * 7) { /* reverse cumsum of the step gradients; a token's dg is its step 0's.
+                                 * All C values are read first (vector loads), then the same
+                                 * sequential sum: the chain is C adds, not C shared-memory round trips. */
+      float dgc[C];
 #pragma unroll
-    for (int i = 0; i < C; i += 4) {
-      const float4 v4 = *reinterpret_cast<const float4 *>(sDgc + i);
-      dgc[i] = v4.x, dgc[i + 1] = v4.y, dgc[i + 2] = v4.z, dgc[i + 3] = v4.w;
-    }
-    float run = 0.f;
-    bf16 *dgo = (bf16 *)a.dg + (int64_t)ci.t0 * H + h;
+      for (int i = 0; i < C; i += 4) {
+        const float4 v4 = *reinterpret_cast<const float4 *>(sDgc + i);
+        dgc[i] = v4.x, dgc[i + 1] = v4.y, dgc[i + 2] = v4.z, dgc[i + 3] = v4.w;
+      }
+      float run = 0.f;
+      bf16 *dgo = (bf16 *)a.dg + (int64_t)ci.t0 * H + h;
 #pragma unroll
-    for (int i = C - 1; i >= 0; i--) {
-      run += dgc[i];
-      if (i % n == 0 && i < nv) dgo[(int64_t)(i / n) * H] = __float2bfloat16(run);
+      for (int i = C - 1; i >= 0; i--) {
+        run += dgc[i];
+        if (i % n == 0 && i < nv) dgo[(int64_t)(i / n) * H] = __float2bfloat16(run);
+      }
     }
   }
 }
@@ -1372,7 +1502,19 @@ static gdp_status launch_grad_state_kv(const Plan &plan, const GradStateOut &go,
     GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
     /* two blocks per SM need the largest shared-memory carveout */
     GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
-    kern<<<grid, 256, L::total, plan.stream>>>(plan.a, go);
+    /* L2 prefetch distance in launch slots: the resident block count (blocks start in
+     * launch order, so block b + resident starts about when block b ends); off with
+     * GDP_CUDA_V3_GS_AHEAD=0, any other value is taken as the distance. */
+    static int resident = 0; /* depends only on the instantiation; benign race */
+    if (resident == 0) {
+      int occ = 0;
+      GDP_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, 256, L::total));
+      resident = occ > 0 ? occ * num_sms() : -1;
+    }
+    int ahead = resident > 0 ? resident : 0;
+    const char *env = getenv("GDP_CUDA_V3_GS_AHEAD");
+    if (env) ahead = atoi(env) > 0 ? atoi(env) : 0;
+    kern<<<grid, 256, L::total, plan.stream>>>(plan.a, go, ahead);
     GDP_CUDA_LAUNCHED("grad_state_kernel_v3");
   } else {
     using L = GradWYLayout<K, V, C>;
