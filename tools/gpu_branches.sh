@@ -46,7 +46,7 @@ for t in "${trees[@]}"; do
   grep -E "FAIL" "$OUT/check_$n.log" | head -5 | tee -a "$LOG"
   timeout 60 compute-sanitizer --tool racecheck $L bench 1 300 2 $(variants "$t") --reps 1 2>&1 | grep -E "RACECHECK SUMMARY" | tee -a "$LOG"
   # a gradient kernel that prefetches a later block's inputs (GDP_CUDA_V3_GS_AHEAD): its
-  # addresses, at a distance the small problem reaches
+  # addresses, at a distance the small problem reaches (off by default)
   if grep -q GDP_CUDA_V3_GS_AHEAD "$t/kernels/cuda/gdp_bwd_v3.cu"; then
     GDP_CUDA_V3_GS_AHEAD=1 timeout 60 compute-sanitizer --tool memcheck $L bench 1 300 2 v3 --reps 1 2>&1 | grep -E "ERROR SUMMARY" | sed "s/^/[GS_AHEAD=1] /" | tee -a "$LOG"
   fi
@@ -68,7 +68,7 @@ for t in "${trees[@]}"; do
     for s in "4 4096 2" "4 4096 3"; do
       left "gs-ahead off" || break
       GDP_CUDA_V3_GS_AHEAD=0 GDP_CUDA_PROFILE=1 timeout 30 $L bench $s v3 --reps 2 2>&1 | grep -E "chunk_v3 |state part" | sed "s/^/[GS_AHEAD=0 $s] /" | tee -a "$LOG"
-      GDP_CUDA_PROFILE=1 timeout 30 $L bench $s v3 --reps 2 2>&1 | grep -E "chunk_v3 |state part" | sed "s/^/[GS_AHEAD=default $s] /" | tee -a "$LOG"
+      GDP_CUDA_V3_GS_AHEAD=auto GDP_CUDA_PROFILE=1 timeout 30 $L bench $s v3 --reps 2 2>&1 | grep -E "chunk_v3 |state part" | sed "s/^/[GS_AHEAD=auto $s] /" | tee -a "$LOG"
     done
   fi
   if grep -q GDP_CUDA_V3_GRAD_AHEAD "$t/kernels/cuda/gdp_bwd_v3.cu"; then

@@ -1502,18 +1502,24 @@ static gdp_status launch_grad_state_kv(const Plan &plan, const GradStateOut &go,
     GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
     /* two blocks per SM need the largest shared-memory carveout */
     GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
-    /* L2 prefetch distance in launch slots: the resident block count (blocks start in
-     * launch order, so block b + resident starts about when block b ends); off with
-     * GDP_CUDA_V3_GS_AHEAD=0, any other value is taken as the distance. */
-    static int resident = 0; /* depends only on the instantiation; benign race */
-    if (resident == 0) {
-      int occ = 0;
-      GDP_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, 256, L::total));
-      resident = occ > 0 ? occ * num_sms() : -1;
-    }
-    int ahead = resident > 0 ? resident : 0;
+    /* L2 prefetch of a later block's inputs, in launch slots: OFF by default -- on the
+     * H200 (session 3, 4 x 4096, n = 2) it made this kernel slower, 0.75 -> 0.90 ms, at
+     * the resident block count as distance (blocks start in launch order, so block
+     * b + resident starts about when block b ends).  GDP_CUDA_V3_GS_AHEAD=<N> turns it on
+     * at distance N, =auto at the resident count (lab experiments). */
+    int ahead = 0;
     const char *env = getenv("GDP_CUDA_V3_GS_AHEAD");
-    if (env) ahead = atoi(env) > 0 ? atoi(env) : 0;
+    if (env && strcmp(env, "auto") == 0) {
+      static int resident = 0; /* depends only on the instantiation; benign race */
+      if (resident == 0) {
+        int occ = 0;
+        GDP_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, 256, L::total));
+        resident = occ > 0 ? occ * num_sms() : -1;
+      }
+      ahead = resident > 0 ? resident : 0;
+    } else if (env) {
+      ahead = atoi(env) > 0 ? atoi(env) : 0;
+    }
     kern<<<grid, 256, L::total, plan.stream>>>(plan.a, go, ahead);
     GDP_CUDA_LAUNCHED("grad_state_kernel_v3");
   } else {
