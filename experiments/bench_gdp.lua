@@ -5,11 +5,11 @@
 --   ./gdp experiments/bench_gdp.lua [--device cpu|cuda] [--dtype f32|bf16|f64]
 --         [--B 1 --T 4096 --H 4 --K 128 --V 128 --n 2] [--shapes BxTxn,...]
 --         [--against-fla [--fla-path DIR] [--python python3]] [--warmup 1] [--repeat 5]
---         [--save-for-backward] [--json] [--no-save] [--help]
+--         [--save-for-backward | --with-saving] [--json] [--no-save] [--help]
 --
 -- The issue's comparison (H200, all shapes in one call, ceilings measured once):
 --   ./gdp experiments/bench_gdp.lua --device cuda --dtype bf16 --H 16 --K 128 --V 128 \
---         --shapes 4x4096x1,4x4096x2,4x4096x3,1x32768x2 --against-fla --repeat 30 --json
+--         --shapes 4x4096x1,4x4096x2,4x4096x3,1x32768x2 --against-fla --with-saving --repeat 30 --json
 --
 -- --shapes lists B x T x n (batch, tokens per sequence, Householder steps), comma-separated,
 -- and overrides --B/--T/--n (default: that single shape); H, K, V are common to all.
@@ -50,6 +50,10 @@
 -- --save-for-backward: the timed forwards keep what the backward would recompute
 -- (save_for_backward = true; cuda variant 3 keeps its chunk panels and states) and the
 -- backward of forward+backward reads it; the kept bytes are freed after each repeat.
+-- --with-saving: times each shape both ways in the same run, the plain path's figures as
+-- usual and the saving path's under saving_* (saving_fwd_ms, saving_fwdbwd_ms, ...,
+-- saving_speedup_fwd/_fwdbwd against fla) in the JSON and the table (not in the CSV,
+-- whose header stays fixed).
 --
 -- Output: a table on stdout (stderr with --json, whose stdout is ONE JSON object: the
 -- configuration, command, ceilings, flop_count, fla's versions, and `shapes`, an array of
@@ -88,6 +92,7 @@ local config = {
   fla_cmd = "",            -- test hook: replaces `python3 tools/fla_bench.py`
   save = true,             -- write the run folder and the study's results.csv
   save_for_backward = false, -- forwards keep their workspace for the backward (gdp.ops)
+  with_saving = false,     -- time each shape plain and saving for backward, in one run
 }
 
 local ffi = require("ffi")
@@ -114,6 +119,7 @@ local opts = util.parse_args(arg, config, {
     { "fla_path", "folder holding fla/ (empty: <repo>/.fla)" },
     { "python", "python for tools/fla_bench.py" },
     { "save_for_backward", "forwards keep panels and states; the backward reads them" },
+    { "with_saving", "time every shape both plain and saving for backward (saving_* figures)" },
     { "fla_reps", "fla's timed repeats (0: --repeat)" }, { "fla_warmup", "fla's untimed repeats" },
     { "fla_cmd", "test hook: command replacing `python3 tools/fla_bench.py`" },
     { "ceilings", "cuda: measure the bf16 matmul and copy ceilings in this run" },
@@ -163,6 +169,11 @@ local function shape_text(s) return string.format("%dx%dx%d", s.B, s.T, s.n) end
 local shape_list = {}
 for i, s in ipairs(shapes) do shape_list[i] = shape_text(s) end
 shape_list = table.concat(shape_list, ",")
+
+if opts.with_saving and opts.save_for_backward then
+  refuse({ "--with-saving times the plain path and the saving path; --save-for-backward would make " ..
+           "both saving: give one of them" })
+end
 
 local inputs = opts.inputs
 if inputs == "auto" then inputs = opts.against_fla and "fla" or "gdp" end
@@ -371,13 +382,14 @@ local function draw_inputs(s)
   return args
 end
 
--- Median seconds of the forward and of forward+backward at shape s.
-local function time_shape(s)
+-- Median seconds of the forward and of forward+backward at shape s; `save`: the
+-- forwards save for backward and the backward reads what they kept.
+local function time_shape(s, save)
   local fwd, fwdbwd = {}, {}
   for r = 1, opts.warmup + opts["repeat"] do
     local args = draw_inputs(s)
     local o, ht, grads, saved
-    args.save_for_backward = opts.save_for_backward or nil
+    args.save_for_backward = save or nil
     local t_fwd = timed(function() o, ht, saved = gdp.ops.chunk_gated_delta_product(args) end)
     o:free(); if ht then ht:free() end
     if saved then saved:free() end
@@ -449,8 +461,12 @@ for i, s in ipairs(shapes) do
   local row = { B = s.B, T = s.T, n = s.n, H = opts.H, K = opts.K, V = opts.V }
   rows[i] = row
   local shape_ok, shape_err = pcall(function()
-    local t_fwd, t_fb = time_shape(s)
+    local t_fwd, t_fb = time_shape(s, opts.save_for_backward)
     figures(s, t_fwd, t_fb, "", row)
+    if opts.with_saving then
+      local sv_fwd, sv_fb = time_shape(s, true)
+      figures(s, sv_fwd, sv_fb, "saving_", row)
+    end
   end)
   row.status = shape_ok and "ok" or "error"
   if not shape_ok then
@@ -458,7 +474,9 @@ for i, s in ipairs(shapes) do
     failures[#failures + 1] = shape_text(s) .. ": " .. row.error
   end
   io.stderr:write(string.format("bench_gdp: %s %s\n", shape_text(s),
-    shape_ok and string.format("fwd %.4g ms, fwd+bwd %.4g ms", row.fwd_ms, row.fwdbwd_ms) or row.error))
+    shape_ok and string.format("fwd %.4g ms, fwd+bwd %.4g ms%s", row.fwd_ms, row.fwdbwd_ms,
+      row.saving_fwd_ms and string.format("; saving: fwd %.4g ms, fwd+bwd %.4g ms", row.saving_fwd_ms,
+      row.saving_fwdbwd_ms) or "") or row.error))
 end
 
 local fla, fla_err, fla_cmd
@@ -472,6 +490,10 @@ if opts.against_fla then
       if row.fwd_ms then
         row.speedup_fwd = row.fla_fwd_ms / row.fwd_ms
         row.speedup_fwdbwd = row.fla_fwdbwd_ms / row.fwdbwd_ms
+      end
+      if row.saving_fwd_ms then
+        row.saving_speedup_fwd = row.fla_fwd_ms / row.saving_fwd_ms
+        row.saving_speedup_fwdbwd = row.fla_fwdbwd_ms / row.saving_fwdbwd_ms
       end
     else
       row.fla_error = fla_err or "fla_bench.py gave no times for " .. shape_text(s)
@@ -501,6 +523,7 @@ local report = {
 for k, v in pairs(common) do report[k] = v end
 -- in the JSON and meta.json (the config), not a CSV column: the study's CSV keeps its header
 report.save_for_backward = opts.save_for_backward
+report.with_saving = opts.with_saving
 for k, v in pairs(ceil) do report[k] = v end
 if opts.against_fla then
   report.fla = { command = fla_cmd, error = fla_err, pythonpath = fla_dir }
@@ -578,15 +601,21 @@ elseif #rows > 0 then
   end
   local header = { "BxTxn", "fwd_ms", "fwdbwd_ms", "Mtok/s" }
   local has_fla, has_ceil = opts.against_fla, ceil.bf16_matmul_tflops ~= nil
+  if opts.with_saving then for _, h in ipairs({ "sv_fwd", "sv_fwdbwd" }) do header[#header + 1] = h end end
   if has_fla then for _, h in ipairs({ "fla_fwd", "fla_fwdbwd", "speedup_fwd", "speedup_fb" }) do header[#header + 1] = h end end
+  if has_fla and opts.with_saving then header[#header + 1] = "sv_speedup_fb" end
   if has_ceil then for _, h in ipairs({ "of_mm", "of_copy", "floor_ms", "gap" }) do header[#header + 1] = h end end
   if has_fla and has_ceil then for _, h in ipairs({ "fla_of_mm", "fla_gap" }) do header[#header + 1] = h end end
   local lines = {}
   for i, r in ipairs(rows) do
     local l = { shape_text(shapes[i]), r.fwd_ms or r.status, r.fwdbwd_ms, r.tokens_per_s and r.tokens_per_s / 1e6 }
+    if opts.with_saving then
+      for _, k in ipairs({ "saving_fwd_ms", "saving_fwdbwd_ms" }) do l[#l + 1] = r[k] or "-" end
+    end
     if has_fla then
       for _, k in ipairs({ "fla_fwd_ms", "fla_fwdbwd_ms", "speedup_fwd", "speedup_fwdbwd" }) do l[#l + 1] = r[k] or "-" end
     end
+    if has_fla and opts.with_saving then l[#l + 1] = r.saving_speedup_fwdbwd or "-" end
     if has_ceil then
       for _, k in ipairs({ "fraction_of_bf16_matmul", "fraction_of_copy", "floor_fwdbwd_ms", "gap_fwdbwd" }) do
         l[#l + 1] = r[k] or "-"

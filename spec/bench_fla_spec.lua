@@ -175,6 +175,27 @@ describe("bench_gdp --shapes and --against-fla (cpu, fla stubbed)", function()
     assert.are.equal(tmp, r.fla.pythonpath)
   end)
 
+  it("--with-saving times every shape plain and saving, with speedups for both", function()
+    if not has_dkjson then pending("dkjson (busted's dependency) not found") return end
+    local out, rc = sh(base .. " --dtype bf16 --shapes 1x32x1,2x16x2 --against-fla --with-saving --no-save --json " ..
+                       "--fla-cmd " .. util.shell_quote("luajit " .. stub) .. " 2>/dev/null")
+    assert.are.equal(0, rc, out)
+    local r = decode(out)
+    assert.are.equal("ok", r.status, r.error)
+    assert.is_true(r.with_saving)
+    for i, s in ipairs(r.shapes) do
+      local ms = s.B * s.T * s.n / 1000
+      assert.truthy(s.fwd_ms > 0 and s.saving_fwd_ms > 0 and s.saving_fwdbwd_ms > 0, "shape " .. i)
+      assert.near(3 * ms / s.saving_fwdbwd_ms, s.saving_speedup_fwdbwd, 1e-12 * s.saving_speedup_fwdbwd)
+      assert.near(ms / s.saving_fwd_ms, s.saving_speedup_fwd, 1e-12 * s.saving_speedup_fwd)
+      assert.near(s.B * s.T / (s.saving_fwdbwd_ms / 1e3), s.saving_tokens_per_s, 1e-9 * s.saving_tokens_per_s)
+    end
+    -- both ways at once is refused before anything is timed
+    local out2, rc2 = sh(base .. " --with-saving --save-for-backward")
+    assert.are.equal(2, rc2, out2)
+    assert.truthy(out2:find("--with-saving times the plain path and the saving path", 1, true), out2)
+  end)
+
   it("--against-fla records a shape fla left out, and fla failures, as errors (exit status 1)", function()
     if not has_dkjson then pending("dkjson (busted's dependency) not found") return end
     local out, rc = sh("STUB_DROP=2x16x2 " .. base .. " --dtype bf16 --shapes 1x32x1,2x16x2 --against-fla --json " ..

@@ -14,7 +14,8 @@
 #        memcheck/racecheck, `./gdp test --quick`, lab branches under .branches/ (checks
 #        first, then timings), the lab's medians and per-kernel times, and bench_gdp (the
 #        library, no fla) at the four shapes, plain and saving for backward (JSON).
-# bench: bench_gdp at the four shapes with fla in the same run (JSON).
+# bench: bench_gdp at the four shapes, plain and saving for backward, with fla in
+#        the same run (JSON).
 # Logs go to $OUT (at most 8 files come back from a call).
 set -u
 MODE=${1:?usage: tools/gpu_session.sh check|lab|bench}
@@ -147,7 +148,7 @@ if [ "$MODE" = bench ]; then
   ./gdp build > "$OUT/gdp_build.log" 2>&1 || { stamp "BUILD FAILED"; tail -20 "$OUT/gdp_build.log"; exit 1; }
   stamp "bench_gdp with fla (fla's first Triton compile takes minutes)"
   timeout 450 ./gdp experiments/bench_gdp.lua --device cuda --dtype bf16 --H 16 --K 128 --V 128 \
-    --shapes 4x4096x1,4x4096x2,4x4096x3,1x32768x2 --against-fla --repeat 30 --json \
+    --shapes 4x4096x1,4x4096x2,4x4096x3,1x32768x2 --against-fla --with-saving --repeat 30 --json \
     > "$OUT/bench_gdp.json" 2> "$OUT/bench_gdp.log"
   echo "bench_gdp rc=$?" | tee -a "$LOG"
   tail -8 "$OUT/bench_gdp.log" | tee -a "$LOG"
