@@ -2,12 +2,14 @@
 -- error of every output and gradient against the file's float64 values.
 --
 --   ./gdp experiments/check_reference.lua [--device cpu|cuda] [--dtype f64|f32|bf16]
---         [--algorithm auto|chunk|recurrent] FILE...
+--         [--algorithm auto|chunk|recurrent] [--save-for-backward] FILE...
 --
 -- Without FILE, every *.safetensors in spec/fixtures/golden/.  Exits 1 when any error
 -- exceeds the dtype's tolerance (f64 1e-10, f32 1e-4, bf16 1e-2) or is NaN, or when a
 -- case fails to run.  The case format is described in spec/fixtures/golden/README.md
 -- (operator cases: q, k, v, beta, g, h0, cu_seqlens, do, dht and the references).
+-- --save-for-backward: the forward saves for backward and the backward reads what it
+-- kept (cuda variant 3's saving path; elsewhere nothing is kept and it recomputes).
 -- Mixer-layer cases (mixer_*.safetensors, holding in_proj.weight) run through
 -- gdp.nn.GatedDeltaProduct (cpu, f64/f32) and check out, grad.x and every grad.<param>.
 
@@ -17,6 +19,7 @@ local config = {
   algorithm = "auto",    -- auto | chunk | recurrent
   fixtures = "spec/fixtures/golden",
   tol = 0,               -- 0: the dtype's tolerance
+  save_for_backward = false, -- the operator cases' forwards save for the backward
 }
 
 local gdp = require("gdp")
@@ -31,6 +34,7 @@ local opts, files = util.parse_args(arg, config, {
     { "algorithm", "operator algorithm" },
     { "fixtures", "folder searched when no FILE is given" },
     { "tol", "relative-error tolerance; 0: f64 1e-10, f32 1e-4, bf16 1e-2" },
+    { "save_for_backward", "operator cases: the forward saves, the backward reads it" },
   },
   choices = { dtype = { "f64", "f32", "bf16" }, algorithm = { "auto", "chunk", "recurrent" } },
 })
@@ -51,6 +55,7 @@ local tol = opts.tol > 0 and opts.tol or gdp.ops.TOLERANCE[opts.dtype]
 local function check_operator(t, meta)
   local rows, times = gdp.ops.check_golden_case(t, meta, {
     dtype = opts.dtype, device = opts.device, algorithm = opts.algorithm, tol = tol,
+    save_for_backward = opts.save_for_backward,
   })
   local out = {}
   for _, r in ipairs(rows) do

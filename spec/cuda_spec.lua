@@ -220,14 +220,16 @@ describe("cuda #gpu", function()
     saved:free()
   end)
 
-  for _, dtype in ipairs({ "bf16", "f32" }) do
-    it("golden cases on cuda in " .. dtype .. " (auto)", function()
+  -- (bf16 saving: variant 3's saving path where the case's shape takes variant 3)
+  for _, run in ipairs({ { "bf16", false }, { "f32", false }, { "bf16", true } }) do
+    local dtype, save = run[1], run[2]
+    it("golden cases on cuda in " .. dtype .. " (auto" .. (save and ", saving for backward)" or ")"), function()
       if not need_gpu() then return end
       local files = H.list_files(H.golden_dir, "^gdp_.*%.safetensors$")
       if #files == 0 then pending("no golden fixtures") return end
       for _, file in ipairs(files) do
         local t, meta = gdp.load(file)
-        local rows = ops.check_golden_case(t, meta, { dtype = dtype, device = "cuda" })
+        local rows = ops.check_golden_case(t, meta, { dtype = dtype, device = "cuda", save_for_backward = save })
         for _, r in ipairs(rows) do
           assert.is_true(r.ok, string.format("%s: %s rel error %.3e", file, r.name, r.err))
         end

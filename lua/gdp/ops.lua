@@ -325,7 +325,7 @@ local GOLDEN_OUTPUTS = { "o", "ht", "dq", "dk", "dv", "dbeta", "dg", "dh0" }
 -- Runs one golden operator case (the format of spec/fixtures/golden/README.md: inputs,
 -- do/dht and float64 reference outputs and gradients, loaded with gdp.load) through
 -- the forward and the backward.  opts: dtype ("f64"), device ("cpu"), algorithm
--- ("auto").  Returns rows {name =, err =, tol =, ok =} for every output and gradient
+-- ("auto"), save_for_backward (false: the forward saves and the backward reads it).  Returns rows {name =, err =, tol =, ok =} for every output and gradient
 -- the file holds (err NaN and ok false when the op did not return one), and timings
 -- {fwd_ms =, bwd_ms =}.
 function M.check_golden_case(t, meta, opts)
@@ -345,12 +345,15 @@ function M.check_golden_case(t, meta, opts)
   local ctx = args.q:ctx()
   ctx:sync()
   local t0 = lib.gdp_time_now()
-  local o, ht = M.chunk_gated_delta_product(args)
+  args.save_for_backward = opts.save_for_backward or nil
+  local o, ht, saved = M.chunk_gated_delta_product(args)
   ctx:sync()
   local t1 = lib.gdp_time_now()
+  args.save_for_backward, args.saved = nil, saved
   local grads = M.chunk_gated_delta_product_backward(args)
   ctx:sync()
   local t2 = lib.gdp_time_now()
+  if saved then saved:free() end
   local got = { o = o, ht = ht }
   for key, val in pairs(grads) do got[key] = val end
   local rows = {}
