@@ -7,7 +7,8 @@
 #   source .devbundle/env.sh && OUT=$OUT bash tools/gpu_session.sh bench   (~6 min; carry .fla)
 # check: the kernel lab's check of variants 3, 5 (3 saving for backward) and 2 against the
 #        float64 oracle, `./gdp test --quick` (every suite, #gpu specs included),
-#        check_reference --device cuda in bf16 and f32, memcheck and racecheck on small
+#        check_reference --device cuda in bf16, f32 and bf16 saving for backward,
+#        memcheck and racecheck on small
 #        problems, the lab's medians and per-kernel times at the four benchmark shapes,
 #        and any lab branches under .branches/ (tools/gpu_branches.sh).
 # lab:   for kernel work between full checks: the lab's check of variants 3 and 5,
@@ -58,10 +59,10 @@ if [ "$MODE" = check ]; then
   fi
   if left "check_reference"; then
     stamp "check_reference --device cuda"
-    for dt in bf16 f32; do
-      echo "== $dt" >> "$OUT/check_cuda.log"
-      timeout 90 ./gdp experiments/check_reference.lua --device cuda --dtype $dt >> "$OUT/check_cuda.log" 2>&1
-      echo "check_reference $dt rc=$? $(tail -1 "$OUT/check_cuda.log")" | tee -a "$LOG"
+    for run in "bf16" "f32" "bf16 --save-for-backward"; do
+      echo "== $run" >> "$OUT/check_cuda.log"
+      timeout 90 ./gdp experiments/check_reference.lua --device cuda --dtype $run >> "$OUT/check_cuda.log" 2>&1
+      echo "check_reference $run rc=$? $(tail -1 "$OUT/check_cuda.log")" | tee -a "$LOG"
     done
   fi
   if left "compute-sanitizer"; then
@@ -127,14 +128,13 @@ if [ "$MODE" = lab ]; then
     echo "-- 4 4096 2 without U's residual (GDP_CUDA_V3_ULO=0)" >> "$OUT/profile.log"
     GDP_CUDA_V3_ULO=0 GDP_CUDA_PROFILE=1 timeout 40 $B/lab bench 4 4096 2 v3 v5 --reps 2 2>&1 | grep -vE "^device| 0.0000 ms" >> "$OUT/profile.log"
   fi
-  for save in "" --save-for-backward; do
-    left "bench_gdp $save" || break
-    stamp "bench_gdp (library, no fla) $save"
-    timeout 90 ./gdp experiments/bench_gdp.lua --device cuda --dtype bf16 --H 16 --K 128 --V 128 \
-      --shapes 4x4096x1,4x4096x2,4x4096x3,1x32768x2 --repeat 20 --json --no-save $save \
-      > "$OUT/bench_gdp${save:+_saved}.json" 2>> "$OUT/bench_gdp.log"
-    echo "bench_gdp $save rc=$?" | tee -a "$LOG"
-  done
+  if left "bench_gdp"; then
+    stamp "bench_gdp (library, no fla), plain and saving"
+    timeout 120 ./gdp experiments/bench_gdp.lua --device cuda --dtype bf16 --H 16 --K 128 --V 128 \
+      --shapes 4x4096x1,4x4096x2,4x4096x3,1x32768x2 --repeat 20 --json --no-save --with-saving \
+      > "$OUT/bench_gdp.json" 2>> "$OUT/bench_gdp.log"
+    echo "bench_gdp rc=$?" | tee -a "$LOG"
+  fi
   tail -12 "$OUT/bench_gdp.log" 2>/dev/null >> "$LOG"
   cp "$OUT/branches/branches.log" "$OUT/branches.log" 2>/dev/null
   tar czf "$OUT/more.tgz" -C "$OUT" branches profile.log gdp_build.log bench_gdp.log 2>/dev/null &&
