@@ -8,9 +8,9 @@
 # check: the kernel lab's check of variants 3, 5 (3 saving for backward) and 2 against the
 #        float64 oracle, `./gdp test --quick` (every suite, #gpu specs included),
 #        check_reference --device cuda in bf16, f32 and bf16 saving for backward,
-#        memcheck and racecheck on small
-#        problems, the lab's medians and per-kernel times at the four benchmark shapes,
-#        and any lab branches under .branches/ (tools/gpu_branches.sh).
+#        memcheck and racecheck on small problems, the lab's medians and per-kernel
+#        times at the four benchmark shapes, and any lab branches under .branches/
+#        (tools/gpu_branches.sh).
 # lab:   for kernel work between full checks: the lab's check of variants 3 and 5,
 #        memcheck/racecheck, `./gdp test --quick`, lab branches under .branches/ (checks
 #        first, then timings), the lab's medians and per-kernel times, and bench_gdp (the
