@@ -45,6 +45,10 @@ for t in "${trees[@]}"; do
   say "check rc=$? $(grep -E 'check:' "$OUT/check_$n.log" | tail -1)"
   grep -E "FAIL" "$OUT/check_$n.log" | head -5 | tee -a "$LOG"
   timeout 60 compute-sanitizer --tool racecheck $L bench 1 300 2 $(variants "$t") --reps 1 2>&1 | grep -E "RACECHECK SUMMARY" | tee -a "$LOG"
+  # named barriers (bar.sync with an id) inside a block: synccheck too
+  if grep -q 'bar.sync 1' "$t/kernels/cuda/gdp_bwd_v3.cu"; then
+    timeout 90 compute-sanitizer --tool synccheck $L bench 1 300 2 v3 --reps 1 2>&1 | grep -E "ERROR SUMMARY" | sed "s/^/[synccheck] /" | tee -a "$LOG"
+  fi
   # a prep with two W/U phases (GDP_CUDA_V3_PREP_WU): every prep call of the check runs
   # both and fails unless their panels are byte-identical
   if grep -q GDP_CUDA_V3_PREP_WU "$t/kernels/cuda/gdp_fwd_v3.cu"; then
@@ -74,6 +78,15 @@ for t in "${trees[@]}"; do
     for wu in old new; do
       left "prep-wu $wu" || break
       GDP_CUDA_V3_PREP_WU=$wu GDP_CUDA_PROFILE=1 timeout 30 $L bench 4 4096 2 $(variants "$t") --reps 2 2>&1 | grep -E "chunk_v3 |v3_saved |prep" | sed "s/^/[PREP_WU=$wu 4 4096 2] /" | tee -a "$LOG"
+    done
+  fi
+  if grep -q GDP_CUDA_V3_GS "$t/kernels/cuda/gdp_bwd_v3.cu" && grep -q '"2b"' "$t/kernels/cuda/gdp_bwd_v3.cu"; then
+    # grad_state at three blocks per SM (default) against the two-block kernel (=2b)
+    for gs in default 2b; do
+      for s in "4 4096 1" "4 4096 2" "4 4096 3"; do
+        left "gs $gs" || break 2
+        env $( [ $gs = 2b ] && echo GDP_CUDA_V3_GS=2b ) GDP_CUDA_PROFILE=1 timeout 30 $L bench $s v3 --reps 2 2>&1 | grep -E "chunk_v3 |state part|WY part" | sed "s/^/[GS=$gs $s] /" | tee -a "$LOG"
+      done
     done
   fi
   if [ "$(variants "$t")" != v3 ] && left "bv64 n=3"; then
