@@ -33,6 +33,16 @@ SHAPES="4 4096 1|4 4096 2|4 4096 3|1 32768 2"
 # seconds have passed, so the call ends inside the device's 10-minute limit.
 BUDGET_S=${BUDGET_S:-520}
 left() { [ $(( $(date +%s) - t0 )) -lt "$BUDGET_S" ] || { stamp "out of time: skipped $*"; return 1; }; }
+# The lab's medians of 10 (to the log) and one profiled call per shape (profile.log),
+# variants 3 and 5 at the four benchmark shapes.
+lab_medians_and_profile() {
+  local s
+  IFS='|'; for s in $SHAPES; do
+    IFS=' '; echo "-- $s" >> "$OUT/profile.log"
+    timeout 40 $B/lab bench $s v3 v5 --reps 10 2>&1 | grep -E "chunk_v3|v3_saved" | sed "s/^/[$s] /" | tee -a "$LOG"
+    GDP_CUDA_PROFILE=1 timeout 40 $B/lab bench $s v3 v5 --reps 2 2>&1 | grep -vE "^device| 0.0000 ms" >> "$OUT/profile.log"
+  done; IFS=' '
+}
 
 if [ "$MODE" = check ]; then
   # lab branches snapshotted under .branches/ (tools/snapshot_branches.sh) are built on
@@ -74,11 +84,7 @@ if [ "$MODE" = check ]; then
   fi
   if left "profile"; then
     stamp "lab medians and per-kernel profile (one synchronised call per kernel)"
-    IFS='|'; for s in $SHAPES; do
-      IFS=' '; echo "-- $s" >> "$OUT/profile.log"
-      timeout 40 $B/lab bench $s v3 v5 --reps 10 2>&1 | grep -E "chunk_v3|v3_saved" | sed "s/^/[$s] /" | tee -a "$LOG"
-      GDP_CUDA_PROFILE=1 timeout 40 $B/lab bench $s v3 v5 --reps 2 2>&1 | grep -vE "^device| 0.0000 ms" >> "$OUT/profile.log"
-    done; IFS=' '
+    lab_medians_and_profile
   fi
   if [ "$nbr" -gt 0 ]; then
     wait $brpid
@@ -120,11 +126,7 @@ if [ "$MODE" = lab ]; then
   fi
   if left "lab medians and profile"; then
     stamp "lab medians (10) and per-kernel profile"
-    IFS='|'; for s in $SHAPES; do
-      IFS=' '; echo "-- $s" >> "$OUT/profile.log"
-      timeout 40 $B/lab bench $s v3 v5 --reps 10 2>&1 | grep -E "chunk_v3|v3_saved" | sed "s/^/[$s] /" | tee -a "$LOG"
-      GDP_CUDA_PROFILE=1 timeout 40 $B/lab bench $s v3 v5 --reps 2 2>&1 | grep -vE "^device| 0.0000 ms" >> "$OUT/profile.log"
-    done; IFS=' '
+    lab_medians_and_profile
     echo "-- 4 4096 2 without U's residual (GDP_CUDA_V3_ULO=0)" >> "$OUT/profile.log"
     GDP_CUDA_V3_ULO=0 GDP_CUDA_PROFILE=1 timeout 40 $B/lab bench 4 4096 2 v3 v5 --reps 2 2>&1 | grep -vE "^device| 0.0000 ms" >> "$OUT/profile.log"
   fi
