@@ -95,33 +95,39 @@ describe("cuda #gpu", function()
     end)
   end
 
+  -- Runs fn(set), where set(v) sets GDP_CUDA_VARIANT to v; the variable is unset
+  -- afterwards whatever fn does, and fn's failure is raised then.
+  local function with_variant_env(fn)
+    local ffi = require("ffi")
+    pcall(ffi.cdef, "int setenv(const char *, const char *, int); int unsetenv(const char *);")
+    local ok, err = pcall(fn, function(v) ffi.C.setenv("GDP_CUDA_VARIANT", v, 1) end)
+    ffi.C.unsetenv("GDP_CUDA_VARIANT")
+    assert(ok, err)
+  end
+
   -- GDP_CUDA_VARIANT forces a variant: all three on a shape each of them takes, and a
   -- clear error for a bad value.
   it("GDP_CUDA_VARIANT forces each variant; a bad value is an error naming it", function()
     if not need_gpu() then return end
-    local ffi = require("ffi")
-    pcall(ffi.cdef, "int setenv(const char *, const char *, int); int unsetenv(const char *);")
     H.reseed(404)
     local args = ops.random_inputs({ B = 1, T = 90, H = 2, K = 64, V = 64, n = 2, grads = true,
                                      initial_state = true, cu_seqlens = { 0, 33, 90 } })
     local o_ref, _, g_ref = oracle(args, "bf16")
     local dev = ops.convert_inputs(args, "bf16", "cuda")
-    local ok, err = pcall(function()
+    with_variant_env(function(set_variant)
       for _, v in ipairs({ "1", "2", "3" }) do
-        ffi.C.setenv("GDP_CUDA_VARIANT", v, 1)
+        set_variant(v)
         local o = ops.chunk_gated_delta_product(dev)
         assert.tensor_near(o, o_ref, ops.TOLERANCE.bf16)
         local grads = ops.chunk_gated_delta_product_backward(dev)
         assert.tensor_near(grads.dk, g_ref.dk, ops.TOLERANCE.bf16)
         assert.tensor_near(grads.dg, g_ref.dg, ops.TOLERANCE.bf16)
       end
-      ffi.C.setenv("GDP_CUDA_VARIANT", "7", 1)
+      set_variant("7")
       local bad_ok, bad = pcall(ops.chunk_gated_delta_product, dev)
       assert.is_false(bad_ok)
       assert.truthy(tostring(bad):find("GDP_CUDA_VARIANT must be 1, 2 or 3", 1, true), tostring(bad))
     end)
-    ffi.C.unsetenv("GDP_CUDA_VARIANT")
-    assert(ok, err)
   end)
 
   -- Save for backward: variant 3 keeps its chunk panels, h^T, D and T^T (saved:bytes() >
@@ -201,21 +207,17 @@ describe("cuda #gpu", function()
 
   it("save_for_backward: a backward that would run another variant is refused", function()
     if not need_gpu() then return end
-    local ffi = require("ffi")
-    pcall(ffi.cdef, "int setenv(const char *, const char *, int); int unsetenv(const char *);")
     H.reseed(506)
     local args = ops.random_inputs({ B = 1, T = 64, H = 2, K = 64, V = 64, n = 2, grads = true })
     local dev = ops.convert_inputs(args, "bf16", "cuda")
     dev.save_for_backward = true
     local _, _, saved = ops.chunk_gated_delta_product(dev)
     dev.save_for_backward, dev.saved = nil, saved
-    local ok, err = pcall(function()
-      ffi.C.setenv("GDP_CUDA_VARIANT", "1", 1)
+    with_variant_env(function(set_variant)
+      set_variant("1")
       H.expect_error(function() ops.chunk_gated_delta_product_backward(dev) end,
                      "GDP_ERR_INVALID_ARG", "saved: variant: expected 1 (the variant this backward runs), got 3")
     end)
-    ffi.C.unsetenv("GDP_CUDA_VARIANT")
-    assert(ok, err)
     assert.is_not_nil(ops.chunk_gated_delta_product_backward(dev).dk)
     saved:free()
   end)
