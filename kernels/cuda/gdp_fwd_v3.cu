@@ -33,6 +33,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <vector>
+
 #include "gdp_chunk.cuh"
 #include "gdp_fwd_v3.cuh"
 #include "mma_sm90.cuh"
@@ -936,7 +938,7 @@ static gdp_status launch_prep_kernel(const Plan &plan, bf16 *Tt) {
  * prep also stores T^T and U's residual for a backward (0.98 ms -> predicted ~0.6 at
  * 4 x 4096, n = 2), the unrolled one (as validated since session 2) in the plain
  * forward.  GDP_CUDA_V3_PREP_WU=old | new forces the unrolled | staged phase everywhere
- * (lab A/B; both give the same bits). */
+ * (lab A/B; both give the same bits); =compare runs both and checks that they do. */
 static bool prep_wu_staged_wanted(bool backward_stores) {
   const char *env = getenv("GDP_CUDA_V3_PREP_WU");
   if (env && strcmp(env, "old") == 0) return false;
@@ -944,8 +946,44 @@ static bool prep_wu_staged_wanted(bool backward_stores) {
   return backward_stores;
 }
 
+static bool prep_wu_compare() {
+  const char *env = getenv("GDP_CUDA_V3_PREP_WU");
+  return env && strcmp(env, "compare") == 0;
+}
+
+/* GDP_CUDA_V3_PREP_WU=compare (lab only: synchronises, copies the panels to the host):
+ * the unrolled W/U phase, then the staged one over the same plan; W, U and U's residual
+ * must come out byte for byte the same, otherwise GDP_ERR_INTERNAL names the panel. */
+template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO>
+static gdp_status compare_prep_wu(const Plan &plan, bf16 *Tt) {
+  const GdpArgs &a = plan.a;
+  const size_t chunk_heads = (size_t)a.nchunks * (size_t)a.H;
+  const size_t bytes[3] = {chunk_heads * C * K * 2, chunk_heads * C * V * 2, STORE_ULO ? chunk_heads * C * V * 2 : 0};
+  const void *panels[3] = {a.W, a.U, a.Ulo};
+  static const char *names[3] = {"W", "U", "U's residual"};
+  std::vector<unsigned char> unrolled[3], staged[3];
+  for (int pass = 0; pass < 2; pass++) {
+    const gdp_status st = pass ? launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, true>(plan, Tt)
+                               : launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, false>(plan, Tt);
+    if (st != GDP_OK) return st;
+    for (int i = 0; i < 3; i++) {
+      std::vector<unsigned char> &host = pass ? staged[i] : unrolled[i];
+      host.resize(bytes[i]);
+      if (bytes[i])
+        GDP_CUDA_TRY(cudaMemcpyAsync(host.data(), panels[i], bytes[i], cudaMemcpyDeviceToHost, plan.stream));
+    }
+    GDP_CUDA_TRY(cudaStreamSynchronize(plan.stream));
+  }
+  for (int i = 0; i < 3; i++)
+    if (bytes[i] && memcmp(unrolled[i].data(), staged[i].data(), bytes[i]) != 0)
+      return GDP_ERROR(GDP_ERR_INTERNAL, "prep_kernel_v3<%d,%d,%d,%d>: staged and unrolled W/U phases differ in %s",
+                       K, V, C, TC, names[i]);
+  return GDP_OK;
+}
+
 template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO>
 static gdp_status launch_prep_kvt(const Plan &plan, bf16 *Tt) {
+  if (prep_wu_compare()) return compare_prep_wu<K, V, C, TC, STORE_T, STORE_ULO>(plan, Tt);
   return prep_wu_staged_wanted(STORE_T) ? launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, true>(plan, Tt)
                                         : launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, false>(plan, Tt);
 }
