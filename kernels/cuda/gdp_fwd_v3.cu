@@ -33,6 +33,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <vector>
+
 #include "gdp_chunk.cuh"
 #include "gdp_fwd_v3.cuh"
 #include "mma_sm90.cuh"
@@ -329,7 +331,7 @@ __host__ __device__ constexpr int prep_a_row(int i) {
  * the barrier that ends the solve's reads of A -- by the bf16 panels Tw^T and Tu^T
  * (row x = column x of T, the layout the solve's threads write with 16-byte stores).
  * At K = V = 128, C = 64 that is 52.5 KB: four blocks per SM. */
-template <int K, int V, int C, int TC>
+template <int K, int V, int C, int TC, bool STAGED = false>
 struct PrepLayout {
   static constexpr int ldK = K + kPad, ldV = V + kPad, ldT = C + kPad;
   static constexpr int oK = 0;                   /* k rows, then kn (bf16) */
@@ -341,7 +343,10 @@ struct PrepLayout {
   static constexpr int oTw = oQ;                 /* (T diag(beta e^gc))^T (bf16) */
   static constexpr int oTu = oTw + C * ldT * 2;  /* (T diag(beta))^T (bf16) */
   static constexpr int endA = oA + prep_a_row(C) * 4, endT = oTu + C * ldT * 2;
-  static constexpr int total = endA > endT ? endA : endT;
+  /* STAGED (prep_wu_staged): one 8 x 32 bf16 staging tile (512 bytes) per warp after
+   * everything else: 52.5 -> 54.5 KB at K = V = 128, C = 64, still four blocks per SM */
+  static constexpr int oStage = ((endA > endT ? endA : endT) + 127) / 128 * 128;
+  static constexpr int total = STAGED ? oStage + 4 * 512 : (endA > endT ? endA : endT);
 };
 
 /* A fragment (16 x 16, row-major source with row stride ld elements) at rows rb,
@@ -412,6 +417,49 @@ struct PrepWuSched {
   static constexpr PrepSched<(K / 64 + V / 64) * (C / 16), PrepWuCost<C>> wu{};
 };
 
+/* The owners of PrepWuSched's items as a 2-bit-per-item mask (at most 16 items), so that
+ * the staged W/U phase can walk its items in a runtime loop: its code then exists once
+ * per item kind instead of once per item. */
+template <int K, int V, int C>
+__host__ __device__ constexpr uint32_t prep_wu_owner_bits() {
+  uint32_t bits = 0;
+  for (int i = 0; i < (K / 64 + V / 64) * (C / 16); i++)
+    bits |= (uint32_t)PrepWuSched<K, V, C>::wu.owner[i] << (2 * i);
+  return bits;
+}
+
+/* stmatrix (sm_90): the inverse of ldsm_x4 -- register i of thread t (row t/4, columns
+ * 2(t%4), 2(t%4)+1 of matrix i) goes to the row address that lane 8i + t/4 gives.  The
+ * memory clobbers keep the compiler from moving the staged tile's plain accesses across. */
+__device__ __forceinline__ void stsm_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1,%2,%3,%4};\n" ::"r"(addr), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3)
+               : "memory");
+}
+__device__ __forceinline__ uint4 lds128(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
+}
+
+/* One 8-row x 32-column bf16 piece of an accumulator tile to global in 16-byte row
+ * stores, through the warp's 512-byte staging tile: w[m] is this lane's word of 8-column
+ * block m (row grp, columns 8m + 2tig, +1), stored by stmatrix; each lane then reads row
+ * lane/4, columns 8(lane%4)..+7 back and stores them at g (which the caller points
+ * there), so that every store instruction writes 8 rows x 64 contiguous bytes (16 whole
+ * sectors) instead of 8 rows x 16 bytes.  The tile's 16-byte chunks are XOR-swizzled by
+ * (row/2)%4: the eight rows of each stmatrix matrix, and the eight lanes of each
+ * quarter-warp read, then fall in eight distinct bank groups. */
+__device__ __forceinline__ void prep_stage_store(uint32_t st_addr, uint32_t ld_addr, const uint32_t (&w)[4], bf16 *g) {
+  __syncwarp(); /* the previous piece's reads are done before the tile is overwritten */
+  stsm_x4(st_addr, w[0], w[1], w[2], w[3]);
+  __syncwarp();
+  *reinterpret_cast<uint4 *>(g) = lds128(ld_addr);
+}
+
 /* Column x (>= X0) of T = (I + A)^-1 by forward substitution, the column in registers;
  * rows above X0 are zero and skipped (X0 a multiple of 4, so each row's four partial
  * sums take the same terms in the same order as without the skip). */
@@ -427,6 +475,86 @@ __device__ __forceinline__ void prep_solve_column(const float *sA, int x, float 
     for (int j = X0; j < i; j++) s[j & 3] -= sA[prep_a_row(i) + j] * t[j];
     t[i] = (s[0] + s[1]) + (s[2] + s[3]);
   }
+}
+
+/* The W/U phase of prep_kernel_v3 with WU_STAGED (same products, same bits as the
+ * unrolled phase in the kernel): W = Tw Kn, U = Tu V (and U's residual with STORE_ULO)
+ * by items of 16 rows x 64 columns, each warp taking the items PrepWuSched gives it, but
+ *  - in a runtime loop over the items (one copy of the code per item kind, W or U,
+ *    instead of one per item: the unrolled phase is 19 KB of the kernel's 139.5 KB at
+ *    K = V = 128, C = 64, and 36 KB with the residual, which took the kernel past what
+ *    the instruction cache holds -- NOTES.md, "The backward's prep");
+ *  - U's items first, so that their stores (twice as many with the residual) drain
+ *    behind the W items' products rather than at the block's exit;
+ *  - every output through prep_stage_store: 16-byte stores of 64 contiguous bytes per
+ *    row instead of 4-byte stores of 16. */
+template <int K, int V, int C, bool STORE_ULO, class L>
+__device__ __forceinline__ void prep_wu_staged(const GdpArgs &a, int64_t CHi, uint32_t s0) {
+  constexpr int GK = K / 64, NR = C / 16, NI = (GK + V / 64) * NR;
+  static_assert(NI <= 16, "owner bits");
+  constexpr uint32_t owners = prep_wu_owner_bits<K, V, C>();
+  const int warp = (int)threadIdx.x >> 5, lane = (int)threadIdx.x & 31;
+  const int trow = ((lane >> 3) & 1) * 8 + (lane & 7), tcol = (lane >> 4) * 8;
+  const int aoff = ((lane >> 4) * 8 + (lane & 7)) * L::ldT + ((lane >> 3) & 1) * 8;
+  /* this warp's staging tile (8 rows of 64 bytes): stmatrix row address of lane l
+   * (matrix l/8, row l%8) and the 16 bytes lane l reads back (row l/4, chunk l%4) */
+  const uint32_t stage = s0 + L::oStage + warp * 512;
+  const int sr = lane & 7, lr = lane >> 2, lc = lane & 3;
+  const uint32_t st_addr = stage + sr * 64 + (((lane >> 3) ^ (sr >> 1)) & 3) * 16;
+  const uint32_t ld_addr = stage + lr * 64 + ((lc ^ (lr >> 1)) & 3) * 16;
+
+  auto item = [&](auto isu_tag, int it) {
+    constexpr bool isu = decltype(isu_tag)::value != 0;
+    constexpr int ldb = isu ? L::ldV : L::ldK, ldo = isu ? V : K;
+    const int r = it % NR, rb = r * 16, cb = (it / NR - (isu ? GK : 0)) * 64;
+    const uint32_t tbase = s0 + (isu ? L::oTu : L::oTw) + (rb + aoff) * 2,
+                   bbase = s0 + (isu ? L::oV : L::oK) + (trow * ldb + cb + tcol) * 2;
+    float acc[8][4];
+#pragma unroll
+    for (int nt = 0; nt < 8; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+#pragma unroll 2
+    for (int kt = 0; kt <= r; kt++) {
+      uint32_t fa[4];
+      ldsm_x4_t(tbase + kt * 16 * L::ldT * 2, fa[0], fa[1], fa[2], fa[3]);
+#pragma unroll
+      for (int nt = 0; nt < 8; nt += 2) {
+        uint32_t b0, b1, b2, b3;
+        ldsm_x4_t(bbase + (kt * 16 * ldb + nt * 8) * 2, b0, b1, b2, b3);
+        mma16816(acc[nt], fa, b0, b1);
+        mma16816(acc[nt + 1], fa, b2, b3);
+      }
+    }
+    /* this lane's 16 bytes of each staged piece: row rb + lr (+ 8 hf), columns
+     * cb + 8 lc (+ 32 q) */
+    const int64_t off = (int64_t)(rb + lr) * ldo + cb + lc * 8;
+    bf16 *out = (isu ? a.U + CHi * C * V : a.W + CHi * C * K) + off;
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++)
+#pragma unroll
+      for (int q = 0; q < 2; q++) {
+        uint32_t hi[4];
+#pragma unroll
+        for (int m = 0; m < 4; m++) hi[m] = pack_bf16(acc[4 * q + m][2 * hf], acc[4 * q + m][2 * hf + 1]);
+        prep_stage_store(st_addr, ld_addr, hi, out + 8 * hf * ldo + 32 * q);
+        if constexpr (STORE_ULO && isu) {
+          /* U's bf16 rounding residual: U - bf16(U) is exact in float32 (the float of a
+           * bf16 is its bits shifted up), its bf16 rounding keeps U to ~16 bits */
+          uint32_t lo[4];
+#pragma unroll
+          for (int m = 0; m < 4; m++)
+            lo[m] = pack_bf16(acc[4 * q + m][2 * hf] - __uint_as_float(hi[m] << 16),
+                              acc[4 * q + m][2 * hf + 1] - __uint_as_float(hi[m] & 0xffff0000u));
+          prep_stage_store(st_addr, ld_addr, lo, a.Ulo + CHi * C * V + off + 8 * hf * ldo + 32 * q);
+        }
+      }
+  };
+  /* not unrolled: that is the point */
+#pragma unroll 1
+  for (int it = GK * NR; it < NI; it++)
+    if ((int)((owners >> (2 * it)) & 3u) == warp) item(PrepIdx<1>{}, it);
+#pragma unroll 1
+  for (int it = 0; it < GK * NR; it++)
+    if ((int)((owners >> (2 * it)) & 3u) == warp) item(PrepIdx<0>{}, it);
 }
 
 /* One block (4 warps) per (chunk, head).  Same outputs as variant 2's chunk_prep_kernel
@@ -451,11 +579,14 @@ __device__ __forceinline__ void prep_solve_column(const float *sA, int x, float 
  * U's bf16 rounding residual to a.Ulo.  Both are template flags, not runtime tests: with
  * the residual's runtime test in it (never taken), the plain forward's prep at n = 2 ran
  * 0.86 ms instead of 0.50 on the H200 (session 3); its instantiation <false, false> is
- * instruction for instruction the kernel without either store.
+ * instruction for instruction the kernel without either store.  WU_STAGED: the W/U
+ * phase as prep_wu_staged (runtime item loop, 16-byte stores through shared memory), the
+ * same bits in less code (<true, true> at K = V = 128, n = 2: 158 -> 128 KB, the plain
+ * kernel 139.5), which is what brings it back inside the instruction cache (NOTES.md).
  */
-template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO>
+template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO, bool WU_STAGED>
 __global__ void __launch_bounds__(128, 4) prep_kernel_v3(GdpArgs a, bf16 *Tt) {
-  using L = PrepLayout<K, V, C, TC>;
+  using L = PrepLayout<K, V, C, TC, WU_STAGED>;
   static_assert(K % 64 == 0 && V % 64 == 0 && C % 16 == 0 && TC % 16 == 0 && C <= 64 && TC <= 32 &&
                     C % TC == 0,
                 "prep shapes");
@@ -670,7 +801,9 @@ __global__ void __launch_bounds__(128, 4) prep_kernel_v3(GdpArgs a, bf16 *Tt) {
   /* W = Tw Kn, U = Tu V: items of 16 rows x 64 columns, k tiles up to the diagonal.  The
    * A fragments come from the transposed panels by ldmatrix.trans: matrix m = lane/8
    * covers k rows kt 16 + 8(m/2).. and T rows rb + 8(m%2).. */
-  {
+  if constexpr (WU_STAGED) {
+    prep_wu_staged<K, V, C, STORE_ULO, L>(a, CHi, s0);
+  } else {
     constexpr int GK = K / 64, NR = C / 16, NI = (GK + V / 64) * NR;
     const int trow = ((lane >> 3) & 1) * 8 + (lane & 7), tcol = (lane >> 4) * 8;
     const int aoff = ((lane >> 4) * 8 + (lane & 7)) * L::ldT + ((lane >> 3) & 1) * 8;
@@ -788,17 +921,71 @@ static int choose_bv(const Plan &plan) {
   return best;
 }
 
-template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO>
-static gdp_status launch_prep_kvt(const Plan &plan, bf16 *Tt) {
-  using L = PrepLayout<K, V, C, TC>;
-  auto kern = prep_kernel_v3<K, V, C, TC, STORE_T, STORE_ULO>;
+template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO, bool WU_STAGED>
+static gdp_status launch_prep_kernel(const Plan &plan, bf16 *Tt) {
+  using L = PrepLayout<K, V, C, TC, WU_STAGED>;
+  auto kern = prep_kernel_v3<K, V, C, TC, STORE_T, STORE_ULO, WU_STAGED>;
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
-  /* four blocks of up to 52.5 KB per SM need (nearly) all of the unified L1 as shared memory */
+  /* four blocks of up to 54.5 KB per SM need (nearly) all of the unified L1 as shared memory */
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout,
                                     cudaSharedmemCarveoutMaxShared));
   kern<<<dim3((unsigned)plan.a.nchunks, (unsigned)plan.a.H), 128, L::total, plan.stream>>>(plan.a, Tt);
   GDP_CUDA_LAUNCHED("prep_kernel_v3");
   return GDP_OK;
+}
+
+/* Which W/U phase the prep runs (prep_wu_staged): by default the staged one where the
+ * prep also stores T^T and U's residual for a backward (0.98 ms -> predicted ~0.6 at
+ * 4 x 4096, n = 2), the unrolled one (as validated since session 2) in the plain
+ * forward.  GDP_CUDA_V3_PREP_WU=old | new forces the unrolled | staged phase everywhere
+ * (lab A/B; both give the same bits); =compare runs both and checks that they do. */
+static bool prep_wu_staged_wanted(bool backward_stores) {
+  const char *env = getenv("GDP_CUDA_V3_PREP_WU");
+  if (env && strcmp(env, "old") == 0) return false;
+  if (env && strcmp(env, "new") == 0) return true;
+  return backward_stores;
+}
+
+static bool prep_wu_compare() {
+  const char *env = getenv("GDP_CUDA_V3_PREP_WU");
+  return env && strcmp(env, "compare") == 0;
+}
+
+/* GDP_CUDA_V3_PREP_WU=compare (lab only: synchronises, copies the panels to the host):
+ * the unrolled W/U phase, then the staged one over the same plan; W, U and U's residual
+ * must come out byte for byte the same, otherwise GDP_ERR_INTERNAL names the panel. */
+template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO>
+static gdp_status compare_prep_wu(const Plan &plan, bf16 *Tt) {
+  const GdpArgs &a = plan.a;
+  const size_t chunk_heads = (size_t)a.nchunks * (size_t)a.H;
+  const size_t bytes[3] = {chunk_heads * C * K * 2, chunk_heads * C * V * 2, STORE_ULO ? chunk_heads * C * V * 2 : 0};
+  const void *panels[3] = {a.W, a.U, a.Ulo};
+  static const char *names[3] = {"W", "U", "U's residual"};
+  std::vector<unsigned char> unrolled[3], staged[3];
+  for (int pass = 0; pass < 2; pass++) {
+    const gdp_status st = pass ? launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, true>(plan, Tt)
+                               : launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, false>(plan, Tt);
+    if (st != GDP_OK) return st;
+    for (int i = 0; i < 3; i++) {
+      std::vector<unsigned char> &host = pass ? staged[i] : unrolled[i];
+      host.resize(bytes[i]);
+      if (bytes[i])
+        GDP_CUDA_TRY(cudaMemcpyAsync(host.data(), panels[i], bytes[i], cudaMemcpyDeviceToHost, plan.stream));
+    }
+    GDP_CUDA_TRY(cudaStreamSynchronize(plan.stream));
+  }
+  for (int i = 0; i < 3; i++)
+    if (bytes[i] && memcmp(unrolled[i].data(), staged[i].data(), bytes[i]) != 0)
+      return GDP_ERROR(GDP_ERR_INTERNAL, "prep_kernel_v3<%d,%d,%d,%d>: staged and unrolled W/U phases differ in %s",
+                       K, V, C, TC, names[i]);
+  return GDP_OK;
+}
+
+template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO>
+static gdp_status launch_prep_kvt(const Plan &plan, bf16 *Tt) {
+  if (prep_wu_compare()) return compare_prep_wu<K, V, C, TC, STORE_T, STORE_ULO>(plan, Tt);
+  return prep_wu_staged_wanted(STORE_T) ? launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, true>(plan, Tt)
+                                        : launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, false>(plan, Tt);
 }
 
 template <int K, int V, int C, int TC>
