@@ -100,16 +100,92 @@ __device__ __forceinline__ void store_afrag(bf16 *base, int r0, const uint32_t (
   }
 }
 
+/* A warp's float32 staging buffer for the transposed state copies (h^T, dH^T:
+ * store_fragT32_half below): eight rows of K floats, each padded by 32 bytes so that the
+ * eight rows of one fragment store start 8 banks apart (2 wavefronts per 256-byte
+ * STS.64, the minimum).  As gdp_fwd_v3.cu's HtStage. */
+template <int K, int C>
+struct HtStage {
+  static constexpr int row = K * 4 + 32;
+  /* the same buffer then stages the warp's D tile (C rows of 16 bf16, store_afrags_staged):
+   * rows 48 bytes apart, so the four rows of one 2-byte fragment store fall in distinct
+   * banks and every row starts on 16 bytes */
+  static constexpr int drow = 48;
+  static constexpr int warp_bytes = 8 * row > C * drow ? 8 * row : C * drow;
+};
+
 /* The float32 accumulator tiles X[nt] of a transposed K-column matrix (X[nt][e] = M^T[x][r],
- * x = grp + 8(e/2), r = 8nt + 2tig + e%2) to M^T's row-major [x][r] float32 copy: `base`
- * points at (x = this lane's grp row, r = 2tig); each register pair is one 8-byte store. */
-template <int K>
-__device__ __forceinline__ void store_fragT32(float *base, const float (&X)[K / 8][4]) {
+ * x = xw + grp + 8(e/2), r = 8nt + 2tig + e%2) to M^T's row-major [x][r] float32 copy,
+ * half of the warp's 16 rows at a time: half hf takes e = 2hf, 2hf+1, i.e. rows
+ * xw + 8hf + grp, whole (K floats each).
+ * The fragments go to the warp's staging buffer (HtStage, at stage0 + warp * warp_bytes;
+ * row grp, float 8nt + 2tig) and come back as whole rows, lane l taking float4 l % (K/4)
+ * of row l / (K/4): each STG.128 then writes 512 contiguous bytes (four full 128-byte
+ * lines) at `grow` = global row xw + 8hf.  The same floats at the same addresses as the
+ * 8-byte stores straight from the fragments that this replaces, which touched 8 lines
+ * per instruction with 32 bytes each: 4x the L2 requests (ncu: L2 85-92% busy in these
+ * passes, DRAM 55-60%).  Plain shared and global stores, no bulk async copy: on sm_90 the
+ * bulk-store wait (cp.async.bulk.wait_group.read) compiles to the same DEPBAR on SB0 as
+ * the panels' cp.async.wait_group, so it would drain the panel prefetch too.  The first
+ * __syncwarp orders the previous half's reads of the buffer (all lanes) before these
+ * writes; the second, the writes before the reads. */
+template <int K, int C>
+__device__ __forceinline__ void store_fragT32_half(unsigned char *stage0, float *grow, const float (&X)[K / 8][4],
+                                                   int hf) {
+  constexpr int kF4 = K / 4;      /* float4 per row */
+  constexpr int kRows = 32 / kF4; /* rows per warp instruction: 1 (K = 128), 2 (K = 64) */
+  /* thread index re-read here (volatile: not hoisted), so no lane-derived address stays
+   * live across the chunk loop: the passes run at up to 255 registers */
+  uint32_t tid;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+  const int lane = (int)(tid & 31);
+  unsigned char *buf = stage0 + (tid >> 5) * HtStage<K, C>::warp_bytes;
+  __syncwarp();
+  float *s = reinterpret_cast<float *>(buf + (lane >> 2) * HtStage<K, C>::row) + 2 * (lane & 3);
 #pragma unroll
-  for (int nt = 0; nt < K / 8; nt++) {
-    *reinterpret_cast<float2 *>(base + nt * 8) = make_float2(X[nt][0], X[nt][1]);
-    *reinterpret_cast<float2 *>(base + 8 * K + nt * 8) = make_float2(X[nt][2], X[nt][3]);
-  }
+  for (int nt = 0; nt < K / 8; nt++)
+    *reinterpret_cast<float2 *>(s + nt * 8) = hf ? make_float2(X[nt][2], X[nt][3]) : make_float2(X[nt][0], X[nt][1]);
+  __syncwarp();
+  const int r = lane / kF4, c4 = lane % kF4;
+  const unsigned char *src = buf + r * HtStage<K, C>::row + c4 * 16;
+  float *dst = grow + r * K + c4 * 4;
+#pragma unroll
+  for (int i = 0; i < 8; i += kRows)
+    *reinterpret_cast<float4 *>(dst + i * K) = *reinterpret_cast<const float4 *>(src + i * HtStage<K, C>::row);
+}
+
+/* A bf16 [C][V] tile from the warp's C/16 A fragments (D, dD: register q of A[kt] =
+ * M[16kt + 2tig + 8(q/2) + {0,1}][xw + grp + 8(q%2)], each XOR `flip`), through the warp's
+ * staging buffer (HtStage: row j at j * drow, the 16 columns xw.. contiguous): 2-byte
+ * shared stores, then lane l copies 16 bytes (columns 8(l%2)..+7) of row l/2 (+16i), so
+ * every STG.128 writes 16 rows x 32 bytes, one whole sector per row.  `g` = row 0, column
+ * xw.  The 2-byte global stores this replaces wrote each sector in two 16-byte halves
+ * (2x the L2 requests).  Syncs as in store_fragT32_half. */
+template <int K, int C>
+__device__ __forceinline__ void store_afrags_staged(unsigned char *stage0, bf16 *g, int64_t ld,
+                                                    const uint32_t (&A)[C / 16][4], uint32_t flip) {
+  constexpr int kRow = HtStage<K, C>::drow;
+  uint32_t tid;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+  const int lane = (int)(tid & 31);
+  unsigned char *buf = stage0 + (tid >> 5) * HtStage<K, C>::warp_bytes;
+  __syncwarp();
+  unsigned char *s = buf + 2 * (lane & 3) * kRow + (lane >> 2) * 2;
+#pragma unroll
+  for (int kt = 0; kt < C / 16; kt++)
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+      const uint32_t v = A[kt][q] ^ flip;
+      unsigned char *e = s + (16 * kt + 8 * (q >> 1)) * kRow + 16 * (q & 1);
+      *reinterpret_cast<uint16_t *>(e) = (uint16_t)(v & 0xffffu);
+      *reinterpret_cast<uint16_t *>(e + kRow) = (uint16_t)(v >> 16);
+    }
+  __syncwarp();
+  const int r = lane >> 1, h16 = (lane & 1) * 16;
+#pragma unroll
+  for (int i = 0; i < C; i += 16)
+    *reinterpret_cast<uint4 *>(reinterpret_cast<unsigned char *>(g + (i + r) * ld) + h16) =
+        *reinterpret_cast<const uint4 *>(buf + (i + r) * kRow + h16);
 }
 
 /* ROWS x COLS bf16 panel, global row stride gld -> shared row stride sld, 16 bytes per
@@ -171,7 +247,8 @@ struct StatesLayout {
   static constexpr int oU = oKd + C * ldK * 2;
   static constexpr int oUl = oU + C * ldB * 2; /* U's residual (a.Ulo), when given */
   static constexpr int stage = (oUl + C * ldB * 2 + 127) / 128 * 128;
-  static constexpr int total = stage * kStages;
+  static constexpr int oHt = stage * kStages; /* h^T staging, one HtStage per warp */
+  static constexpr int total = oHt + BV / 16 * HtStage<K, C>::warp_bytes;
 };
 
 /* Grid (sequence, head, value block of BV columns); warp w owns value columns
@@ -223,7 +300,7 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) bwd_states_kernel_v3(GdpArgs 
   const int urow = (lane >> 4) * 8 + (lane & 7), ucol = warp * 16 + ((lane >> 3) & 1) * 8;
   const uint32_t smem0 = smem_addr(smem);
   const bool ulo = a.Ulo != nullptr;
-
+  
   for (int it = 0; it < nc; it++) {
     const int64_t CHi = (int64_t)(cbeg + it) * H + h;
     const float el = a.elast[CHi];
@@ -255,7 +332,9 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) bwd_states_kernel_v3(GdpArgs 
       Dt[2 * jt + 1][2] = -f3.x, Dt[2 * jt + 1][3] = -f3.y;
     }
     bf16 *gh = a.hbuf + CHi * K * V + xw + grp;
-    if (hT32) store_fragT32<K>(hT32 + CHi * V * K + (int64_t)(xw + grp) * K + 2 * tig, St);
+    /* h^T rows xw..xw+7 now, xw+8..15 after the D products (St is unchanged until the
+     * decay): the stores of each half overlap the products that follow */
+    if (hT32) store_fragT32_half<K, C>(smem + L::oHt, hT32 + CHi * V * K + (int64_t)xw * K, St, 0);
 #pragma unroll
     for (int kt = 0; kt < K / 16; kt++) {
       uint32_t Sa[4];
@@ -271,11 +350,8 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) bwd_states_kernel_v3(GdpArgs 
     }
     uint32_t Da[C / 16][4];
     to_afrag<C / 16>(Dt, Da, -1.f);
-    {
-      bf16 *gD = a.Dbuf + CHi * C * V + xw + grp;
-#pragma unroll
-      for (int kt = 0; kt < C / 16; kt++) store_afrag<V>(gD, kt * 16 + 2 * tig, Da[kt]);
-    }
+    if (hT32) store_fragT32_half<K, C>(smem + L::oHt, hT32 + CHi * V * K + (int64_t)(xw + 8) * K, St, 1);
+    store_afrags_staged<K, C>(smem + L::oHt, a.Dbuf + CHi * C * V + xw, V, Da, 0u);
 
     /* S^T <- e^{last} S^T + D^T Kd */
 #pragma unroll
@@ -306,7 +382,8 @@ struct DStateLayout {
   static constexpr int oPm = oQd + TC * ldK * 2;
   static constexpr int odO = oPm + TC * ldC * 2;
   static constexpr int stage = (odO + TC * ldB * 2 + 127) / 128 * 128;
-  static constexpr int total = stage * kStages;
+  static constexpr int oHt = stage * kStages; /* dH^T staging, one HtStage per warp */
+  static constexpr int total = oHt + BV / 16 * HtStage<K, C>::warp_bytes;
 };
 
 /* Grid (sequence, head, value block of BV columns); warp w owns value columns
@@ -368,7 +445,7 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) dstate_kernel_v3(GdpArgs a, f
    * (m hi, k hi) */
   const int orow = (lane >> 4) * 8 + (lane & 7), ocol = warp * 16 + ((lane >> 3) & 1) * 8;
   const uint32_t smem0 = smem_addr(smem);
-
+  
   for (int it = 0; it < nc; it++) {
     const int64_t CHi = (int64_t)(cbeg + nc - 1 - it) * H + h;
     const float el = a.elast[CHi];
@@ -386,7 +463,9 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) dstate_kernel_v3(GdpArgs a, f
 #pragma unroll
     for (int nt = 0; nt < C / 8; nt++) Gt[nt][0] = Gt[nt][1] = Gt[nt][2] = Gt[nt][3] = 0.f;
     bf16 *gdh = a.dHbuf + CHi * K * V + xw + grp;
-    if (dHT32) store_fragT32<K>(dHT32 + CHi * V * K + (int64_t)(xw + grp) * K + 2 * tig, Ht);
+    /* dH^T rows xw..xw+7 now, xw+8..15 after the dD products (Ht is unchanged until the
+     * decay): the stores of each half overlap the products that follow */
+    if (dHT32) store_fragT32_half<K, C>(smem + L::oHt, dHT32 + CHi * V * K + (int64_t)xw * K, Ht, 0);
 #pragma unroll
     for (int kt = 0; kt < K / 16; kt++) {
       uint32_t Ha[4];
@@ -417,16 +496,9 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) dstate_kernel_v3(GdpArgs a, f
     /* -dD^T as A fragments; dD (bf16, the same rounding) to the workspace */
     uint32_t Ga[C / 16][4];
     to_afrag<C / 16>(Gt, Ga, -1.f);
-    {
-      bf16 *gdd = a.dDbuf + CHi * C * V + xw + grp;
-#pragma unroll
-      for (int kt = 0; kt < C / 16; kt++) {
-        uint32_t pos[4]; /* flip the sign bits back: exact */
-#pragma unroll
-        for (int q = 0; q < 4; q++) pos[q] = Ga[kt][q] ^ 0x80008000u;
-        store_afrag<V>(gdd, kt * 16 + 2 * tig, pos);
-      }
-    }
+    if (dHT32) store_fragT32_half<K, C>(smem + L::oHt, dHT32 + CHi * V * K + (int64_t)(xw + 8) * K, Ht, 1);
+    /* flip the sign bits back: exact */
+    store_afrags_staged<K, C>(smem + L::oHt, a.dDbuf + CHi * C * V + xw, V, Ga, 0x80008000u);
 
     /* dH^T <- e^{last} dH^T + dO^T Qd + (-dD^T) W   (float32 accumulators) */
 #pragma unroll

@@ -45,6 +45,19 @@ namespace v3 {
 constexpr int kStages = 3; /* chunk panels in flight: current + next two */
 constexpr int kPad = 8;    /* bf16 elements (16 bytes) of padding per shared row */
 
+/* A warp's h^T float32 staging buffer (saved-state stores, stage_hT32_half below): eight
+ * rows of K floats, each padded by 32 bytes so that the eight rows of one fragment store
+ * start 8 banks apart (2 wavefronts per 256-byte STS.64, the minimum). */
+template <int K, int C>
+struct HtStage {
+  static constexpr int row = K * 4 + 32;
+  /* the same buffer then stages the warp's D tile (C rows of 16 bf16, stage_dfrags):
+   * rows 48 bytes apart, so the four rows of one 2-byte fragment store fall in distinct
+   * banks and every row starts on 16 bytes */
+  static constexpr int drow = 48;
+  static constexpr int warp_bytes = 8 * row > C * drow ? 8 * row : C * drow;
+};
+
 /* Shared-memory layout of one pipeline stage (bytes).  Every region and row starts on
  * 16 bytes, as ldmatrix and cp.async need.  ULO (the saving pass): also U's residual
  * panel, right after U's (195 KB in all at K = 128, C = 64, BV = 64: still one block). */
@@ -58,7 +71,10 @@ struct Layout {
   static constexpr int oU = oPm + TC * ldC * 2;
   static constexpr int oUl = oU + C * ldB * 2;
   static constexpr int stage = (oUl + (ULO ? C * ldB * 2 : 0) + 127) / 128 * 128;
-  static constexpr int total = stage * kStages;
+  /* ULO (the saving pass) also has, after the stages, one h^T staging buffer per warp
+   * (HtStage below): 17 KB at K = 128, BV = 64, 212 KB in all, still one block/SM */
+  static constexpr int oHt = stage * kStages;
+  static constexpr int total = oHt + (ULO ? BV / 16 * HtStage<K, C>::warp_bytes : 0);
 };
 
 /* ------------------------------------------------------------------ PTX wrappers: mma_sm90.cuh */
@@ -98,28 +114,80 @@ __device__ __forceinline__ void copy_panel(unsigned char *dst, int sld, const bf
 /* The two stores of a forward that keeps its states for the backward (SAVE below), in
  * exactly the layouts bwd_states_kernel_v3 writes (gdp_bwd_v3.cu), so the backward's
  * gradient kernels read them unchanged:
- *  - h^T float32 [V][K] per (chunk, head): the accumulator tiles X[nt][e] = S^T[x][r],
- *    x = grp + 8(e/2), r = 8nt + 2tig + e%2; `base` points at (x = this lane's grp row,
- *    r = 2tig), each register pair one 8-byte store;
- *  - D bf16 [C][V] (variant 2's layout): the A fragment of D^T for k tile kt, register q
- *    = D[16kt + 2tig + 8(q/2) + {0,1}][x + 8(q%2)], `base` at column x of this lane. */
-template <int K>
-__device__ __forceinline__ void save_hT32(float *base, const float (&X)[K / 8][4]) {
+ *  - h^T float32 [V][K] per (chunk, head): stage_hT32_half, two halves per chunk;
+ *  - D bf16 [C][V] (variant 2's layout): stage_dfrags, from the A fragments of D^T. */
+
+/* h^T float32 [V][K] per (chunk, head), half of a warp's 16 rows at a time: the
+ * accumulator tiles X[nt][e] = S^T[x][r], x = xw + grp + 8(e/2), r = 8nt + 2tig + e%2;
+ * half hf takes e = 2hf, 2hf+1, i.e. rows xw + 8hf + grp, whole (K floats each).
+ * The fragments go to the warp's staging buffer (HtStage, at stage0 + warp * warp_bytes;
+ * row grp, float 8nt + 2tig) and come back as whole rows, lane l taking float4 l % (K/4)
+ * of row l / (K/4): each STG.128 then writes 512 contiguous bytes (four full 128-byte
+ * lines) at `grow` = global row xw + 8hf.  The same floats at the same addresses as the
+ * 8-byte stores straight from the fragments that this replaces, which touched 8 lines
+ * per instruction with 32 bytes each: 4x the L2 requests (ncu: L2 85-92% busy in these
+ * passes, DRAM 55-60%).  Plain shared and global stores, no bulk async copy: on sm_90 the
+ * bulk-store wait (cp.async.bulk.wait_group.read) compiles to the same DEPBAR on SB0 as
+ * the panels' cp.async.wait_group, so it would drain the panel prefetch too.  The first
+ * __syncwarp orders the previous half's reads of the buffer (all lanes) before these
+ * writes; the second, the writes before the reads. */
+template <int K, int C>
+__device__ __forceinline__ void stage_hT32_half(unsigned char *stage0, float *grow, const float (&X)[K / 8][4],
+                                                int hf) {
+  constexpr int kF4 = K / 4;      /* float4 per row */
+  constexpr int kRows = 32 / kF4; /* rows per warp instruction: 1 (K = 128), 2 (K = 64) */
+  /* thread index re-read here (volatile: not hoisted), so no lane-derived address stays
+   * live across the chunk loop: the passes run at up to 255 registers */
+  uint32_t tid;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+  const int lane = (int)(tid & 31);
+  unsigned char *buf = stage0 + (tid >> 5) * HtStage<K, C>::warp_bytes;
+  __syncwarp();
+  float *s = reinterpret_cast<float *>(buf + (lane >> 2) * HtStage<K, C>::row) + 2 * (lane & 3);
 #pragma unroll
-  for (int nt = 0; nt < K / 8; nt++) {
-    *reinterpret_cast<float2 *>(base + nt * 8) = make_float2(X[nt][0], X[nt][1]);
-    *reinterpret_cast<float2 *>(base + 8 * K + nt * 8) = make_float2(X[nt][2], X[nt][3]);
-  }
+  for (int nt = 0; nt < K / 8; nt++)
+    *reinterpret_cast<float2 *>(s + nt * 8) = hf ? make_float2(X[nt][2], X[nt][3]) : make_float2(X[nt][0], X[nt][1]);
+  __syncwarp();
+  const int r = lane / kF4, c4 = lane % kF4;
+  const unsigned char *src = buf + r * HtStage<K, C>::row + c4 * 16;
+  float *dst = grow + r * K + c4 * 4;
+#pragma unroll
+  for (int i = 0; i < 8; i += kRows)
+    *reinterpret_cast<float4 *>(dst + i * K) = *reinterpret_cast<const float4 *>(src + i * HtStage<K, C>::row);
 }
 
-__device__ __forceinline__ void save_dfrag(bf16 *base, int V, int r0, const uint32_t (&A)[4]) {
-  bf16 *p = base + (int64_t)r0 * V;
+/* A bf16 [C][V] tile from the warp's C/16 A fragments (D, dD: register q of A[kt] =
+ * M[16kt + 2tig + 8(q/2) + {0,1}][xw + grp + 8(q%2)], each XOR `flip`), through the warp's
+ * staging buffer (HtStage: row j at j * drow, the 16 columns xw.. contiguous): 2-byte
+ * shared stores, then lane l copies 16 bytes (columns 8(l%2)..+7) of row l/2 (+16i), so
+ * every STG.128 writes 16 rows x 32 bytes, one whole sector per row.  `g` = row 0, column
+ * xw.  The 2-byte global stores this replaces wrote each sector in two 16-byte halves
+ * (2x the L2 requests).  Syncs as in stage_hT32_half. */
+template <int K, int C>
+__device__ __forceinline__ void stage_dfrags(unsigned char *stage0, bf16 *g, int64_t ld,
+                                             const uint32_t (&A)[C / 16][4], uint32_t flip) {
+  constexpr int kRow = HtStage<K, C>::drow;
+  uint32_t tid;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+  const int lane = (int)(tid & 31);
+  unsigned char *buf = stage0 + (tid >> 5) * HtStage<K, C>::warp_bytes;
+  __syncwarp();
+  unsigned char *s = buf + 2 * (lane & 3) * kRow + (lane >> 2) * 2;
 #pragma unroll
-  for (int q = 0; q < 4; q++) {
-    const __nv_bfloat162 v2 = *reinterpret_cast<const __nv_bfloat162 *>(&A[q]);
-    p[(8 * (q >> 1)) * V + 8 * (q & 1)] = v2.x;
-    p[(8 * (q >> 1) + 1) * V + 8 * (q & 1)] = v2.y;
-  }
+  for (int kt = 0; kt < C / 16; kt++)
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+      const uint32_t v = A[kt][q] ^ flip;
+      unsigned char *e = s + (16 * kt + 8 * (q >> 1)) * kRow + 16 * (q & 1);
+      *reinterpret_cast<uint16_t *>(e) = (uint16_t)(v & 0xffffu);
+      *reinterpret_cast<uint16_t *>(e + kRow) = (uint16_t)(v >> 16);
+    }
+  __syncwarp();
+  const int r = lane >> 1, h16 = (lane & 1) * 16;
+#pragma unroll
+  for (int i = 0; i < C; i += 16)
+    *reinterpret_cast<uint4 *>(reinterpret_cast<unsigned char *>(g + (i + r) * ld) + h16) =
+        *reinterpret_cast<const uint4 *>(buf + (i + r) * kRow + h16);
 }
 
 /* ------------------------------------------------------------------ the state pass */
@@ -198,7 +266,10 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) state_kernel_v3(GdpArgs a, fl
     const uint32_t sb = smem0 + (it % kStages) * L::stage;
     const uint32_t sW = sb + L::oW, sKd = sb + L::oKd, sQd = sb + L::oQd, sPm = sb + L::oPm,
                    sU = sb + L::oU;
-    if constexpr (SAVE) save_hT32<K>(hT32 + ((int64_t)c * H + h) * V * K + (int64_t)(xw + grp) * K + 2 * tig, St);
+    /* SAVE: h^T rows xw..xw+7 now, rows xw+8..15 after the D products (St is unchanged
+     * until the decay): the stores of each half overlap the products that follow */
+    if constexpr (SAVE)
+      stage_hT32_half<K, C>(smem + L::oHt, hT32 + ((int64_t)c * H + h) * V * K + (int64_t)xw * K, St, 0);
 
     /* S^T at the chunk start as bf16 A fragments (for D and o) */
     uint32_t Sa[K / 16][4];
@@ -248,9 +319,8 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) state_kernel_v3(GdpArgs a, fl
       Da[kt][3] = pack_bf16(-Dt[2 * kt + 1][2], -Dt[2 * kt + 1][3]);
     }
     if constexpr (SAVE) {
-      bf16 *gD = a.Dbuf + ((int64_t)c * H + h) * C * V + xw + grp;
-#pragma unroll
-      for (int kt = 0; kt < C / 16; kt++) save_dfrag(gD, V, kt * 16 + 2 * tig, Da[kt]);
+      stage_hT32_half<K, C>(smem + L::oHt, hT32 + ((int64_t)c * H + h) * V * K + (int64_t)(xw + 8) * K, St, 1);
+      stage_dfrags<K, C>(smem + L::oHt, a.Dbuf + ((int64_t)c * H + h) * C * V + xw, V, Da, 0u);
     }
 
     /* o^T = S^T Qd^T + D^T Pm^T, then straight to global (rows past the sequence end,
