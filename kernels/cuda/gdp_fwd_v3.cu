@@ -925,11 +925,13 @@ __global__ void __launch_bounds__(128, 4) prep_kernel_v3(GdpArgs a, bf16 *Tt) {
 
 /* ------------------------------------------------------------------ host side */
 
+/* save: the SAVE pass (h^T to hT32 and D to plan.a.Dbuf, besides o); a dry run only asks
+ * the occupancy of the pass it names. */
 template <int K, int C, int TC, int BV>
-static gdp_status launch_bv(const Plan &plan, bool dry_run, int *blocks_per_sm, float *hT32) {
-  /* the saving pass (hT32) also stages U's residual: a larger stage */
-  const int smem = hT32 ? Layout<K, C, TC, BV, true>::total : Layout<K, C, TC, BV, false>::total;
-  auto kern = hT32 ? state_kernel_v3<K, C, TC, BV, true> : state_kernel_v3<K, C, TC, BV, false>;
+static gdp_status launch_bv(const Plan &plan, bool dry_run, int *blocks_per_sm, bool save, float *hT32) {
+  /* the saving pass also stages U's residual: a larger stage */
+  const int smem = save ? Layout<K, C, TC, BV, true>::total : Layout<K, C, TC, BV, false>::total;
+  auto kern = save ? state_kernel_v3<K, C, TC, BV, true> : state_kernel_v3<K, C, TC, BV, false>;
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   if (dry_run) {
     GDP_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, kern, BV / 16 * 32, smem));
@@ -943,32 +945,33 @@ static gdp_status launch_bv(const Plan &plan, bool dry_run, int *blocks_per_sm, 
 }
 
 template <int K, int C, int TC>
-static gdp_status launch_k(const Plan &plan, int bv, bool dry_run, int *occ, float *hT32) {
+static gdp_status launch_k(const Plan &plan, int bv, bool dry_run, int *occ, bool save, float *hT32) {
   switch (bv) {
-    case 64: return launch_bv<K, C, TC, 64>(plan, dry_run, occ, hT32);
-    case 32: return launch_bv<K, C, TC, 32>(plan, dry_run, occ, hT32);
-    default: return launch_bv<K, C, TC, 16>(plan, dry_run, occ, hT32);
+    case 64: return launch_bv<K, C, TC, 64>(plan, dry_run, occ, save, hT32);
+    case 32: return launch_bv<K, C, TC, 32>(plan, dry_run, occ, save, hT32);
+    default: return launch_bv<K, C, TC, 16>(plan, dry_run, occ, save, hT32);
   }
 }
 
-/* hT32 non-NULL: the SAVE pass (h^T to hT32 and D to plan.a.Dbuf, besides o). */
-static gdp_status launch_state_v3(const Plan &plan, int bv, bool dry_run, int *occ, float *hT32 = nullptr) {
+static gdp_status launch_state_v3(const Plan &plan, int bv, bool dry_run, int *occ, bool save, float *hT32) {
   const GdpArgs &a = plan.a;
   if (a.K == 128) {
-    if (a.n == 1) return launch_k<128, 32, 32>(plan, bv, dry_run, occ, hT32);
-    if (a.n == 2) return launch_k<128, 64, 32>(plan, bv, dry_run, occ, hT32);
-    return launch_k<128, 48, 16>(plan, bv, dry_run, occ, hT32);
+    if (a.n == 1) return launch_k<128, 32, 32>(plan, bv, dry_run, occ, save, hT32);
+    if (a.n == 2) return launch_k<128, 64, 32>(plan, bv, dry_run, occ, save, hT32);
+    return launch_k<128, 48, 16>(plan, bv, dry_run, occ, save, hT32);
   }
-  if (a.n == 1) return launch_k<64, 32, 32>(plan, bv, dry_run, occ, hT32);
-  if (a.n == 2) return launch_k<64, 64, 32>(plan, bv, dry_run, occ, hT32);
-  return launch_k<64, 48, 16>(plan, bv, dry_run, occ, hT32);
+  if (a.n == 1) return launch_k<64, 32, 32>(plan, bv, dry_run, occ, save, hT32);
+  if (a.n == 2) return launch_k<64, 64, 32>(plan, bv, dry_run, occ, save, hT32);
+  return launch_k<64, 48, 16>(plan, bv, dry_run, occ, save, hT32);
 }
 
 /* Value-block width: the fewest waves of blocks; on a tie the narrower block (more SMs
  * busy, fewer warps sharing one SM's shared-memory bandwidth).  Every block walks all
- * chunks of its sequence, so a wave costs one sequence's full chain.
+ * chunks of its sequence, so a wave costs one sequence's full chain.  By the occupancy of
+ * the pass that runs: the saving pass's larger stage fits fewer blocks (at K = V = 128,
+ * n = 3 the plain pass's choice, BV = 32, ran the saving pass in two waves).
  * GDP_CUDA_V3_BV=16|32|64 forces a width (lab experiments). */
-static int choose_bv(const Plan &plan) {
+static int choose_bv(const Plan &plan, bool save) {
   const GdpArgs &a = plan.a;
   const char *env = getenv("GDP_CUDA_V3_BV");
   if (env) {
@@ -979,10 +982,10 @@ static int choose_bv(const Plan &plan) {
   double best_waves = INFINITY;
   for (int bv : {16, 32, 64}) {
     if (a.V % bv) continue;
-    /* occupancy depends only on (K, n, bv): asked once, then cached (benign race) */
-    static int occ_cache[2][3][3] = {};
-    int &occ = occ_cache[a.K == 128][a.n - 1][bv == 16 ? 0 : bv == 32 ? 1 : 2];
-    if (occ == 0 && launch_state_v3(plan, bv, true, &occ) != GDP_OK) occ = -1;
+    /* occupancy depends only on (save, K, n, bv): asked once, then cached (benign race) */
+    static int occ_cache[2][2][3][3] = {};
+    int &occ = occ_cache[save][a.K == 128][a.n - 1][bv == 16 ? 0 : bv == 32 ? 1 : 2];
+    if (occ == 0 && launch_state_v3(plan, bv, true, &occ, save, nullptr) != GDP_OK) occ = -1;
     if (occ < 1) continue;
     const double blocks = (double)a.N * a.H * (a.V / bv);
     const double waves = ceil(blocks / ((double)num_sms() * occ));
@@ -1162,7 +1165,8 @@ static gdp_status forward_v3(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io,
   /* saving: the prep also stores T^T for grad_wy (the recompute backward's prep does) */
   st = new_prep ? v3::launch_prep_v3(plan, Tt) : launch_prep(plan);
   prof_mark(new_prep ? "fwd prep v3" : "fwd prep", stream);
-  if (st == GDP_OK) st = v3::launch_state_v3(plan, v3::choose_bv(plan), false, nullptr, hT32);
+  if (st == GDP_OK) st = v3::launch_state_v3(plan, v3::choose_bv(plan, saved != nullptr), false, nullptr,
+                                             saved != nullptr, hT32);
   prof_mark(saved ? "fwd state+output v3 (saving h, D)" : "fwd state+output v3", stream);
   plan_free(&plan);
   prof_end(stream);
