@@ -45,6 +45,12 @@ for t in "${trees[@]}"; do
   say "check rc=$? $(grep -E 'check:' "$OUT/check_$n.log" | tail -1)"
   grep -E "FAIL" "$OUT/check_$n.log" | head -5 | tee -a "$LOG"
   timeout 60 compute-sanitizer --tool racecheck $L bench 1 300 2 $(variants "$t") --reps 1 2>&1 | grep -E "RACECHECK SUMMARY" | tee -a "$LOG"
+  # a prep with two W/U phases (GDP_CUDA_V3_PREP_WU): every prep call of the check runs
+  # both and fails unless their panels are byte-identical
+  if grep -q GDP_CUDA_V3_PREP_WU "$t/kernels/cuda/gdp_fwd_v3.cu"; then
+    GDP_CUDA_V3_PREP_WU=compare timeout 120 $L check $(variants "$t") > "$OUT/check_${n}_wu.log" 2>&1
+    say "[PREP_WU=compare] check rc=$? $(grep -E 'check:' "$OUT/check_${n}_wu.log" | tail -1)"
+  fi
   # a gradient kernel that prefetches a later block's inputs (GDP_CUDA_V3_GS_AHEAD): its
   # addresses, at a distance the small problem reaches (off by default)
   if grep -q GDP_CUDA_V3_GS_AHEAD "$t/kernels/cuda/gdp_bwd_v3.cu"; then
@@ -64,6 +70,16 @@ for t in "${trees[@]}"; do
   left "profile $n" || break
   say "===== $n profile 4 4096 2"
   GDP_CUDA_PROFILE=1 timeout 30 $L bench 4 4096 2 v3 --reps 2 2>&1 | grep -E "^    " | grep -v " 0.0000 ms" | tee -a "$LOG"
+  if grep -q GDP_CUDA_V3_PREP_WU "$t/kernels/cuda/gdp_fwd_v3.cu"; then
+    for wu in old new; do
+      left "prep-wu $wu" || break
+      GDP_CUDA_V3_PREP_WU=$wu GDP_CUDA_PROFILE=1 timeout 30 $L bench 4 4096 2 $(variants "$t") --reps 2 2>&1 | grep -E "chunk_v3 |v3_saved |prep" | sed "s/^/[PREP_WU=$wu 4 4096 2] /" | tee -a "$LOG"
+    done
+  fi
+  if [ "$(variants "$t")" != v3 ] && left "bv64 n=3"; then
+    # the saving pass's value-block width at n = 3 (plain pass's choice vs 64)
+    GDP_CUDA_V3_BV=64 GDP_CUDA_PROFILE=1 timeout 30 $L bench 4 4096 3 v5 --reps 2 2>&1 | grep -E "v3_saved |state" | sed "s/^/[BV=64 4 4096 3] /" | tee -a "$LOG"
+  fi
   if grep -q GDP_CUDA_V3_GS_AHEAD "$t/kernels/cuda/gdp_bwd_v3.cu"; then
     for s in "4 4096 2" "4 4096 3"; do
       left "gs-ahead off" || break

@@ -902,8 +902,8 @@ __global__ void __launch_bounds__(128, 4) prep_kernel_v3(GdpArgs a, bf16 *Tt) {
         }
       }
       bf16 *out = isu ? a.U + CHi * C * V : a.W + CHi * C * K;
-      /* the backward's recompute also wants U's rounding residual (a.Ulo, gdp_chunk.cuh):
-       * U - bf16(U) is exact in float32, its bf16 rounding keeps U to ~16 bits */
+      /* STORE_ULO: U's rounding residual too (a.Ulo, gdp_chunk.cuh), for the backward's
+       * D: U - bf16(U) is exact in float32, its bf16 rounding keeps U to ~16 bits */
       constexpr int ldo = isu ? V : K;
 #pragma unroll
       for (int nt = 0; nt < 8; nt++)
