@@ -1661,7 +1661,7 @@ static gdp_status backward_v3_saved(const gdp_gdp_problem *p, const gdp_gdp_bwd_
   Plan plan;
   prof_begin(stream);
   /* the kept block is only read: its tables and panels are the forward's */
-  gdp_status st = plan_make(p, stream, false, bwd_args(p, io), &plan, const_cast<void *>(saved), false);
+  gdp_status st = plan_make(p, stream, PLAN_FORWARD, bwd_args(p, io), &plan, const_cast<void *>(saved), false);
   if (st != GDP_OK) {
     prof_end(stream);
     return st;
@@ -1732,17 +1732,18 @@ extern "C" gdp_status gdp_cuda_gdp_backward_v3(const gdp_gdp_problem *p, const g
   GdpArgs a = bwd_args(p, io);
   Plan plan;
   prof_begin(stream);
-  gdp_status st = plan_make(p, stream, true, a, &plan);
+  /* The v3 gradient kernels' float32 copies of h and dH, the state part's outputs and T^T
+   * from the prep (one stream-ordered allocation; the forward never pays for T); the plan
+   * then carries no bf16 h and dH.  GDP_CUDA_V3_GRAD=v2 takes variant 2's gradient kernel
+   * instead, fed by bf16 copies of h and dH (comparison / fallback). */
+  const char *genv = getenv("GDP_CUDA_V3_GRAD");
+  const bool grad_state = !(genv && strcmp(genv, "v2") == 0);
+  gdp_status st = plan_make(p, stream, grad_state ? PLAN_BACKWARD_V3 : PLAN_BACKWARD_V2, a, &plan);
   if (st != GDP_OK) {
     prof_end(stream);
     return st;
   }
   prof_mark("bwd plan+upload", stream);
-  /* The v3 gradient kernels' float32 copies of h and dH, the state part's outputs and T^T
-   * from the prep (one stream-ordered allocation; the forward never pays for T).  GDP_CUDA_V3_GRAD=v2 takes variant 2's gradient kernel
-   * instead, fed by bf16 copies of h and dH (comparison / fallback). */
-  const char *genv = getenv("GDP_CUDA_V3_GRAD");
-  const bool grad_state = !(genv && strcmp(genv, "v2") == 0);
   v3b::GradStateOut go;
   memset(&go, 0, sizeof go);
   void *extra = nullptr;
@@ -1765,9 +1766,9 @@ extern "C" gdp_status gdp_cuda_gdp_backward_v3(const gdp_gdp_problem *p, const g
     go.dgcA = (float *)(e + 2 * bHT + bKn + bW);
     go.Tt = (bf16 *)(e + 2 * bHT + bKn + bW + bG);
   }
-  /* U's bf16 residual for the recompute (GdpArgs::Ulo): it lives in the bf16 h buffer,
-   * which only variant 2's gradient kernel uses */
-  if (grad_state && v3::keep_u_residual()) plan.a.Ulo = plan.a.hbuf;
+  /* U's bf16 residual for the recompute (GdpArgs::Ulo, the plan's PLAN_BACKWARD_V3
+   * buffer) unless a lab run turns it off */
+  if (!v3::keep_u_residual()) plan.a.Ulo = nullptr;
   st = v3::launch_prep_v3(plan, go.Tt); /* NULL (no T store) for variant 2's gradient kernel */
   prof_mark("bwd prep v3 (recompute)", stream);
   const int bv = v3b::choose_bv(plan);

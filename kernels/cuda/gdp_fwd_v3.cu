@@ -1104,7 +1104,7 @@ SavedLayout saved_layout(const gdp_gdp_problem *p) {
   int64_t nchunks = 0;
   for (int64_t s = 0; s < p->N; s++) nchunks += (p->cu_seqlens[s + 1] - p->cu_seqlens[s] + TC - 1) / TC;
   const size_t CH = (size_t)nchunks * (size_t)p->H;
-  L.plan = align128(plan_bytes(p, false));
+  L.plan = align128(plan_bytes(p, PLAN_FORWARD));
   L.o_hT32 = L.plan;
   L.o_D = L.o_hT32 + align128(CH * (size_t)(p->V * p->K) * 4);
   L.o_Tt = L.o_D + align128(CH * (size_t)(chunk_steps(p->n) * p->V) * 2);
@@ -1146,7 +1146,7 @@ static gdp_status forward_v3(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io,
     hT32 = (float *)((char *)saved + sl.o_hT32);
     Tt = (bf16 *)((char *)saved + sl.o_Tt);
   }
-  gdp_status st = plan_make(p, stream, false, a, &plan, saved, true);
+  gdp_status st = plan_make(p, stream, PLAN_FORWARD, a, &plan, saved, true);
   if (st != GDP_OK) {
     prof_end(stream);
     return st;
