@@ -1021,22 +1021,31 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
 
 template <int K, int V, int C>
 struct GradWYLayout {
-  static constexpr int ldK = K + kPad, ldV = V + kPad, ldC = C + kPad, ldA = C + 4;
-  /* Regions, with the later tenants of dead ones (the barriers between the phases order
-   * them): X (W4) over v, G (W5-W6) over dD (v and dD are last read in W3).  ~107 KB at
-   * K = V = 128, C = 64: two blocks per SM. */
-  static constexpr int oKn = 0;                   /* kn [C][K] */
-  static constexpr int oV = oKn + C * ldK * 2;    /* v [C][V] as given; then X = dT T^T (bf16) */
-  static constexpr int odD = oV + C * ldV * 2;    /* dD [C][V]; then G = dA o beta_i Gamma (bf16) */
-  static constexpr int odW = odD + C * ldV * 2;   /* dW [C][K] (state part) */
-  static constexpr int oKK = odW + C * ldK * 2;   /* kn kn^T (float) */
-  static constexpr int oT = oKK + C * ldA * 4;    /* T^T, T = (I + A)^-1 (bf16, from the prep) */
-  static constexpr int odT = oT + C * ldC * 2;    /* dT diag-scaled (bf16) */
-  static constexpr int oF = odT + C * ldC * 2;
-  static constexpr int oX = oV, oG = odD;
-  static_assert(C <= V, "X and G fit in the v and dD regions");
-  static constexpr int fGp = 0, fGc = C, fBeta = 2 * C, fDgc = 3 * C, fDb = 4 * C, fDot = 5 * C, fKinv = 6 * C,
-                       nF = 7 * C;
+  static constexpr int ldK = K + kPad, ldV = V + kPad, ldC = C + kPad;
+  /* Three blocks per SM need <= 76800 bytes a block (228 KB less 1 KB reserved per block,
+   * over three).  kn kn^T is not kept (W5 recomputes its tile in registers), and where kn,
+   * v, dD, dW, T^T and dT together would not fit (K = V = 128, C = 64: 89856 bytes), dW
+   * arrives late (kLateDW): into v's region once W3a has read v and dD for the last time,
+   * from L2 (prefetched at the start); W3a leaves its dD V^T sums in a float scratch P.
+   * Later tenants of dead regions (the barriers between the phases order them):
+   *   early dW: dT in R2 (W3-W4), X over dD (W4-W5), G over dT (W5-W6);
+   *   late dW:  P in R2 (W3a-W3b), dT over dD (W3b-W4), X over P (W4-W5), G over dD (W5-W6). */
+  static constexpr int szKn = C * ldK * 2, szV = C * ldV * 2, szC = C * ldC * 2, nF = 7 * C;
+  static constexpr bool kLateDW = 2 * szKn + 2 * szV + 2 * szC + nF * 4 > 76800;
+  static constexpr int NL = (C / 16) * (C / 16 + 1) / 2, szP = kLateDW ? NL * 1024 : 0;
+  static constexpr int oKn = 0;                                        /* kn [C][K] */
+  static constexpr int oV = oKn + szKn;                                /* v [C][V] as given; late: then dW */
+  static constexpr int odD = oV + (kLateDW && szKn > szV ? szKn : szV); /* dD [C][V] */
+  static constexpr int odW = kLateDW ? oV : odD + szV;                 /* dW [C][K] (state part) */
+  static constexpr int oT = kLateDW ? odD + szV : odW + szKn;          /* T^T (bf16, from the prep) */
+  static constexpr int oR2 = oT + szC;                                 /* dT or P (see above) */
+  static constexpr int oF = oR2 + (szP > szC ? szP : szC);
+  static constexpr int odT = kLateDW ? odD : oR2; /* dT diag-scaled (bf16) */
+  static constexpr int oP = oR2;                  /* late: W3a's dD V^T sums (float, fragment order) */
+  static constexpr int oX = kLateDW ? oR2 : odD;  /* X = dT T^T (bf16) */
+  static constexpr int oG = kLateDW ? odD : oR2;  /* G = dA o beta_i Gamma (bf16) */
+  static_assert(C <= V, "X, dT and G fit in the dD region");
+  static constexpr int fGp = 0, fGc = C, fBeta = 2 * C, fDgc = 3 * C, fDb = 4 * C, fDot = 5 * C, fKinv = 6 * C;
   static constexpr int total = oF + nF * 4;
 };
 
@@ -1076,13 +1085,52 @@ __device__ __forceinline__ LaneMaps lane_maps() {
 }
 
 /* Blocks per SM that grad_wy_kernel_v3 is compiled for, where ptxas (nvcc 13.0) fits it
- * with 0 bytes spilled: three (80 registers) at C = 32 and 48 except K = 128, V = 64 (8
- * bytes at 80), two (128 registers) there and at C = 64 (at 80 registers C = 64 spills, and
- * three blocks would need <= 75 KB of shared memory: it has 74-107).  C = 48 used to take
- * one (it spilled at 128 while dKb was held from W3 to W6).  Shared memory (1 KB reserved
- * per block included): C = 32 <= 45 KB, C = 48 <= 74 KB, so three fit in 228 KB. */
+ * with 0 bytes spilled: three (80 registers) at C = 32 and 48 except K = 128, V = 64, and
+ * at C = 64 with K = V = 128 (since wy2: no KK region, late dW); two (128 registers)
+ * elsewhere (at 80 those spill 4-8 bytes: C = 48 K = 128 V = 64, and C = 64 but for
+ * K = V = 128).  Shared memory (GradWYLayout, 1 KB reserved per block included) is
+ * <= 76800 + 1024 bytes a block in every shape, so three fit in 228 KB. */
 constexpr int grad_wy_blocks(int K, int V, int C) {
-  return (C == 32 || C == 48) && !(K == 128 && V == 64) ? 3 : 2;
+  return C == 64 ? (K == 128 && V == 128 ? 3 : 2) : (K == 128 && V == 64 ? 2 : 3);
+}
+
+/* grad_wy's dT tile (ti, tj), in two halves (W3 / W3a, W3b): acc += dD[ti] V[tj]^T, then
+ * acc + dW[ti] kn[tj]^T diag(e^{gc}) scaled by beta_j into dT (bf16, shared). */
+template <class L, int V>
+__device__ __forceinline__ void grad_wy_dDVt(uint32_t s0, int ti, int tj, const LaneMaps &m, float (&acc)[2][4]) {
+#pragma unroll
+  for (int kt = 0; kt < V / 16; kt++) {
+    uint32_t fa[4], b0, b1, b2, b3;
+    ldsm_x4(s0 + L::odD + ((ti * 16 + m.arow) * L::ldV + kt * 16 + m.acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+    ldsm_x4(s0 + L::oV + ((tj * 16 + m.nrow) * L::ldV + kt * 16 + m.ncol) * 2, b0, b1, b2, b3);
+    mma16816(acc[0], fa, b0, b1);
+    mma16816(acc[1], fa, b2, b3);
+  }
+}
+template <class L, int K>
+__device__ __forceinline__ void grad_wy_dT_out(unsigned char *smem, uint32_t s0, int ti, int tj, const LaneMaps &m,
+                                               const float (&acc)[2][4], const float *sGc, const float *sBeta) {
+  float acg[2][4] = {};
+#pragma unroll
+  for (int kt = 0; kt < K / 16; kt++) {
+    uint32_t fa[4], b0, b1, b2, b3;
+    ldsm_x4(s0 + L::odW + ((ti * 16 + m.arow) * L::ldK + kt * 16 + m.acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+    ldsm_x4(s0 + L::oKn + ((tj * 16 + m.nrow) * L::ldK + kt * 16 + m.ncol) * 2, b0, b1, b2, b3);
+    mma16816(acg[0], fa, b0, b1);
+    mma16816(acg[1], fa, b2, b3);
+  }
+#pragma unroll
+  for (int nt = 0; nt < 2; nt++) {
+    const int j = tj * 16 + nt * 8 + 2 * m.tig;
+    const float e0 = __expf(sGc[j]), e1 = __expf(sGc[j + 1]);
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+      const int i = ti * 16 + m.grp + 8 * hf;
+      *reinterpret_cast<uint32_t *>(smem + L::odT + (i * L::ldC + j) * 2) =
+          pack_bf16(sBeta[j] * (acc[nt][2 * hf] + e0 * acg[nt][2 * hf]),
+                    sBeta[j + 1] * (acc[nt][2 * hf + 1] + e1 * acg[nt][2 * hf + 1]));
+    }
+  }
 }
 
 /* The WY part of the per-chunk gradients (one block of 8 warps per (chunk, head)), after
@@ -1104,6 +1152,7 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
   using L = GradWYLayout<K, V, C>;
   constexpr int NN = C / TC, NB = C / 16, NI = (C / 16) * (K / 64), NL = NB * (NB + 1) / 2, NVB = NB * (V / 64);
   static_assert(K % 64 == 0 && V % 64 == 0 && C % 16 == 0 && C <= 64 && NI <= 8 && NL <= 10, "shapes");
+  static_assert(L::total <= 76800 || grad_wy_blocks(K, V, C) < 3, "three blocks per SM fit in shared memory");
   extern __shared__ __align__(128) unsigned char smem[];
   const int c = blockIdx.x, h = blockIdx.y;
   const ChunkInfo ci = a.chunks[c];
@@ -1116,21 +1165,21 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
   float *sF = (float *)(smem + L::oF);
   float *sGp = sF + L::fGp, *sGc = sF + L::fGc, *sBeta = sF + L::fBeta, *sDgc = sF + L::fDgc, *sDb = sF + L::fDb,
         *sDot = sF + L::fDot, *sKinv = sF + L::fKinv;
-  float *sKK = (float *)(smem + L::oKK);
   const uint32_t s0 = smem_addr(smem);
 
-  /* All loads up front, by cp.async in two groups: the raw k rows (normalised in place
-   * below, then kn kn^T), then v, dD, dW and T^T (first read in W3, so their latency
-   * overlaps the norms and KK).  dKnA (read at the end) is pulled into L2 now so that
-   * that read does not wait on DRAM. */
+  /* The loads, by cp.async in two groups: the raw k rows (normalised in place below),
+   * then v, dD, dW and T^T (first read in W3, so their latency overlaps the norms).
+   * dKnA (read at the end) is pulled into L2 now so that that read does not wait on
+   * DRAM; so is dW where it arrives late (kLateDW: copied in after W3a). */
   copy_panel<C, K, 256>(smem + L::oKn, L::ldK, gk + (krow0 * H + h) * K, (int64_t)H * K, nv);
   cp_async_commit();
   copy_panel<C, V, 256>(smem + L::oV, L::ldV, gv + (krow0 * H + h) * V, (int64_t)H * V, nv);
   copy_panel<C, V, 256>(smem + L::odD, L::ldV, a.dDbuf + CHi * C * V, V, C);
-  copy_panel<C, K, 256>(smem + L::odW, L::ldK, go.dWg + CHi * C * K, K, C);
+  if constexpr (!L::kLateDW) copy_panel<C, K, 256>(smem + L::odW, L::ldK, go.dWg + CHi * C * K, K, C);
   copy_panel<C, C, 256>(smem + L::oT, L::ldC, go.Tt + CHi * C * C, C, C);
   cp_async_commit();
   if (tid == 0) prefetch_l2_bulk(go.dKnA + CHi * C * K, C * K * 4);
+  if (L::kLateDW && tid == 32) prefetch_l2_bulk(go.dWg + CHi * C * K, C * K * 2);
   if (tid < C) {
     const bool ok = tid < nv;
     sGp[tid] = (gg && ok && tid % n == 0) ? __bfloat162float(gg[((int64_t)ci.t0 + tid / n) * H + h]) : 0.f;
@@ -1141,10 +1190,24 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
   }
   cp_async_wait<1>(); /* k */
   __syncthreads();
-  if (tid < C) { /* same summation order as the prep */
+  if (tid == 32 * 7) { /* same summation order as the prep (a running sum from m = 0), by
+                        * one thread: its C values are read first, then C dependent adds
+                        * (each of C threads summing its own prefix was ~C shared-memory
+                        * round trips on the last one) */
+    float gp[C];
+#pragma unroll
+    for (int i = 0; i < C; i += 4) {
+      const float4 v4 = *reinterpret_cast<const float4 *>(sGp + i);
+      gp[i] = v4.x, gp[i + 1] = v4.y, gp[i + 2] = v4.z, gp[i + 3] = v4.w;
+    }
     float acc = 0.f;
-    for (int m = 0; m <= tid; m++) acc += sGp[m];
-    sGc[tid] = acc;
+#pragma unroll
+    for (int i = 0; i < C; i++) {
+      acc += gp[i];
+      gp[i] = acc;
+    }
+#pragma unroll
+    for (int i = 0; i < C; i += 4) *reinterpret_cast<float4 *>(sGc + i) = make_float4(gp[i], gp[i + 1], gp[i + 2], gp[i + 3]);
   }
   for (int i = warp; i < C; i += 8) { /* kn in place; rows past the end were zero-filled */
     bf16 *rp = (bf16 *)(smem + L::oKn) + i * L::ldK;
@@ -1162,35 +1225,13 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
   __syncthreads();
 
 
-  /* ---- W1: KK = kn kn^T on the lower 16x16 tiles (float, shared; first read in W5) */
-  for (int item = warp; item < NL; item += 8) {
-    int ti, tj;
-    lower_tile(item, ti, tj);
-    const LaneMaps m = lane_maps();
-    float acc[2][4] = {};
-#pragma unroll
-    for (int kt = 0; kt < K / 16; kt++) {
-      uint32_t fa[4], b0, b1, b2, b3;
-      ldsm_x4(s0 + L::oKn + ((ti * 16 + m.arow) * L::ldK + kt * 16 + m.acol) * 2, fa[0], fa[1], fa[2], fa[3]);
-      ldsm_x4(s0 + L::oKn + ((tj * 16 + m.nrow) * L::ldK + kt * 16 + m.ncol) * 2, b0, b1, b2, b3);
-      mma16816(acc[0], fa, b0, b1);
-      mma16816(acc[1], fa, b2, b3);
-    }
-#pragma unroll
-    for (int nt = 0; nt < 2; nt++)
-#pragma unroll
-      for (int e = 0; e < 4; e++) {
-        const int i = ti * 16 + m.grp + 8 * (e >> 1), j = tj * 16 + nt * 8 + 2 * m.tig + (e & 1);
-        sKK[i * L::ldA + j] = acc[nt][e];
-      }
-  }
   cp_async_wait<0>(); /* v, dD, dW, T^T */
   __syncthreads();
 
-  /* ---- W3: dVb (dv out) and the dT tiles, dealt out as one list (dT item t to warp
-   * (NVB + t) % 8).  dKb = T^T dW is computed in W6, where its accumulators are needed
-   * (T^T and dW stay untouched until then): held from here to W6 they made C = 48
-   * spill at 128 registers. */
+  /* ---- W3: dVb (dv out) and the dT tiles (dT item t to warp 7 - t % 8: the dVb items
+   * of the high warps are the short ones, vjb near C).  dKb = T^T dW is computed in W6,
+   * where its accumulators are needed (T^T and dW stay untouched until then): held from
+   * here to W6 they made C = 48 spill at 128 registers. */
   for (int item = warp; item < NVB; item += 8) { /* dVb = T^T dD */
     const LaneMaps m = lane_maps();
     const int vjb = (item / (V / 64)) * 16, xb = (item % (V / 64)) * 64;
@@ -1228,39 +1269,46 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
     }
   }
   /* dT = (dD V^T + dW kn^T diag(e^{gc})) diag(beta), lower tiles only: X's lower tiles, the
-   * only ones dA reads, need dT[ti][m <= tj] */
-  for (int item = ((fresh_sreg<0>() >> 5) + 8 - NVB % 8) % 8; item < NL; item += 8) {
-    int ti, tj;
-    lower_tile(item, ti, tj);
-    const LaneMaps m = lane_maps();
-    float acc[2][4] = {}, acg[2][4] = {};
-#pragma unroll
-    for (int kt = 0; kt < V / 16; kt++) {
-      uint32_t fa[4], b0, b1, b2, b3;
-      ldsm_x4(s0 + L::odD + ((ti * 16 + m.arow) * L::ldV + kt * 16 + m.acol) * 2, fa[0], fa[1], fa[2], fa[3]);
-      ldsm_x4(s0 + L::oV + ((tj * 16 + m.nrow) * L::ldV + kt * 16 + m.ncol) * 2, b0, b1, b2, b3);
-      mma16816(acc[0], fa, b0, b1);
-      mma16816(acc[1], fa, b2, b3);
+   * only ones dA reads, need dT[ti][m <= tj].  A warp has at most two items (NL <= 10),
+   * slots s = 0, 1: item 7 - warp + 8 s.  With kLateDW the dD V^T sums (acc) are held in
+   * registers (16 floats at most) while dW is copied over v (W3b). */
+  if constexpr (!L::kLateDW) {
+    for (int item = 7 - (fresh_sreg<0>() >> 5); item < NL; item += 8) {
+      int ti, tj;
+      lower_tile(item, ti, tj);
+      const LaneMaps m = lane_maps();
+      float acc[2][4] = {};
+      grad_wy_dDVt<L, V>(s0, ti, tj, m, acc);
+      grad_wy_dT_out<L, K>(smem, s0, ti, tj, m, acc, sGc, sBeta);
     }
-#pragma unroll
-    for (int kt = 0; kt < K / 16; kt++) {
-      uint32_t fa[4], b0, b1, b2, b3;
-      ldsm_x4(s0 + L::odW + ((ti * 16 + m.arow) * L::ldK + kt * 16 + m.acol) * 2, fa[0], fa[1], fa[2], fa[3]);
-      ldsm_x4(s0 + L::oKn + ((tj * 16 + m.nrow) * L::ldK + kt * 16 + m.ncol) * 2, b0, b1, b2, b3);
-      mma16816(acg[0], fa, b0, b1);
-      mma16816(acg[1], fa, b2, b3);
+  } else {
+    /* W3a: the dD V^T sums go to the float scratch oP (item t at 1 KB t, lane l's 8
+     * floats at 32 l bytes): held in registers across the dW copy they spilled at 80 */
+    for (int item = 7 - (fresh_sreg<0>() >> 5); item < NL; item += 8) {
+      int ti, tj;
+      lower_tile(item, ti, tj);
+      float acc[2][4] = {};
+      grad_wy_dDVt<L, V>(s0, ti, tj, lane_maps(), acc);
+      float4 *p = reinterpret_cast<float4 *>(smem + L::oP + item * 1024) + 2 * (fresh_sreg<0>() & 31);
+      p[0] = make_float4(acc[0][0], acc[0][1], acc[0][2], acc[0][3]);
+      p[1] = make_float4(acc[1][0], acc[1][1], acc[1][2], acc[1][3]);
     }
-#pragma unroll
-    for (int nt = 0; nt < 2; nt++) {
-      const int j = tj * 16 + nt * 8 + 2 * m.tig;
-      const float e0 = __expf(sGc[j]), e1 = __expf(sGc[j + 1]);
-#pragma unroll
-      for (int hf = 0; hf < 2; hf++) {
-        const int i = ti * 16 + m.grp + 8 * hf;
-        *reinterpret_cast<uint32_t *>(smem + L::odT + (i * L::ldC + j) * 2) =
-            pack_bf16(sBeta[j] * (acc[nt][2 * hf] + e0 * acg[nt][2 * hf]),
-                      sBeta[j + 1] * (acc[nt][2 * hf + 1] + e1 * acg[nt][2 * hf + 1]));
-      }
+    __syncthreads(); /* v and dD read for the last time (dVb, dD V^T): dW over v, from L2 */
+    {
+      const int64_t CHl = (int64_t)fresh_sreg<1>() * H + fresh_sreg<2>();
+      copy_panel<C, K, 256>(smem + L::odW, L::ldK, go.dWg + CHl * C * K, K, C);
+      cp_async_commit();
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    /* ---- W3b: dT (over dD) from the scratch sums and dW kn^T */
+    for (int item = 7 - (fresh_sreg<0>() >> 5); item < NL; item += 8) {
+      int ti, tj;
+      lower_tile(item, ti, tj);
+      const float4 *p = reinterpret_cast<const float4 *>(smem + L::oP + item * 1024) + 2 * (fresh_sreg<0>() & 31);
+      const float4 p0 = p[0], p1 = p[1];
+      const float acc[2][4] = {{p0.x, p0.y, p0.z, p0.w}, {p1.x, p1.y, p1.z, p1.w}};
+      grad_wy_dT_out<L, K>(smem, s0, ti, tj, lane_maps(), acc, sGc, sBeta);
     }
   }
   __syncthreads();
@@ -1293,12 +1341,22 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
   __syncthreads();
 
   /* ---- W5: dA = -T^T X on the strictly lower part; G -> shared (lower tiles: W6 reads
-   * G[jb][m <= jb] and G[m >= jb][jb] only); dbeta, dgc sums */
+   * G[jb][m <= jb] and G[m >= jb][jb] only); dbeta, dgc sums.  The tile's kn kn^T (kk)
+   * is computed here, in registers (it used to be a W1 phase into 17 KB of shared
+   * memory at C = 64; same products, same order, so the same floats). */
   for (int item = warp; item < NL; item += 8) {
     int ti, tj;
     lower_tile(item, ti, tj);
     const LaneMaps m = lane_maps();
-    float acc[2][4] = {};
+    float acc[2][4] = {}, kk[2][4] = {};
+#pragma unroll
+    for (int kt = 0; kt < K / 16; kt++) {
+      uint32_t fa[4], b0, b1, b2, b3;
+      ldsm_x4(s0 + L::oKn + ((ti * 16 + m.arow) * L::ldK + kt * 16 + m.acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+      ldsm_x4(s0 + L::oKn + ((tj * 16 + m.nrow) * L::ldK + kt * 16 + m.ncol) * 2, b0, b1, b2, b3);
+      mma16816(kk[0], fa, b0, b1);
+      mma16816(kk[1], fa, b2, b3);
+    }
     {
 #pragma unroll
       for (int kt = 0; kt < NB; kt++) {
@@ -1322,10 +1380,10 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
           const int j = j0 + e;
           gv[e] = 0.f;
           if (i > j) {
-            const float da = -acc[nt][2 * hf + e], ee = __expf(sGc[i] - sGc[j]), kk = sKK[i * L::ldA + j];
-            const float aij = sBeta[i] * ee * kk; /* = A_ij, recomputed (A is not kept) */
+            const float da = -acc[nt][2 * hf + e], ee = __expf(sGc[i] - sGc[j]), kkij = kk[nt][2 * hf + e];
+            const float aij = sBeta[i] * ee * kkij; /* = A_ij, recomputed (A is not kept) */
             gv[e] = da * sBeta[i] * ee;
-            rdb[hf] += da * ee * kk;
+            rdb[hf] += da * ee * kkij;
             rdg[hf] += da * aij;
             cdg[nt][e] -= da * aij;
           }
@@ -1363,20 +1421,17 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
    * reads of %tid.x, %ctaid.x/y, which the compiler neither hoists nor merges with the
    * first; the chunk's row range is read again, from L1): derived from the first reads,
    * the row offsets, nv, krow0 and the lane maps stayed live from the loads on and were
-   * spilled at 128 registers (C = 64) and at 80 (three blocks per SM).  The names shadow
-   * the first ones on purpose: the code below reads as the rest of the kernel. */
+   * spilled at 128 registers (C = 64) and at 80 (three blocks per SM); the stores after
+   * W6's barrier take them anew again (C = 64 at 80 registers).  The names shadow the
+   * first ones on purpose: the code below reads as the rest of the kernel. */
+  float dkn[8][4] = {};
   {
-    const int tid = fresh_sreg<0>(), warp = tid >> 5;
-    const int h = fresh_sreg<2>();
-    const ChunkInfo ci = a.chunks[fresh_sreg<1>()];
-    const int nv = ci.ntok * NN;
-    const int64_t krow0 = (int64_t)ci.t0 * NN;
+    const int warp = fresh_sreg<0>() >> 5;
     const LaneMaps m = lane_maps();
     const int jb = warp / (K / 64) * 16, rb = warp % (K / 64) * 64;
-    const int64_t CHi = (int64_t)fresh_sreg<1>() * H + h;
+    const int64_t CHi = (int64_t)fresh_sreg<1>() * H + fresh_sreg<2>();
     /* ---- W6: own item: dKn = beta e^{gc} (T^T dW) + G kn + G^T kn + dKnA; l2-norm
      * backward; dk out */
-    float dkn[8][4] = {};
     if (warp < NI) {
 #pragma unroll
       for (int kt = 0; kt < NB; kt++) { /* dKb = T^T dW */
@@ -1460,9 +1515,18 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
         if (m.tig == 0) atomicAdd(sDot + j, d);
       }
     }
-    __syncthreads();
+  }
+  __syncthreads();
+  {
+    const int tid = fresh_sreg<0>(), warp = tid >> 5;
+    const int h = fresh_sreg<2>();
+    const ChunkInfo ci = a.chunks[fresh_sreg<1>()];
+    const int nv = ci.ntok * NN;
+    const int64_t krow0 = (int64_t)ci.t0 * NN;
     if (warp < NI) {
-      const LaneMaps m = lane_maps(); /* afresh: the kn row addresses are not kept across the barrier */
+      /* afresh: the kn row addresses (and jb, rb) are not kept across the barrier */
+      const LaneMaps m = lane_maps();
+      const int jb = warp / (K / 64) * 16, rb = warp % (K / 64) * 64;
       bf16 *dk = (bf16 *)a.dk;
 #pragma unroll
       for (int hf = 0; hf < 2; hf++) {
@@ -1484,7 +1548,7 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
       }
     }
     if (tid < nv) ((bf16 *)a.dbeta)[(krow0 + tid) * H + h] = __float2bfloat16(sDb[tid]);
-    if (gg && tid == 32 * 7) { /* reverse cumsum of the step gradients; a token's dg is its step 0's.
+    if (a.g && tid == 32 * 7) { /* reverse cumsum of the step gradients; a token's dg is its step 0's.
                                  * All C values are read first (vector loads), then the same
                                  * sequential sum: the chain is C adds, not C shared-memory round trips. */
       float dgc[C];
