@@ -1017,6 +1017,503 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
   }
 }
 
+/* ------------------------------------------------------------------ per-chunk gradients, state part, three blocks per SM */
+
+/* Shared-memory layout of grad_state3_kernel_v3 (bytes; rows padded by 16 bytes).  The
+ * K x V buffer holds one 64-column panel of dH^T or h^T at a time ([V][64], the key
+ * columns of one pass), and dD takes D's region once P3a is done, so the block needs
+ * <= ~75 KB (76576 bytes at K = V = 128, C = 64): three blocks per SM (228 KB, 1 KB
+ * reserved per block) where grad_state_kernel_v3 (108 KB) fits two. */
+template <int K, int V, int C, int TC>
+struct GradState3Layout {
+  static constexpr int KP = 64, NP = K / KP; /* panel columns, passes */
+  static constexpr int ldK = K + kPad, ldV = V + kPad, ldC = C + kPad, ldH = KP + kPad;
+  static constexpr int oHb = 0;                       /* dH^T, later h^T: [V][64] bf16, one key panel */
+  static constexpr int oD = oHb + V * ldH * 2;        /* D [C][V]; after P3a dD [C][V] */
+  static constexpr int odO = oD + C * ldV * 2;        /* dO [TC][V], query rows, 0 past the end */
+  static constexpr int oKn = odO + TC * ldV * 2;      /* k raw [C][K] */
+  static constexpr int oQn = oKn + C * ldK * 2;       /* q raw [TC][K] */
+  static constexpr int oPs = oQn + TC * ldK * 2;      /* Ps'' [TC][C] */
+  static constexpr int oF = oPs + TC * ldC * 2;       /* floats below */
+  static constexpr int fGc = 0, fDgc = C, fZ = 2 * C, fQinv = 3 * C, fQdot = 3 * C + TC, fDot = 3 * C + 2 * TC,
+                       fKinv = 3 * C + 2 * TC + 8, nF = 4 * C + 2 * TC + 8;
+  static constexpr int total = oF + nF * 4;
+  static_assert(total + 1024 <= 228 * 1024 / 3, "three blocks per SM");
+};
+
+/* One 64-column key panel p of a float32 [V][K] matrix (h^T or dH^T) -> bf16 [V][64]
+ * shared (row stride ldH); 16 float4 per row, V / 16 per thread (8 at V = 128). */
+template <int K, int V, int ldH, int ROUND = V * 16 / 256>
+__device__ __forceinline__ void load_key_panel(unsigned char *dst, const float *src, int p) {
+  constexpr int per = V * 16 / 256; /* float4 per thread, loaded ROUND at a time */
+  static_assert(V * 16 % 256 == 0 && per % ROUND == 0, "whole rounds");
+  const float4 *s = (const float4 *)src;
+#pragma unroll
+  for (int u0 = 0; u0 < per; u0 += ROUND) {
+    float4 v[ROUND];
+#pragma unroll
+    for (int u = 0; u < ROUND; u++) {
+      const int i = (u0 + u) * 256 + (int)threadIdx.x, x = i >> 4, c4 = i & 15;
+      v[u] = __ldcs(s + (x * K + 64 * p) / 4 + c4); /* the last read of that panel */
+    }
+#pragma unroll
+    for (int u = 0; u < ROUND; u++) {
+      const int i = (u0 + u) * 256 + (int)threadIdx.x, x = i >> 4, c4 = i & 15;
+      *reinterpret_cast<uint2 *>(dst + (x * ldH + 4 * c4) * 2) =
+          make_uint2(pack_bf16(v[u].x, v[u].y), pack_bf16(v[u].z, v[u].w));
+    }
+  }
+}
+
+/* The same outputs as grad_state_kernel_v3 (above: the math), bit for bit: every product
+ * item, summation order and rounding is the same; only the schedule differs.  The K x V
+ * matrices go through shared memory one 64-column key panel at a time (K / 64 passes of
+ * P3a, then of P3b + P2), which with dD loaded over D after P3a brings the block to
+ * ~75 KB and so three blocks (24 warps) per SM instead of two: the kernel is latency
+ * bound (ncu: 20.5 warp cycles per issued instruction, DRAM 52%), and a third block's
+ * loads run under the other two's products.  The price: K / 64 - 1 more L2 round trips
+ * for the dH^T panels and the h^T panels all re-read (from L2: the bulk prefetches keep
+ * them there), a few more barriers, and 80 registers (per-thread float32 load rounds
+ * of 4 float4 instead of 8, 64-column items in halves / quarters).  Per pass, warps 0..3
+ * take the P3 items (16 steps x the panel's 64 columns), warps 4..7 the dq items (16
+ * query rows x 32 columns); a dq warp parks its first panel's float accumulators in its
+ * own bytes of the dq rows (global, L2) and writes dq after a named barrier of the dq
+ * warps.  Checked on the CPU emulator: bit-identical to grad_state_kernel_v3. */
+template <int K, int V, int C, int TC>
+__global__ void __launch_bounds__(256, 3) grad_state3_kernel_v3(GdpArgs a, GradStateOut go) {
+  using L = GradState3Layout<K, V, C, TC>;
+  constexpr int NN = C / TC, NP = L::NP;
+  static_assert(K % 64 == 0 && V % 16 == 0 && C % 16 == 0 && TC % 16 == 0 && NN * TC == C, "shapes");
+  static_assert(C <= 64 && TC <= 32, "per pass: <= 4 P3 items (warps 0..3), <= 4 dq items (warps 4..7)");
+  static_assert(NP <= 2, "the dq stash holds one panel (K <= 128)");
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int c = blockIdx.x, h = blockIdx.y;
+  const ChunkInfo ci = a.chunks[c];
+  const int H = a.H, n = NN, nv = ci.ntok * NN;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, grp = lane >> 2, tig = lane & 3;
+  const int64_t CHi = (int64_t)c * H + h;
+  const int64_t krow0 = (int64_t)ci.t0 * NN;
+  const float scale = a.scale;
+  const bf16 *gk = (const bf16 *)a.k, *gq = (const bf16 *)a.q, *gg = (const bf16 *)a.g,
+             *d_o = (const bf16 *)a.d_o;
+  float *sF = (float *)(smem + L::oF);
+  float *sGc = sF + L::fGc, *sDgc = sF + L::fDgc, *sZ = sF + L::fZ,
+        *sQinv = sF + L::fQinv, *sQdot = sF + L::fQdot, *sDot = sF + L::fDot, *sKinv = sF + L::fKinv;
+  const uint32_t s0 = smem_addr(smem);
+
+  /* ---- loads: as grad_state_kernel_v3, and dD (read after P3a, over D) pulled into L2
+   * by a third bulk prefetch */
+  if (tid == 0) {
+    prefetch_l2_bulk(go.dHT32 + CHi * V * K, V * K * 4);
+    prefetch_l2_bulk(go.hT32 + CHi * V * K, V * K * 4);
+    prefetch_l2_bulk(a.dDbuf + CHi * C * V, C * V * 2);
+  }
+  copy_panel<C, V, 256>(smem + L::oD, L::ldV, a.Dbuf + CHi * C * V, V, C);
+  copy_panel<TC, V, 256>(smem + L::odO, L::ldV, d_o + ((int64_t)ci.t0 * H + h) * V, (int64_t)H * V, ci.ntok);
+  copy_panel<C, K, 256>(smem + L::oKn, L::ldK, gk + (krow0 * H + h) * K, (int64_t)H * K, nv);
+  copy_panel<TC, K, 256>(smem + L::oQn, L::ldK, gq + ((int64_t)ci.t0 * H + h) * K, (int64_t)H * K, ci.ntok);
+  cp_async_commit();
+  if (tid < C) {
+    sDgc[tid] = 0.f;
+    sZ[tid] = 0.f;
+  }
+  if (tid < TC) sQdot[tid] = 0.f;
+  if (warp == 0) { /* gc: the prep's token scan (see grad_state_kernel_v3) */
+    const float gt = (gg && lane < ci.ntok) ? __bfloat162float(gg[((int64_t)ci.t0 + lane) * H + h]) : 0.f;
+    float acc = 0.f;
+#pragma unroll
+    for (int m = 0; m < TC; m++) {
+      const float gm = __shfl_sync(0xffffffffu, gt, m);
+      if (m <= lane) acc += gm;
+    }
+    if (lane < TC)
+#pragma unroll
+      for (int r = 0; r < n; r++) sGc[lane * n + r] = acc;
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  /* kinv, qinv of the raw rows (a quad per row), as grad_state_kernel_v3 */
+  for (int i0 = 8 * warp; i0 < C + TC; i0 += 64) {
+    const int i = i0 + (lane >> 2);
+    const bool isq = i >= C;
+    const int row = isq ? i - C : i;
+    const unsigned char *rp = smem + (isq ? L::oQn : L::oKn) + (row * L::ldK + 8 * (lane & 3)) * 2;
+    float ss = 0.f;
+#pragma unroll
+    for (int m = 0; m < K / 32; m++) {
+      const uint4 u = *reinterpret_cast<const uint4 *>(rp + 64 * m);
+      const float2 x0 = unpack_bf16(u.x), x1 = unpack_bf16(u.y), x2 = unpack_bf16(u.z), x3 = unpack_bf16(u.w);
+      ss += x0.x * x0.x + x0.y * x0.y + x1.x * x1.x + x1.y * x1.y + x2.x * x2.x + x2.y * x2.y + x3.x * x3.x + x3.y * x3.y;
+    }
+    ss += __shfl_xor_sync(0xffffffffu, ss, 1);
+    ss += __shfl_xor_sync(0xffffffffu, ss, 2);
+    const float inv = a.l2norm ? rsqrtf(ss + kNormEps) : 1.f;
+    if ((lane & 3) == 0) (isq ? sQinv : sKinv)[row] = inv;
+  }
+  __syncthreads();
+
+  const int arow = (lane & 7) + 8 * ((lane >> 3) & 1), acol = 8 * (lane >> 4);
+  const int nrow = (lane & 7) + 8 * (lane >> 4), ncol = 8 * ((lane >> 3) & 1);
+
+  /* ---- P1, as grad_state_kernel_v3 */
+  for (int item = warp; item < (TC / 16) * (C / 16); item += 8) {
+    const int mb = (item / (C / 16)) * 16, jb = (item % (C / 16)) * 16;
+    float dp[2][4] = {}, qk[2][4] = {};
+    if (jb <= (mb + 15) * n + n - 1) {
+#pragma unroll
+      for (int kt = 0; kt < V / 16; kt++) {
+        uint32_t fa[4], b0, b1, b2, b3;
+        ldsm_x4(s0 + L::odO + ((mb + arow) * L::ldV + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+        ldsm_x4(s0 + L::oD + ((jb + nrow) * L::ldV + kt * 16 + ncol) * 2, b0, b1, b2, b3);
+        mma16816(dp[0], fa, b0, b1);
+        mma16816(dp[1], fa, b2, b3);
+      }
+#pragma unroll
+      for (int kt = 0; kt < K / 16; kt++) {
+        uint32_t fa[4], b0, b1, b2, b3;
+        ldsm_x4(s0 + L::oQn + ((mb + arow) * L::ldK + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+        ldsm_x4(s0 + L::oKn + ((jb + nrow) * L::ldK + kt * 16 + ncol) * 2, b0, b1, b2, b3);
+        mma16816(qk[0], fa, b0, b1);
+        mma16816(qk[1], fa, b2, b3);
+      }
+    }
+    float colsum[2][2] = {};
+#pragma unroll
+    for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+      for (int hf = 0; hf < 2; hf++) {
+        const int qa = mb + grp + 8 * hf, ia = qa * n + n - 1, j = jb + 8 * nt + 2 * tig;
+        const float gi = sGc[ia], qi = sQinv[qa];
+        const float p0 = j <= ia ? scale * __expf(gi - sGc[j]) * dp[nt][2 * hf] * (qi * sKinv[j]) : 0.f;
+        const float p1 = j + 1 <= ia ? scale * __expf(gi - sGc[j + 1]) * dp[nt][2 * hf + 1] * (qi * sKinv[j + 1]) : 0.f;
+        *reinterpret_cast<uint32_t *>(smem + L::oPs + (qa * L::ldC + j) * 2) = pack_bf16(p0, p1);
+        colsum[nt][0] += p0 * qk[nt][2 * hf];
+        colsum[nt][1] += p1 * qk[nt][2 * hf + 1];
+      }
+#pragma unroll
+    for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        float v = colsum[nt][e];
+        v += __shfl_xor_sync(0xffffffffu, v, 4);
+        v += __shfl_xor_sync(0xffffffffu, v, 8);
+        v += __shfl_xor_sync(0xffffffffu, v, 16);
+        if (grp == 0) atomicAdd(sDgc + jb + 8 * nt + 2 * tig + e, -v);
+      }
+  }
+
+  /* From here on, the block / lane indices and the chunk's token range are taken anew
+   * from fresh special-register reads (volatile: never merged with the first ones) and
+   * the ChunkInfo table, not held from the start: at 80 registers those long-lived
+   * values spill otherwise (16-24 bytes at K = 128). */
+  {
+  int tb;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tb));
+  /* (c, h) -> c H + h, and the chunk, at each use (every call reads %ctaid anew) */
+  auto fresh_chi = [&]() -> int64_t {
+    int cb, hb;
+    asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(cb));
+    asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(hb));
+    return (int64_t)cb * H + hb;
+  };
+  auto fresh_h = [&]() -> int {
+    int hb;
+    asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(hb));
+    return hb;
+  };
+  auto fresh_ci = [&]() -> ChunkInfo {
+    int cb;
+    asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(cb));
+    return a.chunks[cb];
+  };
+  const int warp = tb >> 5, lane = tb & 31, grp = lane >> 2, tig = lane & 3;
+  const int arow = (lane & 7) + 8 * ((lane >> 3) & 1), acol = 8 * (lane >> 4), trow = arow, tcol = acol;
+  const int atk = (lane & 7) + 8 * (lane >> 4), atm = 8 * ((lane >> 3) & 1), tid = tb;
+  /* ---- <dH, h> over the whole float32 copies (the same per-thread order: e ascending in
+   * steps of 256), and key panel 0 of dH^T -> bf16 shared on the way.  Rounds of 4 float4
+   * of each (80 registers).  dH is read again for panels >= 1: default caching here. */
+  {
+    const float4 *ph = (const float4 *)(go.hT32 + fresh_chi() * V * K), *pd = (const float4 *)(go.dHT32 + fresh_chi() * V * K);
+    float dot = 0.f;
+    constexpr int nvec = V * K / 4, per = 4;
+#pragma unroll 1 /* unrolled, the rounds' loads were hoisted into each other and spilled */
+    for (int e0 = 0; e0 < nvec; e0 += 256 * per) {
+      float4 hv[per], dv[per];
+#pragma unroll
+      for (int u = 0; u < per; u++) {
+        const int e = e0 + u * 256 + tid;
+        if (nvec % (256 * per) == 0 || e < nvec) hv[u] = ph[e], dv[u] = NP > 1 ? pd[e] : __ldcs(pd + e);
+      }
+#pragma unroll
+      for (int u = 0; u < per; u++) {
+        const int e = e0 + u * 256 + tid;
+        if (nvec % (256 * per) == 0 || e < nvec) {
+          dot += hv[u].x * dv[u].x + hv[u].y * dv[u].y + hv[u].z * dv[u].z + hv[u].w * dv[u].w;
+          const int x = (4 * e) / K, r = (4 * e) % K;
+          if (r < L::KP)
+            *reinterpret_cast<uint2 *>(smem + L::oHb + (x * L::ldH + r) * 2) =
+                make_uint2(pack_bf16(dv[u].x, dv[u].y), pack_bf16(dv[u].z, dv[u].w));
+        }
+      }
+    }
+    dot = warp_sum(dot);
+    if (lane == 0) sDot[warp] = dot;
+  }
+  /* h (every panel) and dH (panels >= 1) are read again: keep them in L2 */
+  if (tid == 0) prefetch_l2_bulk(go.hT32 + fresh_chi() * V * K, V * K * 4);
+  if (NP > 1 && tid == 32) prefetch_l2_bulk(go.dHT32 + fresh_chi() * V * K, V * K * 4);
+  __syncthreads();
+
+  /* ---- P3a per key panel: dKnA = e^{last-gc_j} D dH^T + Ps^T qn (z_j on the way),
+   * items of 16 steps x the panel's 64 columns on warps 0 .. C/16-1 */
+#pragma unroll 1
+  for (int p = 0; p < NP; p++) {
+    if (p > 0) {
+      __syncthreads(); /* panel p-1 no longer read */
+      load_key_panel<K, V, L::ldH>(smem + L::oHb, go.dHT32 + fresh_chi() * V * K, p);
+      __syncthreads();
+    }
+    if (warp < C / 16) {
+      /* the item's 64 columns in two halves of 32 (16 accumulators, not 32: 80 registers);
+       * z_j keeps running across the halves, so its terms add in the same order as over
+       * one 64-column item (grad_state_kernel_v3) */
+      const int jb = warp * 16;
+      float z[2] = {0.f, 0.f};
+#pragma unroll 1
+      for (int pc = 0; pc < L::KP; pc += 32) {
+        const int rb = p * L::KP + pc;
+        float acc[4][4] = {};
+#pragma unroll
+        for (int kt = 0; kt < V / 16; kt++) {
+          uint32_t fa[4];
+          ldsm_x4(s0 + L::oD + ((jb + arow) * L::ldV + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+#pragma unroll
+          for (int nt = 0; nt < 4; nt += 2) {
+            uint32_t b0, b1, b2, b3;
+            ldsm_x4_t(s0 + L::oHb + ((kt * 16 + trow) * L::ldH + pc + nt * 8 + tcol) * 2, b0, b1, b2, b3);
+            mma16816(acc[nt], fa, b0, b1);
+            mma16816(acc[nt + 1], fa, b2, b3);
+          }
+        }
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+          const int j = jb + grp + 8 * hf;
+          const float w = __expf(sGc[C - 1] - sGc[j]) * sKinv[j];
+#pragma unroll
+          for (int nt = 0; nt < 4; nt++) {
+            acc[nt][2 * hf] *= w;
+            acc[nt][2 * hf + 1] *= w;
+            const float2 kv = unpack_bf16(*reinterpret_cast<const uint32_t *>(
+                smem + L::oKn + (j * L::ldK + rb + nt * 8 + 2 * tig) * 2));
+            z[hf] += kv.x * acc[nt][2 * hf] + kv.y * acc[nt][2 * hf + 1];
+          }
+        }
+#pragma unroll
+        for (int kt = 0; kt < TC / 16; kt++) {
+          if (jb > (kt * 16 + 15) * n + n - 1) continue; /* Ps zero there */
+          uint32_t fa[4];
+          ldsm_x4_t(s0 + L::oPs + ((kt * 16 + atk) * L::ldC + jb + atm) * 2, fa[0], fa[1], fa[2], fa[3]);
+#pragma unroll
+          for (int nt = 0; nt < 4; nt += 2) {
+            uint32_t b0, b1, b2, b3;
+            ldsm_x4_t(s0 + L::oQn + ((kt * 16 + trow) * L::ldK + rb + nt * 8 + tcol) * 2, b0, b1, b2, b3);
+            mma16816(acc[nt], fa, b0, b1);
+            mma16816(acc[nt + 1], fa, b2, b3);
+          }
+        }
+        const float n0 = 1.f / sKinv[jb + grp], n1 = 1.f / sKinv[jb + grp + 8];
+        float *out = go.dKnA + fresh_chi() * C * K + (int64_t)(jb + grp) * K + rb + 2 * tig;
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++) {
+          *reinterpret_cast<float2 *>(out + nt * 8) = make_float2(acc[nt][0] * n0, acc[nt][1] * n0);
+          *reinterpret_cast<float2 *>(out + 8 * K + nt * 8) = make_float2(acc[nt][2] * n1, acc[nt][3] * n1);
+        }
+      }
+#pragma unroll
+      for (int hf = 0; hf < 2; hf++) {
+        float zz = z[hf];
+        zz += __shfl_xor_sync(0xffffffffu, zz, 1);
+        zz += __shfl_xor_sync(0xffffffffu, zz, 2);
+        if (tig == 0) atomicAdd(sZ + jb + grp + 8 * hf, zz);
+      }
+    }
+  }
+  __syncthreads(); /* D and the dH^T panel no longer read: dD over D, h^T panel 0 */
+  copy_panel<C, V, 256>(smem + L::oD, L::ldV, a.dDbuf + fresh_chi() * C * V, V, C);
+  cp_async_commit();
+  load_key_panel<K, V, L::ldH>(smem + L::oHb, go.hT32 + fresh_chi() * V * K, 0);
+  cp_async_wait<0>();
+  __syncthreads();
+
+  /* ---- per key panel: P3b (dWg = -dD h^T, 16 steps x 64 columns, in quarters) on warps 0..3, P2
+   * (dqn = scale e^{gc_ia} dO h^T + Ps kn, 16 query rows x 32 columns) on warps 4..7. */
+  constexpr int nQp = (TC / 16) * 2; /* dq items per pass */
+  const int wq = warp - 4, qmb = (wq >> 1) * 16;
+  /* (a loop, not unrolled: unrolled, address terms common to the passes were kept live
+   * across them and spilled at K = V = 128) */
+#pragma unroll 1
+  for (int p = 0; p < NP; p++) {
+    if (p > 0) {
+      __syncthreads(); /* panel p-1 no longer read */
+      /* (the dq warps hold their first panel's accumulators here: half rounds) */
+      load_key_panel<K, V, L::ldH, (V * 16 / 256 >= 8 ? 4 : V * 16 / 256)>(smem + L::oHb, go.hT32 + fresh_chi() * V * K, p);
+      __syncthreads();
+    }
+    if (warp < C / 16) {
+      /* four quarters of 16 columns: 8 accumulators, not 32, next to the dq items' (each
+       * output's sum over V is the same) */
+#pragma unroll 1
+      for (int pc = 0; pc < L::KP; pc += 16) {
+        const int jb = warp * 16, rb = p * L::KP + pc;
+        float acc[2][4] = {};
+#pragma unroll
+        for (int kt = 0; kt < V / 16; kt++) {
+          uint32_t fa[4], b0, b1, b2, b3;
+          ldsm_x4(s0 + L::oD + ((jb + arow) * L::ldV + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+          ldsm_x4_t(s0 + L::oHb + ((kt * 16 + trow) * L::ldH + pc + tcol) * 2, b0, b1, b2, b3);
+          mma16816(acc[0], fa, b0, b1);
+          mma16816(acc[1], fa, b2, b3);
+        }
+        bf16 *out = go.dWg + fresh_chi() * C * K + (int64_t)(jb + grp) * K + rb + 2 * tig;
+#pragma unroll
+        for (int nt = 0; nt < 2; nt++) {
+          *reinterpret_cast<uint32_t *>(out + nt * 8) = pack_bf16(-acc[nt][0], -acc[nt][1]);
+          *reinterpret_cast<uint32_t *>(out + 8 * K + nt * 8) = pack_bf16(-acc[nt][2], -acc[nt][3]);
+        }
+      }
+    } else if (wq >= 0 && wq < nQp) {
+      const int pc = 32 * (wq & 1), qrb = p * L::KP + pc; /* panel column, key column */
+      float dqa[4][4] = {};
+#pragma unroll
+      for (int kt = 0; kt < V / 16; kt++) {
+        uint32_t fa[4];
+        ldsm_x4(s0 + L::odO + ((qmb + arow) * L::ldV + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+#pragma unroll
+        for (int nt = 0; nt < 4; nt += 2) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4_t(s0 + L::oHb + ((kt * 16 + trow) * L::ldH + pc + nt * 8 + tcol) * 2, b0, b1, b2, b3);
+          mma16816(dqa[nt], fa, b0, b1);
+          mma16816(dqa[nt + 1], fa, b2, b3);
+        }
+      }
+      const float f0 = scale * __expf(sGc[(qmb + grp) * n + n - 1]) * sQinv[qmb + grp],
+                  f1 = scale * __expf(sGc[(qmb + grp + 8) * n + n - 1]) * sQinv[qmb + grp + 8];
+#pragma unroll
+      for (int nt = 0; nt < 4; nt++) dqa[nt][0] *= f0, dqa[nt][1] *= f0, dqa[nt][2] *= f1, dqa[nt][3] *= f1;
+#pragma unroll
+      for (int kt = 0; kt < C / 16; kt++) {
+        if (kt * 16 > (qmb + 15) * n + n - 1) continue; /* Ps zero there */
+        uint32_t fa[4];
+        ldsm_x4(s0 + L::oPs + ((qmb + arow) * L::ldC + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+#pragma unroll
+        for (int nt = 0; nt < 4; nt += 2) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4_t(s0 + L::oKn + ((kt * 16 + trow) * L::ldK + qrb + nt * 8 + tcol) * 2, b0, b1, b2, b3);
+          mma16816(dqa[nt], fa, b0, b1);
+          mma16816(dqa[nt + 1], fa, b2, b3);
+        }
+      }
+#pragma unroll
+      for (int hf = 0; hf < 2; hf++) {
+        const int qa = qmb + grp + 8 * hf;
+        float d = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++) {
+          const float2 qv = unpack_bf16(*reinterpret_cast<const uint32_t *>(
+              smem + L::oQn + (qa * L::ldK + qrb + nt * 8 + 2 * tig) * 2));
+          d += qv.x * dqa[nt][2 * hf] + qv.y * dqa[nt][2 * hf + 1];
+        }
+        d += __shfl_xor_sync(0xffffffffu, d, 1);
+        d += __shfl_xor_sync(0xffffffffu, d, 2);
+        if (tig == 0) atomicAdd(sQdot + qa, d);
+      }
+      if (p < NP - 1) {
+        /* Stash the first panel's accumulators (float) in this warp's own bytes of the
+         * dq rows it writes in P4 (K = 128: 64 floats = one 256-byte bf16 row; warp pc
+         * owns bytes [2 pc, 2 pc + 64) and [128 + 2 pc, 128 + 2 pc + 64), exactly its
+         * bf16 outputs of both panels), instead of holding 16 more registers through the
+         * next pass (they spill at 80).  Only rows of this chunk (qa < ntok). */
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+          const int qa = qmb + grp + 8 * hf;
+          if (qa >= fresh_ci().ntok) continue;
+          unsigned char *srow = (unsigned char *)((bf16 *)a.dq + (((int64_t)fresh_ci().t0 + qa) * H + fresh_h()) * K);
+#pragma unroll
+          for (int nt = 0; nt < 4; nt++)
+            *reinterpret_cast<float2 *>(srow + (nt < 2 ? 0 : 128) + 2 * pc + 4 * ((nt & 1) * 8 + 2 * tig)) =
+                make_float2(dqa[nt][2 * hf], dqa[nt][2 * hf + 1]);
+        }
+      }
+      if (p == NP - 1) {
+        /* ---- P4 (dq out) right here, after a named barrier of the dq warps only (they
+         * alone add to sQdot): the dq accumulators then end inside this branch, and are
+         * not live (16 registers) through the P3b branch, where they spilled */
+        asm volatile("bar.sync 1, %0;" ::"r"(nQp * 32) : "memory");
+        bf16 *dq = (bf16 *)a.dq;
+        /* the first panel's stashed accumulators back (this thread's own writes), then a
+         * __syncwarp: the bf16 stores below overwrite other lanes' stash bytes */
+        float2 st[2][4];
+        if constexpr (NP > 1) {
+#pragma unroll
+          for (int hf = 0; hf < 2; hf++) {
+            const int qa = qmb + grp + 8 * hf;
+            const unsigned char *srow = (const unsigned char *)(dq + (((int64_t)fresh_ci().t0 + qa) * H + fresh_h()) * K);
+#pragma unroll
+            for (int nt = 0; nt < 4; nt++)
+              st[hf][nt] = qa < fresh_ci().ntok ? *reinterpret_cast<const float2 *>(
+                                              srow + (nt < 2 ? 0 : 128) + 2 * pc + 4 * ((nt & 1) * 8 + 2 * tig))
+                                        : make_float2(0.f, 0.f);
+          }
+          __syncwarp();
+        }
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+          const int qa = qmb + grp + 8 * hf;
+          if (qa >= fresh_ci().ntok) continue;
+          const float inv = sQinv[qa], dot = sQdot[qa] * inv * inv;
+#pragma unroll
+          for (int pp = 0; pp < NP; pp++) {
+            const int qrb = pp * L::KP + pc;
+            bf16 *row = dq + (((int64_t)fresh_ci().t0 + qa) * H + fresh_h()) * K + qrb + 2 * tig;
+#pragma unroll
+            for (int nt = 0; nt < 4; nt++) {
+              float o0 = pp < NP - 1 ? st[hf][nt].x : dqa[nt][2 * hf],
+                    o1 = pp < NP - 1 ? st[hf][nt].y : dqa[nt][2 * hf + 1];
+              if (a.l2norm) {
+                const float2 qv = unpack_bf16(*reinterpret_cast<const uint32_t *>(
+                    smem + L::oQn + (qa * L::ldK + qrb + nt * 8 + 2 * tig) * 2));
+                o0 = o0 - qv.x * dot;
+                o1 = o1 - qv.y * dot;
+              }
+              *reinterpret_cast<uint32_t *>(row + nt * 8) = pack_bf16(o0, o1);
+            }
+          }
+        }
+      }
+    }
+  }
+
+  __syncthreads();
+
+  /* ---- the gate terms (as grad_state_kernel_v3) */
+  const float last = sGc[C - 1];
+  if (warp == 0) {
+    float zs = 0.f;
+    for (int j = lane; j < C; j += 32) zs += sZ[j];
+    zs = warp_sum(zs);
+    float dts = 0.f;
+#pragma unroll
+    for (int w = 0; w < 8; w++) dts += sDot[w];
+    for (int j = lane; j < C; j += 32) {
+      float v = sDgc[j] - sZ[j];
+      if (j % n == n - 1) v += sQdot[j / n];
+      if (j == C - 1) v += __expf(last) * dts + zs;
+      go.dgcA[fresh_chi() * C + j] = v;
+    }
+  }
+  }
+}
+
 /* ------------------------------------------------------------------ per-chunk gradients, WY part */
 
 template <int K, int V, int C>
@@ -1632,7 +2129,22 @@ static gdp_status launch_seq(const Plan &plan, int bv, bool states, bool dry_run
 template <int K, int V, int C, int TC>
 static gdp_status launch_grad_state_kv(const Plan &plan, const GradStateOut &go, bool wy) {
   const dim3 grid((unsigned)plan.a.nchunks, (unsigned)plan.a.H);
-  if (!wy) {
+  /* The state part: grad_state3_kernel_v3 (three blocks per SM) unless
+   * GDP_CUDA_V3_GS=2b picks the earlier two-per-SM schedule (same results, bit for bit;
+   * kept for timing comparisons and as the fallback). */
+  static const bool gs_two = [] {
+    const char *e = getenv("GDP_CUDA_V3_GS");
+    return e && strcmp(e, "2b") == 0;
+  }();
+  if (!wy && !gs_two) {
+    using L = GradState3Layout<K, V, C, TC>;
+    auto kern = grad_state3_kernel_v3<K, V, C, TC>;
+    GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
+    /* three blocks per SM need the largest shared-memory carveout */
+    GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+    kern<<<grid, 256, L::total, plan.stream>>>(plan.a, go);
+    GDP_CUDA_LAUNCHED("grad_state3_kernel_v3");
+  } else if (!wy) {
     using L = GradStateLayout<K, V, C, TC>;
     auto kern = grad_state_kernel_v3<K, V, C, TC>;
     GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
