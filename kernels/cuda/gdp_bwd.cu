@@ -1026,7 +1026,7 @@ extern "C" gdp_status gdp_cuda_gdp_backward_v2(const gdp_gdp_problem *p, const g
   cudaStream_t stream = (cudaStream_t)stream_;
   Plan plan;
   prof_begin(stream);
-  GDP_TRY(plan_make(p, stream, true, bwd_args(p, io), &plan));
+  GDP_TRY(plan_make(p, stream, PLAN_BACKWARD_V2, bwd_args(p, io), &plan));
   plan.bv_bwd = choose_dstate_bv(plan.a, p->N);
   prof_mark("bwd plan+upload", stream);
   gdp_status st = launch_prep(plan);

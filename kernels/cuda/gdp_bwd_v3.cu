@@ -100,16 +100,92 @@ __device__ __forceinline__ void store_afrag(bf16 *base, int r0, const uint32_t (
   }
 }
 
+/* A warp's float32 staging buffer for the transposed state copies (h^T, dH^T:
+ * store_fragT32_half below): eight rows of K floats, each padded by 32 bytes so that the
+ * eight rows of one fragment store start 8 banks apart (2 wavefronts per 256-byte
+ * STS.64, the minimum).  As gdp_fwd_v3.cu's HtStage. */
+template <int K, int C>
+struct HtStage {
+  static constexpr int row = K * 4 + 32;
+  /* the same buffer then stages the warp's D tile (C rows of 16 bf16, store_afrags_staged):
+   * rows 48 bytes apart, so the four rows of one 2-byte fragment store fall in distinct
+   * banks and every row starts on 16 bytes */
+  static constexpr int drow = 48;
+  static constexpr int warp_bytes = 8 * row > C * drow ? 8 * row : C * drow;
+};
+
 /* The float32 accumulator tiles X[nt] of a transposed K-column matrix (X[nt][e] = M^T[x][r],
- * x = grp + 8(e/2), r = 8nt + 2tig + e%2) to M^T's row-major [x][r] float32 copy: `base`
- * points at (x = this lane's grp row, r = 2tig); each register pair is one 8-byte store. */
-template <int K>
-__device__ __forceinline__ void store_fragT32(float *base, const float (&X)[K / 8][4]) {
+ * x = xw + grp + 8(e/2), r = 8nt + 2tig + e%2) to M^T's row-major [x][r] float32 copy,
+ * half of the warp's 16 rows at a time: half hf takes e = 2hf, 2hf+1, i.e. rows
+ * xw + 8hf + grp, whole (K floats each).
+ * The fragments go to the warp's staging buffer (HtStage, at stage0 + warp * warp_bytes;
+ * row grp, float 8nt + 2tig) and come back as whole rows, lane l taking float4 l % (K/4)
+ * of row l / (K/4): each STG.128 then writes 512 contiguous bytes (four full 128-byte
+ * lines) at `grow` = global row xw + 8hf.  The same floats at the same addresses as the
+ * 8-byte stores straight from the fragments that this replaces, which touched 8 lines
+ * per instruction with 32 bytes each: 4x the L2 requests (ncu: L2 85-92% busy in these
+ * passes, DRAM 55-60%).  Plain shared and global stores, no bulk async copy: on sm_90 the
+ * bulk-store wait (cp.async.bulk.wait_group.read) compiles to the same DEPBAR on SB0 as
+ * the panels' cp.async.wait_group, so it would drain the panel prefetch too.  The first
+ * __syncwarp orders the previous half's reads of the buffer (all lanes) before these
+ * writes; the second, the writes before the reads. */
+template <int K, int C>
+__device__ __forceinline__ void store_fragT32_half(unsigned char *stage0, float *grow, const float (&X)[K / 8][4],
+                                                   int hf) {
+  constexpr int kF4 = K / 4;      /* float4 per row */
+  constexpr int kRows = 32 / kF4; /* rows per warp instruction: 1 (K = 128), 2 (K = 64) */
+  /* thread index re-read here (volatile: not hoisted), so no lane-derived address stays
+   * live across the chunk loop: the passes run at up to 255 registers */
+  uint32_t tid;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+  const int lane = (int)(tid & 31);
+  unsigned char *buf = stage0 + (tid >> 5) * HtStage<K, C>::warp_bytes;
+  __syncwarp();
+  float *s = reinterpret_cast<float *>(buf + (lane >> 2) * HtStage<K, C>::row) + 2 * (lane & 3);
 #pragma unroll
-  for (int nt = 0; nt < K / 8; nt++) {
-    *reinterpret_cast<float2 *>(base + nt * 8) = make_float2(X[nt][0], X[nt][1]);
-    *reinterpret_cast<float2 *>(base + 8 * K + nt * 8) = make_float2(X[nt][2], X[nt][3]);
-  }
+  for (int nt = 0; nt < K / 8; nt++)
+    *reinterpret_cast<float2 *>(s + nt * 8) = hf ? make_float2(X[nt][2], X[nt][3]) : make_float2(X[nt][0], X[nt][1]);
+  __syncwarp();
+  const int r = lane / kF4, c4 = lane % kF4;
+  const unsigned char *src = buf + r * HtStage<K, C>::row + c4 * 16;
+  float *dst = grow + r * K + c4 * 4;
+#pragma unroll
+  for (int i = 0; i < 8; i += kRows)
+    *reinterpret_cast<float4 *>(dst + i * K) = *reinterpret_cast<const float4 *>(src + i * HtStage<K, C>::row);
+}
+
+/* A bf16 [C][V] tile from the warp's C/16 A fragments (D, dD: register q of A[kt] =
+ * M[16kt + 2tig + 8(q/2) + {0,1}][xw + grp + 8(q%2)], each XOR `flip`), through the warp's
+ * staging buffer (HtStage: row j at j * drow, the 16 columns xw.. contiguous): 2-byte
+ * shared stores, then lane l copies 16 bytes (columns 8(l%2)..+7) of row l/2 (+16i), so
+ * every STG.128 writes 16 rows x 32 bytes, one whole sector per row.  `g` = row 0, column
+ * xw.  The 2-byte global stores this replaces wrote each sector in two 16-byte halves
+ * (2x the L2 requests).  Syncs as in store_fragT32_half. */
+template <int K, int C>
+__device__ __forceinline__ void store_afrags_staged(unsigned char *stage0, bf16 *g, int64_t ld,
+                                                    const uint32_t (&A)[C / 16][4], uint32_t flip) {
+  constexpr int kRow = HtStage<K, C>::drow;
+  uint32_t tid;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+  const int lane = (int)(tid & 31);
+  unsigned char *buf = stage0 + (tid >> 5) * HtStage<K, C>::warp_bytes;
+  __syncwarp();
+  unsigned char *s = buf + 2 * (lane & 3) * kRow + (lane >> 2) * 2;
+#pragma unroll
+  for (int kt = 0; kt < C / 16; kt++)
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+      const uint32_t v = A[kt][q] ^ flip;
+      unsigned char *e = s + (16 * kt + 8 * (q >> 1)) * kRow + 16 * (q & 1);
+      *reinterpret_cast<uint16_t *>(e) = (uint16_t)(v & 0xffffu);
+      *reinterpret_cast<uint16_t *>(e + kRow) = (uint16_t)(v >> 16);
+    }
+  __syncwarp();
+  const int r = lane >> 1, h16 = (lane & 1) * 16;
+#pragma unroll
+  for (int i = 0; i < C; i += 16)
+    *reinterpret_cast<uint4 *>(reinterpret_cast<unsigned char *>(g + (i + r) * ld) + h16) =
+        *reinterpret_cast<const uint4 *>(buf + (i + r) * kRow + h16);
 }
 
 /* ROWS x COLS bf16 panel, global row stride gld -> shared row stride sld, 16 bytes per
@@ -171,7 +247,8 @@ struct StatesLayout {
   static constexpr int oU = oKd + C * ldK * 2;
   static constexpr int oUl = oU + C * ldB * 2; /* U's residual (a.Ulo), when given */
   static constexpr int stage = (oUl + C * ldB * 2 + 127) / 128 * 128;
-  static constexpr int total = stage * kStages;
+  static constexpr int oHt = stage * kStages; /* h^T staging, one HtStage per warp */
+  static constexpr int total = oHt + BV / 16 * HtStage<K, C>::warp_bytes;
 };
 
 /* Grid (sequence, head, value block of BV columns); warp w owns value columns
@@ -223,7 +300,7 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) bwd_states_kernel_v3(GdpArgs 
   const int urow = (lane >> 4) * 8 + (lane & 7), ucol = warp * 16 + ((lane >> 3) & 1) * 8;
   const uint32_t smem0 = smem_addr(smem);
   const bool ulo = a.Ulo != nullptr;
-
+  
   for (int it = 0; it < nc; it++) {
     const int64_t CHi = (int64_t)(cbeg + it) * H + h;
     const float el = a.elast[CHi];
@@ -255,7 +332,9 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) bwd_states_kernel_v3(GdpArgs 
       Dt[2 * jt + 1][2] = -f3.x, Dt[2 * jt + 1][3] = -f3.y;
     }
     bf16 *gh = a.hbuf + CHi * K * V + xw + grp;
-    if (hT32) store_fragT32<K>(hT32 + CHi * V * K + (int64_t)(xw + grp) * K + 2 * tig, St);
+    /* h^T rows xw..xw+7 now, xw+8..15 after the D products (St is unchanged until the
+     * decay): the stores of each half overlap the products that follow */
+    if (hT32) store_fragT32_half<K, C>(smem + L::oHt, hT32 + CHi * V * K + (int64_t)xw * K, St, 0);
 #pragma unroll
     for (int kt = 0; kt < K / 16; kt++) {
       uint32_t Sa[4];
@@ -271,11 +350,8 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) bwd_states_kernel_v3(GdpArgs 
     }
     uint32_t Da[C / 16][4];
     to_afrag<C / 16>(Dt, Da, -1.f);
-    {
-      bf16 *gD = a.Dbuf + CHi * C * V + xw + grp;
-#pragma unroll
-      for (int kt = 0; kt < C / 16; kt++) store_afrag<V>(gD, kt * 16 + 2 * tig, Da[kt]);
-    }
+    if (hT32) store_fragT32_half<K, C>(smem + L::oHt, hT32 + CHi * V * K + (int64_t)(xw + 8) * K, St, 1);
+    store_afrags_staged<K, C>(smem + L::oHt, a.Dbuf + CHi * C * V + xw, V, Da, 0u);
 
     /* S^T <- e^{last} S^T + D^T Kd */
 #pragma unroll
@@ -306,7 +382,8 @@ struct DStateLayout {
   static constexpr int oPm = oQd + TC * ldK * 2;
   static constexpr int odO = oPm + TC * ldC * 2;
   static constexpr int stage = (odO + TC * ldB * 2 + 127) / 128 * 128;
-  static constexpr int total = stage * kStages;
+  static constexpr int oHt = stage * kStages; /* dH^T staging, one HtStage per warp */
+  static constexpr int total = oHt + BV / 16 * HtStage<K, C>::warp_bytes;
 };
 
 /* Grid (sequence, head, value block of BV columns); warp w owns value columns
@@ -368,7 +445,7 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) dstate_kernel_v3(GdpArgs a, f
    * (m hi, k hi) */
   const int orow = (lane >> 4) * 8 + (lane & 7), ocol = warp * 16 + ((lane >> 3) & 1) * 8;
   const uint32_t smem0 = smem_addr(smem);
-
+  
   for (int it = 0; it < nc; it++) {
     const int64_t CHi = (int64_t)(cbeg + nc - 1 - it) * H + h;
     const float el = a.elast[CHi];
@@ -386,7 +463,9 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) dstate_kernel_v3(GdpArgs a, f
 #pragma unroll
     for (int nt = 0; nt < C / 8; nt++) Gt[nt][0] = Gt[nt][1] = Gt[nt][2] = Gt[nt][3] = 0.f;
     bf16 *gdh = a.dHbuf + CHi * K * V + xw + grp;
-    if (dHT32) store_fragT32<K>(dHT32 + CHi * V * K + (int64_t)(xw + grp) * K + 2 * tig, Ht);
+    /* dH^T rows xw..xw+7 now, xw+8..15 after the dD products (Ht is unchanged until the
+     * decay): the stores of each half overlap the products that follow */
+    if (dHT32) store_fragT32_half<K, C>(smem + L::oHt, dHT32 + CHi * V * K + (int64_t)xw * K, Ht, 0);
 #pragma unroll
     for (int kt = 0; kt < K / 16; kt++) {
       uint32_t Ha[4];
@@ -417,16 +496,9 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) dstate_kernel_v3(GdpArgs a, f
     /* -dD^T as A fragments; dD (bf16, the same rounding) to the workspace */
     uint32_t Ga[C / 16][4];
     to_afrag<C / 16>(Gt, Ga, -1.f);
-    {
-      bf16 *gdd = a.dDbuf + CHi * C * V + xw + grp;
-#pragma unroll
-      for (int kt = 0; kt < C / 16; kt++) {
-        uint32_t pos[4]; /* flip the sign bits back: exact */
-#pragma unroll
-        for (int q = 0; q < 4; q++) pos[q] = Ga[kt][q] ^ 0x80008000u;
-        store_afrag<V>(gdd, kt * 16 + 2 * tig, pos);
-      }
-    }
+    if (dHT32) store_fragT32_half<K, C>(smem + L::oHt, dHT32 + CHi * V * K + (int64_t)(xw + 8) * K, Ht, 1);
+    /* flip the sign bits back: exact */
+    store_afrags_staged<K, C>(smem + L::oHt, a.dDbuf + CHi * C * V + xw, V, Ga, 0x80008000u);
 
     /* dH^T <- e^{last} dH^T + dO^T Qd + (-dD^T) W   (float32 accumulators) */
 #pragma unroll
@@ -945,26 +1017,532 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
   }
 }
 
+/* ------------------------------------------------------------------ per-chunk gradients, state part, three blocks per SM */
+
+/* Shared-memory layout of grad_state3_kernel_v3 (bytes; rows padded by 16 bytes).  The
+ * K x V buffer holds one 64-column panel of dH^T or h^T at a time ([V][64], the key
+ * columns of one pass), and dD takes D's region once P3a is done, so the block needs
+ * <= ~75 KB (76576 bytes at K = V = 128, C = 64): three blocks per SM (228 KB, 1 KB
+ * reserved per block) where grad_state_kernel_v3 (108 KB) fits two. */
+template <int K, int V, int C, int TC>
+struct GradState3Layout {
+  static constexpr int KP = 64, NP = K / KP; /* panel columns, passes */
+  static constexpr int ldK = K + kPad, ldV = V + kPad, ldC = C + kPad, ldH = KP + kPad;
+  static constexpr int oHb = 0;                       /* dH^T, later h^T: [V][64] bf16, one key panel */
+  static constexpr int oD = oHb + V * ldH * 2;        /* D [C][V]; after P3a dD [C][V] */
+  static constexpr int odO = oD + C * ldV * 2;        /* dO [TC][V], query rows, 0 past the end */
+  static constexpr int oKn = odO + TC * ldV * 2;      /* k raw [C][K] */
+  static constexpr int oQn = oKn + C * ldK * 2;       /* q raw [TC][K] */
+  static constexpr int oPs = oQn + TC * ldK * 2;      /* Ps'' [TC][C] */
+  static constexpr int oF = oPs + TC * ldC * 2;       /* floats below */
+  static constexpr int fGc = 0, fDgc = C, fZ = 2 * C, fQinv = 3 * C, fQdot = 3 * C + TC, fDot = 3 * C + 2 * TC,
+                       fKinv = 3 * C + 2 * TC + 8, nF = 4 * C + 2 * TC + 8;
+  static constexpr int total = oF + nF * 4;
+  static_assert(total + 1024 <= 228 * 1024 / 3, "three blocks per SM");
+};
+
+/* One 64-column key panel p of a float32 [V][K] matrix (h^T or dH^T) -> bf16 [V][64]
+ * shared (row stride ldH); 16 float4 per row, V / 16 per thread (8 at V = 128). */
+template <int K, int V, int ldH, int ROUND = V * 16 / 256>
+__device__ __forceinline__ void load_key_panel(unsigned char *dst, const float *src, int p) {
+  constexpr int per = V * 16 / 256; /* float4 per thread, loaded ROUND at a time */
+  static_assert(V * 16 % 256 == 0 && per % ROUND == 0, "whole rounds");
+  const float4 *s = (const float4 *)src;
+#pragma unroll
+  for (int u0 = 0; u0 < per; u0 += ROUND) {
+    float4 v[ROUND];
+#pragma unroll
+    for (int u = 0; u < ROUND; u++) {
+      const int i = (u0 + u) * 256 + (int)threadIdx.x, x = i >> 4, c4 = i & 15;
+      v[u] = __ldcs(s + (x * K + 64 * p) / 4 + c4); /* the last read of that panel */
+    }
+#pragma unroll
+    for (int u = 0; u < ROUND; u++) {
+      const int i = (u0 + u) * 256 + (int)threadIdx.x, x = i >> 4, c4 = i & 15;
+      *reinterpret_cast<uint2 *>(dst + (x * ldH + 4 * c4) * 2) =
+          make_uint2(pack_bf16(v[u].x, v[u].y), pack_bf16(v[u].z, v[u].w));
+    }
+  }
+}
+
+/* The same outputs as grad_state_kernel_v3 (above: the math), bit for bit: every product
+ * item, summation order and rounding is the same; only the schedule differs.  The K x V
+ * matrices go through shared memory one 64-column key panel at a time (K / 64 passes of
+ * P3a, then of P3b + P2), which with dD loaded over D after P3a brings the block to
+ * ~75 KB and so three blocks (24 warps) per SM instead of two: the kernel is latency
+ * bound (ncu: 20.5 warp cycles per issued instruction, DRAM 52%), and a third block's
+ * loads run under the other two's products.  The price: K / 64 - 1 more L2 round trips
+ * for the dH^T panels and the h^T panels all re-read (from L2: the bulk prefetches keep
+ * them there), a few more barriers, and 80 registers (per-thread float32 load rounds
+ * of 4 float4 instead of 8, 64-column items in halves / quarters).  Per pass, warps 0..3
+ * take the P3 items (16 steps x the panel's 64 columns), warps 4..7 the dq items (16
+ * query rows x 32 columns); a dq warp parks its first panel's float accumulators in its
+ * own bytes of the dq rows (global, L2) and writes dq after a named barrier of the dq
+ * warps.  Checked on the CPU emulator: bit-identical to grad_state_kernel_v3. */
+template <int K, int V, int C, int TC>
+__global__ void __launch_bounds__(256, 3) grad_state3_kernel_v3(GdpArgs a, GradStateOut go) {
+  using L = GradState3Layout<K, V, C, TC>;
+  constexpr int NN = C / TC, NP = L::NP;
+  static_assert(K % 64 == 0 && V % 16 == 0 && C % 16 == 0 && TC % 16 == 0 && NN * TC == C, "shapes");
+  static_assert(C <= 64 && TC <= 32, "per pass: <= 4 P3 items (warps 0..3), <= 4 dq items (warps 4..7)");
+  static_assert(NP <= 2, "the dq stash holds one panel (K <= 128)");
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int c = blockIdx.x, h = blockIdx.y;
+  const ChunkInfo ci = a.chunks[c];
+  const int H = a.H, n = NN, nv = ci.ntok * NN;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, grp = lane >> 2, tig = lane & 3;
+  const int64_t CHi = (int64_t)c * H + h;
+  const int64_t krow0 = (int64_t)ci.t0 * NN;
+  const float scale = a.scale;
+  const bf16 *gk = (const bf16 *)a.k, *gq = (const bf16 *)a.q, *gg = (const bf16 *)a.g,
+             *d_o = (const bf16 *)a.d_o;
+  float *sF = (float *)(smem + L::oF);
+  float *sGc = sF + L::fGc, *sDgc = sF + L::fDgc, *sZ = sF + L::fZ,
+        *sQinv = sF + L::fQinv, *sQdot = sF + L::fQdot, *sDot = sF + L::fDot, *sKinv = sF + L::fKinv;
+  const uint32_t s0 = smem_addr(smem);
+
+  /* ---- loads: as grad_state_kernel_v3, and dD (read after P3a, over D) pulled into L2
+   * by a third bulk prefetch */
+  if (tid == 0) {
+    prefetch_l2_bulk(go.dHT32 + CHi * V * K, V * K * 4);
+    prefetch_l2_bulk(go.hT32 + CHi * V * K, V * K * 4);
+    prefetch_l2_bulk(a.dDbuf + CHi * C * V, C * V * 2);
+  }
+  copy_panel<C, V, 256>(smem + L::oD, L::ldV, a.Dbuf + CHi * C * V, V, C);
+  copy_panel<TC, V, 256>(smem + L::odO, L::ldV, d_o + ((int64_t)ci.t0 * H + h) * V, (int64_t)H * V, ci.ntok);
+  copy_panel<C, K, 256>(smem + L::oKn, L::ldK, gk + (krow0 * H + h) * K, (int64_t)H * K, nv);
+  copy_panel<TC, K, 256>(smem + L::oQn, L::ldK, gq + ((int64_t)ci.t0 * H + h) * K, (int64_t)H * K, ci.ntok);
+  cp_async_commit();
+  if (tid < C) {
+    sDgc[tid] = 0.f;
+    sZ[tid] = 0.f;
+  }
+  if (tid < TC) sQdot[tid] = 0.f;
+  if (warp == 0) { /* gc: the prep's token scan (see grad_state_kernel_v3) */
+    const float gt = (gg && lane < ci.ntok) ? __bfloat162float(gg[((int64_t)ci.t0 + lane) * H + h]) : 0.f;
+    float acc = 0.f;
+#pragma unroll
+    for (int m = 0; m < TC; m++) {
+      const float gm = __shfl_sync(0xffffffffu, gt, m);
+      if (m <= lane) acc += gm;
+    }
+    if (lane < TC)
+#pragma unroll
+      for (int r = 0; r < n; r++) sGc[lane * n + r] = acc;
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  /* kinv, qinv of the raw rows (a quad per row), as grad_state_kernel_v3 */
+  for (int i0 = 8 * warp; i0 < C + TC; i0 += 64) {
+    const int i = i0 + (lane >> 2);
+    const bool isq = i >= C;
+    const int row = isq ? i - C : i;
+    const unsigned char *rp = smem + (isq ? L::oQn : L::oKn) + (row * L::ldK + 8 * (lane & 3)) * 2;
+    float ss = 0.f;
+#pragma unroll
+    for (int m = 0; m < K / 32; m++) {
+      const uint4 u = *reinterpret_cast<const uint4 *>(rp + 64 * m);
+      const float2 x0 = unpack_bf16(u.x), x1 = unpack_bf16(u.y), x2 = unpack_bf16(u.z), x3 = unpack_bf16(u.w);
+      ss += x0.x * x0.x + x0.y * x0.y + x1.x * x1.x + x1.y * x1.y + x2.x * x2.x + x2.y * x2.y + x3.x * x3.x + x3.y * x3.y;
+    }
+    ss += __shfl_xor_sync(0xffffffffu, ss, 1);
+    ss += __shfl_xor_sync(0xffffffffu, ss, 2);
+    const float inv = a.l2norm ? rsqrtf(ss + kNormEps) : 1.f;
+    if ((lane & 3) == 0) (isq ? sQinv : sKinv)[row] = inv;
+  }
+  __syncthreads();
+
+  const int arow = (lane & 7) + 8 * ((lane >> 3) & 1), acol = 8 * (lane >> 4);
+  const int nrow = (lane & 7) + 8 * (lane >> 4), ncol = 8 * ((lane >> 3) & 1);
+
+  /* ---- P1, as grad_state_kernel_v3 */
+  for (int item = warp; item < (TC / 16) * (C / 16); item += 8) {
+    const int mb = (item / (C / 16)) * 16, jb = (item % (C / 16)) * 16;
+    float dp[2][4] = {}, qk[2][4] = {};
+    if (jb <= (mb + 15) * n + n - 1) {
+#pragma unroll
+      for (int kt = 0; kt < V / 16; kt++) {
+        uint32_t fa[4], b0, b1, b2, b3;
+        ldsm_x4(s0 + L::odO + ((mb + arow) * L::ldV + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+        ldsm_x4(s0 + L::oD + ((jb + nrow) * L::ldV + kt * 16 + ncol) * 2, b0, b1, b2, b3);
+        mma16816(dp[0], fa, b0, b1);
+        mma16816(dp[1], fa, b2, b3);
+      }
+#pragma unroll
+      for (int kt = 0; kt < K / 16; kt++) {
+        uint32_t fa[4], b0, b1, b2, b3;
+        ldsm_x4(s0 + L::oQn + ((mb + arow) * L::ldK + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+        ldsm_x4(s0 + L::oKn + ((jb + nrow) * L::ldK + kt * 16 + ncol) * 2, b0, b1, b2, b3);
+        mma16816(qk[0], fa, b0, b1);
+        mma16816(qk[1], fa, b2, b3);
+      }
+    }
+    float colsum[2][2] = {};
+#pragma unroll
+    for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+      for (int hf = 0; hf < 2; hf++) {
+        const int qa = mb + grp + 8 * hf, ia = qa * n + n - 1, j = jb + 8 * nt + 2 * tig;
+        const float gi = sGc[ia], qi = sQinv[qa];
+        const float p0 = j <= ia ? scale * __expf(gi - sGc[j]) * dp[nt][2 * hf] * (qi * sKinv[j]) : 0.f;
+        const float p1 = j + 1 <= ia ? scale * __expf(gi - sGc[j + 1]) * dp[nt][2 * hf + 1] * (qi * sKinv[j + 1]) : 0.f;
+        *reinterpret_cast<uint32_t *>(smem + L::oPs + (qa * L::ldC + j) * 2) = pack_bf16(p0, p1);
+        colsum[nt][0] += p0 * qk[nt][2 * hf];
+        colsum[nt][1] += p1 * qk[nt][2 * hf + 1];
+      }
+#pragma unroll
+    for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+      for (int e = 0; e < 2; e++) {
+        float v = colsum[nt][e];
+        v += __shfl_xor_sync(0xffffffffu, v, 4);
+        v += __shfl_xor_sync(0xffffffffu, v, 8);
+        v += __shfl_xor_sync(0xffffffffu, v, 16);
+        if (grp == 0) atomicAdd(sDgc + jb + 8 * nt + 2 * tig + e, -v);
+      }
+  }
+
+  /* From here on, the block / lane indices and the chunk's token range are taken anew
+   * from fresh special-register reads (volatile: never merged with the first ones) and
+   * the ChunkInfo table, not held from the start: at 80 registers those long-lived
+   * values spill otherwise (16-24 bytes at K = 128). */
+  {
+  int tb;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tb));
+  /* (c, h) -> c H + h, and the chunk, at each use (every call reads %ctaid anew) */
+  auto fresh_chi = [&]() -> int64_t {
+    int cb, hb;
+    asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(cb));
+    asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(hb));
+    return (int64_t)cb * H + hb;
+  };
+  auto fresh_h = [&]() -> int {
+    int hb;
+    asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(hb));
+    return hb;
+  };
+  auto fresh_ci = [&]() -> ChunkInfo {
+    int cb;
+    asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(cb));
+    return a.chunks[cb];
+  };
+  const int warp = tb >> 5, lane = tb & 31, grp = lane >> 2, tig = lane & 3;
+  const int arow = (lane & 7) + 8 * ((lane >> 3) & 1), acol = 8 * (lane >> 4), trow = arow, tcol = acol;
+  const int atk = (lane & 7) + 8 * (lane >> 4), atm = 8 * ((lane >> 3) & 1), tid = tb;
+  /* ---- <dH, h> over the whole float32 copies (the same per-thread order: e ascending in
+   * steps of 256), and key panel 0 of dH^T -> bf16 shared on the way.  Rounds of 4 float4
+   * of each (80 registers).  dH is read again for panels >= 1: default caching here. */
+  {
+    const float4 *ph = (const float4 *)(go.hT32 + fresh_chi() * V * K), *pd = (const float4 *)(go.dHT32 + fresh_chi() * V * K);
+    float dot = 0.f;
+    constexpr int nvec = V * K / 4, per = 4;
+#pragma unroll 1 /* unrolled, the rounds' loads were hoisted into each other and spilled */
+    for (int e0 = 0; e0 < nvec; e0 += 256 * per) {
+      float4 hv[per], dv[per];
+#pragma unroll
+      for (int u = 0; u < per; u++) {
+        const int e = e0 + u * 256 + tid;
+        if (nvec % (256 * per) == 0 || e < nvec) hv[u] = ph[e], dv[u] = NP > 1 ? pd[e] : __ldcs(pd + e);
+      }
+#pragma unroll
+      for (int u = 0; u < per; u++) {
+        const int e = e0 + u * 256 + tid;
+        if (nvec % (256 * per) == 0 || e < nvec) {
+          dot += hv[u].x * dv[u].x + hv[u].y * dv[u].y + hv[u].z * dv[u].z + hv[u].w * dv[u].w;
+          const int x = (4 * e) / K, r = (4 * e) % K;
+          if (r < L::KP)
+            *reinterpret_cast<uint2 *>(smem + L::oHb + (x * L::ldH + r) * 2) =
+                make_uint2(pack_bf16(dv[u].x, dv[u].y), pack_bf16(dv[u].z, dv[u].w));
+        }
+      }
+    }
+    dot = warp_sum(dot);
+    if (lane == 0) sDot[warp] = dot;
+  }
+  /* h (every panel) and dH (panels >= 1) are read again: keep them in L2 */
+  if (tid == 0) prefetch_l2_bulk(go.hT32 + fresh_chi() * V * K, V * K * 4);
+  if (NP > 1 && tid == 32) prefetch_l2_bulk(go.dHT32 + fresh_chi() * V * K, V * K * 4);
+  __syncthreads();
+
+  /* ---- P3a per key panel: dKnA = e^{last-gc_j} D dH^T + Ps^T qn (z_j on the way),
+   * items of 16 steps x the panel's 64 columns on warps 0 .. C/16-1 */
+#pragma unroll 1
+  for (int p = 0; p < NP; p++) {
+    if (p > 0) {
+      __syncthreads(); /* panel p-1 no longer read */
+      load_key_panel<K, V, L::ldH>(smem + L::oHb, go.dHT32 + fresh_chi() * V * K, p);
+      __syncthreads();
+    }
+    if (warp < C / 16) {
+      /* the item's 64 columns in two halves of 32 (16 accumulators, not 32: 80 registers);
+       * z_j keeps running across the halves, so its terms add in the same order as over
+       * one 64-column item (grad_state_kernel_v3) */
+      const int jb = warp * 16;
+      float z[2] = {0.f, 0.f};
+#pragma unroll 1
+      for (int pc = 0; pc < L::KP; pc += 32) {
+        const int rb = p * L::KP + pc;
+        float acc[4][4] = {};
+#pragma unroll
+        for (int kt = 0; kt < V / 16; kt++) {
+          uint32_t fa[4];
+          ldsm_x4(s0 + L::oD + ((jb + arow) * L::ldV + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+#pragma unroll
+          for (int nt = 0; nt < 4; nt += 2) {
+            uint32_t b0, b1, b2, b3;
+            ldsm_x4_t(s0 + L::oHb + ((kt * 16 + trow) * L::ldH + pc + nt * 8 + tcol) * 2, b0, b1, b2, b3);
+            mma16816(acc[nt], fa, b0, b1);
+            mma16816(acc[nt + 1], fa, b2, b3);
+          }
+        }
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+          const int j = jb + grp + 8 * hf;
+          const float w = __expf(sGc[C - 1] - sGc[j]) * sKinv[j];
+#pragma unroll
+          for (int nt = 0; nt < 4; nt++) {
+            acc[nt][2 * hf] *= w;
+            acc[nt][2 * hf + 1] *= w;
+            const float2 kv = unpack_bf16(*reinterpret_cast<const uint32_t *>(
+                smem + L::oKn + (j * L::ldK + rb + nt * 8 + 2 * tig) * 2));
+            z[hf] += kv.x * acc[nt][2 * hf] + kv.y * acc[nt][2 * hf + 1];
+          }
+        }
+#pragma unroll
+        for (int kt = 0; kt < TC / 16; kt++) {
+          if (jb > (kt * 16 + 15) * n + n - 1) continue; /* Ps zero there */
+          uint32_t fa[4];
+          ldsm_x4_t(s0 + L::oPs + ((kt * 16 + atk) * L::ldC + jb + atm) * 2, fa[0], fa[1], fa[2], fa[3]);
+#pragma unroll
+          for (int nt = 0; nt < 4; nt += 2) {
+            uint32_t b0, b1, b2, b3;
+            ldsm_x4_t(s0 + L::oQn + ((kt * 16 + trow) * L::ldK + rb + nt * 8 + tcol) * 2, b0, b1, b2, b3);
+            mma16816(acc[nt], fa, b0, b1);
+            mma16816(acc[nt + 1], fa, b2, b3);
+          }
+        }
+        const float n0 = 1.f / sKinv[jb + grp], n1 = 1.f / sKinv[jb + grp + 8];
+        float *out = go.dKnA + fresh_chi() * C * K + (int64_t)(jb + grp) * K + rb + 2 * tig;
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++) {
+          *reinterpret_cast<float2 *>(out + nt * 8) = make_float2(acc[nt][0] * n0, acc[nt][1] * n0);
+          *reinterpret_cast<float2 *>(out + 8 * K + nt * 8) = make_float2(acc[nt][2] * n1, acc[nt][3] * n1);
+        }
+      }
+#pragma unroll
+      for (int hf = 0; hf < 2; hf++) {
+        float zz = z[hf];
+        zz += __shfl_xor_sync(0xffffffffu, zz, 1);
+        zz += __shfl_xor_sync(0xffffffffu, zz, 2);
+        if (tig == 0) atomicAdd(sZ + jb + grp + 8 * hf, zz);
+      }
+    }
+  }
+  __syncthreads(); /* D and the dH^T panel no longer read: dD over D, h^T panel 0 */
+  copy_panel<C, V, 256>(smem + L::oD, L::ldV, a.dDbuf + fresh_chi() * C * V, V, C);
+  cp_async_commit();
+  load_key_panel<K, V, L::ldH>(smem + L::oHb, go.hT32 + fresh_chi() * V * K, 0);
+  cp_async_wait<0>();
+  __syncthreads();
+
+  /* ---- per key panel: P3b (dWg = -dD h^T, 16 steps x 64 columns, in quarters) on warps 0..3, P2
+   * (dqn = scale e^{gc_ia} dO h^T + Ps kn, 16 query rows x 32 columns) on warps 4..7. */
+  constexpr int nQp = (TC / 16) * 2; /* dq items per pass */
+  const int wq = warp - 4, qmb = (wq >> 1) * 16;
+  /* (a loop, not unrolled: unrolled, address terms common to the passes were kept live
+   * across them and spilled at K = V = 128) */
+#pragma unroll 1
+  for (int p = 0; p < NP; p++) {
+    if (p > 0) {
+      __syncthreads(); /* panel p-1 no longer read */
+      /* (the dq warps hold their first panel's accumulators here: half rounds) */
+      load_key_panel<K, V, L::ldH, (V * 16 / 256 >= 8 ? 4 : V * 16 / 256)>(smem + L::oHb, go.hT32 + fresh_chi() * V * K, p);
+      __syncthreads();
+    }
+    if (warp < C / 16) {
+      /* four quarters of 16 columns: 8 accumulators, not 32, next to the dq items' (each
+       * output's sum over V is the same) */
+#pragma unroll 1
+      for (int pc = 0; pc < L::KP; pc += 16) {
+        const int jb = warp * 16, rb = p * L::KP + pc;
+        float acc[2][4] = {};
+#pragma unroll
+        for (int kt = 0; kt < V / 16; kt++) {
+          uint32_t fa[4], b0, b1, b2, b3;
+          ldsm_x4(s0 + L::oD + ((jb + arow) * L::ldV + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+          ldsm_x4_t(s0 + L::oHb + ((kt * 16 + trow) * L::ldH + pc + tcol) * 2, b0, b1, b2, b3);
+          mma16816(acc[0], fa, b0, b1);
+          mma16816(acc[1], fa, b2, b3);
+        }
+        bf16 *out = go.dWg + fresh_chi() * C * K + (int64_t)(jb + grp) * K + rb + 2 * tig;
+#pragma unroll
+        for (int nt = 0; nt < 2; nt++) {
+          *reinterpret_cast<uint32_t *>(out + nt * 8) = pack_bf16(-acc[nt][0], -acc[nt][1]);
+          *reinterpret_cast<uint32_t *>(out + 8 * K + nt * 8) = pack_bf16(-acc[nt][2], -acc[nt][3]);
+        }
+      }
+    } else if (wq >= 0 && wq < nQp) {
+      const int pc = 32 * (wq & 1), qrb = p * L::KP + pc; /* panel column, key column */
+      float dqa[4][4] = {};
+#pragma unroll
+      for (int kt = 0; kt < V / 16; kt++) {
+        uint32_t fa[4];
+        ldsm_x4(s0 + L::odO + ((qmb + arow) * L::ldV + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+#pragma unroll
+        for (int nt = 0; nt < 4; nt += 2) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4_t(s0 + L::oHb + ((kt * 16 + trow) * L::ldH + pc + nt * 8 + tcol) * 2, b0, b1, b2, b3);
+          mma16816(dqa[nt], fa, b0, b1);
+          mma16816(dqa[nt + 1], fa, b2, b3);
+        }
+      }
+      const float f0 = scale * __expf(sGc[(qmb + grp) * n + n - 1]) * sQinv[qmb + grp],
+                  f1 = scale * __expf(sGc[(qmb + grp + 8) * n + n - 1]) * sQinv[qmb + grp + 8];
+#pragma unroll
+      for (int nt = 0; nt < 4; nt++) dqa[nt][0] *= f0, dqa[nt][1] *= f0, dqa[nt][2] *= f1, dqa[nt][3] *= f1;
+#pragma unroll
+      for (int kt = 0; kt < C / 16; kt++) {
+        if (kt * 16 > (qmb + 15) * n + n - 1) continue; /* Ps zero there */
+        uint32_t fa[4];
+        ldsm_x4(s0 + L::oPs + ((qmb + arow) * L::ldC + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+#pragma unroll
+        for (int nt = 0; nt < 4; nt += 2) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4_t(s0 + L::oKn + ((kt * 16 + trow) * L::ldK + qrb + nt * 8 + tcol) * 2, b0, b1, b2, b3);
+          mma16816(dqa[nt], fa, b0, b1);
+          mma16816(dqa[nt + 1], fa, b2, b3);
+        }
+      }
+#pragma unroll
+      for (int hf = 0; hf < 2; hf++) {
+        const int qa = qmb + grp + 8 * hf;
+        float d = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++) {
+          const float2 qv = unpack_bf16(*reinterpret_cast<const uint32_t *>(
+              smem + L::oQn + (qa * L::ldK + qrb + nt * 8 + 2 * tig) * 2));
+          d += qv.x * dqa[nt][2 * hf] + qv.y * dqa[nt][2 * hf + 1];
+        }
+        d += __shfl_xor_sync(0xffffffffu, d, 1);
+        d += __shfl_xor_sync(0xffffffffu, d, 2);
+        if (tig == 0) atomicAdd(sQdot + qa, d);
+      }
+      if (p < NP - 1) {
+        /* Stash the first panel's accumulators (float) in this warp's own bytes of the
+         * dq rows it writes in P4 (K = 128: 64 floats = one 256-byte bf16 row; warp pc
+         * owns bytes [2 pc, 2 pc + 64) and [128 + 2 pc, 128 + 2 pc + 64), exactly its
+         * bf16 outputs of both panels), instead of holding 16 more registers through the
+         * next pass (they spill at 80).  Only rows of this chunk (qa < ntok). */
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+          const int qa = qmb + grp + 8 * hf;
+          if (qa >= fresh_ci().ntok) continue;
+          unsigned char *srow = (unsigned char *)((bf16 *)a.dq + (((int64_t)fresh_ci().t0 + qa) * H + fresh_h()) * K);
+#pragma unroll
+          for (int nt = 0; nt < 4; nt++)
+            *reinterpret_cast<float2 *>(srow + (nt < 2 ? 0 : 128) + 2 * pc + 4 * ((nt & 1) * 8 + 2 * tig)) =
+                make_float2(dqa[nt][2 * hf], dqa[nt][2 * hf + 1]);
+        }
+      }
+      if (p == NP - 1) {
+        /* ---- P4 (dq out) right here, after a named barrier of the dq warps only (they
+         * alone add to sQdot): the dq accumulators then end inside this branch, and are
+         * not live (16 registers) through the P3b branch, where they spilled */
+        asm volatile("bar.sync 1, %0;" ::"r"(nQp * 32) : "memory");
+        bf16 *dq = (bf16 *)a.dq;
+        /* the first panel's stashed accumulators back (this thread's own writes), then a
+         * __syncwarp: the bf16 stores below overwrite other lanes' stash bytes */
+        float2 st[2][4];
+        if constexpr (NP > 1) {
+#pragma unroll
+          for (int hf = 0; hf < 2; hf++) {
+            const int qa = qmb + grp + 8 * hf;
+            const unsigned char *srow = (const unsigned char *)(dq + (((int64_t)fresh_ci().t0 + qa) * H + fresh_h()) * K);
+#pragma unroll
+            for (int nt = 0; nt < 4; nt++)
+              st[hf][nt] = qa < fresh_ci().ntok ? *reinterpret_cast<const float2 *>(
+                                              srow + (nt < 2 ? 0 : 128) + 2 * pc + 4 * ((nt & 1) * 8 + 2 * tig))
+                                        : make_float2(0.f, 0.f);
+          }
+          __syncwarp();
+        }
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+          const int qa = qmb + grp + 8 * hf;
+          if (qa >= fresh_ci().ntok) continue;
+          const float inv = sQinv[qa], dot = sQdot[qa] * inv * inv;
+#pragma unroll
+          for (int pp = 0; pp < NP; pp++) {
+            const int qrb = pp * L::KP + pc;
+            bf16 *row = dq + (((int64_t)fresh_ci().t0 + qa) * H + fresh_h()) * K + qrb + 2 * tig;
+#pragma unroll
+            for (int nt = 0; nt < 4; nt++) {
+              float o0 = pp < NP - 1 ? st[hf][nt].x : dqa[nt][2 * hf],
+                    o1 = pp < NP - 1 ? st[hf][nt].y : dqa[nt][2 * hf + 1];
+              if (a.l2norm) {
+                const float2 qv = unpack_bf16(*reinterpret_cast<const uint32_t *>(
+                    smem + L::oQn + (qa * L::ldK + qrb + nt * 8 + 2 * tig) * 2));
+                o0 = o0 - qv.x * dot;
+                o1 = o1 - qv.y * dot;
+              }
+              *reinterpret_cast<uint32_t *>(row + nt * 8) = pack_bf16(o0, o1);
+            }
+          }
+        }
+      }
+    }
+  }
+
+  __syncthreads();
+
+  /* ---- the gate terms (as grad_state_kernel_v3) */
+  const float last = sGc[C - 1];
+  if (warp == 0) {
+    float zs = 0.f;
+    for (int j = lane; j < C; j += 32) zs += sZ[j];
+    zs = warp_sum(zs);
+    float dts = 0.f;
+#pragma unroll
+    for (int w = 0; w < 8; w++) dts += sDot[w];
+    for (int j = lane; j < C; j += 32) {
+      float v = sDgc[j] - sZ[j];
+      if (j % n == n - 1) v += sQdot[j / n];
+      if (j == C - 1) v += __expf(last) * dts + zs;
+      go.dgcA[fresh_chi() * C + j] = v;
+    }
+  }
+  }
+}
+
 /* ------------------------------------------------------------------ per-chunk gradients, WY part */
 
 template <int K, int V, int C>
 struct GradWYLayout {
-  static constexpr int ldK = K + kPad, ldV = V + kPad, ldC = C + kPad, ldA = C + 4;
-  /* Regions, with the later tenants of dead ones (the barriers between the phases order
-   * them): X (W4) over v, G (W5-W6) over dD (v and dD are last read in W3).  ~107 KB at
-   * K = V = 128, C = 64: two blocks per SM. */
-  static constexpr int oKn = 0;                   /* kn [C][K] */
-  static constexpr int oV = oKn + C * ldK * 2;    /* v [C][V] as given; then X = dT T^T (bf16) */
-  static constexpr int odD = oV + C * ldV * 2;    /* dD [C][V]; then G = dA o beta_i Gamma (bf16) */
-  static constexpr int odW = odD + C * ldV * 2;   /* dW [C][K] (state part) */
-  static constexpr int oKK = odW + C * ldK * 2;   /* kn kn^T (float) */
-  static constexpr int oT = oKK + C * ldA * 4;    /* T^T, T = (I + A)^-1 (bf16, from the prep) */
-  static constexpr int odT = oT + C * ldC * 2;    /* dT diag-scaled (bf16) */
-  static constexpr int oF = odT + C * ldC * 2;
-  static constexpr int oX = oV, oG = odD;
-  static_assert(C <= V, "X and G fit in the v and dD regions");
-  static constexpr int fGp = 0, fGc = C, fBeta = 2 * C, fDgc = 3 * C, fDb = 4 * C, fDot = 5 * C, fKinv = 6 * C,
-                       nF = 7 * C;
+  static constexpr int ldK = K + kPad, ldV = V + kPad, ldC = C + kPad;
+  /* Three blocks per SM need <= 76800 bytes a block (228 KB less 1 KB reserved per block,
+   * over three).  kn kn^T is not kept (W5 recomputes its tile in registers), and where kn,
+   * v, dD, dW, T^T and dT together would not fit (K = V = 128, C = 64: 89856 bytes), dW
+   * arrives late (kLateDW): into v's region once W3a has read v and dD for the last time,
+   * from L2 (prefetched at the start); W3a leaves its dD V^T sums in a float scratch P.
+   * Later tenants of dead regions (the barriers between the phases order them):
+   *   early dW: dT in R2 (W3-W4), X over dD (W4-W5), G over dT (W5-W6);
+   *   late dW:  P in R2 (W3a-W3b), dT over dD (W3b-W4), X over P (W4-W5), G over dD (W5-W6). */
+  static constexpr int szKn = C * ldK * 2, szV = C * ldV * 2, szC = C * ldC * 2, nF = 7 * C;
+  static constexpr bool kLateDW = 2 * szKn + 2 * szV + 2 * szC + nF * 4 > 76800;
+  static constexpr int NL = (C / 16) * (C / 16 + 1) / 2, szP = kLateDW ? NL * 1024 : 0;
+  static constexpr int oKn = 0;                                        /* kn [C][K] */
+  static constexpr int oV = oKn + szKn;                                /* v [C][V] as given; late: then dW */
+  static constexpr int odD = oV + (kLateDW && szKn > szV ? szKn : szV); /* dD [C][V] */
+  static constexpr int odW = kLateDW ? oV : odD + szV;                 /* dW [C][K] (state part) */
+  static constexpr int oT = kLateDW ? odD + szV : odW + szKn;          /* T^T (bf16, from the prep) */
+  static constexpr int oR2 = oT + szC;                                 /* dT or P (see above) */
+  static constexpr int oF = oR2 + (szP > szC ? szP : szC);
+  static constexpr int odT = kLateDW ? odD : oR2; /* dT diag-scaled (bf16) */
+  static constexpr int oP = oR2;                  /* late: W3a's dD V^T sums (float, fragment order) */
+  static constexpr int oX = kLateDW ? oR2 : odD;  /* X = dT T^T (bf16) */
+  static constexpr int oG = kLateDW ? odD : oR2;  /* G = dA o beta_i Gamma (bf16) */
+  static_assert(C <= V, "X, dT and G fit in the dD region");
+  static constexpr int fGp = 0, fGc = C, fBeta = 2 * C, fDgc = 3 * C, fDb = 4 * C, fDot = 5 * C, fKinv = 6 * C;
   static constexpr int total = oF + nF * 4;
 };
 
@@ -1004,13 +1582,52 @@ __device__ __forceinline__ LaneMaps lane_maps() {
 }
 
 /* Blocks per SM that grad_wy_kernel_v3 is compiled for, where ptxas (nvcc 13.0) fits it
- * with 0 bytes spilled: three (80 registers) at C = 32 and 48 except K = 128, V = 64 (8
- * bytes at 80), two (128 registers) there and at C = 64 (at 80 registers C = 64 spills, and
- * three blocks would need <= 75 KB of shared memory: it has 74-107).  C = 48 used to take
- * one (it spilled at 128 while dKb was held from W3 to W6).  Shared memory (1 KB reserved
- * per block included): C = 32 <= 45 KB, C = 48 <= 74 KB, so three fit in 228 KB. */
+ * with 0 bytes spilled: three (80 registers) at C = 32 and 48 except K = 128, V = 64, and
+ * at C = 64 with K = V = 128 (since wy2: no KK region, late dW); two (128 registers)
+ * elsewhere (at 80 those spill 4-8 bytes: C = 48 K = 128 V = 64, and C = 64 but for
+ * K = V = 128).  Shared memory (GradWYLayout, 1 KB reserved per block included) is
+ * <= 76800 + 1024 bytes a block in every shape, so three fit in 228 KB. */
 constexpr int grad_wy_blocks(int K, int V, int C) {
-  return (C == 32 || C == 48) && !(K == 128 && V == 64) ? 3 : 2;
+  return C == 64 ? (K == 128 && V == 128 ? 3 : 2) : (K == 128 && V == 64 ? 2 : 3);
+}
+
+/* grad_wy's dT tile (ti, tj), in two halves (W3 / W3a, W3b): acc += dD[ti] V[tj]^T, then
+ * acc + dW[ti] kn[tj]^T diag(e^{gc}) scaled by beta_j into dT (bf16, shared). */
+template <class L, int V>
+__device__ __forceinline__ void grad_wy_dDVt(uint32_t s0, int ti, int tj, const LaneMaps &m, float (&acc)[2][4]) {
+#pragma unroll
+  for (int kt = 0; kt < V / 16; kt++) {
+    uint32_t fa[4], b0, b1, b2, b3;
+    ldsm_x4(s0 + L::odD + ((ti * 16 + m.arow) * L::ldV + kt * 16 + m.acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+    ldsm_x4(s0 + L::oV + ((tj * 16 + m.nrow) * L::ldV + kt * 16 + m.ncol) * 2, b0, b1, b2, b3);
+    mma16816(acc[0], fa, b0, b1);
+    mma16816(acc[1], fa, b2, b3);
+  }
+}
+template <class L, int K>
+__device__ __forceinline__ void grad_wy_dT_out(unsigned char *smem, uint32_t s0, int ti, int tj, const LaneMaps &m,
+                                               const float (&acc)[2][4], const float *sGc, const float *sBeta) {
+  float acg[2][4] = {};
+#pragma unroll
+  for (int kt = 0; kt < K / 16; kt++) {
+    uint32_t fa[4], b0, b1, b2, b3;
+    ldsm_x4(s0 + L::odW + ((ti * 16 + m.arow) * L::ldK + kt * 16 + m.acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+    ldsm_x4(s0 + L::oKn + ((tj * 16 + m.nrow) * L::ldK + kt * 16 + m.ncol) * 2, b0, b1, b2, b3);
+    mma16816(acg[0], fa, b0, b1);
+    mma16816(acg[1], fa, b2, b3);
+  }
+#pragma unroll
+  for (int nt = 0; nt < 2; nt++) {
+    const int j = tj * 16 + nt * 8 + 2 * m.tig;
+    const float e0 = __expf(sGc[j]), e1 = __expf(sGc[j + 1]);
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+      const int i = ti * 16 + m.grp + 8 * hf;
+      *reinterpret_cast<uint32_t *>(smem + L::odT + (i * L::ldC + j) * 2) =
+          pack_bf16(sBeta[j] * (acc[nt][2 * hf] + e0 * acg[nt][2 * hf]),
+                    sBeta[j + 1] * (acc[nt][2 * hf + 1] + e1 * acg[nt][2 * hf + 1]));
+    }
+  }
 }
 
 /* The WY part of the per-chunk gradients (one block of 8 warps per (chunk, head)), after
@@ -1032,6 +1649,7 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
   using L = GradWYLayout<K, V, C>;
   constexpr int NN = C / TC, NB = C / 16, NI = (C / 16) * (K / 64), NL = NB * (NB + 1) / 2, NVB = NB * (V / 64);
   static_assert(K % 64 == 0 && V % 64 == 0 && C % 16 == 0 && C <= 64 && NI <= 8 && NL <= 10, "shapes");
+  static_assert(L::total <= 76800 || grad_wy_blocks(K, V, C) < 3, "three blocks per SM fit in shared memory");
   extern __shared__ __align__(128) unsigned char smem[];
   const int c = blockIdx.x, h = blockIdx.y;
   const ChunkInfo ci = a.chunks[c];
@@ -1044,21 +1662,21 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
   float *sF = (float *)(smem + L::oF);
   float *sGp = sF + L::fGp, *sGc = sF + L::fGc, *sBeta = sF + L::fBeta, *sDgc = sF + L::fDgc, *sDb = sF + L::fDb,
         *sDot = sF + L::fDot, *sKinv = sF + L::fKinv;
-  float *sKK = (float *)(smem + L::oKK);
   const uint32_t s0 = smem_addr(smem);
 
-  /* All loads up front, by cp.async in two groups: the raw k rows (normalised in place
-   * below, then kn kn^T), then v, dD, dW and T^T (first read in W3, so their latency
-   * overlaps the norms and KK).  dKnA (read at the end) is pulled into L2 now so that
-   * that read does not wait on DRAM. */
+  /* The loads, by cp.async in two groups: the raw k rows (normalised in place below),
+   * then v, dD, dW and T^T (first read in W3, so their latency overlaps the norms).
+   * dKnA (read at the end) is pulled into L2 now so that that read does not wait on
+   * DRAM; so is dW where it arrives late (kLateDW: copied in after W3a). */
   copy_panel<C, K, 256>(smem + L::oKn, L::ldK, gk + (krow0 * H + h) * K, (int64_t)H * K, nv);
   cp_async_commit();
   copy_panel<C, V, 256>(smem + L::oV, L::ldV, gv + (krow0 * H + h) * V, (int64_t)H * V, nv);
   copy_panel<C, V, 256>(smem + L::odD, L::ldV, a.dDbuf + CHi * C * V, V, C);
-  copy_panel<C, K, 256>(smem + L::odW, L::ldK, go.dWg + CHi * C * K, K, C);
+  if constexpr (!L::kLateDW) copy_panel<C, K, 256>(smem + L::odW, L::ldK, go.dWg + CHi * C * K, K, C);
   copy_panel<C, C, 256>(smem + L::oT, L::ldC, go.Tt + CHi * C * C, C, C);
   cp_async_commit();
   if (tid == 0) prefetch_l2_bulk(go.dKnA + CHi * C * K, C * K * 4);
+  if (L::kLateDW && tid == 32) prefetch_l2_bulk(go.dWg + CHi * C * K, C * K * 2);
   if (tid < C) {
     const bool ok = tid < nv;
     sGp[tid] = (gg && ok && tid % n == 0) ? __bfloat162float(gg[((int64_t)ci.t0 + tid / n) * H + h]) : 0.f;
@@ -1069,10 +1687,24 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
   }
   cp_async_wait<1>(); /* k */
   __syncthreads();
-  if (tid < C) { /* same summation order as the prep */
+  if (tid == 32 * 7) { /* same summation order as the prep (a running sum from m = 0), by
+                        * one thread: its C values are read first, then C dependent adds
+                        * (each of C threads summing its own prefix was ~C shared-memory
+                        * round trips on the last one) */
+    float gp[C];
+#pragma unroll
+    for (int i = 0; i < C; i += 4) {
+      const float4 v4 = *reinterpret_cast<const float4 *>(sGp + i);
+      gp[i] = v4.x, gp[i + 1] = v4.y, gp[i + 2] = v4.z, gp[i + 3] = v4.w;
+    }
     float acc = 0.f;
-    for (int m = 0; m <= tid; m++) acc += sGp[m];
-    sGc[tid] = acc;
+#pragma unroll
+    for (int i = 0; i < C; i++) {
+      acc += gp[i];
+      gp[i] = acc;
+    }
+#pragma unroll
+    for (int i = 0; i < C; i += 4) *reinterpret_cast<float4 *>(sGc + i) = make_float4(gp[i], gp[i + 1], gp[i + 2], gp[i + 3]);
   }
   for (int i = warp; i < C; i += 8) { /* kn in place; rows past the end were zero-filled */
     bf16 *rp = (bf16 *)(smem + L::oKn) + i * L::ldK;
@@ -1090,35 +1722,13 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
   __syncthreads();
 
 
-  /* ---- W1: KK = kn kn^T on the lower 16x16 tiles (float, shared; first read in W5) */
-  for (int item = warp; item < NL; item += 8) {
-    int ti, tj;
-    lower_tile(item, ti, tj);
-    const LaneMaps m = lane_maps();
-    float acc[2][4] = {};
-#pragma unroll
-    for (int kt = 0; kt < K / 16; kt++) {
-      uint32_t fa[4], b0, b1, b2, b3;
-      ldsm_x4(s0 + L::oKn + ((ti * 16 + m.arow) * L::ldK + kt * 16 + m.acol) * 2, fa[0], fa[1], fa[2], fa[3]);
-      ldsm_x4(s0 + L::oKn + ((tj * 16 + m.nrow) * L::ldK + kt * 16 + m.ncol) * 2, b0, b1, b2, b3);
-      mma16816(acc[0], fa, b0, b1);
-      mma16816(acc[1], fa, b2, b3);
-    }
-#pragma unroll
-    for (int nt = 0; nt < 2; nt++)
-#pragma unroll
-      for (int e = 0; e < 4; e++) {
-        const int i = ti * 16 + m.grp + 8 * (e >> 1), j = tj * 16 + nt * 8 + 2 * m.tig + (e & 1);
-        sKK[i * L::ldA + j] = acc[nt][e];
-      }
-  }
   cp_async_wait<0>(); /* v, dD, dW, T^T */
   __syncthreads();
 
-  /* ---- W3: dVb (dv out) and the dT tiles, dealt out as one list (dT item t to warp
-   * (NVB + t) % 8).  dKb = T^T dW is computed in W6, where its accumulators are needed
-   * (T^T and dW stay untouched until then): held from here to W6 they made C = 48
-   * spill at 128 registers. */
+  /* ---- W3: dVb (dv out) and the dT tiles (dT item t to warp 7 - t % 8: the dVb items
+   * of the high warps are the short ones, vjb near C).  dKb = T^T dW is computed in W6,
+   * where its accumulators are needed (T^T and dW stay untouched until then): held from
+   * here to W6 they made C = 48 spill at 128 registers. */
   for (int item = warp; item < NVB; item += 8) { /* dVb = T^T dD */
     const LaneMaps m = lane_maps();
     const int vjb = (item / (V / 64)) * 16, xb = (item % (V / 64)) * 64;
@@ -1156,39 +1766,46 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
     }
   }
   /* dT = (dD V^T + dW kn^T diag(e^{gc})) diag(beta), lower tiles only: X's lower tiles, the
-   * only ones dA reads, need dT[ti][m <= tj] */
-  for (int item = ((fresh_sreg<0>() >> 5) + 8 - NVB % 8) % 8; item < NL; item += 8) {
-    int ti, tj;
-    lower_tile(item, ti, tj);
-    const LaneMaps m = lane_maps();
-    float acc[2][4] = {}, acg[2][4] = {};
-#pragma unroll
-    for (int kt = 0; kt < V / 16; kt++) {
-      uint32_t fa[4], b0, b1, b2, b3;
-      ldsm_x4(s0 + L::odD + ((ti * 16 + m.arow) * L::ldV + kt * 16 + m.acol) * 2, fa[0], fa[1], fa[2], fa[3]);
-      ldsm_x4(s0 + L::oV + ((tj * 16 + m.nrow) * L::ldV + kt * 16 + m.ncol) * 2, b0, b1, b2, b3);
-      mma16816(acc[0], fa, b0, b1);
-      mma16816(acc[1], fa, b2, b3);
+   * only ones dA reads, need dT[ti][m <= tj].  A warp has at most two items (NL <= 10),
+   * slots s = 0, 1: item 7 - warp + 8 s.  With kLateDW the dD V^T sums (acc) are held in
+   * registers (16 floats at most) while dW is copied over v (W3b). */
+  if constexpr (!L::kLateDW) {
+    for (int item = 7 - (fresh_sreg<0>() >> 5); item < NL; item += 8) {
+      int ti, tj;
+      lower_tile(item, ti, tj);
+      const LaneMaps m = lane_maps();
+      float acc[2][4] = {};
+      grad_wy_dDVt<L, V>(s0, ti, tj, m, acc);
+      grad_wy_dT_out<L, K>(smem, s0, ti, tj, m, acc, sGc, sBeta);
     }
-#pragma unroll
-    for (int kt = 0; kt < K / 16; kt++) {
-      uint32_t fa[4], b0, b1, b2, b3;
-      ldsm_x4(s0 + L::odW + ((ti * 16 + m.arow) * L::ldK + kt * 16 + m.acol) * 2, fa[0], fa[1], fa[2], fa[3]);
-      ldsm_x4(s0 + L::oKn + ((tj * 16 + m.nrow) * L::ldK + kt * 16 + m.ncol) * 2, b0, b1, b2, b3);
-      mma16816(acg[0], fa, b0, b1);
-      mma16816(acg[1], fa, b2, b3);
+  } else {
+    /* W3a: the dD V^T sums go to the float scratch oP (item t at 1 KB t, lane l's 8
+     * floats at 32 l bytes): held in registers across the dW copy they spilled at 80 */
+    for (int item = 7 - (fresh_sreg<0>() >> 5); item < NL; item += 8) {
+      int ti, tj;
+      lower_tile(item, ti, tj);
+      float acc[2][4] = {};
+      grad_wy_dDVt<L, V>(s0, ti, tj, lane_maps(), acc);
+      float4 *p = reinterpret_cast<float4 *>(smem + L::oP + item * 1024) + 2 * (fresh_sreg<0>() & 31);
+      p[0] = make_float4(acc[0][0], acc[0][1], acc[0][2], acc[0][3]);
+      p[1] = make_float4(acc[1][0], acc[1][1], acc[1][2], acc[1][3]);
     }
-#pragma unroll
-    for (int nt = 0; nt < 2; nt++) {
-      const int j = tj * 16 + nt * 8 + 2 * m.tig;
-      const float e0 = __expf(sGc[j]), e1 = __expf(sGc[j + 1]);
-#pragma unroll
-      for (int hf = 0; hf < 2; hf++) {
-        const int i = ti * 16 + m.grp + 8 * hf;
-        *reinterpret_cast<uint32_t *>(smem + L::odT + (i * L::ldC + j) * 2) =
-            pack_bf16(sBeta[j] * (acc[nt][2 * hf] + e0 * acg[nt][2 * hf]),
-                      sBeta[j + 1] * (acc[nt][2 * hf + 1] + e1 * acg[nt][2 * hf + 1]));
-      }
+    __syncthreads(); /* v and dD read for the last time (dVb, dD V^T): dW over v, from L2 */
+    {
+      const int64_t CHl = (int64_t)fresh_sreg<1>() * H + fresh_sreg<2>();
+      copy_panel<C, K, 256>(smem + L::odW, L::ldK, go.dWg + CHl * C * K, K, C);
+      cp_async_commit();
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    /* ---- W3b: dT (over dD) from the scratch sums and dW kn^T */
+    for (int item = 7 - (fresh_sreg<0>() >> 5); item < NL; item += 8) {
+      int ti, tj;
+      lower_tile(item, ti, tj);
+      const float4 *p = reinterpret_cast<const float4 *>(smem + L::oP + item * 1024) + 2 * (fresh_sreg<0>() & 31);
+      const float4 p0 = p[0], p1 = p[1];
+      const float acc[2][4] = {{p0.x, p0.y, p0.z, p0.w}, {p1.x, p1.y, p1.z, p1.w}};
+      grad_wy_dT_out<L, K>(smem, s0, ti, tj, lane_maps(), acc, sGc, sBeta);
     }
   }
   __syncthreads();
@@ -1221,12 +1838,22 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
   __syncthreads();
 
   /* ---- W5: dA = -T^T X on the strictly lower part; G -> shared (lower tiles: W6 reads
-   * G[jb][m <= jb] and G[m >= jb][jb] only); dbeta, dgc sums */
+   * G[jb][m <= jb] and G[m >= jb][jb] only); dbeta, dgc sums.  The tile's kn kn^T (kk)
+   * is computed here, in registers (it used to be a W1 phase into 17 KB of shared
+   * memory at C = 64; same products, same order, so the same floats). */
   for (int item = warp; item < NL; item += 8) {
     int ti, tj;
     lower_tile(item, ti, tj);
     const LaneMaps m = lane_maps();
-    float acc[2][4] = {};
+    float acc[2][4] = {}, kk[2][4] = {};
+#pragma unroll
+    for (int kt = 0; kt < K / 16; kt++) {
+      uint32_t fa[4], b0, b1, b2, b3;
+      ldsm_x4(s0 + L::oKn + ((ti * 16 + m.arow) * L::ldK + kt * 16 + m.acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+      ldsm_x4(s0 + L::oKn + ((tj * 16 + m.nrow) * L::ldK + kt * 16 + m.ncol) * 2, b0, b1, b2, b3);
+      mma16816(kk[0], fa, b0, b1);
+      mma16816(kk[1], fa, b2, b3);
+    }
     {
 #pragma unroll
       for (int kt = 0; kt < NB; kt++) {
@@ -1250,10 +1877,10 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
           const int j = j0 + e;
           gv[e] = 0.f;
           if (i > j) {
-            const float da = -acc[nt][2 * hf + e], ee = __expf(sGc[i] - sGc[j]), kk = sKK[i * L::ldA + j];
-            const float aij = sBeta[i] * ee * kk; /* = A_ij, recomputed (A is not kept) */
+            const float da = -acc[nt][2 * hf + e], ee = __expf(sGc[i] - sGc[j]), kkij = kk[nt][2 * hf + e];
+            const float aij = sBeta[i] * ee * kkij; /* = A_ij, recomputed (A is not kept) */
             gv[e] = da * sBeta[i] * ee;
-            rdb[hf] += da * ee * kk;
+            rdb[hf] += da * ee * kkij;
             rdg[hf] += da * aij;
             cdg[nt][e] -= da * aij;
           }
@@ -1291,20 +1918,17 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
    * reads of %tid.x, %ctaid.x/y, which the compiler neither hoists nor merges with the
    * first; the chunk's row range is read again, from L1): derived from the first reads,
    * the row offsets, nv, krow0 and the lane maps stayed live from the loads on and were
-   * spilled at 128 registers (C = 64) and at 80 (three blocks per SM).  The names shadow
-   * the first ones on purpose: the code below reads as the rest of the kernel. */
+   * spilled at 128 registers (C = 64) and at 80 (three blocks per SM); the stores after
+   * W6's barrier take them anew again (C = 64 at 80 registers).  The names shadow the
+   * first ones on purpose: the code below reads as the rest of the kernel. */
+  float dkn[8][4] = {};
   {
-    const int tid = fresh_sreg<0>(), warp = tid >> 5;
-    const int h = fresh_sreg<2>();
-    const ChunkInfo ci = a.chunks[fresh_sreg<1>()];
-    const int nv = ci.ntok * NN;
-    const int64_t krow0 = (int64_t)ci.t0 * NN;
+    const int warp = fresh_sreg<0>() >> 5;
     const LaneMaps m = lane_maps();
     const int jb = warp / (K / 64) * 16, rb = warp % (K / 64) * 64;
-    const int64_t CHi = (int64_t)fresh_sreg<1>() * H + h;
+    const int64_t CHi = (int64_t)fresh_sreg<1>() * H + fresh_sreg<2>();
     /* ---- W6: own item: dKn = beta e^{gc} (T^T dW) + G kn + G^T kn + dKnA; l2-norm
      * backward; dk out */
-    float dkn[8][4] = {};
     if (warp < NI) {
 #pragma unroll
       for (int kt = 0; kt < NB; kt++) { /* dKb = T^T dW */
@@ -1388,9 +2012,18 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
         if (m.tig == 0) atomicAdd(sDot + j, d);
       }
     }
-    __syncthreads();
+  }
+  __syncthreads();
+  {
+    const int tid = fresh_sreg<0>(), warp = tid >> 5;
+    const int h = fresh_sreg<2>();
+    const ChunkInfo ci = a.chunks[fresh_sreg<1>()];
+    const int nv = ci.ntok * NN;
+    const int64_t krow0 = (int64_t)ci.t0 * NN;
     if (warp < NI) {
-      const LaneMaps m = lane_maps(); /* afresh: the kn row addresses are not kept across the barrier */
+      /* afresh: the kn row addresses (and jb, rb) are not kept across the barrier */
+      const LaneMaps m = lane_maps();
+      const int jb = warp / (K / 64) * 16, rb = warp % (K / 64) * 64;
       bf16 *dk = (bf16 *)a.dk;
 #pragma unroll
       for (int hf = 0; hf < 2; hf++) {
@@ -1412,7 +2045,7 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
       }
     }
     if (tid < nv) ((bf16 *)a.dbeta)[(krow0 + tid) * H + h] = __float2bfloat16(sDb[tid]);
-    if (gg && tid == 32 * 7) { /* reverse cumsum of the step gradients; a token's dg is its step 0's.
+    if (a.g && tid == 32 * 7) { /* reverse cumsum of the step gradients; a token's dg is its step 0's.
                                  * All C values are read first (vector loads), then the same
                                  * sequential sum: the chain is C adds, not C shared-memory round trips. */
       float dgc[C];
@@ -1496,7 +2129,22 @@ static gdp_status launch_seq(const Plan &plan, int bv, bool states, bool dry_run
 template <int K, int V, int C, int TC>
 static gdp_status launch_grad_state_kv(const Plan &plan, const GradStateOut &go, bool wy) {
   const dim3 grid((unsigned)plan.a.nchunks, (unsigned)plan.a.H);
-  if (!wy) {
+  /* The state part: grad_state3_kernel_v3 (three blocks per SM) unless
+   * GDP_CUDA_V3_GS=2b picks the earlier two-per-SM schedule (same results, bit for bit;
+   * kept for timing comparisons and as the fallback). */
+  static const bool gs_two = [] {
+    const char *e = getenv("GDP_CUDA_V3_GS");
+    return e && strcmp(e, "2b") == 0;
+  }();
+  if (!wy && !gs_two) {
+    using L = GradState3Layout<K, V, C, TC>;
+    auto kern = grad_state3_kernel_v3<K, V, C, TC>;
+    GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
+    /* three blocks per SM need the largest shared-memory carveout */
+    GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+    kern<<<grid, 256, L::total, plan.stream>>>(plan.a, go);
+    GDP_CUDA_LAUNCHED("grad_state3_kernel_v3");
+  } else if (!wy) {
     using L = GradStateLayout<K, V, C, TC>;
     auto kern = grad_state_kernel_v3<K, V, C, TC>;
     GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
@@ -1589,7 +2237,7 @@ static gdp_status backward_v3_saved(const gdp_gdp_problem *p, const gdp_gdp_bwd_
   Plan plan;
   prof_begin(stream);
   /* the kept block is only read: its tables and panels are the forward's */
-  gdp_status st = plan_make(p, stream, false, bwd_args(p, io), &plan, const_cast<void *>(saved), false);
+  gdp_status st = plan_make(p, stream, PLAN_FORWARD, bwd_args(p, io), &plan, const_cast<void *>(saved), false);
   if (st != GDP_OK) {
     prof_end(stream);
     return st;
@@ -1660,17 +2308,18 @@ extern "C" gdp_status gdp_cuda_gdp_backward_v3(const gdp_gdp_problem *p, const g
   GdpArgs a = bwd_args(p, io);
   Plan plan;
   prof_begin(stream);
-  gdp_status st = plan_make(p, stream, true, a, &plan);
+  /* The v3 gradient kernels' float32 copies of h and dH, the state part's outputs and T^T
+   * from the prep (one stream-ordered allocation; the forward never pays for T); the plan
+   * then carries no bf16 h and dH.  GDP_CUDA_V3_GRAD=v2 takes variant 2's gradient kernel
+   * instead, fed by bf16 copies of h and dH (comparison / fallback). */
+  const char *genv = getenv("GDP_CUDA_V3_GRAD");
+  const bool grad_state = !(genv && strcmp(genv, "v2") == 0);
+  gdp_status st = plan_make(p, stream, grad_state ? PLAN_BACKWARD_V3 : PLAN_BACKWARD_V2, a, &plan);
   if (st != GDP_OK) {
     prof_end(stream);
     return st;
   }
   prof_mark("bwd plan+upload", stream);
-  /* The v3 gradient kernels' float32 copies of h and dH, the state part's outputs and T^T
-   * from the prep (one stream-ordered allocation; the forward never pays for T).  GDP_CUDA_V3_GRAD=v2 takes variant 2's gradient kernel
-   * instead, fed by bf16 copies of h and dH (comparison / fallback). */
-  const char *genv = getenv("GDP_CUDA_V3_GRAD");
-  const bool grad_state = !(genv && strcmp(genv, "v2") == 0);
   v3b::GradStateOut go;
   memset(&go, 0, sizeof go);
   void *extra = nullptr;
@@ -1693,9 +2342,9 @@ extern "C" gdp_status gdp_cuda_gdp_backward_v3(const gdp_gdp_problem *p, const g
     go.dgcA = (float *)(e + 2 * bHT + bKn + bW);
     go.Tt = (bf16 *)(e + 2 * bHT + bKn + bW + bG);
   }
-  /* U's bf16 residual for the recompute (GdpArgs::Ulo): it lives in the bf16 h buffer,
-   * which only variant 2's gradient kernel uses */
-  if (grad_state && v3::keep_u_residual()) plan.a.Ulo = plan.a.hbuf;
+  /* U's bf16 residual for the recompute (GdpArgs::Ulo, the plan's PLAN_BACKWARD_V3
+   * buffer) unless a lab run turns it off */
+  if (!v3::keep_u_residual()) plan.a.Ulo = nullptr;
   st = v3::launch_prep_v3(plan, go.Tt); /* NULL (no T store) for variant 2's gradient kernel */
   prof_mark("bwd prep v3 (recompute)", stream);
   const int bv = v3b::choose_bv(plan);

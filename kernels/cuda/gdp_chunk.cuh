@@ -100,13 +100,23 @@ gdp_status upload_cu_seqlens(const gdp_gdp_problem *p, long long *dst, cudaStrea
 int smem_optin_bytes();
 int num_sms();
 
+/* Which per-chunk buffers a plan carries besides the forward's panels (W, U, Kd, Qd, Pm,
+ * elast):
+ *  - PLAN_BACKWARD_V2: bf16 h, D, dH, dD (variant 2's backward; variant 3's under
+ *    GDP_CUDA_V3_GRAD=v2);
+ *  - PLAN_BACKWARD_V3: D, dD and U's residual (a.Ulo, C x V bf16): variant 3's gradient
+ *    kernels read h and dH as float32 from their own buffers, so the bf16 h and dH
+ *    (2 K V bf16 per chunk and head, 0.54 GB at 4 x 4096, H = 16, K = V = 128, n = 2)
+ *    are not allocated (a.hbuf, a.dHbuf NULL). */
+enum PlanBufs { PLAN_FORWARD, PLAN_BACKWARD_V2, PLAN_BACKWARD_V3 };
+
 /* ext: NULL allocates the block (freed by plan_free); else the plan lives in the
- * caller's block of plan_bytes(p, backward) bytes (a forward workspace kept for the
+ * caller's block of plan_bytes(p, bufs) bytes (a forward workspace kept for the
  * backward), which plan_free leaves alone, and upload_tables = false trusts the chunk
  * tables already there (written by an earlier plan of the same problem). */
-gdp_status plan_make(const gdp_gdp_problem *p, cudaStream_t stream, bool backward, GdpArgs base,
+gdp_status plan_make(const gdp_gdp_problem *p, cudaStream_t stream, PlanBufs bufs, GdpArgs base,
                      Plan *plan, void *ext = nullptr, bool upload_tables = true);
-size_t plan_bytes(const gdp_gdp_problem *p, bool backward);
+size_t plan_bytes(const gdp_gdp_problem *p, PlanBufs bufs);
 void plan_free(Plan *plan);
 
 /* Launchers shared with the backward (defined in gdp_fwd.cu). */

@@ -375,8 +375,9 @@ static int choose_bv(const GdpArgs &a, int64_t N) {
 }
 
 /* plan_make, or (plan_bytes_out) only the size of its device block. */
-static gdp_status plan_build(const gdp_gdp_problem *p, cudaStream_t stream, bool backward, GdpArgs base,
+static gdp_status plan_build(const gdp_gdp_problem *p, cudaStream_t stream, PlanBufs bufs, GdpArgs base,
                              Plan *plan, void *ext, bool upload_tables, size_t *plan_bytes_out) {
+  const bool backward = bufs != PLAN_FORWARD;
   memset(plan, 0, sizeof *plan);
   plan->stream = stream;
   GdpArgs a = base;
@@ -404,12 +405,16 @@ static gdp_status plan_build(const gdp_gdp_problem *p, cudaStream_t stream, bool
   const size_t o_W = cv.take(CH * C * K * 2), o_U = cv.take(CH * C * V * 2),
                o_Kd = cv.take(CH * C * K * 2), o_Qd = cv.take(CH * TC * K * 2),
                o_Pm = cv.take(CH * TC * C * 2), o_el = cv.take(CH * 4);
-  size_t o_h = 0, o_D = 0, o_dH = 0, o_dD = 0;
-  if (backward) {
+  size_t o_h = 0, o_D = 0, o_dH = 0, o_dD = 0, o_Ulo = 0;
+  if (bufs == PLAN_BACKWARD_V2) {
     o_h = cv.take(CH * K * V * 2);
     o_D = cv.take(CH * C * V * 2);
     o_dH = cv.take(CH * K * V * 2);
     o_dD = cv.take(CH * C * V * 2);
+  } else if (bufs == PLAN_BACKWARD_V3) {
+    o_D = cv.take(CH * C * V * 2);
+    o_dD = cv.take(CH * C * V * 2);
+    o_Ulo = cv.take(CH * C * V * 2);
   }
   if (plan_bytes_out) { /* plan_bytes: the size only */
     *plan_bytes_out = cv.off;
@@ -440,30 +445,33 @@ static gdp_status plan_build(const gdp_gdp_problem *p, cudaStream_t stream, bool
   a.Qd = (bf16 *)(b + o_Qd);
   a.Pm = (bf16 *)(b + o_Pm);
   a.elast = (float *)(b + o_el);
-  if (backward) {
+  if (bufs == PLAN_BACKWARD_V2) {
     a.hbuf = (bf16 *)(b + o_h);
-    a.Dbuf = (bf16 *)(b + o_D);
     a.dHbuf = (bf16 *)(b + o_dH);
+  }
+  if (backward) {
+    a.Dbuf = (bf16 *)(b + o_D);
     a.dDbuf = (bf16 *)(b + o_dD);
   }
+  if (bufs == PLAN_BACKWARD_V3) a.Ulo = (bf16 *)(b + o_Ulo);
   plan->a = a;
   plan->block = ext ? nullptr : block;
   plan->bv_fwd = backward ? choose_bv<true>(a, p->N) : choose_bv<false>(a, p->N);
   return GDP_OK;
 }
 
-gdp_status plan_make(const gdp_gdp_problem *p, cudaStream_t stream, bool backward, GdpArgs base,
+gdp_status plan_make(const gdp_gdp_problem *p, cudaStream_t stream, PlanBufs bufs, GdpArgs base,
                      Plan *plan, void *ext, bool upload_tables) {
-  return plan_build(p, stream, backward, base, plan, ext, upload_tables, nullptr);
+  return plan_build(p, stream, bufs, base, plan, ext, upload_tables, nullptr);
 }
 
-size_t plan_bytes(const gdp_gdp_problem *p, bool backward) {
+size_t plan_bytes(const gdp_gdp_problem *p, PlanBufs bufs) {
   Plan scratch;
   size_t bytes = 0;
   GdpArgs none;
   memset(&none, 0, sizeof none);
   none.H = (int)p->H, none.K = (int)p->K, none.V = (int)p->V, none.n = (int)p->n;
-  (void)plan_build(p, nullptr, backward, none, &scratch, nullptr, false, &bytes);
+  (void)plan_build(p, nullptr, bufs, none, &scratch, nullptr, false, &bytes);
   return bytes;
 }
 
@@ -915,7 +923,7 @@ extern "C" gdp_status gdp_cuda_gdp_forward_v2(const gdp_gdp_problem *p, const gd
   cudaStream_t stream = (cudaStream_t)stream_;
   Plan plan;
   prof_begin(stream);
-  GDP_TRY(plan_make(p, stream, false, fwd_args(p, io), &plan));
+  GDP_TRY(plan_make(p, stream, PLAN_FORWARD, fwd_args(p, io), &plan));
   prof_mark("fwd plan+upload", stream);
   gdp_status st = launch_prep(plan);
   prof_mark("fwd prep", stream);

@@ -33,6 +33,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <vector>
+
 #include "gdp_chunk.cuh"
 #include "gdp_fwd_v3.cuh"
 #include "mma_sm90.cuh"
@@ -42,6 +44,19 @@ namespace v3 {
 
 constexpr int kStages = 3; /* chunk panels in flight: current + next two */
 constexpr int kPad = 8;    /* bf16 elements (16 bytes) of padding per shared row */
+
+/* A warp's h^T float32 staging buffer (saved-state stores, stage_hT32_half below): eight
+ * rows of K floats, each padded by 32 bytes so that the eight rows of one fragment store
+ * start 8 banks apart (2 wavefronts per 256-byte STS.64, the minimum). */
+template <int K, int C>
+struct HtStage {
+  static constexpr int row = K * 4 + 32;
+  /* the same buffer then stages the warp's D tile (C rows of 16 bf16, stage_dfrags):
+   * rows 48 bytes apart, so the four rows of one 2-byte fragment store fall in distinct
+   * banks and every row starts on 16 bytes */
+  static constexpr int drow = 48;
+  static constexpr int warp_bytes = 8 * row > C * drow ? 8 * row : C * drow;
+};
 
 /* Shared-memory layout of one pipeline stage (bytes).  Every region and row starts on
  * 16 bytes, as ldmatrix and cp.async need.  ULO (the saving pass): also U's residual
@@ -56,7 +71,10 @@ struct Layout {
   static constexpr int oU = oPm + TC * ldC * 2;
   static constexpr int oUl = oU + C * ldB * 2;
   static constexpr int stage = (oUl + (ULO ? C * ldB * 2 : 0) + 127) / 128 * 128;
-  static constexpr int total = stage * kStages;
+  /* ULO (the saving pass) also has, after the stages, one h^T staging buffer per warp
+   * (HtStage below): 17 KB at K = 128, BV = 64, 212 KB in all, still one block/SM */
+  static constexpr int oHt = stage * kStages;
+  static constexpr int total = oHt + (ULO ? BV / 16 * HtStage<K, C>::warp_bytes : 0);
 };
 
 /* ------------------------------------------------------------------ PTX wrappers: mma_sm90.cuh */
@@ -96,28 +114,80 @@ __device__ __forceinline__ void copy_panel(unsigned char *dst, int sld, const bf
 /* The two stores of a forward that keeps its states for the backward (SAVE below), in
  * exactly the layouts bwd_states_kernel_v3 writes (gdp_bwd_v3.cu), so the backward's
  * gradient kernels read them unchanged:
- *  - h^T float32 [V][K] per (chunk, head): the accumulator tiles X[nt][e] = S^T[x][r],
- *    x = grp + 8(e/2), r = 8nt + 2tig + e%2; `base` points at (x = this lane's grp row,
- *    r = 2tig), each register pair one 8-byte store;
- *  - D bf16 [C][V] (variant 2's layout): the A fragment of D^T for k tile kt, register q
- *    = D[16kt + 2tig + 8(q/2) + {0,1}][x + 8(q%2)], `base` at column x of this lane. */
-template <int K>
-__device__ __forceinline__ void save_hT32(float *base, const float (&X)[K / 8][4]) {
+ *  - h^T float32 [V][K] per (chunk, head): stage_hT32_half, two halves per chunk;
+ *  - D bf16 [C][V] (variant 2's layout): stage_dfrags, from the A fragments of D^T. */
+
+/* h^T float32 [V][K] per (chunk, head), half of a warp's 16 rows at a time: the
+ * accumulator tiles X[nt][e] = S^T[x][r], x = xw + grp + 8(e/2), r = 8nt + 2tig + e%2;
+ * half hf takes e = 2hf, 2hf+1, i.e. rows xw + 8hf + grp, whole (K floats each).
+ * The fragments go to the warp's staging buffer (HtStage, at stage0 + warp * warp_bytes;
+ * row grp, float 8nt + 2tig) and come back as whole rows, lane l taking float4 l % (K/4)
+ * of row l / (K/4): each STG.128 then writes 512 contiguous bytes (four full 128-byte
+ * lines) at `grow` = global row xw + 8hf.  The same floats at the same addresses as the
+ * 8-byte stores straight from the fragments that this replaces, which touched 8 lines
+ * per instruction with 32 bytes each: 4x the L2 requests (ncu: L2 85-92% busy in these
+ * passes, DRAM 55-60%).  Plain shared and global stores, no bulk async copy: on sm_90 the
+ * bulk-store wait (cp.async.bulk.wait_group.read) compiles to the same DEPBAR on SB0 as
+ * the panels' cp.async.wait_group, so it would drain the panel prefetch too.  The first
+ * __syncwarp orders the previous half's reads of the buffer (all lanes) before these
+ * writes; the second, the writes before the reads. */
+template <int K, int C>
+__device__ __forceinline__ void stage_hT32_half(unsigned char *stage0, float *grow, const float (&X)[K / 8][4],
+                                                int hf) {
+  constexpr int kF4 = K / 4;      /* float4 per row */
+  constexpr int kRows = 32 / kF4; /* rows per warp instruction: 1 (K = 128), 2 (K = 64) */
+  /* thread index re-read here (volatile: not hoisted), so no lane-derived address stays
+   * live across the chunk loop: the passes run at up to 255 registers */
+  uint32_t tid;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+  const int lane = (int)(tid & 31);
+  unsigned char *buf = stage0 + (tid >> 5) * HtStage<K, C>::warp_bytes;
+  __syncwarp();
+  float *s = reinterpret_cast<float *>(buf + (lane >> 2) * HtStage<K, C>::row) + 2 * (lane & 3);
 #pragma unroll
-  for (int nt = 0; nt < K / 8; nt++) {
-    *reinterpret_cast<float2 *>(base + nt * 8) = make_float2(X[nt][0], X[nt][1]);
-    *reinterpret_cast<float2 *>(base + 8 * K + nt * 8) = make_float2(X[nt][2], X[nt][3]);
-  }
+  for (int nt = 0; nt < K / 8; nt++)
+    *reinterpret_cast<float2 *>(s + nt * 8) = hf ? make_float2(X[nt][2], X[nt][3]) : make_float2(X[nt][0], X[nt][1]);
+  __syncwarp();
+  const int r = lane / kF4, c4 = lane % kF4;
+  const unsigned char *src = buf + r * HtStage<K, C>::row + c4 * 16;
+  float *dst = grow + r * K + c4 * 4;
+#pragma unroll
+  for (int i = 0; i < 8; i += kRows)
+    *reinterpret_cast<float4 *>(dst + i * K) = *reinterpret_cast<const float4 *>(src + i * HtStage<K, C>::row);
 }
 
-__device__ __forceinline__ void save_dfrag(bf16 *base, int V, int r0, const uint32_t (&A)[4]) {
-  bf16 *p = base + (int64_t)r0 * V;
+/* A bf16 [C][V] tile from the warp's C/16 A fragments (D, dD: register q of A[kt] =
+ * M[16kt + 2tig + 8(q/2) + {0,1}][xw + grp + 8(q%2)], each XOR `flip`), through the warp's
+ * staging buffer (HtStage: row j at j * drow, the 16 columns xw.. contiguous): 2-byte
+ * shared stores, then lane l copies 16 bytes (columns 8(l%2)..+7) of row l/2 (+16i), so
+ * every STG.128 writes 16 rows x 32 bytes, one whole sector per row.  `g` = row 0, column
+ * xw.  The 2-byte global stores this replaces wrote each sector in two 16-byte halves
+ * (2x the L2 requests).  Syncs as in stage_hT32_half. */
+template <int K, int C>
+__device__ __forceinline__ void stage_dfrags(unsigned char *stage0, bf16 *g, int64_t ld,
+                                             const uint32_t (&A)[C / 16][4], uint32_t flip) {
+  constexpr int kRow = HtStage<K, C>::drow;
+  uint32_t tid;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+  const int lane = (int)(tid & 31);
+  unsigned char *buf = stage0 + (tid >> 5) * HtStage<K, C>::warp_bytes;
+  __syncwarp();
+  unsigned char *s = buf + 2 * (lane & 3) * kRow + (lane >> 2) * 2;
 #pragma unroll
-  for (int q = 0; q < 4; q++) {
-    const __nv_bfloat162 v2 = *reinterpret_cast<const __nv_bfloat162 *>(&A[q]);
-    p[(8 * (q >> 1)) * V + 8 * (q & 1)] = v2.x;
-    p[(8 * (q >> 1) + 1) * V + 8 * (q & 1)] = v2.y;
-  }
+  for (int kt = 0; kt < C / 16; kt++)
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+      const uint32_t v = A[kt][q] ^ flip;
+      unsigned char *e = s + (16 * kt + 8 * (q >> 1)) * kRow + 16 * (q & 1);
+      *reinterpret_cast<uint16_t *>(e) = (uint16_t)(v & 0xffffu);
+      *reinterpret_cast<uint16_t *>(e + kRow) = (uint16_t)(v >> 16);
+    }
+  __syncwarp();
+  const int r = lane >> 1, h16 = (lane & 1) * 16;
+#pragma unroll
+  for (int i = 0; i < C; i += 16)
+    *reinterpret_cast<uint4 *>(reinterpret_cast<unsigned char *>(g + (i + r) * ld) + h16) =
+        *reinterpret_cast<const uint4 *>(buf + (i + r) * kRow + h16);
 }
 
 /* ------------------------------------------------------------------ the state pass */
@@ -196,7 +266,10 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) state_kernel_v3(GdpArgs a, fl
     const uint32_t sb = smem0 + (it % kStages) * L::stage;
     const uint32_t sW = sb + L::oW, sKd = sb + L::oKd, sQd = sb + L::oQd, sPm = sb + L::oPm,
                    sU = sb + L::oU;
-    if constexpr (SAVE) save_hT32<K>(hT32 + ((int64_t)c * H + h) * V * K + (int64_t)(xw + grp) * K + 2 * tig, St);
+    /* SAVE: h^T rows xw..xw+7 now, rows xw+8..15 after the D products (St is unchanged
+     * until the decay): the stores of each half overlap the products that follow */
+    if constexpr (SAVE)
+      stage_hT32_half<K, C>(smem + L::oHt, hT32 + ((int64_t)c * H + h) * V * K + (int64_t)xw * K, St, 0);
 
     /* S^T at the chunk start as bf16 A fragments (for D and o) */
     uint32_t Sa[K / 16][4];
@@ -246,9 +319,8 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) state_kernel_v3(GdpArgs a, fl
       Da[kt][3] = pack_bf16(-Dt[2 * kt + 1][2], -Dt[2 * kt + 1][3]);
     }
     if constexpr (SAVE) {
-      bf16 *gD = a.Dbuf + ((int64_t)c * H + h) * C * V + xw + grp;
-#pragma unroll
-      for (int kt = 0; kt < C / 16; kt++) save_dfrag(gD, V, kt * 16 + 2 * tig, Da[kt]);
+      stage_hT32_half<K, C>(smem + L::oHt, hT32 + ((int64_t)c * H + h) * V * K + (int64_t)(xw + 8) * K, St, 1);
+      stage_dfrags<K, C>(smem + L::oHt, a.Dbuf + ((int64_t)c * H + h) * C * V + xw, V, Da, 0u);
     }
 
     /* o^T = S^T Qd^T + D^T Pm^T, then straight to global (rows past the sequence end,
@@ -329,7 +401,7 @@ __host__ __device__ constexpr int prep_a_row(int i) {
  * the barrier that ends the solve's reads of A -- by the bf16 panels Tw^T and Tu^T
  * (row x = column x of T, the layout the solve's threads write with 16-byte stores).
  * At K = V = 128, C = 64 that is 52.5 KB: four blocks per SM. */
-template <int K, int V, int C, int TC>
+template <int K, int V, int C, int TC, bool STAGED = false>
 struct PrepLayout {
   static constexpr int ldK = K + kPad, ldV = V + kPad, ldT = C + kPad;
   static constexpr int oK = 0;                   /* k rows, then kn (bf16) */
@@ -341,7 +413,10 @@ struct PrepLayout {
   static constexpr int oTw = oQ;                 /* (T diag(beta e^gc))^T (bf16) */
   static constexpr int oTu = oTw + C * ldT * 2;  /* (T diag(beta))^T (bf16) */
   static constexpr int endA = oA + prep_a_row(C) * 4, endT = oTu + C * ldT * 2;
-  static constexpr int total = endA > endT ? endA : endT;
+  /* STAGED (prep_wu_staged): one 8 x 32 bf16 staging tile (512 bytes) per warp after
+   * everything else: 52.5 -> 54.5 KB at K = V = 128, C = 64, still four blocks per SM */
+  static constexpr int oStage = ((endA > endT ? endA : endT) + 127) / 128 * 128;
+  static constexpr int total = STAGED ? oStage + 4 * 512 : (endA > endT ? endA : endT);
 };
 
 /* A fragment (16 x 16, row-major source with row stride ld elements) at rows rb,
@@ -412,6 +487,49 @@ struct PrepWuSched {
   static constexpr PrepSched<(K / 64 + V / 64) * (C / 16), PrepWuCost<C>> wu{};
 };
 
+/* The owners of PrepWuSched's items as a 2-bit-per-item mask (at most 16 items), so that
+ * the staged W/U phase can walk its items in a runtime loop: its code then exists once
+ * per item kind instead of once per item. */
+template <int K, int V, int C>
+__host__ __device__ constexpr uint32_t prep_wu_owner_bits() {
+  uint32_t bits = 0;
+  for (int i = 0; i < (K / 64 + V / 64) * (C / 16); i++)
+    bits |= (uint32_t)PrepWuSched<K, V, C>::wu.owner[i] << (2 * i);
+  return bits;
+}
+
+/* stmatrix (sm_90): the inverse of ldsm_x4 -- register i of thread t (row t/4, columns
+ * 2(t%4), 2(t%4)+1 of matrix i) goes to the row address that lane 8i + t/4 gives.  The
+ * memory clobbers keep the compiler from moving the staged tile's plain accesses across. */
+__device__ __forceinline__ void stsm_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1,%2,%3,%4};\n" ::"r"(addr), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3)
+               : "memory");
+}
+__device__ __forceinline__ uint4 lds128(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
+}
+
+/* One 8-row x 32-column bf16 piece of an accumulator tile to global in 16-byte row
+ * stores, through the warp's 512-byte staging tile: w[m] is this lane's word of 8-column
+ * block m (row grp, columns 8m + 2tig, +1), stored by stmatrix; each lane then reads row
+ * lane/4, columns 8(lane%4)..+7 back and stores them at g (which the caller points
+ * there), so that every store instruction writes 8 rows x 64 contiguous bytes (16 whole
+ * sectors) instead of 8 rows x 16 bytes.  The tile's 16-byte chunks are XOR-swizzled by
+ * (row/2)%4: the eight rows of each stmatrix matrix, and the eight lanes of each
+ * quarter-warp read, then fall in eight distinct bank groups. */
+__device__ __forceinline__ void prep_stage_store(uint32_t st_addr, uint32_t ld_addr, const uint32_t (&w)[4], bf16 *g) {
+  __syncwarp(); /* the previous piece's reads are done before the tile is overwritten */
+  stsm_x4(st_addr, w[0], w[1], w[2], w[3]);
+  __syncwarp();
+  *reinterpret_cast<uint4 *>(g) = lds128(ld_addr);
+}
+
 /* Column x (>= X0) of T = (I + A)^-1 by forward substitution, the column in registers;
  * rows above X0 are zero and skipped (X0 a multiple of 4, so each row's four partial
  * sums take the same terms in the same order as without the skip). */
@@ -427,6 +545,86 @@ __device__ __forceinline__ void prep_solve_column(const float *sA, int x, float 
     for (int j = X0; j < i; j++) s[j & 3] -= sA[prep_a_row(i) + j] * t[j];
     t[i] = (s[0] + s[1]) + (s[2] + s[3]);
   }
+}
+
+/* The W/U phase of prep_kernel_v3 with WU_STAGED (same products, same bits as the
+ * unrolled phase in the kernel): W = Tw Kn, U = Tu V (and U's residual with STORE_ULO)
+ * by items of 16 rows x 64 columns, each warp taking the items PrepWuSched gives it, but
+ *  - in a runtime loop over the items (one copy of the code per item kind, W or U,
+ *    instead of one per item: the unrolled phase is 19 KB of the kernel's 139.5 KB at
+ *    K = V = 128, C = 64, and 36 KB with the residual, which took the kernel past what
+ *    the instruction cache holds -- NOTES.md, "The backward's prep");
+ *  - U's items first, so that their stores (twice as many with the residual) drain
+ *    behind the W items' products rather than at the block's exit;
+ *  - every output through prep_stage_store: 16-byte stores of 64 contiguous bytes per
+ *    row instead of 4-byte stores of 16. */
+template <int K, int V, int C, bool STORE_ULO, class L>
+__device__ __forceinline__ void prep_wu_staged(const GdpArgs &a, int64_t CHi, uint32_t s0) {
+  constexpr int GK = K / 64, NR = C / 16, NI = (GK + V / 64) * NR;
+  static_assert(NI <= 16, "owner bits");
+  constexpr uint32_t owners = prep_wu_owner_bits<K, V, C>();
+  const int warp = (int)threadIdx.x >> 5, lane = (int)threadIdx.x & 31;
+  const int trow = ((lane >> 3) & 1) * 8 + (lane & 7), tcol = (lane >> 4) * 8;
+  const int aoff = ((lane >> 4) * 8 + (lane & 7)) * L::ldT + ((lane >> 3) & 1) * 8;
+  /* this warp's staging tile (8 rows of 64 bytes): stmatrix row address of lane l
+   * (matrix l/8, row l%8) and the 16 bytes lane l reads back (row l/4, chunk l%4) */
+  const uint32_t stage = s0 + L::oStage + warp * 512;
+  const int sr = lane & 7, lr = lane >> 2, lc = lane & 3;
+  const uint32_t st_addr = stage + sr * 64 + (((lane >> 3) ^ (sr >> 1)) & 3) * 16;
+  const uint32_t ld_addr = stage + lr * 64 + ((lc ^ (lr >> 1)) & 3) * 16;
+
+  auto item = [&](auto isu_tag, int it) {
+    constexpr bool isu = decltype(isu_tag)::value != 0;
+    constexpr int ldb = isu ? L::ldV : L::ldK, ldo = isu ? V : K;
+    const int r = it % NR, rb = r * 16, cb = (it / NR - (isu ? GK : 0)) * 64;
+    const uint32_t tbase = s0 + (isu ? L::oTu : L::oTw) + (rb + aoff) * 2,
+                   bbase = s0 + (isu ? L::oV : L::oK) + (trow * ldb + cb + tcol) * 2;
+    float acc[8][4];
+#pragma unroll
+    for (int nt = 0; nt < 8; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+#pragma unroll 2
+    for (int kt = 0; kt <= r; kt++) {
+      uint32_t fa[4];
+      ldsm_x4_t(tbase + kt * 16 * L::ldT * 2, fa[0], fa[1], fa[2], fa[3]);
+#pragma unroll
+      for (int nt = 0; nt < 8; nt += 2) {
+        uint32_t b0, b1, b2, b3;
+        ldsm_x4_t(bbase + (kt * 16 * ldb + nt * 8) * 2, b0, b1, b2, b3);
+        mma16816(acc[nt], fa, b0, b1);
+        mma16816(acc[nt + 1], fa, b2, b3);
+      }
+    }
+    /* this lane's 16 bytes of each staged piece: row rb + lr (+ 8 hf), columns
+     * cb + 8 lc (+ 32 q) */
+    const int64_t off = (int64_t)(rb + lr) * ldo + cb + lc * 8;
+    bf16 *out = (isu ? a.U + CHi * C * V : a.W + CHi * C * K) + off;
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++)
+#pragma unroll
+      for (int q = 0; q < 2; q++) {
+        uint32_t hi[4];
+#pragma unroll
+        for (int m = 0; m < 4; m++) hi[m] = pack_bf16(acc[4 * q + m][2 * hf], acc[4 * q + m][2 * hf + 1]);
+        prep_stage_store(st_addr, ld_addr, hi, out + 8 * hf * ldo + 32 * q);
+        if constexpr (STORE_ULO && isu) {
+          /* U's bf16 rounding residual: U - bf16(U) is exact in float32 (the float of a
+           * bf16 is its bits shifted up), its bf16 rounding keeps U to ~16 bits */
+          uint32_t lo[4];
+#pragma unroll
+          for (int m = 0; m < 4; m++)
+            lo[m] = pack_bf16(acc[4 * q + m][2 * hf] - __uint_as_float(hi[m] << 16),
+                              acc[4 * q + m][2 * hf + 1] - __uint_as_float(hi[m] & 0xffff0000u));
+          prep_stage_store(st_addr, ld_addr, lo, a.Ulo + CHi * C * V + off + 8 * hf * ldo + 32 * q);
+        }
+      }
+  };
+  /* not unrolled: that is the point */
+#pragma unroll 1
+  for (int it = GK * NR; it < NI; it++)
+    if ((int)((owners >> (2 * it)) & 3u) == warp) item(PrepIdx<1>{}, it);
+#pragma unroll 1
+  for (int it = 0; it < GK * NR; it++)
+    if ((int)((owners >> (2 * it)) & 3u) == warp) item(PrepIdx<0>{}, it);
 }
 
 /* One block (4 warps) per (chunk, head).  Same outputs as variant 2's chunk_prep_kernel
@@ -451,11 +649,14 @@ __device__ __forceinline__ void prep_solve_column(const float *sA, int x, float 
  * U's bf16 rounding residual to a.Ulo.  Both are template flags, not runtime tests: with
  * the residual's runtime test in it (never taken), the plain forward's prep at n = 2 ran
  * 0.86 ms instead of 0.50 on the H200 (session 3); its instantiation <false, false> is
- * instruction for instruction the kernel without either store.
+ * instruction for instruction the kernel without either store.  WU_STAGED: the W/U
+ * phase as prep_wu_staged (runtime item loop, 16-byte stores through shared memory), the
+ * same bits in less code (<true, true> at K = V = 128, n = 2: 158 -> 128 KB, the plain
+ * kernel 139.5), which is what brings it back inside the instruction cache (NOTES.md).
  */
-template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO>
+template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO, bool WU_STAGED>
 __global__ void __launch_bounds__(128, 4) prep_kernel_v3(GdpArgs a, bf16 *Tt) {
-  using L = PrepLayout<K, V, C, TC>;
+  using L = PrepLayout<K, V, C, TC, WU_STAGED>;
   static_assert(K % 64 == 0 && V % 64 == 0 && C % 16 == 0 && TC % 16 == 0 && C <= 64 && TC <= 32 &&
                     C % TC == 0,
                 "prep shapes");
@@ -670,7 +871,9 @@ __global__ void __launch_bounds__(128, 4) prep_kernel_v3(GdpArgs a, bf16 *Tt) {
   /* W = Tw Kn, U = Tu V: items of 16 rows x 64 columns, k tiles up to the diagonal.  The
    * A fragments come from the transposed panels by ldmatrix.trans: matrix m = lane/8
    * covers k rows kt 16 + 8(m/2).. and T rows rb + 8(m%2).. */
-  {
+  if constexpr (WU_STAGED) {
+    prep_wu_staged<K, V, C, STORE_ULO, L>(a, CHi, s0);
+  } else {
     constexpr int GK = K / 64, NR = C / 16, NI = (GK + V / 64) * NR;
     const int trow = ((lane >> 3) & 1) * 8 + (lane & 7), tcol = (lane >> 4) * 8;
     const int aoff = ((lane >> 4) * 8 + (lane & 7)) * L::ldT + ((lane >> 3) & 1) * 8;
@@ -722,11 +925,13 @@ __global__ void __launch_bounds__(128, 4) prep_kernel_v3(GdpArgs a, bf16 *Tt) {
 
 /* ------------------------------------------------------------------ host side */
 
+/* save: the SAVE pass (h^T to hT32 and D to plan.a.Dbuf, besides o); a dry run only asks
+ * the occupancy of the pass it names. */
 template <int K, int C, int TC, int BV>
-static gdp_status launch_bv(const Plan &plan, bool dry_run, int *blocks_per_sm, float *hT32) {
-  /* the saving pass (hT32) also stages U's residual: a larger stage */
-  const int smem = hT32 ? Layout<K, C, TC, BV, true>::total : Layout<K, C, TC, BV, false>::total;
-  auto kern = hT32 ? state_kernel_v3<K, C, TC, BV, true> : state_kernel_v3<K, C, TC, BV, false>;
+static gdp_status launch_bv(const Plan &plan, bool dry_run, int *blocks_per_sm, bool save, float *hT32) {
+  /* the saving pass also stages U's residual: a larger stage */
+  const int smem = save ? Layout<K, C, TC, BV, true>::total : Layout<K, C, TC, BV, false>::total;
+  auto kern = save ? state_kernel_v3<K, C, TC, BV, true> : state_kernel_v3<K, C, TC, BV, false>;
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   if (dry_run) {
     GDP_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, kern, BV / 16 * 32, smem));
@@ -740,32 +945,33 @@ static gdp_status launch_bv(const Plan &plan, bool dry_run, int *blocks_per_sm, 
 }
 
 template <int K, int C, int TC>
-static gdp_status launch_k(const Plan &plan, int bv, bool dry_run, int *occ, float *hT32) {
+static gdp_status launch_k(const Plan &plan, int bv, bool dry_run, int *occ, bool save, float *hT32) {
   switch (bv) {
-    case 64: return launch_bv<K, C, TC, 64>(plan, dry_run, occ, hT32);
-    case 32: return launch_bv<K, C, TC, 32>(plan, dry_run, occ, hT32);
-    default: return launch_bv<K, C, TC, 16>(plan, dry_run, occ, hT32);
+    case 64: return launch_bv<K, C, TC, 64>(plan, dry_run, occ, save, hT32);
+    case 32: return launch_bv<K, C, TC, 32>(plan, dry_run, occ, save, hT32);
+    default: return launch_bv<K, C, TC, 16>(plan, dry_run, occ, save, hT32);
   }
 }
 
-/* hT32 non-NULL: the SAVE pass (h^T to hT32 and D to plan.a.Dbuf, besides o). */
-static gdp_status launch_state_v3(const Plan &plan, int bv, bool dry_run, int *occ, float *hT32 = nullptr) {
+static gdp_status launch_state_v3(const Plan &plan, int bv, bool dry_run, int *occ, bool save, float *hT32) {
   const GdpArgs &a = plan.a;
   if (a.K == 128) {
-    if (a.n == 1) return launch_k<128, 32, 32>(plan, bv, dry_run, occ, hT32);
-    if (a.n == 2) return launch_k<128, 64, 32>(plan, bv, dry_run, occ, hT32);
-    return launch_k<128, 48, 16>(plan, bv, dry_run, occ, hT32);
+    if (a.n == 1) return launch_k<128, 32, 32>(plan, bv, dry_run, occ, save, hT32);
+    if (a.n == 2) return launch_k<128, 64, 32>(plan, bv, dry_run, occ, save, hT32);
+    return launch_k<128, 48, 16>(plan, bv, dry_run, occ, save, hT32);
   }
-  if (a.n == 1) return launch_k<64, 32, 32>(plan, bv, dry_run, occ, hT32);
-  if (a.n == 2) return launch_k<64, 64, 32>(plan, bv, dry_run, occ, hT32);
-  return launch_k<64, 48, 16>(plan, bv, dry_run, occ, hT32);
+  if (a.n == 1) return launch_k<64, 32, 32>(plan, bv, dry_run, occ, save, hT32);
+  if (a.n == 2) return launch_k<64, 64, 32>(plan, bv, dry_run, occ, save, hT32);
+  return launch_k<64, 48, 16>(plan, bv, dry_run, occ, save, hT32);
 }
 
 /* Value-block width: the fewest waves of blocks; on a tie the narrower block (more SMs
  * busy, fewer warps sharing one SM's shared-memory bandwidth).  Every block walks all
- * chunks of its sequence, so a wave costs one sequence's full chain.
+ * chunks of its sequence, so a wave costs one sequence's full chain.  By the occupancy of
+ * the pass that runs: the saving pass's larger stage fits fewer blocks (at K = V = 128,
+ * n = 3 the plain pass's choice, BV = 32, ran the saving pass in two waves).
  * GDP_CUDA_V3_BV=16|32|64 forces a width (lab experiments). */
-static int choose_bv(const Plan &plan) {
+static int choose_bv(const Plan &plan, bool save) {
   const GdpArgs &a = plan.a;
   const char *env = getenv("GDP_CUDA_V3_BV");
   if (env) {
@@ -776,10 +982,10 @@ static int choose_bv(const Plan &plan) {
   double best_waves = INFINITY;
   for (int bv : {16, 32, 64}) {
     if (a.V % bv) continue;
-    /* occupancy depends only on (K, n, bv): asked once, then cached (benign race) */
-    static int occ_cache[2][3][3] = {};
-    int &occ = occ_cache[a.K == 128][a.n - 1][bv == 16 ? 0 : bv == 32 ? 1 : 2];
-    if (occ == 0 && launch_state_v3(plan, bv, true, &occ) != GDP_OK) occ = -1;
+    /* occupancy depends only on (save, K, n, bv): asked once, then cached (benign race) */
+    static int occ_cache[2][2][3][3] = {};
+    int &occ = occ_cache[save][a.K == 128][a.n - 1][bv == 16 ? 0 : bv == 32 ? 1 : 2];
+    if (occ == 0 && launch_state_v3(plan, bv, true, &occ, save, nullptr) != GDP_OK) occ = -1;
     if (occ < 1) continue;
     const double blocks = (double)a.N * a.H * (a.V / bv);
     const double waves = ceil(blocks / ((double)num_sms() * occ));
@@ -788,17 +994,71 @@ static int choose_bv(const Plan &plan) {
   return best;
 }
 
-template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO>
-static gdp_status launch_prep_kvt(const Plan &plan, bf16 *Tt) {
-  using L = PrepLayout<K, V, C, TC>;
-  auto kern = prep_kernel_v3<K, V, C, TC, STORE_T, STORE_ULO>;
+template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO, bool WU_STAGED>
+static gdp_status launch_prep_kernel(const Plan &plan, bf16 *Tt) {
+  using L = PrepLayout<K, V, C, TC, WU_STAGED>;
+  auto kern = prep_kernel_v3<K, V, C, TC, STORE_T, STORE_ULO, WU_STAGED>;
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
-  /* four blocks of up to 52.5 KB per SM need (nearly) all of the unified L1 as shared memory */
+  /* four blocks of up to 54.5 KB per SM need (nearly) all of the unified L1 as shared memory */
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout,
                                     cudaSharedmemCarveoutMaxShared));
   kern<<<dim3((unsigned)plan.a.nchunks, (unsigned)plan.a.H), 128, L::total, plan.stream>>>(plan.a, Tt);
   GDP_CUDA_LAUNCHED("prep_kernel_v3");
   return GDP_OK;
+}
+
+/* Which W/U phase the prep runs (prep_wu_staged): by default the staged one where the
+ * prep also stores T^T and U's residual for a backward (0.98 ms -> predicted ~0.6 at
+ * 4 x 4096, n = 2), the unrolled one (as validated since session 2) in the plain
+ * forward.  GDP_CUDA_V3_PREP_WU=old | new forces the unrolled | staged phase everywhere
+ * (lab A/B; both give the same bits); =compare runs both and checks that they do. */
+static bool prep_wu_staged_wanted(bool backward_stores) {
+  const char *env = getenv("GDP_CUDA_V3_PREP_WU");
+  if (env && strcmp(env, "old") == 0) return false;
+  if (env && strcmp(env, "new") == 0) return true;
+  return backward_stores;
+}
+
+static bool prep_wu_compare() {
+  const char *env = getenv("GDP_CUDA_V3_PREP_WU");
+  return env && strcmp(env, "compare") == 0;
+}
+
+/* GDP_CUDA_V3_PREP_WU=compare (lab only: synchronises, copies the panels to the host):
+ * the unrolled W/U phase, then the staged one over the same plan; W, U and U's residual
+ * must come out byte for byte the same, otherwise GDP_ERR_INTERNAL names the panel. */
+template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO>
+static gdp_status compare_prep_wu(const Plan &plan, bf16 *Tt) {
+  const GdpArgs &a = plan.a;
+  const size_t chunk_heads = (size_t)a.nchunks * (size_t)a.H;
+  const size_t bytes[3] = {chunk_heads * C * K * 2, chunk_heads * C * V * 2, STORE_ULO ? chunk_heads * C * V * 2 : 0};
+  const void *panels[3] = {a.W, a.U, a.Ulo};
+  static const char *names[3] = {"W", "U", "U's residual"};
+  std::vector<unsigned char> unrolled[3], staged[3];
+  for (int pass = 0; pass < 2; pass++) {
+    const gdp_status st = pass ? launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, true>(plan, Tt)
+                               : launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, false>(plan, Tt);
+    if (st != GDP_OK) return st;
+    for (int i = 0; i < 3; i++) {
+      std::vector<unsigned char> &host = pass ? staged[i] : unrolled[i];
+      host.resize(bytes[i]);
+      if (bytes[i])
+        GDP_CUDA_TRY(cudaMemcpyAsync(host.data(), panels[i], bytes[i], cudaMemcpyDeviceToHost, plan.stream));
+    }
+    GDP_CUDA_TRY(cudaStreamSynchronize(plan.stream));
+  }
+  for (int i = 0; i < 3; i++)
+    if (bytes[i] && memcmp(unrolled[i].data(), staged[i].data(), bytes[i]) != 0)
+      return GDP_ERROR(GDP_ERR_INTERNAL, "prep_kernel_v3<%d,%d,%d,%d>: staged and unrolled W/U phases differ in %s",
+                       K, V, C, TC, names[i]);
+  return GDP_OK;
+}
+
+template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO>
+static gdp_status launch_prep_kvt(const Plan &plan, bf16 *Tt) {
+  if (prep_wu_compare()) return compare_prep_wu<K, V, C, TC, STORE_T, STORE_ULO>(plan, Tt);
+  return prep_wu_staged_wanted(STORE_T) ? launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, true>(plan, Tt)
+                                        : launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, false>(plan, Tt);
 }
 
 template <int K, int V, int C, int TC>
@@ -844,7 +1104,7 @@ SavedLayout saved_layout(const gdp_gdp_problem *p) {
   int64_t nchunks = 0;
   for (int64_t s = 0; s < p->N; s++) nchunks += (p->cu_seqlens[s + 1] - p->cu_seqlens[s] + TC - 1) / TC;
   const size_t CH = (size_t)nchunks * (size_t)p->H;
-  L.plan = align128(plan_bytes(p, false));
+  L.plan = align128(plan_bytes(p, PLAN_FORWARD));
   L.o_hT32 = L.plan;
   L.o_D = L.o_hT32 + align128(CH * (size_t)(p->V * p->K) * 4);
   L.o_Tt = L.o_D + align128(CH * (size_t)(chunk_steps(p->n) * p->V) * 2);
@@ -886,7 +1146,7 @@ static gdp_status forward_v3(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io,
     hT32 = (float *)((char *)saved + sl.o_hT32);
     Tt = (bf16 *)((char *)saved + sl.o_Tt);
   }
-  gdp_status st = plan_make(p, stream, false, a, &plan, saved, true);
+  gdp_status st = plan_make(p, stream, PLAN_FORWARD, a, &plan, saved, true);
   if (st != GDP_OK) {
     prof_end(stream);
     return st;
@@ -905,7 +1165,8 @@ static gdp_status forward_v3(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io,
   /* saving: the prep also stores T^T for grad_wy (the recompute backward's prep does) */
   st = new_prep ? v3::launch_prep_v3(plan, Tt) : launch_prep(plan);
   prof_mark(new_prep ? "fwd prep v3" : "fwd prep", stream);
-  if (st == GDP_OK) st = v3::launch_state_v3(plan, v3::choose_bv(plan), false, nullptr, hT32);
+  if (st == GDP_OK) st = v3::launch_state_v3(plan, v3::choose_bv(plan, saved != nullptr), false, nullptr,
+                                             saved != nullptr, hT32);
   prof_mark(saved ? "fwd state+output v3 (saving h, D)" : "fwd state+output v3", stream);
   plan_free(&plan);
   prof_end(stream);
