@@ -80,12 +80,12 @@ for t in "${trees[@]}"; do
       GDP_CUDA_V3_PREP_WU=$wu GDP_CUDA_PROFILE=1 timeout 30 $L bench 4 4096 2 $(variants "$t") --reps 2 2>&1 | grep -E "chunk_v3 |v3_saved |prep" | sed "s/^/[PREP_WU=$wu 4 4096 2] /" | tee -a "$LOG"
     done
   fi
-  if grep -q GDP_CUDA_V3_GS "$t/kernels/cuda/gdp_bwd_v3.cu" && grep -q '"2b"' "$t/kernels/cuda/gdp_bwd_v3.cu"; then
-    # grad_state at three blocks per SM (default) against the two-block kernel (=2b)
-    for gs in default 2b; do
+  if grep -q GDP_CUDA_V3_GS "$t/kernels/cuda/gdp_bwd_v3.cu" && grep -q '"3b"' "$t/kernels/cuda/gdp_bwd_v3.cu"; then
+    # grad_state at two blocks per SM (default) against the three-block kernel (=3b)
+    for gs in default 3b; do
       for s in "4 4096 1" "4 4096 2" "4 4096 3"; do
         left "gs $gs" || break 2
-        env $( [ $gs = 2b ] && echo GDP_CUDA_V3_GS=2b ) GDP_CUDA_PROFILE=1 timeout 30 $L bench $s v3 --reps 2 2>&1 | grep -E "chunk_v3 |state part|WY part" | sed "s/^/[GS=$gs $s] /" | tee -a "$LOG"
+        env $( [ $gs = 3b ] && echo GDP_CUDA_V3_GS=3b ) GDP_CUDA_PROFILE=1 timeout 30 $L bench $s v3 --reps 2 2>&1 | grep -E "chunk_v3 |state part|WY part" | sed "s/^/[GS=$gs $s] /" | tee -a "$LOG"
       done
     done
   fi

@@ -2129,12 +2129,14 @@ static gdp_status launch_seq(const Plan &plan, int bv, bool states, bool dry_run
 template <int K, int V, int C, int TC>
 static gdp_status launch_grad_state_kv(const Plan &plan, const GradStateOut &go, bool wy) {
   const dim3 grid((unsigned)plan.a.nchunks, (unsigned)plan.a.H);
-  /* The state part: grad_state3_kernel_v3 (three blocks per SM) unless
-   * GDP_CUDA_V3_GS=2b picks the earlier two-per-SM schedule (same results, bit for bit;
-   * kept for timing comparisons and as the fallback). */
+  /* The state part: grad_state_kernel_v3 (two blocks per SM) unless GDP_CUDA_V3_GS=3b
+   * picks grad_state3_kernel_v3 (three per SM; same results, bit for bit).  The
+   * three-block kernel measured SLOWER on the H200 (session 4, one profiled call at
+   * 4 x 4096: n = 1 0.64 -> 0.72 ms, n = 2 0.74 -> 0.89 ms -- its 64-column key panels
+   * read k, q and the states from L2 twice), so it is kept for the lab only. */
   static const bool gs_two = [] {
     const char *e = getenv("GDP_CUDA_V3_GS");
-    return e && strcmp(e, "2b") == 0;
+    return !(e && strcmp(e, "3b") == 0);
   }();
   if (!wy && !gs_two) {
     using L = GradState3Layout<K, V, C, TC>;
