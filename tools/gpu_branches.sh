@@ -68,6 +68,14 @@ for t in "${trees[@]}"; do
       GDP_CUDA_V3_STATE=bf16 timeout 60 compute-sanitizer --tool racecheck $L bench 1 300 $nn $(variants "$t") --reps 1 2>&1 | grep -E "RACECHECK SUMMARY" | sed "s/^/[STATE=bf16 n=$nn racecheck] /" | tee -a "$LOG"
     done
   fi
+  # a dstate with a new schedule (GDP_CUDA_V3_DSTATE): =compare runs the old and the new
+  # one and fails unless their outputs are byte-identical
+  if grep -q GDP_CUDA_V3_DSTATE "$t/kernels/cuda/gdp_bwd_v3.cu"; then
+    for st in f32 bf16; do
+      GDP_CUDA_V3_STATE=$st GDP_CUDA_V3_DSTATE=compare timeout 120 $L check $(variants "$t") > "$OUT/check_${n}_dstate_$st.log" 2>&1
+      say "[DSTATE=compare STATE=$st] check rc=$? $(grep -E 'check:' "$OUT/check_${n}_dstate_$st.log" | tail -1)"
+    done
+  fi
   # a gradient kernel that prefetches a later block's inputs (GDP_CUDA_V3_GS_AHEAD): its
   # addresses, at a distance the small problem reaches (off by default)
   if grep -q GDP_CUDA_V3_GS_AHEAD "$t/kernels/cuda/gdp_bwd_v3.cu"; then
@@ -104,6 +112,24 @@ for t in "${trees[@]}"; do
       left "prep-wu $wu" || break
       for s in "4 4096 1" "4 4096 2" "4 4096 3"; do
         GDP_CUDA_V3_PREP_WU=$wu GDP_CUDA_PROFILE=1 timeout 30 $L bench $s $(variants "$t") --reps 2 2>&1 | grep -E "chunk_v3 |v3_saved |prep" | grep -v " 0.0000 ms" | sed "s/^/[PREP_WU=$wu $s] /" | tee -a "$LOG"
+      done
+    done
+  fi
+  if grep -q GDP_CUDA_V3_DSTATE "$t/kernels/cuda/gdp_bwd_v3.cu"; then
+    # dstate's old schedule against the default
+    for ds in old default; do
+      left "dstate $ds" || break
+      for s in "4 4096 1" "4 4096 2" "4 4096 3" "1 32768 2"; do
+        env $( [ $ds = old ] && echo GDP_CUDA_V3_DSTATE=old ) GDP_CUDA_PROFILE=1 timeout 30 $L bench $s $(variants "$t") --reps 2 2>&1 | grep -E "state gradients" | grep -v " 0.0000 ms" | sed "s/^/[DSTATE=$ds $s] /" | tee -a "$LOG"
+      done
+    done
+  fi
+  if grep -q GDP_CUDA_V3_PREP_SOLVE "$t/kernels/cuda/gdp_fwd_v3.cu"; then
+    # the prep's triangular solve: row-serial (=rows) against the default
+    for sv in rows default; do
+      left "prep solve $sv" || break
+      for s in "4 4096 1" "4 4096 2" "4 4096 3"; do
+        env $( [ $sv = rows ] && echo GDP_CUDA_V3_PREP_SOLVE=rows ) GDP_CUDA_PROFILE=1 timeout 30 $L bench $s $(variants "$t") --reps 2 2>&1 | grep -E "prep" | grep -v " 0.0000 ms" | sed "s/^/[PREP_SOLVE=$sv $s] /" | tee -a "$LOG"
       done
     done
   fi
