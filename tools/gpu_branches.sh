@@ -68,11 +68,12 @@ for t in "${trees[@]}"; do
       GDP_CUDA_V3_STATE=bf16 timeout 60 compute-sanitizer --tool racecheck $L bench 1 300 $nn $(variants "$t") --reps 1 2>&1 | grep -E "RACECHECK SUMMARY" | sed "s/^/[STATE=bf16 n=$nn racecheck] /" | tee -a "$LOG"
     done
   fi
-  # a dstate with a new schedule (GDP_CUDA_V3_DSTATE): =compare runs the old and the new
-  # one and fails unless their outputs are byte-identical
+  # dstate / the recompute's state pass with a new schedule (GDP_CUDA_V3_DSTATE,
+  # GDP_CUDA_V3_STATES): =compare runs the old and the new kernel and fails unless their
+  # outputs are byte-identical
   if grep -q GDP_CUDA_V3_DSTATE "$t/kernels/cuda/gdp_bwd_v3.cu"; then
     for st in f32 bf16; do
-      GDP_CUDA_V3_STATE=$st GDP_CUDA_V3_DSTATE=compare timeout 120 $L check $(variants "$t") > "$OUT/check_${n}_dstate_$st.log" 2>&1
+      GDP_CUDA_V3_STATE=$st GDP_CUDA_V3_DSTATE=compare GDP_CUDA_V3_STATES=compare timeout 120 $L check $(variants "$t") > "$OUT/check_${n}_dstate_$st.log" 2>&1
       say "[DSTATE=compare STATE=$st] check rc=$? $(grep -E 'check:' "$OUT/check_${n}_dstate_$st.log" | tail -1)"
     done
   fi
@@ -116,11 +117,11 @@ for t in "${trees[@]}"; do
     done
   fi
   if grep -q GDP_CUDA_V3_DSTATE "$t/kernels/cuda/gdp_bwd_v3.cu"; then
-    # dstate's old schedule against the default
+    # dstate's and the recompute state pass's old schedules against the default
     for ds in old default; do
       left "dstate $ds" || break
       for s in "4 4096 1" "4 4096 2" "4 4096 3" "1 32768 2"; do
-        env $( [ $ds = old ] && echo GDP_CUDA_V3_DSTATE=old ) GDP_CUDA_PROFILE=1 timeout 30 $L bench $s $(variants "$t") --reps 2 2>&1 | grep -E "state gradients" | grep -v " 0.0000 ms" | sed "s/^/[DSTATE=$ds $s] /" | tee -a "$LOG"
+        env $( [ $ds = old ] && echo GDP_CUDA_V3_DSTATE=old GDP_CUDA_V3_STATES=old ) GDP_CUDA_PROFILE=1 timeout 30 $L bench $s $(variants "$t") --reps 2 2>&1 | grep -E "chunk_v3 |v3_saved |state gradients|states v3" | grep -v " 0.0000 ms" | sed "s/^/[DSTATE=$ds $s] /" | tee -a "$LOG"
       done
     done
   fi
