@@ -77,6 +77,12 @@ for t in "${trees[@]}"; do
       say "[DSTATE=compare STATE=$st] check rc=$? $(grep -E 'check:' "$OUT/check_${n}_dstate_$st.log" | tail -1)"
     done
   fi
+  # dg's P-column sums from the rounded Ps'' (GDP_CUDA_V3_PCOL=f32: the float sums): the
+  # check once more the old way, for the errors side by side (check_<tree>_pcol.log)
+  if grep -q GDP_CUDA_V3_PCOL "$t/kernels/cuda/gdp_bwd_v3.cu"; then
+    GDP_CUDA_V3_PCOL=f32 timeout 120 $L check $(variants "$t") > "$OUT/check_${n}_pcol.log" 2>&1
+    say "[PCOL=f32] check rc=$? $(grep -E 'check:' "$OUT/check_${n}_pcol.log" | tail -1)"
+  fi
   # a gradient kernel that prefetches a later block's inputs (GDP_CUDA_V3_GS_AHEAD): its
   # addresses, at a distance the small problem reaches (off by default)
   if grep -q GDP_CUDA_V3_GS_AHEAD "$t/kernels/cuda/gdp_bwd_v3.cu"; then
