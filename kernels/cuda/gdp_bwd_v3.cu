@@ -28,6 +28,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <type_traits>
+
 #include "gdp_bwd_v3.cuh"
 #include "gdp_fwd_v3.cuh"
 #include "mma_sm90.cuh"
@@ -50,9 +52,11 @@ constexpr int kPad = 8;    /* bf16 elements (16 bytes) of padding per shared row
 /* Float32 side buffers of the per-chunk gradient kernel (per (chunk, head) CHi):
  * hT32, dHT32 [V][K] (h^T and dH^T, written by the two sequential kernels), the state
  * part's outputs for the WY part: dKnA [C][K] float, dWg [C][K] bf16, dgcA [C] float, and
- * Tt [C][C] bf16: T^T = ((I + A)^-1)^T, written by the recompute's prep. */
+ * Tt [C][C] bf16: T^T = ((I + A)^-1)^T, written by the recompute's prep.  With
+ * GDP_CUDA_V3_STATE=bf16 (v3::state16) h^T and dH^T are bf16 (hT16, dHT16; same layout). */
 struct GradStateOut {
   float *hT32, *dHT32;
+  bf16 *hT16, *dHT16; /* the same in bf16 (GDP_CUDA_V3_STATE=bf16), instead of hT32, dHT32 */
   float *dKnA;
   bf16 *dWg;
   float *dgcA;
@@ -111,7 +115,10 @@ struct HtStage {
    * rows 48 bytes apart, so the four rows of one 2-byte fragment store fall in distinct
    * banks and every row starts on 16 bytes */
   static constexpr int drow = 48;
+  /* bf16 h^T, dH^T (GDP_CUDA_V3_STATE=bf16, store_fragT16_half): rows of 2K + 16 bytes */
+  static constexpr int row16 = K * 2 + 16;
   static constexpr int warp_bytes = 8 * row > C * drow ? 8 * row : C * drow;
+  static_assert(8 * row16 <= warp_bytes, "bf16 staging fits");
 };
 
 /* The float32 accumulator tiles X[nt] of a transposed K-column matrix (X[nt][e] = M^T[x][r],
@@ -152,6 +159,47 @@ __device__ __forceinline__ void store_fragT32_half(unsigned char *stage0, float 
 #pragma unroll
   for (int i = 0; i < 8; i += kRows)
     *reinterpret_cast<float4 *>(dst + i * K) = *reinterpret_cast<const float4 *>(src + i * HtStage<K, C>::row);
+}
+
+/* The same half-row store with the copy in bf16 (GDP_CUDA_V3_STATE=bf16; [V][K] as
+ * above, 2 bytes per element): each accumulator pair rounded once to nearest (pack_bf16:
+ * the bits of the A fragments afrag_kt builds, and of grad_state's own rounding of a
+ * float32 copy), staged as one 4-byte word per nt in rows of 2K + 16 bytes (word
+ * grp (K/2 + 4) + 4nt + tig: the 32 lanes of a store hit 32 distinct banks), read back as
+ * whole rows, lane l taking 16 bytes l % (K/8) of row l / (K/8): each STG.128 writes 512
+ * contiguous bytes (two rows at K = 128, four at K = 64), four per half.  Syncs as in
+ * store_fragT32_half.  As gdp_fwd_v3.cu's stage_hT16_half. */
+template <int K, int C>
+__device__ __forceinline__ void store_fragT16_half(unsigned char *stage0, bf16 *grow, const float (&X)[K / 8][4],
+                                                   int hf) {
+  constexpr int kRow = HtStage<K, C>::row16;
+  constexpr int kU4 = K / 8;      /* 16-byte pieces per row */
+  constexpr int kRows = 32 / kU4; /* rows per warp instruction: 2 (K = 128), 4 (K = 64) */
+  uint32_t tid;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+  const int lane = (int)(tid & 31);
+  unsigned char *buf = stage0 + (tid >> 5) * HtStage<K, C>::warp_bytes;
+  __syncwarp();
+  unsigned char *s = buf + (lane >> 2) * kRow + 4 * (lane & 3);
+#pragma unroll
+  for (int nt = 0; nt < K / 8; nt++)
+    *reinterpret_cast<uint32_t *>(s + nt * 16) = hf ? pack_bf16(X[nt][2], X[nt][3]) : pack_bf16(X[nt][0], X[nt][1]);
+  __syncwarp();
+  const int r = lane / kU4, c16 = lane % kU4;
+  const unsigned char *src = buf + r * kRow + c16 * 16;
+  bf16 *dst = grow + r * K + c16 * 8;
+#pragma unroll
+  for (int i = 0; i < 8; i += kRows)
+    *reinterpret_cast<uint4 *>(dst + i * K) = *reinterpret_cast<const uint4 *>(src + i * kRow);
+}
+
+/* The half-row store of h^T or dH^T in the format S16 picks (hT32 or hT16; `row0` is the
+ * element offset of global row xw + 8hf). */
+template <int K, int C, bool S16>
+__device__ __forceinline__ void store_stateT_half(unsigned char *stage0, float *hT32, bf16 *hT16, int64_t row0,
+                                                  const float (&X)[K / 8][4], int hf) {
+  if constexpr (S16) store_fragT16_half<K, C>(stage0, hT16 + row0, X, hf);
+  else store_fragT32_half<K, C>(stage0, hT32 + row0, X, hf);
 }
 
 /* A bf16 [C][V] tile from the warp's C/16 A fragments (D, dD: register q of A[kt] =
@@ -257,9 +305,9 @@ struct StatesLayout {
  *   Dt[nt][e] = -D^T[x][j], j = 8nt + 2tig + e%2.
  * Per chunk: h (= bf16 S at the chunk start, the same rounding the products use) and D
  * to variant 2's workspace, then S^T <- e^{last} S^T + D^T Kd.  No ht: the forward gave
- * it. */
-template <int K, int V, int C, int BV>
-__global__ void __launch_bounds__(BV / 16 * 32, 1) bwd_states_kernel_v3(GdpArgs a, float *hT32) {
+ * it.  For the v3 gradient kernels h^T goes to hT32 (float32) or, S16, to hT16 (bf16). */
+template <int K, int V, int C, int BV, bool S16 = false>
+__global__ void __launch_bounds__(BV / 16 * 32, 1) bwd_states_kernel_v3(GdpArgs a, float *hT32, bf16 *hT16) {
   using L = StatesLayout<K, C, BV>;
   constexpr int NT = BV / 16 * 32;
   static_assert(K % 32 == 0 && C % 16 == 0 && BV % 16 == 0, "tile shapes");
@@ -332,14 +380,15 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) bwd_states_kernel_v3(GdpArgs 
       Dt[2 * jt + 1][2] = -f3.x, Dt[2 * jt + 1][3] = -f3.y;
     }
     bf16 *gh = a.hbuf + CHi * K * V + xw + grp;
+    const bool keep = S16 ? hT16 != nullptr : hT32 != nullptr; /* for the v3 gradient kernels */
     /* h^T rows xw..xw+7 now, xw+8..15 after the D products (St is unchanged until the
      * decay): the stores of each half overlap the products that follow */
-    if (hT32) store_fragT32_half<K, C>(smem + L::oHt, hT32 + CHi * V * K + (int64_t)xw * K, St, 0);
+    if (keep) store_stateT_half<K, C, S16>(smem + L::oHt, hT32, hT16, CHi * V * K + (int64_t)xw * K, St, 0);
 #pragma unroll
     for (int kt = 0; kt < K / 16; kt++) {
       uint32_t Sa[4];
       afrag_kt(St, kt, Sa, 1.f);
-      if (!hT32) store_afrag<V>(gh, kt * 16 + 2 * tig, Sa); /* bf16 h only for variant 2's kernel */
+      if (!keep) store_afrag<V>(gh, kt * 16 + 2 * tig, Sa); /* bf16 h only for variant 2's kernel */
 #pragma unroll
       for (int nt = 0; nt < C / 8; nt += 2) {
         uint32_t b0, b1, b2, b3;
@@ -350,7 +399,7 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) bwd_states_kernel_v3(GdpArgs 
     }
     uint32_t Da[C / 16][4];
     to_afrag<C / 16>(Dt, Da, -1.f);
-    if (hT32) store_fragT32_half<K, C>(smem + L::oHt, hT32 + CHi * V * K + (int64_t)(xw + 8) * K, St, 1);
+    if (keep) store_stateT_half<K, C, S16>(smem + L::oHt, hT32, hT16, CHi * V * K + (int64_t)(xw + 8) * K, St, 1);
     store_afrags_staged<K, C>(smem + L::oHt, a.Dbuf + CHi * C * V + xw, V, Da, 0u);
 
     /* S^T <- e^{last} S^T + D^T Kd */
@@ -394,8 +443,8 @@ struct DStateLayout {
  *   Oa[kt]    = A fragment of dO^T (x, query row a in 16kt..16kt+15).
  * Pm[a][j] is zero for j > ia = a n + n - 1, so the (a-tile, j-tile) pairs wholly past
  * the diagonal are skipped at compile time (NN = C / TC = n). */
-template <int K, int V, int C, int TC, int BV>
-__global__ void __launch_bounds__(BV / 16 * 32, 1) dstate_kernel_v3(GdpArgs a, float *dHT32) {
+template <int K, int V, int C, int TC, int BV, bool S16 = false>
+__global__ void __launch_bounds__(BV / 16 * 32, 1) dstate_kernel_v3(GdpArgs a, float *dHT32, bf16 *dHT16) {
   using L = DStateLayout<K, C, TC, BV>;
   constexpr int NT = BV / 16 * 32;
   constexpr int NN = C / TC;
@@ -463,14 +512,15 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) dstate_kernel_v3(GdpArgs a, f
 #pragma unroll
     for (int nt = 0; nt < C / 8; nt++) Gt[nt][0] = Gt[nt][1] = Gt[nt][2] = Gt[nt][3] = 0.f;
     bf16 *gdh = a.dHbuf + CHi * K * V + xw + grp;
+    const bool keep = S16 ? dHT16 != nullptr : dHT32 != nullptr; /* for the v3 gradient kernels */
     /* dH^T rows xw..xw+7 now, xw+8..15 after the dD products (Ht is unchanged until the
      * decay): the stores of each half overlap the products that follow */
-    if (dHT32) store_fragT32_half<K, C>(smem + L::oHt, dHT32 + CHi * V * K + (int64_t)xw * K, Ht, 0);
+    if (keep) store_stateT_half<K, C, S16>(smem + L::oHt, dHT32, dHT16, CHi * V * K + (int64_t)xw * K, Ht, 0);
 #pragma unroll
     for (int kt = 0; kt < K / 16; kt++) {
       uint32_t Ha[4];
       afrag_kt(Ht, kt, Ha, 1.f);
-      if (!dHT32) store_afrag<V>(gdh, kt * 16 + 2 * tig, Ha); /* bf16 dH only for variant 2's kernel */
+      if (!keep) store_afrag<V>(gdh, kt * 16 + 2 * tig, Ha); /* bf16 dH only for variant 2's kernel */
 #pragma unroll
       for (int nt = 0; nt < C / 8; nt += 2) {
         uint32_t b0, b1, b2, b3;
@@ -496,7 +546,7 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) dstate_kernel_v3(GdpArgs a, f
     /* -dD^T as A fragments; dD (bf16, the same rounding) to the workspace */
     uint32_t Ga[C / 16][4];
     to_afrag<C / 16>(Gt, Ga, -1.f);
-    if (dHT32) store_fragT32_half<K, C>(smem + L::oHt, dHT32 + CHi * V * K + (int64_t)(xw + 8) * K, Ht, 1);
+    if (keep) store_stateT_half<K, C, S16>(smem + L::oHt, dHT32, dHT16, CHi * V * K + (int64_t)(xw + 8) * K, Ht, 1);
     /* flip the sign bits back: exact */
     store_afrags_staged<K, C>(smem + L::oHt, a.dDbuf + CHi * C * V + xw, V, Ga, 0x80008000u);
 
@@ -574,9 +624,16 @@ struct GradStateLayout {
  * i.e. the terms of variant 2's chunk_grad_kernel phases P1-P6 (gdp_bwd.cu); the WY part
  * (T, dT, dA, dv, dbeta and the rest of dk, dg) adds to dKnA and dgcA.  Only the TC query
  * rows enter the query products (dO is zero on the other steps). */
-template <int K, int V, int C, int TC>
+template <int K, int V, int C, int TC, bool S16 = false>
 __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradStateOut go, int ahead) {
   using L = GradStateLayout<K, V, C, TC>;
+  /* S16: h^T, dH^T arrive in bf16 (go.hT16, go.dHT16): 16-byte vectors of 8 elements
+   * instead of float4, half the bytes; the values are the float32 copies' round-to-nearest
+   * bf16, i.e. what this kernel writes to shared memory from those, so every product
+   * below is bit for bit the same; only <dH, h> then sums rounded values. */
+  using SV = typename std::conditional<S16, uint4, float4>::type;
+  constexpr int kEPV = S16 ? 8 : 4;                /* elements per vector */
+  constexpr uint32_t kSB = (uint32_t)(V * K) * (S16 ? 2 : 4); /* bytes of one (chunk, head) copy */
   constexpr int NN = C / TC;
   static_assert(K % 64 == 0 && V % 16 == 0 && C % 16 == 0 && TC % 16 == 0 && NN * TC == C, "shapes");
   extern __shared__ __align__(128) unsigned char smem[];
@@ -593,6 +650,11 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
   float *sGc = sF + L::fGc, *sDgc = sF + L::fDgc, *sZ = sF + L::fZ,
         *sQinv = sF + L::fQinv, *sQdot = sF + L::fQdot, *sDot = sF + L::fDot, *sKinv = sF + L::fKinv;
   const uint32_t s0 = smem_addr(smem);
+  /* this block's h^T, dH^T copies, in either format */
+  const unsigned char *gH =
+      S16 ? (const unsigned char *)(go.hT16 + CHi * V * K) : (const unsigned char *)(go.hT32 + CHi * V * K);
+  const unsigned char *gdH =
+      S16 ? (const unsigned char *)(go.dHT16 + CHi * V * K) : (const unsigned char *)(go.dHT32 + CHi * V * K);
 
   /* ---- loads.  The float32 h^T, dH^T panels (128 KB at K = V = 128, two thirds of the
    * block's DRAM bytes) are pulled into L2 first, by two bulk prefetches that hold no
@@ -603,8 +665,8 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
    * two rounds of float32 loads came first and each waited a full DRAM latency with
    * nothing else to do (ncu: 20.5 warp cycles per instruction, DRAM 52%). */
   if (tid == 0) {
-    prefetch_l2_bulk(go.dHT32 + CHi * V * K, V * K * 4);
-    prefetch_l2_bulk(go.hT32 + CHi * V * K, V * K * 4);
+    prefetch_l2_bulk(gdH, kSB);
+    prefetch_l2_bulk(gH, kSB);
   }
   copy_panel<C, V, 256>(smem + L::oD, L::ldV, a.Dbuf + CHi * C * V, V, C);
   copy_panel<TC, V, 256>(smem + L::odO, L::ldV, d_o + ((int64_t)ci.t0 * H + h) * V, (int64_t)H * V, ci.ntok);
@@ -736,8 +798,38 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
    * blocks per SM).  Two rounds of 16 16-byte loads per thread at K = V = 128; dH is read
    * once (streaming loads), h again after P3a (default caching).  The per-thread
    * summation order of the dot is e ascending in steps of 256, as before. */
-  {
-    const float4 *ph = (const float4 *)(go.hT32 + CHi * V * K), *pd = (const float4 *)(go.dHT32 + CHi * V * K);
+  if constexpr (S16) {
+    /* bf16 copies: one round of up to 8 16-byte vectors each (8 at K = V = 128); dH^T's
+     * go to shared memory as they are (one 16-byte store each) */
+    const uint4 *ph = (const uint4 *)gH, *pd = (const uint4 *)gdH;
+    float dot = 0.f;
+    constexpr int nvec = V * K / 8, per = nvec / 256 < 8 ? nvec / 256 : 8;
+    static_assert(nvec % (256 * per) == 0, "whole rounds");
+#pragma unroll
+    for (int e0 = 0; e0 < nvec; e0 += 256 * per) {
+      uint4 hv[per], dv[per];
+#pragma unroll
+      for (int u = 0; u < per; u++) {
+        const int e = e0 + u * 256 + tid;
+        hv[u] = ph[e], dv[u] = __ldcs(pd + e);
+      }
+#pragma unroll
+      for (int u = 0; u < per; u++) {
+        const int e = e0 + u * 256 + tid;
+        const uint32_t hw[4] = {hv[u].x, hv[u].y, hv[u].z, hv[u].w}, dw[4] = {dv[u].x, dv[u].y, dv[u].z, dv[u].w};
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+          const float2 hf = unpack_bf16(hw[q]), df = unpack_bf16(dw[q]);
+          dot += hf.x * df.x + hf.y * df.y;
+        }
+        const int x = (8 * e) / K, r = (8 * e) % K;
+        *reinterpret_cast<uint4 *>(smem + L::oHb + (x * L::ldK + r) * 2) = dv[u];
+      }
+    }
+    dot = warp_sum(dot);
+    if (lane == 0) sDot[warp] = dot;
+  } else {
+    const float4 *ph = (const float4 *)gH, *pd = (const float4 *)gdH;
     float dot = 0.f;
     constexpr int nvec = V * K / 4, per = 8;
 #pragma unroll
@@ -763,7 +855,7 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
     if (lane == 0) sDot[warp] = dot;
   }
   /* h is read again after P3a: keep it in L2 until then */
-  if (tid == 0) prefetch_l2_bulk(go.hT32 + CHi * V * K, V * K * 4);
+  if (tid == 0) prefetch_l2_bulk(gH, kSB);
   cp_async_wait<0>(); /* dD (read from P3b on; the barriers below publish it) */
   __syncthreads();
 
@@ -774,11 +866,12 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
    * flight; the barrier then only guards the shared-memory overwrite. */
   constexpr int nP3 = (C / 16) * (K / 64);
   static_assert(nP3 <= 8, "one P3 item per warp");
-  /* float4 of h^T per thread: 4 .. 16; at most 8 are held across the rest of the item
-   * (16 spill at K = V = 128 under the 128-register cap), the others load after it */
-  constexpr int nvecH = V * K / 4, perH = nvecH / 256, earlyH = perH < 8 ? perH : 8;
+  /* vectors (float4, or S16 8 bf16) of h^T per thread: 4 .. 16 (S16: 2 .. 8); at most 8
+   * are held across the rest of the item (16 spill at K = V = 128 under the 128-register
+   * cap), the others load after it */
+  constexpr int nvecH = V * K / kEPV, perH = nvecH / 256, earlyH = perH < 8 ? perH : 8;
   static_assert(nvecH % 256 == 0 && perH <= 16 && perH - earlyH <= earlyH, "h^T reload: two rounds at most");
-  float4 hv[earlyH];
+  SV hv[earlyH];
   {
     const int jb = (warp / (K / 64)) * 16, rb = (warp % (K / 64)) * 64;
     float acc[8][4] = {};
@@ -798,7 +891,7 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
     }
     {
       /* last read of h: streaming 16-byte loads, written over dH^T after the barrier */
-      const float4 *ph = (const float4 *)(go.hT32 + CHi * V * K);
+      const SV *ph = (const SV *)gH;
 #pragma unroll
       for (int u = 0; u < earlyH; u++) hv[u] = __ldcs(ph + u * 256 + tid);
     }
@@ -846,8 +939,8 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
   }
   __syncthreads(); /* dH^T no longer read by any warp: h^T takes its place */
   {
-    const float4 *ph = (const float4 *)(go.hT32 + CHi * V * K);
-    float4 hl[perH - earlyH > 0 ? perH - earlyH : 1];
+    const SV *ph = (const SV *)gH;
+    SV hl[perH - earlyH > 0 ? perH - earlyH : 1];
 #pragma unroll
     for (int u = earlyH; u < perH; u++) hl[u - earlyH] = __ldcs(ph + u * 256 + tid);
     /* (the late h^T loads are in flight: the prefetch hints fill their latency) */
@@ -862,8 +955,13 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
       const int64_t CHn = (int64_t)cn * H + hn;
       const ChunkInfo cin = *reinterpret_cast<const ChunkInfo *>(smem + L::oNext);
       if (tid == 0) {
-        prefetch_l2_bulk(go.dHT32 + CHn * V * K, V * K * 4);
-        prefetch_l2_bulk(go.hT32 + CHn * V * K, V * K * 4);
+        if constexpr (S16) {
+          prefetch_l2_bulk(go.dHT16 + CHn * V * K, kSB);
+          prefetch_l2_bulk(go.hT16 + CHn * V * K, kSB);
+        } else {
+          prefetch_l2_bulk(go.dHT32 + CHn * V * K, kSB);
+          prefetch_l2_bulk(go.hT32 + CHn * V * K, kSB);
+        }
       }
       if (tid == 32) {
         prefetch_l2_bulk(a.Dbuf + CHn * C * V, C * V * 2);
@@ -888,10 +986,13 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
 #pragma unroll
     for (int u = 0; u < perH; u++) {
       const int e = u * 256 + tid;
-      const int x = (4 * e) / K, r = (4 * e) % K;
-      const float4 v = u < earlyH ? hv[u] : hl[u - earlyH];
-      *reinterpret_cast<uint2 *>(smem + L::oHb + (x * L::ldK + r) * 2) =
-          make_uint2(pack_bf16(v.x, v.y), pack_bf16(v.z, v.w));
+      const int x = (kEPV * e) / K, r = (kEPV * e) % K;
+      const SV v = u < earlyH ? hv[u] : hl[u - earlyH];
+      if constexpr (S16)
+        *reinterpret_cast<uint4 *>(smem + L::oHb + (x * L::ldK + r) * 2) = v;
+      else
+        *reinterpret_cast<uint2 *>(smem + L::oHb + (x * L::ldK + r) * 2) =
+            make_uint2(pack_bf16(v.x, v.y), pack_bf16(v.z, v.w));
     }
   }
   __syncthreads();
@@ -2076,52 +2177,56 @@ static gdp_status occupancy(Kern kern, int threads, int smem, int *blocks_per_sm
 
 /* One launch of both sequential kernels at value-block width BV (dry_run: occupancy of
  * the dstate kernel only, the larger of the two).  f32: the float32 transposed copy of h
- * (states) or dH (dstate) for the v3 gradient kernel, or NULL. */
+ * (states) or dH (dstate) for the v3 gradient kernel, or NULL; b16: the same in bf16
+ * (GDP_CUDA_V3_STATE=bf16: the S16 instantiations, same shared memory), or NULL. */
 template <int K, int V, int C, int TC, int BV>
-static gdp_status launch_seq_bv(const Plan &plan, bool states, bool dry_run, int *occ, float *f32) {
+static gdp_status launch_seq_bv(const Plan &plan, bool states, bool dry_run, int *occ, float *f32, bf16 *b16) {
   const GdpArgs &a = plan.a;
   const dim3 grid((unsigned)a.N, (unsigned)a.H, (unsigned)(a.V / BV));
   constexpr int threads = BV / 16 * 32;
   if (dry_run) return occupancy(dstate_kernel_v3<K, V, C, TC, BV>, threads, DStateLayout<K, C, TC, BV>::total, occ);
   if (states) {
-    auto kern = bwd_states_kernel_v3<K, V, C, BV>;
+    auto kern = b16 ? bwd_states_kernel_v3<K, V, C, BV, true> : bwd_states_kernel_v3<K, V, C, BV, false>;
     constexpr int smem = StatesLayout<K, C, BV>::total;
     GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    kern<<<grid, threads, smem, plan.stream>>>(a, f32);
+    kern<<<grid, threads, smem, plan.stream>>>(a, f32, b16);
     GDP_CUDA_LAUNCHED("bwd_states_kernel_v3");
   } else {
-    auto kern = dstate_kernel_v3<K, V, C, TC, BV>;
+    auto kern = b16 ? dstate_kernel_v3<K, V, C, TC, BV, true> : dstate_kernel_v3<K, V, C, TC, BV, false>;
     constexpr int smem = DStateLayout<K, C, TC, BV>::total;
     GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    kern<<<grid, threads, smem, plan.stream>>>(a, f32);
+    kern<<<grid, threads, smem, plan.stream>>>(a, f32, b16);
     GDP_CUDA_LAUNCHED("dstate_kernel_v3");
   }
   return GDP_OK;
 }
 
 template <int K, int V, int C, int TC>
-static gdp_status launch_seq_k(const Plan &plan, int bv, bool states, bool dry_run, int *occ, float *f32) {
+static gdp_status launch_seq_k(const Plan &plan, int bv, bool states, bool dry_run, int *occ, float *f32,
+                               bf16 *b16) {
   switch (bv) {
-    case 64: return launch_seq_bv<K, V, C, TC, 64>(plan, states, dry_run, occ, f32);
-    case 32: return launch_seq_bv<K, V, C, TC, 32>(plan, states, dry_run, occ, f32);
-    default: return launch_seq_bv<K, V, C, TC, 16>(plan, states, dry_run, occ, f32);
+    case 64: return launch_seq_bv<K, V, C, TC, 64>(plan, states, dry_run, occ, f32, b16);
+    case 32: return launch_seq_bv<K, V, C, TC, 32>(plan, states, dry_run, occ, f32, b16);
+    default: return launch_seq_bv<K, V, C, TC, 16>(plan, states, dry_run, occ, f32, b16);
   }
 }
 
 template <int K, int V>
-static gdp_status launch_seq_n(const Plan &plan, int bv, bool states, bool dry_run, int *occ, float *f32) {
-  if (plan.a.n == 1) return launch_seq_k<K, V, 32, 32>(plan, bv, states, dry_run, occ, f32);
-  if (plan.a.n == 2) return launch_seq_k<K, V, 64, 32>(plan, bv, states, dry_run, occ, f32);
-  return launch_seq_k<K, V, 48, 16>(plan, bv, states, dry_run, occ, f32);
+static gdp_status launch_seq_n(const Plan &plan, int bv, bool states, bool dry_run, int *occ, float *f32,
+                               bf16 *b16) {
+  if (plan.a.n == 1) return launch_seq_k<K, V, 32, 32>(plan, bv, states, dry_run, occ, f32, b16);
+  if (plan.a.n == 2) return launch_seq_k<K, V, 64, 32>(plan, bv, states, dry_run, occ, f32, b16);
+  return launch_seq_k<K, V, 48, 16>(plan, bv, states, dry_run, occ, f32, b16);
 }
 
-static gdp_status launch_seq(const Plan &plan, int bv, bool states, bool dry_run, int *occ, float *f32 = nullptr) {
+static gdp_status launch_seq(const Plan &plan, int bv, bool states, bool dry_run, int *occ, float *f32 = nullptr,
+                             bf16 *b16 = nullptr) {
   const GdpArgs &a = plan.a;
   if (a.K == 128)
-    return a.V == 128 ? launch_seq_n<128, 128>(plan, bv, states, dry_run, occ, f32)
-                      : launch_seq_n<128, 64>(plan, bv, states, dry_run, occ, f32);
-  return a.V == 128 ? launch_seq_n<64, 128>(plan, bv, states, dry_run, occ, f32)
-                    : launch_seq_n<64, 64>(plan, bv, states, dry_run, occ, f32);
+    return a.V == 128 ? launch_seq_n<128, 128>(plan, bv, states, dry_run, occ, f32, b16)
+                      : launch_seq_n<128, 64>(plan, bv, states, dry_run, occ, f32, b16);
+  return a.V == 128 ? launch_seq_n<64, 128>(plan, bv, states, dry_run, occ, f32, b16)
+                    : launch_seq_n<64, 64>(plan, bv, states, dry_run, occ, f32, b16);
 }
 
 /* The per-chunk gradients: the state part, then (wy) the WY part; one 8-warp block per
@@ -2133,12 +2238,14 @@ static gdp_status launch_grad_state_kv(const Plan &plan, const GradStateOut &go,
    * picks grad_state3_kernel_v3 (three per SM; same results, bit for bit).  The
    * three-block kernel measured SLOWER on the H200 (session 4, one profiled call at
    * 4 x 4096: n = 1 0.64 -> 0.72 ms, n = 2 0.74 -> 0.89 ms -- its 64-column key panels
-   * read k, q and the states from L2 twice), so it is kept for the lab only. */
+   * read k, q and the states from L2 twice), so it is kept for the lab only.  It reads
+   * float32 states only: with bf16 ones (go.hT16) the two-block kernel runs. */
   static const bool gs_two = [] {
     const char *e = getenv("GDP_CUDA_V3_GS");
     return !(e && strcmp(e, "3b") == 0);
   }();
-  if (!wy && !gs_two) {
+  const bool s16 = go.hT16 != nullptr;
+  if (!wy && !gs_two && !s16) {
     using L = GradState3Layout<K, V, C, TC>;
     auto kern = grad_state3_kernel_v3<K, V, C, TC>;
     GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
@@ -2148,7 +2255,7 @@ static gdp_status launch_grad_state_kv(const Plan &plan, const GradStateOut &go,
     GDP_CUDA_LAUNCHED("grad_state3_kernel_v3");
   } else if (!wy) {
     using L = GradStateLayout<K, V, C, TC>;
-    auto kern = grad_state_kernel_v3<K, V, C, TC>;
+    auto kern = s16 ? grad_state_kernel_v3<K, V, C, TC, true> : grad_state_kernel_v3<K, V, C, TC, false>;
     GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
     /* two blocks per SM need the largest shared-memory carveout */
     GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
@@ -2160,13 +2267,13 @@ static gdp_status launch_grad_state_kv(const Plan &plan, const GradStateOut &go,
     int ahead = 0;
     const char *env = getenv("GDP_CUDA_V3_GS_AHEAD");
     if (env && strcmp(env, "auto") == 0) {
-      static int resident = 0; /* depends only on the instantiation; benign race */
-      if (resident == 0) {
+      static int resident[2] = {0, 0}; /* depends only on the instantiation; benign race */
+      if (resident[s16] == 0) {
         int occ = 0;
         GDP_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, 256, L::total));
-        resident = occ > 0 ? occ * num_sms() : -1;
+        resident[s16] = occ > 0 ? occ * num_sms() : -1;
       }
-      ahead = resident > 0 ? resident : 0;
+      ahead = resident[s16] > 0 ? resident[s16] : 0;
     } else if (env) {
       ahead = atoi(env) > 0 ? atoi(env) : 0;
     }
@@ -2232,10 +2339,11 @@ extern "C" int gdp_cuda_gdp_backward_v3_supported(const gdp_gdp_problem *p) {
 
 /* With the blocks a saved forward kept (gdp_cuda_gdp_forward_v3_save): its plan (tables,
  * panels), h^T and D are read from there, so steps 1-2 are skipped; the state-gradient
- * pass and the two gradient kernels run as below. */
+ * pass and the two gradient kernels run as below.  s16: the kept h^T is bf16 (the
+ * forward's format), and dH^T is then written in bf16 too. */
 static gdp_status backward_v3_saved(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io, cudaStream_t stream,
-                                    const void *saved) {
-  const v3::SavedLayout sl = v3::saved_layout(p);
+                                    const void *saved, bool s16) {
+  const v3::SavedLayout sl = v3::saved_layout(p, s16);
   Plan plan;
   prof_begin(stream);
   /* the kept block is only read: its tables and panels are the forward's */
@@ -2250,7 +2358,8 @@ static gdp_status backward_v3_saved(const gdp_gdp_problem *p, const gdp_gdp_bwd_
   if (plan.a.nchunks > 0) {
     const size_t CH = (size_t)plan.a.nchunks * plan.a.H, K = (size_t)plan.a.K, V = (size_t)plan.a.V,
                  C = (size_t)plan.a.C;
-    const size_t bdD = align128(CH * C * V * 2), bHT = align128(CH * V * K * 4), bKn = align128(CH * C * K * 4),
+    const size_t bdD = align128(CH * C * V * 2), bHT = align128(CH * V * K * (s16 ? 2 : 4)),
+                 bKn = align128(CH * C * K * 4),
                  bW = align128(CH * C * K * 2), bG = align128(CH * C * 4);
     st = device_alloc(&extra, bdD + bHT + bKn + bW + bG, stream);
     if (st != GDP_OK) {
@@ -2260,8 +2369,13 @@ static gdp_status backward_v3_saved(const gdp_gdp_problem *p, const gdp_gdp_bwd_
     char *e = (char *)extra;
     plan.a.Dbuf = (bf16 *)((char *)const_cast<void *>(saved) + sl.o_D);
     plan.a.dDbuf = (bf16 *)e;
-    go.hT32 = (float *)((char *)const_cast<void *>(saved) + sl.o_hT32);
-    go.dHT32 = (float *)(e + bdD);
+    if (s16) {
+      go.hT16 = (bf16 *)((char *)const_cast<void *>(saved) + sl.o_hT);
+      go.dHT16 = (bf16 *)(e + bdD);
+    } else {
+      go.hT32 = (float *)((char *)const_cast<void *>(saved) + sl.o_hT);
+      go.dHT32 = (float *)(e + bdD);
+    }
     go.dKnA = (float *)(e + bdD + bHT);
     go.dWg = (bf16 *)(e + bdD + bHT + bKn);
     go.dgcA = (float *)(e + bdD + bHT + bKn + bW);
@@ -2270,7 +2384,7 @@ static gdp_status backward_v3_saved(const gdp_gdp_problem *p, const gdp_gdp_bwd_
   prof_mark("bwd plan (saved)", stream);
   const int bv = v3b::choose_bv(plan);
   /* also without chunks (every sequence empty): the reverse pass writes dh0 = dht */
-  st = v3b::launch_seq(plan, bv, false, false, nullptr, go.dHT32);
+  st = v3b::launch_seq(plan, bv, false, false, nullptr, go.dHT32, go.dHT16);
   prof_mark("bwd state gradients v3", stream);
   if (st == GDP_OK) st = v3b::launch_grad_v3(plan, go, false);
   prof_mark("bwd chunk gradients v3, state part", stream);
@@ -2284,6 +2398,11 @@ static gdp_status backward_v3_saved(const gdp_gdp_problem *p, const gdp_gdp_bwd_
 
 extern "C" gdp_status gdp_cuda_gdp_backward_v3_saved(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io,
                                                      void *stream_, const void *saved) {
+  return gdp_cuda_gdp_backward_v3_saved_fmt(p, io, stream_, saved, p && v3::state16(p));
+}
+
+extern "C" gdp_status gdp_cuda_gdp_backward_v3_saved_fmt(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io,
+                                                         void *stream_, const void *saved, int state16) {
   GDP_TRY(validate_problem(p, "backward_v3"));
   GDP_TRY(validate_bwd_io(p, io, "backward_v3"));
   const char *genv = getenv("GDP_CUDA_V3_GRAD");
@@ -2294,7 +2413,9 @@ extern "C" gdp_status gdp_cuda_gdp_backward_v3_saved(const gdp_gdp_problem *p, c
                      "backward_v3 takes bf16, n = 1..3, K and V = 64 or 128; got dtype %d n=%lld K=%lld V=%lld",
                      p->dtype, (long long)p->n, (long long)p->K, (long long)p->V);
   if (p->N == 0) return GDP_OK;
-  return backward_v3_saved(p, io, (cudaStream_t)stream_, saved);
+  if (state16 && p->dtype != GDP_DTYPE_BF16)
+    return GDP_ERROR(GDP_ERR_INVALID_ARG, "backward_v3: saved: bf16 states from a forward of dtype %d", p->dtype);
+  return backward_v3_saved(p, io, (cudaStream_t)stream_, saved, state16 != 0);
 }
 
 extern "C" gdp_status gdp_cuda_gdp_backward_v3(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io,
@@ -2316,6 +2437,8 @@ extern "C" gdp_status gdp_cuda_gdp_backward_v3(const gdp_gdp_problem *p, const g
    * instead, fed by bf16 copies of h and dH (comparison / fallback). */
   const char *genv = getenv("GDP_CUDA_V3_GRAD");
   const bool grad_state = !(genv && strcmp(genv, "v2") == 0);
+  /* h^T and dH^T in bf16 (GDP_CUDA_V3_STATE=bf16) or float32 */
+  const bool s16 = v3::state16(p);
   gdp_status st = plan_make(p, stream, grad_state ? PLAN_BACKWARD_V3 : PLAN_BACKWARD_V2, a, &plan);
   if (st != GDP_OK) {
     prof_end(stream);
@@ -2328,7 +2451,7 @@ extern "C" gdp_status gdp_cuda_gdp_backward_v3(const gdp_gdp_problem *p, const g
   if (grad_state && plan.a.nchunks > 0) {
     const size_t CH = (size_t)plan.a.nchunks * plan.a.H, K = (size_t)plan.a.K, V = (size_t)plan.a.V,
                  C = (size_t)plan.a.C;
-    const size_t bHT = align128(CH * V * K * 4), bKn = align128(CH * C * K * 4), bW = align128(CH * C * K * 2),
+    const size_t bHT = align128(CH * V * K * (s16 ? 2 : 4)), bKn = align128(CH * C * K * 4), bW = align128(CH * C * K * 2),
                  bG = align128(CH * C * 4), bT = align128(CH * C * C * 2);
     st = device_alloc(&extra, 2 * bHT + bKn + bW + bG + bT, stream);
     if (st != GDP_OK) {
@@ -2337,8 +2460,13 @@ extern "C" gdp_status gdp_cuda_gdp_backward_v3(const gdp_gdp_problem *p, const g
       return st;
     }
     char *e = (char *)extra;
-    go.hT32 = (float *)e;
-    go.dHT32 = (float *)(e + bHT);
+    if (s16) {
+      go.hT16 = (bf16 *)e;
+      go.dHT16 = (bf16 *)(e + bHT);
+    } else {
+      go.hT32 = (float *)e;
+      go.dHT32 = (float *)(e + bHT);
+    }
     go.dKnA = (float *)(e + 2 * bHT);
     go.dWg = (bf16 *)(e + 2 * bHT + bKn);
     go.dgcA = (float *)(e + 2 * bHT + bKn + bW);
@@ -2350,9 +2478,9 @@ extern "C" gdp_status gdp_cuda_gdp_backward_v3(const gdp_gdp_problem *p, const g
   st = v3::launch_prep_v3(plan, go.Tt); /* NULL (no T store) for variant 2's gradient kernel */
   prof_mark("bwd prep v3 (recompute)", stream);
   const int bv = v3b::choose_bv(plan);
-  if (st == GDP_OK) st = v3b::launch_seq(plan, bv, true, false, nullptr, go.hT32);
+  if (st == GDP_OK) st = v3b::launch_seq(plan, bv, true, false, nullptr, go.hT32, go.hT16);
   prof_mark("bwd states v3 (recompute)", stream);
-  if (st == GDP_OK) st = v3b::launch_seq(plan, bv, false, false, nullptr, go.dHT32);
+  if (st == GDP_OK) st = v3b::launch_seq(plan, bv, false, false, nullptr, go.dHT32, go.dHT16);
   prof_mark("bwd state gradients v3", stream);
   if (grad_state) {
     if (st == GDP_OK) st = v3b::launch_grad_v3(plan, go, false);

@@ -55,7 +55,10 @@ struct HtStage {
    * rows 48 bytes apart, so the four rows of one 2-byte fragment store fall in distinct
    * banks and every row starts on 16 bytes */
   static constexpr int drow = 48;
+  /* bf16 h^T (GDP_CUDA_V3_STATE=bf16, stage_hT16_half): rows of 2K + 16 bytes */
+  static constexpr int row16 = K * 2 + 16;
   static constexpr int warp_bytes = 8 * row > C * drow ? 8 * row : C * drow;
+  static_assert(8 * row16 <= warp_bytes, "bf16 staging fits");
 };
 
 /* Shared-memory layout of one pipeline stage (bytes).  Every region and row starts on
@@ -156,6 +159,37 @@ __device__ __forceinline__ void stage_hT32_half(unsigned char *stage0, float *gr
     *reinterpret_cast<float4 *>(dst + i * K) = *reinterpret_cast<const float4 *>(src + i * HtStage<K, C>::row);
 }
 
+/* The same half-row store of h^T in bf16 (GDP_CUDA_V3_STATE=bf16; [V][K] as above, 2
+ * bytes per element): each accumulator pair rounded once to nearest (pack_bf16: the bits
+ * of the A fragments Sa, and of grad_state's own rounding of a float32 copy), staged as
+ * one 4-byte word per nt in rows of 2K + 16 bytes (word grp (K/2 + 4) + 4nt + tig: the
+ * 32 lanes of a store hit 32 distinct banks), read back as whole rows, lane l taking
+ * 16 bytes l % (K/8) of row l / (K/8): each STG.128 writes 512 contiguous bytes (two rows
+ * at K = 128, four at K = 64), four per half.  Syncs as in stage_hT32_half. */
+template <int K, int C>
+__device__ __forceinline__ void stage_hT16_half(unsigned char *stage0, bf16 *grow, const float (&X)[K / 8][4],
+                                                int hf) {
+  constexpr int kRow = HtStage<K, C>::row16;
+  constexpr int kU4 = K / 8;      /* 16-byte pieces per row */
+  constexpr int kRows = 32 / kU4; /* rows per warp instruction: 2 (K = 128), 4 (K = 64) */
+  uint32_t tid;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+  const int lane = (int)(tid & 31);
+  unsigned char *buf = stage0 + (tid >> 5) * HtStage<K, C>::warp_bytes;
+  __syncwarp();
+  unsigned char *s = buf + (lane >> 2) * kRow + 4 * (lane & 3);
+#pragma unroll
+  for (int nt = 0; nt < K / 8; nt++)
+    *reinterpret_cast<uint32_t *>(s + nt * 16) = hf ? pack_bf16(X[nt][2], X[nt][3]) : pack_bf16(X[nt][0], X[nt][1]);
+  __syncwarp();
+  const int r = lane / kU4, c16 = lane % kU4;
+  const unsigned char *src = buf + r * kRow + c16 * 16;
+  bf16 *dst = grow + r * K + c16 * 8;
+#pragma unroll
+  for (int i = 0; i < 8; i += kRows)
+    *reinterpret_cast<uint4 *>(dst + i * K) = *reinterpret_cast<const uint4 *>(src + i * kRow);
+}
+
 /* A bf16 [C][V] tile from the warp's C/16 A fragments (D, dD: register q of A[kt] =
  * M[16kt + 2tig + 8(q/2) + {0,1}][xw + grp + 8(q%2)], each XOR `flip`), through the warp's
  * staging buffer (HtStage: row j at j * drow, the 16 columns xw.. contiguous): 2-byte
@@ -200,9 +234,11 @@ __device__ __forceinline__ void stage_dfrags(unsigned char *stage0, bf16 *g, int
  * and the bf16 A fragments Sa[kt], Da[kt] cover k columns 16kt..16kt+15.
  * SAVE (a forward kept for the backward): per chunk also h^T (float32, S at the chunk
  * start) to hT32 and D (bf16) to a.Dbuf, the values bwd_states_kernel_v3 would
- * recompute -- the same products in the same order, so the same bits. */
-template <int K, int C, int TC, int BV, bool SAVE = false>
-__global__ void __launch_bounds__(BV / 16 * 32, 1) state_kernel_v3(GdpArgs a, float *hT32) {
+ * recompute -- the same products in the same order, so the same bits.  S16 (with SAVE):
+ * h^T in bf16 to hT16 instead (GDP_CUDA_V3_STATE=bf16), the rounding the backward's
+ * products apply to it anyway. */
+template <int K, int C, int TC, int BV, bool SAVE = false, bool S16 = false>
+__global__ void __launch_bounds__(BV / 16 * 32, 1) state_kernel_v3(GdpArgs a, float *hT32, bf16 *hT16) {
   using L = Layout<K, C, TC, BV, SAVE>;
   constexpr int NT = BV / 16 * 32;
   static_assert(K % 32 == 0 && C % 16 == 0 && TC % 16 == 0 && BV % 16 == 0, "tile shapes");
@@ -268,7 +304,9 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) state_kernel_v3(GdpArgs a, fl
                    sU = sb + L::oU;
     /* SAVE: h^T rows xw..xw+7 now, rows xw+8..15 after the D products (St is unchanged
      * until the decay): the stores of each half overlap the products that follow */
-    if constexpr (SAVE)
+    if constexpr (SAVE && S16)
+      stage_hT16_half<K, C>(smem + L::oHt, hT16 + ((int64_t)c * H + h) * V * K + (int64_t)xw * K, St, 0);
+    else if constexpr (SAVE)
       stage_hT32_half<K, C>(smem + L::oHt, hT32 + ((int64_t)c * H + h) * V * K + (int64_t)xw * K, St, 0);
 
     /* S^T at the chunk start as bf16 A fragments (for D and o) */
@@ -319,7 +357,10 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) state_kernel_v3(GdpArgs a, fl
       Da[kt][3] = pack_bf16(-Dt[2 * kt + 1][2], -Dt[2 * kt + 1][3]);
     }
     if constexpr (SAVE) {
-      stage_hT32_half<K, C>(smem + L::oHt, hT32 + ((int64_t)c * H + h) * V * K + (int64_t)(xw + 8) * K, St, 1);
+      if constexpr (S16)
+        stage_hT16_half<K, C>(smem + L::oHt, hT16 + ((int64_t)c * H + h) * V * K + (int64_t)(xw + 8) * K, St, 1);
+      else
+        stage_hT32_half<K, C>(smem + L::oHt, hT32 + ((int64_t)c * H + h) * V * K + (int64_t)(xw + 8) * K, St, 1);
       stage_dfrags<K, C>(smem + L::oHt, a.Dbuf + ((int64_t)c * H + h) * C * V + xw, V, Da, 0u);
     }
 
@@ -925,13 +966,17 @@ __global__ void __launch_bounds__(128, 4) prep_kernel_v3(GdpArgs a, bf16 *Tt) {
 
 /* ------------------------------------------------------------------ host side */
 
-/* save: the SAVE pass (h^T to hT32 and D to plan.a.Dbuf, besides o); a dry run only asks
- * the occupancy of the pass it names. */
+/* save: the SAVE pass (h^T to hT32, or in bf16 to hT16 where that is given, and D to
+ * plan.a.Dbuf, besides o); a dry run only asks the occupancy of the pass it names (the
+ * two h^T formats share one layout). */
 template <int K, int C, int TC, int BV>
-static gdp_status launch_bv(const Plan &plan, bool dry_run, int *blocks_per_sm, bool save, float *hT32) {
+static gdp_status launch_bv(const Plan &plan, bool dry_run, int *blocks_per_sm, bool save, float *hT32,
+                            bf16 *hT16) {
   /* the saving pass also stages U's residual: a larger stage */
   const int smem = save ? Layout<K, C, TC, BV, true>::total : Layout<K, C, TC, BV, false>::total;
-  auto kern = save ? state_kernel_v3<K, C, TC, BV, true> : state_kernel_v3<K, C, TC, BV, false>;
+  auto kern = !save ? state_kernel_v3<K, C, TC, BV, false, false>
+              : hT16 ? state_kernel_v3<K, C, TC, BV, true, true>
+                     : state_kernel_v3<K, C, TC, BV, true, false>;
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   if (dry_run) {
     GDP_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, kern, BV / 16 * 32, smem));
@@ -939,30 +984,32 @@ static gdp_status launch_bv(const Plan &plan, bool dry_run, int *blocks_per_sm, 
   }
   const GdpArgs &a = plan.a;
   kern<<<dim3((unsigned)a.N, (unsigned)a.H, (unsigned)(a.V / BV)), BV / 16 * 32, smem,
-         plan.stream>>>(a, hT32);
+         plan.stream>>>(a, hT32, hT16);
   GDP_CUDA_LAUNCHED("state_kernel_v3");
   return GDP_OK;
 }
 
 template <int K, int C, int TC>
-static gdp_status launch_k(const Plan &plan, int bv, bool dry_run, int *occ, bool save, float *hT32) {
+static gdp_status launch_k(const Plan &plan, int bv, bool dry_run, int *occ, bool save, float *hT32,
+                           bf16 *hT16) {
   switch (bv) {
-    case 64: return launch_bv<K, C, TC, 64>(plan, dry_run, occ, save, hT32);
-    case 32: return launch_bv<K, C, TC, 32>(plan, dry_run, occ, save, hT32);
-    default: return launch_bv<K, C, TC, 16>(plan, dry_run, occ, save, hT32);
+    case 64: return launch_bv<K, C, TC, 64>(plan, dry_run, occ, save, hT32, hT16);
+    case 32: return launch_bv<K, C, TC, 32>(plan, dry_run, occ, save, hT32, hT16);
+    default: return launch_bv<K, C, TC, 16>(plan, dry_run, occ, save, hT32, hT16);
   }
 }
 
-static gdp_status launch_state_v3(const Plan &plan, int bv, bool dry_run, int *occ, bool save, float *hT32) {
+static gdp_status launch_state_v3(const Plan &plan, int bv, bool dry_run, int *occ, bool save, float *hT32,
+                                  bf16 *hT16 = nullptr) {
   const GdpArgs &a = plan.a;
   if (a.K == 128) {
-    if (a.n == 1) return launch_k<128, 32, 32>(plan, bv, dry_run, occ, save, hT32);
-    if (a.n == 2) return launch_k<128, 64, 32>(plan, bv, dry_run, occ, save, hT32);
-    return launch_k<128, 48, 16>(plan, bv, dry_run, occ, save, hT32);
+    if (a.n == 1) return launch_k<128, 32, 32>(plan, bv, dry_run, occ, save, hT32, hT16);
+    if (a.n == 2) return launch_k<128, 64, 32>(plan, bv, dry_run, occ, save, hT32, hT16);
+    return launch_k<128, 48, 16>(plan, bv, dry_run, occ, save, hT32, hT16);
   }
-  if (a.n == 1) return launch_k<64, 32, 32>(plan, bv, dry_run, occ, save, hT32);
-  if (a.n == 2) return launch_k<64, 64, 32>(plan, bv, dry_run, occ, save, hT32);
-  return launch_k<64, 48, 16>(plan, bv, dry_run, occ, save, hT32);
+  if (a.n == 1) return launch_k<64, 32, 32>(plan, bv, dry_run, occ, save, hT32, hT16);
+  if (a.n == 2) return launch_k<64, 64, 32>(plan, bv, dry_run, occ, save, hT32, hT16);
+  return launch_k<64, 48, 16>(plan, bv, dry_run, occ, save, hT32, hT16);
 }
 
 /* Value-block width: the fewest waves of blocks; on a tie the narrower block (more SMs
@@ -1098,15 +1145,26 @@ bool keep_u_residual() {
   return !(env && strcmp(env, "0") == 0);
 }
 
-SavedLayout saved_layout(const gdp_gdp_problem *p) {
+/* GDP_CUDA_V3_STATE=bf16: the chunk states travel in bf16 (gdp_fwd_v3.cuh).  Read once
+ * per process (not per call like the lab's other switches): a saved block is sized by
+ * it at the forward and read by it at the backward. */
+bool state16(const gdp_gdp_problem *p) {
+  static const bool want = [] {
+    const char *env = getenv("GDP_CUDA_V3_STATE");
+    return env && strcmp(env, "bf16") == 0;
+  }();
+  return want && p->dtype == GDP_DTYPE_BF16;
+}
+
+SavedLayout saved_layout(const gdp_gdp_problem *p, bool state16) {
   SavedLayout L;
   const int64_t TC = chunk_steps(p->n) / p->n;
   int64_t nchunks = 0;
   for (int64_t s = 0; s < p->N; s++) nchunks += (p->cu_seqlens[s + 1] - p->cu_seqlens[s] + TC - 1) / TC;
   const size_t CH = (size_t)nchunks * (size_t)p->H;
   L.plan = align128(plan_bytes(p, PLAN_FORWARD));
-  L.o_hT32 = L.plan;
-  L.o_D = L.o_hT32 + align128(CH * (size_t)(p->V * p->K) * 4);
+  L.o_hT = L.plan;
+  L.o_D = L.o_hT + align128(CH * (size_t)(p->V * p->K) * (state16 ? 2 : 4));
   L.o_Tt = L.o_D + align128(CH * (size_t)(chunk_steps(p->n) * p->V) * 2);
   L.total = L.o_Tt + align128(CH * (size_t)(chunk_steps(p->n) * chunk_steps(p->n)) * 2);
   return L;
@@ -1140,10 +1198,12 @@ static gdp_status forward_v3(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io,
   prof_begin(stream);
   v3::SavedLayout sl = {0, 0, 0, 0, 0};
   float *hT32 = nullptr;
-  bf16 *Tt = nullptr;
+  bf16 *hT16 = nullptr, *Tt = nullptr;
   if (saved) {
-    sl = v3::saved_layout(p);
-    hT32 = (float *)((char *)saved + sl.o_hT32);
+    const bool s16 = v3::state16(p);
+    sl = v3::saved_layout(p, s16);
+    if (s16) hT16 = (bf16 *)((char *)saved + sl.o_hT);
+    else hT32 = (float *)((char *)saved + sl.o_hT);
     Tt = (bf16 *)((char *)saved + sl.o_Tt);
   }
   gdp_status st = plan_make(p, stream, PLAN_FORWARD, a, &plan, saved, true);
@@ -1166,7 +1226,7 @@ static gdp_status forward_v3(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io,
   st = new_prep ? v3::launch_prep_v3(plan, Tt) : launch_prep(plan);
   prof_mark(new_prep ? "fwd prep v3" : "fwd prep", stream);
   if (st == GDP_OK) st = v3::launch_state_v3(plan, v3::choose_bv(plan, saved != nullptr), false, nullptr,
-                                             saved != nullptr, hT32);
+                                             saved != nullptr, hT32, hT16);
   prof_mark(saved ? "fwd state+output v3 (saving h, D)" : "fwd state+output v3", stream);
   plan_free(&plan);
   prof_end(stream);
@@ -1180,7 +1240,7 @@ extern "C" gdp_status gdp_cuda_gdp_forward_v3(const gdp_gdp_problem *p, const gd
 
 extern "C" size_t gdp_cuda_gdp_v3_saved_bytes(const gdp_gdp_problem *p) {
   if (!gdp_cuda_gdp_forward_v3_supported(p, 1) || validate_problem(p, "v3_saved_bytes") != GDP_OK) return 0;
-  return v3::saved_layout(p).total;
+  return v3::saved_layout(p, v3::state16(p)).total;
 }
 
 extern "C" gdp_status gdp_cuda_gdp_forward_v3_save(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io,
