@@ -29,6 +29,7 @@
 #include <string.h>
 
 #include <type_traits>
+#include <vector>
 
 #include "gdp_bwd_v3.cuh"
 #include "gdp_fwd_v3.cuh"
@@ -269,6 +270,37 @@ __device__ __forceinline__ void copy_panel(unsigned char *dst, int sld, const bf
   }
 }
 
+/* copy_panel for a panel whose ROWS rows are all there (the prep's workspace panels,
+ * zero-filled past a sequence's end): no zero-fill predicate, so each cp.async is one
+ * LDGSTS with constant offsets from one shared and one global base.  With the predicate
+ * (valid = ROWS, always true, but not provably so: threadIdx.x is not known to be < NT)
+ * ptxas kept a compare, a select and a 64-bit pointer per copy -- at BV = 16 (one warp
+ * issuing ~90 copies per chunk) ~500 of dstate_kernel_v3's ~1500 instructions per chunk,
+ * and 64-bit pointers held across the loop (255 registers).  Same bytes copied. */
+template <int ROWS, int COLS, int NT>
+__device__ __forceinline__ void copy_panel_full(unsigned char *dst, int sld, const bf16 *src, int64_t gld) {
+  constexpr int per_row = COLS / 8;
+  if constexpr (NT % per_row == 0) {
+    constexpr int row_step = NT / per_row;
+    const int r0 = (int)threadIdx.x / per_row, c8 = ((int)threadIdx.x % per_row) * 8;
+    unsigned char *d = dst + (r0 * sld + c8) * 2;
+    const bf16 *g = src + (int64_t)r0 * gld + c8;
+#pragma unroll
+    for (int r = 0; r < ROWS; r += row_step)
+      if (ROWS % row_step == 0 || r + r0 < ROWS) cp_async16(d + r * sld * 2, g + (int64_t)r * gld, true);
+  } else { /* rows of 6 chunks (C = 48): plain index arithmetic, small panel */
+    constexpr int total = ROWS * per_row;
+#pragma unroll
+    for (int e0 = 0; e0 < total; e0 += NT) {
+      const int e = e0 + (int)threadIdx.x;
+      if (total % NT == 0 || e < total) {
+        const int r = e / per_row, c8 = (e % per_row) * 8;
+        cp_async16(dst + (r * sld + c8) * 2, src + (int64_t)r * gld + c8, true);
+      }
+    }
+  }
+}
+
 /* Pull `bytes` (a multiple of 16, 16-byte aligned) into L2 with one bulk-copy-engine
  * request: no register result, nothing waits on it. */
 __device__ __forceinline__ void prefetch_l2_bulk(const void *p, uint32_t bytes) {
@@ -443,7 +475,7 @@ struct DStateLayout {
  *   Oa[kt]    = A fragment of dO^T (x, query row a in 16kt..16kt+15).
  * Pm[a][j] is zero for j > ia = a n + n - 1, so the (a-tile, j-tile) pairs wholly past
  * the diagonal are skipped at compile time (NN = C / TC = n). */
-template <int K, int V, int C, int TC, int BV, bool S16 = false>
+template <int K, int V, int C, int TC, int BV, bool S16 = false, bool NEW = true>
 __global__ void __launch_bounds__(BV / 16 * 32, 1) dstate_kernel_v3(GdpArgs a, float *dHT32, bf16 *dHT16) {
   using L = DStateLayout<K, C, TC, BV>;
   constexpr int NT = BV / 16 * 32;
@@ -468,24 +500,46 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) dstate_kernel_v3(GdpArgs a, f
       Ht[nt][e] = a.dht ? a.dht[soff + (int64_t)r * V + x] : 0.f;
     }
 
-  /* iteration it handles chunk cbeg + nc - 1 - it, in stage it % kStages */
-  auto issue = [&](int it) {
+  /* iteration it handles chunk cbeg + nc - 1 - it, in stage it % kStages.  NEW: the
+   * chunk's (t0, ntok) for dO come from registers loaded one iteration earlier (the old
+   * schedule loaded them here, after the barrier, and the dO copies waited on that
+   * load), and the four workspace panels are copied without the zero-fill predicate. */
+  auto issue = [&](int it, int t0, int ntok) {
     if (it < nc) {
       unsigned char *st = smem + (it % kStages) * L::stage;
       const int c = cbeg + nc - 1 - it;
       const int64_t base = (int64_t)c * H + h;
-      const ChunkInfo ci = a.chunks[c];
-      copy_panel<C, K, NT>(st + L::oW, L::ldK, a.W + base * C * K, K, C);
-      copy_panel<C, K, NT>(st + L::oKd, L::ldK, a.Kd + base * C * K, K, C);
-      copy_panel<TC, K, NT>(st + L::oQd, L::ldK, a.Qd + base * TC * K, K, TC);
-      copy_panel<TC, C, NT>(st + L::oPm, L::ldC, a.Pm + base * TC * C, C, TC);
-      copy_panel<TC, BV, NT>(st + L::odO, L::ldB, d_o + ((int64_t)ci.t0 * H + h) * V + col0, (int64_t)H * V,
-                             ci.ntok);
+      if constexpr (NEW) {
+        copy_panel_full<C, K, NT>(st + L::oW, L::ldK, a.W + base * C * K, K);
+        copy_panel_full<C, K, NT>(st + L::oKd, L::ldK, a.Kd + base * C * K, K);
+        copy_panel_full<TC, K, NT>(st + L::oQd, L::ldK, a.Qd + base * TC * K, K);
+        copy_panel_full<TC, C, NT>(st + L::oPm, L::ldC, a.Pm + base * TC * C, C);
+      } else {
+        const ChunkInfo ci = a.chunks[c];
+        t0 = ci.t0, ntok = ci.ntok;
+        copy_panel<C, K, NT>(st + L::oW, L::ldK, a.W + base * C * K, K, C);
+        copy_panel<C, K, NT>(st + L::oKd, L::ldK, a.Kd + base * C * K, K, C);
+        copy_panel<TC, K, NT>(st + L::oQd, L::ldK, a.Qd + base * TC * K, K, TC);
+        copy_panel<TC, C, NT>(st + L::oPm, L::ldC, a.Pm + base * TC * C, C, TC);
+      }
+      copy_panel<TC, BV, NT>(st + L::odO, L::ldB, d_o + ((int64_t)t0 * H + h) * V + col0, (int64_t)H * V, ntok);
     }
     cp_async_commit();
   };
+  /* NEW: (t0, ntok) of the chunk that the next issue copies */
+  int nx_t0 = 0, nx_ntok = 0;
+  auto load_next = [&](int it) {
+    if (it < nc) {
+      const ChunkInfo ci = a.chunks[cbeg + nc - 1 - it];
+      nx_t0 = ci.t0, nx_ntok = ci.ntok;
+    }
+  };
 #pragma unroll
-  for (int it = 0; it < kStages - 1; it++) issue(it);
+  for (int it = 0; it < kStages - 1; it++) {
+    if constexpr (NEW) load_next(it);
+    issue(it, nx_t0, nx_ntok);
+  }
+  if constexpr (NEW) load_next(kStages - 1);
 
   const int nrow = (lane >> 4) * 8 + (lane & 7), ncol = ((lane >> 3) & 1) * 8;
   const int trow = ((lane >> 3) & 1) * 8 + (lane & 7), tcol = (lane >> 4) * 8;
@@ -500,7 +554,8 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) dstate_kernel_v3(GdpArgs a, f
     const float el = a.elast[CHi];
     cp_async_wait<kStages - 2>();
     __syncthreads();
-    issue(it + kStages - 1);
+    issue(it + kStages - 1, nx_t0, nx_ntok);
+    if constexpr (NEW) load_next(it + kStages); /* used one iteration later */
     const uint32_t sb = smem0 + (it % kStages) * L::stage;
     const uint32_t sW = sb + L::oW, sKd = sb + L::oKd, sQd = sb + L::oQd, sPm = sb + L::oPm,
                    sdO = sb + L::odO;
@@ -516,17 +571,43 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) dstate_kernel_v3(GdpArgs a, f
     /* dH^T rows xw..xw+7 now, xw+8..15 after the dD products (Ht is unchanged until the
      * decay): the stores of each half overlap the products that follow */
     if (keep) store_stateT_half<K, C, S16>(smem + L::oHt, dHT32, dHT16, CHi * V * K + (int64_t)xw * K, Ht, 0);
+    if constexpr (NEW) {
+      /* bf16 dH only for variant 2's kernel, in its own loop: the branch inside the
+       * product loop below (the old schedule) cut it into one basic block per k tile,
+       * and every tile's four ldmatrix then waited before its mma */
+      if (!keep) {
 #pragma unroll
-    for (int kt = 0; kt < K / 16; kt++) {
-      uint32_t Ha[4];
-      afrag_kt(Ht, kt, Ha, 1.f);
-      if (!keep) store_afrag<V>(gdh, kt * 16 + 2 * tig, Ha); /* bf16 dH only for variant 2's kernel */
+        for (int kt = 0; kt < K / 16; kt++) {
+          uint32_t Ha[4];
+          afrag_kt(Ht, kt, Ha, 1.f);
+          store_afrag<V>(gdh, kt * 16 + 2 * tig, Ha);
+        }
+      }
 #pragma unroll
-      for (int nt = 0; nt < C / 8; nt += 2) {
-        uint32_t b0, b1, b2, b3;
-        ldsm_x4(sKd + ((nt * 8 + nrow) * L::ldK + kt * 16 + ncol) * 2, b0, b1, b2, b3);
-        mma16816(Gt[nt], Ha, b0, b1);
-        mma16816(Gt[nt + 1], Ha, b2, b3);
+      for (int kt = 0; kt < K / 16; kt++) {
+        uint32_t Ha[4];
+        afrag_kt(Ht, kt, Ha, 1.f);
+#pragma unroll
+        for (int nt = 0; nt < C / 8; nt += 2) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4(sKd + ((nt * 8 + nrow) * L::ldK + kt * 16 + ncol) * 2, b0, b1, b2, b3);
+          mma16816(Gt[nt], Ha, b0, b1);
+          mma16816(Gt[nt + 1], Ha, b2, b3);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int kt = 0; kt < K / 16; kt++) {
+        uint32_t Ha[4];
+        afrag_kt(Ht, kt, Ha, 1.f);
+        if (!keep) store_afrag<V>(gdh, kt * 16 + 2 * tig, Ha); /* bf16 dH only for variant 2's kernel */
+#pragma unroll
+        for (int nt = 0; nt < C / 8; nt += 2) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4(sKd + ((nt * 8 + nrow) * L::ldK + kt * 16 + ncol) * 2, b0, b1, b2, b3);
+          mma16816(Gt[nt], Ha, b0, b1);
+          mma16816(Gt[nt + 1], Ha, b2, b3);
+        }
       }
     }
     uint32_t Oa[TC / 16][4];
@@ -543,36 +624,54 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) dstate_kernel_v3(GdpArgs a, f
         mma16816(Gt[nt], Oa[kt], b0, b1);
         mma16816(Gt[nt + 1], Oa[kt], b2, b3);
       }
-    /* -dD^T as A fragments; dD (bf16, the same rounding) to the workspace */
+    /* -dD^T as A fragments (G), dD (bf16, the same rounding, sign bits flipped back:
+     * exact) to the workspace, and
+     *   dH^T <- e^{last} dH^T + dO^T Qd + (-dD^T) W   (float32 accumulators).
+     * NEW: the same products in the same order per accumulator, scheduled so that what
+     * needs only dH^T is not on the dD chain: the second dH^T half store and the dO^T Qd
+     * products (independent of dD) cover the tail of the dD products; G's rounding is
+     * followed by the W products at once; dD's staged store goes last, under their tail.
+     * The old schedule stored the dH^T half and dD between G and the W products. */
     uint32_t Ga[C / 16][4];
-    to_afrag<C / 16>(Gt, Ga, -1.f);
-    if (keep) store_stateT_half<K, C, S16>(smem + L::oHt, dHT32, dHT16, CHi * V * K + (int64_t)(xw + 8) * K, Ht, 1);
-    /* flip the sign bits back: exact */
-    store_afrags_staged<K, C>(smem + L::oHt, a.dDbuf + CHi * C * V + xw, V, Ga, 0x80008000u);
-
-    /* dH^T <- e^{last} dH^T + dO^T Qd + (-dD^T) W   (float32 accumulators) */
+    auto decay_qd = [&]() {
 #pragma unroll
-    for (int nt = 0; nt < K / 8; nt++)
+      for (int nt = 0; nt < K / 8; nt++)
 #pragma unroll
-      for (int e = 0; e < 4; e++) Ht[nt][e] *= el;
+        for (int e = 0; e < 4; e++) Ht[nt][e] *= el;
 #pragma unroll
-    for (int kt = 0; kt < TC / 16; kt++)
+      for (int kt = 0; kt < TC / 16; kt++)
 #pragma unroll
-      for (int nt = 0; nt < K / 8; nt += 2) {
-        uint32_t b0, b1, b2, b3;
-        ldsm_x4_t(sQd + ((kt * 16 + trow) * L::ldK + nt * 8 + tcol) * 2, b0, b1, b2, b3);
-        mma16816(Ht[nt], Oa[kt], b0, b1);
-        mma16816(Ht[nt + 1], Oa[kt], b2, b3);
-      }
+        for (int nt = 0; nt < K / 8; nt += 2) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4_t(sQd + ((kt * 16 + trow) * L::ldK + nt * 8 + tcol) * 2, b0, b1, b2, b3);
+          mma16816(Ht[nt], Oa[kt], b0, b1);
+          mma16816(Ht[nt + 1], Oa[kt], b2, b3);
+        }
+    };
+    auto w_products = [&]() {
 #pragma unroll
-    for (int kt = 0; kt < C / 16; kt++)
+      for (int kt = 0; kt < C / 16; kt++)
 #pragma unroll
-      for (int nt = 0; nt < K / 8; nt += 2) {
-        uint32_t b0, b1, b2, b3;
-        ldsm_x4_t(sW + ((kt * 16 + trow) * L::ldK + nt * 8 + tcol) * 2, b0, b1, b2, b3);
-        mma16816(Ht[nt], Ga[kt], b0, b1);
-        mma16816(Ht[nt + 1], Ga[kt], b2, b3);
-      }
+        for (int nt = 0; nt < K / 8; nt += 2) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4_t(sW + ((kt * 16 + trow) * L::ldK + nt * 8 + tcol) * 2, b0, b1, b2, b3);
+          mma16816(Ht[nt], Ga[kt], b0, b1);
+          mma16816(Ht[nt + 1], Ga[kt], b2, b3);
+        }
+    };
+    if constexpr (NEW) {
+      if (keep) store_stateT_half<K, C, S16>(smem + L::oHt, dHT32, dHT16, CHi * V * K + (int64_t)(xw + 8) * K, Ht, 1);
+      decay_qd();
+      to_afrag<C / 16>(Gt, Ga, -1.f);
+      w_products();
+      store_afrags_staged<K, C>(smem + L::oHt, a.dDbuf + CHi * C * V + xw, V, Ga, 0x80008000u);
+    } else {
+      to_afrag<C / 16>(Gt, Ga, -1.f);
+      if (keep) store_stateT_half<K, C, S16>(smem + L::oHt, dHT32, dHT16, CHi * V * K + (int64_t)(xw + 8) * K, Ht, 1);
+      store_afrags_staged<K, C>(smem + L::oHt, a.dDbuf + CHi * C * V + xw, V, Ga, 0x80008000u);
+      decay_qd();
+      w_products();
+    }
   }
   cp_async_wait<0>();
 
@@ -2175,6 +2274,69 @@ static gdp_status occupancy(Kern kern, int threads, int smem, int *blocks_per_sm
   return GDP_OK;
 }
 
+/* Which schedule dstate_kernel_v3 runs (GDP_CUDA_V3_DSTATE): 0 the new one (default:
+ * chunk info loaded an iteration ahead, workspace panels copied without predicates, no
+ * branch in the dD product loop, the stores off the dH chain; NOTES.md "dstate step"),
+ * 1 (=old) the session-4 schedule, 2 (=compare, lab only) both, checked byte for byte. */
+static int dstate_mode() {
+  static const int mode = [] {
+    const char *e = getenv("GDP_CUDA_V3_DSTATE");
+    if (e && strcmp(e, "old") == 0) return 1;
+    if (e && strcmp(e, "compare") == 0) return 2;
+    return 0;
+  }();
+  return mode;
+}
+
+template <int K, int V, int C, int TC, int BV>
+static gdp_status launch_dstate(const Plan &plan, float *f32, bf16 *b16, bool old) {
+  const GdpArgs &a = plan.a;
+  const dim3 grid((unsigned)a.N, (unsigned)a.H, (unsigned)(a.V / BV));
+  constexpr int threads = BV / 16 * 32;
+  auto kern = b16 ? (old ? dstate_kernel_v3<K, V, C, TC, BV, true, false> : dstate_kernel_v3<K, V, C, TC, BV, true, true>)
+                  : (old ? dstate_kernel_v3<K, V, C, TC, BV, false, false> : dstate_kernel_v3<K, V, C, TC, BV, false, true>);
+  constexpr int smem = DStateLayout<K, C, TC, BV>::total;
+  GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  kern<<<grid, threads, smem, plan.stream>>>(a, f32, b16);
+  GDP_CUDA_LAUNCHED("dstate_kernel_v3");
+  return GDP_OK;
+}
+
+/* GDP_CUDA_V3_DSTATE=compare (lab only: synchronises, copies to the host): the old
+ * schedule, then the new one on the same inputs; dD, dH^T (float32 or bf16), variant 2's
+ * bf16 dH where it is written, and dh0 must come out byte for byte the same, otherwise
+ * GDP_ERR_INTERNAL names the buffer. */
+template <int K, int V, int C, int TC, int BV>
+static gdp_status compare_dstate(const Plan &plan, float *f32, bf16 *b16) {
+  const GdpArgs &a = plan.a;
+  const size_t ch = (size_t)a.nchunks * (size_t)a.H;
+  const bool keep = f32 || b16;
+  const size_t bytes[4] = {a.dDbuf ? ch * C * V * 2 : 0, f32 ? ch * V * K * 4 : b16 ? ch * V * K * 2 : 0,
+                           (!keep && a.dHbuf) ? ch * K * V * 2 : 0,
+                           a.dh0 ? (size_t)a.N * (size_t)a.H * K * V * 4 : 0};
+  const void *bufs[4] = {a.dDbuf, f32 ? (const void *)f32 : (const void *)b16, a.dHbuf, a.dh0};
+  static const char *names[4] = {"dD", "dH^T", "bf16 dH", "dh0"};
+  std::vector<unsigned char> got[2][4];
+  for (int pass = 0; pass < 2; pass++) {
+    /* clear the outputs first, so that a value one schedule leaves unwritten shows */
+    for (int i = 0; i < 4; i++)
+      if (bytes[i]) GDP_CUDA_TRY(cudaMemsetAsync(const_cast<void *>(bufs[i]), pass ? 0x5a : 0xa5, bytes[i], plan.stream));
+    const gdp_status st = launch_dstate<K, V, C, TC, BV>(plan, f32, b16, pass == 0);
+    if (st != GDP_OK) return st;
+    for (int i = 0; i < 4; i++) {
+      got[pass][i].resize(bytes[i]);
+      if (bytes[i])
+        GDP_CUDA_TRY(cudaMemcpyAsync(got[pass][i].data(), bufs[i], bytes[i], cudaMemcpyDeviceToHost, plan.stream));
+    }
+    GDP_CUDA_TRY(cudaStreamSynchronize(plan.stream));
+  }
+  for (int i = 0; i < 4; i++)
+    if (bytes[i] && memcmp(got[0][i].data(), got[1][i].data(), bytes[i]) != 0)
+      return GDP_ERROR(GDP_ERR_INTERNAL, "dstate_kernel_v3<%d,%d,%d,%d,%d>: old and new schedules differ in %s", K, V,
+                       C, TC, BV, names[i]);
+  return GDP_OK;
+}
+
 /* One launch of both sequential kernels at value-block width BV (dry_run: occupancy of
  * the dstate kernel only, the larger of the two).  f32: the float32 transposed copy of h
  * (states) or dH (dstate) for the v3 gradient kernel, or NULL; b16: the same in bf16
@@ -2192,11 +2354,9 @@ static gdp_status launch_seq_bv(const Plan &plan, bool states, bool dry_run, int
     kern<<<grid, threads, smem, plan.stream>>>(a, f32, b16);
     GDP_CUDA_LAUNCHED("bwd_states_kernel_v3");
   } else {
-    auto kern = b16 ? dstate_kernel_v3<K, V, C, TC, BV, true> : dstate_kernel_v3<K, V, C, TC, BV, false>;
-    constexpr int smem = DStateLayout<K, C, TC, BV>::total;
-    GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    kern<<<grid, threads, smem, plan.stream>>>(a, f32, b16);
-    GDP_CUDA_LAUNCHED("dstate_kernel_v3");
+    const int mode = dstate_mode();
+    if (mode == 2) return compare_dstate<K, V, C, TC, BV>(plan, f32, b16);
+    return launch_dstate<K, V, C, TC, BV>(plan, f32, b16, mode == 1);
   }
   return GDP_OK;
 }
