@@ -338,7 +338,7 @@ struct StatesLayout {
  * Per chunk: h (= bf16 S at the chunk start, the same rounding the products use) and D
  * to variant 2's workspace, then S^T <- e^{last} S^T + D^T Kd.  No ht: the forward gave
  * it.  For the v3 gradient kernels h^T goes to hT32 (float32) or, S16, to hT16 (bf16). */
-template <int K, int V, int C, int BV, bool S16 = false>
+template <int K, int V, int C, int BV, bool S16 = false, bool NEW = true>
 __global__ void __launch_bounds__(BV / 16 * 32, 1) bwd_states_kernel_v3(GdpArgs a, float *hT32, bf16 *hT16) {
   using L = StatesLayout<K, C, BV>;
   constexpr int NT = BV / 16 * 32;
@@ -365,10 +365,17 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) bwd_states_kernel_v3(GdpArgs 
     if (it < nc) {
       unsigned char *st = smem + (it % kStages) * L::stage;
       const int64_t base = (int64_t)(cbeg + it) * H + h;
-      copy_panel<C, K, NT>(st + L::oW, L::ldK, a.W + base * C * K, K, C);
-      copy_panel<C, K, NT>(st + L::oKd, L::ldK, a.Kd + base * C * K, K, C);
-      copy_panel<C, BV, NT>(st + L::oU, L::ldB, a.U + base * C * V + col0, V, C);
-      if (a.Ulo) copy_panel<C, BV, NT>(st + L::oUl, L::ldB, a.Ulo + base * C * V + col0, V, C);
+      if constexpr (NEW) { /* complete workspace panels: no zero-fill predicate (copy_panel_full) */
+        copy_panel_full<C, K, NT>(st + L::oW, L::ldK, a.W + base * C * K, K);
+        copy_panel_full<C, K, NT>(st + L::oKd, L::ldK, a.Kd + base * C * K, K);
+        copy_panel_full<C, BV, NT>(st + L::oU, L::ldB, a.U + base * C * V + col0, V);
+        if (a.Ulo) copy_panel_full<C, BV, NT>(st + L::oUl, L::ldB, a.Ulo + base * C * V + col0, V);
+      } else {
+        copy_panel<C, K, NT>(st + L::oW, L::ldK, a.W + base * C * K, K, C);
+        copy_panel<C, K, NT>(st + L::oKd, L::ldK, a.Kd + base * C * K, K, C);
+        copy_panel<C, BV, NT>(st + L::oU, L::ldB, a.U + base * C * V + col0, V, C);
+        if (a.Ulo) copy_panel<C, BV, NT>(st + L::oUl, L::ldB, a.Ulo + base * C * V + col0, V, C);
+      }
     }
     cp_async_commit();
   };
@@ -2278,14 +2285,67 @@ static gdp_status occupancy(Kern kern, int threads, int smem, int *blocks_per_sm
  * chunk info loaded an iteration ahead, workspace panels copied without predicates, no
  * branch in the dD product loop, the stores off the dH chain; NOTES.md "dstate step"),
  * 1 (=old) the session-4 schedule, 2 (=compare, lab only) both, checked byte for byte. */
+static int seq_mode(const char *name) {
+  const char *e = getenv(name);
+  if (e && strcmp(e, "old") == 0) return 1;
+  if (e && strcmp(e, "compare") == 0) return 2;
+  return 0;
+}
 static int dstate_mode() {
-  static const int mode = [] {
-    const char *e = getenv("GDP_CUDA_V3_DSTATE");
-    if (e && strcmp(e, "old") == 0) return 1;
-    if (e && strcmp(e, "compare") == 0) return 2;
-    return 0;
-  }();
+  static const int mode = seq_mode("GDP_CUDA_V3_DSTATE");
   return mode;
+}
+/* The same for the recompute's bwd_states_kernel_v3 (GDP_CUDA_V3_STATES=old|compare): the
+ * new one copies its complete workspace panels without the zero-fill predicate (the only
+ * change; at BV = 16 ~400 fewer instructions per chunk). */
+static int states_mode() {
+  static const int mode = seq_mode("GDP_CUDA_V3_STATES");
+  return mode;
+}
+
+template <int K, int V, int C, int BV>
+static gdp_status launch_states(const Plan &plan, float *f32, bf16 *b16, bool old) {
+  const GdpArgs &a = plan.a;
+  const dim3 grid((unsigned)a.N, (unsigned)a.H, (unsigned)(a.V / BV));
+  constexpr int threads = BV / 16 * 32;
+  auto kern = b16 ? (old ? bwd_states_kernel_v3<K, V, C, BV, true, false> : bwd_states_kernel_v3<K, V, C, BV, true, true>)
+                  : (old ? bwd_states_kernel_v3<K, V, C, BV, false, false> : bwd_states_kernel_v3<K, V, C, BV, false, true>);
+  constexpr int smem = StatesLayout<K, C, BV>::total;
+  GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  kern<<<grid, threads, smem, plan.stream>>>(a, f32, b16);
+  GDP_CUDA_LAUNCHED("bwd_states_kernel_v3");
+  return GDP_OK;
+}
+
+/* GDP_CUDA_V3_STATES=compare (lab only): as compare_dstate, for the recompute's h^T, D
+ * and variant 2's bf16 h. */
+template <int K, int V, int C, int BV>
+static gdp_status compare_states(const Plan &plan, float *f32, bf16 *b16) {
+  const GdpArgs &a = plan.a;
+  const size_t ch = (size_t)a.nchunks * (size_t)a.H;
+  const bool keep = f32 || b16;
+  const size_t bytes[3] = {a.Dbuf ? ch * C * V * 2 : 0, f32 ? ch * V * K * 4 : b16 ? ch * V * K * 2 : 0,
+                           (!keep && a.hbuf) ? ch * K * V * 2 : 0};
+  const void *bufs[3] = {a.Dbuf, f32 ? (const void *)f32 : (const void *)b16, a.hbuf};
+  static const char *names[3] = {"D", "h^T", "bf16 h"};
+  std::vector<unsigned char> got[2][3];
+  for (int pass = 0; pass < 2; pass++) {
+    for (int i = 0; i < 3; i++)
+      if (bytes[i]) GDP_CUDA_TRY(cudaMemsetAsync(const_cast<void *>(bufs[i]), pass ? 0x5a : 0xa5, bytes[i], plan.stream));
+    const gdp_status st = launch_states<K, V, C, BV>(plan, f32, b16, pass == 0);
+    if (st != GDP_OK) return st;
+    for (int i = 0; i < 3; i++) {
+      got[pass][i].resize(bytes[i]);
+      if (bytes[i])
+        GDP_CUDA_TRY(cudaMemcpyAsync(got[pass][i].data(), bufs[i], bytes[i], cudaMemcpyDeviceToHost, plan.stream));
+    }
+    GDP_CUDA_TRY(cudaStreamSynchronize(plan.stream));
+  }
+  for (int i = 0; i < 3; i++)
+    if (bytes[i] && memcmp(got[0][i].data(), got[1][i].data(), bytes[i]) != 0)
+      return GDP_ERROR(GDP_ERR_INTERNAL, "bwd_states_kernel_v3<%d,%d,%d,%d>: old and new copies differ in %s", K, V, C,
+                       BV, names[i]);
+  return GDP_OK;
 }
 
 template <int K, int V, int C, int TC, int BV>
@@ -2343,22 +2403,17 @@ static gdp_status compare_dstate(const Plan &plan, float *f32, bf16 *b16) {
  * (GDP_CUDA_V3_STATE=bf16: the S16 instantiations, same shared memory), or NULL. */
 template <int K, int V, int C, int TC, int BV>
 static gdp_status launch_seq_bv(const Plan &plan, bool states, bool dry_run, int *occ, float *f32, bf16 *b16) {
-  const GdpArgs &a = plan.a;
-  const dim3 grid((unsigned)a.N, (unsigned)a.H, (unsigned)(a.V / BV));
   constexpr int threads = BV / 16 * 32;
   if (dry_run) return occupancy(dstate_kernel_v3<K, V, C, TC, BV>, threads, DStateLayout<K, C, TC, BV>::total, occ);
   if (states) {
-    auto kern = b16 ? bwd_states_kernel_v3<K, V, C, BV, true> : bwd_states_kernel_v3<K, V, C, BV, false>;
-    constexpr int smem = StatesLayout<K, C, BV>::total;
-    GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    kern<<<grid, threads, smem, plan.stream>>>(a, f32, b16);
-    GDP_CUDA_LAUNCHED("bwd_states_kernel_v3");
+    const int mode = states_mode();
+    if (mode == 2) return compare_states<K, V, C, BV>(plan, f32, b16);
+    return launch_states<K, V, C, BV>(plan, f32, b16, mode == 1);
   } else {
     const int mode = dstate_mode();
     if (mode == 2) return compare_dstate<K, V, C, TC, BV>(plan, f32, b16);
     return launch_dstate<K, V, C, TC, BV>(plan, f32, b16, mode == 1);
   }
-  return GDP_OK;
 }
 
 template <int K, int V, int C, int TC>
