@@ -539,6 +539,14 @@ __device__ __forceinline__ uint4 lds128(uint32_t addr) {
   return v;
 }
 
+/* A 16-byte global store, as one st.global.v4 whatever the compiler knows of the
+ * address.  The memory clobber keeps the next l2 step's shared loads behind it, as they
+ * were behind the plain store: without it ptxas hoisted them and took 12 more registers
+ * (C = 32: 94 -> 106, one block per SM fewer). */
+__device__ __forceinline__ void stg128(void *p, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+  asm volatile("st.global.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"l"(p), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
+
 /* One 8-row x 32-column bf16 piece of an accumulator tile to global in 16-byte row
  * stores, through the warp's 512-byte staging tile: w[m] is this lane's word of 8-column
  * block m (row grp, columns 8m + 2tig, +1), stored by stmatrix; each lane then reads row
@@ -884,9 +892,13 @@ __device__ __forceinline__ void prep_wu_staged(const GdpArgs &a, int64_t CHi, ui
  * phase as prep_wu_staged (runtime item loop, 16-byte stores through shared memory), the
  * same bits in less code (<true, true> at K = V = 128, n = 2: 158 -> 128 KB, the plain
  * kernel 139.5), which is what brings it back inside the instruction cache (NOTES.md).
+ * SPLIT: the triangular solve on four warps (prep_split_solve), the l2 steps' row kind
+ * known at compile time, and at C = 32 five blocks per SM asked of ptxas (96 registers:
+ * shared memory holds five there, and main's kernel happened to fit them; this one took
+ * 102-106 registers unasked).  Same bits as without.
  */
 template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO, bool WU_STAGED, bool SPLIT>
-__global__ void __launch_bounds__(128, 4) prep_kernel_v3(GdpArgs a, bf16 *Tt) {
+__global__ void __launch_bounds__(128, SPLIT && C == 32 ? 5 : 4) prep_kernel_v3(GdpArgs a, bf16 *Tt) {
   using L = PrepLayout<K, V, C, TC, WU_STAGED, SPLIT>;
   static_assert(K % 64 == 0 && V % 64 == 0 && C % 16 == 0 && TC % 16 == 0 && C <= 64 && TC <= 32 &&
                     C % TC == 0,
@@ -963,13 +975,18 @@ __global__ void __launch_bounds__(128, 4) prep_kernel_v3(GdpArgs a, bf16 *Tt) {
    * lanes per row, 8 elements a lane, RPS rows per warp and step */
   {
     constexpr int LPR = K / 8, RPS = 32 / LPR, STEPS = (C + TC) / (4 * RPS);
-    static_assert((C + TC) % (4 * RPS) == 0 && C % RPS == 0, "l2 rows");
+    static_assert((C + TC) % (4 * RPS) == 0 && C % (4 * RPS) == 0, "l2 rows");
     bf16 *gKd = a.Kd + CHi * C * K, *gQd = a.Qd + CHi * TC * K;
     const int sub = lane / LPR, c8 = (lane % LPR) * 8;
 #pragma unroll
     for (int st = 0; st < STEPS; st++) {
       const int i = (st * 4 + warp) * RPS + sub;
-      const bool isq = i >= C;
+      /* a step's rows are all k rows or all q rows (C is a multiple of 4 RPS): with SPLIT
+       * (the kernel that also has the split solve) that is known at compile time, so a
+       * step is straight-line code that the scheduler can overlap with its neighbours
+       * (as a runtime test it put a branch, and the end of a basic block, in every step:
+       * SASS BSSY / BRA); the same rows, the same operations, the same bits */
+      const bool isq = SPLIT ? st * 4 * RPS >= C : i >= C;
       const int row = isq ? i - C : i;
       bf16 *src = (isq ? sQ : sK) + row * L::ldK + c8;
       const uint4 raw = *reinterpret_cast<const uint4 *>(src);
@@ -995,8 +1012,11 @@ __global__ void __launch_bounds__(128, 4) prep_kernel_v3(GdpArgs a, bf16 *Tt) {
         kd[m] = pack_bf16(y0 * f, y1 * f);
       }
       *reinterpret_cast<uint4 *>(src) = make_uint4(kn[0], kn[1], kn[2], kn[3]);
-      *reinterpret_cast<uint4 *>((isq ? gQd : gKd) + (int64_t)row * K + c8) =
-          make_uint4(kd[0], kd[1], kd[2], kd[3]);
+      if constexpr (SPLIT) /* one 16-byte store: with isq known, NVVM split the plain one into four */
+        stg128((isq ? gQd : gKd) + (int64_t)row * K + c8, kd[0], kd[1], kd[2], kd[3]);
+      else
+        *reinterpret_cast<uint4 *>((isq ? gQd : gKd) + (int64_t)row * K + c8) =
+            make_uint4(kd[0], kd[1], kd[2], kd[3]);
     }
   }
   __syncthreads();
@@ -1268,25 +1288,31 @@ static bool prep_wu_compare() {
 
 /* GDP_CUDA_V3_PREP_WU=compare (lab only: synchronises, copies the panels to the host):
  * the unrolled W/U phase with the row-serial solve (the reference), then the staged phase
- * with the row-serial solve, then the staged phase with the split solve, all over the
- * same plan; W, U, U's residual and T^T must come out byte for byte the same, otherwise
- * GDP_ERR_INTERNAL names the kernel and the panel. */
+ * with the row-serial solve, then the staged phase with the split solve (SPLIT), all over
+ * the same plan; W, U, U's residual, T^T, Kd, Qd and Pm must come out byte for byte the
+ * same, otherwise GDP_ERR_INTERNAL names the kernel and the panel. */
 template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO>
 static gdp_status compare_prep_wu(const Plan &plan, bf16 *Tt) {
   const GdpArgs &a = plan.a;
   const size_t chunk_heads = (size_t)a.nchunks * (size_t)a.H;
-  const size_t bytes[4] = {chunk_heads * C * K * 2, chunk_heads * C * V * 2, STORE_ULO ? chunk_heads * C * V * 2 : 0,
-                           STORE_T ? chunk_heads * C * C * 2 : 0};
-  const void *panels[4] = {a.W, a.U, a.Ulo, Tt};
-  static const char *names[4] = {"W", "U", "U's residual", "T^T"};
+  constexpr int NP = 7;
+  const size_t bytes[NP] = {chunk_heads * C * K * 2,
+                            chunk_heads * C * V * 2,
+                            STORE_ULO ? chunk_heads * C * V * 2 : 0,
+                            STORE_T ? chunk_heads * C * C * 2 : 0,
+                            chunk_heads * C * K * 2,
+                            chunk_heads * TC * K * 2,
+                            chunk_heads * TC * C * 2};
+  const void *panels[NP] = {a.W, a.U, a.Ulo, Tt, a.Kd, a.Qd, a.Pm};
+  static const char *names[NP] = {"W", "U", "U's residual", "T^T", "Kd", "Qd", "Pm"};
   static const char *kernels[3] = {"unrolled W/U", "staged W/U", "staged W/U with the split solve"};
-  std::vector<unsigned char> ref[4], got[4];
+  std::vector<unsigned char> ref[NP], got[NP];
   for (int pass = 0; pass < 3; pass++) {
     const gdp_status st = pass == 0   ? launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, false, false>(plan, Tt)
                           : pass == 1 ? launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, true, false>(plan, Tt)
                                       : launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, true, true>(plan, Tt);
     if (st != GDP_OK) return st;
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < NP; i++) {
       std::vector<unsigned char> &host = pass ? got[i] : ref[i];
       host.resize(bytes[i]);
       if (bytes[i])
@@ -1294,7 +1320,7 @@ static gdp_status compare_prep_wu(const Plan &plan, bf16 *Tt) {
     }
     GDP_CUDA_TRY(cudaStreamSynchronize(plan.stream));
     if (pass)
-      for (int i = 0; i < 4; i++)
+      for (int i = 0; i < NP; i++)
         if (bytes[i] && memcmp(ref[i].data(), got[i].data(), bytes[i]) != 0)
           return GDP_ERROR(GDP_ERR_INTERNAL, "prep_kernel_v3<%d,%d,%d,%d>: %s and the unrolled W/U phase differ in %s",
                            K, V, C, TC, kernels[pass], names[i]);
