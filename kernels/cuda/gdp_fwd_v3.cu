@@ -437,12 +437,25 @@ __host__ __device__ constexpr int prep_a_row(int i) {
   return 4 * (2 * ((i + 3) / 4) * ((i + 3) / 4 - 1) + ((i + 3) % 4) * ((i + 3) / 4));
 }
 
+/* The split solve (prep_split_*, below): rows 0..F-1 of columns 0..31 by warp 0, then the
+ * remaining C - F rows in four blocks of RB, one per warp.  Its float buffer holds, per
+ * column x < 32 (row x, `ld` floats), T's rows 0..F-1 and the first three row blocks as
+ * they are published; ld is an odd number of 16-byte units, so that the eight lanes of a
+ * quarter-warp reading (LDS.128) eight different columns fall in distinct bank groups. */
+template <int C>
+struct PrepSplit {
+  static_assert(C == 32 || C == 48 || C == 64, "split solve shapes");
+  static constexpr int F = C > 32 ? 32 : 16, RB = (C - F) / 4;
+  static constexpr int ld = (F + 3 * RB) % 8 == 4 ? F + 3 * RB : F + 3 * RB + 4;
+  static constexpr int bytes = 32 * ld * 4;
+};
+
 /* Shared-memory layout of the prep kernel (bytes).  k (then kn) and v stay resident; the
  * region from oQ on is used twice: first by q (then qn) and the packed A, then -- after
  * the barrier that ends the solve's reads of A -- by the bf16 panels Tw^T and Tu^T
  * (row x = column x of T, the layout the solve's threads write with 16-byte stores).
  * At K = V = 128, C = 64 that is 52.5 KB: four blocks per SM. */
-template <int K, int V, int C, int TC, bool STAGED = false>
+template <int K, int V, int C, int TC, bool STAGED = false, bool SPLIT = false>
 struct PrepLayout {
   static constexpr int ldK = K + kPad, ldV = V + kPad, ldT = C + kPad;
   static constexpr int oK = 0;                   /* k rows, then kn (bf16) */
@@ -454,10 +467,21 @@ struct PrepLayout {
   static constexpr int oTw = oQ;                 /* (T diag(beta e^gc))^T (bf16) */
   static constexpr int oTu = oTw + C * ldT * 2;  /* (T diag(beta))^T (bf16) */
   static constexpr int endA = oA + prep_a_row(C) * 4, endT = oTu + C * ldT * 2;
+  /* SPLIT: the split solve's buffer over q (dead by then) where q's rows hold it (K = 128
+   * with TC = 32: 7.5 KB in q's 8.5 at C = 64, no growth); at C = 48 after A and Tw^T /
+   * Tu^T (+5.6 KB, still four blocks per SM), so that warp 0 reads its rows back after
+   * the last barrier, not across the other write-outs (8-16 bytes spilled otherwise);
+   * else (K = 64, C = 64) after A (+2.3 KB; there the late read-back spilled instead) */
+  static constexpr int endAT = endA > endT ? endA : endT;
+  static constexpr int oSolve = TC * ldK * 2 >= PrepSplit<C>::bytes ? oQ
+                                : C == 48                         ? (endAT + 15) / 16 * 16
+                                                                  : (endA + 15) / 16 * 16;
+  static constexpr int endS = SPLIT ? oSolve + PrepSplit<C>::bytes : 0;
+  static constexpr int end = endAT > endS ? endAT : endS;
   /* STAGED (prep_wu_staged): one 8 x 32 bf16 staging tile (512 bytes) per warp after
    * everything else: 52.5 -> 54.5 KB at K = V = 128, C = 64, still four blocks per SM */
-  static constexpr int oStage = ((endA > endT ? endA : endT) + 127) / 128 * 128;
-  static constexpr int total = STAGED ? oStage + 4 * 512 : (endA > endT ? endA : endT);
+  static constexpr int oStage = (end + 127) / 128 * 128;
+  static constexpr int total = STAGED ? oStage + 4 * 512 : end;
 };
 
 /* A fragment (16 x 16, row-major source with row stride ld elements) at rows rb,
@@ -556,6 +580,14 @@ __device__ __forceinline__ uint4 lds128(uint32_t addr) {
   return v;
 }
 
+/* A 16-byte global store, as one st.global.v4 whatever the compiler knows of the
+ * address.  The memory clobber keeps the next l2 step's shared loads behind it, as they
+ * were behind the plain store: without it ptxas hoisted them and took 12 more registers
+ * (C = 32: 94 -> 106, one block per SM fewer). */
+__device__ __forceinline__ void stg128(void *p, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+  asm volatile("st.global.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"l"(p), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
+
 /* One 8-row x 32-column bf16 piece of an accumulator tile to global in 16-byte row
  * stores, through the warp's 512-byte staging tile: w[m] is this lane's word of 8-column
  * block m (row grp, columns 8m + 2tig, +1), stored by stmatrix; each lane then reads row
@@ -585,6 +617,213 @@ __device__ __forceinline__ void prep_solve_column(const float *sA, int x, float 
 #pragma unroll
     for (int j = X0; j < i; j++) s[j & 3] -= sA[prep_a_row(i) + j] * t[j];
     t[i] = (s[0] + s[1]) + (s[2] + s[3]);
+  }
+}
+
+/* BEGIN prep_split_solve (the CPU emulator compiles this block as it stands)
+ *
+ * T = (I + A)^-1 with the row-serial chain cut into pieces that four warps share, the
+ * same floats as prep_solve_column.  That routine makes entry (i, x) as
+ * (s0 + s1) + (s2 + s3), s_m = [i == x] - sum over j = m (mod 4), ascending, of
+ * A[i][j] t[j] (one rounded fma a term; nvcc contracts `s -= a * t` into exactly the
+ * fma(-a, t, s) written out here).  Any schedule that runs each s_m's terms in that
+ * order, each term once its t[j] is final, gives the same bits.  For the columns
+ * x < 32 (the row-serial routine's warp 0, whose 2016 fma a thread at C = 64 were the
+ * prep's longest chain):
+ *  1. warp 0 solves rows 0..F-1 (prep_split_first) and puts them in the buffer; warp 1
+ *     meanwhile solves the columns 32..C-1 (prep_solve_column<C, 32>, unchanged);
+ *  2. every warp g takes RB rows, F + RB g.., of every column x = lane, and adds their
+ *     terms j < F (prep_split_rows: 256 fma a thread at C = 64, in parallel);
+ *  3. block b = 0..3 in turn: warp b finishes its rows (terms j in its own block,
+ *     prep_split_own) and publishes them; after a barrier, the warps g > b add that
+ *     block's terms (prep_split_take).
+ * The longest chain at C = 64 is 496 + 256 + 304 fma instead of 2016. */
+__device__ __forceinline__ float prep_fms(float a, float t, float s) { return __fmaf_rn(-a, t, s); }
+
+/* Phase 1, warp 0: rows 0..F-1 of column x (< 32), to row x of the buffer. */
+template <int C>
+__device__ __forceinline__ void prep_split_first(const float *sA, float *sBuf, int x) {
+  constexpr int F = PrepSplit<C>::F;
+  float t[F];
+#pragma unroll
+  for (int i = 0; i < F; i++) {
+    float s[4] = {(i == x) ? 1.f : 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < i; j++) s[j & 3] = prep_fms(sA[prep_a_row(i) + j], t[j], s[j & 3]);
+    t[i] = (s[0] + s[1]) + (s[2] + s[3]);
+  }
+  float *row = sBuf + x * PrepSplit<C>::ld;
+#pragma unroll
+  for (int i = 0; i < F; i += 4) *reinterpret_cast<float4 *>(row + i) = make_float4(t[i], t[i + 1], t[i + 2], t[i + 3]);
+}
+
+/* Phase 2, warp g: the partial sums of rows F + RB g + r of column x over j < F. */
+template <int C>
+__device__ __forceinline__ void prep_split_rows(const float *sA, const float *sBuf, int g, int x,
+                                                float (&s)[PrepSplit<C>::RB][4]) {
+  constexpr int F = PrepSplit<C>::F, RB = PrepSplit<C>::RB;
+#pragma unroll
+  for (int r = 0; r < RB; r++) {
+    s[r][0] = (F + RB * g + r == x) ? 1.f : 0.f;
+    s[r][1] = s[r][2] = s[r][3] = 0.f;
+  }
+  const float *tcol = sBuf + x * PrepSplit<C>::ld;
+  const float *arow = sA + prep_a_row(F + RB * g);
+#pragma unroll
+  for (int jb = 0; jb < F; jb += 4) {
+    const float4 t4 = *reinterpret_cast<const float4 *>(tcol + jb);
+    const float *ar = arow;
+#pragma unroll
+    for (int r = 0; r < RB; r++) {
+      const float4 a4 = *reinterpret_cast<const float4 *>(ar + jb);
+      s[r][0] = prep_fms(a4.x, t4.x, s[r][0]);
+      s[r][1] = prep_fms(a4.y, t4.y, s[r][1]);
+      s[r][2] = prep_fms(a4.z, t4.z, s[r][2]);
+      s[r][3] = prep_fms(a4.w, t4.w, s[r][3]);
+      ar += (F + RB * g + r + 3) & ~3; /* the next packed row */
+    }
+  }
+}
+
+/* Phase 3, warp B: its own rows' terms within block B, then the rows themselves. */
+template <int C, int B>
+__device__ __forceinline__ void prep_split_own(const float *sA, float (&s)[PrepSplit<C>::RB][4],
+                                               float (&own)[PrepSplit<C>::RB]) {
+  constexpr int RB = PrepSplit<C>::RB, i0 = PrepSplit<C>::F + RB * B;
+#pragma unroll
+  for (int r = 0; r < RB; r++) {
+#pragma unroll
+    for (int j = i0; j < i0 + r; j++) s[r][j & 3] = prep_fms(sA[prep_a_row(i0 + r) + j], own[j - i0], s[r][j & 3]);
+    own[r] = (s[r][0] + s[r][1]) + (s[r][2] + s[r][3]);
+  }
+}
+
+/* Phase 3, warp B publishes its rows of column x (B < 3; the barrier follows). */
+template <int C, int B>
+__device__ __forceinline__ void prep_split_publish(float *sBuf, int x, const float (&own)[PrepSplit<C>::RB]) {
+  constexpr int RB = PrepSplit<C>::RB;
+  float *row = sBuf + x * PrepSplit<C>::ld + PrepSplit<C>::F + RB * B;
+#pragma unroll
+  for (int r = 0; r < RB; r += 4)
+    *reinterpret_cast<float4 *>(row + r) = make_float4(own[r], own[r + 1], own[r + 2], own[r + 3]);
+}
+
+/* Phase 3, warp g > B (after the barrier): block B's terms into rows F + RB g + r. */
+template <int C, int B>
+__device__ __forceinline__ void prep_split_take(const float *sA, const float *sBuf, int g, int x,
+                                                float (&s)[PrepSplit<C>::RB][4]) {
+  constexpr int F = PrepSplit<C>::F, RB = PrepSplit<C>::RB, j0 = F + RB * B;
+  const float *tb = sBuf + x * PrepSplit<C>::ld + j0;
+  const float *arow = sA + prep_a_row(F + RB * g) + j0;
+#pragma unroll
+  for (int jb = 0; jb < RB; jb += 4) {
+    const float4 t4 = *reinterpret_cast<const float4 *>(tb + jb);
+    const float *ar = arow;
+#pragma unroll
+    for (int r = 0; r < RB; r++) {
+      const float4 a4 = *reinterpret_cast<const float4 *>(ar + jb);
+      s[r][0] = prep_fms(a4.x, t4.x, s[r][0]);
+      s[r][1] = prep_fms(a4.y, t4.y, s[r][1]);
+      s[r][2] = prep_fms(a4.z, t4.z, s[r][2]);
+      s[r][3] = prep_fms(a4.w, t4.w, s[r][3]);
+      ar += (F + RB * g + r + 3) & ~3;
+    }
+  }
+}
+/* END prep_split_solve */
+
+/* Row x of Tw^T, Tu^T (shared) and of T^T (global, STORE_T) for T's rows i0..i0+N-1 of
+ * column x (N = 4 or a multiple of 8), as the row-serial path writes them: the same
+ * products and roundings, in 8- or 16-byte pieces. */
+template <int N, bool STORE_T, class L>
+__device__ __forceinline__ void prep_t_rows_out(const float *t, int i0, int x, float bx, float bgx, bf16 *sTw,
+                                                bf16 *sTu, bf16 *Ttrow) {
+  if constexpr (N == 4) {
+    const uint2 w = make_uint2(pack_bf16(t[0] * bgx, t[1] * bgx), pack_bf16(t[2] * bgx, t[3] * bgx));
+    const uint2 u = make_uint2(pack_bf16(t[0] * bx, t[1] * bx), pack_bf16(t[2] * bx, t[3] * bx));
+    *reinterpret_cast<uint2 *>(sTw + x * L::ldT + i0) = w;
+    *reinterpret_cast<uint2 *>(sTu + x * L::ldT + i0) = u;
+    if constexpr (STORE_T)
+      *reinterpret_cast<uint2 *>(Ttrow + i0) = make_uint2(pack_bf16(t[0], t[1]), pack_bf16(t[2], t[3]));
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; i += 8) {
+      uint32_t w4[4], u4[4];
+#pragma unroll
+      for (int m = 0; m < 4; m++) {
+        w4[m] = pack_bf16(t[i + 2 * m] * bgx, t[i + 2 * m + 1] * bgx);
+        u4[m] = pack_bf16(t[i + 2 * m] * bx, t[i + 2 * m + 1] * bx);
+      }
+      *reinterpret_cast<uint4 *>(sTw + x * L::ldT + i0 + i) = make_uint4(w4[0], w4[1], w4[2], w4[3]);
+      *reinterpret_cast<uint4 *>(sTu + x * L::ldT + i0 + i) = make_uint4(u4[0], u4[1], u4[2], u4[3]);
+      if constexpr (STORE_T) {
+        uint32_t t4[4];
+#pragma unroll
+        for (int m = 0; m < 4; m++) t4[m] = pack_bf16(t[i + 2 * m], t[i + 2 * m + 1]);
+        *reinterpret_cast<uint4 *>(Ttrow + i0 + i) = make_uint4(t4[0], t4[1], t4[2], t4[3]);
+      }
+    }
+  }
+}
+
+/* The split solve (prep_split_*) and the panels Tw^T, Tu^T (and T^T) from it: the same
+ * bits as the row-serial block in prep_kernel_v3, with 4 more barriers.  sBuf: the
+ * layout's oSolve (over q, or after A); Tw^T / Tu^T go over q and A after the last
+ * barrier, as before. */
+template <int C, bool STORE_T, class L>
+__device__ __forceinline__ void prep_split_solve(const float *sA, float *sBuf, const float *sBeta, const float *sGc,
+                                                 bf16 *sTw, bf16 *sTu, bf16 *Tt, int64_t CHi, int warp, int lane) {
+  using S = PrepSplit<C>;
+  constexpr int F = S::F, RB = S::RB;
+  float s[RB][4], own[RB];
+  float t2[C]; /* warp 1: column 32 + lane (C > 32), rows 0..31 zero */
+  if (warp == 0) prep_split_first<C>(sA, sBuf, lane);
+  if constexpr (C > 32) {
+    if (warp == 1 && lane < C - 32) prep_solve_column<C, 32>(sA, 32 + lane, t2);
+  }
+  __syncthreads();
+  prep_split_rows<C>(sA, sBuf, warp, lane, s);
+  prep_static_for<4>([&](auto Bi) {
+    constexpr int b = decltype(Bi)::value;
+    if (warp == b) {
+      prep_split_own<C, b>(sA, s, own);
+      if constexpr (b < 3) prep_split_publish<C, b>(sBuf, lane, own);
+    }
+    if constexpr (b < 3) {
+      __syncthreads();
+      if (warp > b) prep_split_take<C, b>(sA, sBuf, warp, lane, s);
+    }
+  });
+  /* warp 0's rows 0..F-1 come back from the buffer: before the barrier where Tw^T / Tu^T
+   * go over it, after it where they do not (kLate: then they are not held across the
+   * other write-outs) */
+  constexpr bool kLate = L::oSolve >= L::endT;
+  float t1[F];
+  auto load_t1 = [&] {
+#pragma unroll
+    for (int i = 0; i < F; i += 4) {
+      const float4 v = *reinterpret_cast<const float4 *>(sBuf + lane * S::ld + i);
+      t1[i] = v.x, t1[i + 1] = v.y, t1[i + 2] = v.z, t1[i + 3] = v.w;
+    }
+  };
+  if (!kLate && warp == 0) load_t1();
+  __syncthreads(); /* every read of A (and, unless kLate, of the buffer) is done: Tw^T, Tu^T go over them */
+  if constexpr (C > 32) {
+    if (warp == 1 && lane < C - 32) {
+      const int x = 32 + lane;
+      const float bx = sBeta[x], bgx = bx * __expf(sGc[x]);
+      prep_t_rows_out<C, STORE_T, L>(t2, 0, x, bx, bgx, sTw, sTu, STORE_T ? Tt + (CHi * C + x) * C : nullptr);
+    }
+  }
+  {
+    const int x = lane;
+    const float bx = sBeta[x], bgx = bx * __expf(sGc[x]);
+    bf16 *Ttrow = STORE_T ? Tt + (CHi * C + x) * C : nullptr;
+    prep_t_rows_out<RB, STORE_T, L>(own, F + RB * warp, x, bx, bgx, sTw, sTu, Ttrow);
+    if (warp == 0) {
+      if (kLate) load_t1();
+      prep_t_rows_out<F, STORE_T, L>(t1, 0, x, bx, bgx, sTw, sTu, Ttrow);
+    }
   }
 }
 
@@ -694,10 +933,14 @@ __device__ __forceinline__ void prep_wu_staged(const GdpArgs &a, int64_t CHi, ui
  * phase as prep_wu_staged (runtime item loop, 16-byte stores through shared memory), the
  * same bits in less code (<true, true> at K = V = 128, n = 2: 158 -> 128 KB, the plain
  * kernel 139.5), which is what brings it back inside the instruction cache (NOTES.md).
+ * SPLIT: the triangular solve on four warps (prep_split_solve), the l2 steps' row kind
+ * known at compile time, and at C = 32 five blocks per SM asked of ptxas (96 registers:
+ * shared memory holds five there, and main's kernel happened to fit them; this one took
+ * 102-106 registers unasked).  Same bits as without.
  */
-template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO, bool WU_STAGED>
-__global__ void __launch_bounds__(128, 4) prep_kernel_v3(GdpArgs a, bf16 *Tt) {
-  using L = PrepLayout<K, V, C, TC, WU_STAGED>;
+template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO, bool WU_STAGED, bool SPLIT>
+__global__ void __launch_bounds__(128, SPLIT && C == 32 ? 5 : 4) prep_kernel_v3(GdpArgs a, bf16 *Tt) {
+  using L = PrepLayout<K, V, C, TC, WU_STAGED, SPLIT>;
   static_assert(K % 64 == 0 && V % 64 == 0 && C % 16 == 0 && TC % 16 == 0 && C <= 64 && TC <= 32 &&
                     C % TC == 0,
                 "prep shapes");
@@ -773,13 +1016,18 @@ __global__ void __launch_bounds__(128, 4) prep_kernel_v3(GdpArgs a, bf16 *Tt) {
    * lanes per row, 8 elements a lane, RPS rows per warp and step */
   {
     constexpr int LPR = K / 8, RPS = 32 / LPR, STEPS = (C + TC) / (4 * RPS);
-    static_assert((C + TC) % (4 * RPS) == 0 && C % RPS == 0, "l2 rows");
+    static_assert((C + TC) % (4 * RPS) == 0 && C % (4 * RPS) == 0, "l2 rows");
     bf16 *gKd = a.Kd + CHi * C * K, *gQd = a.Qd + CHi * TC * K;
     const int sub = lane / LPR, c8 = (lane % LPR) * 8;
 #pragma unroll
     for (int st = 0; st < STEPS; st++) {
       const int i = (st * 4 + warp) * RPS + sub;
-      const bool isq = i >= C;
+      /* a step's rows are all k rows or all q rows (C is a multiple of 4 RPS): with SPLIT
+       * (the kernel that also has the split solve) that is known at compile time, so a
+       * step is straight-line code that the scheduler can overlap with its neighbours
+       * (as a runtime test it put a branch, and the end of a basic block, in every step:
+       * SASS BSSY / BRA); the same rows, the same operations, the same bits */
+      const bool isq = SPLIT ? st * 4 * RPS >= C : i >= C;
       const int row = isq ? i - C : i;
       bf16 *src = (isq ? sQ : sK) + row * L::ldK + c8;
       const uint4 raw = *reinterpret_cast<const uint4 *>(src);
@@ -805,8 +1053,11 @@ __global__ void __launch_bounds__(128, 4) prep_kernel_v3(GdpArgs a, bf16 *Tt) {
         kd[m] = pack_bf16(y0 * f, y1 * f);
       }
       *reinterpret_cast<uint4 *>(src) = make_uint4(kn[0], kn[1], kn[2], kn[3]);
-      *reinterpret_cast<uint4 *>((isq ? gQd : gKd) + (int64_t)row * K + c8) =
-          make_uint4(kd[0], kd[1], kd[2], kd[3]);
+      if constexpr (SPLIT) /* one 16-byte store: with isq known, NVVM split the plain one into four */
+        stg128((isq ? gQd : gKd) + (int64_t)row * K + c8, kd[0], kd[1], kd[2], kd[3]);
+      else
+        *reinterpret_cast<uint4 *>((isq ? gQd : gKd) + (int64_t)row * K + c8) =
+            make_uint4(kd[0], kd[1], kd[2], kd[3]);
     }
   }
   __syncthreads();
@@ -877,7 +1128,9 @@ __global__ void __launch_bounds__(128, 4) prep_kernel_v3(GdpArgs a, bf16 *Tt) {
    * columns 0..31, warp 1 columns 32..C-1, which are zero above row 32 (skipped).  Then
    * the column is scaled by beta_x e^{gc_x} (-> Tw) and by beta_x (-> Tu), rounded to
    * bf16 and stored as row x of Tw^T, Tu^T -- over q and A, hence the barrier between. */
-  {
+  if constexpr (SPLIT) {
+    prep_split_solve<C, STORE_T, L>(sA, (float *)(smem + L::oSolve), sBeta, sGc, sTw, sTu, Tt, CHi, warp, lane);
+  } else {
     float t[C];
     const int x = tid;
     if (warp == 0) prep_solve_column<C, 0>(sA, x, t);
@@ -1041,10 +1294,10 @@ static int choose_bv(const Plan &plan, bool save) {
   return best;
 }
 
-template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO, bool WU_STAGED>
+template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO, bool WU_STAGED, bool SPLIT>
 static gdp_status launch_prep_kernel(const Plan &plan, bf16 *Tt) {
-  using L = PrepLayout<K, V, C, TC, WU_STAGED>;
-  auto kern = prep_kernel_v3<K, V, C, TC, STORE_T, STORE_ULO, WU_STAGED>;
+  using L = PrepLayout<K, V, C, TC, WU_STAGED, SPLIT>;
+  auto kern = prep_kernel_v3<K, V, C, TC, STORE_T, STORE_ULO, WU_STAGED, SPLIT>;
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
   /* four blocks of up to 54.5 KB per SM need (nearly) all of the unified L1 as shared memory */
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout,
@@ -1066,46 +1319,68 @@ static bool prep_wu_staged_wanted() {
   return !(env && strcmp(env, "old") == 0);
 }
 
+/* Which triangular solve: the split one (prep_split_solve, four warps) by default;
+ * GDP_CUDA_V3_PREP_SOLVE=rows runs the row-serial one (the kernel main had, for the A/B).
+ * The split solve needs the staged W/U phase (GDP_CUDA_V3_PREP_WU=old gives the
+ * row-serial solve too). */
+static bool prep_split_wanted() {
+  const char *env = getenv("GDP_CUDA_V3_PREP_SOLVE");
+  return !(env && strcmp(env, "rows") == 0);
+}
+
 static bool prep_wu_compare() {
   const char *env = getenv("GDP_CUDA_V3_PREP_WU");
   return env && strcmp(env, "compare") == 0;
 }
 
 /* GDP_CUDA_V3_PREP_WU=compare (lab only: synchronises, copies the panels to the host):
- * the unrolled W/U phase, then the staged one over the same plan; W, U and U's residual
- * must come out byte for byte the same, otherwise GDP_ERR_INTERNAL names the panel. */
+ * the unrolled W/U phase with the row-serial solve (the reference), then the staged phase
+ * with the row-serial solve, then the staged phase with the split solve (SPLIT), all over
+ * the same plan; W, U, U's residual, T^T, Kd, Qd and Pm must come out byte for byte the
+ * same, otherwise GDP_ERR_INTERNAL names the kernel and the panel. */
 template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO>
 static gdp_status compare_prep_wu(const Plan &plan, bf16 *Tt) {
   const GdpArgs &a = plan.a;
   const size_t chunk_heads = (size_t)a.nchunks * (size_t)a.H;
-  const size_t bytes[3] = {chunk_heads * C * K * 2, chunk_heads * C * V * 2, STORE_ULO ? chunk_heads * C * V * 2 : 0};
-  const void *panels[3] = {a.W, a.U, a.Ulo};
-  static const char *names[3] = {"W", "U", "U's residual"};
-  std::vector<unsigned char> unrolled[3], staged[3];
-  for (int pass = 0; pass < 2; pass++) {
-    const gdp_status st = pass ? launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, true>(plan, Tt)
-                               : launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, false>(plan, Tt);
+  constexpr int NP = 7;
+  const size_t bytes[NP] = {chunk_heads * C * K * 2,
+                            chunk_heads * C * V * 2,
+                            STORE_ULO ? chunk_heads * C * V * 2 : 0,
+                            STORE_T ? chunk_heads * C * C * 2 : 0,
+                            chunk_heads * C * K * 2,
+                            chunk_heads * TC * K * 2,
+                            chunk_heads * TC * C * 2};
+  const void *panels[NP] = {a.W, a.U, a.Ulo, Tt, a.Kd, a.Qd, a.Pm};
+  static const char *names[NP] = {"W", "U", "U's residual", "T^T", "Kd", "Qd", "Pm"};
+  static const char *kernels[3] = {"unrolled W/U", "staged W/U", "staged W/U with the split solve"};
+  std::vector<unsigned char> ref[NP], got[NP];
+  for (int pass = 0; pass < 3; pass++) {
+    const gdp_status st = pass == 0   ? launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, false, false>(plan, Tt)
+                          : pass == 1 ? launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, true, false>(plan, Tt)
+                                      : launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, true, true>(plan, Tt);
     if (st != GDP_OK) return st;
-    for (int i = 0; i < 3; i++) {
-      std::vector<unsigned char> &host = pass ? staged[i] : unrolled[i];
+    for (int i = 0; i < NP; i++) {
+      std::vector<unsigned char> &host = pass ? got[i] : ref[i];
       host.resize(bytes[i]);
       if (bytes[i])
         GDP_CUDA_TRY(cudaMemcpyAsync(host.data(), panels[i], bytes[i], cudaMemcpyDeviceToHost, plan.stream));
     }
     GDP_CUDA_TRY(cudaStreamSynchronize(plan.stream));
+    if (pass)
+      for (int i = 0; i < NP; i++)
+        if (bytes[i] && memcmp(ref[i].data(), got[i].data(), bytes[i]) != 0)
+          return GDP_ERROR(GDP_ERR_INTERNAL, "prep_kernel_v3<%d,%d,%d,%d>: %s and the unrolled W/U phase differ in %s",
+                           K, V, C, TC, kernels[pass], names[i]);
   }
-  for (int i = 0; i < 3; i++)
-    if (bytes[i] && memcmp(unrolled[i].data(), staged[i].data(), bytes[i]) != 0)
-      return GDP_ERROR(GDP_ERR_INTERNAL, "prep_kernel_v3<%d,%d,%d,%d>: staged and unrolled W/U phases differ in %s",
-                       K, V, C, TC, names[i]);
   return GDP_OK;
 }
 
 template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO>
 static gdp_status launch_prep_kvt(const Plan &plan, bf16 *Tt) {
   if (prep_wu_compare()) return compare_prep_wu<K, V, C, TC, STORE_T, STORE_ULO>(plan, Tt);
-  return prep_wu_staged_wanted() ? launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, true>(plan, Tt)
-                                        : launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, false>(plan, Tt);
+  if (!prep_wu_staged_wanted()) return launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, false, false>(plan, Tt);
+  return prep_split_wanted() ? launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, true, true>(plan, Tt)
+                             : launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, true, false>(plan, Tt);
 }
 
 template <int K, int V, int C, int TC>
