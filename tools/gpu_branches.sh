@@ -4,8 +4,10 @@
 # one lab build each (in parallel), then, correctness first for every tree, `lab check`
 # against the float64 oracle (variant 3, and variant 5 = v3 saving for backward where the
 # tree's lab has it) and racecheck on a small problem; then medians of 10 at the four
-# benchmark shapes; then the per-kernel profile at 4 x 4096, n = 2 and, for a tree whose
-# gradient kernels read GDP_CUDA_V3_GRAD_AHEAD, a sweep of it.  Every stage after the
+# benchmark shapes; then the per-kernel profile at 4 x 4096, n = 2 and the A/Bs a tree's
+# switches ask for (found by grepping its kernels): GDP_CUDA_V3_STATE=bf16 (checked,
+# memchecked and racechecked too, then timed against f32), GDP_CUDA_V3_PREP_WU=old|new
+# (=compare in the checks), the saving pass's BV, GDP_CUDA_V3_GRAD_AHEAD.  Every stage after the
 # builds is skipped once BUDGET_S (default 540) seconds have passed, so the call ends
 # inside the device's 10-minute limit with what it has.  SKIP_MAIN=1 leaves the working
 # tree's own lab out (another script checked it); SKIP_BUILD=1 takes the labs already
@@ -55,6 +57,26 @@ for t in "${trees[@]}"; do
     GDP_CUDA_V3_PREP_WU=compare timeout 120 $L check $(variants "$t") > "$OUT/check_${n}_wu.log" 2>&1
     say "[PREP_WU=compare] check rc=$? $(grep -E 'check:' "$OUT/check_${n}_wu.log" | tail -1)"
   fi
+  # bf16 chunk states between the kernels (GDP_CUDA_V3_STATE=bf16): the check, memcheck
+  # and racecheck once more with them
+  if grep -q GDP_CUDA_V3_STATE "$t/kernels/cuda/gdp_fwd_v3.cu"; then
+    GDP_CUDA_V3_STATE=bf16 timeout 120 $L check $(variants "$t") > "$OUT/check_${n}_s16.log" 2>&1
+    say "[STATE=bf16] check rc=$? $(grep -E 'check:' "$OUT/check_${n}_s16.log" | tail -1)"
+    grep -E "FAIL" "$OUT/check_${n}_s16.log" | head -5 | tee -a "$LOG"
+    for nn in 2 3; do
+      GDP_CUDA_V3_STATE=bf16 timeout 60 compute-sanitizer --tool memcheck $L bench 1 300 $nn $(variants "$t") --reps 1 2>&1 | grep -E "ERROR SUMMARY" | sed "s/^/[STATE=bf16 n=$nn memcheck] /" | tee -a "$LOG"
+      GDP_CUDA_V3_STATE=bf16 timeout 60 compute-sanitizer --tool racecheck $L bench 1 300 $nn $(variants "$t") --reps 1 2>&1 | grep -E "RACECHECK SUMMARY" | sed "s/^/[STATE=bf16 n=$nn racecheck] /" | tee -a "$LOG"
+    done
+  fi
+  # dstate / the recompute's state pass with a new schedule (GDP_CUDA_V3_DSTATE,
+  # GDP_CUDA_V3_STATES): =compare runs the old and the new kernel and fails unless their
+  # outputs are byte-identical
+  if grep -q GDP_CUDA_V3_DSTATE "$t/kernels/cuda/gdp_bwd_v3.cu"; then
+    for st in f32 bf16; do
+      GDP_CUDA_V3_STATE=$st GDP_CUDA_V3_DSTATE=compare GDP_CUDA_V3_STATES=compare timeout 120 $L check $(variants "$t") > "$OUT/check_${n}_dstate_$st.log" 2>&1
+      say "[DSTATE=compare STATE=$st] check rc=$? $(grep -E 'check:' "$OUT/check_${n}_dstate_$st.log" | tail -1)"
+    done
+  fi
   # a gradient kernel that prefetches a later block's inputs (GDP_CUDA_V3_GS_AHEAD): its
   # addresses, at a distance the small problem reaches (off by default)
   if grep -q GDP_CUDA_V3_GS_AHEAD "$t/kernels/cuda/gdp_bwd_v3.cu"; then
@@ -74,31 +96,47 @@ for t in "${trees[@]}"; do
   left "profile $n" || break
   say "===== $n profile 4 4096 2"
   GDP_CUDA_PROFILE=1 timeout 30 $L bench 4 4096 2 v3 --reps 2 2>&1 | grep -E "^    " | grep -v " 0.0000 ms" | tee -a "$LOG"
+  if grep -q GDP_CUDA_V3_STATE "$t/kernels/cuda/gdp_fwd_v3.cu"; then
+    # float32 vs bf16 chunk states: medians and per-kernel times side by side
+    for st in f32 bf16; do
+      left "state $st" || break
+      for s in "4 4096 1" "4 4096 2" "4 4096 3" "1 32768 2"; do
+        GDP_CUDA_V3_STATE=$st timeout 40 $L bench $s $(variants "$t") --reps 10 2>&1 | grep -E "chunk_v3|v3_save" | sed "s/^/[STATE=$st $s] /" | tee -a "$LOG"
+      done
+      for s in "4 4096 1" "4 4096 2" "4 4096 3"; do
+        GDP_CUDA_V3_STATE=$st GDP_CUDA_PROFILE=1 timeout 30 $L bench $s $(variants "$t") --reps 2 2>&1 | grep -E "state|dstate|gradients" | grep -v " 0.0000 ms" | sed "s/^/[STATE=$st $s] /" | tee -a "$LOG"
+      done
+    done
+  fi
   if grep -q GDP_CUDA_V3_PREP_WU "$t/kernels/cuda/gdp_fwd_v3.cu"; then
     for wu in old new; do
       left "prep-wu $wu" || break
-      GDP_CUDA_V3_PREP_WU=$wu GDP_CUDA_PROFILE=1 timeout 30 $L bench 4 4096 2 $(variants "$t") --reps 2 2>&1 | grep -E "chunk_v3 |v3_saved |prep" | sed "s/^/[PREP_WU=$wu 4 4096 2] /" | tee -a "$LOG"
+      for s in "4 4096 1" "4 4096 2" "4 4096 3"; do
+        GDP_CUDA_V3_PREP_WU=$wu GDP_CUDA_PROFILE=1 timeout 30 $L bench $s $(variants "$t") --reps 2 2>&1 | grep -E "chunk_v3 |v3_saved |prep" | grep -v " 0.0000 ms" | sed "s/^/[PREP_WU=$wu $s] /" | tee -a "$LOG"
+      done
     done
   fi
-  if grep -q GDP_CUDA_V3_GS "$t/kernels/cuda/gdp_bwd_v3.cu" && grep -q '"3b"' "$t/kernels/cuda/gdp_bwd_v3.cu"; then
-    # grad_state at two blocks per SM (default) against the three-block kernel (=3b)
-    for gs in default 3b; do
+  if grep -q GDP_CUDA_V3_DSTATE "$t/kernels/cuda/gdp_bwd_v3.cu"; then
+    # dstate's and the recompute state pass's old schedules against the default
+    for ds in old default; do
+      left "dstate $ds" || break
+      for s in "4 4096 1" "4 4096 2" "4 4096 3" "1 32768 2"; do
+        env $( [ $ds = old ] && echo GDP_CUDA_V3_DSTATE=old GDP_CUDA_V3_STATES=old ) GDP_CUDA_PROFILE=1 timeout 30 $L bench $s $(variants "$t") --reps 2 2>&1 | grep -E "chunk_v3 |v3_saved |state gradients|states v3" | grep -v " 0.0000 ms" | sed "s/^/[DSTATE=$ds $s] /" | tee -a "$LOG"
+      done
+    done
+  fi
+  if grep -q GDP_CUDA_V3_PREP_SOLVE "$t/kernels/cuda/gdp_fwd_v3.cu"; then
+    # the prep's triangular solve: row-serial (=rows) against the default
+    for sv in rows default; do
+      left "prep solve $sv" || break
       for s in "4 4096 1" "4 4096 2" "4 4096 3"; do
-        left "gs $gs" || break 2
-        env $( [ $gs = 3b ] && echo GDP_CUDA_V3_GS=3b ) GDP_CUDA_PROFILE=1 timeout 30 $L bench $s v3 --reps 2 2>&1 | grep -E "chunk_v3 |state part|WY part" | sed "s/^/[GS=$gs $s] /" | tee -a "$LOG"
+        env $( [ $sv = rows ] && echo GDP_CUDA_V3_PREP_SOLVE=rows ) GDP_CUDA_PROFILE=1 timeout 30 $L bench $s $(variants "$t") --reps 2 2>&1 | grep -E "prep" | grep -v " 0.0000 ms" | sed "s/^/[PREP_SOLVE=$sv $s] /" | tee -a "$LOG"
       done
     done
   fi
   if [ "$(variants "$t")" != v3 ] && left "bv64 n=3"; then
     # the saving pass's value-block width at n = 3 (plain pass's choice vs 64)
     GDP_CUDA_V3_BV=64 GDP_CUDA_PROFILE=1 timeout 30 $L bench 4 4096 3 v5 --reps 2 2>&1 | grep -E "v3_saved |state" | sed "s/^/[BV=64 4 4096 3] /" | tee -a "$LOG"
-  fi
-  if grep -q GDP_CUDA_V3_GS_AHEAD "$t/kernels/cuda/gdp_bwd_v3.cu"; then
-    for s in "4 4096 2" "4 4096 3"; do
-      left "gs-ahead off" || break
-      GDP_CUDA_V3_GS_AHEAD=0 GDP_CUDA_PROFILE=1 timeout 30 $L bench $s v3 --reps 2 2>&1 | grep -E "chunk_v3 |state part" | sed "s/^/[GS_AHEAD=0 $s] /" | tee -a "$LOG"
-      GDP_CUDA_V3_GS_AHEAD=auto GDP_CUDA_PROFILE=1 timeout 30 $L bench $s v3 --reps 2 2>&1 | grep -E "chunk_v3 |state part" | sed "s/^/[GS_AHEAD=auto $s] /" | tee -a "$LOG"
-    done
   fi
   if grep -q GDP_CUDA_V3_GRAD_AHEAD "$t/kernels/cuda/gdp_bwd_v3.cu"; then
     for ga in 0 8 16 33 66 auto; do

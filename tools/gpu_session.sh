@@ -29,16 +29,22 @@ stamp "$MODE on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null 
 B=/tmp/gdp-lab
 SHAPES="4 4096 1|4 4096 2|4 4096 3|1 32768 2"
 
-# The stages run most-important first and each is skipped once BUDGET_S (default 520)
-# seconds have passed, so the call ends inside the device's 10-minute limit.
+# The stages run most-important first; `left NEED what` skips a stage that would end past
+# BUDGET_S (default 520) seconds, taking NEED seconds (its usual time on the H200, a bit
+# over), so the call ends inside the device's 10-minute limit.  (Session 4's first call
+# checked only the elapsed time at each stage's start and ran past 600 s in the last one.)
 BUDGET_S=${BUDGET_S:-520}
-left() { [ $(( $(date +%s) - t0 )) -lt "$BUDGET_S" ] || { stamp "out of time: skipped $*"; return 1; }; }
+left() {
+  local need=$1; shift
+  [ $(( $(date +%s) - t0 + need )) -le "$BUDGET_S" ] || { stamp "out of time: skipped $* (needs ~${need}s)"; return 1; }
+}
 # The lab's medians of 10 (to the log) and one profiled call per shape (profile.log),
 # variants 3 and 5 at the four benchmark shapes.
 lab_medians_and_profile() {
   local s
   IFS='|'; for s in $SHAPES; do
-    IFS=' '; echo "-- $s" >> "$OUT/profile.log"
+    IFS=' '; left 45 "medians and profile at $s" || break
+    echo "-- $s" >> "$OUT/profile.log"
     timeout 40 $B/lab bench $s v3 v5 --reps 10 2>&1 | grep -E "chunk_v3|v3_saved" | sed "s/^/[$s] /" | tee -a "$LOG"
     GDP_CUDA_PROFILE=1 timeout 40 $B/lab bench $s v3 v5 --reps 2 2>&1 | grep -vE "^device| 0.0000 ms" >> "$OUT/profile.log"
   done; IFS=' '
@@ -62,12 +68,12 @@ if [ "$MODE" = check ]; then
   timeout 150 $B/lab check v3 v5 v2 > "$OUT/lab_check.log" 2>&1; echo "lab check rc=$?" | tee -a "$LOG"
   grep -E "check:|FAIL" "$OUT/lab_check.log" | tee -a "$LOG"
   wait $gbpid
-  if left "./gdp test --quick"; then
+  if left 90 "./gdp test --quick"; then
     stamp "./gdp test --quick"
     timeout 240 ./gdp test --quick > "$OUT/gdp_test.log" 2>&1; echo "gdp test rc=$?" | tee -a "$LOG"
     grep -E "^  .* (ok|FAILED)$|passed, [0-9]+ failed|save_for_backward.*worst|skipping" "$OUT/gdp_test.log" | tee -a "$LOG"
   fi
-  if left "check_reference"; then
+  if left 40 "check_reference"; then
     stamp "check_reference --device cuda"
     for run in "bf16" "f32" "bf16 --save-for-backward"; do
       echo "== $run" >> "$OUT/check_cuda.log"
@@ -75,18 +81,19 @@ if [ "$MODE" = check ]; then
       echo "check_reference $run rc=$? $(tail -1 "$OUT/check_cuda.log")" | tee -a "$LOG"
     done
   fi
-  if left "compute-sanitizer"; then
+  if left 100 "compute-sanitizer"; then
     stamp "compute-sanitizer (1 x 300, n = 2 and 3, v3 and v5)"
     for n in 2 3; do
       timeout 60 compute-sanitizer --tool memcheck $B/lab bench 1 300 $n v3 v5 --reps 1 2>&1 | grep -E "ERROR SUMMARY" | tee -a "$LOG"
       timeout 90 compute-sanitizer --tool racecheck $B/lab bench 1 300 $n v3 v5 --reps 1 2>&1 | grep -E "RACECHECK SUMMARY" | tee -a "$LOG"
     done
   fi
-  if left "profile"; then
+  if left 60 "profile"; then
     stamp "lab medians and per-kernel profile (one synchronised call per kernel)"
     lab_medians_and_profile
     # grad_state's two kernels side by side (GDP_CUDA_V3_GS=3b: three blocks per SM)
     for s in "4 4096 1" "4 4096 2" "4 4096 3"; do
+      left 25 "grad_state A/B at $s" || break
       for gs in 2b 3b; do
         GDP_CUDA_V3_GS=$gs GDP_CUDA_PROFILE=1 timeout 30 $B/lab bench $s v3 --reps 2 2>&1 | grep -E "state part" | sed "s/^/[GS=$gs $s] /" | tee -a "$LOG"
       done
@@ -120,23 +127,23 @@ if [ "$MODE" = lab ]; then
   timeout 60 compute-sanitizer --tool memcheck $B/lab bench 1 300 2 v3 v5 --reps 1 2>&1 | grep -E "ERROR SUMMARY" | tee -a "$LOG"
   timeout 90 compute-sanitizer --tool racecheck $B/lab bench 1 300 2 v3 v5 --reps 1 2>&1 | grep -E "RACECHECK SUMMARY" | tee -a "$LOG"
   wait $gbpid
-  if left "./gdp test --quick"; then
+  if left 90 "./gdp test --quick"; then
     stamp "./gdp test --quick"
     timeout 200 ./gdp test --quick > "$OUT/gdp_test.log" 2>&1; echo "gdp test rc=$?" | tee -a "$LOG"
     grep -E "^  .* (ok|FAILED)$|passed, [0-9]+ failed|FAILED  \]|save_for_backward.*worst|skipping" "$OUT/gdp_test.log" | tee -a "$LOG"
   fi
   wait $brpid
-  if [ "$nbr" -gt 0 ] && left "lab branches"; then
+  if [ "$nbr" -gt 0 ] && left 60 "lab branches"; then
     stamp "lab branches (checks, then timings)"
-    SKIP_MAIN=1 SKIP_BUILD=1 BUDGET_S=$(( BUDGET_S - 120 - ($(date +%s) - t0) )) OUT=$OUT/branches bash tools/gpu_branches.sh 2>&1 | tee -a "$LOG"
+    SKIP_MAIN=1 SKIP_BUILD=1 BUDGET_S=$(( BUDGET_S - 240 - ($(date +%s) - t0) )) OUT=$OUT/branches bash tools/gpu_branches.sh 2>&1 | tee -a "$LOG"
   fi
-  if left "lab medians and profile"; then
+  if left 60 "lab medians and profile"; then
     stamp "lab medians (10) and per-kernel profile"
     lab_medians_and_profile
     echo "-- 4 4096 2 without U's residual (GDP_CUDA_V3_ULO=0)" >> "$OUT/profile.log"
     GDP_CUDA_V3_ULO=0 GDP_CUDA_PROFILE=1 timeout 40 $B/lab bench 4 4096 2 v3 v5 --reps 2 2>&1 | grep -vE "^device| 0.0000 ms" >> "$OUT/profile.log"
   fi
-  if left "bench_gdp"; then
+  if left 90 "bench_gdp"; then
     stamp "bench_gdp (library, no fla), plain and saving"
     timeout 120 ./gdp experiments/bench_gdp.lua --device cuda --dtype bf16 --H 16 --K 128 --V 128 \
       --shapes 4x4096x1,4x4096x2,4x4096x3,1x32768x2 --repeat 20 --json --no-save --with-saving \
