@@ -62,6 +62,9 @@ struct GradStateOut {
   bf16 *dWg;
   float *dgcA;
   bf16 *Tt;
+  /* GDP_CUDA_V3_PCOL=f32 (lab A/B): dg's P-column sums from the float32 Ps'' (the old way)
+   * instead of the bf16-rounded Ps'' that the dq / dKnA products take (default, 0) */
+  int pcol_f32;
 };
 
 /* ------------------------------------------------------------------ PTX wrappers: mma_sm90.cuh */
@@ -883,9 +886,16 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
          * and Ps'' qk_raw = Ps qk (qk from raw rows) */
         const float p0 = j <= ia ? scale * __expf(gi - sGc[j]) * dp[nt][2 * hf] * (qi * sKinv[j]) : 0.f;
         const float p1 = j + 1 <= ia ? scale * __expf(gi - sGc[j + 1]) * dp[nt][2 * hf + 1] * (qi * sKinv[j + 1]) : 0.f;
-        *reinterpret_cast<uint32_t *>(smem + L::oPs + (qa * L::ldC + j) * 2) = pack_bf16(p0, p1);
-        colsum[nt][0] += p0 * qk[nt][2 * hf];
-        colsum[nt][1] += p1 * qk[nt][2 * hf + 1];
+        const uint32_t pk = pack_bf16(p0, p1);
+        *reinterpret_cast<uint32_t *>(smem + L::oPs + (qa * L::ldC + j) * 2) = pk;
+        /* dg's P-column term -sum_a Ps qk and its query-row term qn . dqn (dqn takes the
+         * bf16 Ps'' below) are one double sum split by token: they cancel in dg's reverse
+         * cumsum only if both see the same Ps''.  Summing the float value here left the
+         * bf16 rounding of Ps'' uncancelled -- the largest single term of dg's error on
+         * short, dht-free problems (NOTES: "dg margin"). */
+        const float2 pr = unpack_bf16(pk);
+        colsum[nt][0] += (go.pcol_f32 ? p0 : pr.x) * qk[nt][2 * hf];
+        colsum[nt][1] += (go.pcol_f32 ? p1 : pr.y) * qk[nt][2 * hf + 1];
       }
 #pragma unroll
     for (int nt = 0; nt < 2; nt++)
@@ -1393,9 +1403,16 @@ __global__ void __launch_bounds__(256, 3) grad_state3_kernel_v3(GdpArgs a, GradS
         const float gi = sGc[ia], qi = sQinv[qa];
         const float p0 = j <= ia ? scale * __expf(gi - sGc[j]) * dp[nt][2 * hf] * (qi * sKinv[j]) : 0.f;
         const float p1 = j + 1 <= ia ? scale * __expf(gi - sGc[j + 1]) * dp[nt][2 * hf + 1] * (qi * sKinv[j + 1]) : 0.f;
-        *reinterpret_cast<uint32_t *>(smem + L::oPs + (qa * L::ldC + j) * 2) = pack_bf16(p0, p1);
-        colsum[nt][0] += p0 * qk[nt][2 * hf];
-        colsum[nt][1] += p1 * qk[nt][2 * hf + 1];
+        const uint32_t pk = pack_bf16(p0, p1);
+        *reinterpret_cast<uint32_t *>(smem + L::oPs + (qa * L::ldC + j) * 2) = pk;
+        /* dg's P-column term -sum_a Ps qk and its query-row term qn . dqn (dqn takes the
+         * bf16 Ps'' below) are one double sum split by token: they cancel in dg's reverse
+         * cumsum only if both see the same Ps''.  Summing the float value here left the
+         * bf16 rounding of Ps'' uncancelled -- the largest single term of dg's error on
+         * short, dht-free problems (NOTES: "dg margin"). */
+        const float2 pr = unpack_bf16(pk);
+        colsum[nt][0] += (go.pcol_f32 ? p0 : pr.x) * qk[nt][2 * hf];
+        colsum[nt][1] += (go.pcol_f32 ? p1 : pr.y) * qk[nt][2 * hf + 1];
       }
 #pragma unroll
     for (int nt = 0; nt < 2; nt++)
@@ -2447,8 +2464,14 @@ static gdp_status launch_seq(const Plan &plan, int bv, bool states, bool dry_run
 /* The per-chunk gradients: the state part, then (wy) the WY part; one 8-warp block per
  * (chunk, head) each. */
 template <int K, int V, int C, int TC>
-static gdp_status launch_grad_state_kv(const Plan &plan, const GradStateOut &go, bool wy) {
+static gdp_status launch_grad_state_kv(const Plan &plan, const GradStateOut &go_in, bool wy) {
   const dim3 grid((unsigned)plan.a.nchunks, (unsigned)plan.a.H);
+  static const int pcol_f32 = [] {
+    const char *e = getenv("GDP_CUDA_V3_PCOL");
+    return e && strcmp(e, "f32") == 0 ? 1 : 0;
+  }();
+  GradStateOut go = go_in;
+  go.pcol_f32 = pcol_f32;
   /* The state part: grad_state_kernel_v3 (two blocks per SM) unless GDP_CUDA_V3_GS=3b
    * picks grad_state3_kernel_v3 (three per SM; same results, bit for bit).  The
    * three-block kernel measured SLOWER on the H200 (session 4, one profiled call at
