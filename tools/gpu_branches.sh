@@ -77,6 +77,12 @@ for t in "${trees[@]}"; do
       say "[DSTATE=compare STATE=$st] check rc=$? $(grep -E 'check:' "$OUT/check_${n}_dstate_$st.log" | tail -1)"
     done
   fi
+  # dg's P-column sums from the rounded Ps'' (GDP_CUDA_V3_PCOL=f32: the float sums): the
+  # check once more the old way, for the errors side by side (check_<tree>_pcol.log)
+  if grep -q GDP_CUDA_V3_PCOL "$t/kernels/cuda/gdp_bwd_v3.cu"; then
+    GDP_CUDA_V3_PCOL=f32 timeout 120 $L check $(variants "$t") > "$OUT/check_${n}_pcol.log" 2>&1
+    say "[PCOL=f32] check rc=$? $(grep -E 'check:' "$OUT/check_${n}_pcol.log" | tail -1)"
+  fi
   # a gradient kernel that prefetches a later block's inputs (GDP_CUDA_V3_GS_AHEAD): its
   # addresses, at a distance the small problem reaches (off by default)
   if grep -q GDP_CUDA_V3_GS_AHEAD "$t/kernels/cuda/gdp_bwd_v3.cu"; then
@@ -98,17 +104,20 @@ for t in "${trees[@]}"; do
   GDP_CUDA_PROFILE=1 timeout 30 $L bench 4 4096 2 v3 --reps 2 2>&1 | grep -E "^    " | grep -v " 0.0000 ms" | tee -a "$LOG"
   if grep -q GDP_CUDA_V3_STATE "$t/kernels/cuda/gdp_fwd_v3.cu"; then
     # float32 vs bf16 chunk states: medians and per-kernel times side by side
+    # (the f32 medians are the bench stage's)
+    for s in "4 4096 1" "4 4096 2" "4 4096 3" "1 32768 2"; do
+      left "state bf16 medians" || break
+      GDP_CUDA_V3_STATE=bf16 timeout 40 $L bench $s $(variants "$t") --reps 10 2>&1 | grep -E "chunk_v3|v3_save" | sed "s/^/[STATE=bf16 $s] /" | tee -a "$LOG"
+    done
     for st in f32 bf16; do
-      left "state $st" || break
-      for s in "4 4096 1" "4 4096 2" "4 4096 3" "1 32768 2"; do
-        GDP_CUDA_V3_STATE=$st timeout 40 $L bench $s $(variants "$t") --reps 10 2>&1 | grep -E "chunk_v3|v3_save" | sed "s/^/[STATE=$st $s] /" | tee -a "$LOG"
-      done
+      left "state $st profile" || break
       for s in "4 4096 1" "4 4096 2" "4 4096 3"; do
         GDP_CUDA_V3_STATE=$st GDP_CUDA_PROFILE=1 timeout 30 $L bench $s $(variants "$t") --reps 2 2>&1 | grep -E "state|dstate|gradients" | grep -v " 0.0000 ms" | sed "s/^/[STATE=$st $s] /" | tee -a "$LOG"
       done
     done
   fi
-  if grep -q GDP_CUDA_V3_PREP_WU "$t/kernels/cuda/gdp_fwd_v3.cu"; then
+  if [ "${PREP_WU_AB:-0}" = 1 ] && grep -q GDP_CUDA_V3_PREP_WU "$t/kernels/cuda/gdp_fwd_v3.cu"; then
+    # (measured in session 4; PREP_WU_AB=1 to time it again)
     for wu in old new; do
       left "prep-wu $wu" || break
       for s in "4 4096 1" "4 4096 2" "4 4096 3"; do
