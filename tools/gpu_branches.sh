@@ -29,6 +29,20 @@ name() { [ "$1" = "$root" ] && echo main || basename "$1"; }
 lab() { echo "/tmp/lab-$(name "$1")/lab"; }
 # variants a tree's lab knows: 5 where the lab has the saving forward
 variants() { if grep -q "forward_v3_save" "$1/kernels/bench/gdp_cuda_lab.cu" 2>/dev/null; then echo "v3 v5"; else echo v3; fi; }
+# ab_profile PATTERN SHAPES SETTING...: one profiled call (GDP_CUDA_PROFILE=1) of tree $t's
+# lab $L per setting and shape, the lines matching PATTERN logged as [LABEL shape]; SHAPES
+# separated by '|'; a SETTING is "LABEL" or "LABEL ENV=value ..." (the env it runs under).
+ab_profile() {
+  local pat=$1 shapes=$2 setting label s; shift 2
+  for setting in "$@"; do
+    label=${setting%% *}
+    left "$label" || return
+    IFS='|'; for s in $shapes; do
+      IFS=' '
+      env ${setting#"$label"} GDP_CUDA_PROFILE=1 timeout 30 $L bench $s $(variants "$t") --reps 2 2>&1 | grep -E "$pat" | grep -v " 0.0000 ms" | sed "s/^/[$label $s] /" | tee -a "$LOG"
+    done; IFS=' '
+  done
+}
 build_all() {
   for t in "${trees[@]}"; do
     ( cd "$t" && bash "$root/tools/gpu_lab_build.sh" "/tmp/lab-$(name "$t")" > "$OUT/build_$(name "$t").log" 2>&1 ) &
@@ -109,39 +123,22 @@ for t in "${trees[@]}"; do
       left "state bf16 medians" || break
       GDP_CUDA_V3_STATE=bf16 timeout 40 $L bench $s $(variants "$t") --reps 10 2>&1 | grep -E "chunk_v3|v3_save" | sed "s/^/[STATE=bf16 $s] /" | tee -a "$LOG"
     done
-    for st in f32 bf16; do
-      left "state $st profile" || break
-      for s in "4 4096 1" "4 4096 2" "4 4096 3"; do
-        GDP_CUDA_V3_STATE=$st GDP_CUDA_PROFILE=1 timeout 30 $L bench $s $(variants "$t") --reps 2 2>&1 | grep -E "state|dstate|gradients" | grep -v " 0.0000 ms" | sed "s/^/[STATE=$st $s] /" | tee -a "$LOG"
-      done
-    done
+    ab_profile "state|dstate|gradients" "4 4096 1|4 4096 2|4 4096 3" \
+      "STATE=f32 GDP_CUDA_V3_STATE=f32" "STATE=bf16 GDP_CUDA_V3_STATE=bf16"
   fi
   if [ "${PREP_WU_AB:-0}" = 1 ] && grep -q GDP_CUDA_V3_PREP_WU "$t/kernels/cuda/gdp_fwd_v3.cu"; then
     # (measured in session 4; PREP_WU_AB=1 to time it again)
-    for wu in old new; do
-      left "prep-wu $wu" || break
-      for s in "4 4096 1" "4 4096 2" "4 4096 3"; do
-        GDP_CUDA_V3_PREP_WU=$wu GDP_CUDA_PROFILE=1 timeout 30 $L bench $s $(variants "$t") --reps 2 2>&1 | grep -E "chunk_v3 |v3_saved |prep" | grep -v " 0.0000 ms" | sed "s/^/[PREP_WU=$wu $s] /" | tee -a "$LOG"
-      done
-    done
+    ab_profile "chunk_v3 |v3_saved |prep" "4 4096 1|4 4096 2|4 4096 3" \
+      "PREP_WU=old GDP_CUDA_V3_PREP_WU=old" "PREP_WU=new GDP_CUDA_V3_PREP_WU=new"
   fi
   if grep -q GDP_CUDA_V3_DSTATE "$t/kernels/cuda/gdp_bwd_v3.cu"; then
     # dstate's and the recompute state pass's old schedules against the default
-    for ds in old default; do
-      left "dstate $ds" || break
-      for s in "4 4096 1" "4 4096 2" "4 4096 3" "1 32768 2"; do
-        env $( [ $ds = old ] && echo GDP_CUDA_V3_DSTATE=old GDP_CUDA_V3_STATES=old ) GDP_CUDA_PROFILE=1 timeout 30 $L bench $s $(variants "$t") --reps 2 2>&1 | grep -E "chunk_v3 |v3_saved |state gradients|states v3" | grep -v " 0.0000 ms" | sed "s/^/[DSTATE=$ds $s] /" | tee -a "$LOG"
-      done
-    done
+    ab_profile "chunk_v3 |v3_saved |state gradients|states v3" "4 4096 1|4 4096 2|4 4096 3|1 32768 2" \
+      "DSTATE=old GDP_CUDA_V3_DSTATE=old GDP_CUDA_V3_STATES=old" "DSTATE=default"
   fi
   if grep -q GDP_CUDA_V3_PREP_SOLVE "$t/kernels/cuda/gdp_fwd_v3.cu"; then
     # the prep's triangular solve: row-serial (=rows) against the default
-    for sv in rows default; do
-      left "prep solve $sv" || break
-      for s in "4 4096 1" "4 4096 2" "4 4096 3"; do
-        env $( [ $sv = rows ] && echo GDP_CUDA_V3_PREP_SOLVE=rows ) GDP_CUDA_PROFILE=1 timeout 30 $L bench $s $(variants "$t") --reps 2 2>&1 | grep -E "prep" | grep -v " 0.0000 ms" | sed "s/^/[PREP_SOLVE=$sv $s] /" | tee -a "$LOG"
-      done
-    done
+    ab_profile "prep" "4 4096 1|4 4096 2|4 4096 3" "PREP_SOLVE=rows GDP_CUDA_V3_PREP_SOLVE=rows" "PREP_SOLVE=default"
   fi
   if [ "$(variants "$t")" != v3 ] && left "bv64 n=3"; then
     # the saving pass's value-block width at n = 3 (plain pass's choice vs 64)

@@ -91,13 +91,6 @@ if [ "$MODE" = check ]; then
   if left 60 "profile"; then
     stamp "lab medians and per-kernel profile (one synchronised call per kernel)"
     lab_medians_and_profile
-    # grad_state's two kernels side by side (GDP_CUDA_V3_GS=3b: three blocks per SM)
-    for s in "4 4096 1" "4 4096 2" "4 4096 3"; do
-      left 25 "grad_state A/B at $s" || break
-      for gs in 2b 3b; do
-        GDP_CUDA_V3_GS=$gs GDP_CUDA_PROFILE=1 timeout 30 $B/lab bench $s v3 --reps 2 2>&1 | grep -E "state part" | sed "s/^/[GS=$gs $s] /" | tee -a "$LOG"
-      done
-    done
   fi
   if [ "$nbr" -gt 0 ]; then
     wait $brpid
