@@ -589,12 +589,15 @@ static int selftest(void) {
 static const char *variant_name(int v) {
   static char buf[32];
   if (v == 1) return "recurrent";
+  /* GDP_CUDA_V3_STATE=bf16 (bf16 chunk states between the v3 kernels) marks its lines */
+  const char *st = getenv("GDP_CUDA_V3_STATE");
+  const bool s16 = st && !strcmp(st, "bf16");
   if (v == 3) {
     const char *g = getenv("GDP_CUDA_V3_GRAD");
-    return g && !strcmp(g, "v2") ? "chunk_v3_gradv2" : "chunk_v3";
+    return g && !strcmp(g, "v2") ? "chunk_v3_gradv2" : s16 ? "chunk_v3_s16" : "chunk_v3";
   }
   if (v == 4) return "v3_oldprep";
-  if (v == 5) return "v3_saved";
+  if (v == 5) return s16 ? "v3_saved_s16" : "v3_saved";
   const char *bv = getenv("GDP_CUDA_BV");
   if (!bv) return "chunk";
   snprintf(buf, sizeof buf, "chunk_bv%s", bv);

@@ -28,8 +28,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <type_traits>
+#include <vector>
+
 #include "gdp_bwd_v3.cuh"
 #include "gdp_fwd_v3.cuh"
+#include "gdp_v3_stage.cuh"
 #include "mma_sm90.cuh"
 #include "gdp_chunk.cuh"
 
@@ -44,19 +48,30 @@ gdp_status launch_prep_v3(const Plan &plan, bf16 *Tt);
 
 namespace v3b {
 
+/* the state passes' staging (gdp_v3_stage.cuh) */
+using v3::HtStage;
+using v3::stage_dfrags;
+using v3::stage_hT16_half;
+using v3::stage_hT32_half;
+
 constexpr int kStages = 3; /* chunk panels in flight: current + next two */
 constexpr int kPad = 8;    /* bf16 elements (16 bytes) of padding per shared row */
 
 /* Float32 side buffers of the per-chunk gradient kernel (per (chunk, head) CHi):
  * hT32, dHT32 [V][K] (h^T and dH^T, written by the two sequential kernels), the state
  * part's outputs for the WY part: dKnA [C][K] float, dWg [C][K] bf16, dgcA [C] float, and
- * Tt [C][C] bf16: T^T = ((I + A)^-1)^T, written by the recompute's prep. */
+ * Tt [C][C] bf16: T^T = ((I + A)^-1)^T, written by the recompute's prep.  With
+ * GDP_CUDA_V3_STATE=bf16 (v3::state16) h^T and dH^T are bf16 (hT16, dHT16; same layout). */
 struct GradStateOut {
   float *hT32, *dHT32;
+  bf16 *hT16, *dHT16; /* the same in bf16 (GDP_CUDA_V3_STATE=bf16), instead of hT32, dHT32 */
   float *dKnA;
   bf16 *dWg;
   float *dgcA;
   bf16 *Tt;
+  /* GDP_CUDA_V3_PCOL=f32 (lab A/B): dg's P-column sums from the float32 Ps'' (the old way)
+   * instead of the bf16-rounded Ps'' that the dq / dKnA products take (default, 0) */
+  int pcol_f32;
 };
 
 /* ------------------------------------------------------------------ PTX wrappers: mma_sm90.cuh */
@@ -100,93 +115,18 @@ __device__ __forceinline__ void store_afrag(bf16 *base, int r0, const uint32_t (
   }
 }
 
-/* A warp's float32 staging buffer for the transposed state copies (h^T, dH^T:
- * store_fragT32_half below): eight rows of K floats, each padded by 32 bytes so that the
- * eight rows of one fragment store start 8 banks apart (2 wavefronts per 256-byte
- * STS.64, the minimum).  As gdp_fwd_v3.cu's HtStage. */
-template <int K, int C>
-struct HtStage {
-  static constexpr int row = K * 4 + 32;
-  /* the same buffer then stages the warp's D tile (C rows of 16 bf16, store_afrags_staged):
-   * rows 48 bytes apart, so the four rows of one 2-byte fragment store fall in distinct
-   * banks and every row starts on 16 bytes */
-  static constexpr int drow = 48;
-  static constexpr int warp_bytes = 8 * row > C * drow ? 8 * row : C * drow;
-};
 
-/* The float32 accumulator tiles X[nt] of a transposed K-column matrix (X[nt][e] = M^T[x][r],
- * x = xw + grp + 8(e/2), r = 8nt + 2tig + e%2) to M^T's row-major [x][r] float32 copy,
- * half of the warp's 16 rows at a time: half hf takes e = 2hf, 2hf+1, i.e. rows
- * xw + 8hf + grp, whole (K floats each).
- * The fragments go to the warp's staging buffer (HtStage, at stage0 + warp * warp_bytes;
- * row grp, float 8nt + 2tig) and come back as whole rows, lane l taking float4 l % (K/4)
- * of row l / (K/4): each STG.128 then writes 512 contiguous bytes (four full 128-byte
- * lines) at `grow` = global row xw + 8hf.  The same floats at the same addresses as the
- * 8-byte stores straight from the fragments that this replaces, which touched 8 lines
- * per instruction with 32 bytes each: 4x the L2 requests (ncu: L2 85-92% busy in these
- * passes, DRAM 55-60%).  Plain shared and global stores, no bulk async copy: on sm_90 the
- * bulk-store wait (cp.async.bulk.wait_group.read) compiles to the same DEPBAR on SB0 as
- * the panels' cp.async.wait_group, so it would drain the panel prefetch too.  The first
- * __syncwarp orders the previous half's reads of the buffer (all lanes) before these
- * writes; the second, the writes before the reads. */
-template <int K, int C>
-__device__ __forceinline__ void store_fragT32_half(unsigned char *stage0, float *grow, const float (&X)[K / 8][4],
-                                                   int hf) {
-  constexpr int kF4 = K / 4;      /* float4 per row */
-  constexpr int kRows = 32 / kF4; /* rows per warp instruction: 1 (K = 128), 2 (K = 64) */
-  /* thread index re-read here (volatile: not hoisted), so no lane-derived address stays
-   * live across the chunk loop: the passes run at up to 255 registers */
-  uint32_t tid;
-  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
-  const int lane = (int)(tid & 31);
-  unsigned char *buf = stage0 + (tid >> 5) * HtStage<K, C>::warp_bytes;
-  __syncwarp();
-  float *s = reinterpret_cast<float *>(buf + (lane >> 2) * HtStage<K, C>::row) + 2 * (lane & 3);
-#pragma unroll
-  for (int nt = 0; nt < K / 8; nt++)
-    *reinterpret_cast<float2 *>(s + nt * 8) = hf ? make_float2(X[nt][2], X[nt][3]) : make_float2(X[nt][0], X[nt][1]);
-  __syncwarp();
-  const int r = lane / kF4, c4 = lane % kF4;
-  const unsigned char *src = buf + r * HtStage<K, C>::row + c4 * 16;
-  float *dst = grow + r * K + c4 * 4;
-#pragma unroll
-  for (int i = 0; i < 8; i += kRows)
-    *reinterpret_cast<float4 *>(dst + i * K) = *reinterpret_cast<const float4 *>(src + i * HtStage<K, C>::row);
+
+
+/* The half-row store of h^T or dH^T in the format S16 picks (hT32 or hT16; `row0` is the
+ * element offset of global row xw + 8hf). */
+template <int K, int C, bool S16>
+__device__ __forceinline__ void store_stateT_half(unsigned char *stage0, float *hT32, bf16 *hT16, int64_t row0,
+                                                  const float (&X)[K / 8][4], int hf) {
+  if constexpr (S16) stage_hT16_half<K, C>(stage0, hT16 + row0, X, hf);
+  else stage_hT32_half<K, C>(stage0, hT32 + row0, X, hf);
 }
 
-/* A bf16 [C][V] tile from the warp's C/16 A fragments (D, dD: register q of A[kt] =
- * M[16kt + 2tig + 8(q/2) + {0,1}][xw + grp + 8(q%2)], each XOR `flip`), through the warp's
- * staging buffer (HtStage: row j at j * drow, the 16 columns xw.. contiguous): 2-byte
- * shared stores, then lane l copies 16 bytes (columns 8(l%2)..+7) of row l/2 (+16i), so
- * every STG.128 writes 16 rows x 32 bytes, one whole sector per row.  `g` = row 0, column
- * xw.  The 2-byte global stores this replaces wrote each sector in two 16-byte halves
- * (2x the L2 requests).  Syncs as in store_fragT32_half. */
-template <int K, int C>
-__device__ __forceinline__ void store_afrags_staged(unsigned char *stage0, bf16 *g, int64_t ld,
-                                                    const uint32_t (&A)[C / 16][4], uint32_t flip) {
-  constexpr int kRow = HtStage<K, C>::drow;
-  uint32_t tid;
-  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
-  const int lane = (int)(tid & 31);
-  unsigned char *buf = stage0 + (tid >> 5) * HtStage<K, C>::warp_bytes;
-  __syncwarp();
-  unsigned char *s = buf + 2 * (lane & 3) * kRow + (lane >> 2) * 2;
-#pragma unroll
-  for (int kt = 0; kt < C / 16; kt++)
-#pragma unroll
-    for (int q = 0; q < 4; q++) {
-      const uint32_t v = A[kt][q] ^ flip;
-      unsigned char *e = s + (16 * kt + 8 * (q >> 1)) * kRow + 16 * (q & 1);
-      *reinterpret_cast<uint16_t *>(e) = (uint16_t)(v & 0xffffu);
-      *reinterpret_cast<uint16_t *>(e + kRow) = (uint16_t)(v >> 16);
-    }
-  __syncwarp();
-  const int r = lane >> 1, h16 = (lane & 1) * 16;
-#pragma unroll
-  for (int i = 0; i < C; i += 16)
-    *reinterpret_cast<uint4 *>(reinterpret_cast<unsigned char *>(g + (i + r) * ld) + h16) =
-        *reinterpret_cast<const uint4 *>(buf + (i + r) * kRow + h16);
-}
 
 /* ROWS x COLS bf16 panel, global row stride gld -> shared row stride sld, 16 bytes per
  * cp.async, all NT threads; rows >= valid are zero-filled (nothing read).  A thread
@@ -216,6 +156,37 @@ __device__ __forceinline__ void copy_panel(unsigned char *dst, int sld, const bf
         const bool ok = r < valid;
         cp_async16(dst + (r * sld + c8) * 2, ok ? (const void *)(src + (int64_t)r * gld + c8) : (const void *)src,
                    ok);
+      }
+    }
+  }
+}
+
+/* copy_panel for a panel whose ROWS rows are all there (the prep's workspace panels,
+ * zero-filled past a sequence's end): no zero-fill predicate, so each cp.async is one
+ * LDGSTS with constant offsets from one shared and one global base.  With the predicate
+ * (valid = ROWS, always true, but not provably so: threadIdx.x is not known to be < NT)
+ * ptxas kept a compare, a select and a 64-bit pointer per copy -- at BV = 16 (one warp
+ * issuing ~90 copies per chunk) ~500 of dstate_kernel_v3's ~1500 instructions per chunk,
+ * and 64-bit pointers held across the loop (255 registers).  Same bytes copied. */
+template <int ROWS, int COLS, int NT>
+__device__ __forceinline__ void copy_panel_full(unsigned char *dst, int sld, const bf16 *src, int64_t gld) {
+  constexpr int per_row = COLS / 8;
+  if constexpr (NT % per_row == 0) {
+    constexpr int row_step = NT / per_row;
+    const int r0 = (int)threadIdx.x / per_row, c8 = ((int)threadIdx.x % per_row) * 8;
+    unsigned char *d = dst + (r0 * sld + c8) * 2;
+    const bf16 *g = src + (int64_t)r0 * gld + c8;
+#pragma unroll
+    for (int r = 0; r < ROWS; r += row_step)
+      if (ROWS % row_step == 0 || r + r0 < ROWS) cp_async16(d + r * sld * 2, g + (int64_t)r * gld, true);
+  } else { /* rows of 6 chunks (C = 48): plain index arithmetic, small panel */
+    constexpr int total = ROWS * per_row;
+#pragma unroll
+    for (int e0 = 0; e0 < total; e0 += NT) {
+      const int e = e0 + (int)threadIdx.x;
+      if (total % NT == 0 || e < total) {
+        const int r = e / per_row, c8 = (e % per_row) * 8;
+        cp_async16(dst + (r * sld + c8) * 2, src + (int64_t)r * gld + c8, true);
       }
     }
   }
@@ -257,9 +228,9 @@ struct StatesLayout {
  *   Dt[nt][e] = -D^T[x][j], j = 8nt + 2tig + e%2.
  * Per chunk: h (= bf16 S at the chunk start, the same rounding the products use) and D
  * to variant 2's workspace, then S^T <- e^{last} S^T + D^T Kd.  No ht: the forward gave
- * it. */
-template <int K, int V, int C, int BV>
-__global__ void __launch_bounds__(BV / 16 * 32, 1) bwd_states_kernel_v3(GdpArgs a, float *hT32) {
+ * it.  For the v3 gradient kernels h^T goes to hT32 (float32) or, S16, to hT16 (bf16). */
+template <int K, int V, int C, int BV, bool S16 = false, bool NEW = true>
+__global__ void __launch_bounds__(BV / 16 * 32, 1) bwd_states_kernel_v3(GdpArgs a, float *hT32, bf16 *hT16) {
   using L = StatesLayout<K, C, BV>;
   constexpr int NT = BV / 16 * 32;
   static_assert(K % 32 == 0 && C % 16 == 0 && BV % 16 == 0, "tile shapes");
@@ -285,10 +256,17 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) bwd_states_kernel_v3(GdpArgs 
     if (it < nc) {
       unsigned char *st = smem + (it % kStages) * L::stage;
       const int64_t base = (int64_t)(cbeg + it) * H + h;
-      copy_panel<C, K, NT>(st + L::oW, L::ldK, a.W + base * C * K, K, C);
-      copy_panel<C, K, NT>(st + L::oKd, L::ldK, a.Kd + base * C * K, K, C);
-      copy_panel<C, BV, NT>(st + L::oU, L::ldB, a.U + base * C * V + col0, V, C);
-      if (a.Ulo) copy_panel<C, BV, NT>(st + L::oUl, L::ldB, a.Ulo + base * C * V + col0, V, C);
+      if constexpr (NEW) { /* complete workspace panels: no zero-fill predicate (copy_panel_full) */
+        copy_panel_full<C, K, NT>(st + L::oW, L::ldK, a.W + base * C * K, K);
+        copy_panel_full<C, K, NT>(st + L::oKd, L::ldK, a.Kd + base * C * K, K);
+        copy_panel_full<C, BV, NT>(st + L::oU, L::ldB, a.U + base * C * V + col0, V);
+        if (a.Ulo) copy_panel_full<C, BV, NT>(st + L::oUl, L::ldB, a.Ulo + base * C * V + col0, V);
+      } else {
+        copy_panel<C, K, NT>(st + L::oW, L::ldK, a.W + base * C * K, K, C);
+        copy_panel<C, K, NT>(st + L::oKd, L::ldK, a.Kd + base * C * K, K, C);
+        copy_panel<C, BV, NT>(st + L::oU, L::ldB, a.U + base * C * V + col0, V, C);
+        if (a.Ulo) copy_panel<C, BV, NT>(st + L::oUl, L::ldB, a.Ulo + base * C * V + col0, V, C);
+      }
     }
     cp_async_commit();
   };
@@ -332,14 +310,15 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) bwd_states_kernel_v3(GdpArgs 
       Dt[2 * jt + 1][2] = -f3.x, Dt[2 * jt + 1][3] = -f3.y;
     }
     bf16 *gh = a.hbuf + CHi * K * V + xw + grp;
+    const bool keep = S16 ? hT16 != nullptr : hT32 != nullptr; /* for the v3 gradient kernels */
     /* h^T rows xw..xw+7 now, xw+8..15 after the D products (St is unchanged until the
      * decay): the stores of each half overlap the products that follow */
-    if (hT32) store_fragT32_half<K, C>(smem + L::oHt, hT32 + CHi * V * K + (int64_t)xw * K, St, 0);
+    if (keep) store_stateT_half<K, C, S16>(smem + L::oHt, hT32, hT16, CHi * V * K + (int64_t)xw * K, St, 0);
 #pragma unroll
     for (int kt = 0; kt < K / 16; kt++) {
       uint32_t Sa[4];
       afrag_kt(St, kt, Sa, 1.f);
-      if (!hT32) store_afrag<V>(gh, kt * 16 + 2 * tig, Sa); /* bf16 h only for variant 2's kernel */
+      if (!keep) store_afrag<V>(gh, kt * 16 + 2 * tig, Sa); /* bf16 h only for variant 2's kernel */
 #pragma unroll
       for (int nt = 0; nt < C / 8; nt += 2) {
         uint32_t b0, b1, b2, b3;
@@ -350,8 +329,8 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) bwd_states_kernel_v3(GdpArgs 
     }
     uint32_t Da[C / 16][4];
     to_afrag<C / 16>(Dt, Da, -1.f);
-    if (hT32) store_fragT32_half<K, C>(smem + L::oHt, hT32 + CHi * V * K + (int64_t)(xw + 8) * K, St, 1);
-    store_afrags_staged<K, C>(smem + L::oHt, a.Dbuf + CHi * C * V + xw, V, Da, 0u);
+    if (keep) store_stateT_half<K, C, S16>(smem + L::oHt, hT32, hT16, CHi * V * K + (int64_t)(xw + 8) * K, St, 1);
+    stage_dfrags<K, C>(smem + L::oHt, a.Dbuf + CHi * C * V + xw, V, Da, 0u);
 
     /* S^T <- e^{last} S^T + D^T Kd */
 #pragma unroll
@@ -394,8 +373,8 @@ struct DStateLayout {
  *   Oa[kt]    = A fragment of dO^T (x, query row a in 16kt..16kt+15).
  * Pm[a][j] is zero for j > ia = a n + n - 1, so the (a-tile, j-tile) pairs wholly past
  * the diagonal are skipped at compile time (NN = C / TC = n). */
-template <int K, int V, int C, int TC, int BV>
-__global__ void __launch_bounds__(BV / 16 * 32, 1) dstate_kernel_v3(GdpArgs a, float *dHT32) {
+template <int K, int V, int C, int TC, int BV, bool S16 = false, bool NEW = true>
+__global__ void __launch_bounds__(BV / 16 * 32, 1) dstate_kernel_v3(GdpArgs a, float *dHT32, bf16 *dHT16) {
   using L = DStateLayout<K, C, TC, BV>;
   constexpr int NT = BV / 16 * 32;
   constexpr int NN = C / TC;
@@ -419,24 +398,46 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) dstate_kernel_v3(GdpArgs a, f
       Ht[nt][e] = a.dht ? a.dht[soff + (int64_t)r * V + x] : 0.f;
     }
 
-  /* iteration it handles chunk cbeg + nc - 1 - it, in stage it % kStages */
-  auto issue = [&](int it) {
+  /* iteration it handles chunk cbeg + nc - 1 - it, in stage it % kStages.  NEW: the
+   * chunk's (t0, ntok) for dO come from registers loaded one iteration earlier (the old
+   * schedule loaded them here, after the barrier, and the dO copies waited on that
+   * load), and the four workspace panels are copied without the zero-fill predicate. */
+  auto issue = [&](int it, int t0, int ntok) {
     if (it < nc) {
       unsigned char *st = smem + (it % kStages) * L::stage;
       const int c = cbeg + nc - 1 - it;
       const int64_t base = (int64_t)c * H + h;
-      const ChunkInfo ci = a.chunks[c];
-      copy_panel<C, K, NT>(st + L::oW, L::ldK, a.W + base * C * K, K, C);
-      copy_panel<C, K, NT>(st + L::oKd, L::ldK, a.Kd + base * C * K, K, C);
-      copy_panel<TC, K, NT>(st + L::oQd, L::ldK, a.Qd + base * TC * K, K, TC);
-      copy_panel<TC, C, NT>(st + L::oPm, L::ldC, a.Pm + base * TC * C, C, TC);
-      copy_panel<TC, BV, NT>(st + L::odO, L::ldB, d_o + ((int64_t)ci.t0 * H + h) * V + col0, (int64_t)H * V,
-                             ci.ntok);
+      if constexpr (NEW) {
+        copy_panel_full<C, K, NT>(st + L::oW, L::ldK, a.W + base * C * K, K);
+        copy_panel_full<C, K, NT>(st + L::oKd, L::ldK, a.Kd + base * C * K, K);
+        copy_panel_full<TC, K, NT>(st + L::oQd, L::ldK, a.Qd + base * TC * K, K);
+        copy_panel_full<TC, C, NT>(st + L::oPm, L::ldC, a.Pm + base * TC * C, C);
+      } else {
+        const ChunkInfo ci = a.chunks[c];
+        t0 = ci.t0, ntok = ci.ntok;
+        copy_panel<C, K, NT>(st + L::oW, L::ldK, a.W + base * C * K, K, C);
+        copy_panel<C, K, NT>(st + L::oKd, L::ldK, a.Kd + base * C * K, K, C);
+        copy_panel<TC, K, NT>(st + L::oQd, L::ldK, a.Qd + base * TC * K, K, TC);
+        copy_panel<TC, C, NT>(st + L::oPm, L::ldC, a.Pm + base * TC * C, C, TC);
+      }
+      copy_panel<TC, BV, NT>(st + L::odO, L::ldB, d_o + ((int64_t)t0 * H + h) * V + col0, (int64_t)H * V, ntok);
     }
     cp_async_commit();
   };
+  /* NEW: (t0, ntok) of the chunk that the next issue copies */
+  int nx_t0 = 0, nx_ntok = 0;
+  auto load_next = [&](int it) {
+    if (it < nc) {
+      const ChunkInfo ci = a.chunks[cbeg + nc - 1 - it];
+      nx_t0 = ci.t0, nx_ntok = ci.ntok;
+    }
+  };
 #pragma unroll
-  for (int it = 0; it < kStages - 1; it++) issue(it);
+  for (int it = 0; it < kStages - 1; it++) {
+    if constexpr (NEW) load_next(it);
+    issue(it, nx_t0, nx_ntok);
+  }
+  if constexpr (NEW) load_next(kStages - 1);
 
   const int nrow = (lane >> 4) * 8 + (lane & 7), ncol = ((lane >> 3) & 1) * 8;
   const int trow = ((lane >> 3) & 1) * 8 + (lane & 7), tcol = (lane >> 4) * 8;
@@ -451,7 +452,8 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) dstate_kernel_v3(GdpArgs a, f
     const float el = a.elast[CHi];
     cp_async_wait<kStages - 2>();
     __syncthreads();
-    issue(it + kStages - 1);
+    issue(it + kStages - 1, nx_t0, nx_ntok);
+    if constexpr (NEW) load_next(it + kStages); /* used one iteration later */
     const uint32_t sb = smem0 + (it % kStages) * L::stage;
     const uint32_t sW = sb + L::oW, sKd = sb + L::oKd, sQd = sb + L::oQd, sPm = sb + L::oPm,
                    sdO = sb + L::odO;
@@ -463,20 +465,47 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) dstate_kernel_v3(GdpArgs a, f
 #pragma unroll
     for (int nt = 0; nt < C / 8; nt++) Gt[nt][0] = Gt[nt][1] = Gt[nt][2] = Gt[nt][3] = 0.f;
     bf16 *gdh = a.dHbuf + CHi * K * V + xw + grp;
+    const bool keep = S16 ? dHT16 != nullptr : dHT32 != nullptr; /* for the v3 gradient kernels */
     /* dH^T rows xw..xw+7 now, xw+8..15 after the dD products (Ht is unchanged until the
      * decay): the stores of each half overlap the products that follow */
-    if (dHT32) store_fragT32_half<K, C>(smem + L::oHt, dHT32 + CHi * V * K + (int64_t)xw * K, Ht, 0);
+    if (keep) store_stateT_half<K, C, S16>(smem + L::oHt, dHT32, dHT16, CHi * V * K + (int64_t)xw * K, Ht, 0);
+    if constexpr (NEW) {
+      /* bf16 dH only for variant 2's kernel, in its own loop: the branch inside the
+       * product loop below (the old schedule) cut it into one basic block per k tile,
+       * and every tile's four ldmatrix then waited before its mma */
+      if (!keep) {
 #pragma unroll
-    for (int kt = 0; kt < K / 16; kt++) {
-      uint32_t Ha[4];
-      afrag_kt(Ht, kt, Ha, 1.f);
-      if (!dHT32) store_afrag<V>(gdh, kt * 16 + 2 * tig, Ha); /* bf16 dH only for variant 2's kernel */
+        for (int kt = 0; kt < K / 16; kt++) {
+          uint32_t Ha[4];
+          afrag_kt(Ht, kt, Ha, 1.f);
+          store_afrag<V>(gdh, kt * 16 + 2 * tig, Ha);
+        }
+      }
 #pragma unroll
-      for (int nt = 0; nt < C / 8; nt += 2) {
-        uint32_t b0, b1, b2, b3;
-        ldsm_x4(sKd + ((nt * 8 + nrow) * L::ldK + kt * 16 + ncol) * 2, b0, b1, b2, b3);
-        mma16816(Gt[nt], Ha, b0, b1);
-        mma16816(Gt[nt + 1], Ha, b2, b3);
+      for (int kt = 0; kt < K / 16; kt++) {
+        uint32_t Ha[4];
+        afrag_kt(Ht, kt, Ha, 1.f);
+#pragma unroll
+        for (int nt = 0; nt < C / 8; nt += 2) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4(sKd + ((nt * 8 + nrow) * L::ldK + kt * 16 + ncol) * 2, b0, b1, b2, b3);
+          mma16816(Gt[nt], Ha, b0, b1);
+          mma16816(Gt[nt + 1], Ha, b2, b3);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int kt = 0; kt < K / 16; kt++) {
+        uint32_t Ha[4];
+        afrag_kt(Ht, kt, Ha, 1.f);
+        if (!keep) store_afrag<V>(gdh, kt * 16 + 2 * tig, Ha); /* bf16 dH only for variant 2's kernel */
+#pragma unroll
+        for (int nt = 0; nt < C / 8; nt += 2) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4(sKd + ((nt * 8 + nrow) * L::ldK + kt * 16 + ncol) * 2, b0, b1, b2, b3);
+          mma16816(Gt[nt], Ha, b0, b1);
+          mma16816(Gt[nt + 1], Ha, b2, b3);
+        }
       }
     }
     uint32_t Oa[TC / 16][4];
@@ -493,36 +522,54 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) dstate_kernel_v3(GdpArgs a, f
         mma16816(Gt[nt], Oa[kt], b0, b1);
         mma16816(Gt[nt + 1], Oa[kt], b2, b3);
       }
-    /* -dD^T as A fragments; dD (bf16, the same rounding) to the workspace */
+    /* -dD^T as A fragments (G), dD (bf16, the same rounding, sign bits flipped back:
+     * exact) to the workspace, and
+     *   dH^T <- e^{last} dH^T + dO^T Qd + (-dD^T) W   (float32 accumulators).
+     * NEW: the same products in the same order per accumulator, scheduled so that what
+     * needs only dH^T is not on the dD chain: the second dH^T half store and the dO^T Qd
+     * products (independent of dD) cover the tail of the dD products; G's rounding is
+     * followed by the W products at once; dD's staged store goes last, under their tail.
+     * The old schedule stored the dH^T half and dD between G and the W products. */
     uint32_t Ga[C / 16][4];
-    to_afrag<C / 16>(Gt, Ga, -1.f);
-    if (dHT32) store_fragT32_half<K, C>(smem + L::oHt, dHT32 + CHi * V * K + (int64_t)(xw + 8) * K, Ht, 1);
-    /* flip the sign bits back: exact */
-    store_afrags_staged<K, C>(smem + L::oHt, a.dDbuf + CHi * C * V + xw, V, Ga, 0x80008000u);
-
-    /* dH^T <- e^{last} dH^T + dO^T Qd + (-dD^T) W   (float32 accumulators) */
+    auto decay_qd = [&]() {
 #pragma unroll
-    for (int nt = 0; nt < K / 8; nt++)
+      for (int nt = 0; nt < K / 8; nt++)
 #pragma unroll
-      for (int e = 0; e < 4; e++) Ht[nt][e] *= el;
+        for (int e = 0; e < 4; e++) Ht[nt][e] *= el;
 #pragma unroll
-    for (int kt = 0; kt < TC / 16; kt++)
+      for (int kt = 0; kt < TC / 16; kt++)
 #pragma unroll
-      for (int nt = 0; nt < K / 8; nt += 2) {
-        uint32_t b0, b1, b2, b3;
-        ldsm_x4_t(sQd + ((kt * 16 + trow) * L::ldK + nt * 8 + tcol) * 2, b0, b1, b2, b3);
-        mma16816(Ht[nt], Oa[kt], b0, b1);
-        mma16816(Ht[nt + 1], Oa[kt], b2, b3);
-      }
+        for (int nt = 0; nt < K / 8; nt += 2) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4_t(sQd + ((kt * 16 + trow) * L::ldK + nt * 8 + tcol) * 2, b0, b1, b2, b3);
+          mma16816(Ht[nt], Oa[kt], b0, b1);
+          mma16816(Ht[nt + 1], Oa[kt], b2, b3);
+        }
+    };
+    auto w_products = [&]() {
 #pragma unroll
-    for (int kt = 0; kt < C / 16; kt++)
+      for (int kt = 0; kt < C / 16; kt++)
 #pragma unroll
-      for (int nt = 0; nt < K / 8; nt += 2) {
-        uint32_t b0, b1, b2, b3;
-        ldsm_x4_t(sW + ((kt * 16 + trow) * L::ldK + nt * 8 + tcol) * 2, b0, b1, b2, b3);
-        mma16816(Ht[nt], Ga[kt], b0, b1);
-        mma16816(Ht[nt + 1], Ga[kt], b2, b3);
-      }
+        for (int nt = 0; nt < K / 8; nt += 2) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4_t(sW + ((kt * 16 + trow) * L::ldK + nt * 8 + tcol) * 2, b0, b1, b2, b3);
+          mma16816(Ht[nt], Ga[kt], b0, b1);
+          mma16816(Ht[nt + 1], Ga[kt], b2, b3);
+        }
+    };
+    if constexpr (NEW) {
+      if (keep) store_stateT_half<K, C, S16>(smem + L::oHt, dHT32, dHT16, CHi * V * K + (int64_t)(xw + 8) * K, Ht, 1);
+      decay_qd();
+      to_afrag<C / 16>(Gt, Ga, -1.f);
+      w_products();
+      stage_dfrags<K, C>(smem + L::oHt, a.dDbuf + CHi * C * V + xw, V, Ga, 0x80008000u);
+    } else {
+      to_afrag<C / 16>(Gt, Ga, -1.f);
+      if (keep) store_stateT_half<K, C, S16>(smem + L::oHt, dHT32, dHT16, CHi * V * K + (int64_t)(xw + 8) * K, Ht, 1);
+      stage_dfrags<K, C>(smem + L::oHt, a.dDbuf + CHi * C * V + xw, V, Ga, 0x80008000u);
+      decay_qd();
+      w_products();
+    }
   }
   cp_async_wait<0>();
 
@@ -574,9 +621,16 @@ struct GradStateLayout {
  * i.e. the terms of variant 2's chunk_grad_kernel phases P1-P6 (gdp_bwd.cu); the WY part
  * (T, dT, dA, dv, dbeta and the rest of dk, dg) adds to dKnA and dgcA.  Only the TC query
  * rows enter the query products (dO is zero on the other steps). */
-template <int K, int V, int C, int TC>
+template <int K, int V, int C, int TC, bool S16 = false>
 __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradStateOut go, int ahead) {
   using L = GradStateLayout<K, V, C, TC>;
+  /* S16: h^T, dH^T arrive in bf16 (go.hT16, go.dHT16): 16-byte vectors of 8 elements
+   * instead of float4, half the bytes; the values are the float32 copies' round-to-nearest
+   * bf16, i.e. what this kernel writes to shared memory from those, so every product
+   * below is bit for bit the same; only <dH, h> then sums rounded values. */
+  using SV = typename std::conditional<S16, uint4, float4>::type;
+  constexpr int kEPV = S16 ? 8 : 4;                /* elements per vector */
+  constexpr uint32_t kSB = (uint32_t)(V * K) * (S16 ? 2 : 4); /* bytes of one (chunk, head) copy */
   constexpr int NN = C / TC;
   static_assert(K % 64 == 0 && V % 16 == 0 && C % 16 == 0 && TC % 16 == 0 && NN * TC == C, "shapes");
   extern __shared__ __align__(128) unsigned char smem[];
@@ -593,6 +647,11 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
   float *sGc = sF + L::fGc, *sDgc = sF + L::fDgc, *sZ = sF + L::fZ,
         *sQinv = sF + L::fQinv, *sQdot = sF + L::fQdot, *sDot = sF + L::fDot, *sKinv = sF + L::fKinv;
   const uint32_t s0 = smem_addr(smem);
+  /* this block's h^T, dH^T copies, in either format */
+  const unsigned char *gH =
+      S16 ? (const unsigned char *)(go.hT16 + CHi * V * K) : (const unsigned char *)(go.hT32 + CHi * V * K);
+  const unsigned char *gdH =
+      S16 ? (const unsigned char *)(go.dHT16 + CHi * V * K) : (const unsigned char *)(go.dHT32 + CHi * V * K);
 
   /* ---- loads.  The float32 h^T, dH^T panels (128 KB at K = V = 128, two thirds of the
    * block's DRAM bytes) are pulled into L2 first, by two bulk prefetches that hold no
@@ -603,8 +662,8 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
    * two rounds of float32 loads came first and each waited a full DRAM latency with
    * nothing else to do (ncu: 20.5 warp cycles per instruction, DRAM 52%). */
   if (tid == 0) {
-    prefetch_l2_bulk(go.dHT32 + CHi * V * K, V * K * 4);
-    prefetch_l2_bulk(go.hT32 + CHi * V * K, V * K * 4);
+    prefetch_l2_bulk(gdH, kSB);
+    prefetch_l2_bulk(gH, kSB);
   }
   copy_panel<C, V, 256>(smem + L::oD, L::ldV, a.Dbuf + CHi * C * V, V, C);
   copy_panel<TC, V, 256>(smem + L::odO, L::ldV, d_o + ((int64_t)ci.t0 * H + h) * V, (int64_t)H * V, ci.ntok);
@@ -715,9 +774,16 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
          * and Ps'' qk_raw = Ps qk (qk from raw rows) */
         const float p0 = j <= ia ? scale * __expf(gi - sGc[j]) * dp[nt][2 * hf] * (qi * sKinv[j]) : 0.f;
         const float p1 = j + 1 <= ia ? scale * __expf(gi - sGc[j + 1]) * dp[nt][2 * hf + 1] * (qi * sKinv[j + 1]) : 0.f;
-        *reinterpret_cast<uint32_t *>(smem + L::oPs + (qa * L::ldC + j) * 2) = pack_bf16(p0, p1);
-        colsum[nt][0] += p0 * qk[nt][2 * hf];
-        colsum[nt][1] += p1 * qk[nt][2 * hf + 1];
+        const uint32_t pk = pack_bf16(p0, p1);
+        *reinterpret_cast<uint32_t *>(smem + L::oPs + (qa * L::ldC + j) * 2) = pk;
+        /* dg's P-column term -sum_a Ps qk and its query-row term qn . dqn (dqn takes the
+         * bf16 Ps'' below) are one double sum split by token: they cancel in dg's reverse
+         * cumsum only if both see the same Ps''.  Summing the float value here left the
+         * bf16 rounding of Ps'' uncancelled -- the largest single term of dg's error on
+         * short, dht-free problems (NOTES: "dg margin"). */
+        const float2 pr = unpack_bf16(pk);
+        colsum[nt][0] += (go.pcol_f32 ? p0 : pr.x) * qk[nt][2 * hf];
+        colsum[nt][1] += (go.pcol_f32 ? p1 : pr.y) * qk[nt][2 * hf + 1];
       }
 #pragma unroll
     for (int nt = 0; nt < 2; nt++)
@@ -736,8 +802,38 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
    * blocks per SM).  Two rounds of 16 16-byte loads per thread at K = V = 128; dH is read
    * once (streaming loads), h again after P3a (default caching).  The per-thread
    * summation order of the dot is e ascending in steps of 256, as before. */
-  {
-    const float4 *ph = (const float4 *)(go.hT32 + CHi * V * K), *pd = (const float4 *)(go.dHT32 + CHi * V * K);
+  if constexpr (S16) {
+    /* bf16 copies: one round of up to 8 16-byte vectors each (8 at K = V = 128); dH^T's
+     * go to shared memory as they are (one 16-byte store each) */
+    const uint4 *ph = (const uint4 *)gH, *pd = (const uint4 *)gdH;
+    float dot = 0.f;
+    constexpr int nvec = V * K / 8, per = nvec / 256 < 8 ? nvec / 256 : 8;
+    static_assert(nvec % (256 * per) == 0, "whole rounds");
+#pragma unroll
+    for (int e0 = 0; e0 < nvec; e0 += 256 * per) {
+      uint4 hv[per], dv[per];
+#pragma unroll
+      for (int u = 0; u < per; u++) {
+        const int e = e0 + u * 256 + tid;
+        hv[u] = ph[e], dv[u] = __ldcs(pd + e);
+      }
+#pragma unroll
+      for (int u = 0; u < per; u++) {
+        const int e = e0 + u * 256 + tid;
+        const uint32_t hw[4] = {hv[u].x, hv[u].y, hv[u].z, hv[u].w}, dw[4] = {dv[u].x, dv[u].y, dv[u].z, dv[u].w};
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+          const float2 hf = unpack_bf16(hw[q]), df = unpack_bf16(dw[q]);
+          dot += hf.x * df.x + hf.y * df.y;
+        }
+        const int x = (8 * e) / K, r = (8 * e) % K;
+        *reinterpret_cast<uint4 *>(smem + L::oHb + (x * L::ldK + r) * 2) = dv[u];
+      }
+    }
+    dot = warp_sum(dot);
+    if (lane == 0) sDot[warp] = dot;
+  } else {
+    const float4 *ph = (const float4 *)gH, *pd = (const float4 *)gdH;
     float dot = 0.f;
     constexpr int nvec = V * K / 4, per = 8;
 #pragma unroll
@@ -763,7 +859,7 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
     if (lane == 0) sDot[warp] = dot;
   }
   /* h is read again after P3a: keep it in L2 until then */
-  if (tid == 0) prefetch_l2_bulk(go.hT32 + CHi * V * K, V * K * 4);
+  if (tid == 0) prefetch_l2_bulk(gH, kSB);
   cp_async_wait<0>(); /* dD (read from P3b on; the barriers below publish it) */
   __syncthreads();
 
@@ -774,11 +870,12 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
    * flight; the barrier then only guards the shared-memory overwrite. */
   constexpr int nP3 = (C / 16) * (K / 64);
   static_assert(nP3 <= 8, "one P3 item per warp");
-  /* float4 of h^T per thread: 4 .. 16; at most 8 are held across the rest of the item
-   * (16 spill at K = V = 128 under the 128-register cap), the others load after it */
-  constexpr int nvecH = V * K / 4, perH = nvecH / 256, earlyH = perH < 8 ? perH : 8;
+  /* vectors (float4, or S16 8 bf16) of h^T per thread: 4 .. 16 (S16: 2 .. 8); at most 8
+   * are held across the rest of the item (16 spill at K = V = 128 under the 128-register
+   * cap), the others load after it */
+  constexpr int nvecH = V * K / kEPV, perH = nvecH / 256, earlyH = perH < 8 ? perH : 8;
   static_assert(nvecH % 256 == 0 && perH <= 16 && perH - earlyH <= earlyH, "h^T reload: two rounds at most");
-  float4 hv[earlyH];
+  SV hv[earlyH];
   {
     const int jb = (warp / (K / 64)) * 16, rb = (warp % (K / 64)) * 64;
     float acc[8][4] = {};
@@ -798,7 +895,7 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
     }
     {
       /* last read of h: streaming 16-byte loads, written over dH^T after the barrier */
-      const float4 *ph = (const float4 *)(go.hT32 + CHi * V * K);
+      const SV *ph = (const SV *)gH;
 #pragma unroll
       for (int u = 0; u < earlyH; u++) hv[u] = __ldcs(ph + u * 256 + tid);
     }
@@ -846,8 +943,8 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
   }
   __syncthreads(); /* dH^T no longer read by any warp: h^T takes its place */
   {
-    const float4 *ph = (const float4 *)(go.hT32 + CHi * V * K);
-    float4 hl[perH - earlyH > 0 ? perH - earlyH : 1];
+    const SV *ph = (const SV *)gH;
+    SV hl[perH - earlyH > 0 ? perH - earlyH : 1];
 #pragma unroll
     for (int u = earlyH; u < perH; u++) hl[u - earlyH] = __ldcs(ph + u * 256 + tid);
     /* (the late h^T loads are in flight: the prefetch hints fill their latency) */
@@ -862,8 +959,13 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
       const int64_t CHn = (int64_t)cn * H + hn;
       const ChunkInfo cin = *reinterpret_cast<const ChunkInfo *>(smem + L::oNext);
       if (tid == 0) {
-        prefetch_l2_bulk(go.dHT32 + CHn * V * K, V * K * 4);
-        prefetch_l2_bulk(go.hT32 + CHn * V * K, V * K * 4);
+        if constexpr (S16) {
+          prefetch_l2_bulk(go.dHT16 + CHn * V * K, kSB);
+          prefetch_l2_bulk(go.hT16 + CHn * V * K, kSB);
+        } else {
+          prefetch_l2_bulk(go.dHT32 + CHn * V * K, kSB);
+          prefetch_l2_bulk(go.hT32 + CHn * V * K, kSB);
+        }
       }
       if (tid == 32) {
         prefetch_l2_bulk(a.Dbuf + CHn * C * V, C * V * 2);
@@ -888,10 +990,13 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
 #pragma unroll
     for (int u = 0; u < perH; u++) {
       const int e = u * 256 + tid;
-      const int x = (4 * e) / K, r = (4 * e) % K;
-      const float4 v = u < earlyH ? hv[u] : hl[u - earlyH];
-      *reinterpret_cast<uint2 *>(smem + L::oHb + (x * L::ldK + r) * 2) =
-          make_uint2(pack_bf16(v.x, v.y), pack_bf16(v.z, v.w));
+      const int x = (kEPV * e) / K, r = (kEPV * e) % K;
+      const SV v = u < earlyH ? hv[u] : hl[u - earlyH];
+      if constexpr (S16)
+        *reinterpret_cast<uint4 *>(smem + L::oHb + (x * L::ldK + r) * 2) = v;
+      else
+        *reinterpret_cast<uint2 *>(smem + L::oHb + (x * L::ldK + r) * 2) =
+            make_uint2(pack_bf16(v.x, v.y), pack_bf16(v.z, v.w));
     }
   }
   __syncthreads();
@@ -1014,503 +1119,6 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
       if (j == C - 1) v += __expf(last) * dts + zs;
       go.dgcA[CHi * C + j] = v;
     }
-  }
-}
-
-/* ------------------------------------------------------------------ per-chunk gradients, state part, three blocks per SM */
-
-/* Shared-memory layout of grad_state3_kernel_v3 (bytes; rows padded by 16 bytes).  The
- * K x V buffer holds one 64-column panel of dH^T or h^T at a time ([V][64], the key
- * columns of one pass), and dD takes D's region once P3a is done, so the block needs
- * <= ~75 KB (76576 bytes at K = V = 128, C = 64): three blocks per SM (228 KB, 1 KB
- * reserved per block) where grad_state_kernel_v3 (108 KB) fits two. */
-template <int K, int V, int C, int TC>
-struct GradState3Layout {
-  static constexpr int KP = 64, NP = K / KP; /* panel columns, passes */
-  static constexpr int ldK = K + kPad, ldV = V + kPad, ldC = C + kPad, ldH = KP + kPad;
-  static constexpr int oHb = 0;                       /* dH^T, later h^T: [V][64] bf16, one key panel */
-  static constexpr int oD = oHb + V * ldH * 2;        /* D [C][V]; after P3a dD [C][V] */
-  static constexpr int odO = oD + C * ldV * 2;        /* dO [TC][V], query rows, 0 past the end */
-  static constexpr int oKn = odO + TC * ldV * 2;      /* k raw [C][K] */
-  static constexpr int oQn = oKn + C * ldK * 2;       /* q raw [TC][K] */
-  static constexpr int oPs = oQn + TC * ldK * 2;      /* Ps'' [TC][C] */
-  static constexpr int oF = oPs + TC * ldC * 2;       /* floats below */
-  static constexpr int fGc = 0, fDgc = C, fZ = 2 * C, fQinv = 3 * C, fQdot = 3 * C + TC, fDot = 3 * C + 2 * TC,
-                       fKinv = 3 * C + 2 * TC + 8, nF = 4 * C + 2 * TC + 8;
-  static constexpr int total = oF + nF * 4;
-  static_assert(total + 1024 <= 228 * 1024 / 3, "three blocks per SM");
-};
-
-/* One 64-column key panel p of a float32 [V][K] matrix (h^T or dH^T) -> bf16 [V][64]
- * shared (row stride ldH); 16 float4 per row, V / 16 per thread (8 at V = 128). */
-template <int K, int V, int ldH, int ROUND = V * 16 / 256>
-__device__ __forceinline__ void load_key_panel(unsigned char *dst, const float *src, int p) {
-  constexpr int per = V * 16 / 256; /* float4 per thread, loaded ROUND at a time */
-  static_assert(V * 16 % 256 == 0 && per % ROUND == 0, "whole rounds");
-  const float4 *s = (const float4 *)src;
-#pragma unroll
-  for (int u0 = 0; u0 < per; u0 += ROUND) {
-    float4 v[ROUND];
-#pragma unroll
-    for (int u = 0; u < ROUND; u++) {
-      const int i = (u0 + u) * 256 + (int)threadIdx.x, x = i >> 4, c4 = i & 15;
-      v[u] = __ldcs(s + (x * K + 64 * p) / 4 + c4); /* the last read of that panel */
-    }
-#pragma unroll
-    for (int u = 0; u < ROUND; u++) {
-      const int i = (u0 + u) * 256 + (int)threadIdx.x, x = i >> 4, c4 = i & 15;
-      *reinterpret_cast<uint2 *>(dst + (x * ldH + 4 * c4) * 2) =
-          make_uint2(pack_bf16(v[u].x, v[u].y), pack_bf16(v[u].z, v[u].w));
-    }
-  }
-}
-
-/* The same outputs as grad_state_kernel_v3 (above: the math), bit for bit: every product
- * item, summation order and rounding is the same; only the schedule differs.  The K x V
- * matrices go through shared memory one 64-column key panel at a time (K / 64 passes of
- * P3a, then of P3b + P2), which with dD loaded over D after P3a brings the block to
- * ~75 KB and so three blocks (24 warps) per SM instead of two: the kernel is latency
- * bound (ncu: 20.5 warp cycles per issued instruction, DRAM 52%), and a third block's
- * loads run under the other two's products.  The price: K / 64 - 1 more L2 round trips
- * for the dH^T panels and the h^T panels all re-read (from L2: the bulk prefetches keep
- * them there), a few more barriers, and 80 registers (per-thread float32 load rounds
- * of 4 float4 instead of 8, 64-column items in halves / quarters).  Per pass, warps 0..3
- * take the P3 items (16 steps x the panel's 64 columns), warps 4..7 the dq items (16
- * query rows x 32 columns); a dq warp parks its first panel's float accumulators in its
- * own bytes of the dq rows (global, L2) and writes dq after a named barrier of the dq
- * warps.  Checked on the CPU emulator: bit-identical to grad_state_kernel_v3. */
-template <int K, int V, int C, int TC>
-__global__ void __launch_bounds__(256, 3) grad_state3_kernel_v3(GdpArgs a, GradStateOut go) {
-  using L = GradState3Layout<K, V, C, TC>;
-  constexpr int NN = C / TC, NP = L::NP;
-  static_assert(K % 64 == 0 && V % 16 == 0 && C % 16 == 0 && TC % 16 == 0 && NN * TC == C, "shapes");
-  static_assert(C <= 64 && TC <= 32, "per pass: <= 4 P3 items (warps 0..3), <= 4 dq items (warps 4..7)");
-  static_assert(NP <= 2, "the dq stash holds one panel (K <= 128)");
-  extern __shared__ __align__(128) unsigned char smem[];
-  const int c = blockIdx.x, h = blockIdx.y;
-  const ChunkInfo ci = a.chunks[c];
-  const int H = a.H, n = NN, nv = ci.ntok * NN;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, grp = lane >> 2, tig = lane & 3;
-  const int64_t CHi = (int64_t)c * H + h;
-  const int64_t krow0 = (int64_t)ci.t0 * NN;
-  const float scale = a.scale;
-  const bf16 *gk = (const bf16 *)a.k, *gq = (const bf16 *)a.q, *gg = (const bf16 *)a.g,
-             *d_o = (const bf16 *)a.d_o;
-  float *sF = (float *)(smem + L::oF);
-  float *sGc = sF + L::fGc, *sDgc = sF + L::fDgc, *sZ = sF + L::fZ,
-        *sQinv = sF + L::fQinv, *sQdot = sF + L::fQdot, *sDot = sF + L::fDot, *sKinv = sF + L::fKinv;
-  const uint32_t s0 = smem_addr(smem);
-
-  /* ---- loads: as grad_state_kernel_v3, and dD (read after P3a, over D) pulled into L2
-   * by a third bulk prefetch */
-  if (tid == 0) {
-    prefetch_l2_bulk(go.dHT32 + CHi * V * K, V * K * 4);
-    prefetch_l2_bulk(go.hT32 + CHi * V * K, V * K * 4);
-    prefetch_l2_bulk(a.dDbuf + CHi * C * V, C * V * 2);
-  }
-  copy_panel<C, V, 256>(smem + L::oD, L::ldV, a.Dbuf + CHi * C * V, V, C);
-  copy_panel<TC, V, 256>(smem + L::odO, L::ldV, d_o + ((int64_t)ci.t0 * H + h) * V, (int64_t)H * V, ci.ntok);
-  copy_panel<C, K, 256>(smem + L::oKn, L::ldK, gk + (krow0 * H + h) * K, (int64_t)H * K, nv);
-  copy_panel<TC, K, 256>(smem + L::oQn, L::ldK, gq + ((int64_t)ci.t0 * H + h) * K, (int64_t)H * K, ci.ntok);
-  cp_async_commit();
-  if (tid < C) {
-    sDgc[tid] = 0.f;
-    sZ[tid] = 0.f;
-  }
-  if (tid < TC) sQdot[tid] = 0.f;
-  if (warp == 0) { /* gc: the prep's token scan (see grad_state_kernel_v3) */
-    const float gt = (gg && lane < ci.ntok) ? __bfloat162float(gg[((int64_t)ci.t0 + lane) * H + h]) : 0.f;
-    float acc = 0.f;
-#pragma unroll
-    for (int m = 0; m < TC; m++) {
-      const float gm = __shfl_sync(0xffffffffu, gt, m);
-      if (m <= lane) acc += gm;
-    }
-    if (lane < TC)
-#pragma unroll
-      for (int r = 0; r < n; r++) sGc[lane * n + r] = acc;
-  }
-  cp_async_wait<0>();
-  __syncthreads();
-  /* kinv, qinv of the raw rows (a quad per row), as grad_state_kernel_v3 */
-  for (int i0 = 8 * warp; i0 < C + TC; i0 += 64) {
-    const int i = i0 + (lane >> 2);
-    const bool isq = i >= C;
-    const int row = isq ? i - C : i;
-    const unsigned char *rp = smem + (isq ? L::oQn : L::oKn) + (row * L::ldK + 8 * (lane & 3)) * 2;
-    float ss = 0.f;
-#pragma unroll
-    for (int m = 0; m < K / 32; m++) {
-      const uint4 u = *reinterpret_cast<const uint4 *>(rp + 64 * m);
-      const float2 x0 = unpack_bf16(u.x), x1 = unpack_bf16(u.y), x2 = unpack_bf16(u.z), x3 = unpack_bf16(u.w);
-      ss += x0.x * x0.x + x0.y * x0.y + x1.x * x1.x + x1.y * x1.y + x2.x * x2.x + x2.y * x2.y + x3.x * x3.x + x3.y * x3.y;
-    }
-    ss += __shfl_xor_sync(0xffffffffu, ss, 1);
-    ss += __shfl_xor_sync(0xffffffffu, ss, 2);
-    const float inv = a.l2norm ? rsqrtf(ss + kNormEps) : 1.f;
-    if ((lane & 3) == 0) (isq ? sQinv : sKinv)[row] = inv;
-  }
-  __syncthreads();
-
-  const int arow = (lane & 7) + 8 * ((lane >> 3) & 1), acol = 8 * (lane >> 4);
-  const int nrow = (lane & 7) + 8 * (lane >> 4), ncol = 8 * ((lane >> 3) & 1);
-
-  /* ---- P1, as grad_state_kernel_v3 */
-  for (int item = warp; item < (TC / 16) * (C / 16); item += 8) {
-    const int mb = (item / (C / 16)) * 16, jb = (item % (C / 16)) * 16;
-    float dp[2][4] = {}, qk[2][4] = {};
-    if (jb <= (mb + 15) * n + n - 1) {
-#pragma unroll
-      for (int kt = 0; kt < V / 16; kt++) {
-        uint32_t fa[4], b0, b1, b2, b3;
-        ldsm_x4(s0 + L::odO + ((mb + arow) * L::ldV + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
-        ldsm_x4(s0 + L::oD + ((jb + nrow) * L::ldV + kt * 16 + ncol) * 2, b0, b1, b2, b3);
-        mma16816(dp[0], fa, b0, b1);
-        mma16816(dp[1], fa, b2, b3);
-      }
-#pragma unroll
-      for (int kt = 0; kt < K / 16; kt++) {
-        uint32_t fa[4], b0, b1, b2, b3;
-        ldsm_x4(s0 + L::oQn + ((mb + arow) * L::ldK + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
-        ldsm_x4(s0 + L::oKn + ((jb + nrow) * L::ldK + kt * 16 + ncol) * 2, b0, b1, b2, b3);
-        mma16816(qk[0], fa, b0, b1);
-        mma16816(qk[1], fa, b2, b3);
-      }
-    }
-    float colsum[2][2] = {};
-#pragma unroll
-    for (int nt = 0; nt < 2; nt++)
-#pragma unroll
-      for (int hf = 0; hf < 2; hf++) {
-        const int qa = mb + grp + 8 * hf, ia = qa * n + n - 1, j = jb + 8 * nt + 2 * tig;
-        const float gi = sGc[ia], qi = sQinv[qa];
-        const float p0 = j <= ia ? scale * __expf(gi - sGc[j]) * dp[nt][2 * hf] * (qi * sKinv[j]) : 0.f;
-        const float p1 = j + 1 <= ia ? scale * __expf(gi - sGc[j + 1]) * dp[nt][2 * hf + 1] * (qi * sKinv[j + 1]) : 0.f;
-        *reinterpret_cast<uint32_t *>(smem + L::oPs + (qa * L::ldC + j) * 2) = pack_bf16(p0, p1);
-        colsum[nt][0] += p0 * qk[nt][2 * hf];
-        colsum[nt][1] += p1 * qk[nt][2 * hf + 1];
-      }
-#pragma unroll
-    for (int nt = 0; nt < 2; nt++)
-#pragma unroll
-      for (int e = 0; e < 2; e++) {
-        float v = colsum[nt][e];
-        v += __shfl_xor_sync(0xffffffffu, v, 4);
-        v += __shfl_xor_sync(0xffffffffu, v, 8);
-        v += __shfl_xor_sync(0xffffffffu, v, 16);
-        if (grp == 0) atomicAdd(sDgc + jb + 8 * nt + 2 * tig + e, -v);
-      }
-  }
-
-  /* From here on, the block / lane indices and the chunk's token range are taken anew
-   * from fresh special-register reads (volatile: never merged with the first ones) and
-   * the ChunkInfo table, not held from the start: at 80 registers those long-lived
-   * values spill otherwise (16-24 bytes at K = 128). */
-  {
-  int tb;
-  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tb));
-  /* (c, h) -> c H + h, and the chunk, at each use (every call reads %ctaid anew) */
-  auto fresh_chi = [&]() -> int64_t {
-    int cb, hb;
-    asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(cb));
-    asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(hb));
-    return (int64_t)cb * H + hb;
-  };
-  auto fresh_h = [&]() -> int {
-    int hb;
-    asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(hb));
-    return hb;
-  };
-  auto fresh_ci = [&]() -> ChunkInfo {
-    int cb;
-    asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(cb));
-    return a.chunks[cb];
-  };
-  const int warp = tb >> 5, lane = tb & 31, grp = lane >> 2, tig = lane & 3;
-  const int arow = (lane & 7) + 8 * ((lane >> 3) & 1), acol = 8 * (lane >> 4), trow = arow, tcol = acol;
-  const int atk = (lane & 7) + 8 * (lane >> 4), atm = 8 * ((lane >> 3) & 1), tid = tb;
-  /* ---- <dH, h> over the whole float32 copies (the same per-thread order: e ascending in
-   * steps of 256), and key panel 0 of dH^T -> bf16 shared on the way.  Rounds of 4 float4
-   * of each (80 registers).  dH is read again for panels >= 1: default caching here. */
-  {
-    const float4 *ph = (const float4 *)(go.hT32 + fresh_chi() * V * K), *pd = (const float4 *)(go.dHT32 + fresh_chi() * V * K);
-    float dot = 0.f;
-    constexpr int nvec = V * K / 4, per = 4;
-#pragma unroll 1 /* unrolled, the rounds' loads were hoisted into each other and spilled */
-    for (int e0 = 0; e0 < nvec; e0 += 256 * per) {
-      float4 hv[per], dv[per];
-#pragma unroll
-      for (int u = 0; u < per; u++) {
-        const int e = e0 + u * 256 + tid;
-        if (nvec % (256 * per) == 0 || e < nvec) hv[u] = ph[e], dv[u] = NP > 1 ? pd[e] : __ldcs(pd + e);
-      }
-#pragma unroll
-      for (int u = 0; u < per; u++) {
-        const int e = e0 + u * 256 + tid;
-        if (nvec % (256 * per) == 0 || e < nvec) {
-          dot += hv[u].x * dv[u].x + hv[u].y * dv[u].y + hv[u].z * dv[u].z + hv[u].w * dv[u].w;
-          const int x = (4 * e) / K, r = (4 * e) % K;
-          if (r < L::KP)
-            *reinterpret_cast<uint2 *>(smem + L::oHb + (x * L::ldH + r) * 2) =
-                make_uint2(pack_bf16(dv[u].x, dv[u].y), pack_bf16(dv[u].z, dv[u].w));
-        }
-      }
-    }
-    dot = warp_sum(dot);
-    if (lane == 0) sDot[warp] = dot;
-  }
-  /* h (every panel) and dH (panels >= 1) are read again: keep them in L2 */
-  if (tid == 0) prefetch_l2_bulk(go.hT32 + fresh_chi() * V * K, V * K * 4);
-  if (NP > 1 && tid == 32) prefetch_l2_bulk(go.dHT32 + fresh_chi() * V * K, V * K * 4);
-  __syncthreads();
-
-  /* ---- P3a per key panel: dKnA = e^{last-gc_j} D dH^T + Ps^T qn (z_j on the way),
-   * items of 16 steps x the panel's 64 columns on warps 0 .. C/16-1 */
-#pragma unroll 1
-  for (int p = 0; p < NP; p++) {
-    if (p > 0) {
-      __syncthreads(); /* panel p-1 no longer read */
-      load_key_panel<K, V, L::ldH>(smem + L::oHb, go.dHT32 + fresh_chi() * V * K, p);
-      __syncthreads();
-    }
-    if (warp < C / 16) {
-      /* the item's 64 columns in two halves of 32 (16 accumulators, not 32: 80 registers);
-       * z_j keeps running across the halves, so its terms add in the same order as over
-       * one 64-column item (grad_state_kernel_v3) */
-      const int jb = warp * 16;
-      float z[2] = {0.f, 0.f};
-#pragma unroll 1
-      for (int pc = 0; pc < L::KP; pc += 32) {
-        const int rb = p * L::KP + pc;
-        float acc[4][4] = {};
-#pragma unroll
-        for (int kt = 0; kt < V / 16; kt++) {
-          uint32_t fa[4];
-          ldsm_x4(s0 + L::oD + ((jb + arow) * L::ldV + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
-#pragma unroll
-          for (int nt = 0; nt < 4; nt += 2) {
-            uint32_t b0, b1, b2, b3;
-            ldsm_x4_t(s0 + L::oHb + ((kt * 16 + trow) * L::ldH + pc + nt * 8 + tcol) * 2, b0, b1, b2, b3);
-            mma16816(acc[nt], fa, b0, b1);
-            mma16816(acc[nt + 1], fa, b2, b3);
-          }
-        }
-#pragma unroll
-        for (int hf = 0; hf < 2; hf++) {
-          const int j = jb + grp + 8 * hf;
-          const float w = __expf(sGc[C - 1] - sGc[j]) * sKinv[j];
-#pragma unroll
-          for (int nt = 0; nt < 4; nt++) {
-            acc[nt][2 * hf] *= w;
-            acc[nt][2 * hf + 1] *= w;
-            const float2 kv = unpack_bf16(*reinterpret_cast<const uint32_t *>(
-                smem + L::oKn + (j * L::ldK + rb + nt * 8 + 2 * tig) * 2));
-            z[hf] += kv.x * acc[nt][2 * hf] + kv.y * acc[nt][2 * hf + 1];
-          }
-        }
-#pragma unroll
-        for (int kt = 0; kt < TC / 16; kt++) {
-          if (jb > (kt * 16 + 15) * n + n - 1) continue; /* Ps zero there */
-          uint32_t fa[4];
-          ldsm_x4_t(s0 + L::oPs + ((kt * 16 + atk) * L::ldC + jb + atm) * 2, fa[0], fa[1], fa[2], fa[3]);
-#pragma unroll
-          for (int nt = 0; nt < 4; nt += 2) {
-            uint32_t b0, b1, b2, b3;
-            ldsm_x4_t(s0 + L::oQn + ((kt * 16 + trow) * L::ldK + rb + nt * 8 + tcol) * 2, b0, b1, b2, b3);
-            mma16816(acc[nt], fa, b0, b1);
-            mma16816(acc[nt + 1], fa, b2, b3);
-          }
-        }
-        const float n0 = 1.f / sKinv[jb + grp], n1 = 1.f / sKinv[jb + grp + 8];
-        float *out = go.dKnA + fresh_chi() * C * K + (int64_t)(jb + grp) * K + rb + 2 * tig;
-#pragma unroll
-        for (int nt = 0; nt < 4; nt++) {
-          *reinterpret_cast<float2 *>(out + nt * 8) = make_float2(acc[nt][0] * n0, acc[nt][1] * n0);
-          *reinterpret_cast<float2 *>(out + 8 * K + nt * 8) = make_float2(acc[nt][2] * n1, acc[nt][3] * n1);
-        }
-      }
-#pragma unroll
-      for (int hf = 0; hf < 2; hf++) {
-        float zz = z[hf];
-        zz += __shfl_xor_sync(0xffffffffu, zz, 1);
-        zz += __shfl_xor_sync(0xffffffffu, zz, 2);
-        if (tig == 0) atomicAdd(sZ + jb + grp + 8 * hf, zz);
-      }
-    }
-  }
-  __syncthreads(); /* D and the dH^T panel no longer read: dD over D, h^T panel 0 */
-  copy_panel<C, V, 256>(smem + L::oD, L::ldV, a.dDbuf + fresh_chi() * C * V, V, C);
-  cp_async_commit();
-  load_key_panel<K, V, L::ldH>(smem + L::oHb, go.hT32 + fresh_chi() * V * K, 0);
-  cp_async_wait<0>();
-  __syncthreads();
-
-  /* ---- per key panel: P3b (dWg = -dD h^T, 16 steps x 64 columns, in quarters) on warps 0..3, P2
-   * (dqn = scale e^{gc_ia} dO h^T + Ps kn, 16 query rows x 32 columns) on warps 4..7. */
-  constexpr int nQp = (TC / 16) * 2; /* dq items per pass */
-  const int wq = warp - 4, qmb = (wq >> 1) * 16;
-  /* (a loop, not unrolled: unrolled, address terms common to the passes were kept live
-   * across them and spilled at K = V = 128) */
-#pragma unroll 1
-  for (int p = 0; p < NP; p++) {
-    if (p > 0) {
-      __syncthreads(); /* panel p-1 no longer read */
-      /* (the dq warps hold their first panel's accumulators here: half rounds) */
-      load_key_panel<K, V, L::ldH, (V * 16 / 256 >= 8 ? 4 : V * 16 / 256)>(smem + L::oHb, go.hT32 + fresh_chi() * V * K, p);
-      __syncthreads();
-    }
-    if (warp < C / 16) {
-      /* four quarters of 16 columns: 8 accumulators, not 32, next to the dq items' (each
-       * output's sum over V is the same) */
-#pragma unroll 1
-      for (int pc = 0; pc < L::KP; pc += 16) {
-        const int jb = warp * 16, rb = p * L::KP + pc;
-        float acc[2][4] = {};
-#pragma unroll
-        for (int kt = 0; kt < V / 16; kt++) {
-          uint32_t fa[4], b0, b1, b2, b3;
-          ldsm_x4(s0 + L::oD + ((jb + arow) * L::ldV + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
-          ldsm_x4_t(s0 + L::oHb + ((kt * 16 + trow) * L::ldH + pc + tcol) * 2, b0, b1, b2, b3);
-          mma16816(acc[0], fa, b0, b1);
-          mma16816(acc[1], fa, b2, b3);
-        }
-        bf16 *out = go.dWg + fresh_chi() * C * K + (int64_t)(jb + grp) * K + rb + 2 * tig;
-#pragma unroll
-        for (int nt = 0; nt < 2; nt++) {
-          *reinterpret_cast<uint32_t *>(out + nt * 8) = pack_bf16(-acc[nt][0], -acc[nt][1]);
-          *reinterpret_cast<uint32_t *>(out + 8 * K + nt * 8) = pack_bf16(-acc[nt][2], -acc[nt][3]);
-        }
-      }
-    } else if (wq >= 0 && wq < nQp) {
-      const int pc = 32 * (wq & 1), qrb = p * L::KP + pc; /* panel column, key column */
-      float dqa[4][4] = {};
-#pragma unroll
-      for (int kt = 0; kt < V / 16; kt++) {
-        uint32_t fa[4];
-        ldsm_x4(s0 + L::odO + ((qmb + arow) * L::ldV + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
-#pragma unroll
-        for (int nt = 0; nt < 4; nt += 2) {
-          uint32_t b0, b1, b2, b3;
-          ldsm_x4_t(s0 + L::oHb + ((kt * 16 + trow) * L::ldH + pc + nt * 8 + tcol) * 2, b0, b1, b2, b3);
-          mma16816(dqa[nt], fa, b0, b1);
-          mma16816(dqa[nt + 1], fa, b2, b3);
-        }
-      }
-      const float f0 = scale * __expf(sGc[(qmb + grp) * n + n - 1]) * sQinv[qmb + grp],
-                  f1 = scale * __expf(sGc[(qmb + grp + 8) * n + n - 1]) * sQinv[qmb + grp + 8];
-#pragma unroll
-      for (int nt = 0; nt < 4; nt++) dqa[nt][0] *= f0, dqa[nt][1] *= f0, dqa[nt][2] *= f1, dqa[nt][3] *= f1;
-#pragma unroll
-      for (int kt = 0; kt < C / 16; kt++) {
-        if (kt * 16 > (qmb + 15) * n + n - 1) continue; /* Ps zero there */
-        uint32_t fa[4];
-        ldsm_x4(s0 + L::oPs + ((qmb + arow) * L::ldC + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
-#pragma unroll
-        for (int nt = 0; nt < 4; nt += 2) {
-          uint32_t b0, b1, b2, b3;
-          ldsm_x4_t(s0 + L::oKn + ((kt * 16 + trow) * L::ldK + qrb + nt * 8 + tcol) * 2, b0, b1, b2, b3);
-          mma16816(dqa[nt], fa, b0, b1);
-          mma16816(dqa[nt + 1], fa, b2, b3);
-        }
-      }
-#pragma unroll
-      for (int hf = 0; hf < 2; hf++) {
-        const int qa = qmb + grp + 8 * hf;
-        float d = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < 4; nt++) {
-          const float2 qv = unpack_bf16(*reinterpret_cast<const uint32_t *>(
-              smem + L::oQn + (qa * L::ldK + qrb + nt * 8 + 2 * tig) * 2));
-          d += qv.x * dqa[nt][2 * hf] + qv.y * dqa[nt][2 * hf + 1];
-        }
-        d += __shfl_xor_sync(0xffffffffu, d, 1);
-        d += __shfl_xor_sync(0xffffffffu, d, 2);
-        if (tig == 0) atomicAdd(sQdot + qa, d);
-      }
-      if (p < NP - 1) {
-        /* Stash the first panel's accumulators (float) in this warp's own bytes of the
-         * dq rows it writes in P4 (K = 128: 64 floats = one 256-byte bf16 row; warp pc
-         * owns bytes [2 pc, 2 pc + 64) and [128 + 2 pc, 128 + 2 pc + 64), exactly its
-         * bf16 outputs of both panels), instead of holding 16 more registers through the
-         * next pass (they spill at 80).  Only rows of this chunk (qa < ntok). */
-#pragma unroll
-        for (int hf = 0; hf < 2; hf++) {
-          const int qa = qmb + grp + 8 * hf;
-          if (qa >= fresh_ci().ntok) continue;
-          unsigned char *srow = (unsigned char *)((bf16 *)a.dq + (((int64_t)fresh_ci().t0 + qa) * H + fresh_h()) * K);
-#pragma unroll
-          for (int nt = 0; nt < 4; nt++)
-            *reinterpret_cast<float2 *>(srow + (nt < 2 ? 0 : 128) + 2 * pc + 4 * ((nt & 1) * 8 + 2 * tig)) =
-                make_float2(dqa[nt][2 * hf], dqa[nt][2 * hf + 1]);
-        }
-      }
-      if (p == NP - 1) {
-        /* ---- P4 (dq out) right here, after a named barrier of the dq warps only (they
-         * alone add to sQdot): the dq accumulators then end inside this branch, and are
-         * not live (16 registers) through the P3b branch, where they spilled */
-        asm volatile("bar.sync 1, %0;" ::"r"(nQp * 32) : "memory");
-        bf16 *dq = (bf16 *)a.dq;
-        /* the first panel's stashed accumulators back (this thread's own writes), then a
-         * __syncwarp: the bf16 stores below overwrite other lanes' stash bytes */
-        float2 st[2][4];
-        if constexpr (NP > 1) {
-#pragma unroll
-          for (int hf = 0; hf < 2; hf++) {
-            const int qa = qmb + grp + 8 * hf;
-            const unsigned char *srow = (const unsigned char *)(dq + (((int64_t)fresh_ci().t0 + qa) * H + fresh_h()) * K);
-#pragma unroll
-            for (int nt = 0; nt < 4; nt++)
-              st[hf][nt] = qa < fresh_ci().ntok ? *reinterpret_cast<const float2 *>(
-                                              srow + (nt < 2 ? 0 : 128) + 2 * pc + 4 * ((nt & 1) * 8 + 2 * tig))
-                                        : make_float2(0.f, 0.f);
-          }
-          __syncwarp();
-        }
-#pragma unroll
-        for (int hf = 0; hf < 2; hf++) {
-          const int qa = qmb + grp + 8 * hf;
-          if (qa >= fresh_ci().ntok) continue;
-          const float inv = sQinv[qa], dot = sQdot[qa] * inv * inv;
-#pragma unroll
-          for (int pp = 0; pp < NP; pp++) {
-            const int qrb = pp * L::KP + pc;
-            bf16 *row = dq + (((int64_t)fresh_ci().t0 + qa) * H + fresh_h()) * K + qrb + 2 * tig;
-#pragma unroll
-            for (int nt = 0; nt < 4; nt++) {
-              float o0 = pp < NP - 1 ? st[hf][nt].x : dqa[nt][2 * hf],
-                    o1 = pp < NP - 1 ? st[hf][nt].y : dqa[nt][2 * hf + 1];
-              if (a.l2norm) {
-                const float2 qv = unpack_bf16(*reinterpret_cast<const uint32_t *>(
-                    smem + L::oQn + (qa * L::ldK + qrb + nt * 8 + 2 * tig) * 2));
-                o0 = o0 - qv.x * dot;
-                o1 = o1 - qv.y * dot;
-              }
-              *reinterpret_cast<uint32_t *>(row + nt * 8) = pack_bf16(o0, o1);
-            }
-          }
-        }
-      }
-    }
-  }
-
-  __syncthreads();
-
-  /* ---- the gate terms (as grad_state_kernel_v3) */
-  const float last = sGc[C - 1];
-  if (warp == 0) {
-    float zs = 0.f;
-    for (int j = lane; j < C; j += 32) zs += sZ[j];
-    zs = warp_sum(zs);
-    float dts = 0.f;
-#pragma unroll
-    for (int w = 0; w < 8; w++) dts += sDot[w];
-    for (int j = lane; j < C; j += 32) {
-      float v = sDgc[j] - sZ[j];
-      if (j % n == n - 1) v += sQdot[j / n];
-      if (j == C - 1) v += __expf(last) * dts + zs;
-      go.dgcA[fresh_chi() * C + j] = v;
-    }
-  }
   }
 }
 
@@ -2074,81 +1682,187 @@ static gdp_status occupancy(Kern kern, int threads, int smem, int *blocks_per_sm
   return GDP_OK;
 }
 
-/* One launch of both sequential kernels at value-block width BV (dry_run: occupancy of
- * the dstate kernel only, the larger of the two).  f32: the float32 transposed copy of h
- * (states) or dH (dstate) for the v3 gradient kernel, or NULL. */
-template <int K, int V, int C, int TC, int BV>
-static gdp_status launch_seq_bv(const Plan &plan, bool states, bool dry_run, int *occ, float *f32) {
+/* Which schedule dstate_kernel_v3 runs (GDP_CUDA_V3_DSTATE): 0 the new one (default:
+ * chunk info loaded an iteration ahead, workspace panels copied without predicates, no
+ * branch in the dD product loop, the stores off the dH chain; NOTES.md "dstate step"),
+ * 1 (=old) the session-4 schedule, 2 (=compare, lab only) both, checked byte for byte. */
+static int seq_mode(const char *name) {
+  const char *e = getenv(name);
+  if (e && strcmp(e, "old") == 0) return 1;
+  if (e && strcmp(e, "compare") == 0) return 2;
+  return 0;
+}
+static int dstate_mode() {
+  static const int mode = seq_mode("GDP_CUDA_V3_DSTATE");
+  return mode;
+}
+/* The same for the recompute's bwd_states_kernel_v3 (GDP_CUDA_V3_STATES=old|compare): the
+ * new one copies its complete workspace panels without the zero-fill predicate (the only
+ * change; at BV = 16 ~400 fewer instructions per chunk). */
+static int states_mode() {
+  static const int mode = seq_mode("GDP_CUDA_V3_STATES");
+  return mode;
+}
+
+template <int K, int V, int C, int BV>
+static gdp_status launch_states(const Plan &plan, float *f32, bf16 *b16, bool old) {
   const GdpArgs &a = plan.a;
   const dim3 grid((unsigned)a.N, (unsigned)a.H, (unsigned)(a.V / BV));
   constexpr int threads = BV / 16 * 32;
-  if (dry_run) return occupancy(dstate_kernel_v3<K, V, C, TC, BV>, threads, DStateLayout<K, C, TC, BV>::total, occ);
-  if (states) {
-    auto kern = bwd_states_kernel_v3<K, V, C, BV>;
-    constexpr int smem = StatesLayout<K, C, BV>::total;
-    GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    kern<<<grid, threads, smem, plan.stream>>>(a, f32);
-    GDP_CUDA_LAUNCHED("bwd_states_kernel_v3");
-  } else {
-    auto kern = dstate_kernel_v3<K, V, C, TC, BV>;
-    constexpr int smem = DStateLayout<K, C, TC, BV>::total;
-    GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    kern<<<grid, threads, smem, plan.stream>>>(a, f32);
-    GDP_CUDA_LAUNCHED("dstate_kernel_v3");
-  }
+  auto kern = b16 ? (old ? bwd_states_kernel_v3<K, V, C, BV, true, false> : bwd_states_kernel_v3<K, V, C, BV, true, true>)
+                  : (old ? bwd_states_kernel_v3<K, V, C, BV, false, false> : bwd_states_kernel_v3<K, V, C, BV, false, true>);
+  constexpr int smem = StatesLayout<K, C, BV>::total;
+  GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  kern<<<grid, threads, smem, plan.stream>>>(a, f32, b16);
+  GDP_CUDA_LAUNCHED("bwd_states_kernel_v3");
   return GDP_OK;
 }
 
+/* GDP_CUDA_V3_STATES=compare (lab only): as compare_dstate, for the recompute's h^T, D
+ * and variant 2's bf16 h. */
+template <int K, int V, int C, int BV>
+static gdp_status compare_states(const Plan &plan, float *f32, bf16 *b16) {
+  const GdpArgs &a = plan.a;
+  const size_t ch = (size_t)a.nchunks * (size_t)a.H;
+  const bool keep = f32 || b16;
+  const size_t bytes[3] = {a.Dbuf ? ch * C * V * 2 : 0, f32 ? ch * V * K * 4 : b16 ? ch * V * K * 2 : 0,
+                           (!keep && a.hbuf) ? ch * K * V * 2 : 0};
+  const void *bufs[3] = {a.Dbuf, f32 ? (const void *)f32 : (const void *)b16, a.hbuf};
+  static const char *names[3] = {"D", "h^T", "bf16 h"};
+  std::vector<unsigned char> got[2][3];
+  for (int pass = 0; pass < 2; pass++) {
+    for (int i = 0; i < 3; i++)
+      if (bytes[i]) GDP_CUDA_TRY(cudaMemsetAsync(const_cast<void *>(bufs[i]), pass ? 0x5a : 0xa5, bytes[i], plan.stream));
+    const gdp_status st = launch_states<K, V, C, BV>(plan, f32, b16, pass == 0);
+    if (st != GDP_OK) return st;
+    for (int i = 0; i < 3; i++) {
+      got[pass][i].resize(bytes[i]);
+      if (bytes[i])
+        GDP_CUDA_TRY(cudaMemcpyAsync(got[pass][i].data(), bufs[i], bytes[i], cudaMemcpyDeviceToHost, plan.stream));
+    }
+    GDP_CUDA_TRY(cudaStreamSynchronize(plan.stream));
+  }
+  for (int i = 0; i < 3; i++)
+    if (bytes[i] && memcmp(got[0][i].data(), got[1][i].data(), bytes[i]) != 0)
+      return GDP_ERROR(GDP_ERR_INTERNAL, "bwd_states_kernel_v3<%d,%d,%d,%d>: old and new copies differ in %s", K, V, C,
+                       BV, names[i]);
+  return GDP_OK;
+}
+
+template <int K, int V, int C, int TC, int BV>
+static gdp_status launch_dstate(const Plan &plan, float *f32, bf16 *b16, bool old) {
+  const GdpArgs &a = plan.a;
+  const dim3 grid((unsigned)a.N, (unsigned)a.H, (unsigned)(a.V / BV));
+  constexpr int threads = BV / 16 * 32;
+  auto kern = b16 ? (old ? dstate_kernel_v3<K, V, C, TC, BV, true, false> : dstate_kernel_v3<K, V, C, TC, BV, true, true>)
+                  : (old ? dstate_kernel_v3<K, V, C, TC, BV, false, false> : dstate_kernel_v3<K, V, C, TC, BV, false, true>);
+  constexpr int smem = DStateLayout<K, C, TC, BV>::total;
+  GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  kern<<<grid, threads, smem, plan.stream>>>(a, f32, b16);
+  GDP_CUDA_LAUNCHED("dstate_kernel_v3");
+  return GDP_OK;
+}
+
+/* GDP_CUDA_V3_DSTATE=compare (lab only: synchronises, copies to the host): the old
+ * schedule, then the new one on the same inputs; dD, dH^T (float32 or bf16), variant 2's
+ * bf16 dH where it is written, and dh0 must come out byte for byte the same, otherwise
+ * GDP_ERR_INTERNAL names the buffer. */
+template <int K, int V, int C, int TC, int BV>
+static gdp_status compare_dstate(const Plan &plan, float *f32, bf16 *b16) {
+  const GdpArgs &a = plan.a;
+  const size_t ch = (size_t)a.nchunks * (size_t)a.H;
+  const bool keep = f32 || b16;
+  const size_t bytes[4] = {a.dDbuf ? ch * C * V * 2 : 0, f32 ? ch * V * K * 4 : b16 ? ch * V * K * 2 : 0,
+                           (!keep && a.dHbuf) ? ch * K * V * 2 : 0,
+                           a.dh0 ? (size_t)a.N * (size_t)a.H * K * V * 4 : 0};
+  const void *bufs[4] = {a.dDbuf, f32 ? (const void *)f32 : (const void *)b16, a.dHbuf, a.dh0};
+  static const char *names[4] = {"dD", "dH^T", "bf16 dH", "dh0"};
+  std::vector<unsigned char> got[2][4];
+  for (int pass = 0; pass < 2; pass++) {
+    /* clear the outputs first, so that a value one schedule leaves unwritten shows */
+    for (int i = 0; i < 4; i++)
+      if (bytes[i]) GDP_CUDA_TRY(cudaMemsetAsync(const_cast<void *>(bufs[i]), pass ? 0x5a : 0xa5, bytes[i], plan.stream));
+    const gdp_status st = launch_dstate<K, V, C, TC, BV>(plan, f32, b16, pass == 0);
+    if (st != GDP_OK) return st;
+    for (int i = 0; i < 4; i++) {
+      got[pass][i].resize(bytes[i]);
+      if (bytes[i])
+        GDP_CUDA_TRY(cudaMemcpyAsync(got[pass][i].data(), bufs[i], bytes[i], cudaMemcpyDeviceToHost, plan.stream));
+    }
+    GDP_CUDA_TRY(cudaStreamSynchronize(plan.stream));
+  }
+  for (int i = 0; i < 4; i++)
+    if (bytes[i] && memcmp(got[0][i].data(), got[1][i].data(), bytes[i]) != 0)
+      return GDP_ERROR(GDP_ERR_INTERNAL, "dstate_kernel_v3<%d,%d,%d,%d,%d>: old and new schedules differ in %s", K, V,
+                       C, TC, BV, names[i]);
+  return GDP_OK;
+}
+
+/* One launch of both sequential kernels at value-block width BV (dry_run: occupancy of
+ * the dstate kernel only, the larger of the two).  f32: the float32 transposed copy of h
+ * (states) or dH (dstate) for the v3 gradient kernel, or NULL; b16: the same in bf16
+ * (GDP_CUDA_V3_STATE=bf16: the S16 instantiations, same shared memory), or NULL. */
+template <int K, int V, int C, int TC, int BV>
+static gdp_status launch_seq_bv(const Plan &plan, bool states, bool dry_run, int *occ, float *f32, bf16 *b16) {
+  constexpr int threads = BV / 16 * 32;
+  if (dry_run) return occupancy(dstate_kernel_v3<K, V, C, TC, BV>, threads, DStateLayout<K, C, TC, BV>::total, occ);
+  if (states) {
+    const int mode = states_mode();
+    if (mode == 2) return compare_states<K, V, C, BV>(plan, f32, b16);
+    return launch_states<K, V, C, BV>(plan, f32, b16, mode == 1);
+  } else {
+    const int mode = dstate_mode();
+    if (mode == 2) return compare_dstate<K, V, C, TC, BV>(plan, f32, b16);
+    return launch_dstate<K, V, C, TC, BV>(plan, f32, b16, mode == 1);
+  }
+}
+
 template <int K, int V, int C, int TC>
-static gdp_status launch_seq_k(const Plan &plan, int bv, bool states, bool dry_run, int *occ, float *f32) {
+static gdp_status launch_seq_k(const Plan &plan, int bv, bool states, bool dry_run, int *occ, float *f32,
+                               bf16 *b16) {
   switch (bv) {
-    case 64: return launch_seq_bv<K, V, C, TC, 64>(plan, states, dry_run, occ, f32);
-    case 32: return launch_seq_bv<K, V, C, TC, 32>(plan, states, dry_run, occ, f32);
-    default: return launch_seq_bv<K, V, C, TC, 16>(plan, states, dry_run, occ, f32);
+    case 64: return launch_seq_bv<K, V, C, TC, 64>(plan, states, dry_run, occ, f32, b16);
+    case 32: return launch_seq_bv<K, V, C, TC, 32>(plan, states, dry_run, occ, f32, b16);
+    default: return launch_seq_bv<K, V, C, TC, 16>(plan, states, dry_run, occ, f32, b16);
   }
 }
 
 template <int K, int V>
-static gdp_status launch_seq_n(const Plan &plan, int bv, bool states, bool dry_run, int *occ, float *f32) {
-  if (plan.a.n == 1) return launch_seq_k<K, V, 32, 32>(plan, bv, states, dry_run, occ, f32);
-  if (plan.a.n == 2) return launch_seq_k<K, V, 64, 32>(plan, bv, states, dry_run, occ, f32);
-  return launch_seq_k<K, V, 48, 16>(plan, bv, states, dry_run, occ, f32);
+static gdp_status launch_seq_n(const Plan &plan, int bv, bool states, bool dry_run, int *occ, float *f32,
+                               bf16 *b16) {
+  if (plan.a.n == 1) return launch_seq_k<K, V, 32, 32>(plan, bv, states, dry_run, occ, f32, b16);
+  if (plan.a.n == 2) return launch_seq_k<K, V, 64, 32>(plan, bv, states, dry_run, occ, f32, b16);
+  return launch_seq_k<K, V, 48, 16>(plan, bv, states, dry_run, occ, f32, b16);
 }
 
-static gdp_status launch_seq(const Plan &plan, int bv, bool states, bool dry_run, int *occ, float *f32 = nullptr) {
+static gdp_status launch_seq(const Plan &plan, int bv, bool states, bool dry_run, int *occ, float *f32 = nullptr,
+                             bf16 *b16 = nullptr) {
   const GdpArgs &a = plan.a;
   if (a.K == 128)
-    return a.V == 128 ? launch_seq_n<128, 128>(plan, bv, states, dry_run, occ, f32)
-                      : launch_seq_n<128, 64>(plan, bv, states, dry_run, occ, f32);
-  return a.V == 128 ? launch_seq_n<64, 128>(plan, bv, states, dry_run, occ, f32)
-                    : launch_seq_n<64, 64>(plan, bv, states, dry_run, occ, f32);
+    return a.V == 128 ? launch_seq_n<128, 128>(plan, bv, states, dry_run, occ, f32, b16)
+                      : launch_seq_n<128, 64>(plan, bv, states, dry_run, occ, f32, b16);
+  return a.V == 128 ? launch_seq_n<64, 128>(plan, bv, states, dry_run, occ, f32, b16)
+                    : launch_seq_n<64, 64>(plan, bv, states, dry_run, occ, f32, b16);
 }
 
 /* The per-chunk gradients: the state part, then (wy) the WY part; one 8-warp block per
  * (chunk, head) each. */
 template <int K, int V, int C, int TC>
-static gdp_status launch_grad_state_kv(const Plan &plan, const GradStateOut &go, bool wy) {
+static gdp_status launch_grad_state_kv(const Plan &plan, const GradStateOut &go_in, bool wy) {
   const dim3 grid((unsigned)plan.a.nchunks, (unsigned)plan.a.H);
-  /* The state part: grad_state_kernel_v3 (two blocks per SM) unless GDP_CUDA_V3_GS=3b
-   * picks grad_state3_kernel_v3 (three per SM; same results, bit for bit).  The
-   * three-block kernel measured SLOWER on the H200 (session 4, one profiled call at
-   * 4 x 4096: n = 1 0.64 -> 0.72 ms, n = 2 0.74 -> 0.89 ms -- its 64-column key panels
-   * read k, q and the states from L2 twice), so it is kept for the lab only. */
-  static const bool gs_two = [] {
-    const char *e = getenv("GDP_CUDA_V3_GS");
-    return !(e && strcmp(e, "3b") == 0);
+  static const int pcol_f32 = [] {
+    const char *e = getenv("GDP_CUDA_V3_PCOL");
+    return e && strcmp(e, "f32") == 0 ? 1 : 0;
   }();
-  if (!wy && !gs_two) {
-    using L = GradState3Layout<K, V, C, TC>;
-    auto kern = grad_state3_kernel_v3<K, V, C, TC>;
-    GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
-    /* three blocks per SM need the largest shared-memory carveout */
-    GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
-    kern<<<grid, 256, L::total, plan.stream>>>(plan.a, go);
-    GDP_CUDA_LAUNCHED("grad_state3_kernel_v3");
-  } else if (!wy) {
+  GradStateOut go = go_in;
+  go.pcol_f32 = pcol_f32;
+  /* The state part: grad_state_kernel_v3, two blocks per SM.  (A three-block version,
+   * session 3's gs3, measured slower on the H200 -- n = 2 0.74 -> 0.89 ms: its 64-column
+   * key panels read k, q and the states from L2 twice -- and was dropped; NOTES.md.) */
+  const bool s16 = go.hT16 != nullptr;
+  if (!wy) {
     using L = GradStateLayout<K, V, C, TC>;
-    auto kern = grad_state_kernel_v3<K, V, C, TC>;
+    auto kern = s16 ? grad_state_kernel_v3<K, V, C, TC, true> : grad_state_kernel_v3<K, V, C, TC, false>;
     GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
     /* two blocks per SM need the largest shared-memory carveout */
     GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
@@ -2160,13 +1874,13 @@ static gdp_status launch_grad_state_kv(const Plan &plan, const GradStateOut &go,
     int ahead = 0;
     const char *env = getenv("GDP_CUDA_V3_GS_AHEAD");
     if (env && strcmp(env, "auto") == 0) {
-      static int resident = 0; /* depends only on the instantiation; benign race */
-      if (resident == 0) {
+      static int resident[2] = {0, 0}; /* depends only on the instantiation; benign race */
+      if (resident[s16] == 0) {
         int occ = 0;
         GDP_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, 256, L::total));
-        resident = occ > 0 ? occ * num_sms() : -1;
+        resident[s16] = occ > 0 ? occ * num_sms() : -1;
       }
-      ahead = resident > 0 ? resident : 0;
+      ahead = resident[s16] > 0 ? resident[s16] : 0;
     } else if (env) {
       ahead = atoi(env) > 0 ? atoi(env) : 0;
     }
@@ -2232,10 +1946,11 @@ extern "C" int gdp_cuda_gdp_backward_v3_supported(const gdp_gdp_problem *p) {
 
 /* With the blocks a saved forward kept (gdp_cuda_gdp_forward_v3_save): its plan (tables,
  * panels), h^T and D are read from there, so steps 1-2 are skipped; the state-gradient
- * pass and the two gradient kernels run as below. */
+ * pass and the two gradient kernels run as below.  s16: the kept h^T is bf16 (the
+ * forward's format), and dH^T is then written in bf16 too. */
 static gdp_status backward_v3_saved(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io, cudaStream_t stream,
-                                    const void *saved) {
-  const v3::SavedLayout sl = v3::saved_layout(p);
+                                    const void *saved, bool s16) {
+  const v3::SavedLayout sl = v3::saved_layout(p, s16);
   Plan plan;
   prof_begin(stream);
   /* the kept block is only read: its tables and panels are the forward's */
@@ -2250,7 +1965,8 @@ static gdp_status backward_v3_saved(const gdp_gdp_problem *p, const gdp_gdp_bwd_
   if (plan.a.nchunks > 0) {
     const size_t CH = (size_t)plan.a.nchunks * plan.a.H, K = (size_t)plan.a.K, V = (size_t)plan.a.V,
                  C = (size_t)plan.a.C;
-    const size_t bdD = align128(CH * C * V * 2), bHT = align128(CH * V * K * 4), bKn = align128(CH * C * K * 4),
+    const size_t bdD = align128(CH * C * V * 2), bHT = align128(CH * V * K * (s16 ? 2 : 4)),
+                 bKn = align128(CH * C * K * 4),
                  bW = align128(CH * C * K * 2), bG = align128(CH * C * 4);
     st = device_alloc(&extra, bdD + bHT + bKn + bW + bG, stream);
     if (st != GDP_OK) {
@@ -2260,8 +1976,13 @@ static gdp_status backward_v3_saved(const gdp_gdp_problem *p, const gdp_gdp_bwd_
     char *e = (char *)extra;
     plan.a.Dbuf = (bf16 *)((char *)const_cast<void *>(saved) + sl.o_D);
     plan.a.dDbuf = (bf16 *)e;
-    go.hT32 = (float *)((char *)const_cast<void *>(saved) + sl.o_hT32);
-    go.dHT32 = (float *)(e + bdD);
+    if (s16) {
+      go.hT16 = (bf16 *)((char *)const_cast<void *>(saved) + sl.o_hT);
+      go.dHT16 = (bf16 *)(e + bdD);
+    } else {
+      go.hT32 = (float *)((char *)const_cast<void *>(saved) + sl.o_hT);
+      go.dHT32 = (float *)(e + bdD);
+    }
     go.dKnA = (float *)(e + bdD + bHT);
     go.dWg = (bf16 *)(e + bdD + bHT + bKn);
     go.dgcA = (float *)(e + bdD + bHT + bKn + bW);
@@ -2270,7 +1991,7 @@ static gdp_status backward_v3_saved(const gdp_gdp_problem *p, const gdp_gdp_bwd_
   prof_mark("bwd plan (saved)", stream);
   const int bv = v3b::choose_bv(plan);
   /* also without chunks (every sequence empty): the reverse pass writes dh0 = dht */
-  st = v3b::launch_seq(plan, bv, false, false, nullptr, go.dHT32);
+  st = v3b::launch_seq(plan, bv, false, false, nullptr, go.dHT32, go.dHT16);
   prof_mark("bwd state gradients v3", stream);
   if (st == GDP_OK) st = v3b::launch_grad_v3(plan, go, false);
   prof_mark("bwd chunk gradients v3, state part", stream);
@@ -2284,6 +2005,11 @@ static gdp_status backward_v3_saved(const gdp_gdp_problem *p, const gdp_gdp_bwd_
 
 extern "C" gdp_status gdp_cuda_gdp_backward_v3_saved(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io,
                                                      void *stream_, const void *saved) {
+  return gdp_cuda_gdp_backward_v3_saved_fmt(p, io, stream_, saved, p && v3::state16(p));
+}
+
+extern "C" gdp_status gdp_cuda_gdp_backward_v3_saved_fmt(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io,
+                                                         void *stream_, const void *saved, int state16) {
   GDP_TRY(validate_problem(p, "backward_v3"));
   GDP_TRY(validate_bwd_io(p, io, "backward_v3"));
   const char *genv = getenv("GDP_CUDA_V3_GRAD");
@@ -2294,7 +2020,9 @@ extern "C" gdp_status gdp_cuda_gdp_backward_v3_saved(const gdp_gdp_problem *p, c
                      "backward_v3 takes bf16, n = 1..3, K and V = 64 or 128; got dtype %d n=%lld K=%lld V=%lld",
                      p->dtype, (long long)p->n, (long long)p->K, (long long)p->V);
   if (p->N == 0) return GDP_OK;
-  return backward_v3_saved(p, io, (cudaStream_t)stream_, saved);
+  if (state16 && p->dtype != GDP_DTYPE_BF16)
+    return GDP_ERROR(GDP_ERR_INVALID_ARG, "backward_v3: saved: bf16 states from a forward of dtype %d", p->dtype);
+  return backward_v3_saved(p, io, (cudaStream_t)stream_, saved, state16 != 0);
 }
 
 extern "C" gdp_status gdp_cuda_gdp_backward_v3(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io,
@@ -2316,6 +2044,8 @@ extern "C" gdp_status gdp_cuda_gdp_backward_v3(const gdp_gdp_problem *p, const g
    * instead, fed by bf16 copies of h and dH (comparison / fallback). */
   const char *genv = getenv("GDP_CUDA_V3_GRAD");
   const bool grad_state = !(genv && strcmp(genv, "v2") == 0);
+  /* h^T and dH^T in bf16 (GDP_CUDA_V3_STATE=bf16) or float32 */
+  const bool s16 = v3::state16(p);
   gdp_status st = plan_make(p, stream, grad_state ? PLAN_BACKWARD_V3 : PLAN_BACKWARD_V2, a, &plan);
   if (st != GDP_OK) {
     prof_end(stream);
@@ -2328,7 +2058,7 @@ extern "C" gdp_status gdp_cuda_gdp_backward_v3(const gdp_gdp_problem *p, const g
   if (grad_state && plan.a.nchunks > 0) {
     const size_t CH = (size_t)plan.a.nchunks * plan.a.H, K = (size_t)plan.a.K, V = (size_t)plan.a.V,
                  C = (size_t)plan.a.C;
-    const size_t bHT = align128(CH * V * K * 4), bKn = align128(CH * C * K * 4), bW = align128(CH * C * K * 2),
+    const size_t bHT = align128(CH * V * K * (s16 ? 2 : 4)), bKn = align128(CH * C * K * 4), bW = align128(CH * C * K * 2),
                  bG = align128(CH * C * 4), bT = align128(CH * C * C * 2);
     st = device_alloc(&extra, 2 * bHT + bKn + bW + bG + bT, stream);
     if (st != GDP_OK) {
@@ -2337,8 +2067,13 @@ extern "C" gdp_status gdp_cuda_gdp_backward_v3(const gdp_gdp_problem *p, const g
       return st;
     }
     char *e = (char *)extra;
-    go.hT32 = (float *)e;
-    go.dHT32 = (float *)(e + bHT);
+    if (s16) {
+      go.hT16 = (bf16 *)e;
+      go.dHT16 = (bf16 *)(e + bHT);
+    } else {
+      go.hT32 = (float *)e;
+      go.dHT32 = (float *)(e + bHT);
+    }
     go.dKnA = (float *)(e + 2 * bHT);
     go.dWg = (bf16 *)(e + 2 * bHT + bKn);
     go.dgcA = (float *)(e + 2 * bHT + bKn + bW);
@@ -2350,9 +2085,9 @@ extern "C" gdp_status gdp_cuda_gdp_backward_v3(const gdp_gdp_problem *p, const g
   st = v3::launch_prep_v3(plan, go.Tt); /* NULL (no T store) for variant 2's gradient kernel */
   prof_mark("bwd prep v3 (recompute)", stream);
   const int bv = v3b::choose_bv(plan);
-  if (st == GDP_OK) st = v3b::launch_seq(plan, bv, true, false, nullptr, go.hT32);
+  if (st == GDP_OK) st = v3b::launch_seq(plan, bv, true, false, nullptr, go.hT32, go.hT16);
   prof_mark("bwd states v3 (recompute)", stream);
-  if (st == GDP_OK) st = v3b::launch_seq(plan, bv, false, false, nullptr, go.dHT32);
+  if (st == GDP_OK) st = v3b::launch_seq(plan, bv, false, false, nullptr, go.dHT32, go.dHT16);
   prof_mark("bwd state gradients v3", stream);
   if (grad_state) {
     if (st == GDP_OK) st = v3b::launch_grad_v3(plan, go, false);

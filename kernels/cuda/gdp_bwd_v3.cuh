@@ -28,6 +28,12 @@ gdp_status gdp_cuda_gdp_backward_v3(const gdp_gdp_problem *p, const gdp_gdp_bwd_
  * saved NULL (or GDP_CUDA_V3_GRAD=v2, whose kernel needs bf16 h and dH): recompute. */
 gdp_status gdp_cuda_gdp_backward_v3_saved(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io, void *stream,
                                           const void *saved);
+/* Same, reading the kept states in the format given (state16: 1 bf16, 0 float32), the
+ * one the saved forward wrote; gdp_cuda_gdp_backward_v3_saved takes this process's
+ * (gdpcu::v3::state16, fixed per process).  The dispatch passes the format it recorded
+ * in the saved object. */
+gdp_status gdp_cuda_gdp_backward_v3_saved_fmt(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io, void *stream,
+                                              const void *saved, int state16);
 
 #ifdef __cplusplus
 }

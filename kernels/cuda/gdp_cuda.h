@@ -25,12 +25,14 @@ gdp_status gdp_cuda_gdp_backward(const gdp_gdp_problem *p, const gdp_gdp_bwd_io 
                                  void *stream);
 
 /* Save for backward.  gdp_cuda_gdp_save_plan: the variant that runs p (1, 2 or 3; the
- * same choice as the entry points above) and the device bytes its forward keeps for the
+ * same choice as the entry points above; variant 3 with bf16 kept states,
+ * GDP_CUDA_V3_STATE=bf16, reads 3 | 0x100) and the device bytes its forward keeps for the
  * backward (0: that variant keeps nothing and its backward recomputes).
  * gdp_cuda_gdp_forward_ex: the forward; saved non-NULL (a block of those bytes on the
  * stream's device, 128-byte aligned) keeps what the backward needs there.
- * gdp_cuda_gdp_backward_ex: the backward; saved_variant is the forward's variant
- * (GDP_ERR_INVALID_ARG when this call would choose another), saved its block or NULL
+ * gdp_cuda_gdp_backward_ex: the backward; saved_variant is the forward's variant code
+ * (GDP_ERR_INVALID_ARG when this call would choose another variant; the 0x100 bit tells
+ * the format of the kept states), saved its block or NULL
  * (recompute).  The block belongs to the very inputs of the forward (not checked). */
 gdp_status gdp_cuda_gdp_save_plan(const gdp_gdp_problem *p, int *variant, size_t *bytes);
 gdp_status gdp_cuda_gdp_forward_ex(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io, void *stream,

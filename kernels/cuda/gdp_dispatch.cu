@@ -40,6 +40,12 @@ int choose_variant(const gdp_gdp_problem *p) {
   return 1;
 }
 
+/* The saved object's variant code (op_gdp.c keeps it and hands it back to the backward)
+ * also records the format of variant 3's kept chunk states: the variant, plus this bit
+ * when they are bf16 (GDP_CUDA_V3_STATE=bf16, gdpcu::v3::state16), so the backward reads
+ * them in the format its forward wrote. */
+constexpr int kSavedState16 = 0x100;
+
 }  // namespace
 
 /* The variants validate again (the lab calls them directly); checking here first makes
@@ -78,6 +84,7 @@ extern "C" gdp_status gdp_cuda_gdp_save_plan(const gdp_gdp_problem *p, int *vari
   *variant = v;
   /* only variant 3 keeps anything: its backward's recompute is what saving removes */
   if (v == 3 && p->N > 0) *bytes = gdp_cuda_gdp_v3_saved_bytes(p);
+  if (v == 3 && v3::state16(p)) *variant = v | kSavedState16;
   return GDP_OK;
 }
 
@@ -101,13 +108,14 @@ extern "C" gdp_status gdp_cuda_gdp_backward_ex(const gdp_gdp_problem *p, const g
   GDP_TRY(validate_bwd_io(p, io, "backward"));
   const int v = choose_variant(p);
   if (v == 0) return GDP_ERR_INVALID_ARG;
-  if (saved_variant != v)
+  const int state16 = (saved_variant & kSavedState16) != 0;
+  if ((saved_variant & ~kSavedState16) != v)
     return GDP_ERROR(GDP_ERR_INVALID_ARG,
                      "saved: variant: expected %d (the variant this backward runs), got %d (the saved "
                      "forward's; GDP_CUDA_VARIANT changed between the calls?)",
-                     v, saved_variant);
+                     v, saved_variant & ~kSavedState16);
   if (!saved) return gdp_cuda_gdp_backward(p, io, stream);
   if (v != 3)
     return GDP_ERROR(GDP_ERR_INVALID_ARG, "saved: variant %d keeps nothing for the backward, got a block", v);
-  return gdp_cuda_gdp_backward_v3_saved(p, io, stream, saved);
+  return gdp_cuda_gdp_backward_v3_saved_fmt(p, io, stream, saved, state16);
 }

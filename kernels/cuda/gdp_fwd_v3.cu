@@ -37,6 +37,7 @@
 
 #include "gdp_chunk.cuh"
 #include "gdp_fwd_v3.cuh"
+#include "gdp_v3_stage.cuh"
 #include "mma_sm90.cuh"
 
 namespace gdpcu {
@@ -45,18 +46,6 @@ namespace v3 {
 constexpr int kStages = 3; /* chunk panels in flight: current + next two */
 constexpr int kPad = 8;    /* bf16 elements (16 bytes) of padding per shared row */
 
-/* A warp's h^T float32 staging buffer (saved-state stores, stage_hT32_half below): eight
- * rows of K floats, each padded by 32 bytes so that the eight rows of one fragment store
- * start 8 banks apart (2 wavefronts per 256-byte STS.64, the minimum). */
-template <int K, int C>
-struct HtStage {
-  static constexpr int row = K * 4 + 32;
-  /* the same buffer then stages the warp's D tile (C rows of 16 bf16, stage_dfrags):
-   * rows 48 bytes apart, so the four rows of one 2-byte fragment store fall in distinct
-   * banks and every row starts on 16 bytes */
-  static constexpr int drow = 48;
-  static constexpr int warp_bytes = 8 * row > C * drow ? 8 * row : C * drow;
-};
 
 /* Shared-memory layout of one pipeline stage (bytes).  Every region and row starts on
  * 16 bytes, as ldmatrix and cp.async need.  ULO (the saving pass): also U's residual
@@ -117,78 +106,8 @@ __device__ __forceinline__ void copy_panel(unsigned char *dst, int sld, const bf
  *  - h^T float32 [V][K] per (chunk, head): stage_hT32_half, two halves per chunk;
  *  - D bf16 [C][V] (variant 2's layout): stage_dfrags, from the A fragments of D^T. */
 
-/* h^T float32 [V][K] per (chunk, head), half of a warp's 16 rows at a time: the
- * accumulator tiles X[nt][e] = S^T[x][r], x = xw + grp + 8(e/2), r = 8nt + 2tig + e%2;
- * half hf takes e = 2hf, 2hf+1, i.e. rows xw + 8hf + grp, whole (K floats each).
- * The fragments go to the warp's staging buffer (HtStage, at stage0 + warp * warp_bytes;
- * row grp, float 8nt + 2tig) and come back as whole rows, lane l taking float4 l % (K/4)
- * of row l / (K/4): each STG.128 then writes 512 contiguous bytes (four full 128-byte
- * lines) at `grow` = global row xw + 8hf.  The same floats at the same addresses as the
- * 8-byte stores straight from the fragments that this replaces, which touched 8 lines
- * per instruction with 32 bytes each: 4x the L2 requests (ncu: L2 85-92% busy in these
- * passes, DRAM 55-60%).  Plain shared and global stores, no bulk async copy: on sm_90 the
- * bulk-store wait (cp.async.bulk.wait_group.read) compiles to the same DEPBAR on SB0 as
- * the panels' cp.async.wait_group, so it would drain the panel prefetch too.  The first
- * __syncwarp orders the previous half's reads of the buffer (all lanes) before these
- * writes; the second, the writes before the reads. */
-template <int K, int C>
-__device__ __forceinline__ void stage_hT32_half(unsigned char *stage0, float *grow, const float (&X)[K / 8][4],
-                                                int hf) {
-  constexpr int kF4 = K / 4;      /* float4 per row */
-  constexpr int kRows = 32 / kF4; /* rows per warp instruction: 1 (K = 128), 2 (K = 64) */
-  /* thread index re-read here (volatile: not hoisted), so no lane-derived address stays
-   * live across the chunk loop: the passes run at up to 255 registers */
-  uint32_t tid;
-  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
-  const int lane = (int)(tid & 31);
-  unsigned char *buf = stage0 + (tid >> 5) * HtStage<K, C>::warp_bytes;
-  __syncwarp();
-  float *s = reinterpret_cast<float *>(buf + (lane >> 2) * HtStage<K, C>::row) + 2 * (lane & 3);
-#pragma unroll
-  for (int nt = 0; nt < K / 8; nt++)
-    *reinterpret_cast<float2 *>(s + nt * 8) = hf ? make_float2(X[nt][2], X[nt][3]) : make_float2(X[nt][0], X[nt][1]);
-  __syncwarp();
-  const int r = lane / kF4, c4 = lane % kF4;
-  const unsigned char *src = buf + r * HtStage<K, C>::row + c4 * 16;
-  float *dst = grow + r * K + c4 * 4;
-#pragma unroll
-  for (int i = 0; i < 8; i += kRows)
-    *reinterpret_cast<float4 *>(dst + i * K) = *reinterpret_cast<const float4 *>(src + i * HtStage<K, C>::row);
-}
 
-/* A bf16 [C][V] tile from the warp's C/16 A fragments (D, dD: register q of A[kt] =
- * M[16kt + 2tig + 8(q/2) + {0,1}][xw + grp + 8(q%2)], each XOR `flip`), through the warp's
- * staging buffer (HtStage: row j at j * drow, the 16 columns xw.. contiguous): 2-byte
- * shared stores, then lane l copies 16 bytes (columns 8(l%2)..+7) of row l/2 (+16i), so
- * every STG.128 writes 16 rows x 32 bytes, one whole sector per row.  `g` = row 0, column
- * xw.  The 2-byte global stores this replaces wrote each sector in two 16-byte halves
- * (2x the L2 requests).  Syncs as in stage_hT32_half. */
-template <int K, int C>
-__device__ __forceinline__ void stage_dfrags(unsigned char *stage0, bf16 *g, int64_t ld,
-                                             const uint32_t (&A)[C / 16][4], uint32_t flip) {
-  constexpr int kRow = HtStage<K, C>::drow;
-  uint32_t tid;
-  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
-  const int lane = (int)(tid & 31);
-  unsigned char *buf = stage0 + (tid >> 5) * HtStage<K, C>::warp_bytes;
-  __syncwarp();
-  unsigned char *s = buf + 2 * (lane & 3) * kRow + (lane >> 2) * 2;
-#pragma unroll
-  for (int kt = 0; kt < C / 16; kt++)
-#pragma unroll
-    for (int q = 0; q < 4; q++) {
-      const uint32_t v = A[kt][q] ^ flip;
-      unsigned char *e = s + (16 * kt + 8 * (q >> 1)) * kRow + 16 * (q & 1);
-      *reinterpret_cast<uint16_t *>(e) = (uint16_t)(v & 0xffffu);
-      *reinterpret_cast<uint16_t *>(e + kRow) = (uint16_t)(v >> 16);
-    }
-  __syncwarp();
-  const int r = lane >> 1, h16 = (lane & 1) * 16;
-#pragma unroll
-  for (int i = 0; i < C; i += 16)
-    *reinterpret_cast<uint4 *>(reinterpret_cast<unsigned char *>(g + (i + r) * ld) + h16) =
-        *reinterpret_cast<const uint4 *>(buf + (i + r) * kRow + h16);
-}
+
 
 /* ------------------------------------------------------------------ the state pass */
 
@@ -200,9 +119,11 @@ __device__ __forceinline__ void stage_dfrags(unsigned char *stage0, bf16 *g, int
  * and the bf16 A fragments Sa[kt], Da[kt] cover k columns 16kt..16kt+15.
  * SAVE (a forward kept for the backward): per chunk also h^T (float32, S at the chunk
  * start) to hT32 and D (bf16) to a.Dbuf, the values bwd_states_kernel_v3 would
- * recompute -- the same products in the same order, so the same bits. */
-template <int K, int C, int TC, int BV, bool SAVE = false>
-__global__ void __launch_bounds__(BV / 16 * 32, 1) state_kernel_v3(GdpArgs a, float *hT32) {
+ * recompute -- the same products in the same order, so the same bits.  S16 (with SAVE):
+ * h^T in bf16 to hT16 instead (GDP_CUDA_V3_STATE=bf16), the rounding the backward's
+ * products apply to it anyway. */
+template <int K, int C, int TC, int BV, bool SAVE = false, bool S16 = false>
+__global__ void __launch_bounds__(BV / 16 * 32, 1) state_kernel_v3(GdpArgs a, float *hT32, bf16 *hT16) {
   using L = Layout<K, C, TC, BV, SAVE>;
   constexpr int NT = BV / 16 * 32;
   static_assert(K % 32 == 0 && C % 16 == 0 && TC % 16 == 0 && BV % 16 == 0, "tile shapes");
@@ -268,7 +189,9 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) state_kernel_v3(GdpArgs a, fl
                    sU = sb + L::oU;
     /* SAVE: h^T rows xw..xw+7 now, rows xw+8..15 after the D products (St is unchanged
      * until the decay): the stores of each half overlap the products that follow */
-    if constexpr (SAVE)
+    if constexpr (SAVE && S16)
+      stage_hT16_half<K, C>(smem + L::oHt, hT16 + ((int64_t)c * H + h) * V * K + (int64_t)xw * K, St, 0);
+    else if constexpr (SAVE)
       stage_hT32_half<K, C>(smem + L::oHt, hT32 + ((int64_t)c * H + h) * V * K + (int64_t)xw * K, St, 0);
 
     /* S^T at the chunk start as bf16 A fragments (for D and o) */
@@ -319,7 +242,10 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) state_kernel_v3(GdpArgs a, fl
       Da[kt][3] = pack_bf16(-Dt[2 * kt + 1][2], -Dt[2 * kt + 1][3]);
     }
     if constexpr (SAVE) {
-      stage_hT32_half<K, C>(smem + L::oHt, hT32 + ((int64_t)c * H + h) * V * K + (int64_t)(xw + 8) * K, St, 1);
+      if constexpr (S16)
+        stage_hT16_half<K, C>(smem + L::oHt, hT16 + ((int64_t)c * H + h) * V * K + (int64_t)(xw + 8) * K, St, 1);
+      else
+        stage_hT32_half<K, C>(smem + L::oHt, hT32 + ((int64_t)c * H + h) * V * K + (int64_t)(xw + 8) * K, St, 1);
       stage_dfrags<K, C>(smem + L::oHt, a.Dbuf + ((int64_t)c * H + h) * C * V + xw, V, Da, 0u);
     }
 
@@ -396,12 +322,25 @@ __host__ __device__ constexpr int prep_a_row(int i) {
   return 4 * (2 * ((i + 3) / 4) * ((i + 3) / 4 - 1) + ((i + 3) % 4) * ((i + 3) / 4));
 }
 
+/* The split solve (prep_split_*, below): rows 0..F-1 of columns 0..31 by warp 0, then the
+ * remaining C - F rows in four blocks of RB, one per warp.  Its float buffer holds, per
+ * column x < 32 (row x, `ld` floats), T's rows 0..F-1 and the first three row blocks as
+ * they are published; ld is an odd number of 16-byte units, so that the eight lanes of a
+ * quarter-warp reading (LDS.128) eight different columns fall in distinct bank groups. */
+template <int C>
+struct PrepSplit {
+  static_assert(C == 32 || C == 48 || C == 64, "split solve shapes");
+  static constexpr int F = C > 32 ? 32 : 16, RB = (C - F) / 4;
+  static constexpr int ld = (F + 3 * RB) % 8 == 4 ? F + 3 * RB : F + 3 * RB + 4;
+  static constexpr int bytes = 32 * ld * 4;
+};
+
 /* Shared-memory layout of the prep kernel (bytes).  k (then kn) and v stay resident; the
  * region from oQ on is used twice: first by q (then qn) and the packed A, then -- after
  * the barrier that ends the solve's reads of A -- by the bf16 panels Tw^T and Tu^T
  * (row x = column x of T, the layout the solve's threads write with 16-byte stores).
  * At K = V = 128, C = 64 that is 52.5 KB: four blocks per SM. */
-template <int K, int V, int C, int TC, bool STAGED = false>
+template <int K, int V, int C, int TC, bool STAGED = false, bool SPLIT = false>
 struct PrepLayout {
   static constexpr int ldK = K + kPad, ldV = V + kPad, ldT = C + kPad;
   static constexpr int oK = 0;                   /* k rows, then kn (bf16) */
@@ -413,10 +352,21 @@ struct PrepLayout {
   static constexpr int oTw = oQ;                 /* (T diag(beta e^gc))^T (bf16) */
   static constexpr int oTu = oTw + C * ldT * 2;  /* (T diag(beta))^T (bf16) */
   static constexpr int endA = oA + prep_a_row(C) * 4, endT = oTu + C * ldT * 2;
+  /* SPLIT: the split solve's buffer over q (dead by then) where q's rows hold it (K = 128
+   * with TC = 32: 7.5 KB in q's 8.5 at C = 64, no growth); at C = 48 after A and Tw^T /
+   * Tu^T (+5.6 KB, still four blocks per SM), so that warp 0 reads its rows back after
+   * the last barrier, not across the other write-outs (8-16 bytes spilled otherwise);
+   * else (K = 64, C = 64) after A (+2.3 KB; there the late read-back spilled instead) */
+  static constexpr int endAT = endA > endT ? endA : endT;
+  static constexpr int oSolve = TC * ldK * 2 >= PrepSplit<C>::bytes ? oQ
+                                : C == 48                         ? (endAT + 15) / 16 * 16
+                                                                  : (endA + 15) / 16 * 16;
+  static constexpr int endS = SPLIT ? oSolve + PrepSplit<C>::bytes : 0;
+  static constexpr int end = endAT > endS ? endAT : endS;
   /* STAGED (prep_wu_staged): one 8 x 32 bf16 staging tile (512 bytes) per warp after
    * everything else: 52.5 -> 54.5 KB at K = V = 128, C = 64, still four blocks per SM */
-  static constexpr int oStage = ((endA > endT ? endA : endT) + 127) / 128 * 128;
-  static constexpr int total = STAGED ? oStage + 4 * 512 : (endA > endT ? endA : endT);
+  static constexpr int oStage = (end + 127) / 128 * 128;
+  static constexpr int total = STAGED ? oStage + 4 * 512 : end;
 };
 
 /* A fragment (16 x 16, row-major source with row stride ld elements) at rows rb,
@@ -515,6 +465,14 @@ __device__ __forceinline__ uint4 lds128(uint32_t addr) {
   return v;
 }
 
+/* A 16-byte global store, as one st.global.v4 whatever the compiler knows of the
+ * address.  The memory clobber keeps the next l2 step's shared loads behind it, as they
+ * were behind the plain store: without it ptxas hoisted them and took 12 more registers
+ * (C = 32: 94 -> 106, one block per SM fewer). */
+__device__ __forceinline__ void stg128(void *p, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+  asm volatile("st.global.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"l"(p), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
+
 /* One 8-row x 32-column bf16 piece of an accumulator tile to global in 16-byte row
  * stores, through the warp's 512-byte staging tile: w[m] is this lane's word of 8-column
  * block m (row grp, columns 8m + 2tig, +1), stored by stmatrix; each lane then reads row
@@ -544,6 +502,213 @@ __device__ __forceinline__ void prep_solve_column(const float *sA, int x, float 
 #pragma unroll
     for (int j = X0; j < i; j++) s[j & 3] -= sA[prep_a_row(i) + j] * t[j];
     t[i] = (s[0] + s[1]) + (s[2] + s[3]);
+  }
+}
+
+/* BEGIN prep_split_solve (the CPU emulator compiles this block as it stands)
+ *
+ * T = (I + A)^-1 with the row-serial chain cut into pieces that four warps share, the
+ * same floats as prep_solve_column.  That routine makes entry (i, x) as
+ * (s0 + s1) + (s2 + s3), s_m = [i == x] - sum over j = m (mod 4), ascending, of
+ * A[i][j] t[j] (one rounded fma a term; nvcc contracts `s -= a * t` into exactly the
+ * fma(-a, t, s) written out here).  Any schedule that runs each s_m's terms in that
+ * order, each term once its t[j] is final, gives the same bits.  For the columns
+ * x < 32 (the row-serial routine's warp 0, whose 2016 fma a thread at C = 64 were the
+ * prep's longest chain):
+ *  1. warp 0 solves rows 0..F-1 (prep_split_first) and puts them in the buffer; warp 1
+ *     meanwhile solves the columns 32..C-1 (prep_solve_column<C, 32>, unchanged);
+ *  2. every warp g takes RB rows, F + RB g.., of every column x = lane, and adds their
+ *     terms j < F (prep_split_rows: 256 fma a thread at C = 64, in parallel);
+ *  3. block b = 0..3 in turn: warp b finishes its rows (terms j in its own block,
+ *     prep_split_own) and publishes them; after a barrier, the warps g > b add that
+ *     block's terms (prep_split_take).
+ * The longest chain at C = 64 is 496 + 256 + 304 fma instead of 2016. */
+__device__ __forceinline__ float prep_fms(float a, float t, float s) { return __fmaf_rn(-a, t, s); }
+
+/* Phase 1, warp 0: rows 0..F-1 of column x (< 32), to row x of the buffer. */
+template <int C>
+__device__ __forceinline__ void prep_split_first(const float *sA, float *sBuf, int x) {
+  constexpr int F = PrepSplit<C>::F;
+  float t[F];
+#pragma unroll
+  for (int i = 0; i < F; i++) {
+    float s[4] = {(i == x) ? 1.f : 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < i; j++) s[j & 3] = prep_fms(sA[prep_a_row(i) + j], t[j], s[j & 3]);
+    t[i] = (s[0] + s[1]) + (s[2] + s[3]);
+  }
+  float *row = sBuf + x * PrepSplit<C>::ld;
+#pragma unroll
+  for (int i = 0; i < F; i += 4) *reinterpret_cast<float4 *>(row + i) = make_float4(t[i], t[i + 1], t[i + 2], t[i + 3]);
+}
+
+/* Phase 2, warp g: the partial sums of rows F + RB g + r of column x over j < F. */
+template <int C>
+__device__ __forceinline__ void prep_split_rows(const float *sA, const float *sBuf, int g, int x,
+                                                float (&s)[PrepSplit<C>::RB][4]) {
+  constexpr int F = PrepSplit<C>::F, RB = PrepSplit<C>::RB;
+#pragma unroll
+  for (int r = 0; r < RB; r++) {
+    s[r][0] = (F + RB * g + r == x) ? 1.f : 0.f;
+    s[r][1] = s[r][2] = s[r][3] = 0.f;
+  }
+  const float *tcol = sBuf + x * PrepSplit<C>::ld;
+  const float *arow = sA + prep_a_row(F + RB * g);
+#pragma unroll
+  for (int jb = 0; jb < F; jb += 4) {
+    const float4 t4 = *reinterpret_cast<const float4 *>(tcol + jb);
+    const float *ar = arow;
+#pragma unroll
+    for (int r = 0; r < RB; r++) {
+      const float4 a4 = *reinterpret_cast<const float4 *>(ar + jb);
+      s[r][0] = prep_fms(a4.x, t4.x, s[r][0]);
+      s[r][1] = prep_fms(a4.y, t4.y, s[r][1]);
+      s[r][2] = prep_fms(a4.z, t4.z, s[r][2]);
+      s[r][3] = prep_fms(a4.w, t4.w, s[r][3]);
+      ar += (F + RB * g + r + 3) & ~3; /* the next packed row */
+    }
+  }
+}
+
+/* Phase 3, warp B: its own rows' terms within block B, then the rows themselves. */
+template <int C, int B>
+__device__ __forceinline__ void prep_split_own(const float *sA, float (&s)[PrepSplit<C>::RB][4],
+                                               float (&own)[PrepSplit<C>::RB]) {
+  constexpr int RB = PrepSplit<C>::RB, i0 = PrepSplit<C>::F + RB * B;
+#pragma unroll
+  for (int r = 0; r < RB; r++) {
+#pragma unroll
+    for (int j = i0; j < i0 + r; j++) s[r][j & 3] = prep_fms(sA[prep_a_row(i0 + r) + j], own[j - i0], s[r][j & 3]);
+    own[r] = (s[r][0] + s[r][1]) + (s[r][2] + s[r][3]);
+  }
+}
+
+/* Phase 3, warp B publishes its rows of column x (B < 3; the barrier follows). */
+template <int C, int B>
+__device__ __forceinline__ void prep_split_publish(float *sBuf, int x, const float (&own)[PrepSplit<C>::RB]) {
+  constexpr int RB = PrepSplit<C>::RB;
+  float *row = sBuf + x * PrepSplit<C>::ld + PrepSplit<C>::F + RB * B;
+#pragma unroll
+  for (int r = 0; r < RB; r += 4)
+    *reinterpret_cast<float4 *>(row + r) = make_float4(own[r], own[r + 1], own[r + 2], own[r + 3]);
+}
+
+/* Phase 3, warp g > B (after the barrier): block B's terms into rows F + RB g + r. */
+template <int C, int B>
+__device__ __forceinline__ void prep_split_take(const float *sA, const float *sBuf, int g, int x,
+                                                float (&s)[PrepSplit<C>::RB][4]) {
+  constexpr int F = PrepSplit<C>::F, RB = PrepSplit<C>::RB, j0 = F + RB * B;
+  const float *tb = sBuf + x * PrepSplit<C>::ld + j0;
+  const float *arow = sA + prep_a_row(F + RB * g) + j0;
+#pragma unroll
+  for (int jb = 0; jb < RB; jb += 4) {
+    const float4 t4 = *reinterpret_cast<const float4 *>(tb + jb);
+    const float *ar = arow;
+#pragma unroll
+    for (int r = 0; r < RB; r++) {
+      const float4 a4 = *reinterpret_cast<const float4 *>(ar + jb);
+      s[r][0] = prep_fms(a4.x, t4.x, s[r][0]);
+      s[r][1] = prep_fms(a4.y, t4.y, s[r][1]);
+      s[r][2] = prep_fms(a4.z, t4.z, s[r][2]);
+      s[r][3] = prep_fms(a4.w, t4.w, s[r][3]);
+      ar += (F + RB * g + r + 3) & ~3;
+    }
+  }
+}
+/* END prep_split_solve */
+
+/* Row x of Tw^T, Tu^T (shared) and of T^T (global, STORE_T) for T's rows i0..i0+N-1 of
+ * column x (N = 4 or a multiple of 8), as the row-serial path writes them: the same
+ * products and roundings, in 8- or 16-byte pieces. */
+template <int N, bool STORE_T, class L>
+__device__ __forceinline__ void prep_t_rows_out(const float *t, int i0, int x, float bx, float bgx, bf16 *sTw,
+                                                bf16 *sTu, bf16 *Ttrow) {
+  if constexpr (N == 4) {
+    const uint2 w = make_uint2(pack_bf16(t[0] * bgx, t[1] * bgx), pack_bf16(t[2] * bgx, t[3] * bgx));
+    const uint2 u = make_uint2(pack_bf16(t[0] * bx, t[1] * bx), pack_bf16(t[2] * bx, t[3] * bx));
+    *reinterpret_cast<uint2 *>(sTw + x * L::ldT + i0) = w;
+    *reinterpret_cast<uint2 *>(sTu + x * L::ldT + i0) = u;
+    if constexpr (STORE_T)
+      *reinterpret_cast<uint2 *>(Ttrow + i0) = make_uint2(pack_bf16(t[0], t[1]), pack_bf16(t[2], t[3]));
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; i += 8) {
+      uint32_t w4[4], u4[4];
+#pragma unroll
+      for (int m = 0; m < 4; m++) {
+        w4[m] = pack_bf16(t[i + 2 * m] * bgx, t[i + 2 * m + 1] * bgx);
+        u4[m] = pack_bf16(t[i + 2 * m] * bx, t[i + 2 * m + 1] * bx);
+      }
+      *reinterpret_cast<uint4 *>(sTw + x * L::ldT + i0 + i) = make_uint4(w4[0], w4[1], w4[2], w4[3]);
+      *reinterpret_cast<uint4 *>(sTu + x * L::ldT + i0 + i) = make_uint4(u4[0], u4[1], u4[2], u4[3]);
+      if constexpr (STORE_T) {
+        uint32_t t4[4];
+#pragma unroll
+        for (int m = 0; m < 4; m++) t4[m] = pack_bf16(t[i + 2 * m], t[i + 2 * m + 1]);
+        *reinterpret_cast<uint4 *>(Ttrow + i0 + i) = make_uint4(t4[0], t4[1], t4[2], t4[3]);
+      }
+    }
+  }
+}
+
+/* The split solve (prep_split_*) and the panels Tw^T, Tu^T (and T^T) from it: the same
+ * bits as the row-serial block in prep_kernel_v3, with 4 more barriers.  sBuf: the
+ * layout's oSolve (over q, or after A); Tw^T / Tu^T go over q and A after the last
+ * barrier, as before. */
+template <int C, bool STORE_T, class L>
+__device__ __forceinline__ void prep_split_solve(const float *sA, float *sBuf, const float *sBeta, const float *sGc,
+                                                 bf16 *sTw, bf16 *sTu, bf16 *Tt, int64_t CHi, int warp, int lane) {
+  using S = PrepSplit<C>;
+  constexpr int F = S::F, RB = S::RB;
+  float s[RB][4], own[RB];
+  float t2[C]; /* warp 1: column 32 + lane (C > 32), rows 0..31 zero */
+  if (warp == 0) prep_split_first<C>(sA, sBuf, lane);
+  if constexpr (C > 32) {
+    if (warp == 1 && lane < C - 32) prep_solve_column<C, 32>(sA, 32 + lane, t2);
+  }
+  __syncthreads();
+  prep_split_rows<C>(sA, sBuf, warp, lane, s);
+  prep_static_for<4>([&](auto Bi) {
+    constexpr int b = decltype(Bi)::value;
+    if (warp == b) {
+      prep_split_own<C, b>(sA, s, own);
+      if constexpr (b < 3) prep_split_publish<C, b>(sBuf, lane, own);
+    }
+    if constexpr (b < 3) {
+      __syncthreads();
+      if (warp > b) prep_split_take<C, b>(sA, sBuf, warp, lane, s);
+    }
+  });
+  /* warp 0's rows 0..F-1 come back from the buffer: before the barrier where Tw^T / Tu^T
+   * go over it, after it where they do not (kLate: then they are not held across the
+   * other write-outs) */
+  constexpr bool kLate = L::oSolve >= L::endT;
+  float t1[F];
+  auto load_t1 = [&] {
+#pragma unroll
+    for (int i = 0; i < F; i += 4) {
+      const float4 v = *reinterpret_cast<const float4 *>(sBuf + lane * S::ld + i);
+      t1[i] = v.x, t1[i + 1] = v.y, t1[i + 2] = v.z, t1[i + 3] = v.w;
+    }
+  };
+  if (!kLate && warp == 0) load_t1();
+  __syncthreads(); /* every read of A (and, unless kLate, of the buffer) is done: Tw^T, Tu^T go over them */
+  if constexpr (C > 32) {
+    if (warp == 1 && lane < C - 32) {
+      const int x = 32 + lane;
+      const float bx = sBeta[x], bgx = bx * __expf(sGc[x]);
+      prep_t_rows_out<C, STORE_T, L>(t2, 0, x, bx, bgx, sTw, sTu, STORE_T ? Tt + (CHi * C + x) * C : nullptr);
+    }
+  }
+  {
+    const int x = lane;
+    const float bx = sBeta[x], bgx = bx * __expf(sGc[x]);
+    bf16 *Ttrow = STORE_T ? Tt + (CHi * C + x) * C : nullptr;
+    prep_t_rows_out<RB, STORE_T, L>(own, F + RB * warp, x, bx, bgx, sTw, sTu, Ttrow);
+    if (warp == 0) {
+      if (kLate) load_t1();
+      prep_t_rows_out<F, STORE_T, L>(t1, 0, x, bx, bgx, sTw, sTu, Ttrow);
+    }
   }
 }
 
@@ -653,10 +818,14 @@ __device__ __forceinline__ void prep_wu_staged(const GdpArgs &a, int64_t CHi, ui
  * phase as prep_wu_staged (runtime item loop, 16-byte stores through shared memory), the
  * same bits in less code (<true, true> at K = V = 128, n = 2: 158 -> 128 KB, the plain
  * kernel 139.5), which is what brings it back inside the instruction cache (NOTES.md).
+ * SPLIT: the triangular solve on four warps (prep_split_solve), the l2 steps' row kind
+ * known at compile time, and at C = 32 five blocks per SM asked of ptxas (96 registers:
+ * shared memory holds five there, and main's kernel happened to fit them; this one took
+ * 102-106 registers unasked).  Same bits as without.
  */
-template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO, bool WU_STAGED>
-__global__ void __launch_bounds__(128, 4) prep_kernel_v3(GdpArgs a, bf16 *Tt) {
-  using L = PrepLayout<K, V, C, TC, WU_STAGED>;
+template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO, bool WU_STAGED, bool SPLIT>
+__global__ void __launch_bounds__(128, SPLIT && C == 32 ? 5 : 4) prep_kernel_v3(GdpArgs a, bf16 *Tt) {
+  using L = PrepLayout<K, V, C, TC, WU_STAGED, SPLIT>;
   static_assert(K % 64 == 0 && V % 64 == 0 && C % 16 == 0 && TC % 16 == 0 && C <= 64 && TC <= 32 &&
                     C % TC == 0,
                 "prep shapes");
@@ -732,13 +901,18 @@ __global__ void __launch_bounds__(128, 4) prep_kernel_v3(GdpArgs a, bf16 *Tt) {
    * lanes per row, 8 elements a lane, RPS rows per warp and step */
   {
     constexpr int LPR = K / 8, RPS = 32 / LPR, STEPS = (C + TC) / (4 * RPS);
-    static_assert((C + TC) % (4 * RPS) == 0 && C % RPS == 0, "l2 rows");
+    static_assert((C + TC) % (4 * RPS) == 0 && C % (4 * RPS) == 0, "l2 rows");
     bf16 *gKd = a.Kd + CHi * C * K, *gQd = a.Qd + CHi * TC * K;
     const int sub = lane / LPR, c8 = (lane % LPR) * 8;
 #pragma unroll
     for (int st = 0; st < STEPS; st++) {
       const int i = (st * 4 + warp) * RPS + sub;
-      const bool isq = i >= C;
+      /* a step's rows are all k rows or all q rows (C is a multiple of 4 RPS): with SPLIT
+       * (the kernel that also has the split solve) that is known at compile time, so a
+       * step is straight-line code that the scheduler can overlap with its neighbours
+       * (as a runtime test it put a branch, and the end of a basic block, in every step:
+       * SASS BSSY / BRA); the same rows, the same operations, the same bits */
+      const bool isq = SPLIT ? st * 4 * RPS >= C : i >= C;
       const int row = isq ? i - C : i;
       bf16 *src = (isq ? sQ : sK) + row * L::ldK + c8;
       const uint4 raw = *reinterpret_cast<const uint4 *>(src);
@@ -764,8 +938,11 @@ __global__ void __launch_bounds__(128, 4) prep_kernel_v3(GdpArgs a, bf16 *Tt) {
         kd[m] = pack_bf16(y0 * f, y1 * f);
       }
       *reinterpret_cast<uint4 *>(src) = make_uint4(kn[0], kn[1], kn[2], kn[3]);
-      *reinterpret_cast<uint4 *>((isq ? gQd : gKd) + (int64_t)row * K + c8) =
-          make_uint4(kd[0], kd[1], kd[2], kd[3]);
+      if constexpr (SPLIT) /* one 16-byte store: with isq known, NVVM split the plain one into four */
+        stg128((isq ? gQd : gKd) + (int64_t)row * K + c8, kd[0], kd[1], kd[2], kd[3]);
+      else
+        *reinterpret_cast<uint4 *>((isq ? gQd : gKd) + (int64_t)row * K + c8) =
+            make_uint4(kd[0], kd[1], kd[2], kd[3]);
     }
   }
   __syncthreads();
@@ -836,7 +1013,9 @@ __global__ void __launch_bounds__(128, 4) prep_kernel_v3(GdpArgs a, bf16 *Tt) {
    * columns 0..31, warp 1 columns 32..C-1, which are zero above row 32 (skipped).  Then
    * the column is scaled by beta_x e^{gc_x} (-> Tw) and by beta_x (-> Tu), rounded to
    * bf16 and stored as row x of Tw^T, Tu^T -- over q and A, hence the barrier between. */
-  {
+  if constexpr (SPLIT) {
+    prep_split_solve<C, STORE_T, L>(sA, (float *)(smem + L::oSolve), sBeta, sGc, sTw, sTu, Tt, CHi, warp, lane);
+  } else {
     float t[C];
     const int x = tid;
     if (warp == 0) prep_solve_column<C, 0>(sA, x, t);
@@ -925,13 +1104,17 @@ __global__ void __launch_bounds__(128, 4) prep_kernel_v3(GdpArgs a, bf16 *Tt) {
 
 /* ------------------------------------------------------------------ host side */
 
-/* save: the SAVE pass (h^T to hT32 and D to plan.a.Dbuf, besides o); a dry run only asks
- * the occupancy of the pass it names. */
+/* save: the SAVE pass (h^T to hT32, or in bf16 to hT16 where that is given, and D to
+ * plan.a.Dbuf, besides o); a dry run only asks the occupancy of the pass it names (the
+ * two h^T formats share one layout). */
 template <int K, int C, int TC, int BV>
-static gdp_status launch_bv(const Plan &plan, bool dry_run, int *blocks_per_sm, bool save, float *hT32) {
+static gdp_status launch_bv(const Plan &plan, bool dry_run, int *blocks_per_sm, bool save, float *hT32,
+                            bf16 *hT16) {
   /* the saving pass also stages U's residual: a larger stage */
   const int smem = save ? Layout<K, C, TC, BV, true>::total : Layout<K, C, TC, BV, false>::total;
-  auto kern = save ? state_kernel_v3<K, C, TC, BV, true> : state_kernel_v3<K, C, TC, BV, false>;
+  auto kern = !save ? state_kernel_v3<K, C, TC, BV, false, false>
+              : hT16 ? state_kernel_v3<K, C, TC, BV, true, true>
+                     : state_kernel_v3<K, C, TC, BV, true, false>;
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   if (dry_run) {
     GDP_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, kern, BV / 16 * 32, smem));
@@ -939,30 +1122,32 @@ static gdp_status launch_bv(const Plan &plan, bool dry_run, int *blocks_per_sm, 
   }
   const GdpArgs &a = plan.a;
   kern<<<dim3((unsigned)a.N, (unsigned)a.H, (unsigned)(a.V / BV)), BV / 16 * 32, smem,
-         plan.stream>>>(a, hT32);
+         plan.stream>>>(a, hT32, hT16);
   GDP_CUDA_LAUNCHED("state_kernel_v3");
   return GDP_OK;
 }
 
 template <int K, int C, int TC>
-static gdp_status launch_k(const Plan &plan, int bv, bool dry_run, int *occ, bool save, float *hT32) {
+static gdp_status launch_k(const Plan &plan, int bv, bool dry_run, int *occ, bool save, float *hT32,
+                           bf16 *hT16) {
   switch (bv) {
-    case 64: return launch_bv<K, C, TC, 64>(plan, dry_run, occ, save, hT32);
-    case 32: return launch_bv<K, C, TC, 32>(plan, dry_run, occ, save, hT32);
-    default: return launch_bv<K, C, TC, 16>(plan, dry_run, occ, save, hT32);
+    case 64: return launch_bv<K, C, TC, 64>(plan, dry_run, occ, save, hT32, hT16);
+    case 32: return launch_bv<K, C, TC, 32>(plan, dry_run, occ, save, hT32, hT16);
+    default: return launch_bv<K, C, TC, 16>(plan, dry_run, occ, save, hT32, hT16);
   }
 }
 
-static gdp_status launch_state_v3(const Plan &plan, int bv, bool dry_run, int *occ, bool save, float *hT32) {
+static gdp_status launch_state_v3(const Plan &plan, int bv, bool dry_run, int *occ, bool save, float *hT32,
+                                  bf16 *hT16 = nullptr) {
   const GdpArgs &a = plan.a;
   if (a.K == 128) {
-    if (a.n == 1) return launch_k<128, 32, 32>(plan, bv, dry_run, occ, save, hT32);
-    if (a.n == 2) return launch_k<128, 64, 32>(plan, bv, dry_run, occ, save, hT32);
-    return launch_k<128, 48, 16>(plan, bv, dry_run, occ, save, hT32);
+    if (a.n == 1) return launch_k<128, 32, 32>(plan, bv, dry_run, occ, save, hT32, hT16);
+    if (a.n == 2) return launch_k<128, 64, 32>(plan, bv, dry_run, occ, save, hT32, hT16);
+    return launch_k<128, 48, 16>(plan, bv, dry_run, occ, save, hT32, hT16);
   }
-  if (a.n == 1) return launch_k<64, 32, 32>(plan, bv, dry_run, occ, save, hT32);
-  if (a.n == 2) return launch_k<64, 64, 32>(plan, bv, dry_run, occ, save, hT32);
-  return launch_k<64, 48, 16>(plan, bv, dry_run, occ, save, hT32);
+  if (a.n == 1) return launch_k<64, 32, 32>(plan, bv, dry_run, occ, save, hT32, hT16);
+  if (a.n == 2) return launch_k<64, 64, 32>(plan, bv, dry_run, occ, save, hT32, hT16);
+  return launch_k<64, 48, 16>(plan, bv, dry_run, occ, save, hT32, hT16);
 }
 
 /* Value-block width: the fewest waves of blocks; on a tie the narrower block (more SMs
@@ -994,10 +1179,10 @@ static int choose_bv(const Plan &plan, bool save) {
   return best;
 }
 
-template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO, bool WU_STAGED>
+template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO, bool WU_STAGED, bool SPLIT>
 static gdp_status launch_prep_kernel(const Plan &plan, bf16 *Tt) {
-  using L = PrepLayout<K, V, C, TC, WU_STAGED>;
-  auto kern = prep_kernel_v3<K, V, C, TC, STORE_T, STORE_ULO, WU_STAGED>;
+  using L = PrepLayout<K, V, C, TC, WU_STAGED, SPLIT>;
+  auto kern = prep_kernel_v3<K, V, C, TC, STORE_T, STORE_ULO, WU_STAGED, SPLIT>;
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
   /* four blocks of up to 54.5 KB per SM need (nearly) all of the unified L1 as shared memory */
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout,
@@ -1019,46 +1204,68 @@ static bool prep_wu_staged_wanted() {
   return !(env && strcmp(env, "old") == 0);
 }
 
+/* Which triangular solve: the split one (prep_split_solve, four warps) by default;
+ * GDP_CUDA_V3_PREP_SOLVE=rows runs the row-serial one (the kernel main had, for the A/B).
+ * The split solve needs the staged W/U phase (GDP_CUDA_V3_PREP_WU=old gives the
+ * row-serial solve too). */
+static bool prep_split_wanted() {
+  const char *env = getenv("GDP_CUDA_V3_PREP_SOLVE");
+  return !(env && strcmp(env, "rows") == 0);
+}
+
 static bool prep_wu_compare() {
   const char *env = getenv("GDP_CUDA_V3_PREP_WU");
   return env && strcmp(env, "compare") == 0;
 }
 
 /* GDP_CUDA_V3_PREP_WU=compare (lab only: synchronises, copies the panels to the host):
- * the unrolled W/U phase, then the staged one over the same plan; W, U and U's residual
- * must come out byte for byte the same, otherwise GDP_ERR_INTERNAL names the panel. */
+ * the unrolled W/U phase with the row-serial solve (the reference), then the staged phase
+ * with the row-serial solve, then the staged phase with the split solve (SPLIT), all over
+ * the same plan; W, U, U's residual, T^T, Kd, Qd and Pm must come out byte for byte the
+ * same, otherwise GDP_ERR_INTERNAL names the kernel and the panel. */
 template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO>
 static gdp_status compare_prep_wu(const Plan &plan, bf16 *Tt) {
   const GdpArgs &a = plan.a;
   const size_t chunk_heads = (size_t)a.nchunks * (size_t)a.H;
-  const size_t bytes[3] = {chunk_heads * C * K * 2, chunk_heads * C * V * 2, STORE_ULO ? chunk_heads * C * V * 2 : 0};
-  const void *panels[3] = {a.W, a.U, a.Ulo};
-  static const char *names[3] = {"W", "U", "U's residual"};
-  std::vector<unsigned char> unrolled[3], staged[3];
-  for (int pass = 0; pass < 2; pass++) {
-    const gdp_status st = pass ? launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, true>(plan, Tt)
-                               : launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, false>(plan, Tt);
+  constexpr int NP = 7;
+  const size_t bytes[NP] = {chunk_heads * C * K * 2,
+                            chunk_heads * C * V * 2,
+                            STORE_ULO ? chunk_heads * C * V * 2 : 0,
+                            STORE_T ? chunk_heads * C * C * 2 : 0,
+                            chunk_heads * C * K * 2,
+                            chunk_heads * TC * K * 2,
+                            chunk_heads * TC * C * 2};
+  const void *panels[NP] = {a.W, a.U, a.Ulo, Tt, a.Kd, a.Qd, a.Pm};
+  static const char *names[NP] = {"W", "U", "U's residual", "T^T", "Kd", "Qd", "Pm"};
+  static const char *kernels[3] = {"unrolled W/U", "staged W/U", "staged W/U with the split solve"};
+  std::vector<unsigned char> ref[NP], got[NP];
+  for (int pass = 0; pass < 3; pass++) {
+    const gdp_status st = pass == 0   ? launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, false, false>(plan, Tt)
+                          : pass == 1 ? launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, true, false>(plan, Tt)
+                                      : launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, true, true>(plan, Tt);
     if (st != GDP_OK) return st;
-    for (int i = 0; i < 3; i++) {
-      std::vector<unsigned char> &host = pass ? staged[i] : unrolled[i];
+    for (int i = 0; i < NP; i++) {
+      std::vector<unsigned char> &host = pass ? got[i] : ref[i];
       host.resize(bytes[i]);
       if (bytes[i])
         GDP_CUDA_TRY(cudaMemcpyAsync(host.data(), panels[i], bytes[i], cudaMemcpyDeviceToHost, plan.stream));
     }
     GDP_CUDA_TRY(cudaStreamSynchronize(plan.stream));
+    if (pass)
+      for (int i = 0; i < NP; i++)
+        if (bytes[i] && memcmp(ref[i].data(), got[i].data(), bytes[i]) != 0)
+          return GDP_ERROR(GDP_ERR_INTERNAL, "prep_kernel_v3<%d,%d,%d,%d>: %s and the unrolled W/U phase differ in %s",
+                           K, V, C, TC, kernels[pass], names[i]);
   }
-  for (int i = 0; i < 3; i++)
-    if (bytes[i] && memcmp(unrolled[i].data(), staged[i].data(), bytes[i]) != 0)
-      return GDP_ERROR(GDP_ERR_INTERNAL, "prep_kernel_v3<%d,%d,%d,%d>: staged and unrolled W/U phases differ in %s",
-                       K, V, C, TC, names[i]);
   return GDP_OK;
 }
 
 template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO>
 static gdp_status launch_prep_kvt(const Plan &plan, bf16 *Tt) {
   if (prep_wu_compare()) return compare_prep_wu<K, V, C, TC, STORE_T, STORE_ULO>(plan, Tt);
-  return prep_wu_staged_wanted() ? launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, true>(plan, Tt)
-                                        : launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, false>(plan, Tt);
+  if (!prep_wu_staged_wanted()) return launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, false, false>(plan, Tt);
+  return prep_split_wanted() ? launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, true, true>(plan, Tt)
+                             : launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, true, false>(plan, Tt);
 }
 
 template <int K, int V, int C, int TC>
@@ -1098,15 +1305,26 @@ bool keep_u_residual() {
   return !(env && strcmp(env, "0") == 0);
 }
 
-SavedLayout saved_layout(const gdp_gdp_problem *p) {
+/* GDP_CUDA_V3_STATE=bf16: the chunk states travel in bf16 (gdp_fwd_v3.cuh).  Read once
+ * per process (not per call like the lab's other switches): a saved block is sized by
+ * it at the forward and read by it at the backward. */
+bool state16(const gdp_gdp_problem *p) {
+  static const bool want = [] {
+    const char *env = getenv("GDP_CUDA_V3_STATE");
+    return env && strcmp(env, "bf16") == 0;
+  }();
+  return want && p->dtype == GDP_DTYPE_BF16;
+}
+
+SavedLayout saved_layout(const gdp_gdp_problem *p, bool state16) {
   SavedLayout L;
   const int64_t TC = chunk_steps(p->n) / p->n;
   int64_t nchunks = 0;
   for (int64_t s = 0; s < p->N; s++) nchunks += (p->cu_seqlens[s + 1] - p->cu_seqlens[s] + TC - 1) / TC;
   const size_t CH = (size_t)nchunks * (size_t)p->H;
   L.plan = align128(plan_bytes(p, PLAN_FORWARD));
-  L.o_hT32 = L.plan;
-  L.o_D = L.o_hT32 + align128(CH * (size_t)(p->V * p->K) * 4);
+  L.o_hT = L.plan;
+  L.o_D = L.o_hT + align128(CH * (size_t)(p->V * p->K) * (state16 ? 2 : 4));
   L.o_Tt = L.o_D + align128(CH * (size_t)(chunk_steps(p->n) * p->V) * 2);
   L.total = L.o_Tt + align128(CH * (size_t)(chunk_steps(p->n) * chunk_steps(p->n)) * 2);
   return L;
@@ -1140,10 +1358,12 @@ static gdp_status forward_v3(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io,
   prof_begin(stream);
   v3::SavedLayout sl = {0, 0, 0, 0, 0};
   float *hT32 = nullptr;
-  bf16 *Tt = nullptr;
+  bf16 *hT16 = nullptr, *Tt = nullptr;
   if (saved) {
-    sl = v3::saved_layout(p);
-    hT32 = (float *)((char *)saved + sl.o_hT32);
+    const bool s16 = v3::state16(p);
+    sl = v3::saved_layout(p, s16);
+    if (s16) hT16 = (bf16 *)((char *)saved + sl.o_hT);
+    else hT32 = (float *)((char *)saved + sl.o_hT);
     Tt = (bf16 *)((char *)saved + sl.o_Tt);
   }
   gdp_status st = plan_make(p, stream, PLAN_FORWARD, a, &plan, saved, true);
@@ -1166,7 +1386,7 @@ static gdp_status forward_v3(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io,
   st = new_prep ? v3::launch_prep_v3(plan, Tt) : launch_prep(plan);
   prof_mark(new_prep ? "fwd prep v3" : "fwd prep", stream);
   if (st == GDP_OK) st = v3::launch_state_v3(plan, v3::choose_bv(plan, saved != nullptr), false, nullptr,
-                                             saved != nullptr, hT32);
+                                             saved != nullptr, hT32, hT16);
   prof_mark(saved ? "fwd state+output v3 (saving h, D)" : "fwd state+output v3", stream);
   plan_free(&plan);
   prof_end(stream);
@@ -1180,7 +1400,7 @@ extern "C" gdp_status gdp_cuda_gdp_forward_v3(const gdp_gdp_problem *p, const gd
 
 extern "C" size_t gdp_cuda_gdp_v3_saved_bytes(const gdp_gdp_problem *p) {
   if (!gdp_cuda_gdp_forward_v3_supported(p, 1) || validate_problem(p, "v3_saved_bytes") != GDP_OK) return 0;
-  return v3::saved_layout(p).total;
+  return v3::saved_layout(p, v3::state16(p)).total;
 }
 
 extern "C" gdp_status gdp_cuda_gdp_forward_v3_save(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io,

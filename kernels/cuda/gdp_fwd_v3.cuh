@@ -38,13 +38,22 @@ gdp_status gdp_cuda_gdp_forward_v3_save(const gdp_gdp_problem *p, const gdp_gdp_
 namespace gdpcu {
 namespace v3 {
 /* Layout of the kept block (bytes): the forward plan's block (plan_bytes: chunk tables,
- * W, U, Kd, Qd, Pm, elast) from 0, h^T float32 [CH][V][K] from o_hT32, D bf16 [CH][C][V]
- * from o_D, T^T bf16 [CH][C][C] (the prep's, for grad_wy) from o_Tt; CH = chunks x
- * heads. */
+ * W, U, Kd, Qd, Pm, elast) from 0, h^T [CH][V][K] from o_hT (float32, or bf16 when
+ * state16), D bf16 [CH][C][V] from o_D, T^T bf16 [CH][C][C] (the prep's, for grad_wy)
+ * from o_Tt; CH = chunks x heads. */
 struct SavedLayout {
-  size_t plan, o_hT32, o_D, o_Tt, total;
+  size_t plan, o_hT, o_D, o_Tt, total;
 };
-SavedLayout saved_layout(const gdp_gdp_problem *p);
+SavedLayout saved_layout(const gdp_gdp_problem *p, bool state16);
+/* The format of the chunk states that travel between the v3 kernels (h^T, dH^T: the
+ * state passes write them, grad_state reads them): bf16 when GDP_CUDA_V3_STATE=bf16 and
+ * the problem is bf16, else float32.  The variable is read once per process, so a saved
+ * forward, its saved_bytes and its backward always agree (the dispatch also records the
+ * format in the saved object's variant code, gdp_dispatch.cu).  Every use of the stored
+ * copies but one is a bf16 tensor-core operand, rounded the same way (round to nearest)
+ * either way; the exception is grad_state's <dH, h> (gate gradient), which then reads
+ * the rounded values (kernels/cuda/NOTES.md, "bf16 chunk states"). */
+bool state16(const gdp_gdp_problem *p);
 bool keep_u_residual();
 }  // namespace v3
 }  // namespace gdpcu

@@ -1,0 +1,142 @@
+/*
+ * gdp_v3_stage.cuh -- the per-warp shared-memory staging of variant 3's state passes
+ * (gdp_fwd_v3.cu's state pass, gdp_bwd_v3.cu's recompute and reverse passes): the
+ * transposed chunk states h^T / dH^T (float32, or bf16 with GDP_CUDA_V3_STATE=bf16) and
+ * the D / dD tiles go from mma fragments to a warp's staging buffer and out as whole-row
+ * 16-byte stores.  One definition for both files (they had grown identical copies).
+ */
+#ifndef GDP_KERNELS_CUDA_V3_STAGE_CUH
+#define GDP_KERNELS_CUDA_V3_STAGE_CUH
+
+#include <stdint.h>
+
+#include "gdp_chunk.cuh"
+#include "mma_sm90.cuh"
+
+namespace gdpcu {
+namespace v3 {
+
+/* A warp's h^T float32 staging buffer (h^T / dH^T stores, stage_hT32_half below): eight
+ * rows of K floats, each padded by 32 bytes so that the eight rows of one fragment store
+ * start 8 banks apart (2 wavefronts per 256-byte STS.64, the minimum). */
+template <int K, int C>
+struct HtStage {
+  static constexpr int row = K * 4 + 32;
+  /* the same buffer then stages the warp's D tile (C rows of 16 bf16, stage_dfrags):
+   * rows 48 bytes apart, so the four rows of one 2-byte fragment store fall in distinct
+   * banks and every row starts on 16 bytes */
+  static constexpr int drow = 48;
+  /* bf16 h^T, dH^T (GDP_CUDA_V3_STATE=bf16, stage_hT16_half): rows of 2K + 16 bytes */
+  static constexpr int row16 = K * 2 + 16;
+  static constexpr int warp_bytes = 8 * row > C * drow ? 8 * row : C * drow;
+  static_assert(8 * row16 <= warp_bytes, "bf16 staging fits");
+};
+
+/* h^T float32 [V][K] per (chunk, head), half of a warp's 16 rows at a time: the
+ * accumulator tiles X[nt][e] = S^T[x][r], x = xw + grp + 8(e/2), r = 8nt + 2tig + e%2;
+ * half hf takes e = 2hf, 2hf+1, i.e. rows xw + 8hf + grp, whole (K floats each).
+ * The fragments go to the warp's staging buffer (HtStage, at stage0 + warp * warp_bytes;
+ * row grp, float 8nt + 2tig) and come back as whole rows, lane l taking float4 l % (K/4)
+ * of row l / (K/4): each STG.128 then writes 512 contiguous bytes (four full 128-byte
+ * lines) at `grow` = global row xw + 8hf.  The same floats at the same addresses as the
+ * 8-byte stores straight from the fragments that this replaces, which touched 8 lines
+ * per instruction with 32 bytes each: 4x the L2 requests (ncu: L2 85-92% busy in these
+ * passes, DRAM 55-60%).  Plain shared and global stores, no bulk async copy: on sm_90 the
+ * bulk-store wait (cp.async.bulk.wait_group.read) compiles to the same DEPBAR on SB0 as
+ * the panels' cp.async.wait_group, so it would drain the panel prefetch too.  The first
+ * __syncwarp orders the previous half's reads of the buffer (all lanes) before these
+ * writes; the second, the writes before the reads. */
+template <int K, int C>
+__device__ __forceinline__ void stage_hT32_half(unsigned char *stage0, float *grow, const float (&X)[K / 8][4],
+                                                int hf) {
+  constexpr int kF4 = K / 4;      /* float4 per row */
+  constexpr int kRows = 32 / kF4; /* rows per warp instruction: 1 (K = 128), 2 (K = 64) */
+  /* thread index re-read here (volatile: not hoisted), so no lane-derived address stays
+   * live across the chunk loop: the passes run at up to 255 registers */
+  uint32_t tid;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+  const int lane = (int)(tid & 31);
+  unsigned char *buf = stage0 + (tid >> 5) * HtStage<K, C>::warp_bytes;
+  __syncwarp();
+  float *s = reinterpret_cast<float *>(buf + (lane >> 2) * HtStage<K, C>::row) + 2 * (lane & 3);
+#pragma unroll
+  for (int nt = 0; nt < K / 8; nt++)
+    *reinterpret_cast<float2 *>(s + nt * 8) = hf ? make_float2(X[nt][2], X[nt][3]) : make_float2(X[nt][0], X[nt][1]);
+  __syncwarp();
+  const int r = lane / kF4, c4 = lane % kF4;
+  const unsigned char *src = buf + r * HtStage<K, C>::row + c4 * 16;
+  float *dst = grow + r * K + c4 * 4;
+#pragma unroll
+  for (int i = 0; i < 8; i += kRows)
+    *reinterpret_cast<float4 *>(dst + i * K) = *reinterpret_cast<const float4 *>(src + i * HtStage<K, C>::row);
+}
+
+/* The same half-row store of h^T in bf16 (GDP_CUDA_V3_STATE=bf16; [V][K] as above, 2
+ * bytes per element): each accumulator pair rounded once to nearest (pack_bf16: the bits
+ * of the A fragments Sa, and of grad_state's own rounding of a float32 copy), staged as
+ * one 4-byte word per nt in rows of 2K + 16 bytes (word grp (K/2 + 4) + 4nt + tig: the
+ * 32 lanes of a store hit 32 distinct banks), read back as whole rows, lane l taking
+ * 16 bytes l % (K/8) of row l / (K/8): each STG.128 writes 512 contiguous bytes (two rows
+ * at K = 128, four at K = 64), four per half.  Syncs as in stage_hT32_half. */
+template <int K, int C>
+__device__ __forceinline__ void stage_hT16_half(unsigned char *stage0, bf16 *grow, const float (&X)[K / 8][4],
+                                                int hf) {
+  constexpr int kRow = HtStage<K, C>::row16;
+  constexpr int kU4 = K / 8;      /* 16-byte pieces per row */
+  constexpr int kRows = 32 / kU4; /* rows per warp instruction: 2 (K = 128), 4 (K = 64) */
+  uint32_t tid;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+  const int lane = (int)(tid & 31);
+  unsigned char *buf = stage0 + (tid >> 5) * HtStage<K, C>::warp_bytes;
+  __syncwarp();
+  unsigned char *s = buf + (lane >> 2) * kRow + 4 * (lane & 3);
+#pragma unroll
+  for (int nt = 0; nt < K / 8; nt++)
+    *reinterpret_cast<uint32_t *>(s + nt * 16) = hf ? pack_bf16(X[nt][2], X[nt][3]) : pack_bf16(X[nt][0], X[nt][1]);
+  __syncwarp();
+  const int r = lane / kU4, c16 = lane % kU4;
+  const unsigned char *src = buf + r * kRow + c16 * 16;
+  bf16 *dst = grow + r * K + c16 * 8;
+#pragma unroll
+  for (int i = 0; i < 8; i += kRows)
+    *reinterpret_cast<uint4 *>(dst + i * K) = *reinterpret_cast<const uint4 *>(src + i * kRow);
+}
+
+/* A bf16 [C][V] tile from the warp's C/16 A fragments (D, dD: register q of A[kt] =
+ * M[16kt + 2tig + 8(q/2) + {0,1}][xw + grp + 8(q%2)], each XOR `flip`), through the warp's
+ * staging buffer (HtStage: row j at j * drow, the 16 columns xw.. contiguous): 2-byte
+ * shared stores, then lane l copies 16 bytes (columns 8(l%2)..+7) of row l/2 (+16i), so
+ * every STG.128 writes 16 rows x 32 bytes, one whole sector per row.  `g` = row 0, column
+ * xw.  The 2-byte global stores this replaces wrote each sector in two 16-byte halves
+ * (2x the L2 requests).  Syncs as in stage_hT32_half. */
+template <int K, int C>
+__device__ __forceinline__ void stage_dfrags(unsigned char *stage0, bf16 *g, int64_t ld,
+                                             const uint32_t (&A)[C / 16][4], uint32_t flip) {
+  constexpr int kRow = HtStage<K, C>::drow;
+  uint32_t tid;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+  const int lane = (int)(tid & 31);
+  unsigned char *buf = stage0 + (tid >> 5) * HtStage<K, C>::warp_bytes;
+  __syncwarp();
+  unsigned char *s = buf + 2 * (lane & 3) * kRow + (lane >> 2) * 2;
+#pragma unroll
+  for (int kt = 0; kt < C / 16; kt++)
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+      const uint32_t v = A[kt][q] ^ flip;
+      unsigned char *e = s + (16 * kt + 8 * (q >> 1)) * kRow + 16 * (q & 1);
+      *reinterpret_cast<uint16_t *>(e) = (uint16_t)(v & 0xffffu);
+      *reinterpret_cast<uint16_t *>(e + kRow) = (uint16_t)(v >> 16);
+    }
+  __syncwarp();
+  const int r = lane >> 1, h16 = (lane & 1) * 16;
+#pragma unroll
+  for (int i = 0; i < C; i += 16)
+    *reinterpret_cast<uint4 *>(reinterpret_cast<unsigned char *>(g + (i + r) * ld) + h16) =
+        *reinterpret_cast<const uint4 *>(buf + (i + r) * kRow + h16);
+}
+
+}  // namespace v3
+}  // namespace gdpcu
+
+#endif /* GDP_KERNELS_CUDA_V3_STAGE_CUH */
