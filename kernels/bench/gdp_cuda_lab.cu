@@ -589,9 +589,10 @@ static int selftest(void) {
 static const char *variant_name(int v) {
   static char buf[32];
   if (v == 1) return "recurrent";
-  /* GDP_CUDA_V3_STATE=bf16 (bf16 chunk states between the v3 kernels) marks its lines */
+  /* bf16 chunk states between the v3 kernels (the default; GDP_CUDA_V3_STATE=f32 for the
+   * float32 ones) mark their lines */
   const char *st = getenv("GDP_CUDA_V3_STATE");
-  const bool s16 = st && !strcmp(st, "bf16");
+  const bool s16 = !(st && !strcmp(st, "f32"));
   if (v == 3) {
     const char *g = getenv("GDP_CUDA_V3_GRAD");
     return g && !strcmp(g, "v2") ? "chunk_v3_gradv2" : s16 ? "chunk_v3_s16" : "chunk_v3";
