@@ -5,9 +5,10 @@
 # against the float64 oracle (variant 3, and variant 5 = v3 saving for backward where the
 # tree's lab has it) and racecheck on a small problem; then medians of 10 at the four
 # benchmark shapes; then the per-kernel profile at 4 x 4096, n = 2 and the A/Bs a tree's
-# switches ask for (found by grepping its kernels): GDP_CUDA_V3_STATE=bf16 (checked,
-# memchecked and racechecked too, then timed against f32), GDP_CUDA_V3_PREP_WU=old|new
-# (=compare in the checks), the saving pass's BV, GDP_CUDA_V3_GRAD_AHEAD.  Every stage after the
+# switches ask for (found by grepping its kernels): the checks once more with float32
+# chunk states (GDP_CUDA_V3_STATE=f32) and in the switches' compare modes (old and new
+# kernels byte-identical), the saving pass's BV, GDP_CUDA_V3_GRAD_AHEAD; the settled
+# switches' timing A/Bs with SETTLED_AB=1.  Every stage after the
 # builds is skipped once BUDGET_S (default 540) seconds have passed, so the call ends
 # inside the device's 10-minute limit with what it has.  SKIP_MAIN=1 leaves the working
 # tree's own lab out (another script checked it); SKIP_BUILD=1 takes the labs already
@@ -71,16 +72,12 @@ for t in "${trees[@]}"; do
     GDP_CUDA_V3_PREP_WU=compare timeout 120 $L check $(variants "$t") > "$OUT/check_${n}_wu.log" 2>&1
     say "[PREP_WU=compare] check rc=$? $(grep -E 'check:' "$OUT/check_${n}_wu.log" | tail -1)"
   fi
-  # bf16 chunk states between the kernels (GDP_CUDA_V3_STATE=bf16): the check, memcheck
-  # and racecheck once more with them
+  # chunk states between the kernels: bf16 (the default for bf16 problems since session
+  # 5) or float32 (GDP_CUDA_V3_STATE=f32, kept for A/B): the check once more in float32
   if grep -q GDP_CUDA_V3_STATE "$t/kernels/cuda/gdp_fwd_v3.cu"; then
-    GDP_CUDA_V3_STATE=bf16 timeout 120 $L check $(variants "$t") > "$OUT/check_${n}_s16.log" 2>&1
-    say "[STATE=bf16] check rc=$? $(grep -E 'check:' "$OUT/check_${n}_s16.log" | tail -1)"
-    grep -E "FAIL" "$OUT/check_${n}_s16.log" | head -5 | tee -a "$LOG"
-    for nn in 2 3; do
-      GDP_CUDA_V3_STATE=bf16 timeout 60 compute-sanitizer --tool memcheck $L bench 1 300 $nn $(variants "$t") --reps 1 2>&1 | grep -E "ERROR SUMMARY" | sed "s/^/[STATE=bf16 n=$nn memcheck] /" | tee -a "$LOG"
-      GDP_CUDA_V3_STATE=bf16 timeout 60 compute-sanitizer --tool racecheck $L bench 1 300 $nn $(variants "$t") --reps 1 2>&1 | grep -E "RACECHECK SUMMARY" | sed "s/^/[STATE=bf16 n=$nn racecheck] /" | tee -a "$LOG"
-    done
+    GDP_CUDA_V3_STATE=f32 timeout 120 $L check $(variants "$t") > "$OUT/check_${n}_s32.log" 2>&1
+    say "[STATE=f32] check rc=$? $(grep -E 'check:' "$OUT/check_${n}_s32.log" | tail -1)"
+    grep -E "FAIL" "$OUT/check_${n}_s32.log" | head -5 | tee -a "$LOG"
   fi
   # dstate / the recompute's state pass with a new schedule (GDP_CUDA_V3_DSTATE,
   # GDP_CUDA_V3_STATES): =compare runs the old and the new kernel and fails unless their
@@ -116,29 +113,21 @@ for t in "${trees[@]}"; do
   left "profile $n" || break
   say "===== $n profile 4 4096 2"
   GDP_CUDA_PROFILE=1 timeout 30 $L bench 4 4096 2 v3 --reps 2 2>&1 | grep -E "^    " | grep -v " 0.0000 ms" | tee -a "$LOG"
-  if grep -q GDP_CUDA_V3_STATE "$t/kernels/cuda/gdp_fwd_v3.cu"; then
-    # float32 vs bf16 chunk states: medians and per-kernel times side by side
-    # (the f32 medians are the bench stage's)
-    for s in "4 4096 1" "4 4096 2" "4 4096 3" "1 32768 2"; do
-      left "state bf16 medians" || break
-      GDP_CUDA_V3_STATE=bf16 timeout 40 $L bench $s $(variants "$t") --reps 10 2>&1 | grep -E "chunk_v3|v3_save" | sed "s/^/[STATE=bf16 $s] /" | tee -a "$LOG"
-    done
-    ab_profile "state|dstate|gradients" "4 4096 1|4 4096 2|4 4096 3" \
-      "STATE=f32 GDP_CUDA_V3_STATE=f32" "STATE=bf16 GDP_CUDA_V3_STATE=bf16"
-  fi
-  if [ "${PREP_WU_AB:-0}" = 1 ] && grep -q GDP_CUDA_V3_PREP_WU "$t/kernels/cuda/gdp_fwd_v3.cu"; then
-    # (measured in session 4; PREP_WU_AB=1 to time it again)
-    ab_profile "chunk_v3 |v3_saved |prep" "4 4096 1|4 4096 2|4 4096 3" \
-      "PREP_WU=old GDP_CUDA_V3_PREP_WU=old" "PREP_WU=new GDP_CUDA_V3_PREP_WU=new"
-  fi
-  if grep -q GDP_CUDA_V3_DSTATE "$t/kernels/cuda/gdp_bwd_v3.cu"; then
-    # dstate's and the recompute state pass's old schedules against the default
-    ab_profile "chunk_v3 |v3_saved |state gradients|states v3" "4 4096 1|4 4096 2|4 4096 3|1 32768 2" \
-      "DSTATE=old GDP_CUDA_V3_DSTATE=old GDP_CUDA_V3_STATES=old" "DSTATE=default"
-  fi
-  if grep -q GDP_CUDA_V3_PREP_SOLVE "$t/kernels/cuda/gdp_fwd_v3.cu"; then
-    # the prep's triangular solve: row-serial (=rows) against the default
-    ab_profile "prep" "4 4096 1|4 4096 2|4 4096 3" "PREP_SOLVE=rows GDP_CUDA_V3_PREP_SOLVE=rows" "PREP_SOLVE=default"
+  # The switches settled in sessions 4 and 5 (state format, W/U phase, dstate schedule,
+  # prep solve: results/cuda/session5/6_ab/ has their library A/B): timed again only with
+  # SETTLED_AB=1.
+  if [ "${SETTLED_AB:-0}" = 1 ]; then
+    grep -q GDP_CUDA_V3_STATE "$t/kernels/cuda/gdp_fwd_v3.cu" &&
+      ab_profile "state|dstate|gradients" "4 4096 1|4 4096 2|4 4096 3" \
+        "STATE=f32 GDP_CUDA_V3_STATE=f32" "STATE=bf16 GDP_CUDA_V3_STATE=bf16"
+    grep -q GDP_CUDA_V3_PREP_WU "$t/kernels/cuda/gdp_fwd_v3.cu" &&
+      ab_profile "chunk_v3 |v3_saved |prep" "4 4096 1|4 4096 2|4 4096 3" \
+        "PREP_WU=old GDP_CUDA_V3_PREP_WU=old" "PREP_WU=new GDP_CUDA_V3_PREP_WU=new"
+    grep -q GDP_CUDA_V3_DSTATE "$t/kernels/cuda/gdp_bwd_v3.cu" &&
+      ab_profile "chunk_v3 |v3_saved |state gradients|states v3" "4 4096 1|4 4096 2|4 4096 3|1 32768 2" \
+        "DSTATE=old GDP_CUDA_V3_DSTATE=old GDP_CUDA_V3_STATES=old" "DSTATE=default"
+    grep -q GDP_CUDA_V3_PREP_SOLVE "$t/kernels/cuda/gdp_fwd_v3.cu" &&
+      ab_profile "prep" "4 4096 1|4 4096 2|4 4096 3" "PREP_SOLVE=rows GDP_CUDA_V3_PREP_SOLVE=rows" "PREP_SOLVE=default"
   fi
   if [ "$(variants "$t")" != v3 ] && left "bv64 n=3"; then
     # the saving pass's value-block width at n = 3 (plain pass's choice vs 64)
