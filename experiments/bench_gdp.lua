@@ -54,6 +54,11 @@
 -- usual and the saving path's under saving_* (saving_fwd_ms, saving_fwdbwd_ms, ...,
 -- saving_speedup_fwd/_fwdbwd against fla) in the JSON and the table (not in the CSV,
 -- whose header stays fixed).
+-- With --against-fla, fla_bench.py also times each fla pass "queued" (launched while a
+-- spin kernel holds the stream, so the events see GPU time only, without Python's launch
+-- time); the JSON then has fla_fwd_queued_ms, fla_fwdbwd_queued_ms, fla_fwd_host_ms,
+-- fla_fwdbwd_host_ms, speedup_fwdbwd_queued (and saving_speedup_fwdbwd_queued), or
+-- fla_queued_note saying why not; the table adds fla_q_fb, speedup_q_fb, sv_speedup_q_fb.
 --
 -- Output: a table on stdout (stderr with --json, whose stdout is ONE JSON object: the
 -- configuration, command, ceilings, flop_count, fla's versions, and `shapes`, an array of
@@ -495,6 +500,17 @@ if opts.against_fla then
         row.saving_speedup_fwd = row.fla_fwd_ms / row.saving_fwd_ms
         row.saving_speedup_fwdbwd = row.fla_fwdbwd_ms / row.saving_fwdbwd_ms
       end
+      -- fla's queued (GPU-only) timing, where fla_bench.py made one: its launch time
+      -- hidden behind a spin, against our times as measured (host included)
+      row.fla_queued_note = type(r.queued_note) == "string" and r.queued_note or nil
+      row.fla_fwd_host_ms, row.fla_fwdbwd_host_ms = tonumber(r.fwd_host_ms), tonumber(r.fwdbwd_host_ms)
+      row.fla_fwd_queued_ms, row.fla_fwdbwd_queued_ms = tonumber(r.fwd_queued_ms), tonumber(r.fwdbwd_queued_ms)
+      if row.fla_fwdbwd_queued_ms and row.fwdbwd_ms then
+        row.speedup_fwdbwd_queued = row.fla_fwdbwd_queued_ms / row.fwdbwd_ms
+      end
+      if row.fla_fwdbwd_queued_ms and row.saving_fwdbwd_ms then
+        row.saving_speedup_fwdbwd_queued = row.fla_fwdbwd_queued_ms / row.saving_fwdbwd_ms
+      end
     else
       row.fla_error = fla_err or "fla_bench.py gave no times for " .. shape_text(s)
       if fla then failures[#failures + 1] = "fla: " .. row.fla_error end
@@ -604,6 +620,12 @@ elseif #rows > 0 then
   if opts.with_saving then for _, h in ipairs({ "sv_fwd", "sv_fwdbwd" }) do header[#header + 1] = h end end
   if has_fla then for _, h in ipairs({ "fla_fwd", "fla_fwdbwd", "speedup_fwd", "speedup_fb" }) do header[#header + 1] = h end end
   if has_fla and opts.with_saving then header[#header + 1] = "sv_speedup_fb" end
+  local has_queued = false
+  for _, r in ipairs(rows) do has_queued = has_queued or r.fla_fwdbwd_queued_ms ~= nil end
+  if has_queued then
+    for _, h in ipairs({ "fla_q_fb", "speedup_q_fb" }) do header[#header + 1] = h end
+    if opts.with_saving then header[#header + 1] = "sv_speedup_q_fb" end
+  end
   if has_ceil then for _, h in ipairs({ "of_mm", "of_copy", "floor_ms", "gap" }) do header[#header + 1] = h end end
   if has_fla and has_ceil then for _, h in ipairs({ "fla_of_mm", "fla_gap" }) do header[#header + 1] = h end end
   local lines = {}
@@ -616,6 +638,10 @@ elseif #rows > 0 then
       for _, k in ipairs({ "fla_fwd_ms", "fla_fwdbwd_ms", "speedup_fwd", "speedup_fwdbwd" }) do l[#l + 1] = r[k] or "-" end
     end
     if has_fla and opts.with_saving then l[#l + 1] = r.saving_speedup_fwdbwd or "-" end
+    if has_queued then
+      for _, k in ipairs({ "fla_fwdbwd_queued_ms", "speedup_fwdbwd_queued" }) do l[#l + 1] = r[k] or "-" end
+      if opts.with_saving then l[#l + 1] = r.saving_speedup_fwdbwd_queued or "-" end
+    end
     if has_ceil then
       for _, k in ipairs({ "fraction_of_bf16_matmul", "fraction_of_copy", "floor_fwdbwd_ms", "gap_fwdbwd" }) do
         l[#l + 1] = r[k] or "-"
@@ -627,6 +653,13 @@ elseif #rows > 0 then
     lines[i] = l
   end
   say("%s", util.format_table(header, lines, "%.4g"))
+  if has_queued then
+    say("# fla_q_fb: fla's forward+backward with its launches queued behind a spin (GPU time only); " ..
+        "speedup_q_fb = that / our ms as measured (host included)")
+  end
+  for i, r in ipairs(rows) do
+    if r.fla_queued_note then say("# fla %s: queued timing: %s", shape_text(shapes[i]), r.fla_queued_note) end
+  end
   if fla then
     say("# fla %s (commit %s), torch %s, triton %s, on %s", tostring(fla.fla_version or "?"),
         tostring(fla.fla_commit or "unknown"), tostring(fla.torch or "?"), tostring(fla.triton or "?"),

@@ -32,7 +32,9 @@ end
 
 -- The stub: times fwd_ms = B*T*n / 1000, fwdbwd_ms = 3 * that (as strings JSON must
 -- carry); STUB_CHECK replaces the --check answer, STUB_DROP leaves that shape out,
--- STUB_PYTHONPATH makes it fail (exit 4) unless PYTHONPATH starts with it.
+-- STUB_PYTHONPATH makes it fail (exit 4) unless PYTHONPATH starts with it.  Queued
+-- (GPU-only) times are half the eager ones, host times 0.25 / 0.5 ms; STUB_QNOTE makes
+-- the queued figures null with that note instead.
 local STUB = [=[
 local args = table.concat(arg, " ")
 if arg[1] == "--check" then
@@ -51,8 +53,12 @@ local rows = {}
 for b, t, n in shapes:gmatch("(%d+)x(%d+)x(%d+)") do
   if b .. "x" .. t .. "x" .. n ~= os.getenv("STUB_DROP") then
     local ms = b * t * n / 1000
+    local qnote = os.getenv("STUB_QNOTE")
+    local queued = qnote and string.format('"fwd_queued_ms": null, "fwdbwd_queued_ms": null, "fwd_host_ms": null, ' ..
+      '"fwdbwd_host_ms": null, "queued_note": "%s"', qnote) or string.format('"fwd_queued_ms": %.17g, ' ..
+      '"fwdbwd_queued_ms": %.17g, "fwd_host_ms": 0.25, "fwdbwd_host_ms": 0.5, "queued_note": null', ms / 2, 1.5 * ms)
     rows[#rows + 1] = string.format('{"B": %s, "T": %s, "n": %s, "H": 2, "K": 16, "V": 16, "fwd_ms": %.17g, ' ..
-      '"fwd_min_ms": NaN, "fwdbwd_ms": %.17g, "fwdbwd_min_ms": Infinity, "note": null}', b, t, n, ms, 3 * ms)
+      '"fwd_min_ms": NaN, "fwdbwd_ms": %.17g, "fwdbwd_min_ms": Infinity, "note": null, %s}', b, t, n, ms, 3 * ms, queued)
   end
 end
 print("noise {not json} on stdout first")
@@ -166,6 +172,12 @@ describe("bench_gdp --shapes and --against-fla (cpu, fla stubbed)", function()
       assert.near(ms / s.fwd_ms, s.speedup_fwd, 1e-12 * s.speedup_fwd)
       assert.near(3 * ms / s.fwdbwd_ms, s.speedup_fwdbwd, 1e-12 * s.speedup_fwdbwd)
       assert.near(s.B * s.T / (3 * ms / 1e3), s.fla_tokens_per_s, 1e-9 * s.fla_tokens_per_s)
+      -- fla's queued (GPU-only) figures, against our times as measured
+      assert.are.equal(ms / 2, s.fla_fwd_queued_ms)
+      assert.are.equal(1.5 * ms, s.fla_fwdbwd_queued_ms)
+      assert.are.equal(0.5, s.fla_fwdbwd_host_ms)
+      assert.near(1.5 * ms / s.fwdbwd_ms, s.speedup_fwdbwd_queued, 1e-12 * s.speedup_fwdbwd_queued)
+      assert.is_nil(s.fla_queued_note)
     end
     -- the stub was given the shapes, H/K/V, the repeats and no --final-state (and fla's
     -- folder first on PYTHONPATH, which it checked)
@@ -189,11 +201,34 @@ describe("bench_gdp --shapes and --against-fla (cpu, fla stubbed)", function()
       assert.near(3 * ms / s.saving_fwdbwd_ms, s.saving_speedup_fwdbwd, 1e-12 * s.saving_speedup_fwdbwd)
       assert.near(ms / s.saving_fwd_ms, s.saving_speedup_fwd, 1e-12 * s.saving_speedup_fwd)
       assert.near(s.B * s.T / (s.saving_fwdbwd_ms / 1e3), s.saving_tokens_per_s, 1e-9 * s.saving_tokens_per_s)
+      assert.near(1.5 * ms / s.saving_fwdbwd_ms, s.saving_speedup_fwdbwd_queued,
+                  1e-12 * s.saving_speedup_fwdbwd_queued)
     end
     -- both ways at once is refused before anything is timed
     local out2, rc2 = sh(base .. " --with-saving --save-for-backward")
     assert.are.equal(2, rc2, out2)
     assert.truthy(out2:find("--with-saving times the plain path and the saving path", 1, true), out2)
+  end)
+
+  it("--against-fla keeps fla's eager times and says why when its queued timing is missing", function()
+    if not has_dkjson then pending("dkjson (busted's dependency) not found") return end
+    local note = "host time 25.00 ms reaches the 20 ms spin"
+    local cmd = "STUB_QNOTE=" .. util.shell_quote(note) .. " " .. base .. " --dtype bf16 --shapes 1x32x1 " ..
+                "--against-fla --no-save --fla-cmd " .. util.shell_quote("luajit " .. stub)
+    local out, rc = sh(cmd .. " --json 2>/dev/null")
+    assert.are.equal(0, rc, out)
+    local r = decode(out)
+    assert.are.equal("ok", r.status, r.error)
+    local s = r.shapes[1]
+    assert.are.equal(3 * 32 / 1000, s.fla_fwdbwd_ms)
+    assert.is_nil(s.fla_fwdbwd_queued_ms)
+    assert.is_nil(s.speedup_fwdbwd_queued)
+    assert.are.equal(note, s.fla_queued_note)
+    -- the table says it too, and has no queued columns
+    local table_out, rc2 = sh(cmd .. " 2>&1")
+    assert.are.equal(0, rc2, table_out)
+    assert.truthy(table_out:find("# fla 1x32x1: queued timing: " .. note, 1, true), table_out)
+    assert.falsy(table_out:find("fla_q_fb", 1, true), table_out)
   end)
 
   it("--against-fla records a shape fla left out, and fla failures, as errors (exit status 1)", function()

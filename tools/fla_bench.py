@@ -10,15 +10,28 @@ CUDA-event timings after warm-up; the gradients of the leaves are cleared before
 repeat, outside the timed region, so no repeat pays for accumulating into .grad.  Inputs
 are larger than the L2 at the benchmark shapes, so no rotation is needed.
 
+Two timings of each pass.  "Eager" (fwd_ms, fwdbwd_ms): events around the Python call as
+a training loop issues it, so when the host launches fla's ~30 Triton kernels and the
+autograd graph slower than the GPU runs them, host time is inside.  "Queued"
+(fwd_queued_ms, fwdbwd_queued_ms): the stream is first held by a ~20 ms spin kernel
+(torch.cuda._sleep), so the whole pass is launched before the GPU reaches it and the
+events see GPU time only; fwd_host_ms / fwdbwd_host_ms are the host's launch times
+(perf_counter around the call).  When a pass synchronises with the GPU inside (the host
+then waits for the spin), its host time reaches the spin and the queued figure is
+dropped with a note in queued_note.  --no-queued skips this timing.
+
 usage: PYTHONPATH=.fla python3 tools/fla_bench.py [--shapes 4x4096x2,1x32768x2] [--H 16]
            [--K 128] [--V 128] [--reps 30] [--warmup 5] [--seed 1234] [--final-state]
+           [--no-queued]
        python3 tools/fla_bench.py --check    # prints "ok" or what is missing (exit 1)
 
 --shapes: comma-separated BxTxn (batch x tokens per sequence x Householder steps), the
 syntax of bench_gdp.lua --shapes.  Output: {"tool", "dtype", "fla_version", "fla_commit",
 "fla_path", "torch", "triton", "python", "device", "final_state", "H", "K", "V", "reps",
 "warmup", "rows": [{"B", "T", "n", "H", "K", "V", "fwd_ms", "fwd_min_ms", "fwdbwd_ms",
-"fwdbwd_min_ms"}, ...]}; times in milliseconds, medians unless named _min_.
+"fwdbwd_min_ms", "fwd_queued_ms", "fwdbwd_queued_ms", "fwd_host_ms", "fwdbwd_host_ms",
+"queued_note"}, ...]}; times in milliseconds, medians unless named _min_; the queued
+fields are null (with queued_note saying why) when that timing was skipped or invalid.
 """
 import argparse
 import json
@@ -111,7 +124,53 @@ def time_ms(fn, reps, warmup, reset):
     return statistics.median(times), min(times), max(times)
 
 
-def bench(op, B, T, n, H, K, V, reps, warmup, seed, final_state):
+# The spin that holds the stream while a queued pass is launched: long against any
+# pass's host time here (a few ms), short enough that 2 x reps of them stay cheap.
+QUEUE_SPIN_MS = 20.0
+
+
+def spin_cycles_per_ms():
+    """GPU clock cycles per millisecond of torch.cuda._sleep, measured with events."""
+    import torch
+    cycles = 10_000_000
+    torch.cuda._sleep(cycles)  # first call loads the kernel
+    torch.cuda.synchronize()
+    a = torch.cuda.Event(enable_timing=True)
+    b = torch.cuda.Event(enable_timing=True)
+    a.record()
+    torch.cuda._sleep(cycles)
+    b.record()
+    b.synchronize()
+    return cycles / max(a.elapsed_time(b), 1e-3)
+
+
+def time_queued_ms(fn, reps, reset, cycles_per_ms):
+    """Median GPU-only ms of fn (the stream held by a spin while fn launches), median host
+    ms of launching it, and None or a note when the queued figure is not valid."""
+    import time
+    import torch
+    gpu, host = [], []
+    for _ in range(reps):
+        reset()
+        torch.cuda.synchronize()
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(int(QUEUE_SPIN_MS * cycles_per_ms))
+        a.record()
+        t0 = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t0) * 1e3)
+        b.record()
+        b.synchronize()
+        gpu.append(a.elapsed_time(b))
+    note = None
+    if statistics.median(host) > 0.5 * QUEUE_SPIN_MS:
+        note = (f"host time {statistics.median(host):.2f} ms reaches the {QUEUE_SPIN_MS:.0f} ms spin: "
+                "the pass waits for the GPU inside, so the queued figure would include host gaps")
+    return statistics.median(gpu), statistics.median(host), note
+
+
+def bench(op, B, T, n, H, K, V, reps, warmup, seed, final_state, cycles_per_ms, queued_off):
     import torch
     import torch.nn.functional as F
     torch.manual_seed(seed)
@@ -145,7 +204,22 @@ def bench(op, B, T, n, H, K, V, reps, warmup, seed, final_state):
     f = time_ms(fwd, reps, warmup, reset)
     fb = time_ms(fwdbwd, reps, warmup, reset)
     row = {"B": B, "T": T, "n": n, "H": H, "K": K, "V": V,
-           "fwd_ms": f[0], "fwd_min_ms": f[1], "fwdbwd_ms": fb[0], "fwdbwd_min_ms": fb[1]}
+           "fwd_ms": f[0], "fwd_min_ms": f[1], "fwdbwd_ms": fb[0], "fwdbwd_min_ms": fb[1],
+           "fwd_queued_ms": None, "fwdbwd_queued_ms": None, "fwd_host_ms": None,
+           "fwdbwd_host_ms": None, "queued_note": queued_off}
+    if cycles_per_ms:
+        # the eager figures stand whatever happens here
+        try:
+            fq = time_queued_ms(fwd, reps, reset, cycles_per_ms)
+            fbq = time_queued_ms(fwdbwd, reps, reset, cycles_per_ms)
+            row.update({"fwd_host_ms": fq[1], "fwdbwd_host_ms": fbq[1],
+                        "queued_note": "; ".join(x for x in (fq[2], fbq[2]) if x) or None})
+            if fq[2] is None:
+                row["fwd_queued_ms"] = fq[0]
+            if fbq[2] is None:
+                row["fwdbwd_queued_ms"] = fbq[0]
+        except Exception as e:  # noqa: BLE001 -- reported in the row, eager times kept
+            row["queued_note"] = f"queued timing failed: {type(e).__name__}: {e}"
     del q, k, v, g, beta, do, dht, leaves
     torch.cuda.empty_cache()
     return row
@@ -163,6 +237,8 @@ def main():
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--final-state", action="store_true",
                     help="return ht and take a dht in the backward (bench_gdp's default)")
+    ap.add_argument("--no-queued", action="store_true",
+                    help="skip the queued (GPU-only) timing of each pass")
     ap.add_argument("--check", action="store_true",
                     help="print 'ok' or what is missing (exit status 1), time nothing")
     a = ap.parse_args()
@@ -180,12 +256,20 @@ def main():
     import torch
     import triton
     op = load_fla()
+    cycles_per_ms, queued_off = None, "skipped (--no-queued)"
+    if not a.no_queued:
+        try:
+            cycles_per_ms = spin_cycles_per_ms()
+        except Exception as e:  # noqa: BLE001 -- the eager timing does not need the spin
+            queued_off = f"no spin kernel: {type(e).__name__}: {e}"
     rows = []
     for B, T, n in shapes:
-        r = bench(op, B, T, n, a.H, a.K, a.V, a.reps, a.warmup, a.seed, a.final_state)
+        r = bench(op, B, T, n, a.H, a.K, a.V, a.reps, a.warmup, a.seed, a.final_state, cycles_per_ms, queued_off)
         rows.append(r)
-        print(f"fla B={B} T={T} n={n}: fwd {r['fwd_ms']:.3f} ms, fwd+bwd {r['fwdbwd_ms']:.3f} ms",
-              file=sys.stderr, flush=True)
+        queued = ("" if r["fwdbwd_queued_ms"] is None else
+                  f"; queued (GPU only) fwd+bwd {r['fwdbwd_queued_ms']:.3f} ms, host {r['fwdbwd_host_ms']:.3f} ms")
+        print(f"fla B={B} T={T} n={n}: fwd {r['fwd_ms']:.3f} ms, fwd+bwd {r['fwdbwd_ms']:.3f} ms{queued}"
+              + (f" ({r['queued_note']})" if r["queued_note"] else ""), file=sys.stderr, flush=True)
     out = {"tool": "fla chunk_gated_delta_product", "dtype": "bf16",
            "torch": torch.__version__, "triton": triton.__version__,
            "python": platform.python_version(), "device": torch.cuda.get_device_name(),
