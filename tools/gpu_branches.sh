@@ -44,6 +44,21 @@ ab_profile() {
     done; IFS=' '
   done
 }
+# same_bits VAR=value FILE: where tree $t's kernels/cuda/FILE reads VAR, `lab check` once
+# more with VAR=value; its per-run error lines must equal the default check's
+# ($OUT/check_<tree>.log) digit for digit.
+same_bits() {
+  local var=${1%%=*} log
+  grep -q "\"$var\"" "$t/kernels/cuda/$2" || return 0
+  log="$OUT/check_${n}_${var#GDP_CUDA_V3_}.log"
+  env "$1" timeout 120 $L check $(variants "$t") > "$log" 2>&1
+  local rc=$?
+  if diff <(grep -E "^(chunk|v3|v5)" "$OUT/check_$n.log") <(grep -E "^(chunk|v3|v5)" "$log") > "$log.diff"; then
+    say "[$1] check rc=$rc, errors identical to the default's"
+  else
+    say "[$1] check rc=$rc, errors DIFFER from the default's ($(grep -c '^<' "$log.diff") lines; $log.diff)"
+  fi
+}
 build_all() {
   for t in "${trees[@]}"; do
     ( cd "$t" && bash "$root/tools/gpu_lab_build.sh" "/tmp/lab-$(name "$t")" > "$OUT/build_$(name "$t").log" 2>&1 ) &
@@ -94,6 +109,27 @@ for t in "${trees[@]}"; do
     GDP_CUDA_V3_PCOL=f32 timeout 120 $L check $(variants "$t") > "$OUT/check_${n}_pcol.log" 2>&1
     say "[PCOL=f32] check rc=$? $(grep -E 'check:' "$OUT/check_${n}_pcol.log" | tail -1)"
   fi
+  # switches that keep an old schedule with the same bits (session 5's lab/next3: the prep's
+  # block order / W/U owners, grad_state's dH^T copy, grad_wy's schedule): the check once
+  # more on the old path, its error lines diffed against the default run's
+  same_bits GDP_CUDA_V3_PREP=old gdp_fwd_v3.cu
+  same_bits GDP_CUDA_V3_GSPIPE=old gdp_bwd_v3.cu
+  same_bits GDP_CUDA_V3_WY=old gdp_bwd_v3.cu
+  same_bits GDP_CUDA_V3_PASSES=old gdp_fwd_v3.cu
+  same_bits GDP_CUDA_V3_PASSES=ks2 gdp_fwd_v3.cu
+  # the two-warp state pass with four pairs per block (BV = 64)
+  if grep -q '"GDP_CUDA_V3_PASSES"' "$t/kernels/cuda/gdp_fwd_v3.cu"; then
+    for nn in 1 2; do
+      GDP_CUDA_V3_PASSES=ks2 GDP_CUDA_V3_BV=64 timeout 60 compute-sanitizer --tool racecheck $L bench 1 300 $nn v3 --reps 1 2>&1 | grep -E "RACECHECK SUMMARY" | sed "s/^/[PASSES=ks2 BV=64 n=$nn racecheck] /" | tee -a "$LOG"
+    done
+    GDP_CUDA_V3_PASSES=ks2 timeout 60 compute-sanitizer --tool memcheck $L bench 1 300 2 v3 --reps 1 2>&1 | grep -E "ERROR SUMMARY" | sed "s/^/[PASSES=ks2 memcheck] /" | tee -a "$LOG"
+  fi
+  # grad_wy's old and new kernels on the same inputs (dk, dv byte-identical; dbeta, dg
+  # within a bf16 step: shared-memory atomics)
+  if grep -q '"GDP_CUDA_V3_WY"' "$t/kernels/cuda/gdp_bwd_v3.cu"; then
+    GDP_CUDA_V3_WY=compare timeout 120 $L check $(variants "$t") > "$OUT/check_${n}_wycmp.log" 2>&1
+    say "[WY=compare] check rc=$? $(grep -E 'check:' "$OUT/check_${n}_wycmp.log" | tail -1)"
+  fi
   # a gradient kernel that prefetches a later block's inputs (GDP_CUDA_V3_GS_AHEAD): its
   # addresses, at a distance the small problem reaches (off by default)
   if grep -q GDP_CUDA_V3_GS_AHEAD "$t/kernels/cuda/gdp_bwd_v3.cu"; then
@@ -129,6 +165,16 @@ for t in "${trees[@]}"; do
     grep -q GDP_CUDA_V3_PREP_SOLVE "$t/kernels/cuda/gdp_fwd_v3.cu" &&
       ab_profile "prep" "4 4096 1|4 4096 2|4 4096 3" "PREP_SOLVE=rows GDP_CUDA_V3_PREP_SOLVE=rows" "PREP_SOLVE=default"
   fi
+  # session 5's switches: old against new, the kernel each one touches
+  grep -q '"GDP_CUDA_V3_PREP"' "$t/kernels/cuda/gdp_fwd_v3.cu" &&
+    ab_profile "prep" "4 4096 1|4 4096 2|4 4096 3" "PREP=old GDP_CUDA_V3_PREP=old" "PREP=default"
+  grep -q '"GDP_CUDA_V3_GSPIPE"' "$t/kernels/cuda/gdp_bwd_v3.cu" &&
+    ab_profile "state part" "4 4096 1|4 4096 2|4 4096 3" "GSPIPE=old GDP_CUDA_V3_GSPIPE=old" "GSPIPE=default"
+  grep -q '"GDP_CUDA_V3_WY"' "$t/kernels/cuda/gdp_bwd_v3.cu" &&
+    ab_profile "WY part" "4 4096 1|4 4096 2|4 4096 3" "WY=old GDP_CUDA_V3_WY=old" "WY=default"
+  grep -q '"GDP_CUDA_V3_PASSES"' "$t/kernels/cuda/gdp_fwd_v3.cu" &&
+    ab_profile "chunk_v3 |state\+output" "1 32768 2|1 32768 1|4 4096 2|4 4096 1" \
+      "PASSES=old GDP_CUDA_V3_PASSES=old" "PASSES=default" "PASSES=ks2 GDP_CUDA_V3_PASSES=ks2"
   if [ "$(variants "$t")" != v3 ] && left "bv64 n=3"; then
     # the saving pass's value-block width at n = 3 (plain pass's choice vs 64)
     GDP_CUDA_V3_BV=64 GDP_CUDA_PROFILE=1 timeout 30 $L bench 4 4096 3 v5 --reps 2 2>&1 | grep -E "v3_saved |state" | sed "s/^/[BV=64 4 4096 3] /" | tee -a "$LOG"
