@@ -124,6 +124,13 @@ for t in "${trees[@]}"; do
     done
     GDP_CUDA_V3_PASSES=ks2 timeout 60 compute-sanitizer --tool memcheck $L bench 1 300 2 v3 --reps 1 2>&1 | grep -E "ERROR SUMMARY" | sed "s/^/[PASSES=ks2 memcheck] /" | tee -a "$LOG"
   fi
+  # D's rounding residual in the state update (GDP_CUDA_V3_DLO=1, lab/dgk; changes dg,
+  # ht and the saving forward's o): the check with it, for the errors side by side
+  if grep -q '"GDP_CUDA_V3_DLO"' "$t/kernels/cuda/gdp_fwd_v3.cu"; then
+    GDP_CUDA_V3_DLO=1 timeout 120 $L check $(variants "$t") > "$OUT/check_${n}_dlo.log" 2>&1
+    say "[DLO=1] check rc=$? $(grep -E 'check:' "$OUT/check_${n}_dlo.log" | tail -1)"
+    GDP_CUDA_V3_DLO=1 timeout 60 compute-sanitizer --tool racecheck $L bench 1 300 2 $(variants "$t") --reps 1 2>&1 | grep -E "RACECHECK SUMMARY" | sed "s/^/[DLO=1 racecheck] /" | tee -a "$LOG"
+  fi
   # grad_wy's old and new kernels on the same inputs (dk, dv byte-identical; dbeta, dg
   # within a bf16 step: shared-memory atomics)
   if grep -q '"GDP_CUDA_V3_WY"' "$t/kernels/cuda/gdp_bwd_v3.cu"; then
@@ -172,6 +179,8 @@ for t in "${trees[@]}"; do
     ab_profile "state part" "4 4096 1|4 4096 2|4 4096 3" "GSPIPE=old GDP_CUDA_V3_GSPIPE=old" "GSPIPE=default"
   grep -q '"GDP_CUDA_V3_WY"' "$t/kernels/cuda/gdp_bwd_v3.cu" &&
     ab_profile "WY part" "4 4096 1|4 4096 2|4 4096 3" "WY=old GDP_CUDA_V3_WY=old" "WY=default"
+  grep -q '"GDP_CUDA_V3_DLO"' "$t/kernels/cuda/gdp_fwd_v3.cu" &&
+    ab_profile "chunk_v3 |v3_saved |states v3|saving h" "4 4096 2|4 4096 1" "DLO=1 GDP_CUDA_V3_DLO=1" "DLO=default"
   grep -q '"GDP_CUDA_V3_PASSES"' "$t/kernels/cuda/gdp_fwd_v3.cu" &&
     ab_profile "chunk_v3 |state\+output" "1 32768 2|1 32768 1|4 4096 2|4 4096 1" \
       "PASSES=old GDP_CUDA_V3_PASSES=old" "PASSES=default" "PASSES=ks2 GDP_CUDA_V3_PASSES=ks2"
