@@ -44,19 +44,27 @@ ab_profile() {
     done; IFS=' '
   done
 }
+# check_with TAG SUFFIX ENV=value...: tree $t's `lab check` under ENV, logged to
+# $OUT/check_<tree>_SUFFIX.log; its verdict (and any FAIL lines) as [TAG].
+check_with() {
+  local tag=$1 log="$OUT/check_${n}_$2.log"; shift 2
+  env "$@" timeout 120 $L check $(variants "$t") > "$log" 2>&1
+  say "[$tag] check rc=$? $(grep -E 'check:' "$log" | tail -1)"
+  grep -E "FAIL" "$log" | head -5 | tee -a "$LOG"
+}
 # same_bits VAR=value FILE: where tree $t's kernels/cuda/FILE reads VAR, `lab check` once
 # more with VAR=value; its per-run error lines must equal the default check's
 # ($OUT/check_<tree>.log) digit for digit.
 same_bits() {
-  local var=${1%%=*} log
+  local var=${1%%=*}
   grep -q "\"$var\"" "$t/kernels/cuda/$2" || return 0
-  log="$OUT/check_${n}_${var#GDP_CUDA_V3_}.log"
-  env "$1" timeout 120 $L check $(variants "$t") > "$log" 2>&1
-  local rc=$?
+  local sfx=${var#GDP_CUDA_V3_}_${1#*=}
+  local log="$OUT/check_${n}_$sfx.log"
+  check_with "${1#GDP_CUDA_V3_}" "$sfx" "$1"
   if diff <(grep -E "^(chunk|v3|v5)" "$OUT/check_$n.log") <(grep -E "^(chunk|v3|v5)" "$log") > "$log.diff"; then
-    say "[$1] check rc=$rc, errors identical to the default's"
+    say "[${1#GDP_CUDA_V3_}] errors identical to the default's"
   else
-    say "[$1] check rc=$rc, errors DIFFER from the default's ($(grep -c '^<' "$log.diff") lines; $log.diff)"
+    say "[${1#GDP_CUDA_V3_}] errors DIFFER from the default's ($(grep -c '^<' "$log.diff") lines; $log.diff)"
   fi
 }
 build_all() {
@@ -84,30 +92,25 @@ for t in "${trees[@]}"; do
   # a prep with two W/U phases (GDP_CUDA_V3_PREP_WU): every prep call of the check runs
   # both and fails unless their panels are byte-identical
   if grep -q GDP_CUDA_V3_PREP_WU "$t/kernels/cuda/gdp_fwd_v3.cu"; then
-    GDP_CUDA_V3_PREP_WU=compare timeout 120 $L check $(variants "$t") > "$OUT/check_${n}_wu.log" 2>&1
-    say "[PREP_WU=compare] check rc=$? $(grep -E 'check:' "$OUT/check_${n}_wu.log" | tail -1)"
+    check_with PREP_WU=compare wu GDP_CUDA_V3_PREP_WU=compare
   fi
   # chunk states between the kernels: bf16 (the default for bf16 problems since session
   # 5) or float32 (GDP_CUDA_V3_STATE=f32, kept for A/B): the check once more in float32
   if grep -q GDP_CUDA_V3_STATE "$t/kernels/cuda/gdp_fwd_v3.cu"; then
-    GDP_CUDA_V3_STATE=f32 timeout 120 $L check $(variants "$t") > "$OUT/check_${n}_s32.log" 2>&1
-    say "[STATE=f32] check rc=$? $(grep -E 'check:' "$OUT/check_${n}_s32.log" | tail -1)"
-    grep -E "FAIL" "$OUT/check_${n}_s32.log" | head -5 | tee -a "$LOG"
+    check_with STATE=f32 s32 GDP_CUDA_V3_STATE=f32
   fi
   # dstate / the recompute's state pass with a new schedule (GDP_CUDA_V3_DSTATE,
   # GDP_CUDA_V3_STATES): =compare runs the old and the new kernel and fails unless their
   # outputs are byte-identical
   if grep -q GDP_CUDA_V3_DSTATE "$t/kernels/cuda/gdp_bwd_v3.cu"; then
     for st in f32 bf16; do
-      GDP_CUDA_V3_STATE=$st GDP_CUDA_V3_DSTATE=compare GDP_CUDA_V3_STATES=compare timeout 120 $L check $(variants "$t") > "$OUT/check_${n}_dstate_$st.log" 2>&1
-      say "[DSTATE=compare STATE=$st] check rc=$? $(grep -E 'check:' "$OUT/check_${n}_dstate_$st.log" | tail -1)"
+      check_with "DSTATE=compare STATE=$st" dstate_$st GDP_CUDA_V3_STATE=$st GDP_CUDA_V3_DSTATE=compare GDP_CUDA_V3_STATES=compare
     done
   fi
   # dg's P-column sums from the rounded Ps'' (GDP_CUDA_V3_PCOL=f32: the float sums): the
   # check once more the old way, for the errors side by side (check_<tree>_pcol.log)
   if grep -q GDP_CUDA_V3_PCOL "$t/kernels/cuda/gdp_bwd_v3.cu"; then
-    GDP_CUDA_V3_PCOL=f32 timeout 120 $L check $(variants "$t") > "$OUT/check_${n}_pcol.log" 2>&1
-    say "[PCOL=f32] check rc=$? $(grep -E 'check:' "$OUT/check_${n}_pcol.log" | tail -1)"
+    check_with PCOL=f32 pcol GDP_CUDA_V3_PCOL=f32
   fi
   # switches that keep an old schedule with the same bits (session 5's lab/next3: the prep's
   # block order / W/U owners, grad_state's dH^T copy, grad_wy's schedule): the check once
@@ -127,15 +130,13 @@ for t in "${trees[@]}"; do
   # D's rounding residual in the state update (GDP_CUDA_V3_DLO=1, lab/dgk; changes dg,
   # ht and the saving forward's o): the check with it, for the errors side by side
   if grep -q '"GDP_CUDA_V3_DLO"' "$t/kernels/cuda/gdp_fwd_v3.cu"; then
-    GDP_CUDA_V3_DLO=1 timeout 120 $L check $(variants "$t") > "$OUT/check_${n}_dlo.log" 2>&1
-    say "[DLO=1] check rc=$? $(grep -E 'check:' "$OUT/check_${n}_dlo.log" | tail -1)"
+    check_with DLO=1 dlo GDP_CUDA_V3_DLO=1
     GDP_CUDA_V3_DLO=1 timeout 60 compute-sanitizer --tool racecheck $L bench 1 300 2 $(variants "$t") --reps 1 2>&1 | grep -E "RACECHECK SUMMARY" | sed "s/^/[DLO=1 racecheck] /" | tee -a "$LOG"
   fi
   # grad_wy's old and new kernels on the same inputs (dk, dv byte-identical; dbeta, dg
   # within a bf16 step: shared-memory atomics)
   if grep -q '"GDP_CUDA_V3_WY"' "$t/kernels/cuda/gdp_bwd_v3.cu"; then
-    GDP_CUDA_V3_WY=compare timeout 120 $L check $(variants "$t") > "$OUT/check_${n}_wycmp.log" 2>&1
-    say "[WY=compare] check rc=$? $(grep -E 'check:' "$OUT/check_${n}_wycmp.log" | tail -1)"
+    check_with WY=compare wycmp GDP_CUDA_V3_WY=compare
   fi
   # a gradient kernel that prefetches a later block's inputs (GDP_CUDA_V3_GS_AHEAD): its
   # addresses, at a distance the small problem reaches (off by default)
