@@ -436,16 +436,53 @@ template <int K, int V, int C>
 struct PrepWuSched {
   static constexpr PrepSched<(K / 64 + V / 64) * (C / 16), PrepWuCost<C>> wu{};
 };
+/* The same items, costed for the prep that also stores U's residual (STORE_ULO): there a
+ * U item stores twice the pieces of a W item (8 staged 16-byte stores instead of 4, with
+ * the residual's arithmetic), so besides its k tiles (r + 1 of them) an item costs half a
+ * k tile per staged piece: W 2(r + 1) + 2, U 2(r + 1) + 4 (in half tiles).  PrepWuCost's
+ * schedule gives warp g all items of 64-column group g -- at K = V = 128 warps 2 and 3 run
+ * every U item, so they alone carry the residual (32 staged stores each against the W
+ * warps' 16) and end the block; this one gives every warp 2 W and 2 U items (24 each)
+ * with the same 10 k tiles a warp (K = V = 128, C = 64; every shape: prep_wu_owner_bits_ulo). */
+template <int C, int GK>
+struct PrepWuCostUlo {
+  static constexpr int of(int i) { return 2 * (i % (C / 16) + 1) + (i / (C / 16) >= GK ? 4 : 2); }
+};
+template <int K, int V, int C>
+struct PrepWuSchedUlo {
+  static constexpr PrepSched<(K / 64 + V / 64) * (C / 16), PrepWuCostUlo<C, K / 64>> wu{};
+};
 
 /* The owners of PrepWuSched's items as a 2-bit-per-item mask (at most 16 items), so that
  * the staged W/U phase can walk its items in a runtime loop: its code then exists once
  * per item kind instead of once per item. */
-template <int K, int V, int C>
+template <int K, int V, int C, bool ULO_COST = false>
 __host__ __device__ constexpr uint32_t prep_wu_owner_bits() {
   uint32_t bits = 0;
   for (int i = 0; i < (K / 64 + V / 64) * (C / 16); i++)
-    bits |= (uint32_t)PrepWuSched<K, V, C>::wu.owner[i] << (2 * i);
+    bits |= (uint32_t)(ULO_COST ? PrepWuSchedUlo<K, V, C>::wu.owner[i] : PrepWuSched<K, V, C>::wu.owner[i])
+            << (2 * i);
   return bits;
+}
+/* The owners the prep that stores U's residual runs with: PrepWuSchedUlo's where its most
+ * loaded warp (in PrepWuCostUlo's units) carries less than PrepWuSched's, else
+ * PrepWuSched's (K, V, C = 128, 128, 64: 36 -> 32; 128, 128, 48: 24 -> 22; 128, 128, 32:
+ * 14 -> 12; kept at 64, 64, 32 / 64, 128, 32 / 64, 128, 64 / 128, 64, 48, where it is a
+ * tie).  The items, and what each computes, are the same: only which warp runs them. */
+template <int K, int V, int C>
+__host__ __device__ constexpr uint32_t prep_wu_owner_bits_ulo() {
+  constexpr int NI = (K / 64 + V / 64) * (C / 16);
+  int load_old[4] = {0, 0, 0, 0}, load_new[4] = {0, 0, 0, 0};
+  for (int i = 0; i < NI; i++) {
+    load_old[PrepWuSched<K, V, C>::wu.owner[i]] += PrepWuCostUlo<C, K / 64>::of(i);
+    load_new[PrepWuSchedUlo<K, V, C>::wu.owner[i]] += PrepWuCostUlo<C, K / 64>::of(i);
+  }
+  int max_old = 0, max_new = 0;
+  for (int w = 0; w < 4; w++) {
+    max_old = load_old[w] > max_old ? load_old[w] : max_old;
+    max_new = load_new[w] > max_new ? load_new[w] : max_new;
+  }
+  return max_new < max_old ? prep_wu_owner_bits<K, V, C, true>() : prep_wu_owner_bits<K, V, C, false>();
 }
 
 /* stmatrix (sm_90): the inverse of ldsm_x4 -- register i of thread t (row t/4, columns
@@ -724,10 +761,9 @@ __device__ __forceinline__ void prep_split_solve(const float *sA, float *sBuf, c
  *  - every output through prep_stage_store: 16-byte stores of 64 contiguous bytes per
  *    row instead of 4-byte stores of 16. */
 template <int K, int V, int C, bool STORE_ULO, class L>
-__device__ __forceinline__ void prep_wu_staged(const GdpArgs &a, int64_t CHi, uint32_t s0) {
+__device__ __forceinline__ void prep_wu_staged(const GdpArgs &a, int64_t CHi, uint32_t s0, uint32_t owners) {
   constexpr int GK = K / 64, NR = C / 16, NI = (GK + V / 64) * NR;
   static_assert(NI <= 16, "owner bits");
-  constexpr uint32_t owners = prep_wu_owner_bits<K, V, C>();
   const int warp = (int)threadIdx.x >> 5, lane = (int)threadIdx.x & 31;
   const int trow = ((lane >> 3) & 1) * 8 + (lane & 7), tcol = (lane >> 4) * 8;
   const int aoff = ((lane >> 4) * 8 + (lane & 7)) * L::ldT + ((lane >> 3) & 1) * 8;
@@ -824,16 +860,24 @@ __device__ __forceinline__ void prep_wu_staged(const GdpArgs &a, int64_t CHi, ui
  * 102-106 registers unasked).  Same bits as without.
  */
 template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO, bool WU_STAGED, bool SPLIT>
-__global__ void __launch_bounds__(128, SPLIT && C == 32 ? 5 : 4) prep_kernel_v3(GdpArgs a, bf16 *Tt) {
+__global__ void __launch_bounds__(128, SPLIT && C == 32 ? 5 : 4)
+    prep_kernel_v3(GdpArgs a, bf16 *Tt, uint32_t wu_owners, int head_first) {
   using L = PrepLayout<K, V, C, TC, WU_STAGED, SPLIT>;
   static_assert(K % 64 == 0 && V % 64 == 0 && C % 16 == 0 && TC % 16 == 0 && C <= 64 && TC <= 32 &&
                     C % TC == 0,
                 "prep shapes");
   constexpr int n = C / TC; /* tokens of n key rows: the launcher pairs (C, TC) with n */
   extern __shared__ __align__(128) unsigned char smem[];
-  const int c = blockIdx.x, h = blockIdx.y;
+  const int H = a.H;
+  /* head_first (PrepRun, set by the launcher): a 1-D grid, block b = (chunk b / H, head b % H), so the
+   * blocks resident together read the same tokens' rows of all heads (whole 4 KB token
+   * rows of k, q, v at H = 16, K = 128) and write neighbouring panels; otherwise the 2-D
+   * grid (chunk, head), chunk fastest: one head across the whole sequence at a time,
+   * 256 bytes of each 4 KB token row */
+  const int c = head_first ? (int)(blockIdx.x / (unsigned)H) : (int)blockIdx.x;
+  const int h = head_first ? (int)(blockIdx.x - (unsigned)c * (unsigned)H) : (int)blockIdx.y;
   const ChunkInfo ci = a.chunks[c];
-  const int H = a.H, nv = ci.ntok * n;
+  const int nv = ci.ntok * n;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, grp = lane >> 2, tig = lane & 3;
   const int64_t CHi = (int64_t)c * H + h;
   const int64_t krow0 = (int64_t)ci.t0 * n;
@@ -1051,7 +1095,7 @@ __global__ void __launch_bounds__(128, SPLIT && C == 32 ? 5 : 4) prep_kernel_v3(
    * A fragments come from the transposed panels by ldmatrix.trans: matrix m = lane/8
    * covers k rows kt 16 + 8(m/2).. and T rows rb + 8(m%2).. */
   if constexpr (WU_STAGED) {
-    prep_wu_staged<K, V, C, STORE_ULO, L>(a, CHi, s0);
+    prep_wu_staged<K, V, C, STORE_ULO, L>(a, CHi, s0, wu_owners);
   } else {
     constexpr int GK = K / 64, NR = C / 16, NI = (GK + V / 64) * NR;
     const int trow = ((lane >> 3) & 1) * 8 + (lane & 7), tcol = (lane >> 4) * 8;
@@ -1179,15 +1223,41 @@ static int choose_bv(const Plan &plan, bool save) {
   return best;
 }
 
+/* How a prep launch runs, besides its kernel: the block order and, in the staged W/U
+ * phase, which warp runs which W/U item (prep_kernel_v3 takes both as arguments; neither
+ * changes a bit of the output). */
+struct PrepRun {
+  bool head_first; /* 1-D grid, heads fastest (prep_kernel_v3's head_first) */
+  bool ulo_sched;  /* the residual-aware W/U owners (prep_wu_owner_bits_ulo) where U's residual is stored */
+};
+
+/* GDP_CUDA_V3_PREP: unset = heads-first block order and the residual-aware W/U owners
+ * (session 5, helper prep5; NOTES.md "The prep's block order"); =old = the chunk-first
+ * order and PrepWuSched's owners (main's kernel before it, for the A/B); =oldorder /
+ * =oldsched = only that one of the two back (to time them apart). */
+static PrepRun prep_run_wanted() {
+  const char *env = getenv("GDP_CUDA_V3_PREP");
+  PrepRun r = {true, true};
+  if (env && (strcmp(env, "old") == 0 || strcmp(env, "oldorder") == 0)) r.head_first = false;
+  if (env && (strcmp(env, "old") == 0 || strcmp(env, "oldsched") == 0)) r.ulo_sched = false;
+  return r;
+}
+
 template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO, bool WU_STAGED, bool SPLIT>
-static gdp_status launch_prep_kernel(const Plan &plan, bf16 *Tt) {
+static gdp_status launch_prep_kernel(const Plan &plan, bf16 *Tt, PrepRun run) {
   using L = PrepLayout<K, V, C, TC, WU_STAGED, SPLIT>;
   auto kern = prep_kernel_v3<K, V, C, TC, STORE_T, STORE_ULO, WU_STAGED, SPLIT>;
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
   /* four blocks of up to 54.5 KB per SM need (nearly) all of the unified L1 as shared memory */
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout,
                                     cudaSharedmemCarveoutMaxShared));
-  kern<<<dim3((unsigned)plan.a.nchunks, (unsigned)plan.a.H), 128, L::total, plan.stream>>>(plan.a, Tt);
+  const uint32_t owners =
+      STORE_ULO && run.ulo_sched ? prep_wu_owner_bits_ulo<K, V, C>() : prep_wu_owner_bits<K, V, C>();
+  /* heads first needs the chunk-head count in one grid dimension (< 2^31) */
+  const int64_t nblocks = (int64_t)plan.a.nchunks * plan.a.H;
+  const bool head_first = run.head_first && nblocks <= 0x7fffffff;
+  const dim3 grid = head_first ? dim3((unsigned)nblocks) : dim3((unsigned)plan.a.nchunks, (unsigned)plan.a.H);
+  kern<<<grid, 128, L::total, plan.stream>>>(plan.a, Tt, owners, head_first ? 1 : 0);
   GDP_CUDA_LAUNCHED("prep_kernel_v3");
   return GDP_OK;
 }
@@ -1220,29 +1290,41 @@ static bool prep_wu_compare() {
 
 /* GDP_CUDA_V3_PREP_WU=compare (lab only: synchronises, copies the panels to the host):
  * the unrolled W/U phase with the row-serial solve (the reference), then the staged phase
- * with the row-serial solve, then the staged phase with the split solve (SPLIT), all over
- * the same plan; W, U, U's residual, T^T, Kd, Qd and Pm must come out byte for byte the
- * same, otherwise GDP_ERR_INTERNAL names the kernel and the panel. */
+ * with the row-serial solve, then the staged phase with the split solve (SPLIT), these
+ * three in the chunk-first block order with PrepWuSched's owners, then the default kernel
+ * (SPLIT) in the heads-first order with the residual-aware owners; all over the same
+ * plan, every panel poisoned (all bytes 0xff: bf16 NaN) before each kernel after the
+ * first, so that an element a kernel leaves unwritten cannot pass.  W, U, U's residual,
+ * T^T, Kd, Qd, Pm and e^{last} must come out byte for byte the same, otherwise
+ * GDP_ERR_INTERNAL names the kernel and the panel. */
 template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO>
 static gdp_status compare_prep_wu(const Plan &plan, bf16 *Tt) {
   const GdpArgs &a = plan.a;
   const size_t chunk_heads = (size_t)a.nchunks * (size_t)a.H;
-  constexpr int NP = 7;
+  constexpr int NP = 8, NK = 4;
   const size_t bytes[NP] = {chunk_heads * C * K * 2,
                             chunk_heads * C * V * 2,
                             STORE_ULO ? chunk_heads * C * V * 2 : 0,
                             STORE_T ? chunk_heads * C * C * 2 : 0,
                             chunk_heads * C * K * 2,
                             chunk_heads * TC * K * 2,
-                            chunk_heads * TC * C * 2};
-  const void *panels[NP] = {a.W, a.U, a.Ulo, Tt, a.Kd, a.Qd, a.Pm};
-  static const char *names[NP] = {"W", "U", "U's residual", "T^T", "Kd", "Qd", "Pm"};
-  static const char *kernels[3] = {"unrolled W/U", "staged W/U", "staged W/U with the split solve"};
+                            chunk_heads * TC * C * 2,
+                            chunk_heads * 4};
+  void *panels[NP] = {a.W, a.U, a.Ulo, Tt, a.Kd, a.Qd, a.Pm, a.elast};
+  static const char *names[NP] = {"W", "U", "U's residual", "T^T", "Kd", "Qd", "Pm", "e^last"};
+  static const char *kernels[NK] = {"unrolled W/U", "staged W/U", "staged W/U with the split solve",
+                                    "the default prep (split solve, heads first, residual-aware W/U owners)"};
+  const PrepRun old_run = {false, false}, new_run = {true, true};
   std::vector<unsigned char> ref[NP], got[NP];
-  for (int pass = 0; pass < 3; pass++) {
-    const gdp_status st = pass == 0   ? launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, false, false>(plan, Tt)
-                          : pass == 1 ? launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, true, false>(plan, Tt)
-                                      : launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, true, true>(plan, Tt);
+  for (int pass = 0; pass < NK; pass++) {
+    if (pass)
+      for (int i = 0; i < NP; i++)
+        if (bytes[i]) GDP_CUDA_TRY(cudaMemsetAsync(panels[i], 0xff, bytes[i], plan.stream));
+    const gdp_status st =
+        pass == 0   ? launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, false, false>(plan, Tt, old_run)
+        : pass == 1 ? launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, true, false>(plan, Tt, old_run)
+        : pass == 2 ? launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, true, true>(plan, Tt, old_run)
+                    : launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, true, true>(plan, Tt, new_run);
     if (st != GDP_OK) return st;
     for (int i = 0; i < NP; i++) {
       std::vector<unsigned char> &host = pass ? got[i] : ref[i];
@@ -1263,9 +1345,11 @@ static gdp_status compare_prep_wu(const Plan &plan, bf16 *Tt) {
 template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO>
 static gdp_status launch_prep_kvt(const Plan &plan, bf16 *Tt) {
   if (prep_wu_compare()) return compare_prep_wu<K, V, C, TC, STORE_T, STORE_ULO>(plan, Tt);
-  if (!prep_wu_staged_wanted()) return launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, false, false>(plan, Tt);
-  return prep_split_wanted() ? launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, true, true>(plan, Tt)
-                             : launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, true, false>(plan, Tt);
+  const PrepRun run = prep_run_wanted();
+  if (!prep_wu_staged_wanted())
+    return launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, false, false>(plan, Tt, run);
+  return prep_split_wanted() ? launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, true, true>(plan, Tt, run)
+                             : launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, true, false>(plan, Tt, run);
 }
 
 template <int K, int V, int C, int TC>
