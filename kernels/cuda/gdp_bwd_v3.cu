@@ -880,8 +880,23 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
     dot = warp_sum(dot);
     if (lane == 0) sDot[warp] = dot;
   }
-  /* h is read again after P3a: keep it in L2 until then */
-  if (tid == 0) prefetch_l2_bulk(gH, kSB);
+  /* vectors (float4, or S16 8 bf16) of h^T per thread: 4 .. 16 (S16: 2 .. 8); at most 8
+   * are held across the rest of the item (16 spill at K = V = 128 under the 128-register
+   * cap), the others load after it */
+  constexpr int nvecH = V * K / kEPV, perH = nvecH / 256, earlyH = perH < 8 ? perH : 8;
+  static_assert(nvecH % 256 == 0 && perH <= 16 && perH - earlyH <= earlyH, "h^T reload: two rounds at most");
+  static_assert(!NP || perH == earlyH, "NP: the whole h^T reload is held for the dot");
+  SV hv[earlyH];
+  if constexpr (NP) {
+    /* the h^T reload (L2, prefetched at the start) is issued here, before the barrier and
+     * this warp's D dH^T products, so its latency hides behind P3a; held in registers for
+     * the dot and the store over dH^T (loads only: same bits) */
+    const SV *ph = (const SV *)gH;
+#pragma unroll
+    for (int u = 0; u < earlyH; u++) hv[u] = __ldcs(ph + u * 256 + tid);
+  } else if (tid == 0) {
+    prefetch_l2_bulk(gH, kSB); /* h is read again after P3a: keep it in L2 until then */
+  }
   if constexpr (NP) cp_async_wait<1>(); /* dH^T (dD is waited for before P3b) */
   else cp_async_wait<0>();              /* dD (read from P3b on; the barriers below publish it) */
   __syncthreads();
@@ -893,13 +908,6 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
    * flight; the barrier then only guards the shared-memory overwrite. */
   constexpr int nP3 = (C / 16) * (K / 64);
   static_assert(nP3 <= 8, "one P3 item per warp");
-  /* vectors (float4, or S16 8 bf16) of h^T per thread: 4 .. 16 (S16: 2 .. 8); at most 8
-   * are held across the rest of the item (16 spill at K = V = 128 under the 128-register
-   * cap), the others load after it */
-  constexpr int nvecH = V * K / kEPV, perH = nvecH / 256, earlyH = perH < 8 ? perH : 8;
-  static_assert(nvecH % 256 == 0 && perH <= 16 && perH - earlyH <= earlyH, "h^T reload: two rounds at most");
-  static_assert(!NP || perH == earlyH, "NP: the whole h^T reload is held for the dot");
-  SV hv[earlyH];
   {
     const int jb = (warp / (K / 64)) * 16, rb = (warp % (K / 64)) * 64;
     float acc[8][4] = {};
@@ -917,7 +925,7 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
         }
       }
     }
-    {
+    if constexpr (!NP) {
       /* last read of h: streaming 16-byte loads, written over dH^T after the barrier */
       const SV *ph = (const SV *)gH;
 #pragma unroll
