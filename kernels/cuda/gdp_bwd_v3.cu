@@ -621,9 +621,18 @@ struct GradStateLayout {
  * i.e. the terms of variant 2's chunk_grad_kernel phases P1-P6 (gdp_bwd.cu); the WY part
  * (T, dT, dA, dv, dbeta and the rest of dk, dg) adds to dKnA and dgcA.  Only the TC query
  * rows enter the query products (dO is zero on the other steps). */
-template <int K, int V, int C, int TC, bool S16 = false>
+template <int K, int V, int C, int TC, bool S16 = false, bool PIPE = false>
 __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradStateOut go, int ahead) {
   using L = GradStateLayout<K, V, C, TC>;
+  /* PIPE (bf16 states only; GDP_CUDA_V3_GSPIPE=old turns it off): dH^T is cp.async'ed
+   * straight into the K x V buffer with the other panels at the start (it is bf16 in
+   * global memory already, and the layout is the buffer's), instead of being read into
+   * registers after P1 and stored from there; <dH, h> is summed in P3a from the h^T
+   * reload (registers) and the dH^T vectors in shared memory, in the same per-thread
+   * order, so every output bit is as before.  Removed from the block's serial chain: the
+   * post-P1 round of 16-byte loads (one L2 round trip and its wait), and one of the two
+   * reads of h^T (32 KB of L2 traffic per block at K = V = 128). */
+  constexpr bool NP = S16 && PIPE;
   /* S16: h^T, dH^T arrive in bf16 (go.hT16, go.dHT16): 16-byte vectors of 8 elements
    * instead of float4, half the bytes; the values are the float32 copies' round-to-nearest
    * bf16, i.e. what this kernel writes to shared memory from those, so every product
@@ -662,10 +671,13 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
    * two rounds of float32 loads came first and each waited a full DRAM latency with
    * nothing else to do (ncu: 20.5 warp cycles per instruction, DRAM 52%). */
   if (tid == 0) {
-    prefetch_l2_bulk(gdH, kSB);
+    if (!NP) prefetch_l2_bulk(gdH, kSB); /* NP: copied by cp.async below */
     prefetch_l2_bulk(gH, kSB);
   }
-  copy_panel<C, V, 256>(smem + L::oD, L::ldV, a.Dbuf + CHi * C * V, V, C);
+  /* D, dD: workspace panels with all C rows (NP: without the always-true zero-fill
+   * predicate, the same bytes) */
+  if constexpr (NP) copy_panel_full<C, V, 256>(smem + L::oD, L::ldV, a.Dbuf + CHi * C * V, V);
+  else copy_panel<C, V, 256>(smem + L::oD, L::ldV, a.Dbuf + CHi * C * V, V, C);
   copy_panel<TC, V, 256>(smem + L::odO, L::ldV, d_o + ((int64_t)ci.t0 * H + h) * V, (int64_t)H * V, ci.ntok);
   copy_panel<C, K, 256>(smem + L::oKn, L::ldK, gk + (krow0 * H + h) * K, (int64_t)H * K, nv);
   copy_panel<TC, K, 256>(smem + L::oQn, L::ldK, gq + ((int64_t)ci.t0 * H + h) * K, (int64_t)H * K, ci.ntok);
@@ -677,7 +689,14 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
   if (do_ahead && tid < 4) /* the ChunkInfo's four ints, 4-byte copies (the table is only int-aligned) */
     cp_async4(smem + L::oNext + 4 * tid, (const int *)(a.chunks + lin_ahead % gridDim.x) + tid);
   cp_async_commit();
-  copy_panel<C, V, 256>(smem + L::odD, L::ldV, a.dDbuf + CHi * C * V, V, C);
+  if constexpr (NP) {
+    /* dH^T [V][K] bf16 -> the K x V buffer (rows padded): thread tid copies the 16-byte
+     * vectors e = tid + 256 u, the ones it dots with its h^T reload in P3a */
+    copy_panel_full<V, K, 256>(smem + L::oHb, L::ldK, go.dHT16 + CHi * V * K, K);
+    cp_async_commit();
+  }
+  if constexpr (NP) copy_panel_full<C, V, 256>(smem + L::odD, L::ldV, a.dDbuf + CHi * C * V, V);
+  else copy_panel<C, V, 256>(smem + L::odD, L::ldV, a.dDbuf + CHi * C * V, V, C);
   cp_async_commit();
   if (tid < C) {
     sDgc[tid] = 0.f;
@@ -701,7 +720,8 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
 #pragma unroll
       for (int r = 0; r < n; r++) sGc[lane * n + r] = acc;
   }
-  cp_async_wait<1>(); /* D, dO, k, q (this thread's copies) */
+  if constexpr (NP) cp_async_wait<2>(); /* D, dO, k, q (this thread's copies); dH^T, dD pending */
+  else cp_async_wait<1>();              /* D, dO, k, q (this thread's copies) */
   __syncthreads();
   /* The k, q rows stay raw (exact bf16) and only their norms are taken:
    * kinv, qinv = rsqrt(|x|^2 + eps).  Every product below uses the raw rows and folds the
@@ -802,7 +822,9 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
    * blocks per SM).  Two rounds of 16 16-byte loads per thread at K = V = 128; dH is read
    * once (streaming loads), h again after P3a (default caching).  The per-thread
    * summation order of the dot is e ascending in steps of 256, as before. */
-  if constexpr (S16) {
+  if constexpr (NP) {
+    /* dH^T is in shared memory already; <dH, h> is taken in P3a */
+  } else if constexpr (S16) {
     /* bf16 copies: one round of up to 8 16-byte vectors each (8 at K = V = 128); dH^T's
      * go to shared memory as they are (one 16-byte store each) */
     const uint4 *ph = (const uint4 *)gH, *pd = (const uint4 *)gdH;
@@ -858,9 +880,25 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
     dot = warp_sum(dot);
     if (lane == 0) sDot[warp] = dot;
   }
-  /* h is read again after P3a: keep it in L2 until then */
-  if (tid == 0) prefetch_l2_bulk(gH, kSB);
-  cp_async_wait<0>(); /* dD (read from P3b on; the barriers below publish it) */
+  /* vectors (float4, or S16 8 bf16) of h^T per thread: 4 .. 16 (S16: 2 .. 8); at most 8
+   * are held across the rest of the item (16 spill at K = V = 128 under the 128-register
+   * cap), the others load after it */
+  constexpr int nvecH = V * K / kEPV, perH = nvecH / 256, earlyH = perH < 8 ? perH : 8;
+  static_assert(nvecH % 256 == 0 && perH <= 16 && perH - earlyH <= earlyH, "h^T reload: two rounds at most");
+  static_assert(!NP || perH == earlyH, "NP: the whole h^T reload is held for the dot");
+  SV hv[earlyH];
+  if constexpr (NP) {
+    /* the h^T reload (L2, prefetched at the start) is issued here, before the barrier and
+     * this warp's D dH^T products, so its latency hides behind P3a; held in registers for
+     * the dot and the store over dH^T (loads only: same bits) */
+    const SV *ph = (const SV *)gH;
+#pragma unroll
+    for (int u = 0; u < earlyH; u++) hv[u] = __ldcs(ph + u * 256 + tid);
+  } else if (tid == 0) {
+    prefetch_l2_bulk(gH, kSB); /* h is read again after P3a: keep it in L2 until then */
+  }
+  if constexpr (NP) cp_async_wait<1>(); /* dH^T (dD is waited for before P3b) */
+  else cp_async_wait<0>();              /* dD (read from P3b on; the barriers below publish it) */
   __syncthreads();
 
   /* ---- P3a: per 16 steps x 64 key columns: dKnA = e^{last-gc_j} D dH^T + Ps^T qn (z_j
@@ -870,12 +908,6 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
    * flight; the barrier then only guards the shared-memory overwrite. */
   constexpr int nP3 = (C / 16) * (K / 64);
   static_assert(nP3 <= 8, "one P3 item per warp");
-  /* vectors (float4, or S16 8 bf16) of h^T per thread: 4 .. 16 (S16: 2 .. 8); at most 8
-   * are held across the rest of the item (16 spill at K = V = 128 under the 128-register
-   * cap), the others load after it */
-  constexpr int nvecH = V * K / kEPV, perH = nvecH / 256, earlyH = perH < 8 ? perH : 8;
-  static_assert(nvecH % 256 == 0 && perH <= 16 && perH - earlyH <= earlyH, "h^T reload: two rounds at most");
-  SV hv[earlyH];
   {
     const int jb = (warp / (K / 64)) * 16, rb = (warp % (K / 64)) * 64;
     float acc[8][4] = {};
@@ -893,7 +925,7 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
         }
       }
     }
-    {
+    if constexpr (!NP) {
       /* last read of h: streaming 16-byte loads, written over dH^T after the barrier */
       const SV *ph = (const SV *)gH;
 #pragma unroll
@@ -939,6 +971,27 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
         *reinterpret_cast<float2 *>(out + nt * 8) = make_float2(acc[nt][0] * n0, acc[nt][1] * n0);
         *reinterpret_cast<float2 *>(out + 8 * K + nt * 8) = make_float2(acc[nt][2] * n1, acc[nt][3] * n1);
       }
+    }
+    if constexpr (NP) {
+      /* <dH, h>: this thread's h^T vectors (the reload above) against the same vectors of
+       * dH^T, still in shared memory (h^T replaces them only after the barrier below).
+       * The old S16 path's per-thread order (u ascending, then the four pairs), so the
+       * same float sum; the products of two bf16 values are exact in float32. */
+      float dot = 0.f;
+#pragma unroll
+      for (int u = 0; u < perH; u++) {
+        const int e = u * 256 + tid;
+        const int x = (8 * e) / K, r = (8 * e) % K;
+        const uint4 dv = *reinterpret_cast<const uint4 *>(smem + L::oHb + (x * L::ldK + r) * 2);
+        const uint32_t hw[4] = {hv[u].x, hv[u].y, hv[u].z, hv[u].w}, dw[4] = {dv.x, dv.y, dv.z, dv.w};
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+          const float2 hf = unpack_bf16(hw[q]), df = unpack_bf16(dw[q]);
+          dot += hf.x * df.x + hf.y * df.y;
+        }
+      }
+      dot = warp_sum(dot);
+      if (lane == 0) sDot[warp] = dot;
     }
   }
   __syncthreads(); /* dH^T no longer read by any warp: h^T takes its place */
@@ -999,6 +1052,7 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
             make_uint2(pack_bf16(v.x, v.y), pack_bf16(v.z, v.w));
     }
   }
+  if constexpr (NP) cp_async_wait<0>(); /* dD, read from P3b on */
   __syncthreads();
 
   /* ---- P3b: dWg = -dD h^T per (16 steps x 64 key columns) */
@@ -1860,9 +1914,17 @@ static gdp_status launch_grad_state_kv(const Plan &plan, const GradStateOut &go_
    * session 3's gs3, measured slower on the H200 -- n = 2 0.74 -> 0.89 ms: its 64-column
    * key panels read k, q and the states from L2 twice -- and was dropped; NOTES.md.) */
   const bool s16 = go.hT16 != nullptr;
+  /* GDP_CUDA_V3_GSPIPE=old (lab A/B; read once): with bf16 states, the schedule before
+   * dH^T came in by cp.async with the first panels (same results bit for bit) */
+  static const bool gs_pipe = [] {
+    const char *e = getenv("GDP_CUDA_V3_GSPIPE");
+    return !(e && strcmp(e, "old") == 0);
+  }();
   if (!wy) {
     using L = GradStateLayout<K, V, C, TC>;
-    auto kern = s16 ? grad_state_kernel_v3<K, V, C, TC, true> : grad_state_kernel_v3<K, V, C, TC, false>;
+    auto kern = !s16     ? grad_state_kernel_v3<K, V, C, TC, false>
+                : gs_pipe ? grad_state_kernel_v3<K, V, C, TC, true, true>
+                          : grad_state_kernel_v3<K, V, C, TC, true, false>;
     GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
     /* two blocks per SM need the largest shared-memory carveout */
     GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
