@@ -1292,6 +1292,20 @@ __device__ __forceinline__ void grad_wy_dT_out(unsigned char *smem, uint32_t s0,
   }
 }
 
+/* W5's kn kn^T tile (ti, tj) in registers: kk += kn[ti] kn[tj]^T over K (the products and
+ * order W1 used when KK was kept in shared memory). */
+template <class L, int K>
+__device__ __forceinline__ void grad_wy_kk(uint32_t s0, int ti, int tj, const LaneMaps &m, float (&kk)[2][4]) {
+#pragma unroll
+  for (int kt = 0; kt < K / 16; kt++) {
+    uint32_t fa[4], b0, b1, b2, b3;
+    ldsm_x4(s0 + L::oKn + ((ti * 16 + m.arow) * L::ldK + kt * 16 + m.acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+    ldsm_x4(s0 + L::oKn + ((tj * 16 + m.nrow) * L::ldK + kt * 16 + m.ncol) * 2, b0, b1, b2, b3);
+    mma16816(kk[0], fa, b0, b1);
+    mma16816(kk[1], fa, b2, b3);
+  }
+}
+
 /* The WY part of the per-chunk gradients (one block of 8 warps per (chunk, head)), after
  * grad_state_kernel_v3 (its dKnA, dWg, dgcA) and the recompute's prep (T^T, bf16, the
  * only precision this kernel uses T in: every product with T is on bf16 mma operands,
@@ -1305,10 +1319,16 @@ __device__ __forceinline__ void grad_wy_dT_out(unsigned char *smem, uint32_t s0,
  *   dgc_i += sum_j dA A_ij, dgc_j -= sum_i dA A_ij
  *   dk = l2-norm backward of dKnA + dKn;  dg = reverse cumsum of dgcA + dgc (step 0 rows).
  * Warp w < (C/16)(K/64) owns the dKn item (16 steps x 64 key columns) in registers from
- * dKb to the dk store.  Blocks per SM: grad_wy_blocks. */
-template <int K, int V, int C, int TC>
+ * dKb to the dk store.  Blocks per SM: grad_wy_blocks.
+ * NEW (default; GDP_CUDA_V3_WY=old the session-5 schedule, =compare both, byte for byte):
+ * the same products in the same order, scheduled differently (NOTES.md "grad_wy wy5"):
+ * with kLateDW, W5's kn kn^T tiles are computed while dW comes in from L2 (they only read
+ * kn) instead of in W5; dKnA (and, late, dW) are prefetched into L2 again nearer their
+ * use; dg's reverse cumsum is stored by the 32 lanes of warp 7 instead of one thread. */
+template <int K, int V, int C, int TC, bool NEW = true>
 __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v3(GdpArgs a, GradStateOut go) {
   using L = GradWYLayout<K, V, C>;
+  constexpr bool kPreKK = NEW && L::kLateDW; /* W5's kk computed in the dW wait */
   constexpr int NN = C / TC, NB = C / 16, NI = (C / 16) * (K / 64), NL = NB * (NB + 1) / 2, NVB = NB * (V / 64);
   static_assert(K % 64 == 0 && V % 64 == 0 && C % 16 == 0 && C <= 64 && NI <= 8 && NL <= 10, "shapes");
   static_assert(L::total <= 76800 || grad_wy_blocks(K, V, C) < 3, "three blocks per SM fit in shared memory");
@@ -1386,6 +1406,8 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
 
   cp_async_wait<0>(); /* v, dD, dW, T^T */
   __syncthreads();
+  if constexpr (NEW && L::kLateDW) /* again, nearer its copy (W3a's end): the first may have left L2 */
+    if (tid == 32) prefetch_l2_bulk(go.dWg + CHi * C * K, C * K * 2);
 
   /* ---- W3: dVb (dv out) and the dT tiles (dT item t to warp 7 - t % 8: the dVb items
    * of the high warps are the short ones, vjb near C).  dKb = T^T dW is computed in W6,
@@ -1431,6 +1453,7 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
    * only ones dA reads, need dT[ti][m <= tj].  A warp has at most two items (NL <= 10),
    * slots s = 0, 1: item 7 - warp + 8 s.  With kLateDW the dD V^T sums (acc) are held in
    * registers (16 floats at most) while dW is copied over v (W3b). */
+  float kkp[2][2][4] = {}; /* kPreKK: W5's kk for items warp + 8 sl */
   if constexpr (!L::kLateDW) {
     for (int item = 7 - (fresh_sreg<0>() >> 5); item < NL; item += 8) {
       int ti, tj;
@@ -1457,8 +1480,20 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
       const int64_t CHl = (int64_t)fresh_sreg<1>() * H + fresh_sreg<2>();
       copy_panel<C, K, 256>(smem + L::odW, L::ldK, go.dWg + CHl * C * K, K, C);
       cp_async_commit();
-      cp_async_wait<0>();
     }
+    if constexpr (kPreKK) { /* W5's kk tiles (items warp, warp + 8) while dW is in flight */
+      const int w = fresh_sreg<0>() >> 5;
+#pragma unroll
+      for (int sl = 0; sl < 2; sl++) {
+        const int item = w + 8 * sl;
+        if (item < NL) {
+          int ti, tj;
+          lower_tile(item, ti, tj);
+          grad_wy_kk<L, K>(s0, ti, tj, lane_maps(), kkp[sl]);
+        }
+      }
+    }
+    cp_async_wait<0>();
     __syncthreads();
     /* ---- W3b: dT (over dD) from the scratch sums and dW kn^T */
     for (int item = 7 - (fresh_sreg<0>() >> 5); item < NL; item += 8) {
@@ -1474,6 +1509,9 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
 
   /* ---- W4: X = dT T^T (T[j][m] = 0 for m > j); only the lower tiles: dA[ti][tj <= ti]
    * reads X[m][tj] for m >= ti >= tj */
+  if constexpr (NEW) /* dKnA into L2 again, nearer its read (W6's end) */
+    if (fresh_sreg<0>() == 0)
+      prefetch_l2_bulk(go.dKnA + ((int64_t)fresh_sreg<1>() * H + fresh_sreg<2>()) * C * K, C * K * 4);
   for (int item = warp; item < NL; item += 8) {
     int ti, tj;
     lower_tile(item, ti, tj);
@@ -1508,13 +1546,13 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
     lower_tile(item, ti, tj);
     const LaneMaps m = lane_maps();
     float acc[2][4] = {}, kk[2][4] = {};
+    if constexpr (kPreKK) {
 #pragma unroll
-    for (int kt = 0; kt < K / 16; kt++) {
-      uint32_t fa[4], b0, b1, b2, b3;
-      ldsm_x4(s0 + L::oKn + ((ti * 16 + m.arow) * L::ldK + kt * 16 + m.acol) * 2, fa[0], fa[1], fa[2], fa[3]);
-      ldsm_x4(s0 + L::oKn + ((tj * 16 + m.nrow) * L::ldK + kt * 16 + m.ncol) * 2, b0, b1, b2, b3);
-      mma16816(kk[0], fa, b0, b1);
-      mma16816(kk[1], fa, b2, b3);
+      for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) kk[nt][e] = item >= 8 ? kkp[1][nt][e] : kkp[0][nt][e]; /* slot item / 8 */
+    } else {
+      grad_wy_kk<L, K>(s0, ti, tj, m, kk);
     }
     {
 #pragma unroll
@@ -1707,7 +1745,30 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
       }
     }
     if (tid < nv) ((bf16 *)a.dbeta)[(krow0 + tid) * H + h] = __float2bfloat16(sDb[tid]);
-    if (a.g && tid == 32 * 7) { /* reverse cumsum of the step gradients; a token's dg is its step 0's.
+    if (NEW && a.g && warp == 7) { /* as below, but the 32 lanes store: lane 0 runs the same sum
+                                    * and leaves the running values in sDgc */
+      if ((tid & 31) == 0) {
+        float dgc[C];
+#pragma unroll
+        for (int i = 0; i < C; i += 4) {
+          const float4 v4 = *reinterpret_cast<const float4 *>(sDgc + i);
+          dgc[i] = v4.x, dgc[i + 1] = v4.y, dgc[i + 2] = v4.z, dgc[i + 3] = v4.w;
+        }
+        float run = 0.f;
+#pragma unroll
+        for (int i = C - 1; i >= 0; i--) {
+          run += dgc[i];
+          dgc[i] = run;
+        }
+#pragma unroll
+        for (int i = 0; i < C; i += 4)
+          *reinterpret_cast<float4 *>(sDgc + i) = make_float4(dgc[i], dgc[i + 1], dgc[i + 2], dgc[i + 3]);
+      }
+      __syncwarp();
+      const int t = tid & 31; /* token t of the chunk: step row t n (C / n <= 32) */
+      if (t * n < C && t * n < nv) ((bf16 *)a.dg)[((int64_t)ci.t0 + t) * H + h] = __float2bfloat16(sDgc[t * n]);
+    }
+    if (!NEW && a.g && tid == 32 * 7) { /* reverse cumsum of the step gradients; a token's dg is its step 0's.
                                  * All C values are read first (vector loads), then the same
                                  * sequential sum: the chain is C adds, not C shared-memory round trips. */
       float dgc[C];
@@ -1899,6 +1960,78 @@ static gdp_status launch_seq(const Plan &plan, int bv, bool states, bool dry_run
                     : launch_seq_n<64, 64>(plan, bv, states, dry_run, occ, f32, b16);
 }
 
+/* grad_wy_kernel_v3: the new schedule, or (old) the session-5 one (GDP_CUDA_V3_WY=old). */
+template <int K, int V, int C, int TC>
+static gdp_status launch_grad_wy(const Plan &plan, const GradStateOut &go, bool old) {
+  using L = GradWYLayout<K, V, C>;
+  const dim3 grid((unsigned)plan.a.nchunks, (unsigned)plan.a.H);
+  auto kern = old ? grad_wy_kernel_v3<K, V, C, TC, false> : grad_wy_kernel_v3<K, V, C, TC, true>;
+  GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
+  GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+  kern<<<grid, 256, L::total, plan.stream>>>(plan.a, go);
+  GDP_CUDA_LAUNCHED("grad_wy_kernel_v3");
+  return GDP_OK;
+}
+
+/* GDP_CUDA_V3_WY=compare (lab only: synchronises, copies to the host): the old schedule,
+ * then the new one on the same inputs (grad_wy reads only its inputs and writes dk, dv,
+ * dbeta, dg); the four must come out byte for byte the same, otherwise GDP_ERR_INTERNAL
+ * names the buffer. */
+template <int K, int V, int C, int TC>
+static gdp_status compare_grad_wy(const Plan &plan, const GradStateOut &go) {
+  const GdpArgs &a = plan.a;
+  long long tokens = 0; /* cu[N]: all tokens */
+  GDP_CUDA_TRY(cudaMemcpyAsync(&tokens, a.cu + a.N, sizeof tokens, cudaMemcpyDeviceToHost, plan.stream));
+  GDP_CUDA_TRY(cudaStreamSynchronize(plan.stream));
+  const size_t rows = (size_t)tokens * (size_t)a.n * (size_t)a.H;
+  const size_t bytes[4] = {rows * K * 2, rows * V * 2, rows * 2, a.g ? (size_t)tokens * (size_t)a.H * 2 : 0};
+  void *bufs[4] = {a.dk, a.dv, a.dbeta, a.dg};
+  static const char *names[4] = {"dk", "dv", "dbeta", "dg"};
+  std::vector<unsigned char> got[2][4];
+  for (int pass = 0; pass < 2; pass++) {
+    /* clear the outputs first, so that a value one schedule leaves unwritten shows */
+    for (int i = 0; i < 4; i++)
+      if (bytes[i]) GDP_CUDA_TRY(cudaMemsetAsync(bufs[i], pass ? 0x5a : 0xa5, bytes[i], plan.stream));
+    const gdp_status st = launch_grad_wy<K, V, C, TC>(plan, go, pass == 0);
+    if (st != GDP_OK) return st;
+    for (int i = 0; i < 4; i++) {
+      got[pass][i].resize(bytes[i]);
+      if (bytes[i])
+        GDP_CUDA_TRY(cudaMemcpyAsync(got[pass][i].data(), bufs[i], bytes[i], cudaMemcpyDeviceToHost, plan.stream));
+    }
+    GDP_CUDA_TRY(cudaStreamSynchronize(plan.stream));
+  }
+  for (int i = 0; i < 2; i++)
+    if (bytes[i] && memcmp(got[0][i].data(), got[1][i].data(), bytes[i]) != 0)
+      return GDP_ERROR(GDP_ERR_INTERNAL, "grad_wy_kernel_v3<%d,%d,%d,%d>: old and new schedules differ in %s", K, V, C,
+                       TC, names[i]);
+  /* dbeta and dg sum shared-memory atomics from several warps, whose order is not fixed
+   * (not even between two runs of one schedule): within 2^-7 relative (a bf16 step) plus
+   * 1e-3 of the buffer's largest magnitude (cancellation in the float sums) */
+  for (int i = 2; i < 4; i++) {
+    const size_t cnt = bytes[i] / 2;
+    auto val = [&](int pass, size_t e) {
+      uint16_t u;
+      memcpy(&u, got[pass][i].data() + 2 * e, 2);
+      const uint32_t w = (uint32_t)u << 16;
+      float f;
+      memcpy(&f, &w, 4);
+      return f;
+    };
+    float amax = 0.f;
+    for (size_t e = 0; e < cnt; e++) amax = fmaxf(amax, fabsf(val(0, e)));
+    size_t bad = 0;
+    for (size_t e = 0; e < cnt; e++) {
+      const float x = val(0, e), y = val(1, e);
+      if (!(fabsf(x - y) <= 0.0078125f * fabsf(x) + 1e-3f * amax)) bad++;
+    }
+    if (bad)
+      return GDP_ERROR(GDP_ERR_INTERNAL, "grad_wy_kernel_v3<%d,%d,%d,%d>: old and new schedules differ in %s (%zu of %zu)",
+                       K, V, C, TC, names[i], bad, cnt);
+  }
+  return GDP_OK;
+}
+
 /* The per-chunk gradients: the state part, then (wy) the WY part; one 8-warp block per
  * (chunk, head) each. */
 template <int K, int V, int C, int TC>
@@ -1949,12 +2082,9 @@ static gdp_status launch_grad_state_kv(const Plan &plan, const GradStateOut &go_
     kern<<<grid, 256, L::total, plan.stream>>>(plan.a, go, ahead);
     GDP_CUDA_LAUNCHED("grad_state_kernel_v3");
   } else {
-    using L = GradWYLayout<K, V, C>;
-    auto kern = grad_wy_kernel_v3<K, V, C, TC>;
-    GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
-    GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
-    kern<<<grid, 256, L::total, plan.stream>>>(plan.a, go);
-    GDP_CUDA_LAUNCHED("grad_wy_kernel_v3");
+    static const int mode = seq_mode("GDP_CUDA_V3_WY");
+    if (mode == 2) return compare_grad_wy<K, V, C, TC>(plan, go);
+    return launch_grad_wy<K, V, C, TC>(plan, go, mode == 1);
   }
   return GDP_OK;
 }
