@@ -312,6 +312,222 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) state_kernel_v3(GdpArgs a, fl
   }
 }
 
+/* ------------------------------------------------------------------ the state pass, two warps per column tile */
+
+/* Layout of state_ks2_kernel_v3: the plain pass's stages, then per warp pair the two
+ * exchange buffers: Sa (the bf16 A fragments of S^T, K/16 tiles) and Da (those of D^T,
+ * C/16 tiles), each tile as 32 lanes x 16 bytes, so one STS.128 / LDS.128 per tile moves
+ * 512 contiguous bytes (4 wavefronts, the minimum). */
+template <int K, int C, int TC, int BV>
+struct Ks2Layout {
+  using P = Layout<K, C, TC, BV, false>;
+  static constexpr int stage = P::stage;
+  static constexpr int oXS = stage * kStages;               /* Sa tiles, per pair */
+  static constexpr int oXD = oXS + BV / 16 * (K / 16) * 512; /* Da tiles, per pair */
+  static constexpr int total = oXD + BV / 16 * (C / 16) * 512;
+};
+
+/* The plain state pass (state_kernel_v3<.., SAVE = false>) with two warps on each 16
+ * value columns (GDP_CUDA_V3_PASSES; default where the plain pass runs one-warp blocks,
+ * i.e. a few long sequences: at 1 x 32768, H = 16 the pass had 128 one-warp blocks on 132
+ * SMs, one tensor pipe of four busy per SM, and its per-chunk chain of 176 mma on one warp
+ * set the time).  Warp pair g owns value columns xw = col0 + 16g .. +15; its warp w = 0, 1:
+ *   - S^T rows' K half: St[i] = the original St[w K/16 + i] (key columns 8(w K/16 + i)..);
+ *   - D^T's C half: Dt[i] = the original Dt[w C/16 + i];
+ *   - o^T's TC half: Ot[i] = the original Ot[w TC/16 + i].
+ * Every product needs the full A operand (Sa over all K for D and o, Da over all C for o
+ * and S), so each warp publishes its half of Sa (after its S update, for the next chunk)
+ * and of Da (after D) as bf16 fragments in shared memory and both read back all tiles.
+ * Each accumulator element sees the same mma, with the same operands, in the same order
+ * as in state_kernel_v3 (D: -U^T, then kt = 0..K/16-1; o: Qd kt = 0.., then Pm; S: decay,
+ * then kt = 0..C/16-1), so o and ht are bit-identical to it; the mma per warp and chunk
+ * halve (176 -> 88 at K = 128, C = 64), as do the panel copies per thread.
+ * Ordering: the Sa tiles of chunk it are written before the loop-top __syncthreads of
+ * iteration it (the initial state's before the loop) and read after it; the Da tiles are
+ * written after it and read after the pair's named barrier (1 + g).  A warp rewrites its
+ * Sa tiles after that pair barrier, which its partner reaches only after its Sa reads;
+ * and its Da tiles after the next loop-top barrier, which its partner reaches only after
+ * its Da reads.  So one buffer each suffices.  Needs C % 32 == 0 and TC % 32 == 0 (n = 1,
+ * 2): each warp then owns whole 16-column A tiles of D and pairs of 8-column o tiles. */
+template <int K, int C, int TC, int BV>
+__global__ void __launch_bounds__(BV / 16 * 64, 1) state_ks2_kernel_v3(GdpArgs a) {
+  using P = Layout<K, C, TC, BV, false>;
+  using L = Ks2Layout<K, C, TC, BV>;
+  constexpr int NT = BV / 16 * 64;
+  static_assert(K % 32 == 0 && C % 32 == 0 && TC % 32 == 0 && BV % 16 == 0, "tile shapes");
+  constexpr int SK = K / 16, SC = C / 16, ST = TC / 16; /* 8-column tiles per warp of S, D, o */
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int s = blockIdx.x, h = blockIdx.y, col0 = blockIdx.z * BV;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = warp >> 1, w = warp & 1;
+  const int grp = lane >> 2, tig = lane & 3;
+  const int H = a.H, V = a.V;
+  const int cbeg = a.choff[s], nc = a.choff[s + 1] - cbeg;
+  const int64_t soff = ((int64_t)s * H + h) * K * V;
+  const int xw = col0 + g * 16; /* the pair's first value column */
+
+  float St[SK][4];
+#pragma unroll
+  for (int nt = 0; nt < SK; nt++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      const int r = (w * SK + nt) * 8 + 2 * tig + (e & 1), x = xw + grp + 8 * (e >> 1);
+      St[nt][e] = a.h0 ? a.h0[soff + (int64_t)r * V + x] : 0.f;
+    }
+
+  auto issue = [&](int it) {
+    if (it < nc) {
+      unsigned char *st = smem + (it % kStages) * L::stage;
+      const int64_t base = (int64_t)(cbeg + it) * H + h;
+      copy_panel<C, K, NT>(st + P::oW, P::ldK, a.W + base * C * K, K);
+      copy_panel<C, K, NT>(st + P::oKd, P::ldK, a.Kd + base * C * K, K);
+      copy_panel<TC, K, NT>(st + P::oQd, P::ldK, a.Qd + base * TC * K, K);
+      copy_panel<TC, C, NT>(st + P::oPm, P::ldC, a.Pm + base * TC * C, C);
+      copy_panel<C, BV, NT>(st + P::oU, P::ldB, a.U + base * C * V + col0, V);
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int it = 0; it < kStages - 1; it++) issue(it);
+
+  const int nrow = (lane >> 4) * 8 + (lane & 7), ncol = ((lane >> 3) & 1) * 8;
+  const int trow = ((lane >> 3) & 1) * 8 + (lane & 7), tcol = (lane >> 4) * 8;
+  const int urow = (lane >> 4) * 8 + (lane & 7), ucol = g * 16 + ((lane >> 3) & 1) * 8;
+  const uint32_t smem0 = smem_addr(smem);
+  /* the pair's exchange tiles (K/16 of Sa, C/16 of Da); lane's 16 bytes of tile t at
+   * + t * 512 */
+  uint4 *const xS = reinterpret_cast<uint4 *>(smem + L::oXS + g * (K / 16) * 512) + lane;
+  uint4 *const xD = reinterpret_cast<uint4 *>(smem + L::oXD + g * (C / 16) * 512) + lane;
+
+  /* this warp's half of Sa: A tiles w K/32 + i, from St[2i], St[2i + 1] */
+  auto put_sa = [&]() {
+#pragma unroll
+    for (int i = 0; i < SK / 2; i++)
+      xS[(w * SK / 2 + i) * 32] = make_uint4(pack_bf16(St[2 * i][0], St[2 * i][1]), pack_bf16(St[2 * i][2], St[2 * i][3]),
+                                             pack_bf16(St[2 * i + 1][0], St[2 * i + 1][1]),
+                                             pack_bf16(St[2 * i + 1][2], St[2 * i + 1][3]));
+  };
+  put_sa();
+
+  for (int it = 0; it < nc; it++) {
+    const int c = cbeg + it;
+    const float el = a.elast[(int64_t)c * H + h];
+    const ChunkInfo ci = a.chunks[c];
+    cp_async_wait<kStages - 2>();
+    __syncthreads(); /* chunk it and both Sa halves visible; stage (it-1) free */
+    issue(it + kStages - 1);
+
+    const uint32_t sb = smem0 + (it % kStages) * L::stage;
+    const uint32_t sW = sb + P::oW + w * (C / 2) * P::ldK * 2, sKd = sb + P::oKd + w * (K / 2) * 2,
+                   sQd = sb + P::oQd + w * (TC / 2) * P::ldK * 2, sPm = sb + P::oPm + w * (TC / 2) * P::ldC * 2,
+                   sU = sb + P::oU + w * (C / 2) * P::ldB * 2;
+
+    uint32_t Sa[K / 16][4];
+#pragma unroll
+    for (int kt = 0; kt < K / 16; kt++) {
+      const uint4 v = xS[kt * 32];
+      Sa[kt][0] = v.x, Sa[kt][1] = v.y, Sa[kt][2] = v.z, Sa[kt][3] = v.w;
+    }
+
+    /* -D^T for this warp's C half: j-tiles w C/16 + i */
+    float Dt[SC][4];
+#pragma unroll
+    for (int jt = 0; jt < SC / 2; jt++) {
+      uint32_t u0, u1, u2, u3;
+      ldsm_x4_t(sU + ((jt * 16 + urow) * P::ldB + ucol) * 2, u0, u1, u2, u3);
+      const float2 f0 = unpack_bf16(u0), f1 = unpack_bf16(u1), f2 = unpack_bf16(u2), f3 = unpack_bf16(u3);
+      Dt[2 * jt][0] = -f0.x, Dt[2 * jt][1] = -f0.y, Dt[2 * jt][2] = -f1.x, Dt[2 * jt][3] = -f1.y;
+      Dt[2 * jt + 1][0] = -f2.x, Dt[2 * jt + 1][1] = -f2.y;
+      Dt[2 * jt + 1][2] = -f3.x, Dt[2 * jt + 1][3] = -f3.y;
+    }
+#pragma unroll
+    for (int kt = 0; kt < K / 16; kt++)
+#pragma unroll
+      for (int nt = 0; nt < SC; nt += 2) {
+        uint32_t b0, b1, b2, b3;
+        ldsm_x4(sW + ((nt * 8 + nrow) * P::ldK + kt * 16 + ncol) * 2, b0, b1, b2, b3);
+        mma16816(Dt[nt], Sa[kt], b0, b1);
+        mma16816(Dt[nt + 1], Sa[kt], b2, b3);
+      }
+#pragma unroll
+    for (int i = 0; i < SC / 2; i++)
+      xD[(w * SC / 2 + i) * 32] = make_uint4(pack_bf16(-Dt[2 * i][0], -Dt[2 * i][1]),
+                                             pack_bf16(-Dt[2 * i][2], -Dt[2 * i][3]),
+                                             pack_bf16(-Dt[2 * i + 1][0], -Dt[2 * i + 1][1]),
+                                             pack_bf16(-Dt[2 * i + 1][2], -Dt[2 * i + 1][3]));
+    /* both Da halves visible to the pair (named barrier 1 + g, its 64 threads) */
+    asm volatile("bar.sync %0, 64;" ::"r"(1 + g) : "memory");
+    uint32_t Da[C / 16][4];
+#pragma unroll
+    for (int kt = 0; kt < C / 16; kt++) {
+      const uint4 v = xD[kt * 32];
+      Da[kt][0] = v.x, Da[kt][1] = v.y, Da[kt][2] = v.z, Da[kt][3] = v.w;
+    }
+
+    /* S^T (this warp's K half) <- e^{last} S^T + D^T Kd, then its Sa half for the next
+     * chunk: the serial chain first, o after it */
+#pragma unroll
+    for (int nt = 0; nt < SK; nt++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) St[nt][e] *= el;
+#pragma unroll
+    for (int kt = 0; kt < C / 16; kt++)
+#pragma unroll
+      for (int nt = 0; nt < SK; nt += 2) {
+        uint32_t b0, b1, b2, b3;
+        ldsm_x4_t(sKd + ((kt * 16 + trow) * P::ldK + nt * 8 + tcol) * 2, b0, b1, b2, b3);
+        mma16816(St[nt], Da[kt], b0, b1);
+        mma16816(St[nt + 1], Da[kt], b2, b3);
+      }
+    put_sa();
+
+    /* o^T (this warp's TC half) = S^T Qd^T + D^T Pm^T */
+    {
+      float Ot[ST][4];
+#pragma unroll
+      for (int nt = 0; nt < ST; nt++) Ot[nt][0] = Ot[nt][1] = Ot[nt][2] = Ot[nt][3] = 0.f;
+#pragma unroll
+      for (int kt = 0; kt < K / 16; kt++)
+#pragma unroll
+        for (int nt = 0; nt < ST; nt += 2) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4(sQd + ((nt * 8 + nrow) * P::ldK + kt * 16 + ncol) * 2, b0, b1, b2, b3);
+          mma16816(Ot[nt], Sa[kt], b0, b1);
+          mma16816(Ot[nt + 1], Sa[kt], b2, b3);
+        }
+#pragma unroll
+      for (int kt = 0; kt < C / 16; kt++)
+#pragma unroll
+        for (int nt = 0; nt < ST; nt += 2) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4(sPm + ((nt * 8 + nrow) * P::ldC + kt * 16 + ncol) * 2, b0, b1, b2, b3);
+          mma16816(Ot[nt], Da[kt], b0, b1);
+          mma16816(Ot[nt + 1], Da[kt], b2, b3);
+        }
+      bf16 *o = (bf16 *)a.o;
+      const int64_t obase = (int64_t)ci.t0 * H + h;
+#pragma unroll
+      for (int nt = 0; nt < ST; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          const int qa = (w * ST + nt) * 8 + 2 * tig + (e & 1), x = xw + grp + 8 * (e >> 1);
+          if (qa < ci.ntok) o[(obase + (int64_t)qa * H) * V + x] = __float2bfloat16(Ot[nt][e]);
+        }
+    }
+  }
+  cp_async_wait<0>();
+
+  if (a.ht) {
+#pragma unroll
+    for (int nt = 0; nt < SK; nt++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        const int r = (w * SK + nt) * 8 + 2 * tig + (e & 1), x = xw + grp + 8 * (e >> 1);
+        a.ht[soff + (int64_t)r * V + x] = St[nt][e];
+      }
+  }
+}
+
 /* ------------------------------------------------------------------ the prep */
 
 /* Offset (floats) of row i of the packed strictly-lower A: row r holds its r entries
@@ -1153,7 +1369,23 @@ __global__ void __launch_bounds__(128, SPLIT && C == 32 ? 5 : 4)
  * two h^T formats share one layout). */
 template <int K, int C, int TC, int BV>
 static gdp_status launch_bv(const Plan &plan, bool dry_run, int *blocks_per_sm, bool save, float *hT32,
-                            bf16 *hT16) {
+                            bf16 *hT16, bool ks2) {
+  const GdpArgs &a = plan.a;
+  if constexpr (C % 32 == 0 && TC % 32 == 0) {
+    /* the plain pass with two warps per 16 value columns (state_ks2_kernel_v3) */
+    if (ks2 && !save) {
+      constexpr int smem = Ks2Layout<K, C, TC, BV>::total;
+      auto kern = state_ks2_kernel_v3<K, C, TC, BV>;
+      GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+      if (dry_run) {
+        GDP_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, kern, BV / 16 * 64, smem));
+        return GDP_OK;
+      }
+      kern<<<dim3((unsigned)a.N, (unsigned)a.H, (unsigned)(a.V / BV)), BV / 16 * 64, smem, plan.stream>>>(a);
+      GDP_CUDA_LAUNCHED("state_ks2_kernel_v3");
+      return GDP_OK;
+    }
+  }
   /* the saving pass also stages U's residual: a larger stage */
   const int smem = save ? Layout<K, C, TC, BV, true>::total : Layout<K, C, TC, BV, false>::total;
   auto kern = !save ? state_kernel_v3<K, C, TC, BV, false, false>
@@ -1164,7 +1396,6 @@ static gdp_status launch_bv(const Plan &plan, bool dry_run, int *blocks_per_sm, 
     GDP_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, kern, BV / 16 * 32, smem));
     return GDP_OK;
   }
-  const GdpArgs &a = plan.a;
   kern<<<dim3((unsigned)a.N, (unsigned)a.H, (unsigned)(a.V / BV)), BV / 16 * 32, smem,
          plan.stream>>>(a, hT32, hT16);
   GDP_CUDA_LAUNCHED("state_kernel_v3");
@@ -1173,25 +1404,25 @@ static gdp_status launch_bv(const Plan &plan, bool dry_run, int *blocks_per_sm, 
 
 template <int K, int C, int TC>
 static gdp_status launch_k(const Plan &plan, int bv, bool dry_run, int *occ, bool save, float *hT32,
-                           bf16 *hT16) {
+                           bf16 *hT16, bool ks2) {
   switch (bv) {
-    case 64: return launch_bv<K, C, TC, 64>(plan, dry_run, occ, save, hT32, hT16);
-    case 32: return launch_bv<K, C, TC, 32>(plan, dry_run, occ, save, hT32, hT16);
-    default: return launch_bv<K, C, TC, 16>(plan, dry_run, occ, save, hT32, hT16);
+    case 64: return launch_bv<K, C, TC, 64>(plan, dry_run, occ, save, hT32, hT16, ks2);
+    case 32: return launch_bv<K, C, TC, 32>(plan, dry_run, occ, save, hT32, hT16, ks2);
+    default: return launch_bv<K, C, TC, 16>(plan, dry_run, occ, save, hT32, hT16, ks2);
   }
 }
 
 static gdp_status launch_state_v3(const Plan &plan, int bv, bool dry_run, int *occ, bool save, float *hT32,
-                                  bf16 *hT16 = nullptr) {
+                                  bf16 *hT16 = nullptr, bool ks2 = false) {
   const GdpArgs &a = plan.a;
   if (a.K == 128) {
-    if (a.n == 1) return launch_k<128, 32, 32>(plan, bv, dry_run, occ, save, hT32, hT16);
-    if (a.n == 2) return launch_k<128, 64, 32>(plan, bv, dry_run, occ, save, hT32, hT16);
-    return launch_k<128, 48, 16>(plan, bv, dry_run, occ, save, hT32, hT16);
+    if (a.n == 1) return launch_k<128, 32, 32>(plan, bv, dry_run, occ, save, hT32, hT16, ks2);
+    if (a.n == 2) return launch_k<128, 64, 32>(plan, bv, dry_run, occ, save, hT32, hT16, ks2);
+    return launch_k<128, 48, 16>(plan, bv, dry_run, occ, save, hT32, hT16, ks2);
   }
-  if (a.n == 1) return launch_k<64, 32, 32>(plan, bv, dry_run, occ, save, hT32, hT16);
-  if (a.n == 2) return launch_k<64, 64, 32>(plan, bv, dry_run, occ, save, hT32, hT16);
-  return launch_k<64, 48, 16>(plan, bv, dry_run, occ, save, hT32, hT16);
+  if (a.n == 1) return launch_k<64, 32, 32>(plan, bv, dry_run, occ, save, hT32, hT16, ks2);
+  if (a.n == 2) return launch_k<64, 64, 32>(plan, bv, dry_run, occ, save, hT32, hT16, ks2);
+  return launch_k<64, 48, 16>(plan, bv, dry_run, occ, save, hT32, hT16, ks2);
 }
 
 /* Value-block width: the fewest waves of blocks; on a tie the narrower block (more SMs
@@ -1241,6 +1472,28 @@ static PrepRun prep_run_wanted() {
   if (env && (strcmp(env, "old") == 0 || strcmp(env, "oldorder") == 0)) r.head_first = false;
   if (env && (strcmp(env, "old") == 0 || strcmp(env, "oldsched") == 0)) r.ulo_sched = false;
   return r;
+}
+
+/* Two warps per 16 value columns in the plain pass (state_ks2_kernel_v3; n = 1, 2 only)?
+ * By default where choose_bv takes one-warp blocks (BV = 16: a few long sequences, e.g.
+ * 1 x 32768 at H = 16, 128 blocks on 132 SMs, one warp each), unless the pair kernel's
+ * exchange buffers would fit fewer blocks per SM.  GDP_CUDA_V3_PASSES=old: never (the
+ * one-warp-per-tile pass); =ks2: wherever it applies (A/B at other shapes). */
+static bool choose_ks2(const Plan &plan, int bv, bool save) {
+  const GdpArgs &a = plan.a;
+  if (save || a.n > 2) return false;
+  static const int mode = [] {
+    const char *env = getenv("GDP_CUDA_V3_PASSES");
+    return env && !strcmp(env, "old") ? 0 : env && !strcmp(env, "ks2") ? 2 : 1;
+  }();
+  if (mode != 1) return mode == 2;
+  if (bv != 16) return false;
+  /* occupancy depends only on (K, n): asked once, then cached (benign race) */
+  static int occ_cache[2][2][2] = {};
+  int *occ = occ_cache[a.K == 128][a.n - 1];
+  if (occ[0] == 0 && launch_state_v3(plan, 16, true, &occ[0], false, nullptr, nullptr, false) != GDP_OK) occ[0] = -1;
+  if (occ[1] == 0 && launch_state_v3(plan, 16, true, &occ[1], false, nullptr, nullptr, true) != GDP_OK) occ[1] = -1;
+  return occ[1] >= 1 && occ[1] >= occ[0];
 }
 
 template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO, bool WU_STAGED, bool SPLIT>
@@ -1472,8 +1725,11 @@ static gdp_status forward_v3(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io,
   /* saving: the prep also stores T^T for grad_wy (the recompute backward's prep does) */
   st = new_prep ? v3::launch_prep_v3(plan, Tt) : launch_prep(plan);
   prof_mark(new_prep ? "fwd prep v3" : "fwd prep", stream);
-  if (st == GDP_OK) st = v3::launch_state_v3(plan, v3::choose_bv(plan, saved != nullptr), false, nullptr,
-                                             saved != nullptr, hT32, hT16);
+  if (st == GDP_OK) {
+    const int bv = v3::choose_bv(plan, saved != nullptr);
+    st = v3::launch_state_v3(plan, bv, false, nullptr, saved != nullptr, hT32, hT16,
+                             v3::choose_ks2(plan, bv, saved != nullptr));
+  }
   prof_mark(saved ? "fwd state+output v3 (saving h, D)" : "fwd state+output v3", stream);
   plan_free(&plan);
   prof_end(stream);
