@@ -99,6 +99,19 @@ __device__ __forceinline__ void afrag_kt(const float (&X)[NT2][4], int kt, uint3
   A[3] = pack_bf16(sign * X[2 * kt + 1][2], sign * X[2 * kt + 1][3]);
 }
 
+/* The rounding residual of afrag_kt's A = bf16(-X) fragment of k tile kt (sign -1, as the
+ * state passes pack D^T): (-X) - A rounded to bf16; the difference is exact in float32,
+ * so A + R is -X to ~16 bits.  The same helper is in gdp_fwd_v3.cu. */
+template <int NT2>
+__device__ __forceinline__ void afrag_residual_kt(const float (&X)[NT2][4], int kt, const uint32_t (&A)[4],
+                                                  uint32_t (&R)[4]) {
+#pragma unroll
+  for (int q = 0; q < 4; q++) {
+    const float2 a = unpack_bf16(A[q]);
+    R[q] = pack_bf16(-X[2 * kt + (q >> 1)][2 * (q & 1)] - a.x, -X[2 * kt + (q >> 1)][2 * (q & 1) + 1] - a.y);
+  }
+}
+
 /* Store one A fragment (16 x-rows by 16 columns of a transposed matrix M^T) into M's
  * row-major [row][x] layout with row stride V: register q holds M[r0 + 8(q/2) + {0,1}]
  * [x + 8(q%2)] where `base` already points at column x = this lane's grp column and
@@ -337,15 +350,35 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) bwd_states_kernel_v3(GdpArgs 
     for (int nt = 0; nt < K / 8; nt++)
 #pragma unroll
       for (int e = 0; e < 4; e++) St[nt][e] *= el;
+    if (a.d_residual) {
+      /* + Dl^T Kd, Dl = bf16(D - bf16(D)) (exact difference): the states grad_state reads
+       * carry D to ~16 bits (dg's <dH, h> and z terms on long dht sequences; NOTES.md "dg
+       * on the K = 128 golden case") */
 #pragma unroll
-    for (int kt = 0; kt < C / 16; kt++)
+      for (int kt = 0; kt < C / 16; kt++) {
+        uint32_t Dl[4];
+        afrag_residual_kt(Dt, kt, Da[kt], Dl);
 #pragma unroll
-      for (int nt = 0; nt < K / 8; nt += 2) {
-        uint32_t b0, b1, b2, b3;
-        ldsm_x4_t(sKd + ((kt * 16 + trow) * L::ldK + nt * 8 + tcol) * 2, b0, b1, b2, b3);
-        mma16816(St[nt], Da[kt], b0, b1);
-        mma16816(St[nt + 1], Da[kt], b2, b3);
+        for (int nt = 0; nt < K / 8; nt += 2) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4_t(sKd + ((kt * 16 + trow) * L::ldK + nt * 8 + tcol) * 2, b0, b1, b2, b3);
+          mma16816(St[nt], Da[kt], b0, b1);
+          mma16816(St[nt + 1], Da[kt], b2, b3);
+          mma16816(St[nt], Dl, b0, b1);
+          mma16816(St[nt + 1], Dl, b2, b3);
+        }
       }
+    } else {
+#pragma unroll
+      for (int kt = 0; kt < C / 16; kt++)
+#pragma unroll
+        for (int nt = 0; nt < K / 8; nt += 2) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4_t(sKd + ((kt * 16 + trow) * L::ldK + nt * 8 + tcol) * 2, b0, b1, b2, b3);
+          mma16816(St[nt], Da[kt], b0, b1);
+          mma16816(St[nt + 1], Da[kt], b2, b3);
+        }
+    }
   }
   cp_async_wait<0>();
 }
@@ -2274,6 +2307,7 @@ extern "C" gdp_status gdp_cuda_gdp_backward_v3(const gdp_gdp_problem *p, const g
   /* U's bf16 residual for the recompute (GdpArgs::Ulo, the plan's PLAN_BACKWARD_V3
    * buffer) unless a lab run turns it off */
   if (!v3::keep_u_residual()) plan.a.Ulo = nullptr;
+  plan.a.d_residual = v3::keep_d_residual(); /* D's residual in the recompute's state update */
   st = v3::launch_prep_v3(plan, go.Tt); /* NULL (no T store) for variant 2's gradient kernel */
   prof_mark("bwd prep v3 (recompute)", stream);
   const int bv = v3b::choose_bv(plan);

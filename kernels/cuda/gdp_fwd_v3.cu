@@ -111,6 +111,20 @@ __device__ __forceinline__ void copy_panel(unsigned char *dst, int sld, const bf
 
 /* ------------------------------------------------------------------ the state pass */
 
+/* The rounding residual of the bf16 A fragment A of -X's k tile kt (A[q] = bf16 pair of
+ * -X[2kt + q/2][2(q%2)], [..+1], as the state passes pack D^T from its negated
+ * accumulator): (-X) - A rounded to bf16; the difference is exact in float32, so A + R
+ * is -X to ~16 bits.  The same helper is in gdp_bwd_v3.cu (separate translation units). */
+template <int NT2>
+__device__ __forceinline__ void afrag_residual_kt(const float (&X)[NT2][4], int kt, const uint32_t (&A)[4],
+                                                  uint32_t (&R)[4]) {
+#pragma unroll
+  for (int q = 0; q < 4; q++) {
+    const float2 a = unpack_bf16(A[q]);
+    R[q] = pack_bf16(-X[2 * kt + (q >> 1)][2 * (q & 1)] - a.x, -X[2 * kt + (q >> 1)][2 * (q & 1) + 1] - a.y);
+  }
+}
+
 /* Grid (sequence, head, value block of BV columns); BV/16 warps, warp w owns value
  * columns col0 + 16w .. +15.  Fragment coordinates (grp = lane/4, tig = lane%4):
  *   St[nt][e]  = S^T[x][r],  x = 16w + grp + 8(e/2),  r = 8nt + 2tig + e%2
@@ -289,15 +303,34 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) state_kernel_v3(GdpArgs a, fl
     for (int nt = 0; nt < K / 8; nt++)
 #pragma unroll
       for (int e = 0; e < 4; e++) St[nt][e] *= el;
+    if (SAVE && a.d_residual) {
+      /* + Dl^T Kd, Dl = bf16(D - bf16(D)) (exact difference): D to ~16 bits in the states
+       * the gradients read, as bwd_states_kernel_v3 does (the same bits) */
 #pragma unroll
-    for (int kt = 0; kt < C / 16; kt++)
+      for (int kt = 0; kt < C / 16; kt++) {
+        uint32_t Dl[4];
+        afrag_residual_kt(Dt, kt, Da[kt], Dl);
 #pragma unroll
-      for (int nt = 0; nt < K / 8; nt += 2) {
-        uint32_t b0, b1, b2, b3;
-        ldsm_x4_t(sKd + ((kt * 16 + trow) * L::ldK + nt * 8 + tcol) * 2, b0, b1, b2, b3);
-        mma16816(St[nt], Da[kt], b0, b1);
-        mma16816(St[nt + 1], Da[kt], b2, b3);
+        for (int nt = 0; nt < K / 8; nt += 2) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4_t(sKd + ((kt * 16 + trow) * L::ldK + nt * 8 + tcol) * 2, b0, b1, b2, b3);
+          mma16816(St[nt], Da[kt], b0, b1);
+          mma16816(St[nt + 1], Da[kt], b2, b3);
+          mma16816(St[nt], Dl, b0, b1);
+          mma16816(St[nt + 1], Dl, b2, b3);
+        }
       }
+    } else {
+#pragma unroll
+      for (int kt = 0; kt < C / 16; kt++)
+#pragma unroll
+        for (int nt = 0; nt < K / 8; nt += 2) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4_t(sKd + ((kt * 16 + trow) * L::ldK + nt * 8 + tcol) * 2, b0, b1, b2, b3);
+          mma16816(St[nt], Da[kt], b0, b1);
+          mma16816(St[nt + 1], Da[kt], b2, b3);
+        }
+    }
   }
   cp_async_wait<0>(); /* no copy may outlive the block (the tail groups are empty) */
 
@@ -1642,6 +1675,13 @@ bool keep_u_residual() {
   return !(env && strcmp(env, "0") == 0);
 }
 
+/* GDP_CUDA_V3_DLO=0 (or =old) drops D's residual from the state update of the saving
+ * forward and the recompute backward (A/B of NOTES.md "dg on the K = 128 golden case"). */
+bool keep_d_residual() {
+  const char *env = getenv("GDP_CUDA_V3_DLO");
+  return !(env && (strcmp(env, "0") == 0 || strcmp(env, "old") == 0));
+}
+
 /* bf16 problems keep their chunk states in bf16 between the kernels (gdp_fwd_v3.cuh):
  * the default since the H200 run of session 5 (saving fwd+bwd at 4x4096 n=2 2.52 -> 2.33
  * ms, lab-check errors unchanged, dg's worst 5.1e-3 -> 4.7e-3).  GDP_CUDA_V3_STATE=f32
@@ -1720,6 +1760,8 @@ static gdp_status forward_v3(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io,
      * and no other block touches those columns. */
     plan.a.Dbuf = (bf16 *)((char *)saved + sl.o_D);
     if (v3::keep_u_residual()) plan.a.Ulo = plan.a.Dbuf;
+    /* the saved h must be the recompute backward's h (bwd_states_kernel_v3 adds it too) */
+    plan.a.d_residual = v3::keep_d_residual();
   }
   prof_mark("fwd plan+upload", stream);
   /* saving: the prep also stores T^T for grad_wy (the recompute backward's prep does) */
