@@ -1675,11 +1675,14 @@ bool keep_u_residual() {
   return !(env && strcmp(env, "0") == 0);
 }
 
-/* GDP_CUDA_V3_DLO=0 (or =old) drops D's residual from the state update of the saving
- * forward and the recompute backward (A/B of NOTES.md "dg on the K = 128 golden case"). */
+/* GDP_CUDA_V3_DLO=1 adds D's residual to the state update of the saving forward and the
+ * recompute backward (NOTES.md "dg on the K = 128 golden case"). */
 bool keep_d_residual() {
+  /* opt-in on lab/next3 (GDP_CUDA_V3_DLO=1) until its first GPU run: it costs HMMAs in
+   * the state passes and trades dg's worst cases (NOTES.md "dg on the K = 128 golden
+   * case"); the next3 A/B decides its default */
   const char *env = getenv("GDP_CUDA_V3_DLO");
-  return !(env && (strcmp(env, "0") == 0 || strcmp(env, "old") == 0));
+  return env && strcmp(env, "1") == 0;
 }
 
 /* bf16 problems keep their chunk states in bf16 between the kernels (gdp_fwd_v3.cuh):
