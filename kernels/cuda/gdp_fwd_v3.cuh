@@ -55,7 +55,7 @@ SavedLayout saved_layout(const gdp_gdp_problem *p, bool state16);
  * the rounded values (kernels/cuda/NOTES.md, "bf16 chunk states"). */
 bool state16(const gdp_gdp_problem *p);
 bool keep_u_residual();
-/* GdpArgs::d_residual for the state passes that feed the gradients; GDP_CUDA_V3_DLO=0 turns it off. */
+/* GdpArgs::d_residual for the state passes that feed the gradients (opt-in: GDP_CUDA_V3_DLO=1). */
 bool keep_d_residual();
 }  // namespace v3
 }  // namespace gdpcu
