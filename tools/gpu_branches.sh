@@ -44,6 +44,29 @@ ab_profile() {
     done; IFS=' '
   done
 }
+# check_with TAG SUFFIX ENV=value...: tree $t's `lab check` under ENV, logged to
+# $OUT/check_<tree>_SUFFIX.log; its verdict (and any FAIL lines) as [TAG].
+check_with() {
+  local tag=$1 log="$OUT/check_${n}_$2.log"; shift 2
+  env "$@" timeout 120 $L check $(variants "$t") > "$log" 2>&1
+  say "[$tag] check rc=$? $(grep -E 'check:' "$log" | tail -1)"
+  grep -E "FAIL" "$log" | head -5 | tee -a "$LOG"
+}
+# same_bits VAR=value FILE: where tree $t's kernels/cuda/FILE reads VAR, `lab check` once
+# more with VAR=value; its per-run error lines must equal the default check's
+# ($OUT/check_<tree>.log) digit for digit.
+same_bits() {
+  local var=${1%%=*}
+  grep -q "\"$var\"" "$t/kernels/cuda/$2" || return 0
+  local sfx=${var#GDP_CUDA_V3_}_${1#*=}
+  local log="$OUT/check_${n}_$sfx.log"
+  check_with "${1#GDP_CUDA_V3_}" "$sfx" "$1"
+  if diff <(grep -E "^(chunk|v3|v5)" "$OUT/check_$n.log") <(grep -E "^(chunk|v3|v5)" "$log") > "$log.diff"; then
+    say "[${1#GDP_CUDA_V3_}] errors identical to the default's"
+  else
+    say "[${1#GDP_CUDA_V3_}] errors DIFFER from the default's ($(grep -c '^<' "$log.diff") lines; $log.diff)"
+  fi
+}
 build_all() {
   for t in "${trees[@]}"; do
     ( cd "$t" && bash "$root/tools/gpu_lab_build.sh" "/tmp/lab-$(name "$t")" > "$OUT/build_$(name "$t").log" 2>&1 ) &
@@ -69,30 +92,51 @@ for t in "${trees[@]}"; do
   # a prep with two W/U phases (GDP_CUDA_V3_PREP_WU): every prep call of the check runs
   # both and fails unless their panels are byte-identical
   if grep -q GDP_CUDA_V3_PREP_WU "$t/kernels/cuda/gdp_fwd_v3.cu"; then
-    GDP_CUDA_V3_PREP_WU=compare timeout 120 $L check $(variants "$t") > "$OUT/check_${n}_wu.log" 2>&1
-    say "[PREP_WU=compare] check rc=$? $(grep -E 'check:' "$OUT/check_${n}_wu.log" | tail -1)"
+    check_with PREP_WU=compare wu GDP_CUDA_V3_PREP_WU=compare
   fi
   # chunk states between the kernels: bf16 (the default for bf16 problems since session
   # 5) or float32 (GDP_CUDA_V3_STATE=f32, kept for A/B): the check once more in float32
   if grep -q GDP_CUDA_V3_STATE "$t/kernels/cuda/gdp_fwd_v3.cu"; then
-    GDP_CUDA_V3_STATE=f32 timeout 120 $L check $(variants "$t") > "$OUT/check_${n}_s32.log" 2>&1
-    say "[STATE=f32] check rc=$? $(grep -E 'check:' "$OUT/check_${n}_s32.log" | tail -1)"
-    grep -E "FAIL" "$OUT/check_${n}_s32.log" | head -5 | tee -a "$LOG"
+    check_with STATE=f32 s32 GDP_CUDA_V3_STATE=f32
   fi
   # dstate / the recompute's state pass with a new schedule (GDP_CUDA_V3_DSTATE,
   # GDP_CUDA_V3_STATES): =compare runs the old and the new kernel and fails unless their
   # outputs are byte-identical
   if grep -q GDP_CUDA_V3_DSTATE "$t/kernels/cuda/gdp_bwd_v3.cu"; then
     for st in f32 bf16; do
-      GDP_CUDA_V3_STATE=$st GDP_CUDA_V3_DSTATE=compare GDP_CUDA_V3_STATES=compare timeout 120 $L check $(variants "$t") > "$OUT/check_${n}_dstate_$st.log" 2>&1
-      say "[DSTATE=compare STATE=$st] check rc=$? $(grep -E 'check:' "$OUT/check_${n}_dstate_$st.log" | tail -1)"
+      check_with "DSTATE=compare STATE=$st" dstate_$st GDP_CUDA_V3_STATE=$st GDP_CUDA_V3_DSTATE=compare GDP_CUDA_V3_STATES=compare
     done
   fi
   # dg's P-column sums from the rounded Ps'' (GDP_CUDA_V3_PCOL=f32: the float sums): the
   # check once more the old way, for the errors side by side (check_<tree>_pcol.log)
   if grep -q GDP_CUDA_V3_PCOL "$t/kernels/cuda/gdp_bwd_v3.cu"; then
-    GDP_CUDA_V3_PCOL=f32 timeout 120 $L check $(variants "$t") > "$OUT/check_${n}_pcol.log" 2>&1
-    say "[PCOL=f32] check rc=$? $(grep -E 'check:' "$OUT/check_${n}_pcol.log" | tail -1)"
+    check_with PCOL=f32 pcol GDP_CUDA_V3_PCOL=f32
+  fi
+  # switches that keep an old schedule with the same bits (session 5's lab/next3: the prep's
+  # block order / W/U owners, grad_state's dH^T copy, grad_wy's schedule): the check once
+  # more on the old path, its error lines diffed against the default run's
+  same_bits GDP_CUDA_V3_PREP=old gdp_fwd_v3.cu
+  same_bits GDP_CUDA_V3_GSPIPE=old gdp_bwd_v3.cu
+  same_bits GDP_CUDA_V3_WY=old gdp_bwd_v3.cu
+  same_bits GDP_CUDA_V3_PASSES=old gdp_fwd_v3.cu
+  same_bits GDP_CUDA_V3_PASSES=ks2 gdp_fwd_v3.cu
+  # the two-warp state pass with four pairs per block (BV = 64)
+  if grep -q '"GDP_CUDA_V3_PASSES"' "$t/kernels/cuda/gdp_fwd_v3.cu"; then
+    for nn in 1 2; do
+      GDP_CUDA_V3_PASSES=ks2 GDP_CUDA_V3_BV=64 timeout 60 compute-sanitizer --tool racecheck $L bench 1 300 $nn v3 --reps 1 2>&1 | grep -E "RACECHECK SUMMARY" | sed "s/^/[PASSES=ks2 BV=64 n=$nn racecheck] /" | tee -a "$LOG"
+    done
+    GDP_CUDA_V3_PASSES=ks2 timeout 60 compute-sanitizer --tool memcheck $L bench 1 300 2 v3 --reps 1 2>&1 | grep -E "ERROR SUMMARY" | sed "s/^/[PASSES=ks2 memcheck] /" | tee -a "$LOG"
+  fi
+  # D's rounding residual in the state update (GDP_CUDA_V3_DLO=1, lab/dgk; changes dg,
+  # ht and the saving forward's o): the check with it, for the errors side by side
+  if grep -q '"GDP_CUDA_V3_DLO"' "$t/kernels/cuda/gdp_fwd_v3.cu"; then
+    check_with DLO=1 dlo GDP_CUDA_V3_DLO=1
+    GDP_CUDA_V3_DLO=1 timeout 60 compute-sanitizer --tool racecheck $L bench 1 300 2 $(variants "$t") --reps 1 2>&1 | grep -E "RACECHECK SUMMARY" | sed "s/^/[DLO=1 racecheck] /" | tee -a "$LOG"
+  fi
+  # grad_wy's old and new kernels on the same inputs (dk, dv byte-identical; dbeta, dg
+  # within a bf16 step: shared-memory atomics)
+  if grep -q '"GDP_CUDA_V3_WY"' "$t/kernels/cuda/gdp_bwd_v3.cu"; then
+    check_with WY=compare wycmp GDP_CUDA_V3_WY=compare
   fi
   # a gradient kernel that prefetches a later block's inputs (GDP_CUDA_V3_GS_AHEAD): its
   # addresses, at a distance the small problem reaches (off by default)
@@ -129,6 +173,18 @@ for t in "${trees[@]}"; do
     grep -q GDP_CUDA_V3_PREP_SOLVE "$t/kernels/cuda/gdp_fwd_v3.cu" &&
       ab_profile "prep" "4 4096 1|4 4096 2|4 4096 3" "PREP_SOLVE=rows GDP_CUDA_V3_PREP_SOLVE=rows" "PREP_SOLVE=default"
   fi
+  # session 5's switches: old against new, the kernel each one touches
+  grep -q '"GDP_CUDA_V3_PREP"' "$t/kernels/cuda/gdp_fwd_v3.cu" &&
+    ab_profile "prep" "4 4096 1|4 4096 2|4 4096 3" "PREP=old GDP_CUDA_V3_PREP=old" "PREP=default"
+  grep -q '"GDP_CUDA_V3_GSPIPE"' "$t/kernels/cuda/gdp_bwd_v3.cu" &&
+    ab_profile "state part" "4 4096 1|4 4096 2|4 4096 3" "GSPIPE=old GDP_CUDA_V3_GSPIPE=old" "GSPIPE=default"
+  grep -q '"GDP_CUDA_V3_WY"' "$t/kernels/cuda/gdp_bwd_v3.cu" &&
+    ab_profile "WY part" "4 4096 1|4 4096 2|4 4096 3" "WY=old GDP_CUDA_V3_WY=old" "WY=default"
+  grep -q '"GDP_CUDA_V3_DLO"' "$t/kernels/cuda/gdp_fwd_v3.cu" &&
+    ab_profile "chunk_v3 |v3_saved |states v3|saving h" "4 4096 2|4 4096 1" "DLO=1 GDP_CUDA_V3_DLO=1" "DLO=default"
+  grep -q '"GDP_CUDA_V3_PASSES"' "$t/kernels/cuda/gdp_fwd_v3.cu" &&
+    ab_profile "chunk_v3 |state\+output" "1 32768 2|1 32768 1|4 4096 2|4 4096 1" \
+      "PASSES=old GDP_CUDA_V3_PASSES=old" "PASSES=default" "PASSES=ks2 GDP_CUDA_V3_PASSES=ks2"
   if [ "$(variants "$t")" != v3 ] && left "bv64 n=3"; then
     # the saving pass's value-block width at n = 3 (plain pass's choice vs 64)
     GDP_CUDA_V3_BV=64 GDP_CUDA_PROFILE=1 timeout 30 $L bench 4 4096 3 v5 --reps 2 2>&1 | grep -E "v3_saved |state" | sed "s/^/[BV=64 4 4096 3] /" | tee -a "$LOG"

@@ -53,6 +53,7 @@ using v3::HtStage;
 using v3::stage_dfrags;
 using v3::stage_hT16_half;
 using v3::stage_hT32_half;
+using v3::copy_panel_full;
 
 constexpr int kStages = 3; /* chunk panels in flight: current + next two */
 constexpr int kPad = 8;    /* bf16 elements (16 bytes) of padding per shared row */
@@ -174,36 +175,6 @@ __device__ __forceinline__ void copy_panel(unsigned char *dst, int sld, const bf
   }
 }
 
-/* copy_panel for a panel whose ROWS rows are all there (the prep's workspace panels,
- * zero-filled past a sequence's end): no zero-fill predicate, so each cp.async is one
- * LDGSTS with constant offsets from one shared and one global base.  With the predicate
- * (valid = ROWS, always true, but not provably so: threadIdx.x is not known to be < NT)
- * ptxas kept a compare, a select and a 64-bit pointer per copy -- at BV = 16 (one warp
- * issuing ~90 copies per chunk) ~500 of dstate_kernel_v3's ~1500 instructions per chunk,
- * and 64-bit pointers held across the loop (255 registers).  Same bytes copied. */
-template <int ROWS, int COLS, int NT>
-__device__ __forceinline__ void copy_panel_full(unsigned char *dst, int sld, const bf16 *src, int64_t gld) {
-  constexpr int per_row = COLS / 8;
-  if constexpr (NT % per_row == 0) {
-    constexpr int row_step = NT / per_row;
-    const int r0 = (int)threadIdx.x / per_row, c8 = ((int)threadIdx.x % per_row) * 8;
-    unsigned char *d = dst + (r0 * sld + c8) * 2;
-    const bf16 *g = src + (int64_t)r0 * gld + c8;
-#pragma unroll
-    for (int r = 0; r < ROWS; r += row_step)
-      if (ROWS % row_step == 0 || r + r0 < ROWS) cp_async16(d + r * sld * 2, g + (int64_t)r * gld, true);
-  } else { /* rows of 6 chunks (C = 48): plain index arithmetic, small panel */
-    constexpr int total = ROWS * per_row;
-#pragma unroll
-    for (int e0 = 0; e0 < total; e0 += NT) {
-      const int e = e0 + (int)threadIdx.x;
-      if (total % NT == 0 || e < total) {
-        const int r = e / per_row, c8 = (e % per_row) * 8;
-        cp_async16(dst + (r * sld + c8) * 2, src + (int64_t)r * gld + c8, true);
-      }
-    }
-  }
-}
 
 /* Pull `bytes` (a multiple of 16, 16-byte aligned) into L2 with one bulk-copy-engine
  * request: no register result, nothing waits on it. */

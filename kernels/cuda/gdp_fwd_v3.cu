@@ -67,36 +67,7 @@ struct Layout {
 };
 
 /* ------------------------------------------------------------------ PTX wrappers: mma_sm90.cuh */
-
-
-/* ROWS x COLS bf16 panel, global row stride gld -> shared row stride sld, 16 bytes per
- * cp.async; all NT threads of the block take part.  A thread keeps one 16-byte column
- * and steps down the rows, so its addresses are one base plus constant strides (few
- * registers).  The workspace rows are complete (prep zero-fills past the sequence
- * end), so no predicate. */
-template <int ROWS, int COLS, int NT>
-__device__ __forceinline__ void copy_panel(unsigned char *dst, int sld, const bf16 *src, int64_t gld) {
-  constexpr int per_row = COLS / 8;
-  if constexpr (NT % per_row == 0) {
-    constexpr int row_step = NT / per_row;
-    const int r0 = (int)threadIdx.x / per_row, c8 = ((int)threadIdx.x % per_row) * 8;
-    unsigned char *d = dst + (r0 * sld + c8) * 2;
-    const bf16 *g = src + (int64_t)r0 * gld + c8;
-#pragma unroll
-    for (int r = 0; r < ROWS; r += row_step)
-      if (ROWS % row_step == 0 || r + r0 < ROWS) cp_async16(d + r * sld * 2, g + (int64_t)r * gld, true);
-  } else { /* rows of 6 chunks (C = 48): plain index arithmetic, small panel */
-    constexpr int total = ROWS * per_row;
-#pragma unroll
-    for (int e0 = 0; e0 < total; e0 += NT) {
-      const int e = e0 + (int)threadIdx.x;
-      if (total % NT == 0 || e < total) {
-        const int r = e / per_row, c8 = (e % per_row) * 8;
-        cp_async16(dst + (r * sld + c8) * 2, src + (int64_t)r * gld + c8, true);
-      }
-    }
-  }
-}
+/* ------------------------------------------------------------------ chunk panels, state staging: gdp_v3_stage.cuh */
 
 /* ------------------------------------------------------------------ saved-state stores */
 
@@ -165,12 +136,12 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) state_kernel_v3(GdpArgs a, fl
     if (it < nc) {
       unsigned char *st = smem + (it % kStages) * L::stage;
       const int64_t base = (int64_t)(cbeg + it) * H + h;
-      copy_panel<C, K, NT>(st + L::oW, L::ldK, a.W + base * C * K, K);
-      copy_panel<C, K, NT>(st + L::oKd, L::ldK, a.Kd + base * C * K, K);
-      copy_panel<TC, K, NT>(st + L::oQd, L::ldK, a.Qd + base * TC * K, K);
-      copy_panel<TC, C, NT>(st + L::oPm, L::ldC, a.Pm + base * TC * C, C);
-      copy_panel<C, BV, NT>(st + L::oU, L::ldB, a.U + base * C * V + col0, V);
-      if constexpr (SAVE) copy_panel<C, BV, NT>(st + L::oUl, L::ldB, a.Ulo + base * C * V + col0, V);
+      copy_panel_full<C, K, NT>(st + L::oW, L::ldK, a.W + base * C * K, K);
+      copy_panel_full<C, K, NT>(st + L::oKd, L::ldK, a.Kd + base * C * K, K);
+      copy_panel_full<TC, K, NT>(st + L::oQd, L::ldK, a.Qd + base * TC * K, K);
+      copy_panel_full<TC, C, NT>(st + L::oPm, L::ldC, a.Pm + base * TC * C, C);
+      copy_panel_full<C, BV, NT>(st + L::oU, L::ldB, a.U + base * C * V + col0, V);
+      if constexpr (SAVE) copy_panel_full<C, BV, NT>(st + L::oUl, L::ldB, a.Ulo + base * C * V + col0, V);
     }
     cp_async_commit();
   };
@@ -828,21 +799,16 @@ __device__ __forceinline__ void prep_split_first(const float *sA, float *sBuf, i
   for (int i = 0; i < F; i += 4) *reinterpret_cast<float4 *>(row + i) = make_float4(t[i], t[i + 1], t[i + 2], t[i + 3]);
 }
 
-/* Phase 2, warp g: the partial sums of rows F + RB g + r of column x over j < F. */
-template <int C>
-__device__ __forceinline__ void prep_split_rows(const float *sA, const float *sBuf, int g, int x,
-                                                float (&s)[PrepSplit<C>::RB][4]) {
+/* Rows F + RB g + r (r < RB) of one column take NJ terms: s[r][j % 4] -= A[row][j0 + j]
+ * t[j] for j < NJ, with t = the column's solved rows from j0 and arow = row F + RB g's
+ * packed A entries from j0 (phase 2: j0 = 0, NJ = F; phase 3: one block of RB). */
+template <int C, int NJ>
+__device__ __forceinline__ void prep_split_terms(const float *t, const float *arow, int g,
+                                                 float (&s)[PrepSplit<C>::RB][4]) {
   constexpr int F = PrepSplit<C>::F, RB = PrepSplit<C>::RB;
 #pragma unroll
-  for (int r = 0; r < RB; r++) {
-    s[r][0] = (F + RB * g + r == x) ? 1.f : 0.f;
-    s[r][1] = s[r][2] = s[r][3] = 0.f;
-  }
-  const float *tcol = sBuf + x * PrepSplit<C>::ld;
-  const float *arow = sA + prep_a_row(F + RB * g);
-#pragma unroll
-  for (int jb = 0; jb < F; jb += 4) {
-    const float4 t4 = *reinterpret_cast<const float4 *>(tcol + jb);
+  for (int jb = 0; jb < NJ; jb += 4) {
+    const float4 t4 = *reinterpret_cast<const float4 *>(t + jb);
     const float *ar = arow;
 #pragma unroll
     for (int r = 0; r < RB; r++) {
@@ -854,6 +820,19 @@ __device__ __forceinline__ void prep_split_rows(const float *sA, const float *sB
       ar += (F + RB * g + r + 3) & ~3; /* the next packed row */
     }
   }
+}
+
+/* Phase 2, warp g: the partial sums of rows F + RB g + r of column x over j < F. */
+template <int C>
+__device__ __forceinline__ void prep_split_rows(const float *sA, const float *sBuf, int g, int x,
+                                                float (&s)[PrepSplit<C>::RB][4]) {
+  constexpr int F = PrepSplit<C>::F, RB = PrepSplit<C>::RB;
+#pragma unroll
+  for (int r = 0; r < RB; r++) {
+    s[r][0] = (F + RB * g + r == x) ? 1.f : 0.f;
+    s[r][1] = s[r][2] = s[r][3] = 0.f;
+  }
+  prep_split_terms<C, F>(sBuf + x * PrepSplit<C>::ld, sA + prep_a_row(F + RB * g), g, s);
 }
 
 /* Phase 3, warp B: its own rows' terms within block B, then the rows themselves. */
@@ -884,22 +863,7 @@ template <int C, int B>
 __device__ __forceinline__ void prep_split_take(const float *sA, const float *sBuf, int g, int x,
                                                 float (&s)[PrepSplit<C>::RB][4]) {
   constexpr int F = PrepSplit<C>::F, RB = PrepSplit<C>::RB, j0 = F + RB * B;
-  const float *tb = sBuf + x * PrepSplit<C>::ld + j0;
-  const float *arow = sA + prep_a_row(F + RB * g) + j0;
-#pragma unroll
-  for (int jb = 0; jb < RB; jb += 4) {
-    const float4 t4 = *reinterpret_cast<const float4 *>(tb + jb);
-    const float *ar = arow;
-#pragma unroll
-    for (int r = 0; r < RB; r++) {
-      const float4 a4 = *reinterpret_cast<const float4 *>(ar + jb);
-      s[r][0] = prep_fms(a4.x, t4.x, s[r][0]);
-      s[r][1] = prep_fms(a4.y, t4.y, s[r][1]);
-      s[r][2] = prep_fms(a4.z, t4.z, s[r][2]);
-      s[r][3] = prep_fms(a4.w, t4.w, s[r][3]);
-      ar += (F + RB * g + r + 3) & ~3;
-    }
-  }
+  prep_split_terms<C, RB>(sBuf + x * PrepSplit<C>::ld + j0, sA + prep_a_row(F + RB * g) + j0, g, s);
 }
 /* END prep_split_solve */
 

@@ -3,7 +3,8 @@
  * (gdp_fwd_v3.cu's state pass, gdp_bwd_v3.cu's recompute and reverse passes): the
  * transposed chunk states h^T / dH^T (float32, or bf16 with GDP_CUDA_V3_STATE=bf16) and
  * the D / dD tiles go from mma fragments to a warp's staging buffer and out as whole-row
- * 16-byte stores.  One definition for both files (they had grown identical copies).
+ * 16-byte stores, and the chunk panels come in (copy_panel_full).  One definition for
+ * both files (they had grown identical copies).
  */
 #ifndef GDP_KERNELS_CUDA_V3_STAGE_CUH
 #define GDP_KERNELS_CUDA_V3_STAGE_CUH
@@ -15,6 +16,38 @@
 
 namespace gdpcu {
 namespace v3 {
+
+/* ROWS x COLS bf16 panel whose rows are all there (the prep's workspace panels are
+ * zero-filled past a sequence's end), global row stride gld -> shared row stride sld, 16
+ * bytes per cp.async; all NT threads of the block take part.  A thread keeps one 16-byte
+ * column and steps down the rows, so its addresses are one base plus constant strides
+ * (few registers), and without a zero-fill predicate each cp.async is one LDGSTS with
+ * constant offsets.  (gdp_bwd_v3.cu's copy_panel, predicated by valid rows, kept a
+ * compare, a select and a 64-bit pointer per copy: at BV = 16 ~500 of dstate_kernel_v3's
+ * ~1500 instructions per chunk, and 255 registers.) */
+template <int ROWS, int COLS, int NT>
+__device__ __forceinline__ void copy_panel_full(unsigned char *dst, int sld, const bf16 *src, int64_t gld) {
+  constexpr int per_row = COLS / 8;
+  if constexpr (NT % per_row == 0) {
+    constexpr int row_step = NT / per_row;
+    const int r0 = (int)threadIdx.x / per_row, c8 = ((int)threadIdx.x % per_row) * 8;
+    unsigned char *d = dst + (r0 * sld + c8) * 2;
+    const bf16 *g = src + (int64_t)r0 * gld + c8;
+#pragma unroll
+    for (int r = 0; r < ROWS; r += row_step)
+      if (ROWS % row_step == 0 || r + r0 < ROWS) cp_async16(d + r * sld * 2, g + (int64_t)r * gld, true);
+  } else { /* rows of 6 chunks (C = 48): plain index arithmetic, small panel */
+    constexpr int total = ROWS * per_row;
+#pragma unroll
+    for (int e0 = 0; e0 < total; e0 += NT) {
+      const int e = e0 + (int)threadIdx.x;
+      if (total % NT == 0 || e < total) {
+        const int r = e / per_row, c8 = (e % per_row) * 8;
+        cp_async16(dst + (r * sld + c8) * 2, src + (int64_t)r * gld + c8, true);
+      }
+    }
+  }
+}
 
 /* A warp's h^T float32 staging buffer (h^T / dH^T stores, stage_hT32_half below): eight
  * rows of K floats, each padded by 32 bytes so that the eight rows of one fragment store
