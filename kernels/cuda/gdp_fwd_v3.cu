@@ -383,11 +383,11 @@ __global__ void __launch_bounds__(BV / 16 * 64, 1) state_ks2_kernel_v3(GdpArgs a
     if (it < nc) {
       unsigned char *st = smem + (it % kStages) * L::stage;
       const int64_t base = (int64_t)(cbeg + it) * H + h;
-      copy_panel<C, K, NT>(st + P::oW, P::ldK, a.W + base * C * K, K);
-      copy_panel<C, K, NT>(st + P::oKd, P::ldK, a.Kd + base * C * K, K);
-      copy_panel<TC, K, NT>(st + P::oQd, P::ldK, a.Qd + base * TC * K, K);
-      copy_panel<TC, C, NT>(st + P::oPm, P::ldC, a.Pm + base * TC * C, C);
-      copy_panel<C, BV, NT>(st + P::oU, P::ldB, a.U + base * C * V + col0, V);
+      copy_panel_full<C, K, NT>(st + P::oW, P::ldK, a.W + base * C * K, K);
+      copy_panel_full<C, K, NT>(st + P::oKd, P::ldK, a.Kd + base * C * K, K);
+      copy_panel_full<TC, K, NT>(st + P::oQd, P::ldK, a.Qd + base * TC * K, K);
+      copy_panel_full<TC, C, NT>(st + P::oPm, P::ldC, a.Pm + base * TC * C, C);
+      copy_panel_full<C, BV, NT>(st + P::oU, P::ldB, a.U + base * C * V + col0, V);
     }
     cp_async_commit();
   };
