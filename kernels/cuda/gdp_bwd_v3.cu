@@ -100,6 +100,19 @@ __device__ __forceinline__ void afrag_kt(const float (&X)[NT2][4], int kt, uint3
   A[3] = pack_bf16(sign * X[2 * kt + 1][2], sign * X[2 * kt + 1][3]);
 }
 
+/* The rounding residual of afrag_kt's A = bf16(-X) fragment of k tile kt (sign -1, as the
+ * state passes pack D^T): (-X) - A rounded to bf16; the difference is exact in float32,
+ * so A + R is -X to ~16 bits.  The same helper is in gdp_fwd_v3.cu. */
+template <int NT2>
+__device__ __forceinline__ void afrag_residual_kt(const float (&X)[NT2][4], int kt, const uint32_t (&A)[4],
+                                                  uint32_t (&R)[4]) {
+#pragma unroll
+  for (int q = 0; q < 4; q++) {
+    const float2 a = unpack_bf16(A[q]);
+    R[q] = pack_bf16(-X[2 * kt + (q >> 1)][2 * (q & 1)] - a.x, -X[2 * kt + (q >> 1)][2 * (q & 1) + 1] - a.y);
+  }
+}
+
 /* Store one A fragment (16 x-rows by 16 columns of a transposed matrix M^T) into M's
  * row-major [row][x] layout with row stride V: register q holds M[r0 + 8(q/2) + {0,1}]
  * [x + 8(q%2)] where `base` already points at column x = this lane's grp column and
@@ -308,15 +321,35 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) bwd_states_kernel_v3(GdpArgs 
     for (int nt = 0; nt < K / 8; nt++)
 #pragma unroll
       for (int e = 0; e < 4; e++) St[nt][e] *= el;
+    if (a.d_residual) {
+      /* + Dl^T Kd, Dl = bf16(D - bf16(D)) (exact difference): the states grad_state reads
+       * carry D to ~16 bits (dg's <dH, h> and z terms on long dht sequences; NOTES.md "dg
+       * on the K = 128 golden case") */
 #pragma unroll
-    for (int kt = 0; kt < C / 16; kt++)
+      for (int kt = 0; kt < C / 16; kt++) {
+        uint32_t Dl[4];
+        afrag_residual_kt(Dt, kt, Da[kt], Dl);
 #pragma unroll
-      for (int nt = 0; nt < K / 8; nt += 2) {
-        uint32_t b0, b1, b2, b3;
-        ldsm_x4_t(sKd + ((kt * 16 + trow) * L::ldK + nt * 8 + tcol) * 2, b0, b1, b2, b3);
-        mma16816(St[nt], Da[kt], b0, b1);
-        mma16816(St[nt + 1], Da[kt], b2, b3);
+        for (int nt = 0; nt < K / 8; nt += 2) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4_t(sKd + ((kt * 16 + trow) * L::ldK + nt * 8 + tcol) * 2, b0, b1, b2, b3);
+          mma16816(St[nt], Da[kt], b0, b1);
+          mma16816(St[nt + 1], Da[kt], b2, b3);
+          mma16816(St[nt], Dl, b0, b1);
+          mma16816(St[nt + 1], Dl, b2, b3);
+        }
       }
+    } else {
+#pragma unroll
+      for (int kt = 0; kt < C / 16; kt++)
+#pragma unroll
+        for (int nt = 0; nt < K / 8; nt += 2) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4_t(sKd + ((kt * 16 + trow) * L::ldK + nt * 8 + tcol) * 2, b0, b1, b2, b3);
+          mma16816(St[nt], Da[kt], b0, b1);
+          mma16816(St[nt + 1], Da[kt], b2, b3);
+        }
+    }
   }
   cp_async_wait<0>();
 }
@@ -592,9 +625,18 @@ struct GradStateLayout {
  * i.e. the terms of variant 2's chunk_grad_kernel phases P1-P6 (gdp_bwd.cu); the WY part
  * (T, dT, dA, dv, dbeta and the rest of dk, dg) adds to dKnA and dgcA.  Only the TC query
  * rows enter the query products (dO is zero on the other steps). */
-template <int K, int V, int C, int TC, bool S16 = false>
+template <int K, int V, int C, int TC, bool S16 = false, bool PIPE = false>
 __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradStateOut go, int ahead) {
   using L = GradStateLayout<K, V, C, TC>;
+  /* PIPE (bf16 states only; GDP_CUDA_V3_GSPIPE=old turns it off): dH^T is cp.async'ed
+   * straight into the K x V buffer with the other panels at the start (it is bf16 in
+   * global memory already, and the layout is the buffer's), instead of being read into
+   * registers after P1 and stored from there; <dH, h> is summed in P3a from the h^T
+   * reload (registers) and the dH^T vectors in shared memory, in the same per-thread
+   * order, so every output bit is as before.  Removed from the block's serial chain: the
+   * post-P1 round of 16-byte loads (one L2 round trip and its wait), and one of the two
+   * reads of h^T (32 KB of L2 traffic per block at K = V = 128). */
+  constexpr bool NP = S16 && PIPE;
   /* S16: h^T, dH^T arrive in bf16 (go.hT16, go.dHT16): 16-byte vectors of 8 elements
    * instead of float4, half the bytes; the values are the float32 copies' round-to-nearest
    * bf16, i.e. what this kernel writes to shared memory from those, so every product
@@ -633,10 +675,13 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
    * two rounds of float32 loads came first and each waited a full DRAM latency with
    * nothing else to do (ncu: 20.5 warp cycles per instruction, DRAM 52%). */
   if (tid == 0) {
-    prefetch_l2_bulk(gdH, kSB);
+    if (!NP) prefetch_l2_bulk(gdH, kSB); /* NP: copied by cp.async below */
     prefetch_l2_bulk(gH, kSB);
   }
-  copy_panel<C, V, 256>(smem + L::oD, L::ldV, a.Dbuf + CHi * C * V, V, C);
+  /* D, dD: workspace panels with all C rows (NP: without the always-true zero-fill
+   * predicate, the same bytes) */
+  if constexpr (NP) copy_panel_full<C, V, 256>(smem + L::oD, L::ldV, a.Dbuf + CHi * C * V, V);
+  else copy_panel<C, V, 256>(smem + L::oD, L::ldV, a.Dbuf + CHi * C * V, V, C);
   copy_panel<TC, V, 256>(smem + L::odO, L::ldV, d_o + ((int64_t)ci.t0 * H + h) * V, (int64_t)H * V, ci.ntok);
   copy_panel<C, K, 256>(smem + L::oKn, L::ldK, gk + (krow0 * H + h) * K, (int64_t)H * K, nv);
   copy_panel<TC, K, 256>(smem + L::oQn, L::ldK, gq + ((int64_t)ci.t0 * H + h) * K, (int64_t)H * K, ci.ntok);
@@ -648,7 +693,14 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
   if (do_ahead && tid < 4) /* the ChunkInfo's four ints, 4-byte copies (the table is only int-aligned) */
     cp_async4(smem + L::oNext + 4 * tid, (const int *)(a.chunks + lin_ahead % gridDim.x) + tid);
   cp_async_commit();
-  copy_panel<C, V, 256>(smem + L::odD, L::ldV, a.dDbuf + CHi * C * V, V, C);
+  if constexpr (NP) {
+    /* dH^T [V][K] bf16 -> the K x V buffer (rows padded): thread tid copies the 16-byte
+     * vectors e = tid + 256 u, the ones it dots with its h^T reload in P3a */
+    copy_panel_full<V, K, 256>(smem + L::oHb, L::ldK, go.dHT16 + CHi * V * K, K);
+    cp_async_commit();
+  }
+  if constexpr (NP) copy_panel_full<C, V, 256>(smem + L::odD, L::ldV, a.dDbuf + CHi * C * V, V);
+  else copy_panel<C, V, 256>(smem + L::odD, L::ldV, a.dDbuf + CHi * C * V, V, C);
   cp_async_commit();
   if (tid < C) {
     sDgc[tid] = 0.f;
@@ -672,7 +724,8 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
 #pragma unroll
       for (int r = 0; r < n; r++) sGc[lane * n + r] = acc;
   }
-  cp_async_wait<1>(); /* D, dO, k, q (this thread's copies) */
+  if constexpr (NP) cp_async_wait<2>(); /* D, dO, k, q (this thread's copies); dH^T, dD pending */
+  else cp_async_wait<1>();              /* D, dO, k, q (this thread's copies) */
   __syncthreads();
   /* The k, q rows stay raw (exact bf16) and only their norms are taken:
    * kinv, qinv = rsqrt(|x|^2 + eps).  Every product below uses the raw rows and folds the
@@ -773,7 +826,9 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
    * blocks per SM).  Two rounds of 16 16-byte loads per thread at K = V = 128; dH is read
    * once (streaming loads), h again after P3a (default caching).  The per-thread
    * summation order of the dot is e ascending in steps of 256, as before. */
-  if constexpr (S16) {
+  if constexpr (NP) {
+    /* dH^T is in shared memory already; <dH, h> is taken in P3a */
+  } else if constexpr (S16) {
     /* bf16 copies: one round of up to 8 16-byte vectors each (8 at K = V = 128); dH^T's
      * go to shared memory as they are (one 16-byte store each) */
     const uint4 *ph = (const uint4 *)gH, *pd = (const uint4 *)gdH;
@@ -829,9 +884,25 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
     dot = warp_sum(dot);
     if (lane == 0) sDot[warp] = dot;
   }
-  /* h is read again after P3a: keep it in L2 until then */
-  if (tid == 0) prefetch_l2_bulk(gH, kSB);
-  cp_async_wait<0>(); /* dD (read from P3b on; the barriers below publish it) */
+  /* vectors (float4, or S16 8 bf16) of h^T per thread: 4 .. 16 (S16: 2 .. 8); at most 8
+   * are held across the rest of the item (16 spill at K = V = 128 under the 128-register
+   * cap), the others load after it */
+  constexpr int nvecH = V * K / kEPV, perH = nvecH / 256, earlyH = perH < 8 ? perH : 8;
+  static_assert(nvecH % 256 == 0 && perH <= 16 && perH - earlyH <= earlyH, "h^T reload: two rounds at most");
+  static_assert(!NP || perH == earlyH, "NP: the whole h^T reload is held for the dot");
+  SV hv[earlyH];
+  if constexpr (NP) {
+    /* the h^T reload (L2, prefetched at the start) is issued here, before the barrier and
+     * this warp's D dH^T products, so its latency hides behind P3a; held in registers for
+     * the dot and the store over dH^T (loads only: same bits) */
+    const SV *ph = (const SV *)gH;
+#pragma unroll
+    for (int u = 0; u < earlyH; u++) hv[u] = __ldcs(ph + u * 256 + tid);
+  } else if (tid == 0) {
+    prefetch_l2_bulk(gH, kSB); /* h is read again after P3a: keep it in L2 until then */
+  }
+  if constexpr (NP) cp_async_wait<1>(); /* dH^T (dD is waited for before P3b) */
+  else cp_async_wait<0>();              /* dD (read from P3b on; the barriers below publish it) */
   __syncthreads();
 
   /* ---- P3a: per 16 steps x 64 key columns: dKnA = e^{last-gc_j} D dH^T + Ps^T qn (z_j
@@ -841,12 +912,6 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
    * flight; the barrier then only guards the shared-memory overwrite. */
   constexpr int nP3 = (C / 16) * (K / 64);
   static_assert(nP3 <= 8, "one P3 item per warp");
-  /* vectors (float4, or S16 8 bf16) of h^T per thread: 4 .. 16 (S16: 2 .. 8); at most 8
-   * are held across the rest of the item (16 spill at K = V = 128 under the 128-register
-   * cap), the others load after it */
-  constexpr int nvecH = V * K / kEPV, perH = nvecH / 256, earlyH = perH < 8 ? perH : 8;
-  static_assert(nvecH % 256 == 0 && perH <= 16 && perH - earlyH <= earlyH, "h^T reload: two rounds at most");
-  SV hv[earlyH];
   {
     const int jb = (warp / (K / 64)) * 16, rb = (warp % (K / 64)) * 64;
     float acc[8][4] = {};
@@ -864,7 +929,7 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
         }
       }
     }
-    {
+    if constexpr (!NP) {
       /* last read of h: streaming 16-byte loads, written over dH^T after the barrier */
       const SV *ph = (const SV *)gH;
 #pragma unroll
@@ -910,6 +975,27 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
         *reinterpret_cast<float2 *>(out + nt * 8) = make_float2(acc[nt][0] * n0, acc[nt][1] * n0);
         *reinterpret_cast<float2 *>(out + 8 * K + nt * 8) = make_float2(acc[nt][2] * n1, acc[nt][3] * n1);
       }
+    }
+    if constexpr (NP) {
+      /* <dH, h>: this thread's h^T vectors (the reload above) against the same vectors of
+       * dH^T, still in shared memory (h^T replaces them only after the barrier below).
+       * The old S16 path's per-thread order (u ascending, then the four pairs), so the
+       * same float sum; the products of two bf16 values are exact in float32. */
+      float dot = 0.f;
+#pragma unroll
+      for (int u = 0; u < perH; u++) {
+        const int e = u * 256 + tid;
+        const int x = (8 * e) / K, r = (8 * e) % K;
+        const uint4 dv = *reinterpret_cast<const uint4 *>(smem + L::oHb + (x * L::ldK + r) * 2);
+        const uint32_t hw[4] = {hv[u].x, hv[u].y, hv[u].z, hv[u].w}, dw[4] = {dv.x, dv.y, dv.z, dv.w};
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+          const float2 hf = unpack_bf16(hw[q]), df = unpack_bf16(dw[q]);
+          dot += hf.x * df.x + hf.y * df.y;
+        }
+      }
+      dot = warp_sum(dot);
+      if (lane == 0) sDot[warp] = dot;
     }
   }
   __syncthreads(); /* dH^T no longer read by any warp: h^T takes its place */
@@ -970,6 +1056,7 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
             make_uint2(pack_bf16(v.x, v.y), pack_bf16(v.z, v.w));
     }
   }
+  if constexpr (NP) cp_async_wait<0>(); /* dD, read from P3b on */
   __syncthreads();
 
   /* ---- P3b: dWg = -dD h^T per (16 steps x 64 key columns) */
@@ -1209,6 +1296,20 @@ __device__ __forceinline__ void grad_wy_dT_out(unsigned char *smem, uint32_t s0,
   }
 }
 
+/* W5's kn kn^T tile (ti, tj) in registers: kk += kn[ti] kn[tj]^T over K (the products and
+ * order W1 used when KK was kept in shared memory). */
+template <class L, int K>
+__device__ __forceinline__ void grad_wy_kk(uint32_t s0, int ti, int tj, const LaneMaps &m, float (&kk)[2][4]) {
+#pragma unroll
+  for (int kt = 0; kt < K / 16; kt++) {
+    uint32_t fa[4], b0, b1, b2, b3;
+    ldsm_x4(s0 + L::oKn + ((ti * 16 + m.arow) * L::ldK + kt * 16 + m.acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+    ldsm_x4(s0 + L::oKn + ((tj * 16 + m.nrow) * L::ldK + kt * 16 + m.ncol) * 2, b0, b1, b2, b3);
+    mma16816(kk[0], fa, b0, b1);
+    mma16816(kk[1], fa, b2, b3);
+  }
+}
+
 /* The WY part of the per-chunk gradients (one block of 8 warps per (chunk, head)), after
  * grad_state_kernel_v3 (its dKnA, dWg, dgcA) and the recompute's prep (T^T, bf16, the
  * only precision this kernel uses T in: every product with T is on bf16 mma operands,
@@ -1222,10 +1323,16 @@ __device__ __forceinline__ void grad_wy_dT_out(unsigned char *smem, uint32_t s0,
  *   dgc_i += sum_j dA A_ij, dgc_j -= sum_i dA A_ij
  *   dk = l2-norm backward of dKnA + dKn;  dg = reverse cumsum of dgcA + dgc (step 0 rows).
  * Warp w < (C/16)(K/64) owns the dKn item (16 steps x 64 key columns) in registers from
- * dKb to the dk store.  Blocks per SM: grad_wy_blocks. */
-template <int K, int V, int C, int TC>
+ * dKb to the dk store.  Blocks per SM: grad_wy_blocks.
+ * NEW (default; GDP_CUDA_V3_WY=old the session-5 schedule, =compare both, byte for byte):
+ * the same products in the same order, scheduled differently (NOTES.md "grad_wy wy5"):
+ * with kLateDW, W5's kn kn^T tiles are computed while dW comes in from L2 (they only read
+ * kn) instead of in W5; dKnA (and, late, dW) are prefetched into L2 again nearer their
+ * use; dg's reverse cumsum is stored by the 32 lanes of warp 7 instead of one thread. */
+template <int K, int V, int C, int TC, bool NEW = true>
 __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v3(GdpArgs a, GradStateOut go) {
   using L = GradWYLayout<K, V, C>;
+  constexpr bool kPreKK = NEW && L::kLateDW; /* W5's kk computed in the dW wait */
   constexpr int NN = C / TC, NB = C / 16, NI = (C / 16) * (K / 64), NL = NB * (NB + 1) / 2, NVB = NB * (V / 64);
   static_assert(K % 64 == 0 && V % 64 == 0 && C % 16 == 0 && C <= 64 && NI <= 8 && NL <= 10, "shapes");
   static_assert(L::total <= 76800 || grad_wy_blocks(K, V, C) < 3, "three blocks per SM fit in shared memory");
@@ -1303,6 +1410,8 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
 
   cp_async_wait<0>(); /* v, dD, dW, T^T */
   __syncthreads();
+  if constexpr (NEW && L::kLateDW) /* again, nearer its copy (W3a's end): the first may have left L2 */
+    if (tid == 32) prefetch_l2_bulk(go.dWg + CHi * C * K, C * K * 2);
 
   /* ---- W3: dVb (dv out) and the dT tiles (dT item t to warp 7 - t % 8: the dVb items
    * of the high warps are the short ones, vjb near C).  dKb = T^T dW is computed in W6,
@@ -1348,6 +1457,7 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
    * only ones dA reads, need dT[ti][m <= tj].  A warp has at most two items (NL <= 10),
    * slots s = 0, 1: item 7 - warp + 8 s.  With kLateDW the dD V^T sums (acc) are held in
    * registers (16 floats at most) while dW is copied over v (W3b). */
+  float kkp[2][2][4] = {}; /* kPreKK: W5's kk for items warp + 8 sl */
   if constexpr (!L::kLateDW) {
     for (int item = 7 - (fresh_sreg<0>() >> 5); item < NL; item += 8) {
       int ti, tj;
@@ -1374,8 +1484,20 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
       const int64_t CHl = (int64_t)fresh_sreg<1>() * H + fresh_sreg<2>();
       copy_panel<C, K, 256>(smem + L::odW, L::ldK, go.dWg + CHl * C * K, K, C);
       cp_async_commit();
-      cp_async_wait<0>();
     }
+    if constexpr (kPreKK) { /* W5's kk tiles (items warp, warp + 8) while dW is in flight */
+      const int w = fresh_sreg<0>() >> 5;
+#pragma unroll
+      for (int sl = 0; sl < 2; sl++) {
+        const int item = w + 8 * sl;
+        if (item < NL) {
+          int ti, tj;
+          lower_tile(item, ti, tj);
+          grad_wy_kk<L, K>(s0, ti, tj, lane_maps(), kkp[sl]);
+        }
+      }
+    }
+    cp_async_wait<0>();
     __syncthreads();
     /* ---- W3b: dT (over dD) from the scratch sums and dW kn^T */
     for (int item = 7 - (fresh_sreg<0>() >> 5); item < NL; item += 8) {
@@ -1391,6 +1513,9 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
 
   /* ---- W4: X = dT T^T (T[j][m] = 0 for m > j); only the lower tiles: dA[ti][tj <= ti]
    * reads X[m][tj] for m >= ti >= tj */
+  if constexpr (NEW) /* dKnA into L2 again, nearer its read (W6's end) */
+    if (fresh_sreg<0>() == 0)
+      prefetch_l2_bulk(go.dKnA + ((int64_t)fresh_sreg<1>() * H + fresh_sreg<2>()) * C * K, C * K * 4);
   for (int item = warp; item < NL; item += 8) {
     int ti, tj;
     lower_tile(item, ti, tj);
@@ -1425,13 +1550,13 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
     lower_tile(item, ti, tj);
     const LaneMaps m = lane_maps();
     float acc[2][4] = {}, kk[2][4] = {};
+    if constexpr (kPreKK) {
 #pragma unroll
-    for (int kt = 0; kt < K / 16; kt++) {
-      uint32_t fa[4], b0, b1, b2, b3;
-      ldsm_x4(s0 + L::oKn + ((ti * 16 + m.arow) * L::ldK + kt * 16 + m.acol) * 2, fa[0], fa[1], fa[2], fa[3]);
-      ldsm_x4(s0 + L::oKn + ((tj * 16 + m.nrow) * L::ldK + kt * 16 + m.ncol) * 2, b0, b1, b2, b3);
-      mma16816(kk[0], fa, b0, b1);
-      mma16816(kk[1], fa, b2, b3);
+      for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) kk[nt][e] = item >= 8 ? kkp[1][nt][e] : kkp[0][nt][e]; /* slot item / 8 */
+    } else {
+      grad_wy_kk<L, K>(s0, ti, tj, m, kk);
     }
     {
 #pragma unroll
@@ -1624,7 +1749,30 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
       }
     }
     if (tid < nv) ((bf16 *)a.dbeta)[(krow0 + tid) * H + h] = __float2bfloat16(sDb[tid]);
-    if (a.g && tid == 32 * 7) { /* reverse cumsum of the step gradients; a token's dg is its step 0's.
+    if (NEW && a.g && warp == 7) { /* as below, but the 32 lanes store: lane 0 runs the same sum
+                                    * and leaves the running values in sDgc */
+      if ((tid & 31) == 0) {
+        float dgc[C];
+#pragma unroll
+        for (int i = 0; i < C; i += 4) {
+          const float4 v4 = *reinterpret_cast<const float4 *>(sDgc + i);
+          dgc[i] = v4.x, dgc[i + 1] = v4.y, dgc[i + 2] = v4.z, dgc[i + 3] = v4.w;
+        }
+        float run = 0.f;
+#pragma unroll
+        for (int i = C - 1; i >= 0; i--) {
+          run += dgc[i];
+          dgc[i] = run;
+        }
+#pragma unroll
+        for (int i = 0; i < C; i += 4)
+          *reinterpret_cast<float4 *>(sDgc + i) = make_float4(dgc[i], dgc[i + 1], dgc[i + 2], dgc[i + 3]);
+      }
+      __syncwarp();
+      const int t = tid & 31; /* token t of the chunk: step row t n (C / n <= 32) */
+      if (t * n < C && t * n < nv) ((bf16 *)a.dg)[((int64_t)ci.t0 + t) * H + h] = __float2bfloat16(sDgc[t * n]);
+    }
+    if (!NEW && a.g && tid == 32 * 7) { /* reverse cumsum of the step gradients; a token's dg is its step 0's.
                                  * All C values are read first (vector loads), then the same
                                  * sequential sum: the chain is C adds, not C shared-memory round trips. */
       float dgc[C];
@@ -1816,6 +1964,78 @@ static gdp_status launch_seq(const Plan &plan, int bv, bool states, bool dry_run
                     : launch_seq_n<64, 64>(plan, bv, states, dry_run, occ, f32, b16);
 }
 
+/* grad_wy_kernel_v3: the new schedule, or (old) the session-5 one (GDP_CUDA_V3_WY=old). */
+template <int K, int V, int C, int TC>
+static gdp_status launch_grad_wy(const Plan &plan, const GradStateOut &go, bool old) {
+  using L = GradWYLayout<K, V, C>;
+  const dim3 grid((unsigned)plan.a.nchunks, (unsigned)plan.a.H);
+  auto kern = old ? grad_wy_kernel_v3<K, V, C, TC, false> : grad_wy_kernel_v3<K, V, C, TC, true>;
+  GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
+  GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+  kern<<<grid, 256, L::total, plan.stream>>>(plan.a, go);
+  GDP_CUDA_LAUNCHED("grad_wy_kernel_v3");
+  return GDP_OK;
+}
+
+/* GDP_CUDA_V3_WY=compare (lab only: synchronises, copies to the host): the old schedule,
+ * then the new one on the same inputs (grad_wy reads only its inputs and writes dk, dv,
+ * dbeta, dg); the four must come out byte for byte the same, otherwise GDP_ERR_INTERNAL
+ * names the buffer. */
+template <int K, int V, int C, int TC>
+static gdp_status compare_grad_wy(const Plan &plan, const GradStateOut &go) {
+  const GdpArgs &a = plan.a;
+  long long tokens = 0; /* cu[N]: all tokens */
+  GDP_CUDA_TRY(cudaMemcpyAsync(&tokens, a.cu + a.N, sizeof tokens, cudaMemcpyDeviceToHost, plan.stream));
+  GDP_CUDA_TRY(cudaStreamSynchronize(plan.stream));
+  const size_t rows = (size_t)tokens * (size_t)a.n * (size_t)a.H;
+  const size_t bytes[4] = {rows * K * 2, rows * V * 2, rows * 2, a.g ? (size_t)tokens * (size_t)a.H * 2 : 0};
+  void *bufs[4] = {a.dk, a.dv, a.dbeta, a.dg};
+  static const char *names[4] = {"dk", "dv", "dbeta", "dg"};
+  std::vector<unsigned char> got[2][4];
+  for (int pass = 0; pass < 2; pass++) {
+    /* clear the outputs first, so that a value one schedule leaves unwritten shows */
+    for (int i = 0; i < 4; i++)
+      if (bytes[i]) GDP_CUDA_TRY(cudaMemsetAsync(bufs[i], pass ? 0x5a : 0xa5, bytes[i], plan.stream));
+    const gdp_status st = launch_grad_wy<K, V, C, TC>(plan, go, pass == 0);
+    if (st != GDP_OK) return st;
+    for (int i = 0; i < 4; i++) {
+      got[pass][i].resize(bytes[i]);
+      if (bytes[i])
+        GDP_CUDA_TRY(cudaMemcpyAsync(got[pass][i].data(), bufs[i], bytes[i], cudaMemcpyDeviceToHost, plan.stream));
+    }
+    GDP_CUDA_TRY(cudaStreamSynchronize(plan.stream));
+  }
+  for (int i = 0; i < 2; i++)
+    if (bytes[i] && memcmp(got[0][i].data(), got[1][i].data(), bytes[i]) != 0)
+      return GDP_ERROR(GDP_ERR_INTERNAL, "grad_wy_kernel_v3<%d,%d,%d,%d>: old and new schedules differ in %s", K, V, C,
+                       TC, names[i]);
+  /* dbeta and dg sum shared-memory atomics from several warps, whose order is not fixed
+   * (not even between two runs of one schedule): within 2^-7 relative (a bf16 step) plus
+   * 1e-3 of the buffer's largest magnitude (cancellation in the float sums) */
+  for (int i = 2; i < 4; i++) {
+    const size_t cnt = bytes[i] / 2;
+    auto val = [&](int pass, size_t e) {
+      uint16_t u;
+      memcpy(&u, got[pass][i].data() + 2 * e, 2);
+      const uint32_t w = (uint32_t)u << 16;
+      float f;
+      memcpy(&f, &w, 4);
+      return f;
+    };
+    float amax = 0.f;
+    for (size_t e = 0; e < cnt; e++) amax = fmaxf(amax, fabsf(val(0, e)));
+    size_t bad = 0;
+    for (size_t e = 0; e < cnt; e++) {
+      const float x = val(0, e), y = val(1, e);
+      if (!(fabsf(x - y) <= 0.0078125f * fabsf(x) + 1e-3f * amax)) bad++;
+    }
+    if (bad)
+      return GDP_ERROR(GDP_ERR_INTERNAL, "grad_wy_kernel_v3<%d,%d,%d,%d>: old and new schedules differ in %s (%zu of %zu)",
+                       K, V, C, TC, names[i], bad, cnt);
+  }
+  return GDP_OK;
+}
+
 /* The per-chunk gradients: the state part, then (wy) the WY part; one 8-warp block per
  * (chunk, head) each. */
 template <int K, int V, int C, int TC>
@@ -1831,9 +2051,17 @@ static gdp_status launch_grad_state_kv(const Plan &plan, const GradStateOut &go_
    * session 3's gs3, measured slower on the H200 -- n = 2 0.74 -> 0.89 ms: its 64-column
    * key panels read k, q and the states from L2 twice -- and was dropped; NOTES.md.) */
   const bool s16 = go.hT16 != nullptr;
+  /* GDP_CUDA_V3_GSPIPE=old (lab A/B; read once): with bf16 states, the schedule before
+   * dH^T came in by cp.async with the first panels (same results bit for bit) */
+  static const bool gs_pipe = [] {
+    const char *e = getenv("GDP_CUDA_V3_GSPIPE");
+    return !(e && strcmp(e, "old") == 0);
+  }();
   if (!wy) {
     using L = GradStateLayout<K, V, C, TC>;
-    auto kern = s16 ? grad_state_kernel_v3<K, V, C, TC, true> : grad_state_kernel_v3<K, V, C, TC, false>;
+    auto kern = !s16     ? grad_state_kernel_v3<K, V, C, TC, false>
+                : gs_pipe ? grad_state_kernel_v3<K, V, C, TC, true, true>
+                          : grad_state_kernel_v3<K, V, C, TC, true, false>;
     GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
     /* two blocks per SM need the largest shared-memory carveout */
     GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
@@ -1858,12 +2086,9 @@ static gdp_status launch_grad_state_kv(const Plan &plan, const GradStateOut &go_
     kern<<<grid, 256, L::total, plan.stream>>>(plan.a, go, ahead);
     GDP_CUDA_LAUNCHED("grad_state_kernel_v3");
   } else {
-    using L = GradWYLayout<K, V, C>;
-    auto kern = grad_wy_kernel_v3<K, V, C, TC>;
-    GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
-    GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
-    kern<<<grid, 256, L::total, plan.stream>>>(plan.a, go);
-    GDP_CUDA_LAUNCHED("grad_wy_kernel_v3");
+    static const int mode = seq_mode("GDP_CUDA_V3_WY");
+    if (mode == 2) return compare_grad_wy<K, V, C, TC>(plan, go);
+    return launch_grad_wy<K, V, C, TC>(plan, go, mode == 1);
   }
   return GDP_OK;
 }
@@ -2053,6 +2278,7 @@ extern "C" gdp_status gdp_cuda_gdp_backward_v3(const gdp_gdp_problem *p, const g
   /* U's bf16 residual for the recompute (GdpArgs::Ulo, the plan's PLAN_BACKWARD_V3
    * buffer) unless a lab run turns it off */
   if (!v3::keep_u_residual()) plan.a.Ulo = nullptr;
+  plan.a.d_residual = v3::keep_d_residual(); /* D's residual in the recompute's state update */
   st = v3::launch_prep_v3(plan, go.Tt); /* NULL (no T store) for variant 2's gradient kernel */
   prof_mark("bwd prep v3 (recompute)", stream);
   const int bv = v3b::choose_bv(plan);

@@ -59,6 +59,11 @@ struct GdpArgs {
   bf16 *Ulo;
   float *elast;
   bf16 *hbuf, *Dbuf, *dHbuf, *dDbuf;
+  /* v3 state passes that feed the gradients (0 elsewhere, from the memset): 1 = the state
+   * update S += Kd^T D also adds D's bf16 rounding residual, so the states the gradient
+   * kernels read carry D to ~16 bits (dg on long dht sequences; NOTES.md "dg on the K =
+   * 128 golden case") */
+  int d_residual;
 };
 
 /* Chunk steps for n Householder steps per token (0: no chunk path for this n). */

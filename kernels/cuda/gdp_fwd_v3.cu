@@ -82,6 +82,20 @@ struct Layout {
 
 /* ------------------------------------------------------------------ the state pass */
 
+/* The rounding residual of the bf16 A fragment A of -X's k tile kt (A[q] = bf16 pair of
+ * -X[2kt + q/2][2(q%2)], [..+1], as the state passes pack D^T from its negated
+ * accumulator): (-X) - A rounded to bf16; the difference is exact in float32, so A + R
+ * is -X to ~16 bits.  The same helper is in gdp_bwd_v3.cu (separate translation units). */
+template <int NT2>
+__device__ __forceinline__ void afrag_residual_kt(const float (&X)[NT2][4], int kt, const uint32_t (&A)[4],
+                                                  uint32_t (&R)[4]) {
+#pragma unroll
+  for (int q = 0; q < 4; q++) {
+    const float2 a = unpack_bf16(A[q]);
+    R[q] = pack_bf16(-X[2 * kt + (q >> 1)][2 * (q & 1)] - a.x, -X[2 * kt + (q >> 1)][2 * (q & 1) + 1] - a.y);
+  }
+}
+
 /* Grid (sequence, head, value block of BV columns); BV/16 warps, warp w owns value
  * columns col0 + 16w .. +15.  Fragment coordinates (grp = lane/4, tig = lane%4):
  *   St[nt][e]  = S^T[x][r],  x = 16w + grp + 8(e/2),  r = 8nt + 2tig + e%2
@@ -260,15 +274,34 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) state_kernel_v3(GdpArgs a, fl
     for (int nt = 0; nt < K / 8; nt++)
 #pragma unroll
       for (int e = 0; e < 4; e++) St[nt][e] *= el;
+    if (SAVE && a.d_residual) {
+      /* + Dl^T Kd, Dl = bf16(D - bf16(D)) (exact difference): D to ~16 bits in the states
+       * the gradients read, as bwd_states_kernel_v3 does (the same bits) */
 #pragma unroll
-    for (int kt = 0; kt < C / 16; kt++)
+      for (int kt = 0; kt < C / 16; kt++) {
+        uint32_t Dl[4];
+        afrag_residual_kt(Dt, kt, Da[kt], Dl);
 #pragma unroll
-      for (int nt = 0; nt < K / 8; nt += 2) {
-        uint32_t b0, b1, b2, b3;
-        ldsm_x4_t(sKd + ((kt * 16 + trow) * L::ldK + nt * 8 + tcol) * 2, b0, b1, b2, b3);
-        mma16816(St[nt], Da[kt], b0, b1);
-        mma16816(St[nt + 1], Da[kt], b2, b3);
+        for (int nt = 0; nt < K / 8; nt += 2) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4_t(sKd + ((kt * 16 + trow) * L::ldK + nt * 8 + tcol) * 2, b0, b1, b2, b3);
+          mma16816(St[nt], Da[kt], b0, b1);
+          mma16816(St[nt + 1], Da[kt], b2, b3);
+          mma16816(St[nt], Dl, b0, b1);
+          mma16816(St[nt + 1], Dl, b2, b3);
+        }
       }
+    } else {
+#pragma unroll
+      for (int kt = 0; kt < C / 16; kt++)
+#pragma unroll
+        for (int nt = 0; nt < K / 8; nt += 2) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4_t(sKd + ((kt * 16 + trow) * L::ldK + nt * 8 + tcol) * 2, b0, b1, b2, b3);
+          mma16816(St[nt], Da[kt], b0, b1);
+          mma16816(St[nt + 1], Da[kt], b2, b3);
+        }
+    }
   }
   cp_async_wait<0>(); /* no copy may outlive the block (the tail groups are empty) */
 
@@ -278,6 +311,222 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) state_kernel_v3(GdpArgs a, fl
 #pragma unroll
       for (int e = 0; e < 4; e++) {
         const int r = nt * 8 + 2 * tig + (e & 1), x = xw + grp + 8 * (e >> 1);
+        a.ht[soff + (int64_t)r * V + x] = St[nt][e];
+      }
+  }
+}
+
+/* ------------------------------------------------------------------ the state pass, two warps per column tile */
+
+/* Layout of state_ks2_kernel_v3: the plain pass's stages, then per warp pair the two
+ * exchange buffers: Sa (the bf16 A fragments of S^T, K/16 tiles) and Da (those of D^T,
+ * C/16 tiles), each tile as 32 lanes x 16 bytes, so one STS.128 / LDS.128 per tile moves
+ * 512 contiguous bytes (4 wavefronts, the minimum). */
+template <int K, int C, int TC, int BV>
+struct Ks2Layout {
+  using P = Layout<K, C, TC, BV, false>;
+  static constexpr int stage = P::stage;
+  static constexpr int oXS = stage * kStages;               /* Sa tiles, per pair */
+  static constexpr int oXD = oXS + BV / 16 * (K / 16) * 512; /* Da tiles, per pair */
+  static constexpr int total = oXD + BV / 16 * (C / 16) * 512;
+};
+
+/* The plain state pass (state_kernel_v3<.., SAVE = false>) with two warps on each 16
+ * value columns (GDP_CUDA_V3_PASSES; default where the plain pass runs one-warp blocks,
+ * i.e. a few long sequences: at 1 x 32768, H = 16 the pass had 128 one-warp blocks on 132
+ * SMs, one tensor pipe of four busy per SM, and its per-chunk chain of 176 mma on one warp
+ * set the time).  Warp pair g owns value columns xw = col0 + 16g .. +15; its warp w = 0, 1:
+ *   - S^T rows' K half: St[i] = the original St[w K/16 + i] (key columns 8(w K/16 + i)..);
+ *   - D^T's C half: Dt[i] = the original Dt[w C/16 + i];
+ *   - o^T's TC half: Ot[i] = the original Ot[w TC/16 + i].
+ * Every product needs the full A operand (Sa over all K for D and o, Da over all C for o
+ * and S), so each warp publishes its half of Sa (after its S update, for the next chunk)
+ * and of Da (after D) as bf16 fragments in shared memory and both read back all tiles.
+ * Each accumulator element sees the same mma, with the same operands, in the same order
+ * as in state_kernel_v3 (D: -U^T, then kt = 0..K/16-1; o: Qd kt = 0.., then Pm; S: decay,
+ * then kt = 0..C/16-1), so o and ht are bit-identical to it; the mma per warp and chunk
+ * halve (176 -> 88 at K = 128, C = 64), as do the panel copies per thread.
+ * Ordering: the Sa tiles of chunk it are written before the loop-top __syncthreads of
+ * iteration it (the initial state's before the loop) and read after it; the Da tiles are
+ * written after it and read after the pair's named barrier (1 + g).  A warp rewrites its
+ * Sa tiles after that pair barrier, which its partner reaches only after its Sa reads;
+ * and its Da tiles after the next loop-top barrier, which its partner reaches only after
+ * its Da reads.  So one buffer each suffices.  Needs C % 32 == 0 and TC % 32 == 0 (n = 1,
+ * 2): each warp then owns whole 16-column A tiles of D and pairs of 8-column o tiles. */
+template <int K, int C, int TC, int BV>
+__global__ void __launch_bounds__(BV / 16 * 64, 1) state_ks2_kernel_v3(GdpArgs a) {
+  using P = Layout<K, C, TC, BV, false>;
+  using L = Ks2Layout<K, C, TC, BV>;
+  constexpr int NT = BV / 16 * 64;
+  static_assert(K % 32 == 0 && C % 32 == 0 && TC % 32 == 0 && BV % 16 == 0, "tile shapes");
+  constexpr int SK = K / 16, SC = C / 16, ST = TC / 16; /* 8-column tiles per warp of S, D, o */
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int s = blockIdx.x, h = blockIdx.y, col0 = blockIdx.z * BV;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = warp >> 1, w = warp & 1;
+  const int grp = lane >> 2, tig = lane & 3;
+  const int H = a.H, V = a.V;
+  const int cbeg = a.choff[s], nc = a.choff[s + 1] - cbeg;
+  const int64_t soff = ((int64_t)s * H + h) * K * V;
+  const int xw = col0 + g * 16; /* the pair's first value column */
+
+  float St[SK][4];
+#pragma unroll
+  for (int nt = 0; nt < SK; nt++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      const int r = (w * SK + nt) * 8 + 2 * tig + (e & 1), x = xw + grp + 8 * (e >> 1);
+      St[nt][e] = a.h0 ? a.h0[soff + (int64_t)r * V + x] : 0.f;
+    }
+
+  auto issue = [&](int it) {
+    if (it < nc) {
+      unsigned char *st = smem + (it % kStages) * L::stage;
+      const int64_t base = (int64_t)(cbeg + it) * H + h;
+      copy_panel_full<C, K, NT>(st + P::oW, P::ldK, a.W + base * C * K, K);
+      copy_panel_full<C, K, NT>(st + P::oKd, P::ldK, a.Kd + base * C * K, K);
+      copy_panel_full<TC, K, NT>(st + P::oQd, P::ldK, a.Qd + base * TC * K, K);
+      copy_panel_full<TC, C, NT>(st + P::oPm, P::ldC, a.Pm + base * TC * C, C);
+      copy_panel_full<C, BV, NT>(st + P::oU, P::ldB, a.U + base * C * V + col0, V);
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int it = 0; it < kStages - 1; it++) issue(it);
+
+  const int nrow = (lane >> 4) * 8 + (lane & 7), ncol = ((lane >> 3) & 1) * 8;
+  const int trow = ((lane >> 3) & 1) * 8 + (lane & 7), tcol = (lane >> 4) * 8;
+  const int urow = (lane >> 4) * 8 + (lane & 7), ucol = g * 16 + ((lane >> 3) & 1) * 8;
+  const uint32_t smem0 = smem_addr(smem);
+  /* the pair's exchange tiles (K/16 of Sa, C/16 of Da); lane's 16 bytes of tile t at
+   * + t * 512 */
+  uint4 *const xS = reinterpret_cast<uint4 *>(smem + L::oXS + g * (K / 16) * 512) + lane;
+  uint4 *const xD = reinterpret_cast<uint4 *>(smem + L::oXD + g * (C / 16) * 512) + lane;
+
+  /* this warp's half of Sa: A tiles w K/32 + i, from St[2i], St[2i + 1] */
+  auto put_sa = [&]() {
+#pragma unroll
+    for (int i = 0; i < SK / 2; i++)
+      xS[(w * SK / 2 + i) * 32] = make_uint4(pack_bf16(St[2 * i][0], St[2 * i][1]), pack_bf16(St[2 * i][2], St[2 * i][3]),
+                                             pack_bf16(St[2 * i + 1][0], St[2 * i + 1][1]),
+                                             pack_bf16(St[2 * i + 1][2], St[2 * i + 1][3]));
+  };
+  put_sa();
+
+  for (int it = 0; it < nc; it++) {
+    const int c = cbeg + it;
+    const float el = a.elast[(int64_t)c * H + h];
+    const ChunkInfo ci = a.chunks[c];
+    cp_async_wait<kStages - 2>();
+    __syncthreads(); /* chunk it and both Sa halves visible; stage (it-1) free */
+    issue(it + kStages - 1);
+
+    const uint32_t sb = smem0 + (it % kStages) * L::stage;
+    const uint32_t sW = sb + P::oW + w * (C / 2) * P::ldK * 2, sKd = sb + P::oKd + w * (K / 2) * 2,
+                   sQd = sb + P::oQd + w * (TC / 2) * P::ldK * 2, sPm = sb + P::oPm + w * (TC / 2) * P::ldC * 2,
+                   sU = sb + P::oU + w * (C / 2) * P::ldB * 2;
+
+    uint32_t Sa[K / 16][4];
+#pragma unroll
+    for (int kt = 0; kt < K / 16; kt++) {
+      const uint4 v = xS[kt * 32];
+      Sa[kt][0] = v.x, Sa[kt][1] = v.y, Sa[kt][2] = v.z, Sa[kt][3] = v.w;
+    }
+
+    /* -D^T for this warp's C half: j-tiles w C/16 + i */
+    float Dt[SC][4];
+#pragma unroll
+    for (int jt = 0; jt < SC / 2; jt++) {
+      uint32_t u0, u1, u2, u3;
+      ldsm_x4_t(sU + ((jt * 16 + urow) * P::ldB + ucol) * 2, u0, u1, u2, u3);
+      const float2 f0 = unpack_bf16(u0), f1 = unpack_bf16(u1), f2 = unpack_bf16(u2), f3 = unpack_bf16(u3);
+      Dt[2 * jt][0] = -f0.x, Dt[2 * jt][1] = -f0.y, Dt[2 * jt][2] = -f1.x, Dt[2 * jt][3] = -f1.y;
+      Dt[2 * jt + 1][0] = -f2.x, Dt[2 * jt + 1][1] = -f2.y;
+      Dt[2 * jt + 1][2] = -f3.x, Dt[2 * jt + 1][3] = -f3.y;
+    }
+#pragma unroll
+    for (int kt = 0; kt < K / 16; kt++)
+#pragma unroll
+      for (int nt = 0; nt < SC; nt += 2) {
+        uint32_t b0, b1, b2, b3;
+        ldsm_x4(sW + ((nt * 8 + nrow) * P::ldK + kt * 16 + ncol) * 2, b0, b1, b2, b3);
+        mma16816(Dt[nt], Sa[kt], b0, b1);
+        mma16816(Dt[nt + 1], Sa[kt], b2, b3);
+      }
+#pragma unroll
+    for (int i = 0; i < SC / 2; i++)
+      xD[(w * SC / 2 + i) * 32] = make_uint4(pack_bf16(-Dt[2 * i][0], -Dt[2 * i][1]),
+                                             pack_bf16(-Dt[2 * i][2], -Dt[2 * i][3]),
+                                             pack_bf16(-Dt[2 * i + 1][0], -Dt[2 * i + 1][1]),
+                                             pack_bf16(-Dt[2 * i + 1][2], -Dt[2 * i + 1][3]));
+    /* both Da halves visible to the pair (named barrier 1 + g, its 64 threads) */
+    asm volatile("bar.sync %0, 64;" ::"r"(1 + g) : "memory");
+    uint32_t Da[C / 16][4];
+#pragma unroll
+    for (int kt = 0; kt < C / 16; kt++) {
+      const uint4 v = xD[kt * 32];
+      Da[kt][0] = v.x, Da[kt][1] = v.y, Da[kt][2] = v.z, Da[kt][3] = v.w;
+    }
+
+    /* S^T (this warp's K half) <- e^{last} S^T + D^T Kd, then its Sa half for the next
+     * chunk: the serial chain first, o after it */
+#pragma unroll
+    for (int nt = 0; nt < SK; nt++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) St[nt][e] *= el;
+#pragma unroll
+    for (int kt = 0; kt < C / 16; kt++)
+#pragma unroll
+      for (int nt = 0; nt < SK; nt += 2) {
+        uint32_t b0, b1, b2, b3;
+        ldsm_x4_t(sKd + ((kt * 16 + trow) * P::ldK + nt * 8 + tcol) * 2, b0, b1, b2, b3);
+        mma16816(St[nt], Da[kt], b0, b1);
+        mma16816(St[nt + 1], Da[kt], b2, b3);
+      }
+    put_sa();
+
+    /* o^T (this warp's TC half) = S^T Qd^T + D^T Pm^T */
+    {
+      float Ot[ST][4];
+#pragma unroll
+      for (int nt = 0; nt < ST; nt++) Ot[nt][0] = Ot[nt][1] = Ot[nt][2] = Ot[nt][3] = 0.f;
+#pragma unroll
+      for (int kt = 0; kt < K / 16; kt++)
+#pragma unroll
+        for (int nt = 0; nt < ST; nt += 2) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4(sQd + ((nt * 8 + nrow) * P::ldK + kt * 16 + ncol) * 2, b0, b1, b2, b3);
+          mma16816(Ot[nt], Sa[kt], b0, b1);
+          mma16816(Ot[nt + 1], Sa[kt], b2, b3);
+        }
+#pragma unroll
+      for (int kt = 0; kt < C / 16; kt++)
+#pragma unroll
+        for (int nt = 0; nt < ST; nt += 2) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4(sPm + ((nt * 8 + nrow) * P::ldC + kt * 16 + ncol) * 2, b0, b1, b2, b3);
+          mma16816(Ot[nt], Da[kt], b0, b1);
+          mma16816(Ot[nt + 1], Da[kt], b2, b3);
+        }
+      bf16 *o = (bf16 *)a.o;
+      const int64_t obase = (int64_t)ci.t0 * H + h;
+#pragma unroll
+      for (int nt = 0; nt < ST; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          const int qa = (w * ST + nt) * 8 + 2 * tig + (e & 1), x = xw + grp + 8 * (e >> 1);
+          if (qa < ci.ntok) o[(obase + (int64_t)qa * H) * V + x] = __float2bfloat16(Ot[nt][e]);
+        }
+    }
+  }
+  cp_async_wait<0>();
+
+  if (a.ht) {
+#pragma unroll
+    for (int nt = 0; nt < SK; nt++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        const int r = (w * SK + nt) * 8 + 2 * tig + (e & 1), x = xw + grp + 8 * (e >> 1);
         a.ht[soff + (int64_t)r * V + x] = St[nt][e];
       }
   }
@@ -407,16 +656,53 @@ template <int K, int V, int C>
 struct PrepWuSched {
   static constexpr PrepSched<(K / 64 + V / 64) * (C / 16), PrepWuCost<C>> wu{};
 };
+/* The same items, costed for the prep that also stores U's residual (STORE_ULO): there a
+ * U item stores twice the pieces of a W item (8 staged 16-byte stores instead of 4, with
+ * the residual's arithmetic), so besides its k tiles (r + 1 of them) an item costs half a
+ * k tile per staged piece: W 2(r + 1) + 2, U 2(r + 1) + 4 (in half tiles).  PrepWuCost's
+ * schedule gives warp g all items of 64-column group g -- at K = V = 128 warps 2 and 3 run
+ * every U item, so they alone carry the residual (32 staged stores each against the W
+ * warps' 16) and end the block; this one gives every warp 2 W and 2 U items (24 each)
+ * with the same 10 k tiles a warp (K = V = 128, C = 64; every shape: prep_wu_owner_bits_ulo). */
+template <int C, int GK>
+struct PrepWuCostUlo {
+  static constexpr int of(int i) { return 2 * (i % (C / 16) + 1) + (i / (C / 16) >= GK ? 4 : 2); }
+};
+template <int K, int V, int C>
+struct PrepWuSchedUlo {
+  static constexpr PrepSched<(K / 64 + V / 64) * (C / 16), PrepWuCostUlo<C, K / 64>> wu{};
+};
 
 /* The owners of PrepWuSched's items as a 2-bit-per-item mask (at most 16 items), so that
  * the staged W/U phase can walk its items in a runtime loop: its code then exists once
  * per item kind instead of once per item. */
-template <int K, int V, int C>
+template <int K, int V, int C, bool ULO_COST = false>
 __host__ __device__ constexpr uint32_t prep_wu_owner_bits() {
   uint32_t bits = 0;
   for (int i = 0; i < (K / 64 + V / 64) * (C / 16); i++)
-    bits |= (uint32_t)PrepWuSched<K, V, C>::wu.owner[i] << (2 * i);
+    bits |= (uint32_t)(ULO_COST ? PrepWuSchedUlo<K, V, C>::wu.owner[i] : PrepWuSched<K, V, C>::wu.owner[i])
+            << (2 * i);
   return bits;
+}
+/* The owners the prep that stores U's residual runs with: PrepWuSchedUlo's where its most
+ * loaded warp (in PrepWuCostUlo's units) carries less than PrepWuSched's, else
+ * PrepWuSched's (K, V, C = 128, 128, 64: 36 -> 32; 128, 128, 48: 24 -> 22; 128, 128, 32:
+ * 14 -> 12; kept at 64, 64, 32 / 64, 128, 32 / 64, 128, 64 / 128, 64, 48, where it is a
+ * tie).  The items, and what each computes, are the same: only which warp runs them. */
+template <int K, int V, int C>
+__host__ __device__ constexpr uint32_t prep_wu_owner_bits_ulo() {
+  constexpr int NI = (K / 64 + V / 64) * (C / 16);
+  int load_old[4] = {0, 0, 0, 0}, load_new[4] = {0, 0, 0, 0};
+  for (int i = 0; i < NI; i++) {
+    load_old[PrepWuSched<K, V, C>::wu.owner[i]] += PrepWuCostUlo<C, K / 64>::of(i);
+    load_new[PrepWuSchedUlo<K, V, C>::wu.owner[i]] += PrepWuCostUlo<C, K / 64>::of(i);
+  }
+  int max_old = 0, max_new = 0;
+  for (int w = 0; w < 4; w++) {
+    max_old = load_old[w] > max_old ? load_old[w] : max_old;
+    max_new = load_new[w] > max_new ? load_new[w] : max_new;
+  }
+  return max_new < max_old ? prep_wu_owner_bits<K, V, C, true>() : prep_wu_owner_bits<K, V, C, false>();
 }
 
 /* stmatrix (sm_90): the inverse of ldsm_x4 -- register i of thread t (row t/4, columns
@@ -688,10 +974,9 @@ __device__ __forceinline__ void prep_split_solve(const float *sA, float *sBuf, c
  *  - every output through prep_stage_store: 16-byte stores of 64 contiguous bytes per
  *    row instead of 4-byte stores of 16. */
 template <int K, int V, int C, bool STORE_ULO, class L>
-__device__ __forceinline__ void prep_wu_staged(const GdpArgs &a, int64_t CHi, uint32_t s0) {
+__device__ __forceinline__ void prep_wu_staged(const GdpArgs &a, int64_t CHi, uint32_t s0, uint32_t owners) {
   constexpr int GK = K / 64, NR = C / 16, NI = (GK + V / 64) * NR;
   static_assert(NI <= 16, "owner bits");
-  constexpr uint32_t owners = prep_wu_owner_bits<K, V, C>();
   const int warp = (int)threadIdx.x >> 5, lane = (int)threadIdx.x & 31;
   const int trow = ((lane >> 3) & 1) * 8 + (lane & 7), tcol = (lane >> 4) * 8;
   const int aoff = ((lane >> 4) * 8 + (lane & 7)) * L::ldT + ((lane >> 3) & 1) * 8;
@@ -788,16 +1073,24 @@ __device__ __forceinline__ void prep_wu_staged(const GdpArgs &a, int64_t CHi, ui
  * 102-106 registers unasked).  Same bits as without.
  */
 template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO, bool WU_STAGED, bool SPLIT>
-__global__ void __launch_bounds__(128, SPLIT && C == 32 ? 5 : 4) prep_kernel_v3(GdpArgs a, bf16 *Tt) {
+__global__ void __launch_bounds__(128, SPLIT && C == 32 ? 5 : 4)
+    prep_kernel_v3(GdpArgs a, bf16 *Tt, uint32_t wu_owners, int head_first) {
   using L = PrepLayout<K, V, C, TC, WU_STAGED, SPLIT>;
   static_assert(K % 64 == 0 && V % 64 == 0 && C % 16 == 0 && TC % 16 == 0 && C <= 64 && TC <= 32 &&
                     C % TC == 0,
                 "prep shapes");
   constexpr int n = C / TC; /* tokens of n key rows: the launcher pairs (C, TC) with n */
   extern __shared__ __align__(128) unsigned char smem[];
-  const int c = blockIdx.x, h = blockIdx.y;
+  const int H = a.H;
+  /* head_first (PrepRun, set by the launcher): a 1-D grid, block b = (chunk b / H, head b % H), so the
+   * blocks resident together read the same tokens' rows of all heads (whole 4 KB token
+   * rows of k, q, v at H = 16, K = 128) and write neighbouring panels; otherwise the 2-D
+   * grid (chunk, head), chunk fastest: one head across the whole sequence at a time,
+   * 256 bytes of each 4 KB token row */
+  const int c = head_first ? (int)(blockIdx.x / (unsigned)H) : (int)blockIdx.x;
+  const int h = head_first ? (int)(blockIdx.x - (unsigned)c * (unsigned)H) : (int)blockIdx.y;
   const ChunkInfo ci = a.chunks[c];
-  const int H = a.H, nv = ci.ntok * n;
+  const int nv = ci.ntok * n;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, grp = lane >> 2, tig = lane & 3;
   const int64_t CHi = (int64_t)c * H + h;
   const int64_t krow0 = (int64_t)ci.t0 * n;
@@ -1015,7 +1308,7 @@ __global__ void __launch_bounds__(128, SPLIT && C == 32 ? 5 : 4) prep_kernel_v3(
    * A fragments come from the transposed panels by ldmatrix.trans: matrix m = lane/8
    * covers k rows kt 16 + 8(m/2).. and T rows rb + 8(m%2).. */
   if constexpr (WU_STAGED) {
-    prep_wu_staged<K, V, C, STORE_ULO, L>(a, CHi, s0);
+    prep_wu_staged<K, V, C, STORE_ULO, L>(a, CHi, s0, wu_owners);
   } else {
     constexpr int GK = K / 64, NR = C / 16, NI = (GK + V / 64) * NR;
     const int trow = ((lane >> 3) & 1) * 8 + (lane & 7), tcol = (lane >> 4) * 8;
@@ -1073,7 +1366,23 @@ __global__ void __launch_bounds__(128, SPLIT && C == 32 ? 5 : 4) prep_kernel_v3(
  * two h^T formats share one layout). */
 template <int K, int C, int TC, int BV>
 static gdp_status launch_bv(const Plan &plan, bool dry_run, int *blocks_per_sm, bool save, float *hT32,
-                            bf16 *hT16) {
+                            bf16 *hT16, bool ks2) {
+  const GdpArgs &a = plan.a;
+  if constexpr (C % 32 == 0 && TC % 32 == 0) {
+    /* the plain pass with two warps per 16 value columns (state_ks2_kernel_v3) */
+    if (ks2 && !save) {
+      constexpr int smem = Ks2Layout<K, C, TC, BV>::total;
+      auto kern = state_ks2_kernel_v3<K, C, TC, BV>;
+      GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+      if (dry_run) {
+        GDP_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, kern, BV / 16 * 64, smem));
+        return GDP_OK;
+      }
+      kern<<<dim3((unsigned)a.N, (unsigned)a.H, (unsigned)(a.V / BV)), BV / 16 * 64, smem, plan.stream>>>(a);
+      GDP_CUDA_LAUNCHED("state_ks2_kernel_v3");
+      return GDP_OK;
+    }
+  }
   /* the saving pass also stages U's residual: a larger stage */
   const int smem = save ? Layout<K, C, TC, BV, true>::total : Layout<K, C, TC, BV, false>::total;
   auto kern = !save ? state_kernel_v3<K, C, TC, BV, false, false>
@@ -1084,7 +1393,6 @@ static gdp_status launch_bv(const Plan &plan, bool dry_run, int *blocks_per_sm, 
     GDP_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, kern, BV / 16 * 32, smem));
     return GDP_OK;
   }
-  const GdpArgs &a = plan.a;
   kern<<<dim3((unsigned)a.N, (unsigned)a.H, (unsigned)(a.V / BV)), BV / 16 * 32, smem,
          plan.stream>>>(a, hT32, hT16);
   GDP_CUDA_LAUNCHED("state_kernel_v3");
@@ -1093,25 +1401,25 @@ static gdp_status launch_bv(const Plan &plan, bool dry_run, int *blocks_per_sm, 
 
 template <int K, int C, int TC>
 static gdp_status launch_k(const Plan &plan, int bv, bool dry_run, int *occ, bool save, float *hT32,
-                           bf16 *hT16) {
+                           bf16 *hT16, bool ks2) {
   switch (bv) {
-    case 64: return launch_bv<K, C, TC, 64>(plan, dry_run, occ, save, hT32, hT16);
-    case 32: return launch_bv<K, C, TC, 32>(plan, dry_run, occ, save, hT32, hT16);
-    default: return launch_bv<K, C, TC, 16>(plan, dry_run, occ, save, hT32, hT16);
+    case 64: return launch_bv<K, C, TC, 64>(plan, dry_run, occ, save, hT32, hT16, ks2);
+    case 32: return launch_bv<K, C, TC, 32>(plan, dry_run, occ, save, hT32, hT16, ks2);
+    default: return launch_bv<K, C, TC, 16>(plan, dry_run, occ, save, hT32, hT16, ks2);
   }
 }
 
 static gdp_status launch_state_v3(const Plan &plan, int bv, bool dry_run, int *occ, bool save, float *hT32,
-                                  bf16 *hT16 = nullptr) {
+                                  bf16 *hT16 = nullptr, bool ks2 = false) {
   const GdpArgs &a = plan.a;
   if (a.K == 128) {
-    if (a.n == 1) return launch_k<128, 32, 32>(plan, bv, dry_run, occ, save, hT32, hT16);
-    if (a.n == 2) return launch_k<128, 64, 32>(plan, bv, dry_run, occ, save, hT32, hT16);
-    return launch_k<128, 48, 16>(plan, bv, dry_run, occ, save, hT32, hT16);
+    if (a.n == 1) return launch_k<128, 32, 32>(plan, bv, dry_run, occ, save, hT32, hT16, ks2);
+    if (a.n == 2) return launch_k<128, 64, 32>(plan, bv, dry_run, occ, save, hT32, hT16, ks2);
+    return launch_k<128, 48, 16>(plan, bv, dry_run, occ, save, hT32, hT16, ks2);
   }
-  if (a.n == 1) return launch_k<64, 32, 32>(plan, bv, dry_run, occ, save, hT32, hT16);
-  if (a.n == 2) return launch_k<64, 64, 32>(plan, bv, dry_run, occ, save, hT32, hT16);
-  return launch_k<64, 48, 16>(plan, bv, dry_run, occ, save, hT32, hT16);
+  if (a.n == 1) return launch_k<64, 32, 32>(plan, bv, dry_run, occ, save, hT32, hT16, ks2);
+  if (a.n == 2) return launch_k<64, 64, 32>(plan, bv, dry_run, occ, save, hT32, hT16, ks2);
+  return launch_k<64, 48, 16>(plan, bv, dry_run, occ, save, hT32, hT16, ks2);
 }
 
 /* Value-block width: the fewest waves of blocks; on a tie the narrower block (more SMs
@@ -1143,15 +1451,63 @@ static int choose_bv(const Plan &plan, bool save) {
   return best;
 }
 
+/* How a prep launch runs, besides its kernel: the block order and, in the staged W/U
+ * phase, which warp runs which W/U item (prep_kernel_v3 takes both as arguments; neither
+ * changes a bit of the output). */
+struct PrepRun {
+  bool head_first; /* 1-D grid, heads fastest (prep_kernel_v3's head_first) */
+  bool ulo_sched;  /* the residual-aware W/U owners (prep_wu_owner_bits_ulo) where U's residual is stored */
+};
+
+/* GDP_CUDA_V3_PREP: unset = heads-first block order and the residual-aware W/U owners
+ * (session 5, helper prep5; NOTES.md "The prep's block order"); =old = the chunk-first
+ * order and PrepWuSched's owners (main's kernel before it, for the A/B); =oldorder /
+ * =oldsched = only that one of the two back (to time them apart). */
+static PrepRun prep_run_wanted() {
+  const char *env = getenv("GDP_CUDA_V3_PREP");
+  PrepRun r = {true, true};
+  if (env && (strcmp(env, "old") == 0 || strcmp(env, "oldorder") == 0)) r.head_first = false;
+  if (env && (strcmp(env, "old") == 0 || strcmp(env, "oldsched") == 0)) r.ulo_sched = false;
+  return r;
+}
+
+/* Two warps per 16 value columns in the plain pass (state_ks2_kernel_v3; n = 1, 2 only)?
+ * By default where choose_bv takes one-warp blocks (BV = 16: a few long sequences, e.g.
+ * 1 x 32768 at H = 16, 128 blocks on 132 SMs, one warp each), unless the pair kernel's
+ * exchange buffers would fit fewer blocks per SM.  GDP_CUDA_V3_PASSES=old: never (the
+ * one-warp-per-tile pass); =ks2: wherever it applies (A/B at other shapes). */
+static bool choose_ks2(const Plan &plan, int bv, bool save) {
+  const GdpArgs &a = plan.a;
+  if (save || a.n > 2) return false;
+  static const int mode = [] {
+    const char *env = getenv("GDP_CUDA_V3_PASSES");
+    return env && !strcmp(env, "old") ? 0 : env && !strcmp(env, "ks2") ? 2 : 1;
+  }();
+  if (mode != 1) return mode == 2;
+  if (bv != 16) return false;
+  /* occupancy depends only on (K, n): asked once, then cached (benign race) */
+  static int occ_cache[2][2][2] = {};
+  int *occ = occ_cache[a.K == 128][a.n - 1];
+  if (occ[0] == 0 && launch_state_v3(plan, 16, true, &occ[0], false, nullptr, nullptr, false) != GDP_OK) occ[0] = -1;
+  if (occ[1] == 0 && launch_state_v3(plan, 16, true, &occ[1], false, nullptr, nullptr, true) != GDP_OK) occ[1] = -1;
+  return occ[1] >= 1 && occ[1] >= occ[0];
+}
+
 template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO, bool WU_STAGED, bool SPLIT>
-static gdp_status launch_prep_kernel(const Plan &plan, bf16 *Tt) {
+static gdp_status launch_prep_kernel(const Plan &plan, bf16 *Tt, PrepRun run) {
   using L = PrepLayout<K, V, C, TC, WU_STAGED, SPLIT>;
   auto kern = prep_kernel_v3<K, V, C, TC, STORE_T, STORE_ULO, WU_STAGED, SPLIT>;
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
   /* four blocks of up to 54.5 KB per SM need (nearly) all of the unified L1 as shared memory */
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout,
                                     cudaSharedmemCarveoutMaxShared));
-  kern<<<dim3((unsigned)plan.a.nchunks, (unsigned)plan.a.H), 128, L::total, plan.stream>>>(plan.a, Tt);
+  const uint32_t owners =
+      STORE_ULO && run.ulo_sched ? prep_wu_owner_bits_ulo<K, V, C>() : prep_wu_owner_bits<K, V, C>();
+  /* heads first needs the chunk-head count in one grid dimension (< 2^31) */
+  const int64_t nblocks = (int64_t)plan.a.nchunks * plan.a.H;
+  const bool head_first = run.head_first && nblocks <= 0x7fffffff;
+  const dim3 grid = head_first ? dim3((unsigned)nblocks) : dim3((unsigned)plan.a.nchunks, (unsigned)plan.a.H);
+  kern<<<grid, 128, L::total, plan.stream>>>(plan.a, Tt, owners, head_first ? 1 : 0);
   GDP_CUDA_LAUNCHED("prep_kernel_v3");
   return GDP_OK;
 }
@@ -1184,29 +1540,41 @@ static bool prep_wu_compare() {
 
 /* GDP_CUDA_V3_PREP_WU=compare (lab only: synchronises, copies the panels to the host):
  * the unrolled W/U phase with the row-serial solve (the reference), then the staged phase
- * with the row-serial solve, then the staged phase with the split solve (SPLIT), all over
- * the same plan; W, U, U's residual, T^T, Kd, Qd and Pm must come out byte for byte the
- * same, otherwise GDP_ERR_INTERNAL names the kernel and the panel. */
+ * with the row-serial solve, then the staged phase with the split solve (SPLIT), these
+ * three in the chunk-first block order with PrepWuSched's owners, then the default kernel
+ * (SPLIT) in the heads-first order with the residual-aware owners; all over the same
+ * plan, every panel poisoned (all bytes 0xff: bf16 NaN) before each kernel after the
+ * first, so that an element a kernel leaves unwritten cannot pass.  W, U, U's residual,
+ * T^T, Kd, Qd, Pm and e^{last} must come out byte for byte the same, otherwise
+ * GDP_ERR_INTERNAL names the kernel and the panel. */
 template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO>
 static gdp_status compare_prep_wu(const Plan &plan, bf16 *Tt) {
   const GdpArgs &a = plan.a;
   const size_t chunk_heads = (size_t)a.nchunks * (size_t)a.H;
-  constexpr int NP = 7;
+  constexpr int NP = 8, NK = 4;
   const size_t bytes[NP] = {chunk_heads * C * K * 2,
                             chunk_heads * C * V * 2,
                             STORE_ULO ? chunk_heads * C * V * 2 : 0,
                             STORE_T ? chunk_heads * C * C * 2 : 0,
                             chunk_heads * C * K * 2,
                             chunk_heads * TC * K * 2,
-                            chunk_heads * TC * C * 2};
-  const void *panels[NP] = {a.W, a.U, a.Ulo, Tt, a.Kd, a.Qd, a.Pm};
-  static const char *names[NP] = {"W", "U", "U's residual", "T^T", "Kd", "Qd", "Pm"};
-  static const char *kernels[3] = {"unrolled W/U", "staged W/U", "staged W/U with the split solve"};
+                            chunk_heads * TC * C * 2,
+                            chunk_heads * 4};
+  void *panels[NP] = {a.W, a.U, a.Ulo, Tt, a.Kd, a.Qd, a.Pm, a.elast};
+  static const char *names[NP] = {"W", "U", "U's residual", "T^T", "Kd", "Qd", "Pm", "e^last"};
+  static const char *kernels[NK] = {"unrolled W/U", "staged W/U", "staged W/U with the split solve",
+                                    "the default prep (split solve, heads first, residual-aware W/U owners)"};
+  const PrepRun old_run = {false, false}, new_run = {true, true};
   std::vector<unsigned char> ref[NP], got[NP];
-  for (int pass = 0; pass < 3; pass++) {
-    const gdp_status st = pass == 0   ? launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, false, false>(plan, Tt)
-                          : pass == 1 ? launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, true, false>(plan, Tt)
-                                      : launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, true, true>(plan, Tt);
+  for (int pass = 0; pass < NK; pass++) {
+    if (pass)
+      for (int i = 0; i < NP; i++)
+        if (bytes[i]) GDP_CUDA_TRY(cudaMemsetAsync(panels[i], 0xff, bytes[i], plan.stream));
+    const gdp_status st =
+        pass == 0   ? launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, false, false>(plan, Tt, old_run)
+        : pass == 1 ? launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, true, false>(plan, Tt, old_run)
+        : pass == 2 ? launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, true, true>(plan, Tt, old_run)
+                    : launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, true, true>(plan, Tt, new_run);
     if (st != GDP_OK) return st;
     for (int i = 0; i < NP; i++) {
       std::vector<unsigned char> &host = pass ? got[i] : ref[i];
@@ -1227,9 +1595,11 @@ static gdp_status compare_prep_wu(const Plan &plan, bf16 *Tt) {
 template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO>
 static gdp_status launch_prep_kvt(const Plan &plan, bf16 *Tt) {
   if (prep_wu_compare()) return compare_prep_wu<K, V, C, TC, STORE_T, STORE_ULO>(plan, Tt);
-  if (!prep_wu_staged_wanted()) return launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, false, false>(plan, Tt);
-  return prep_split_wanted() ? launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, true, true>(plan, Tt)
-                             : launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, true, false>(plan, Tt);
+  const PrepRun run = prep_run_wanted();
+  if (!prep_wu_staged_wanted())
+    return launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, false, false>(plan, Tt, run);
+  return prep_split_wanted() ? launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, true, true>(plan, Tt, run)
+                             : launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, true, false>(plan, Tt, run);
 }
 
 template <int K, int V, int C, int TC>
@@ -1267,6 +1637,16 @@ gdp_status launch_prep_v3(const Plan &plan, bf16 *Tt) {
 bool keep_u_residual() {
   const char *env = getenv("GDP_CUDA_V3_ULO");
   return !(env && strcmp(env, "0") == 0);
+}
+
+/* GDP_CUDA_V3_DLO=1 adds D's residual to the state update of the saving forward and the
+ * recompute backward (NOTES.md "dg on the K = 128 golden case"). */
+bool keep_d_residual() {
+  /* opt-in on lab/next3 (GDP_CUDA_V3_DLO=1) until its first GPU run: it costs HMMAs in
+   * the state passes and trades dg's worst cases (NOTES.md "dg on the K = 128 golden
+   * case"); the next3 A/B decides its default */
+  const char *env = getenv("GDP_CUDA_V3_DLO");
+  return env && strcmp(env, "1") == 0;
 }
 
 /* bf16 problems keep their chunk states in bf16 between the kernels (gdp_fwd_v3.cuh):
@@ -1347,13 +1727,18 @@ static gdp_status forward_v3(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io,
      * and no other block touches those columns. */
     plan.a.Dbuf = (bf16 *)((char *)saved + sl.o_D);
     if (v3::keep_u_residual()) plan.a.Ulo = plan.a.Dbuf;
+    /* the saved h must be the recompute backward's h (bwd_states_kernel_v3 adds it too) */
+    plan.a.d_residual = v3::keep_d_residual();
   }
   prof_mark("fwd plan+upload", stream);
   /* saving: the prep also stores T^T for grad_wy (the recompute backward's prep does) */
   st = new_prep ? v3::launch_prep_v3(plan, Tt) : launch_prep(plan);
   prof_mark(new_prep ? "fwd prep v3" : "fwd prep", stream);
-  if (st == GDP_OK) st = v3::launch_state_v3(plan, v3::choose_bv(plan, saved != nullptr), false, nullptr,
-                                             saved != nullptr, hT32, hT16);
+  if (st == GDP_OK) {
+    const int bv = v3::choose_bv(plan, saved != nullptr);
+    st = v3::launch_state_v3(plan, bv, false, nullptr, saved != nullptr, hT32, hT16,
+                             v3::choose_ks2(plan, bv, saved != nullptr));
+  }
   prof_mark(saved ? "fwd state+output v3 (saving h, D)" : "fwd state+output v3", stream);
   plan_free(&plan);
   prof_end(stream);

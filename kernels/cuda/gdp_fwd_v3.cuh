@@ -55,6 +55,8 @@ SavedLayout saved_layout(const gdp_gdp_problem *p, bool state16);
  * the rounded values (kernels/cuda/NOTES.md, "bf16 chunk states"). */
 bool state16(const gdp_gdp_problem *p);
 bool keep_u_residual();
+/* GdpArgs::d_residual for the state passes that feed the gradients (opt-in: GDP_CUDA_V3_DLO=1). */
+bool keep_d_residual();
 }  // namespace v3
 }  // namespace gdpcu
 #endif
