@@ -120,6 +120,12 @@ for t in "${trees[@]}"; do
   same_bits GDP_CUDA_V3_WY=old gdp_bwd_v3.cu
   same_bits GDP_CUDA_V3_PASSES=old gdp_fwd_v3.cu
   same_bits GDP_CUDA_V3_PASSES=ks2 gdp_fwd_v3.cu
+  # the recompute's two state passes on two streams (GDP_CUDA_V3_FORK=1): same kernels,
+  # disjoint outputs, so the same bits; memcheck with the passes overlapping
+  if grep -q '"GDP_CUDA_V3_FORK"' "$t/kernels/cuda/gdp_bwd_v3.cu"; then
+    same_bits GDP_CUDA_V3_FORK=1 gdp_bwd_v3.cu
+    GDP_CUDA_V3_FORK=1 timeout 60 compute-sanitizer --tool memcheck $L bench 1 300 2 v3 --reps 1 2>&1 | grep -E "ERROR SUMMARY" | sed "s/^/[FORK=1 memcheck] /" | tee -a "$LOG"
+  fi
   # the two-warp state pass with four pairs per block (BV = 64)
   if grep -q '"GDP_CUDA_V3_PASSES"' "$t/kernels/cuda/gdp_fwd_v3.cu"; then
     for nn in 1 2; do
@@ -157,6 +163,19 @@ for t in "${trees[@]}"; do
   left "profile $n" || break
   say "===== $n profile 4 4096 2"
   GDP_CUDA_PROFILE=1 timeout 30 $L bench 4 4096 2 v3 --reps 2 2>&1 | grep -E "^    " | grep -v " 0.0000 ms" | tee -a "$LOG"
+  # the forked state passes: medians (a profiled call runs them in order), unset / =1
+  if grep -q '"GDP_CUDA_V3_FORK"' "$t/kernels/cuda/gdp_bwd_v3.cu"; then
+    for s in "1 32768 2" "4 4096 2" "1 32768 1" "4 4096 1" "4 4096 3"; do
+      left "fork $s" || break
+      for fk in 0 1 0 1; do
+        GDP_CUDA_V3_FORK=$fk timeout 40 $L bench $s v3 --reps 10 2>&1 | grep -E "chunk_v3" | sed "s/^/[FORK=$fk $s] /" | tee -a "$LOG"
+      done
+    done
+  fi
+  # the two-warp state passes (plain: lab/passes5; saving: lab/passes6), old / new / everywhere
+  grep -q '"GDP_CUDA_V3_PASSES"' "$t/kernels/cuda/gdp_fwd_v3.cu" &&
+    ab_profile "chunk_v3 |v3_saved |state\+output|saving h" "1 32768 2|1 32768 1|4 4096 2|4 4096 1" \
+      "PASSES=old GDP_CUDA_V3_PASSES=old" "PASSES=default" "PASSES=ks2 GDP_CUDA_V3_PASSES=ks2"
   # The switches settled in sessions 4 and 5 (state format, W/U phase, dstate schedule,
   # prep solve: results/cuda/session5/6_ab/ has their library A/B): timed again only with
   # SETTLED_AB=1.
@@ -182,9 +201,6 @@ for t in "${trees[@]}"; do
     ab_profile "WY part" "4 4096 1|4 4096 2|4 4096 3" "WY=old GDP_CUDA_V3_WY=old" "WY=default"
   grep -q '"GDP_CUDA_V3_DLO"' "$t/kernels/cuda/gdp_fwd_v3.cu" &&
     ab_profile "chunk_v3 |v3_saved |states v3|saving h" "4 4096 2|4 4096 1" "DLO=1 GDP_CUDA_V3_DLO=1" "DLO=default"
-  grep -q '"GDP_CUDA_V3_PASSES"' "$t/kernels/cuda/gdp_fwd_v3.cu" &&
-    ab_profile "chunk_v3 |state\+output" "1 32768 2|1 32768 1|4 4096 2|4 4096 1" \
-      "PASSES=old GDP_CUDA_V3_PASSES=old" "PASSES=default" "PASSES=ks2 GDP_CUDA_V3_PASSES=ks2"
   if [ "$(variants "$t")" != v3 ] && left "bv64 n=3"; then
     # the saving pass's value-block width at n = 3 (plain pass's choice vs 64)
     GDP_CUDA_V3_BV=64 GDP_CUDA_PROFILE=1 timeout 30 $L bench 4 4096 3 v5 --reps 2 2>&1 | grep -E "v3_saved |state" | sed "s/^/[BV=64 4 4096 3] /" | tee -a "$LOG"
