@@ -441,7 +441,11 @@ struct Ks2Layout {
  * Sa tiles after that pair barrier, which its partner reaches only after its Sa reads;
  * and its Da tiles after the next loop-top barrier, which its partner reaches only after
  * its Da reads.  So one buffer each suffices.  Needs C % 32 == 0 and TC % 32 == 0 (n = 1,
- * 2): each warp then owns whole 16-column A tiles of D and pairs of 8-column o tiles. */
+ * 2): each warp then owns whole 16-column A tiles of D and pairs of 8-column o tiles.
+ * SAVE, S16: the saving pass (state_kernel_v3<.., SAVE, S16>) split alike: U = hi + lo in
+ * D, each warp stores its K half of h^T (ks2_stage_hT32 / 16, at the same two points of the
+ * chunk as there) and its C half of D (ks2_stage_dhalf, after its Sa publish) through its
+ * own Ks2Stage buffer: the same bits at the same addresses as the one-warp saving pass. */
 template <int K, int C, int TC, int BV, bool SAVE = false, bool S16 = false>
 __global__ void __launch_bounds__(BV / 16 * 64, 1) state_ks2_kernel_v3(GdpArgs a, float *hT32, bf16 *hT16) {
   using P = Layout<K, C, TC, BV, SAVE>;
