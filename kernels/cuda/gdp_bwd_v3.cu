@@ -2108,6 +2108,16 @@ static gdp_status launch_grad_v3(const Plan &plan, const GradStateOut &go, bool 
   return V == 128 ? launch_grad_state_n<64, 128>(plan, go, wy) : launch_grad_state_n<64, 64>(plan, go, wy);
 }
 
+/* Blocks per SM of the sequential passes at value-block width bv (the dstate kernel's,
+ * whose shared memory is the larger of the two); -1 where it cannot run. */
+static int seq_blocks_per_sm(const Plan &plan, int bv) {
+  const GdpArgs &a = plan.a;
+  static int occ_cache[2][2][3][3] = {}; /* depends only on (K, V, n, bv); benign race */
+  int &occ = occ_cache[a.K == 128][a.V == 128][a.n - 1][bv == 16 ? 0 : bv == 32 ? 1 : 2];
+  if (occ == 0 && launch_seq(plan, bv, false, true, &occ) != GDP_OK) occ = -1;
+  return occ;
+}
+
 /* Value-block width as in the forward v3: the fewest waves, narrower on a tie.
  * GDP_CUDA_V3_BV=16|32|64 forces it. */
 static int choose_bv(const Plan &plan) {
@@ -2121,9 +2131,7 @@ static int choose_bv(const Plan &plan) {
   double best_waves = INFINITY;
   for (int bv : {16, 32, 64}) {
     if (a.V % bv) continue;
-    static int occ_cache[2][2][3][3] = {}; /* depends only on (K, V, n, bv); benign race */
-    int &occ = occ_cache[a.K == 128][a.V == 128][a.n - 1][bv == 16 ? 0 : bv == 32 ? 1 : 2];
-    if (occ == 0 && launch_seq(plan, bv, false, true, &occ) != GDP_OK) occ = -1;
+    const int occ = seq_blocks_per_sm(plan, bv);
     if (occ < 1) continue;
     const double waves = ceil((double)a.N * a.H * (a.V / bv) / ((double)num_sms() * occ));
     if (waves < best_waves) best_waves = waves, best = bv;
@@ -2134,14 +2142,26 @@ static int choose_bv(const Plan &plan) {
 /* The recompute backward's two sequential passes -- the states forward in time
  * (bwd_states_kernel_v3) and the state gradients backward in time (dstate_kernel_v3) --
  * read only the prep's panels, d_o and dht, and write disjoint buffers (h^T, D against
- * dH^T, dD, dh0), as fla's chunk_fwd_h and chunk_bwd_dhu are independent too.
- * GDP_CUDA_V3_FORK=1 runs the state-gradient pass on a second stream beside the states
- * pass: where neither fills the GPU (a few long sequences: 1 x 32768 at H = 16 runs 128
- * blocks of one or two warps each on 132 SMs) the two chains overlap.  Read per call
- * (lab A/B); never under GDP_CUDA_PROFILE, whose marks time one stream. */
-static bool fork_wanted() {
+ * dH^T, dD, dh0), as fla's chunk_fwd_h and chunk_bwd_dhu are independent too.  Forked,
+ * the state-gradient pass runs on a second stream beside the states pass: the two chains
+ * overlap where both passes' blocks are resident at once.  H200, bf16, H = 16, K = V =
+ * 128, library fwd+bwd (results/cuda/session6/5_passes7/): 1 x 32768 n = 1 5.52 -> 4.38
+ * ms, n = 3 13.44 -> 10.91-11.10, n = 2 8.79 either way (one block per SM); where the
+ * blocks fill the GPU it costs 1-3% (4 x 4096 n = 3 4.07 -> 4.18, 8 x 2048 n = 1 1.71 ->
+ * 1.73-1.79, 2 x 8192 n = 1 2.11 -> 2.14).  GDP_CUDA_V3_FORK: unset = fork where one
+ * pass leaves SMs idle (at most one block per SM: 128 blocks of 16 value columns at
+ * 1 x 32768, H = 16) and both fit on the SMs at once (twice its blocks over blocks per
+ * SM at most the SM count); =1 always, =0 never.  Read per call (lab A/B); never
+ * under GDP_CUDA_PROFILE, whose marks time one stream, nor in the lab's compare modes. */
+static bool fork_wanted(const Plan &plan, int bv) {
+  if (getenv("GDP_CUDA_PROFILE") || states_mode() == 2 || dstate_mode() == 2) return false;
   const char *env = getenv("GDP_CUDA_V3_FORK");
-  return env && strcmp(env, "1") == 0 && !getenv("GDP_CUDA_PROFILE");
+  if (env && strcmp(env, "0") == 0) return false;
+  if (env && strcmp(env, "1") == 0) return true;
+  const GdpArgs &a = plan.a;
+  const int occ = seq_blocks_per_sm(plan, bv);
+  const double blocks = (double)a.N * a.H * (a.V / bv);
+  return occ >= 1 && blocks <= num_sms() && 2.0 * blocks / occ <= num_sms();
 }
 
 /* One non-blocking side stream per device, made on first use and kept for the process
@@ -2195,11 +2215,11 @@ static gdp_status fork_end(cudaStream_t main, Fork *f, bool join) {
   return GDP_OK;
 }
 
-/* The recompute's two passes, forked where asked (fork_wanted) and the fork can be made
- * (otherwise one after the other on the caller's stream, as without the switch). */
+/* The recompute's two passes, forked where fork_wanted says and the fork can be made
+ * (otherwise one after the other on the caller's stream). */
 static gdp_status launch_state_passes(const Plan &plan, int bv, const GradStateOut &go) {
   Fork f;
-  const bool forked = fork_wanted() && fork_begin(plan.stream, &f) == GDP_OK;
+  const bool forked = fork_wanted(plan, bv) && fork_begin(plan.stream, &f) == GDP_OK;
   if (!forked) {
     /* a fork that could not be made (no stream or event to spare) is no error: the
      * passes run in order, as without the switch; its CUDA error must not reach the next
