@@ -28,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <mutex>
 #include <type_traits>
 #include <vector>
 
@@ -2107,6 +2108,16 @@ static gdp_status launch_grad_v3(const Plan &plan, const GradStateOut &go, bool 
   return V == 128 ? launch_grad_state_n<64, 128>(plan, go, wy) : launch_grad_state_n<64, 64>(plan, go, wy);
 }
 
+/* Blocks per SM of the sequential passes at value-block width bv (the dstate kernel's,
+ * whose shared memory is the larger of the two); -1 where it cannot run. */
+static int seq_blocks_per_sm(const Plan &plan, int bv) {
+  const GdpArgs &a = plan.a;
+  static int occ_cache[2][2][3][3] = {}; /* depends only on (K, V, n, bv); benign race */
+  int &occ = occ_cache[a.K == 128][a.V == 128][a.n - 1][bv == 16 ? 0 : bv == 32 ? 1 : 2];
+  if (occ == 0 && launch_seq(plan, bv, false, true, &occ) != GDP_OK) occ = -1;
+  return occ;
+}
+
 /* Value-block width as in the forward v3: the fewest waves, narrower on a tie.
  * GDP_CUDA_V3_BV=16|32|64 forces it. */
 static int choose_bv(const Plan &plan) {
@@ -2120,14 +2131,117 @@ static int choose_bv(const Plan &plan) {
   double best_waves = INFINITY;
   for (int bv : {16, 32, 64}) {
     if (a.V % bv) continue;
-    static int occ_cache[2][2][3][3] = {}; /* depends only on (K, V, n, bv); benign race */
-    int &occ = occ_cache[a.K == 128][a.V == 128][a.n - 1][bv == 16 ? 0 : bv == 32 ? 1 : 2];
-    if (occ == 0 && launch_seq(plan, bv, false, true, &occ) != GDP_OK) occ = -1;
+    const int occ = seq_blocks_per_sm(plan, bv);
     if (occ < 1) continue;
     const double waves = ceil((double)a.N * a.H * (a.V / bv) / ((double)num_sms() * occ));
     if (waves < best_waves) best_waves = waves, best = bv;
   }
   return best;
+}
+
+/* The recompute backward's two sequential passes -- the states forward in time
+ * (bwd_states_kernel_v3) and the state gradients backward in time (dstate_kernel_v3) --
+ * read only the prep's panels, d_o and dht, and write disjoint buffers (h^T, D against
+ * dH^T, dD, dh0), as fla's chunk_fwd_h and chunk_bwd_dhu are independent too.  Forked,
+ * the state-gradient pass runs on a second stream beside the states pass: the two chains
+ * overlap where both passes' blocks are resident at once.  H200, bf16, H = 16, K = V =
+ * 128, library fwd+bwd (results/cuda/session6/5_passes7/): 1 x 32768 n = 1 5.52 -> 4.38
+ * ms, n = 3 13.44 -> 10.91-11.10, n = 2 8.79 either way (one block per SM); where the
+ * blocks fill the GPU it costs 1-3% (4 x 4096 n = 3 4.07 -> 4.18, 8 x 2048 n = 1 1.71 ->
+ * 1.73-1.79, 2 x 8192 n = 1 2.11 -> 2.14).  GDP_CUDA_V3_FORK: unset = fork where one
+ * pass leaves SMs idle (at most one block per SM: 128 blocks of 16 value columns at
+ * 1 x 32768, H = 16) and both fit on the SMs at once (twice its blocks over blocks per
+ * SM at most the SM count); =1 always, =0 never.  Read per call (lab A/B); never
+ * under GDP_CUDA_PROFILE, whose marks time one stream, nor in the lab's compare modes. */
+static bool fork_wanted(const Plan &plan, int bv) {
+  if (getenv("GDP_CUDA_PROFILE") || states_mode() == 2 || dstate_mode() == 2) return false;
+  const char *env = getenv("GDP_CUDA_V3_FORK");
+  if (env && strcmp(env, "0") == 0) return false;
+  if (env && strcmp(env, "1") == 0) return true;
+  const GdpArgs &a = plan.a;
+  const int occ = seq_blocks_per_sm(plan, bv);
+  const double blocks = (double)a.N * a.H * (a.V / bv);
+  return occ >= 1 && blocks <= num_sms() && 2.0 * blocks / occ <= num_sms();
+}
+
+/* One non-blocking side stream per device, made on first use and kept for the process
+ * (as a library handle would be); concurrent callers share it, which orders their side
+ * work but keeps each call's own order through its events. */
+static gdp_status side_stream(cudaStream_t *out) {
+  static std::mutex mu;
+  static cudaStream_t streams[64];
+  int dev = 0;
+  GDP_CUDA_TRY(cudaGetDevice(&dev));
+  if (dev < 0 || dev >= 64) return GDP_ERROR(GDP_ERR_INTERNAL, "side_stream: device %d (at most 64 devices)", dev);
+  std::lock_guard<std::mutex> lock(mu);
+  if (!streams[dev]) GDP_CUDA_TRY(cudaStreamCreateWithFlags(&streams[dev], cudaStreamNonBlocking));
+  *out = streams[dev];
+  return GDP_OK;
+}
+
+/* A fork of `main` onto the side stream and its join; the events are destroyed at the
+ * join (CUDA releases them once they complete). */
+struct Fork {
+  cudaStream_t side = nullptr;
+  cudaEvent_t forked = nullptr, done = nullptr;
+};
+
+static gdp_status fork_begin(cudaStream_t main, Fork *f) {
+  GDP_TRY(side_stream(&f->side));
+  GDP_CUDA_TRY(cudaEventCreateWithFlags(&f->forked, cudaEventDisableTiming));
+  GDP_CUDA_TRY(cudaEventCreateWithFlags(&f->done, cudaEventDisableTiming));
+  GDP_CUDA_TRY(cudaEventRecord(f->forked, main));
+  GDP_CUDA_TRY(cudaStreamWaitEvent(f->side, f->forked, 0));
+  return GDP_OK;
+}
+
+/* Joins (main waits for everything queued on the side stream since the fork) and frees
+ * the events; also after a failed fork_begin, whatever it made. */
+static gdp_status fork_end(cudaStream_t main, Fork *f, bool join) {
+  cudaError_t e = cudaSuccess;
+  if (join) {
+    e = cudaEventRecord(f->done, f->side);
+    if (e == cudaSuccess) e = cudaStreamWaitEvent(main, f->done, 0);
+    /* main must not run ahead of the side pass: without the join, wait for it here */
+    if (e != cudaSuccess) cudaStreamSynchronize(f->side);
+  }
+  if (f->forked) cudaEventDestroy(f->forked);
+  if (f->done) cudaEventDestroy(f->done);
+  f->forked = f->done = nullptr;
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return GDP_ERROR(GDP_ERR_CUDA, "backward_v3: joining the side stream: %s", cudaGetErrorString(e));
+  }
+  return GDP_OK;
+}
+
+/* The recompute's two passes, forked where fork_wanted says and the fork can be made
+ * (otherwise one after the other on the caller's stream). */
+static gdp_status launch_state_passes(const Plan &plan, int bv, const GradStateOut &go) {
+  Fork f;
+  const bool forked = fork_wanted(plan, bv) && fork_begin(plan.stream, &f) == GDP_OK;
+  if (!forked) {
+    /* a fork that could not be made (no stream or event to spare) is no error: the
+     * passes run in order, as without the switch; its CUDA error must not reach the next
+     * launch check */
+    fork_end(plan.stream, &f, false);
+    (void)cudaGetLastError();
+    gdp_status st = launch_seq(plan, bv, true, false, nullptr, go.hT32, go.hT16);
+    prof_mark("bwd states v3 (recompute)", plan.stream);
+    if (st == GDP_OK) st = launch_seq(plan, bv, false, false, nullptr, go.dHT32, go.dHT16);
+    prof_mark("bwd state gradients v3", plan.stream);
+    return st;
+  }
+  Plan side = plan;
+  side.stream = f.side;
+  /* the backward-in-time pass first, so its blocks are queued by the time the states
+   * pass's blocks start */
+  gdp_status st = launch_seq(side, bv, false, false, nullptr, go.dHT32, go.dHT16);
+  const gdp_status st2 = launch_seq(plan, bv, true, false, nullptr, go.hT32, go.hT16);
+  const gdp_status st3 = fork_end(plan.stream, &f, true);
+  if (st == GDP_OK) st = st2;
+  if (st == GDP_OK) st = st3;
+  return st;
 }
 
 }  // namespace v3b
@@ -2282,10 +2396,7 @@ extern "C" gdp_status gdp_cuda_gdp_backward_v3(const gdp_gdp_problem *p, const g
   st = v3::launch_prep_v3(plan, go.Tt); /* NULL (no T store) for variant 2's gradient kernel */
   prof_mark("bwd prep v3 (recompute)", stream);
   const int bv = v3b::choose_bv(plan);
-  if (st == GDP_OK) st = v3b::launch_seq(plan, bv, true, false, nullptr, go.hT32, go.hT16);
-  prof_mark("bwd states v3 (recompute)", stream);
-  if (st == GDP_OK) st = v3b::launch_seq(plan, bv, false, false, nullptr, go.dHT32, go.dHT16);
-  prof_mark("bwd state gradients v3", stream);
+  if (st == GDP_OK) st = v3b::launch_state_passes(plan, bv, go);
   if (grad_state) {
     if (st == GDP_OK) st = v3b::launch_grad_v3(plan, go, false);
     prof_mark("bwd chunk gradients v3, state part", stream);

@@ -318,17 +318,110 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) state_kernel_v3(GdpArgs a, fl
 
 /* ------------------------------------------------------------------ the state pass, two warps per column tile */
 
+/* A warp's staging buffer in the saving pair pass (SAVE below): as HtStage (gdp_v3_stage.cuh)
+ * but for the warp's K half of h^T (8 rows of K/2 floats or bf16, padded alike: the
+ * fragment stores hit 2 wavefronts (float32) / 32 distinct banks (bf16)) and its C half of
+ * D (C/2 rows of 16 bf16, 48 bytes apart). */
+template <int K, int C>
+struct Ks2Stage {
+  static constexpr int row = K / 2 * 4 + 32, row16 = K / 2 * 2 + 16, drow = 48;
+  static constexpr int warp_bytes = 8 * row > C / 2 * drow ? 8 * row : C / 2 * drow;
+  static_assert(8 * row16 <= warp_bytes, "bf16 staging fits");
+};
+
+/* stage_hT32_half / stage_hT16_half for a warp that holds the K half w of S^T: X[nt][e] =
+ * S^T[x][w K/2 + 8nt + 2tig + e%2], x = xw + grp + 8(e/2); half hf = rows xw + 8hf + grp.
+ * `grow` = global h^T row xw + 8hf, column w K/2 (rows K apart).  Rows of K/2 elements,
+ * read back as 16-byte pieces, lane l taking piece l % P of row l / P (P = pieces per
+ * row), so each STG.128 writes whole 128-byte lines (K/2 floats = 256 or 128 bytes; K/2
+ * bf16 = 128 or 64 bytes per row, the 64-byte rows in pairs of sectors).  `buf` = this
+ * warp's Ks2Stage buffer.  Syncs as in stage_hT32_half. */
+template <int K, int C>
+__device__ __forceinline__ void ks2_stage_hT32(unsigned char *buf, float *grow, const float (&X)[K / 16][4], int hf) {
+  constexpr int kRow = Ks2Stage<K, C>::row;
+  constexpr int kF4 = K / 8;       /* float4 per half row: 16 (K = 128), 8 (K = 64) */
+  constexpr int kRows = 32 / kF4;  /* rows per warp instruction: 2, 4 */
+  uint32_t tid;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+  const int lane = (int)(tid & 31);
+  __syncwarp();
+  float *s = reinterpret_cast<float *>(buf + (lane >> 2) * kRow) + 2 * (lane & 3);
+#pragma unroll
+  for (int nt = 0; nt < K / 16; nt++)
+    *reinterpret_cast<float2 *>(s + nt * 8) = hf ? make_float2(X[nt][2], X[nt][3]) : make_float2(X[nt][0], X[nt][1]);
+  __syncwarp();
+  const int r = lane / kF4, c4 = lane % kF4;
+  const unsigned char *src = buf + r * kRow + c4 * 16;
+  float *dst = grow + r * K + c4 * 4;
+#pragma unroll
+  for (int i = 0; i < 8; i += kRows)
+    *reinterpret_cast<float4 *>(dst + i * K) = *reinterpret_cast<const float4 *>(src + i * kRow);
+}
+
+template <int K, int C>
+__device__ __forceinline__ void ks2_stage_hT16(unsigned char *buf, bf16 *grow, const float (&X)[K / 16][4], int hf) {
+  constexpr int kRow = Ks2Stage<K, C>::row16;
+  constexpr int kU4 = K / 16;     /* 16-byte pieces per half row: 8 (K = 128), 4 (K = 64) */
+  constexpr int kRows = 32 / kU4; /* rows per warp instruction: 4, 8 */
+  uint32_t tid;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+  const int lane = (int)(tid & 31);
+  __syncwarp();
+  unsigned char *s = buf + (lane >> 2) * kRow + 4 * (lane & 3);
+#pragma unroll
+  for (int nt = 0; nt < K / 16; nt++)
+    *reinterpret_cast<uint32_t *>(s + nt * 16) = hf ? pack_bf16(X[nt][2], X[nt][3]) : pack_bf16(X[nt][0], X[nt][1]);
+  __syncwarp();
+  const int r = lane / kU4, c16 = lane % kU4;
+  const unsigned char *src = buf + r * kRow + c16 * 16;
+  bf16 *dst = grow + r * K + c16 * 8;
+#pragma unroll
+  for (int i = 0; i < 8; i += kRows)
+    *reinterpret_cast<uint4 *>(dst + i * K) = *reinterpret_cast<const uint4 *>(src + i * kRow);
+}
+
+/* stage_dfrags for the C half w of D: the A tiles A[w C/32 + i], i < C/32, rows 16i.. of
+ * the warp's buffer, out as 16-byte stores at `g` = global D row w C/2, column xw (rows ld
+ * apart).  The tile is selected, not indexed by w (a register array indexed at run time
+ * would go to local memory).  Syncs as in stage_hT32_half. */
+template <int K, int C>
+__device__ __forceinline__ void ks2_stage_dhalf(unsigned char *buf, bf16 *g, int64_t ld,
+                                                const uint32_t (&A)[C / 16][4], int w) {
+  constexpr int kRow = Ks2Stage<K, C>::drow;
+  uint32_t tid;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+  const int lane = (int)(tid & 31);
+  __syncwarp();
+  unsigned char *s = buf + 2 * (lane & 3) * kRow + (lane >> 2) * 2;
+#pragma unroll
+  for (int i = 0; i < C / 32; i++)
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+      const uint32_t v = w ? A[C / 32 + i][q] : A[i][q];
+      unsigned char *e = s + (16 * i + 8 * (q >> 1)) * kRow + 16 * (q & 1);
+      *reinterpret_cast<uint16_t *>(e) = (uint16_t)(v & 0xffffu);
+      *reinterpret_cast<uint16_t *>(e + kRow) = (uint16_t)(v >> 16);
+    }
+  __syncwarp();
+  const int r = lane >> 1, h16 = (lane & 1) * 16;
+#pragma unroll
+  for (int i = 0; i < C / 2; i += 16)
+    *reinterpret_cast<uint4 *>(reinterpret_cast<unsigned char *>(g + (i + r) * ld) + h16) =
+        *reinterpret_cast<const uint4 *>(buf + (i + r) * kRow + h16);
+}
+
 /* Layout of state_ks2_kernel_v3: the plain pass's stages, then per warp pair the two
  * exchange buffers: Sa (the bf16 A fragments of S^T, K/16 tiles) and Da (those of D^T,
  * C/16 tiles), each tile as 32 lanes x 16 bytes, so one STS.128 / LDS.128 per tile moves
  * 512 contiguous bytes (4 wavefronts, the minimum). */
-template <int K, int C, int TC, int BV>
+template <int K, int C, int TC, int BV, bool SAVE = false>
 struct Ks2Layout {
-  using P = Layout<K, C, TC, BV, false>;
+  using P = Layout<K, C, TC, BV, SAVE>;
   static constexpr int stage = P::stage;
   static constexpr int oXS = stage * kStages;               /* Sa tiles, per pair */
   static constexpr int oXD = oXS + BV / 16 * (K / 16) * 512; /* Da tiles, per pair */
-  static constexpr int total = oXD + BV / 16 * (C / 16) * 512;
+  static constexpr int oHt = oXD + BV / 16 * (C / 16) * 512; /* SAVE: Ks2Stage, per warp */
+  static constexpr int total = oHt + (SAVE ? BV / 16 * 2 * Ks2Stage<K, C>::warp_bytes : 0);
 };
 
 /* The plain state pass (state_kernel_v3<.., SAVE = false>) with two warps on each 16
@@ -352,11 +445,15 @@ struct Ks2Layout {
  * Sa tiles after that pair barrier, which its partner reaches only after its Sa reads;
  * and its Da tiles after the next loop-top barrier, which its partner reaches only after
  * its Da reads.  So one buffer each suffices.  Needs C % 32 == 0 and TC % 32 == 0 (n = 1,
- * 2): each warp then owns whole 16-column A tiles of D and pairs of 8-column o tiles. */
-template <int K, int C, int TC, int BV>
-__global__ void __launch_bounds__(BV / 16 * 64, 1) state_ks2_kernel_v3(GdpArgs a) {
-  using P = Layout<K, C, TC, BV, false>;
-  using L = Ks2Layout<K, C, TC, BV>;
+ * 2): each warp then owns whole 16-column A tiles of D and pairs of 8-column o tiles.
+ * SAVE, S16: the saving pass (state_kernel_v3<.., SAVE, S16>) split alike: U = hi + lo in
+ * D, each warp stores its K half of h^T (ks2_stage_hT32 / 16, at the same two points of the
+ * chunk as there) and its C half of D (ks2_stage_dhalf, after its Sa publish) through its
+ * own Ks2Stage buffer: the same bits at the same addresses as the one-warp saving pass. */
+template <int K, int C, int TC, int BV, bool SAVE = false, bool S16 = false>
+__global__ void __launch_bounds__(BV / 16 * 64, 1) state_ks2_kernel_v3(GdpArgs a, float *hT32, bf16 *hT16) {
+  using P = Layout<K, C, TC, BV, SAVE>;
+  using L = Ks2Layout<K, C, TC, BV, SAVE>;
   constexpr int NT = BV / 16 * 64;
   static_assert(K % 32 == 0 && C % 32 == 0 && TC % 32 == 0 && BV % 16 == 0, "tile shapes");
   constexpr int SK = K / 16, SC = C / 16, ST = TC / 16; /* 8-column tiles per warp of S, D, o */
@@ -388,6 +485,7 @@ __global__ void __launch_bounds__(BV / 16 * 64, 1) state_ks2_kernel_v3(GdpArgs a
       copy_panel_full<TC, K, NT>(st + P::oQd, P::ldK, a.Qd + base * TC * K, K);
       copy_panel_full<TC, C, NT>(st + P::oPm, P::ldC, a.Pm + base * TC * C, C);
       copy_panel_full<C, BV, NT>(st + P::oU, P::ldB, a.U + base * C * V + col0, V);
+      if constexpr (SAVE) copy_panel_full<C, BV, NT>(st + P::oUl, P::ldB, a.Ulo + base * C * V + col0, V);
     }
     cp_async_commit();
   };
@@ -425,6 +523,14 @@ __global__ void __launch_bounds__(BV / 16 * 64, 1) state_ks2_kernel_v3(GdpArgs a
     const uint32_t sW = sb + P::oW + w * (C / 2) * P::ldK * 2, sKd = sb + P::oKd + w * (K / 2) * 2,
                    sQd = sb + P::oQd + w * (TC / 2) * P::ldK * 2, sPm = sb + P::oPm + w * (TC / 2) * P::ldC * 2,
                    sU = sb + P::oU + w * (C / 2) * P::ldB * 2;
+    /* SAVE: this warp's K half of h^T rows xw..xw+7 now, of rows xw+8..15 after its D
+     * products (St is unchanged until the decay), as in state_kernel_v3 */
+    unsigned char *const hbuf = smem + L::oHt + warp * Ks2Stage<K, C>::warp_bytes;
+    const int64_t hrow = ((int64_t)c * H + h) * V * K + (int64_t)xw * K + w * (K / 2);
+    if constexpr (SAVE && S16)
+      ks2_stage_hT16<K, C>(hbuf, hT16 + hrow, St, 0);
+    else if constexpr (SAVE)
+      ks2_stage_hT32<K, C>(hbuf, hT32 + hrow, St, 0);
 
     uint32_t Sa[K / 16][4];
 #pragma unroll
@@ -439,7 +545,14 @@ __global__ void __launch_bounds__(BV / 16 * 64, 1) state_ks2_kernel_v3(GdpArgs a
     for (int jt = 0; jt < SC / 2; jt++) {
       uint32_t u0, u1, u2, u3;
       ldsm_x4_t(sU + ((jt * 16 + urow) * P::ldB + ucol) * 2, u0, u1, u2, u3);
-      const float2 f0 = unpack_bf16(u0), f1 = unpack_bf16(u1), f2 = unpack_bf16(u2), f3 = unpack_bf16(u3);
+      float2 f0 = unpack_bf16(u0), f1 = unpack_bf16(u1), f2 = unpack_bf16(u2), f3 = unpack_bf16(u3);
+      if constexpr (SAVE) { /* U = hi + lo, as in state_kernel_v3's saving pass */
+        uint32_t l0, l1, l2, l3;
+        ldsm_x4_t(sU + (P::oUl - P::oU) + ((jt * 16 + urow) * P::ldB + ucol) * 2, l0, l1, l2, l3);
+        const float2 g0 = unpack_bf16(l0), g1 = unpack_bf16(l1), g2 = unpack_bf16(l2), g3 = unpack_bf16(l3);
+        f0.x += g0.x, f0.y += g0.y, f1.x += g1.x, f1.y += g1.y;
+        f2.x += g2.x, f2.y += g2.y, f3.x += g3.x, f3.y += g3.y;
+      }
       Dt[2 * jt][0] = -f0.x, Dt[2 * jt][1] = -f0.y, Dt[2 * jt][2] = -f1.x, Dt[2 * jt][3] = -f1.y;
       Dt[2 * jt + 1][0] = -f2.x, Dt[2 * jt + 1][1] = -f2.y;
       Dt[2 * jt + 1][2] = -f3.x, Dt[2 * jt + 1][3] = -f3.y;
@@ -459,6 +572,10 @@ __global__ void __launch_bounds__(BV / 16 * 64, 1) state_ks2_kernel_v3(GdpArgs a
                                              pack_bf16(-Dt[2 * i][2], -Dt[2 * i][3]),
                                              pack_bf16(-Dt[2 * i + 1][0], -Dt[2 * i + 1][1]),
                                              pack_bf16(-Dt[2 * i + 1][2], -Dt[2 * i + 1][3]));
+    if constexpr (SAVE && S16)
+      ks2_stage_hT16<K, C>(hbuf, hT16 + hrow + 8 * K, St, 1);
+    else if constexpr (SAVE)
+      ks2_stage_hT32<K, C>(hbuf, hT32 + hrow + 8 * K, St, 1);
     /* both Da halves visible to the pair (named barrier 1 + g, its 64 threads) */
     asm volatile("bar.sync %0, 64;" ::"r"(1 + g) : "memory");
     uint32_t Da[C / 16][4];
@@ -484,6 +601,10 @@ __global__ void __launch_bounds__(BV / 16 * 64, 1) state_ks2_kernel_v3(GdpArgs a
         mma16816(St[nt + 1], Da[kt], b2, b3);
       }
     put_sa();
+    /* SAVE: this warp's C half of D (rows w C/2..), off the chain */
+    if constexpr (SAVE)
+      ks2_stage_dhalf<K, C>(hbuf, a.Dbuf + ((int64_t)c * H + h) * C * V + (int64_t)(w * (C / 2)) * V + xw, V, Da,
+                            w);
 
     /* o^T (this warp's TC half) = S^T Qd^T + D^T Pm^T */
     {
@@ -1369,16 +1490,30 @@ static gdp_status launch_bv(const Plan &plan, bool dry_run, int *blocks_per_sm, 
                             bf16 *hT16, bool ks2) {
   const GdpArgs &a = plan.a;
   if constexpr (C % 32 == 0 && TC % 32 == 0) {
-    /* the plain pass with two warps per 16 value columns (state_ks2_kernel_v3) */
-    if (ks2 && !save) {
-      constexpr int smem = Ks2Layout<K, C, TC, BV>::total;
-      auto kern = state_ks2_kernel_v3<K, C, TC, BV>;
+    /* two warps per 16 value columns (state_ks2_kernel_v3), plain or saving */
+    if (ks2) {
+      const int smem = save ? Ks2Layout<K, C, TC, BV, true>::total : Ks2Layout<K, C, TC, BV, false>::total;
+      /* the saving pair pass at BV = 64 (K = 128) needs more than an SM's 227 KB: it does
+       * not run there (0 blocks; choose_ks2 then keeps the one-warp pass) -- asked without
+       * a CUDA call, whose error would linger for the next launch check */
+      if (smem > 227 * 1024) {
+        if (dry_run) {
+          *blocks_per_sm = 0;
+          return GDP_OK;
+        }
+        return GDP_ERROR(GDP_ERR_INTERNAL, "state_ks2_kernel_v3: %d bytes of shared memory (at most %d)", smem,
+                         227 * 1024);
+      }
+      auto kern = !save ? state_ks2_kernel_v3<K, C, TC, BV, false, false>
+                  : hT16 ? state_ks2_kernel_v3<K, C, TC, BV, true, true>
+                         : state_ks2_kernel_v3<K, C, TC, BV, true, false>;
       GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
       if (dry_run) {
         GDP_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, kern, BV / 16 * 64, smem));
         return GDP_OK;
       }
-      kern<<<dim3((unsigned)a.N, (unsigned)a.H, (unsigned)(a.V / BV)), BV / 16 * 64, smem, plan.stream>>>(a);
+      kern<<<dim3((unsigned)a.N, (unsigned)a.H, (unsigned)(a.V / BV)), BV / 16 * 64, smem, plan.stream>>>(a, hT32,
+                                                                                                          hT16);
       GDP_CUDA_LAUNCHED("state_ks2_kernel_v3");
       return GDP_OK;
     }
@@ -1471,25 +1606,28 @@ static PrepRun prep_run_wanted() {
   return r;
 }
 
-/* Two warps per 16 value columns in the plain pass (state_ks2_kernel_v3; n = 1, 2 only)?
- * By default where choose_bv takes one-warp blocks (BV = 16: a few long sequences, e.g.
- * 1 x 32768 at H = 16, 128 blocks on 132 SMs, one warp each), unless the pair kernel's
- * exchange buffers would fit fewer blocks per SM.  GDP_CUDA_V3_PASSES=old: never (the
- * one-warp-per-tile pass); =ks2: wherever it applies (A/B at other shapes). */
+/* Two warps per 16 value columns (state_ks2_kernel_v3; n = 1, 2 only), plain or saving
+ * pass?  By default where choose_bv takes one-warp blocks (BV = 16: a few long sequences,
+ * e.g. 1 x 32768 at H = 16, 128 blocks on 132 SMs, one warp each), unless the pair kernel's
+ * exchange (and, saving, staging) buffers would fit fewer blocks per SM.
+ * GDP_CUDA_V3_PASSES=old: never (the one-warp-per-tile passes); =ks2: wherever the pair
+ * kernel fits at all (A/B at other shapes; not the saving pass at K = 128, BV = 64).
+ * Never the saving pass with D's residual in the update (GDP_CUDA_V3_DLO=1): the pair
+ * kernel does not add it (the one-warp saving pass does). */
 static bool choose_ks2(const Plan &plan, int bv, bool save) {
   const GdpArgs &a = plan.a;
-  if (save || a.n > 2) return false;
+  if (a.n > 2 || (save && a.d_residual)) return false;
   static const int mode = [] {
     const char *env = getenv("GDP_CUDA_V3_PASSES");
     return env && !strcmp(env, "old") ? 0 : env && !strcmp(env, "ks2") ? 2 : 1;
   }();
-  if (mode != 1) return mode == 2;
-  if (bv != 16) return false;
-  /* occupancy depends only on (K, n): asked once, then cached (benign race) */
-  static int occ_cache[2][2][2] = {};
-  int *occ = occ_cache[a.K == 128][a.n - 1];
-  if (occ[0] == 0 && launch_state_v3(plan, 16, true, &occ[0], false, nullptr, nullptr, false) != GDP_OK) occ[0] = -1;
-  if (occ[1] == 0 && launch_state_v3(plan, 16, true, &occ[1], false, nullptr, nullptr, true) != GDP_OK) occ[1] = -1;
+  if (mode == 0 || (mode == 1 && bv != 16)) return false;
+  /* occupancy depends only on (K, n, save, BV): asked once, then cached (benign race) */
+  static int occ_cache[2][2][2][3][2] = {};
+  int *occ = occ_cache[a.K == 128][a.n - 1][save][bv == 64 ? 2 : bv == 32 ? 1 : 0];
+  if (occ[0] == 0 && launch_state_v3(plan, bv, true, &occ[0], save, nullptr, nullptr, false) != GDP_OK) occ[0] = -1;
+  if (occ[1] == 0 && launch_state_v3(plan, bv, true, &occ[1], save, nullptr, nullptr, true) != GDP_OK) occ[1] = -1;
+  if (mode == 2) return occ[1] >= 1;
   return occ[1] >= 1 && occ[1] >= occ[0];
 }
 
