@@ -17,6 +17,7 @@
 #   source .devbundle/env.sh && OUT=$OUT bash tools/gpu_branches.sh      (carry .branches)
 set -u
 OUT=${OUT:?set OUT}
+mkdir -p "$OUT"
 BUDGET_S=${BUDGET_S:-540}
 root=$PWD
 t0=$(date +%s)
