@@ -95,14 +95,64 @@ describe("cuda #gpu", function()
     end)
   end
 
-  -- Runs fn(set), where set(v) sets GDP_CUDA_VARIANT to v; the variable is unset
-  -- afterwards whatever fn does, and fn's failure is raised then.
-  local function with_variant_env(fn)
+  -- Runs fn(set), where set(v) sets the environment variable `name` to v (nil: unsets
+  -- it); the variable is unset afterwards whatever fn does, and fn's failure is raised
+  -- then.  The library reads these switches per call.
+  local function with_env(name, fn)
     local ffi = require("ffi")
     pcall(ffi.cdef, "int setenv(const char *, const char *, int); int unsetenv(const char *);")
-    local ok, err = pcall(fn, function(v) ffi.C.setenv("GDP_CUDA_VARIANT", v, 1) end)
-    ffi.C.unsetenv("GDP_CUDA_VARIANT")
+    local ok, err = pcall(fn, function(v)
+      if v then ffi.C.setenv(name, v, 1) else ffi.C.unsetenv(name) end
+    end)
+    ffi.C.unsetenv(name)
     assert(ok, err)
+  end
+  local function with_variant_env(fn) return with_env("GDP_CUDA_VARIANT", fn) end
+
+  -- Variant 3's schedule switches that must not change a result: the recompute's two
+  -- state passes on two streams or one (GDP_CUDA_V3_FORK), and the state passes with two
+  -- warps per value tile or one (GDP_CUDA_V3_PASSES=ks2 / old; n <= 2).  o, ht and dh0
+  -- (the state-gradient pass's own output) are compared bit for bit; the other gradients
+  -- within 1e-3, a tenth of the bf16 tolerance (the gradient kernels sum parts of them
+  -- with shared-memory atomics, whose order may differ between any two runs).  Plain and
+  -- saving paths, two sequences (one empty) so the passes run several blocks each.
+  for _, case in ipairs({ { "GDP_CUDA_V3_FORK", { "0", "1" }, 3 }, { "GDP_CUDA_V3_PASSES", { "old", "ks2" }, 2 } }) do
+    local name, values, n = case[1], case[2], case[3]
+    it(name .. " gives the same results either way (bf16, K=V=128, n=" .. n .. ")", function()
+      if not need_gpu() then return end
+      H.reseed(707 + n)
+      local args = ops.random_inputs({ B = 1, T = 260, H = 2, K = 128, V = 128, n = n, grads = true,
+                                       initial_state = true, cu_seqlens = { 0, 0, 260 } })
+      local dev = ops.convert_inputs(args, "bf16", "cuda")
+      local runs = {}
+      with_env(name, function(set)
+        for i, v in ipairs(values) do
+          set(v)
+          local r = {}
+          r.o, r.ht = ops.chunk_gated_delta_product(dev)
+          r.g = ops.chunk_gated_delta_product_backward(dev)
+          dev.save_for_backward = true
+          local saved
+          r.so, r.sht, saved = ops.chunk_gated_delta_product(dev)
+          dev.save_for_backward, dev.saved = nil, saved
+          r.sg = ops.chunk_gated_delta_product_backward(dev)
+          dev.saved = nil
+          saved:free()
+          runs[i] = r
+        end
+      end)
+      local a, b = runs[1], runs[2]
+      for _, key in ipairs({ "o", "ht", "so", "sht" }) do
+        assert.are.same(a[key]:cpu():totable(), b[key]:cpu():totable(), key)
+      end
+      for _, g in ipairs({ "g", "sg" }) do
+        assert.are.same(a[g].dh0:cpu():totable(), b[g].dh0:cpu():totable(), g .. ".dh0")
+        for _, gname in ipairs({ "dq", "dk", "dv", "dbeta", "dg" }) do
+          assert.tensor_near(b[g][gname], a[g][gname], 1e-3)
+        end
+        assert.is_true(a[g].dk:cpu():norm() > 0)
+      end
+    end)
   end
 
   -- GDP_CUDA_VARIANT forces a variant: all three on a shape each of them takes, and a
