@@ -216,6 +216,8 @@ struct StatesLayout {
  * it.  For the v3 gradient kernels h^T goes to hT32 (float32) or, S16, to hT16 (bf16). */
 template <int K, int V, int C, int BV, bool S16 = false, bool NEW = true>
 __global__ void __launch_bounds__(BV / 16 * 32, 1) bwd_states_kernel_v3(GdpArgs a, float *hT32, bf16 *hT16) {
+  pdl_wait(); /* the prep's panels (a programmatic dependent: common.cuh) */
+  pdl_launch_dependents();
   using L = StatesLayout<K, C, BV>;
   constexpr int NT = BV / 16 * 32;
   static_assert(K % 32 == 0 && C % 16 == 0 && BV % 16 == 0, "tile shapes");
@@ -380,6 +382,8 @@ struct DStateLayout {
  * the diagonal are skipped at compile time (NN = C / TC = n). */
 template <int K, int V, int C, int TC, int BV, bool S16 = false, bool NEW = true>
 __global__ void __launch_bounds__(BV / 16 * 32, 1) dstate_kernel_v3(GdpArgs a, float *dHT32, bf16 *dHT16) {
+  pdl_wait(); /* the panels, and h^T / D of the states pass before it */
+  pdl_launch_dependents();
   using L = DStateLayout<K, C, TC, BV>;
   constexpr int NT = BV / 16 * 32;
   constexpr int NN = C / TC;
@@ -628,6 +632,8 @@ struct GradStateLayout {
  * rows enter the query products (dO is zero on the other steps). */
 template <int K, int V, int C, int TC, bool S16 = false, bool PIPE = false>
 __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradStateOut go, int ahead) {
+  pdl_wait(); /* dH^T, dD of the state-gradient pass */
+  pdl_launch_dependents();
   using L = GradStateLayout<K, V, C, TC>;
   /* PIPE (bf16 states only; GDP_CUDA_V3_GSPIPE=old turns it off): dH^T is cp.async'ed
    * straight into the K x V buffer with the other panels at the start (it is bf16 in
@@ -1332,6 +1338,7 @@ __device__ __forceinline__ void grad_wy_kk(uint32_t s0, int ti, int tj, const La
  * use; dg's reverse cumsum is stored by the 32 lanes of warp 7 instead of one thread. */
 template <int K, int V, int C, int TC, bool NEW = true>
 __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v3(GdpArgs a, GradStateOut go) {
+  pdl_wait(); /* the state part's dKnA, dWg, dgcA */
   using L = GradWYLayout<K, V, C>;
   constexpr bool kPreKK = NEW && L::kLateDW; /* W5's kk computed in the dW wait */
   constexpr int NN = C / TC, NB = C / 16, NI = (C / 16) * (K / 64), NL = NB * (NB + 1) / 2, NVB = NB * (V / 64);
@@ -1824,6 +1831,20 @@ static int states_mode() {
   return mode;
 }
 
+/* The two sequential passes at the largest shared-memory carveout.  An SM's carveout is
+ * set when a block starts on an idle SM and cannot change while one runs there; left to
+ * the driver, a states block could start on an SM at a carveout with no room for a
+ * dstate block beside it, so the forked passes (launch_state_passes) would run one after
+ * the other on that SM.  H200, 1 x 32768 n = 3 forked without this: 11.0 or 13.6 ms
+ * fwd+bwd from one process to the next (session 7, call 1; unforked 13.4).
+ * GDP_CUDA_V3_SEQ_CARVEOUT=0 leaves the choice to the driver (A/B). */
+template <class Kern>
+static cudaError_t seq_carveout(Kern kern) {
+  const char *e = getenv("GDP_CUDA_V3_SEQ_CARVEOUT");
+  if (e && strcmp(e, "0") == 0) return cudaSuccess;
+  return cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
+}
+
 template <int K, int V, int C, int BV>
 static gdp_status launch_states(const Plan &plan, float *f32, bf16 *b16, bool old) {
   const GdpArgs &a = plan.a;
@@ -1833,7 +1854,8 @@ static gdp_status launch_states(const Plan &plan, float *f32, bf16 *b16, bool ol
                   : (old ? bwd_states_kernel_v3<K, V, C, BV, false, false> : bwd_states_kernel_v3<K, V, C, BV, false, true>);
   constexpr int smem = StatesLayout<K, C, BV>::total;
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  kern<<<grid, threads, smem, plan.stream>>>(a, f32, b16);
+  GDP_CUDA_TRY(seq_carveout(kern));
+  GDP_CUDA_TRY(launch_pdl(pdl_wanted(), kern, grid, dim3(threads), smem, plan.stream, a, f32, b16));
   GDP_CUDA_LAUNCHED("bwd_states_kernel_v3");
   return GDP_OK;
 }
@@ -1878,7 +1900,8 @@ static gdp_status launch_dstate(const Plan &plan, float *f32, bf16 *b16, bool ol
                   : (old ? dstate_kernel_v3<K, V, C, TC, BV, false, false> : dstate_kernel_v3<K, V, C, TC, BV, false, true>);
   constexpr int smem = DStateLayout<K, C, TC, BV>::total;
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  kern<<<grid, threads, smem, plan.stream>>>(a, f32, b16);
+  GDP_CUDA_TRY(seq_carveout(kern));
+  GDP_CUDA_TRY(launch_pdl(pdl_wanted(), kern, grid, dim3(threads), smem, plan.stream, a, f32, b16));
   GDP_CUDA_LAUNCHED("dstate_kernel_v3");
   return GDP_OK;
 }
@@ -1973,7 +1996,7 @@ static gdp_status launch_grad_wy(const Plan &plan, const GradStateOut &go, bool 
   auto kern = old ? grad_wy_kernel_v3<K, V, C, TC, false> : grad_wy_kernel_v3<K, V, C, TC, true>;
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
-  kern<<<grid, 256, L::total, plan.stream>>>(plan.a, go);
+  GDP_CUDA_TRY(launch_pdl(pdl_wanted(), kern, grid, dim3(256), L::total, plan.stream, plan.a, go));
   GDP_CUDA_LAUNCHED("grad_wy_kernel_v3");
   return GDP_OK;
 }
@@ -2084,7 +2107,7 @@ static gdp_status launch_grad_state_kv(const Plan &plan, const GradStateOut &go_
     } else if (env) {
       ahead = atoi(env) > 0 ? atoi(env) : 0;
     }
-    kern<<<grid, 256, L::total, plan.stream>>>(plan.a, go, ahead);
+    GDP_CUDA_TRY(launch_pdl(pdl_wanted(), kern, grid, dim3(256), L::total, plan.stream, plan.a, go, ahead));
     GDP_CUDA_LAUNCHED("grad_state_kernel_v3");
   } else {
     static const int mode = seq_mode("GDP_CUDA_V3_WY");
