@@ -170,12 +170,18 @@ __device__ __forceinline__ void pdl_launch_dependents() {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 }
 
-/* Whether the v3 kernels are launched as programmatic dependents: yes unless
- * GDP_CUDA_PDL=0 (A/B) or GDP_CUDA_PROFILE is set (its events between the kernels time
- * each one alone).  Read per call. */
+/* Whether the v3 kernels are launched as programmatic dependents at every boundary:
+ * only with GDP_CUDA_PDL=1, and never under GDP_CUDA_PROFILE (its events between the
+ * kernels time each one alone).  Off by default because it bought nothing: H200, lab,
+ * medians of 10, two runs each (results/cuda/session7/2_pdl/), fwd+bwd ms with / without
+ * at 4 x 4096 n = 2 2.787, 2.812 / 2.785, 2.795 (saving 2.213, 2.204 / 2.209, 2.212),
+ * 1 x 32768 n = 2 8.81, 8.76 / 8.79, 8.78 -- the launches were already queued ahead of
+ * the GPU, so there was no gap to hide -- and at 4 x 4096 n = 1 the recompute backward
+ * got slower, 1.27 -> 1.37 ms (dstate blocks started early beside the states pass take
+ * the room the states blocks' SMs would otherwise get back whole).  Read per call. */
 inline bool pdl_wanted() {
   const char *e = getenv("GDP_CUDA_PDL");
-  return !(e && e[0] == '0' && e[1] == 0) && !getenv("GDP_CUDA_PROFILE");
+  return e && e[0] == '1' && e[1] == 0 && !getenv("GDP_CUDA_PROFILE");
 }
 
 /* kern<<<grid, block, smem, stream>>>(args...), as a programmatic dependent where pdl. */
