@@ -115,14 +115,19 @@ describe("cuda #gpu", function()
   -- (the state-gradient pass's own output) are compared bit for bit; the other gradients
   -- within 1e-3, a tenth of the bf16 tolerance (the gradient kernels sum parts of them
   -- with shared-memory atomics, whose order may differ between any two runs).  Plain and
-  -- saving paths, two sequences (one empty) so the passes run several blocks each.
-  for _, case in ipairs({ { "GDP_CUDA_V3_FORK", { "0", "1" }, 3 }, { "GDP_CUDA_V3_PASSES", { "old", "ks2" }, 2 } }) do
-    local name, values, n = case[1], case[2], case[3]
+  -- saving paths, two sequences (one empty) so the passes run several blocks each.  Also
+  -- grad_state started beside dstate on per-chunk counters (GDP_CUDA_V3_OVERLAP; off
+  -- where a sequence is empty, hence two non-empty ones there) and programmatic
+  -- dependent launches at every kernel boundary (GDP_CUDA_PDL).
+  for _, case in ipairs({ { "GDP_CUDA_V3_FORK", { "0", "1" }, 3 }, { "GDP_CUDA_V3_PASSES", { "old", "ks2" }, 2 },
+                          { "GDP_CUDA_V3_OVERLAP", { "0", "1" }, 2, { 0, 97, 260 } },
+                          { "GDP_CUDA_PDL", { "0", "1" }, 1 } }) do
+    local name, values, n, cu = case[1], case[2], case[3], case[4] or { 0, 0, 260 }
     it(name .. " gives the same results either way (bf16, K=V=128, n=" .. n .. ")", function()
       if not need_gpu() then return end
       H.reseed(707 + n)
       local args = ops.random_inputs({ B = 1, T = 260, H = 2, K = 128, V = 128, n = n, grads = true,
-                                       initial_state = true, cu_seqlens = { 0, 0, 260 } })
+                                       initial_state = true, cu_seqlens = cu })
       local dev = ops.convert_inputs(args, "bf16", "cuda")
       local runs = {}
       with_env(name, function(set)
