@@ -130,12 +130,17 @@ for t in "${trees[@]}"; do
   # E3 (lab/e3): grad_state as dstate's programmatic dependent on per-(chunk, head) ready
   # counters (GDP_CUDA_V3_OVERLAP; unset = on where the pair fits): the same kernels'
   # arithmetic, so the check's error lines must be identical with =0 (today's path) and =1
-  # (on wherever it can be); memcheck / racecheck with it on, and with the L2 prefetch of
+  # (on wherever it can be, also in place of the small problems' automatic fork of the
+  # recompute's passes); memcheck / racecheck with it on, and with the L2 prefetch of
   # a later block (its slot -> chunk mapping follows the new order).  A counter bug traps
   # (__trap after ~2^24 polls: "unspecified launch failure") instead of hanging.
   if grep -q '"GDP_CUDA_V3_OVERLAP"' "$t/kernels/cuda/gdp_bwd_v3.cu"; then
     same_bits GDP_CUDA_V3_OVERLAP=0 gdp_bwd_v3.cu
     same_bits GDP_CUDA_V3_OVERLAP=1 gdp_bwd_v3.cu
+    # the fork beside a 2-stage dstate (fork_mode 2; by default only at 1 x 32768 n = 2):
+    # =2 forces it on the check's problems
+    same_bits GDP_CUDA_V3_FORK=2 gdp_bwd_v3.cu
+    GDP_CUDA_V3_FORK=2 timeout 60 compute-sanitizer --tool memcheck $L bench 1 300 2 v3 --reps 1 2>&1 | grep -E "ERROR SUMMARY" | sed "s/^/[FORK=2 memcheck] /" | tee -a "$LOG"
     GDP_CUDA_V3_OVERLAP=1 timeout 60 compute-sanitizer --tool memcheck $L bench 1 300 2 $(variants "$t") --reps 1 2>&1 | grep -E "ERROR SUMMARY" | sed "s/^/[OVERLAP=1 memcheck] /" | tee -a "$LOG"
     GDP_CUDA_V3_OVERLAP=1 timeout 60 compute-sanitizer --tool racecheck $L bench 1 300 2 $(variants "$t") --reps 1 2>&1 | grep -E "RACECHECK SUMMARY" | sed "s/^/[OVERLAP=1 racecheck] /" | tee -a "$LOG"
     GDP_CUDA_V3_OVERLAP=1 GDP_CUDA_V3_GS_AHEAD=5 timeout 60 compute-sanitizer --tool memcheck $L bench 2 300 2 $(variants "$t") --reps 1 2>&1 | grep -E "ERROR SUMMARY" | sed "s/^/[OVERLAP=1 GS_AHEAD=5 memcheck] /" | tee -a "$LOG"

@@ -685,8 +685,9 @@ int main(int argc, char **argv) {
    * bv, and the recompute's passes are not forked) */
   printf("\nE3 overlap (GDP_CUDA_V3_OVERLAP unset: on where 1 grad_state fits beside 1 dstate and no fork):\n\n"
          "| shape | bwd bv | dstate 2-stage bf16: smem, reg, blocks/SM | grad_state OVL: smem, reg, blocks/SM | "
-         "grad_state beside 1 / all dstate blocks | smem of the pair with reserves | overlap (rec / saved) |\n"
-         "|---|---|---|---|---|---|---|\n");
+         "grad_state beside 1 / all dstate blocks | smem of the pair with reserves | overlap (rec / saved) | "
+         "rec fork |\n"
+         "|---|---|---|---|---|---|---|---|\n");
   for (const Shape &s : shapes) {
     const int bvb = bwd_choose_bv(s), C = chunk_c(s.n), TC = chunk_tc(s.n);
     Launch d = seq(s, false, bvb);
@@ -699,10 +700,15 @@ int main(int argc, char **argv) {
     g.mangled = mangle("v3b", "grad_state_kernel_v3", {I(K), I(V), I(C), I(TC), B(true), B(true), B(true)});
     finish(g);
     const int b1 = beside(d, 1, g), ball = beside(d, d.bps, g);
-    const bool on_saved = b1 >= 1, on_rec = on_saved && !fork_wanted(s, bvb);
-    printf("| %dx%d n=%d | %d | %d (%.1f KB), %d, %d | %d (%.1f KB), %d, %d | %d / %d | %d of %d | %s / %s |\n", s.B, s.T,
-           s.n, bvb, d.smem, d.smem / 1024.0, d.r.regs, d.bps, g.smem, g.smem / 1024.0, g.r.regs, g.bps, b1, ball,
-           footprint(d).smem + footprint(g).smem, 228 * 1024, on_rec ? "on" : "off", on_saved ? "on" : "off");
+    /* fork_mode 2 (gdp_bwd_v3.cu): where the old fork rule says no, a states block beside a
+     * 2-stage dstate block and at most one block per SM -> the recompute forks instead */
+    const bool fork2 = !fork_wanted(s, bvb) && (long long)s.B * H * (V / bvb) <= kSms &&
+                       beside(d, 1, seq(s, true, bvb)) >= 1;
+    const bool on_saved = b1 >= 1, on_rec = on_saved && !fork_wanted(s, bvb) && !fork2;
+    printf("| %dx%d n=%d | %d | %d (%.1f KB), %d, %d | %d (%.1f KB), %d, %d | %d / %d | %d of %d | %s / %s | %s |\n", s.B,
+           s.T, s.n, bvb, d.smem, d.smem / 1024.0, d.r.regs, d.bps, g.smem, g.smem / 1024.0, g.r.regs, g.bps, b1, ball,
+           footprint(d).smem + footprint(g).smem, 228 * 1024, on_rec ? "on" : "off", on_saved ? "on" : "off",
+           fork_wanted(s, bvb) ? "FORK (today's kernels)" : fork2 ? "FORK (2-stage dstate)" : "no");
   }
   return 0;
 }

@@ -72,7 +72,7 @@ static void test_pair() {
       {"4x4096 n=2 BV=64: 3-stage f32-staged dstate (today) + grad_state", 175616, 128, 214, 110640, 122, false},
       {"4x4096 n=2 BV=64: 3-stage bf16-staged dstate + grad_state", 170496, 128, 214, 110640, 122, false},
       {"4x4096 n=2 BV=64: 2-stage f32-staged dstate + grad_state", 122880, 128, 214, 110640, 122, false},
-      {"1x32768 n=2 BV=16: 2-stage bf16 dstate + grad_state", 2 * 50688 + 1 * 3072, 32, 226, 110640, 122, true},
+      {"1x32768 n=2 BV=16: 2-stage bf16 dstate + grad_state", 102400, 32, 214, 110640, 122, true},
   };
   for (const Case &c : cases) {
     const Footprint d = footprint(c.dsmem, 0, 1024, c.dthreads, c.dregs), g = footprint(c.gsmem, 0, 1024, 256, c.gregs);
@@ -81,6 +81,12 @@ static void test_pair() {
            h200.smem, d.regs_per_warp, g.regs_per_warp, got ? "fits" : "no");
     CHECK(got == c.expect, "%s: expected %d", c.what, c.expect);
   }
+  // fork_mode 2 (gdp_bwd_v3.cu): the states pass as now beside a 2-stage bf16 dstate at 1x32768 n=2, BV=16
+  // (1-warp blocks; registers 202 / 214 from the session-7 ptxas log); the 3-stage dstate must not pair
+  CHECK(pair_fits(footprint(127232, 0, 1024, 32, 202), footprint(102400, 0, 1024, 32, 214), h200), "fork2 pair");
+  CHECK(!pair_fits(footprint(127232, 0, 1024, 32, 202), footprint(153344, 0, 1024, 32, 226), h200), "3-stage pair");
+  // and not at 4x4096 n=2, BV=64 (states 177152 B)
+  CHECK(!pair_fits(footprint(177152, 0, 1024, 128, 194), footprint(117760, 0, 1024, 128, 206), h200), "bv64 fork2");
   // a planted error: registers at 255 on both (2 warps x 8192 > 16384 on a sub-partition) must not fit
   CHECK(!pair_fits(footprint(117760, 0, 1024, 128, 255), footprint(110640, 0, 1024, 256, 255), h200), "255 regs fit?");
   // grad_state alone twice must still fit (the calculator's 2/SM)

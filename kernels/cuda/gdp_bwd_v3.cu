@@ -1920,7 +1920,7 @@ static int states_mode() {
 }
 
 template <int K, int V, int C, int BV>
-static gdp_status launch_states(const Plan &plan, float *f32, bf16 *b16, bool old) {
+static gdp_status launch_states(const Plan &plan, float *f32, bf16 *b16, bool old, bool paired = false) {
   const GdpArgs &a = plan.a;
   const dim3 grid((unsigned)a.N, (unsigned)a.H, (unsigned)(a.V / BV));
   constexpr int threads = BV / 16 * 32;
@@ -1928,6 +1928,9 @@ static gdp_status launch_states(const Plan &plan, float *f32, bf16 *b16, bool ol
                   : (old ? bwd_states_kernel_v3<K, V, C, BV, false, false> : bwd_states_kernel_v3<K, V, C, BV, false, true>);
   constexpr int smem = StatesLayout<K, C, BV>::total;
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  /* forked beside a 2-stage dstate (fork_mode 2): the pair needs the max-shared carveout */
+  if (paired)
+    GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
   kern<<<grid, threads, smem, plan.stream>>>(a, f32, b16);
   GDP_CUDA_LAUNCHED("bwd_states_kernel_v3");
   return GDP_OK;
@@ -1969,13 +1972,16 @@ static gdp_status compare_states(const Plan &plan, float *f32, bf16 *b16) {
  * grad_state launch as its programmatic dependent; at the max-shared carveout, so that a
  * grad_state block fits beside it. */
 template <int K, int V, int C, int TC, int BV>
-static gdp_status launch_dstate(const Plan &plan, float *f32, bf16 *b16, bool old, int *ready = nullptr) {
+static gdp_status launch_dstate(const Plan &plan, float *f32, bf16 *b16, bool old, int *ready = nullptr,
+                                bool two = false) {
   const GdpArgs &a = plan.a;
   const dim3 grid((unsigned)a.N, (unsigned)a.H, (unsigned)(a.V / BV));
   constexpr int threads = BV / 16 * 32;
-  if (ready) {
+  /* two (fork_mode 2): the same 2-stage kernel without counters (ready NULL), for a fork
+   * of the two passes where only the 2-stage dstate fits beside a states block */
+  if (ready || two) {
     if (!b16 || old)
-      return GDP_ERROR(GDP_ERR_INTERNAL, "dstate_kernel_v3: the overlap needs bf16 states and the new schedule (b16 %s, old %d)",
+      return GDP_ERROR(GDP_ERR_INTERNAL, "dstate_kernel_v3: 2 stages need bf16 states and the new schedule (b16 %s, old %d)",
                        b16 ? "set" : "NULL", (int)old);
     auto kern2 = dstate_kernel_v3<K, V, C, TC, BV, true, true, 2>;
     constexpr int smem2 = DStateLayout<K, C, TC, BV, 2, true>::total;
@@ -2035,47 +2041,48 @@ static gdp_status compare_dstate(const Plan &plan, float *f32, bf16 *b16) {
  * (GDP_CUDA_V3_STATE=bf16: the S16 instantiations, same shared memory), or NULL. */
 template <int K, int V, int C, int TC, int BV>
 static gdp_status launch_seq_bv(const Plan &plan, bool states, bool dry_run, int *occ, float *f32, bf16 *b16,
-                                int *ready) {
+                                int *ready, bool two) {
   constexpr int threads = BV / 16 * 32;
   if (dry_run) return occupancy(dstate_kernel_v3<K, V, C, TC, BV>, threads, DStateLayout<K, C, TC, BV>::total, occ);
   if (states) {
     const int mode = states_mode();
     if (mode == 2) return compare_states<K, V, C, BV>(plan, f32, b16);
-    return launch_states<K, V, C, BV>(plan, f32, b16, mode == 1);
+    return launch_states<K, V, C, BV>(plan, f32, b16, mode == 1, two);
   } else {
     const int mode = dstate_mode();
     if (mode == 2) return compare_dstate<K, V, C, TC, BV>(plan, f32, b16);
-    return launch_dstate<K, V, C, TC, BV>(plan, f32, b16, mode == 1, ready);
+    return launch_dstate<K, V, C, TC, BV>(plan, f32, b16, mode == 1, ready, two);
   }
 }
 
 template <int K, int V, int C, int TC>
 static gdp_status launch_seq_k(const Plan &plan, int bv, bool states, bool dry_run, int *occ, float *f32,
-                               bf16 *b16, int *ready) {
+                               bf16 *b16, int *ready, bool two) {
   switch (bv) {
-    case 64: return launch_seq_bv<K, V, C, TC, 64>(plan, states, dry_run, occ, f32, b16, ready);
-    case 32: return launch_seq_bv<K, V, C, TC, 32>(plan, states, dry_run, occ, f32, b16, ready);
-    default: return launch_seq_bv<K, V, C, TC, 16>(plan, states, dry_run, occ, f32, b16, ready);
+    case 64: return launch_seq_bv<K, V, C, TC, 64>(plan, states, dry_run, occ, f32, b16, ready, two);
+    case 32: return launch_seq_bv<K, V, C, TC, 32>(plan, states, dry_run, occ, f32, b16, ready, two);
+    default: return launch_seq_bv<K, V, C, TC, 16>(plan, states, dry_run, occ, f32, b16, ready, two);
   }
 }
 
 template <int K, int V>
 static gdp_status launch_seq_n(const Plan &plan, int bv, bool states, bool dry_run, int *occ, float *f32,
-                               bf16 *b16, int *ready) {
-  if (plan.a.n == 1) return launch_seq_k<K, V, 32, 32>(plan, bv, states, dry_run, occ, f32, b16, ready);
-  if (plan.a.n == 2) return launch_seq_k<K, V, 64, 32>(plan, bv, states, dry_run, occ, f32, b16, ready);
-  return launch_seq_k<K, V, 48, 16>(plan, bv, states, dry_run, occ, f32, b16, ready);
+                               bf16 *b16, int *ready, bool two) {
+  if (plan.a.n == 1) return launch_seq_k<K, V, 32, 32>(plan, bv, states, dry_run, occ, f32, b16, ready, two);
+  if (plan.a.n == 2) return launch_seq_k<K, V, 64, 32>(plan, bv, states, dry_run, occ, f32, b16, ready, two);
+  return launch_seq_k<K, V, 48, 16>(plan, bv, states, dry_run, occ, f32, b16, ready, two);
 }
 
-/* ready: dstate's E3 counters (launch_dstate), or NULL */
+/* ready: dstate's E3 counters (launch_dstate), or NULL; two: the fork beside a 2-stage
+ * dstate (fork_mode 2: that dstate kernel, and the states pass at the max-shared carveout) */
 static gdp_status launch_seq(const Plan &plan, int bv, bool states, bool dry_run, int *occ, float *f32 = nullptr,
-                             bf16 *b16 = nullptr, int *ready = nullptr) {
+                             bf16 *b16 = nullptr, int *ready = nullptr, bool two = false) {
   const GdpArgs &a = plan.a;
   if (a.K == 128)
-    return a.V == 128 ? launch_seq_n<128, 128>(plan, bv, states, dry_run, occ, f32, b16, ready)
-                      : launch_seq_n<128, 64>(plan, bv, states, dry_run, occ, f32, b16, ready);
-  return a.V == 128 ? launch_seq_n<64, 128>(plan, bv, states, dry_run, occ, f32, b16, ready)
-                    : launch_seq_n<64, 64>(plan, bv, states, dry_run, occ, f32, b16, ready);
+    return a.V == 128 ? launch_seq_n<128, 128>(plan, bv, states, dry_run, occ, f32, b16, ready, two)
+                      : launch_seq_n<128, 64>(plan, bv, states, dry_run, occ, f32, b16, ready, two);
+  return a.V == 128 ? launch_seq_n<64, 128>(plan, bv, states, dry_run, occ, f32, b16, ready, two)
+                    : launch_seq_n<64, 64>(plan, bv, states, dry_run, occ, f32, b16, ready, two);
 }
 
 /* grad_wy_kernel_v3: the new schedule, or (old) the session-5 one (GDP_CUDA_V3_WY=old). */
@@ -2293,98 +2300,132 @@ static int choose_bv(const Plan &plan) {
  * 1.73-1.79, 2 x 8192 n = 1 2.11 -> 2.14).  GDP_CUDA_V3_FORK: unset = fork where one
  * pass leaves SMs idle (at most one block per SM: 128 blocks of 16 value columns at
  * 1 x 32768, H = 16) and both fit on the SMs at once (twice its blocks over blocks per
- * SM at most the SM count); =1 always, =0 never.  Read per call (lab A/B); never
+ * SM at most the SM count), or, with bf16 states, where a states block fits beside a
+ * 2-stage dstate block (fork_mode 2); =1 always, =2 always with the 2-stage dstate where
+ * it can run (lab), =0 never.  Read per call (lab A/B); never
  * under GDP_CUDA_PROFILE, whose marks time one stream, nor in the lab's compare modes. */
-static bool fork_wanted(const Plan &plan, int bv) {
-  if (getenv("GDP_CUDA_PROFILE") || states_mode() == 2 || dstate_mode() == 2) return false;
-  const char *env = getenv("GDP_CUDA_V3_FORK");
-  if (env && strcmp(env, "0") == 0) return false;
-  if (env && strcmp(env, "1") == 0) return true;
-  const GdpArgs &a = plan.a;
-  const int occ = seq_blocks_per_sm(plan, bv);
-  const double blocks = (double)a.N * a.H * (a.V / bv);
-  return occ >= 1 && blocks <= num_sms() && 2.0 * blocks / occ <= num_sms();
+/* Two kernels' blocks side by side on one SM (both at the max-shared carveout): their
+ * registers from CUDA (cudaFuncGetAttributes), their shared memory from the layouts, the
+ * SM's limits from the device; v3ovl::pair_fits does the arithmetic of CUDA's occupancy
+ * calculator for the two together (kernels/bench/v3_occupancy.cu's model).  The pairs:
+ * E3's 2-stage dstate + grad_state (overlap instantiations), and the fork's states pass +
+ * 2-stage dstate (fork_mode 2).  Both need bf16 states (the 2-stage kernel is S16 only). */
+enum SmPair { PAIR_OVERLAP = 0, PAIR_FORK2 = 1 };
+
+static gdp_status sm_limits(v3ovl::SmLimits *sm, int *reserved) {
+  int dev = 0;
+  GDP_CUDA_TRY(cudaGetDevice(&dev));
+  GDP_CUDA_TRY(cudaDeviceGetAttribute(&sm->smem, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
+  GDP_CUDA_TRY(cudaDeviceGetAttribute(&sm->regs, cudaDevAttrMaxRegistersPerMultiprocessor, dev));
+  GDP_CUDA_TRY(cudaDeviceGetAttribute(&sm->warps, cudaDevAttrMaxThreadsPerMultiProcessor, dev));
+  GDP_CUDA_TRY(cudaDeviceGetAttribute(&sm->blocks, cudaDevAttrMaxBlocksPerMultiprocessor, dev));
+  GDP_CUDA_TRY(cudaDeviceGetAttribute(reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev));
+  sm->warps /= 32;
+  return GDP_OK;
 }
 
-/* E3: whether one grad_state block (the overlap instantiation) fits on an SM beside one
- * 2-stage dstate block at width BV, both at the max-shared carveout: their registers from
- * CUDA (cudaFuncGetAttributes), their shared memory from the layouts, the SM's limits from
- * the device; v3ovl::pair_fits does the arithmetic of CUDA's occupancy calculator for the
- * two together (kernels/bench/v3_occupancy.cu's model). */
 template <int K, int V, int C, int TC, int BV>
-static gdp_status overlap_pair_bv(int *fits) {
-  cudaFuncAttributes fd, fg;
+static gdp_status pair_bv(SmPair pair, int *fits) {
+  v3ovl::SmLimits sm;
+  int reserved = 0;
+  GDP_TRY(sm_limits(&sm, &reserved));
+  cudaFuncAttributes fd, fo;
   GDP_CUDA_TRY(cudaFuncGetAttributes(&fd, dstate_kernel_v3<K, V, C, TC, BV, true, true, 2>));
-  GDP_CUDA_TRY(cudaFuncGetAttributes(&fg, grad_state_kernel_v3<K, V, C, TC, true, true, true>));
-  int dev = 0, smem_sm = 0, regs_sm = 0, thr_sm = 0, blocks_sm = 0, reserved = 0;
-  GDP_CUDA_TRY(cudaGetDevice(&dev));
-  GDP_CUDA_TRY(cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
-  GDP_CUDA_TRY(cudaDeviceGetAttribute(&regs_sm, cudaDevAttrMaxRegistersPerMultiprocessor, dev));
-  GDP_CUDA_TRY(cudaDeviceGetAttribute(&thr_sm, cudaDevAttrMaxThreadsPerMultiProcessor, dev));
-  GDP_CUDA_TRY(cudaDeviceGetAttribute(&blocks_sm, cudaDevAttrMaxBlocksPerMultiprocessor, dev));
-  GDP_CUDA_TRY(cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev));
   const v3ovl::Footprint d = v3ovl::footprint(DStateLayout<K, C, TC, BV, 2, true>::total, (int)fd.sharedSizeBytes,
                                               reserved, BV / 16 * 32, fd.numRegs);
-  const v3ovl::Footprint g = v3ovl::footprint(GradStateLayout<K, V, C, TC>::total, (int)fg.sharedSizeBytes, reserved,
-                                              256, fg.numRegs);
-  *fits = v3ovl::pair_fits(d, g, v3ovl::SmLimits{smem_sm, regs_sm, thr_sm / 32, blocks_sm}) ? 1 : 0;
+  v3ovl::Footprint o;
+  if (pair == PAIR_OVERLAP) {
+    GDP_CUDA_TRY(cudaFuncGetAttributes(&fo, grad_state_kernel_v3<K, V, C, TC, true, true, true>));
+    o = v3ovl::footprint(GradStateLayout<K, V, C, TC>::total, (int)fo.sharedSizeBytes, reserved, 256, fo.numRegs);
+  } else {
+    GDP_CUDA_TRY(cudaFuncGetAttributes(&fo, bwd_states_kernel_v3<K, V, C, BV, true, true>));
+    o = v3ovl::footprint(StatesLayout<K, C, BV>::total, (int)fo.sharedSizeBytes, reserved, BV / 16 * 32, fo.numRegs);
+  }
+  *fits = v3ovl::pair_fits(d, o, sm) ? 1 : 0;
   return GDP_OK;
 }
 
 template <int K, int V, int C, int TC>
-static gdp_status overlap_pair_k(int bv, int *fits) {
+static gdp_status pair_k(SmPair pair, int bv, int *fits) {
   switch (bv) {
-    case 64: return overlap_pair_bv<K, V, C, TC, 64>(fits);
-    case 32: return overlap_pair_bv<K, V, C, TC, 32>(fits);
-    default: return overlap_pair_bv<K, V, C, TC, 16>(fits);
+    case 64: return pair_bv<K, V, C, TC, 64>(pair, fits);
+    case 32: return pair_bv<K, V, C, TC, 32>(pair, fits);
+    default: return pair_bv<K, V, C, TC, 16>(pair, fits);
   }
 }
 
 template <int K, int V>
-static gdp_status overlap_pair_n(int n, int bv, int *fits) {
-  if (n == 1) return overlap_pair_k<K, V, 32, 32>(bv, fits);
-  if (n == 2) return overlap_pair_k<K, V, 64, 32>(bv, fits);
-  return overlap_pair_k<K, V, 48, 16>(bv, fits);
+static gdp_status pair_n(SmPair pair, int n, int bv, int *fits) {
+  if (n == 1) return pair_k<K, V, 32, 32>(pair, bv, fits);
+  if (n == 2) return pair_k<K, V, 64, 32>(pair, bv, fits);
+  return pair_k<K, V, 48, 16>(pair, bv, fits);
 }
 
-static bool overlap_pair_fits(const Plan &plan, int bv) {
+static bool pair_fits(const Plan &plan, int bv, SmPair pair) {
   const GdpArgs &a = plan.a;
-  static int cache[2][2][3][3] = {}; /* 1 fits, -1 not; depends only on (K, V, n, bv); benign race */
-  int &c = cache[a.K == 128][a.V == 128][a.n - 1][bv == 16 ? 0 : bv == 32 ? 1 : 2];
+  static int cache[2][2][2][3][3] = {}; /* 1 fits, -1 not; depends only on (pair, K, V, n, bv); benign race */
+  int &c = cache[pair][a.K == 128][a.V == 128][a.n - 1][bv == 16 ? 0 : bv == 32 ? 1 : 2];
   if (c == 0) {
     int fits = 0;
-    const gdp_status st = a.K == 128 ? (a.V == 128 ? overlap_pair_n<128, 128>(a.n, bv, &fits)
-                                                   : overlap_pair_n<128, 64>(a.n, bv, &fits))
-                                     : (a.V == 128 ? overlap_pair_n<64, 128>(a.n, bv, &fits)
-                                                   : overlap_pair_n<64, 64>(a.n, bv, &fits));
-    if (st != GDP_OK) (void)cudaGetLastError(); /* no overlap, and no stale error for the next launch check */
+    const gdp_status st = a.K == 128 ? (a.V == 128 ? pair_n<128, 128>(pair, a.n, bv, &fits)
+                                                   : pair_n<128, 64>(pair, a.n, bv, &fits))
+                                     : (a.V == 128 ? pair_n<64, 128>(pair, a.n, bv, &fits)
+                                                   : pair_n<64, 64>(pair, a.n, bv, &fits));
+    if (st != GDP_OK) (void)cudaGetLastError(); /* no pair, and no stale error for the next launch check */
     c = st == GDP_OK && fits ? 1 : -1;
   }
   return c > 0;
+}
+
+/* Whether (and how) to fork, see above: 0 no; 1 with today's kernels; 2 with the 2-stage
+ * dstate (bf16 states only, the new dstate schedule), where only that one fits beside a
+ * states block (1 x 32768 n = 2, BV = 16: 124.2 + 100.0 KB; the 3-stage dstate, 149.8 KB,
+ * does not: the occ notes' side result).  The old rule ("twice the blocks over blocks per
+ * SM fit the SMs", dstate's occupancy standing in for the pair) keeps its answers (mode
+ * 1); mode 2 asks the (states, 2-stage dstate) pair directly. */
+static int fork_mode(const Plan &plan, int bv, bool s16) {
+  if (getenv("GDP_CUDA_PROFILE") || states_mode() == 2 || dstate_mode() == 2) return 0;
+  const char *env = getenv("GDP_CUDA_V3_FORK");
+  if (env && strcmp(env, "0") == 0) return 0;
+  const GdpArgs &a = plan.a;
+  const int occ = seq_blocks_per_sm(plan, bv);
+  const double blocks = (double)a.N * a.H * (a.V / bv);
+  const bool today = occ >= 1 && blocks <= num_sms() && 2.0 * blocks / occ <= num_sms();
+  const bool two = !today && s16 && dstate_mode() == 0 && blocks <= num_sms() && pair_fits(plan, bv, PAIR_FORK2);
+  if (env && strcmp(env, "1") == 0) return two ? 2 : 1;
+  /* =2 (lab: the check's small problems fork by the old rule): mode 2 wherever it can run */
+  if (env && strcmp(env, "2") == 0) return s16 && dstate_mode() == 0 ? 2 : 1;
+  return today ? 1 : two ? 2 : 0;
 }
 
 /* E3, GDP_CUDA_V3_OVERLAP (read per call): grad_state runs as the programmatic dependent
  * of dstate, block by block as dstate's per-chunk counters complete (NOTES.md, "dstate ->
  * grad_state overlap").  Same kernels' arithmetic, same bits; only when things run
  * changes.  Unset: on where a grad_state block fits beside a 2-stage dstate block
- * (overlap_pair_fits; 4 x 4096 n = 2, K = V = 128, BV = 64: 115.0 + 108.0 KB); =1 on
- * wherever it can be; =0 off (the plain stream order and today's 3-stage dstate).  Never:
- * with float32 states (the overlap instantiations are bf16-only), a sequence without
- * tokens (its dstate blocks signal nothing: then a later kernel could in principle run
- * before its dh0 store; no counter covers it), a forked recompute (dstate on the side
- * stream: no programmatic edge across streams), GDP_CUDA_PROFILE (its marks time one
- * kernel at a time), the compare modes, GDP_CUDA_V3_DSTATE=old or GDP_CUDA_V3_GSPIPE=old
- * (other schedules).  choose_bv is not affected: it asks the 3-stage dstate kernel. */
+ * (pair_fits PAIR_OVERLAP; 4 x 4096 n = 2, K = V = 128, BV = 64: 115.0 + 108.0 KB) and the
+ * recompute does not fork; =1 on wherever it can be, also instead of an automatic fork
+ * (not against GDP_CUDA_V3_FORK=1); =0 off (the plain stream order and today's 3-stage
+ * dstate).  Never: with float32 states (the overlap instantiations are bf16-only), a
+ * sequence without tokens (its dstate blocks signal nothing: then a later kernel could
+ * in principle run before its dh0 store; no counter covers it), a forked recompute
+ * (dstate on the side stream: no programmatic edge across streams; `forked` = fork_mode's
+ * answer), GDP_CUDA_PROFILE (its marks time one kernel at a time), the compare modes,
+ * GDP_CUDA_V3_DSTATE=old or GDP_CUDA_V3_GSPIPE=old (other schedules).  choose_bv is not
+ * affected: it asks the 3-stage dstate kernel. */
 static bool overlap_wanted(const Plan &plan, int bv, bool s16, bool forked) {
   const GdpArgs &a = plan.a;
-  if (!s16 || a.nchunks == 0 || a.chunks_rev == nullptr || forked) return false;
+  if (!s16 || a.nchunks == 0 || a.chunks_rev == nullptr) return false;
   if (getenv("GDP_CUDA_PROFILE") || states_mode() == 2 || dstate_mode() != 0 || seq_mode("GDP_CUDA_V3_WY") == 2 ||
       !gs_pipe_on())
     return false;
   const char *env = getenv("GDP_CUDA_V3_OVERLAP");
   if (env && strcmp(env, "0") == 0) return false;
-  if (env && strcmp(env, "1") == 0) return true;
-  return overlap_pair_fits(plan, bv);
+  /* =1 also takes the place of an automatic fork (launch_state_passes does not fork when
+   * the counters are set), so that the lab's small problems, which fork, run the
+   * recompute's overlap too; GDP_CUDA_V3_FORK=1 keeps the fork (and then no overlap) */
+  const char *fk = getenv("GDP_CUDA_V3_FORK");
+  if (env && strcmp(env, "1") == 0) return !(forked && fk && strcmp(fk, "1") == 0);
+  return !forked && pair_fits(plan, bv, PAIR_OVERLAP);
 }
 
 /* One non-blocking side stream per device, made on first use and kept for the process
@@ -2438,12 +2479,13 @@ static gdp_status fork_end(cudaStream_t main, Fork *f, bool join) {
   return GDP_OK;
 }
 
-/* The recompute's two passes, forked where fork_wanted says and the fork can be made
+/* The recompute's two passes, forked where fork_mode says and the fork can be made
  * (otherwise one after the other on the caller's stream).  go.ready set (E3): never
  * forked, dstate last on the caller's stream with the counters. */
 static gdp_status launch_state_passes(const Plan &plan, int bv, const GradStateOut &go) {
   Fork f;
-  const bool forked = !go.ready && fork_wanted(plan, bv) && fork_begin(plan.stream, &f) == GDP_OK;
+  const int fm = go.ready ? 0 : fork_mode(plan, bv, go.hT16 != nullptr);
+  const bool forked = fm > 0 && fork_begin(plan.stream, &f) == GDP_OK;
   if (!forked) {
     /* a fork that could not be made (no stream or event to spare) is no error: the
      * passes run in order, as without the switch; its CUDA error must not reach the next
@@ -2460,8 +2502,8 @@ static gdp_status launch_state_passes(const Plan &plan, int bv, const GradStateO
   side.stream = f.side;
   /* the backward-in-time pass first, so its blocks are queued by the time the states
    * pass's blocks start */
-  gdp_status st = launch_seq(side, bv, false, false, nullptr, go.dHT32, go.dHT16);
-  const gdp_status st2 = launch_seq(plan, bv, true, false, nullptr, go.hT32, go.hT16);
+  gdp_status st = launch_seq(side, bv, false, false, nullptr, go.dHT32, go.dHT16, nullptr, fm == 2);
+  const gdp_status st2 = launch_seq(plan, bv, true, false, nullptr, go.hT32, go.hT16, nullptr, fm == 2);
   const gdp_status st3 = fork_end(plan.stream, &f, true);
   if (st == GDP_OK) st = st2;
   if (st == GDP_OK) st = st3;
@@ -2606,7 +2648,7 @@ extern "C" gdp_status gdp_cuda_gdp_backward_v3(const gdp_gdp_problem *p, const g
   void *extra = nullptr;
   const int bv = v3b::choose_bv(plan);
   /* E3 where it applies, and never beside a fork of the two passes */
-  const bool ovl = grad_state && v3b::overlap_wanted(plan, bv, s16, v3b::fork_wanted(plan, bv));
+  const bool ovl = grad_state && v3b::overlap_wanted(plan, bv, s16, v3b::fork_mode(plan, bv, s16) > 0);
   if (grad_state && plan.a.nchunks > 0) {
     const size_t CH = (size_t)plan.a.nchunks * plan.a.H, K = (size_t)plan.a.K, V = (size_t)plan.a.V,
                  C = (size_t)plan.a.C;
