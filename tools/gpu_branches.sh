@@ -140,6 +140,17 @@ for t in "${trees[@]}"; do
     # the fork beside a 2-stage dstate (fork_mode 2; by default only at 1 x 32768 n = 2):
     # =2 forces it on the check's problems
     same_bits GDP_CUDA_V3_FORK=2 gdp_bwd_v3.cu
+    # with main's opt-in programmatic launches at every boundary as well (dstate then
+    # waits for the states pass before its trigger; grad_state's overlap kernel skips
+    # its wait)
+    if grep -q GDP_CUDA_PDL "$t/kernels/cuda/common.cuh" 2>/dev/null; then
+      check_with "OVERLAP=1 PDL=1" ovl_pdl GDP_CUDA_V3_OVERLAP=1 GDP_CUDA_PDL=1
+      if diff <(grep -E "^(chunk|v3|v5)" "$OUT/check_$n.log") <(grep -E "^(chunk|v3|v5)" "$OUT/check_${n}_ovl_pdl.log") > "$OUT/check_${n}_ovl_pdl.diff"; then
+        say "[OVERLAP=1 PDL=1] errors identical to the default's"
+      else
+        say "[OVERLAP=1 PDL=1] errors DIFFER from the default's ($OUT/check_${n}_ovl_pdl.diff)"
+      fi
+    fi
     GDP_CUDA_V3_FORK=2 timeout 60 compute-sanitizer --tool memcheck $L bench 1 300 2 v3 --reps 1 2>&1 | grep -E "ERROR SUMMARY" | sed "s/^/[FORK=2 memcheck] /" | tee -a "$LOG"
     GDP_CUDA_V3_OVERLAP=1 timeout 60 compute-sanitizer --tool memcheck $L bench 1 300 2 $(variants "$t") --reps 1 2>&1 | grep -E "ERROR SUMMARY" | sed "s/^/[OVERLAP=1 memcheck] /" | tee -a "$LOG"
     GDP_CUDA_V3_OVERLAP=1 timeout 60 compute-sanitizer --tool racecheck $L bench 1 300 2 $(variants "$t") --reps 1 2>&1 | grep -E "RACECHECK SUMMARY" | sed "s/^/[OVERLAP=1 racecheck] /" | tee -a "$LOG"

@@ -225,6 +225,8 @@ struct StatesLayout {
  * it.  For the v3 gradient kernels h^T goes to hT32 (float32) or, S16, to hT16 (bf16). */
 template <int K, int V, int C, int BV, bool S16 = false, bool NEW = true>
 __global__ void __launch_bounds__(BV / 16 * 32, 1) bwd_states_kernel_v3(GdpArgs a, float *hT32, bf16 *hT16) {
+  pdl_wait(); /* the prep's panels (a programmatic dependent: common.cuh) */
+  pdl_launch_dependents();
   using L = StatesLayout<K, C, BV>;
   constexpr int NT = BV / 16 * 32;
   static_assert(K % 32 == 0 && C % 16 == 0 && BV % 16 == 0, "tile shapes");
@@ -382,9 +384,8 @@ struct DStateLayout {
   static constexpr int total = oHt + BV / 16 * warp_bytes;
 };
 
-/* PTX of the E3 overlap (sm_90): the programmatic-launch trigger, and the counters'
- * release / acquire at GPU scope. */
-__device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+/* PTX of the E3 overlap (sm_90): the counters' release / acquire at GPU scope (the
+ * programmatic-launch trigger and wait: common.cuh). */
 __device__ __forceinline__ void red_release_gpu_add(int *p, int v) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
@@ -404,6 +405,15 @@ __device__ __forceinline__ int ld_acquire_gpu(const int *p) {
  * the diagonal are skipped at compile time (NN = C / TC = n). */
 template <int K, int V, int C, int TC, int BV, bool S16 = false, bool NEW = true, int STAGES = kStages>
 __global__ void __launch_bounds__(BV / 16 * 32, 1) dstate_kernel_v3(GdpArgs a, float *dHT32, bf16 *dHT16, int *ready) {
+  /* E3: grad_state (launched with programmatic stream serialization right after this
+   * kernel when GDP_CUDA_V3_OVERLAP is on) may start once every block of this grid has
+   * executed the trigger below or exited, i.e. once every dstate block is resident.  Those
+   * never wait on grad_state (they only signal), so grad_state blocks spinning on a chunk's
+   * counter always see it complete: no deadlock at any grid size.  grad_state relies on
+   * everything before this kernel being complete by then, so the wait (this kernel itself
+   * a programmatic dependent under GDP_CUDA_PDL=1) must stay BEFORE the trigger. */
+  pdl_wait(); /* the panels, and h^T / D of the states pass before it */
+  pdl_launch_dependents();
   /* STAGES = 2 (E0; only with NEW): the next chunk's panels are issued one chunk ahead
    * instead of two (same products, same bits), and with S16 the staging buffer is sized for
    * bf16 rows: 171.5 -> 115.0 KB at K = V = 128, n = 2, BV = 64, so that a grad_state
@@ -425,17 +435,6 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) dstate_kernel_v3(GdpArgs a, f
   const int64_t soff = ((int64_t)s * H + h) * K * V;
   const int xw = col0 + warp * 16;
   const bf16 *d_o = (const bf16 *)a.d_o;
-  if constexpr (TWO) {
-    /* E3: grad_state (launched with programmatic stream serialization, right after this
-     * kernel) may start once every block of this grid has executed this trigger or
-     * exited, i.e. once every dstate block is resident.  Those never wait on grad_state
-     * (they only signal), so grad_state blocks spinning on a chunk's counter always see it
-     * complete: no deadlock at any grid size.  grad_state relies on everything before this
-     * kernel being complete by then: true while this kernel is launched in plain stream
-     * order; were it ever made a programmatic dependent itself, griddepcontrol.wait must
-     * come BEFORE this trigger. */
-    pdl_launch_dependents();
-  }
 
   float Ht[K / 8][4];
 #pragma unroll
@@ -692,6 +691,10 @@ struct GradStateLayout {
  * rows enter the query products (dO is zero on the other steps). */
 template <int K, int V, int C, int TC, bool S16 = false, bool PIPE = false, bool OVL = false>
 __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradStateOut go, int ahead) {
+  /* dH^T, dD of the state-gradient pass; OVL (E3): no wait -- the block waits on its
+   * chunk's counter before its dH^T / dD copies instead (below) */
+  if constexpr (!OVL) pdl_wait();
+  pdl_launch_dependents();
   using L = GradStateLayout<K, V, C, TC>;
   /* OVL (E3, GDP_CUDA_V3_OVERLAP; with S16 && PIPE only): launched as dstate's
    * programmatic dependent, without griddepcontrol.wait, so dstate may still be running:
@@ -1427,6 +1430,7 @@ __device__ __forceinline__ void grad_wy_kk(uint32_t s0, int ti, int tj, const La
  * use; dg's reverse cumsum is stored by the 32 lanes of warp 7 instead of one thread. */
 template <int K, int V, int C, int TC, bool NEW = true>
 __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v3(GdpArgs a, GradStateOut go) {
+  pdl_wait(); /* the state part's dKnA, dWg, dgcA */
   using L = GradWYLayout<K, V, C>;
   constexpr bool kPreKK = NEW && L::kLateDW; /* W5's kk computed in the dW wait */
   constexpr int NN = C / TC, NB = C / 16, NI = (C / 16) * (K / 64), NL = NB * (NB + 1) / 2, NVB = NB * (V / 64);
@@ -1919,6 +1923,20 @@ static int states_mode() {
   return mode;
 }
 
+/* The two sequential passes at the largest shared-memory carveout.  An SM's carveout is
+ * set when a block starts on an idle SM and cannot change while one runs there; left to
+ * the driver, a states block could start on an SM at a carveout with no room for a
+ * dstate block beside it, so the forked passes (launch_state_passes) would run one after
+ * the other on that SM.  H200, 1 x 32768 n = 3 forked without this: 11.0 or 13.6 ms
+ * fwd+bwd from one process to the next (session 7, call 1; unforked 13.4).
+ * GDP_CUDA_V3_SEQ_CARVEOUT=0 leaves the choice to the driver (A/B). */
+template <class Kern>
+static cudaError_t seq_carveout(Kern kern) {
+  const char *e = getenv("GDP_CUDA_V3_SEQ_CARVEOUT");
+  if (e && strcmp(e, "0") == 0) return cudaSuccess;
+  return cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
+}
+
 template <int K, int V, int C, int BV>
 static gdp_status launch_states(const Plan &plan, float *f32, bf16 *b16, bool old, bool paired = false) {
   const GdpArgs &a = plan.a;
@@ -1928,10 +1946,12 @@ static gdp_status launch_states(const Plan &plan, float *f32, bf16 *b16, bool ol
                   : (old ? bwd_states_kernel_v3<K, V, C, BV, false, false> : bwd_states_kernel_v3<K, V, C, BV, false, true>);
   constexpr int smem = StatesLayout<K, C, BV>::total;
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  /* forked beside a 2-stage dstate (fork_mode 2): the pair needs the max-shared carveout */
+  GDP_CUDA_TRY(seq_carveout(kern));
+  /* forked beside a 2-stage dstate (fork_mode 2): the pair needs the max-shared carveout,
+   * also under GDP_CUDA_V3_SEQ_CARVEOUT=0 */
   if (paired)
     GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
-  kern<<<grid, threads, smem, plan.stream>>>(a, f32, b16);
+  GDP_CUDA_TRY(launch_pdl(pdl_wanted(), kern, grid, dim3(threads), smem, plan.stream, a, f32, b16));
   GDP_CUDA_LAUNCHED("bwd_states_kernel_v3");
   return GDP_OK;
 }
@@ -1987,7 +2007,7 @@ static gdp_status launch_dstate(const Plan &plan, float *f32, bf16 *b16, bool ol
     constexpr int smem2 = DStateLayout<K, C, TC, BV, 2, true>::total;
     GDP_CUDA_TRY(cudaFuncSetAttribute(kern2, cudaFuncAttributeMaxDynamicSharedMemorySize, smem2));
     GDP_CUDA_TRY(cudaFuncSetAttribute(kern2, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
-    kern2<<<grid, threads, smem2, plan.stream>>>(a, f32, b16, ready);
+    GDP_CUDA_TRY(launch_pdl(pdl_wanted(), kern2, grid, dim3(threads), smem2, plan.stream, a, f32, b16, ready));
     GDP_CUDA_LAUNCHED("dstate_kernel_v3 (2 stages)");
     return GDP_OK;
   }
@@ -1995,7 +2015,8 @@ static gdp_status launch_dstate(const Plan &plan, float *f32, bf16 *b16, bool ol
                   : (old ? dstate_kernel_v3<K, V, C, TC, BV, false, false> : dstate_kernel_v3<K, V, C, TC, BV, false, true>);
   constexpr int smem = DStateLayout<K, C, TC, BV>::total;
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  kern<<<grid, threads, smem, plan.stream>>>(a, f32, b16, nullptr);
+  GDP_CUDA_TRY(seq_carveout(kern));
+  GDP_CUDA_TRY(launch_pdl(pdl_wanted(), kern, grid, dim3(threads), smem, plan.stream, a, f32, b16, (int *)nullptr));
   GDP_CUDA_LAUNCHED("dstate_kernel_v3");
   return GDP_OK;
 }
@@ -2093,7 +2114,7 @@ static gdp_status launch_grad_wy(const Plan &plan, const GradStateOut &go, bool 
   auto kern = old ? grad_wy_kernel_v3<K, V, C, TC, false> : grad_wy_kernel_v3<K, V, C, TC, true>;
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
-  kern<<<grid, 256, L::total, plan.stream>>>(plan.a, go);
+  GDP_CUDA_TRY(launch_pdl(pdl_wanted(), kern, grid, dim3(256), L::total, plan.stream, plan.a, go));
   GDP_CUDA_LAUNCHED("grad_wy_kernel_v3");
   return GDP_OK;
 }
@@ -2219,21 +2240,12 @@ static gdp_status launch_grad_state_kv(const Plan &plan, const GradStateOut &go_
       /* E3: programmatic stream serialization, no griddepcontrol.wait in the kernel: the
        * blocks may start once every dstate block has executed its trigger (all resident)
        * and wait on their chunk's counter instead; a 1-D grid in go.order's order */
-      cudaLaunchConfig_t cfg = {};
-      cfg.gridDim = dim3((unsigned)((int64_t)plan.a.nchunks * plan.a.H));
-      cfg.blockDim = dim3(256);
-      cfg.dynamicSmemBytes = L::total;
-      cfg.stream = plan.stream;
-      cudaLaunchAttribute attr[1];
-      attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      attr[0].val.programmaticStreamSerializationAllowed = 1;
-      cfg.attrs = attr;
-      cfg.numAttrs = 1;
-      GDP_CUDA_TRY(cudaLaunchKernelEx(&cfg, kern, plan.a, go, ahead));
+      GDP_CUDA_TRY(launch_pdl(true, kern, dim3((unsigned)((int64_t)plan.a.nchunks * plan.a.H)), dim3(256), L::total,
+                              plan.stream, plan.a, go, ahead));
       GDP_CUDA_LAUNCHED("grad_state_kernel_v3 (dstate's dependent)");
       return GDP_OK;
     }
-    kern<<<grid, 256, L::total, plan.stream>>>(plan.a, go, ahead);
+    GDP_CUDA_TRY(launch_pdl(pdl_wanted(), kern, grid, dim3(256), L::total, plan.stream, plan.a, go, ahead));
     GDP_CUDA_LAUNCHED("grad_state_kernel_v3");
   } else {
     static const int mode = seq_mode("GDP_CUDA_V3_WY");

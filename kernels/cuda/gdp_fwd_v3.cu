@@ -109,6 +109,7 @@ __device__ __forceinline__ void afrag_residual_kt(const float (&X)[NT2][4], int 
  * products apply to it anyway. */
 template <int K, int C, int TC, int BV, bool SAVE = false, bool S16 = false>
 __global__ void __launch_bounds__(BV / 16 * 32, 1) state_kernel_v3(GdpArgs a, float *hT32, bf16 *hT16) {
+  pdl_wait(); /* the prep's panels (launched as its programmatic dependent) */
   using L = Layout<K, C, TC, BV, SAVE>;
   constexpr int NT = BV / 16 * 32;
   static_assert(K % 32 == 0 && C % 16 == 0 && TC % 16 == 0 && BV % 16 == 0, "tile shapes");
@@ -452,6 +453,7 @@ struct Ks2Layout {
  * own Ks2Stage buffer: the same bits at the same addresses as the one-warp saving pass. */
 template <int K, int C, int TC, int BV, bool SAVE = false, bool S16 = false>
 __global__ void __launch_bounds__(BV / 16 * 64, 1) state_ks2_kernel_v3(GdpArgs a, float *hT32, bf16 *hT16) {
+  pdl_wait(); /* the prep's panels (launched as its programmatic dependent) */
   using P = Layout<K, C, TC, BV, SAVE>;
   using L = Ks2Layout<K, C, TC, BV, SAVE>;
   constexpr int NT = BV / 16 * 64;
@@ -1196,6 +1198,9 @@ __device__ __forceinline__ void prep_wu_staged(const GdpArgs &a, int64_t CHi, ui
 template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO, bool WU_STAGED, bool SPLIT>
 __global__ void __launch_bounds__(128, SPLIT && C == 32 ? 5 : 4)
     prep_kernel_v3(GdpArgs a, bf16 *Tt, uint32_t wu_owners, int head_first) {
+  /* the state pass after it may be scheduled once every prep block has started (it waits
+   * for the prep's completion before it reads a panel): no launch gap */
+  pdl_launch_dependents();
   using L = PrepLayout<K, V, C, TC, WU_STAGED, SPLIT>;
   static_assert(K % 64 == 0 && V % 64 == 0 && C % 16 == 0 && TC % 16 == 0 && C <= 64 && TC <= 32 &&
                     C % TC == 0,
@@ -1512,8 +1517,8 @@ static gdp_status launch_bv(const Plan &plan, bool dry_run, int *blocks_per_sm, 
         GDP_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, kern, BV / 16 * 64, smem));
         return GDP_OK;
       }
-      kern<<<dim3((unsigned)a.N, (unsigned)a.H, (unsigned)(a.V / BV)), BV / 16 * 64, smem, plan.stream>>>(a, hT32,
-                                                                                                          hT16);
+      GDP_CUDA_TRY(launch_pdl(pdl_wanted(), kern, dim3((unsigned)a.N, (unsigned)a.H, (unsigned)(a.V / BV)),
+                              dim3(BV / 16 * 64), smem, plan.stream, a, hT32, hT16));
       GDP_CUDA_LAUNCHED("state_ks2_kernel_v3");
       return GDP_OK;
     }
@@ -1528,8 +1533,8 @@ static gdp_status launch_bv(const Plan &plan, bool dry_run, int *blocks_per_sm, 
     GDP_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, kern, BV / 16 * 32, smem));
     return GDP_OK;
   }
-  kern<<<dim3((unsigned)a.N, (unsigned)a.H, (unsigned)(a.V / BV)), BV / 16 * 32, smem,
-         plan.stream>>>(a, hT32, hT16);
+  GDP_CUDA_TRY(launch_pdl(pdl_wanted(), kern, dim3((unsigned)a.N, (unsigned)a.H, (unsigned)(a.V / BV)),
+                          dim3(BV / 16 * 32), smem, plan.stream, a, hT32, hT16));
   GDP_CUDA_LAUNCHED("state_kernel_v3");
   return GDP_OK;
 }
