@@ -127,6 +127,35 @@ for t in "${trees[@]}"; do
     same_bits GDP_CUDA_V3_FORK=1 gdp_bwd_v3.cu
     GDP_CUDA_V3_FORK=1 timeout 60 compute-sanitizer --tool memcheck $L bench 1 300 2 v3 --reps 1 2>&1 | grep -E "ERROR SUMMARY" | sed "s/^/[FORK=1 memcheck] /" | tee -a "$LOG"
   fi
+  # E3 (lab/e3): grad_state as dstate's programmatic dependent on per-(chunk, head) ready
+  # counters (GDP_CUDA_V3_OVERLAP; unset = on where the pair fits): the same kernels'
+  # arithmetic, so the check's error lines must be identical with =0 (today's path) and =1
+  # (on wherever it can be, also in place of the small problems' automatic fork of the
+  # recompute's passes); memcheck / racecheck with it on, and with the L2 prefetch of
+  # a later block (its slot -> chunk mapping follows the new order).  A counter bug traps
+  # (__trap after ~2^24 polls: "unspecified launch failure") instead of hanging.
+  if grep -q '"GDP_CUDA_V3_OVERLAP"' "$t/kernels/cuda/gdp_bwd_v3.cu"; then
+    same_bits GDP_CUDA_V3_OVERLAP=0 gdp_bwd_v3.cu
+    same_bits GDP_CUDA_V3_OVERLAP=1 gdp_bwd_v3.cu
+    # the fork beside a 2-stage dstate (fork_mode 2; by default only at 1 x 32768 n = 2):
+    # =2 forces it on the check's problems
+    same_bits GDP_CUDA_V3_FORK=2 gdp_bwd_v3.cu
+    # with main's opt-in programmatic launches at every boundary as well (dstate then
+    # waits for the states pass before its trigger; grad_state's overlap kernel skips
+    # its wait)
+    if grep -q GDP_CUDA_PDL "$t/kernels/cuda/common.cuh" 2>/dev/null; then
+      check_with "OVERLAP=1 PDL=1" ovl_pdl GDP_CUDA_V3_OVERLAP=1 GDP_CUDA_PDL=1
+      if diff <(grep -E "^(chunk|v3|v5)" "$OUT/check_$n.log") <(grep -E "^(chunk|v3|v5)" "$OUT/check_${n}_ovl_pdl.log") > "$OUT/check_${n}_ovl_pdl.diff"; then
+        say "[OVERLAP=1 PDL=1] errors identical to the default's"
+      else
+        say "[OVERLAP=1 PDL=1] errors DIFFER from the default's ($OUT/check_${n}_ovl_pdl.diff)"
+      fi
+    fi
+    GDP_CUDA_V3_FORK=2 timeout 60 compute-sanitizer --tool memcheck $L bench 1 300 2 v3 --reps 1 2>&1 | grep -E "ERROR SUMMARY" | sed "s/^/[FORK=2 memcheck] /" | tee -a "$LOG"
+    GDP_CUDA_V3_OVERLAP=1 timeout 60 compute-sanitizer --tool memcheck $L bench 1 300 2 $(variants "$t") --reps 1 2>&1 | grep -E "ERROR SUMMARY" | sed "s/^/[OVERLAP=1 memcheck] /" | tee -a "$LOG"
+    GDP_CUDA_V3_OVERLAP=1 timeout 60 compute-sanitizer --tool racecheck $L bench 1 300 2 $(variants "$t") --reps 1 2>&1 | grep -E "RACECHECK SUMMARY" | sed "s/^/[OVERLAP=1 racecheck] /" | tee -a "$LOG"
+    GDP_CUDA_V3_OVERLAP=1 GDP_CUDA_V3_GS_AHEAD=5 timeout 60 compute-sanitizer --tool memcheck $L bench 2 300 2 $(variants "$t") --reps 1 2>&1 | grep -E "ERROR SUMMARY" | sed "s/^/[OVERLAP=1 GS_AHEAD=5 memcheck] /" | tee -a "$LOG"
+  fi
   # the two-warp state pass with four pairs per block (BV = 64)
   if grep -q '"GDP_CUDA_V3_PASSES"' "$t/kernels/cuda/gdp_fwd_v3.cu"; then
     for nn in 1 2; do
@@ -170,6 +199,16 @@ for t in "${trees[@]}"; do
       left "fork $s" || break
       for fk in 0 1 0 1; do
         GDP_CUDA_V3_FORK=$fk timeout 40 $L bench $s v3 --reps 10 2>&1 | grep -E "chunk_v3" | sed "s/^/[FORK=$fk $s] /" | tee -a "$LOG"
+      done
+    done
+  fi
+  # E3 overlap (lab/e3): fwd+bwd medians, =0 (today) / =1 (forced; off anyway in a forked
+  # recompute); unset is on where the pair fits (4 x 4096 n = 2 among these)
+  if grep -q '"GDP_CUDA_V3_OVERLAP"' "$t/kernels/cuda/gdp_bwd_v3.cu"; then
+    for s in "4 4096 2" "4 4096 1" "4 4096 3" "1 32768 2" "8 2048 1"; do
+      left "overlap $s" || break
+      for ov in 0 1 0 1; do
+        GDP_CUDA_V3_OVERLAP=$ov timeout 40 $L bench $s $(variants "$t") --reps 10 2>&1 | grep -E "chunk_v3|v3_save|saved" | sed "s/^/[OVERLAP=$ov $s] /" | tee -a "$LOG"
       done
     done
   fi

@@ -163,7 +163,8 @@ CHECK_PREP(128, 128, 48, 16)
 #define SAME(a, b) static_assert((a) == (b), #a " == " #b)
 #define CHECK_SEQ(K, V, C, TC, BV)                                                                                 \
   SAME((occ::StatesLayout<K, C, BV>::total), (gdpcu::v3b::StatesLayout<K, C, BV>::total));                         \
-  SAME((occ::DStateLayout<K, C, TC, BV>::total), (gdpcu::v3b::DStateLayout<K, C, TC, BV>::total));
+  SAME((occ::DStateLayout<K, C, TC, BV>::total), (gdpcu::v3b::DStateLayout<K, C, TC, BV>::total));           \
+  SAME((occ::DStateLayout<K, C, TC, BV, 2, true>::total), (gdpcu::v3b::DStateLayout<K, C, TC, BV, 2, true>::total));
 #define CHECK_GRAD(K, V, C, TC)                                                                                    \
   CHECK_SEQ(K, V, C, TC, 16) CHECK_SEQ(K, V, C, TC, 32) CHECK_SEQ(K, V, C, TC, 64)                                 \
   SAME((occ::GradStateLayout<K, V, C, TC>::total), (gdpcu::v3b::GradStateLayout<K, V, C, TC>::total));             \
@@ -441,7 +442,7 @@ static bool fwd_choose_ks2(const Shape &s, int bv, bool save) {
  * template arguments (S16 = false, NEW = true), whatever instantiation then runs */
 static int bwd_seq_occ(int n, int bv) {
   const int C = chunk_c(n), TC = chunk_tc(n);
-  const Regs r = regs_of(mangle("v3b", "dstate_kernel_v3", {I(K), I(V), I(C), I(TC), I(bv), B(false), B(true)}));
+  const Regs r = regs_of(mangle("v3b", "dstate_kernel_v3", {I(K), I(V), I(C), I(TC), I(bv), B(false), B(true), I(3)}));
   return blocks_per_sm(bv / 16 * 32, sizes(n, bv).dstate, r);
 }
 
@@ -513,7 +514,7 @@ static Launch seq(const Shape &s, bool states, int bv) {
     l.smem = z.states;
   } else {
     l.kernel = inst("dstate_kernel_v3", {K, V, C, TC, bv, 1, 1});
-    l.mangled = mangle("v3b", "dstate_kernel_v3", {I(K), I(V), I(C), I(TC), I(bv), B(true), B(true)});
+    l.mangled = mangle("v3b", "dstate_kernel_v3", {I(K), I(V), I(C), I(TC), I(bv), B(true), B(true), I(3)});
     l.smem = z.dstate;
   }
   l.grid = (long long)s.B * H * (V / bv);
@@ -533,7 +534,7 @@ static Launch grad(const Shape &s, bool wy) {
   } else {
     l.what = "grad_state";
     l.kernel = inst("grad_state_kernel_v3", {K, V, C, TC, 1, 1});
-    l.mangled = mangle("v3b", "grad_state_kernel_v3", {I(K), I(V), I(C), I(TC), B(true), B(true)});
+    l.mangled = mangle("v3b", "grad_state_kernel_v3", {I(K), I(V), I(C), I(TC), B(true), B(true), B(false)});
     l.smem = grad_state_smem(s.n);
   }
   l.grid = nchunks(s) * H;
@@ -676,6 +677,38 @@ int main(int argc, char **argv) {
              "the 1 KB reserves: %d of %d\n",
              st.smem, d.smem, d.bps, beside(d, 1, st), footprint(st).smem + footprint(d).smem, 228 * 1024);
     }
+  }
+  /* E3 (GDP_CUDA_V3_OVERLAP, gdp_bwd_v3.cu): the instantiations the overlap launches --
+   * dstate_kernel_v3<.., S16, NEW, STAGES = 2> (bf16-only staging) and
+   * grad_state_kernel_v3<.., S16, PIPE, OVL> -- with their own registers, and the host's
+   * default (overlap_wanted: one grad_state block fits beside one dstate block, at the bwd
+   * bv, and the recompute's passes are not forked) */
+  printf("\nE3 overlap (GDP_CUDA_V3_OVERLAP unset: on where 1 grad_state fits beside 1 dstate and no fork):\n\n"
+         "| shape | bwd bv | dstate 2-stage bf16: smem, reg, blocks/SM | grad_state OVL: smem, reg, blocks/SM | "
+         "grad_state beside 1 / all dstate blocks | smem of the pair with reserves | overlap (rec / saved) | "
+         "rec fork |\n"
+         "|---|---|---|---|---|---|---|---|\n");
+  for (const Shape &s : shapes) {
+    const int bvb = bwd_choose_bv(s), C = chunk_c(s.n), TC = chunk_tc(s.n);
+    Launch d = seq(s, false, bvb);
+    d.kernel = inst("dstate_kernel_v3", {K, V, C, TC, bvb, 1, 1, 2});
+    d.mangled = mangle("v3b", "dstate_kernel_v3", {I(K), I(V), I(C), I(TC), I(bvb), B(true), B(true), I(2)});
+    d.smem = sizes(s.n, bvb).dstatev[1][1];
+    finish(d);
+    Launch g = grad(s, false);
+    g.kernel = inst("grad_state_kernel_v3", {K, V, C, TC, 1, 1, 1});
+    g.mangled = mangle("v3b", "grad_state_kernel_v3", {I(K), I(V), I(C), I(TC), B(true), B(true), B(true)});
+    finish(g);
+    const int b1 = beside(d, 1, g), ball = beside(d, d.bps, g);
+    /* fork_mode 2 (gdp_bwd_v3.cu): where the old fork rule says no, a states block beside a
+     * 2-stage dstate block and at most one block per SM -> the recompute forks instead */
+    const bool fork2 = !fork_wanted(s, bvb) && (long long)s.B * H * (V / bvb) <= kSms &&
+                       beside(d, 1, seq(s, true, bvb)) >= 1;
+    const bool on_saved = b1 >= 1, on_rec = on_saved && !fork_wanted(s, bvb) && !fork2;
+    printf("| %dx%d n=%d | %d | %d (%.1f KB), %d, %d | %d (%.1f KB), %d, %d | %d / %d | %d of %d | %s / %s | %s |\n", s.B,
+           s.T, s.n, bvb, d.smem, d.smem / 1024.0, d.r.regs, d.bps, g.smem, g.smem / 1024.0, g.r.regs, g.bps, b1, ball,
+           footprint(d).smem + footprint(g).smem, 228 * 1024, on_rec ? "on" : "off", on_saved ? "on" : "off",
+           fork_wanted(s, bvb) ? "FORK (today's kernels)" : fork2 ? "FORK (2-stage dstate)" : "no");
   }
   return 0;
 }

@@ -37,6 +37,7 @@
 #include "gdp_v3_stage.cuh"
 #include "mma_sm90.cuh"
 #include "gdp_chunk.cuh"
+#include "gdp_v3_overlap.h"
 
 namespace gdpcu {
 
@@ -71,6 +72,14 @@ struct GradStateOut {
   bf16 *dWg;
   float *dgcA;
   bf16 *Tt;
+  /* GDP_CUDA_V3_OVERLAP (E3; NULL otherwise): grad_state runs as dstate's programmatic
+   * dependent.  order: the chunk table in grad_state's block order (latest chunk of each
+   * sequence first; ChunkInfo::pad = the chunk's index); ready: one counter per (chunk,
+   * head), zeroed before dstate, which every dstate block of the chunk's (sequence, head)
+   * increments once its dH^T / dD values of the chunk are stored (V / BV in all). */
+  const ChunkInfo *order;
+  int *ready;
+  int ready_target;
   /* GDP_CUDA_V3_PCOL=f32 (lab A/B): dg's P-column sums from the float32 Ps'' (the old way)
    * instead of the bf16-rounded Ps'' that the dq / dKnA products take (default, 0) */
   int pcol_f32;
@@ -135,10 +144,10 @@ __device__ __forceinline__ void store_afrag(bf16 *base, int r0, const uint32_t (
 
 /* The half-row store of h^T or dH^T in the format S16 picks (hT32 or hT16; `row0` is the
  * element offset of global row xw + 8hf). */
-template <int K, int C, bool S16>
+template <int K, int C, bool S16, int WB = HtStage<K, C>::warp_bytes>
 __device__ __forceinline__ void store_stateT_half(unsigned char *stage0, float *hT32, bf16 *hT16, int64_t row0,
                                                   const float (&X)[K / 8][4], int hf) {
-  if constexpr (S16) stage_hT16_half<K, C>(stage0, hT16 + row0, X, hf);
+  if constexpr (S16) stage_hT16_half<K, C, WB>(stage0, hT16 + row0, X, hf);
   else stage_hT32_half<K, C>(stage0, hT32 + row0, X, hf);
 }
 
@@ -359,7 +368,9 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) bwd_states_kernel_v3(GdpArgs 
 
 /* ------------------------------------------------------------------ reverse state-gradient pass */
 
-template <int K, int C, int TC, int BV>
+/* STAGES: chunk panels in flight (3 as today; 2 for the overlap with grad_state, E3);
+ * B16: the staging buffer holds only bf16 rows and D tiles (S16 kernels with 2 stages). */
+template <int K, int C, int TC, int BV, int STAGES = kStages, bool B16 = false>
 struct DStateLayout {
   static constexpr int ldK = K + kPad, ldC = C + kPad, ldB = BV + kPad;
   static constexpr int oW = 0;
@@ -368,9 +379,21 @@ struct DStateLayout {
   static constexpr int oPm = oQd + TC * ldK * 2;
   static constexpr int odO = oPm + TC * ldC * 2;
   static constexpr int stage = (odO + TC * ldB * 2 + 127) / 128 * 128;
-  static constexpr int oHt = stage * kStages; /* dH^T staging, one HtStage per warp */
-  static constexpr int total = oHt + BV / 16 * HtStage<K, C>::warp_bytes;
+  static constexpr int oHt = stage * STAGES; /* dH^T staging, one HtStage per warp */
+  static constexpr int warp_bytes = B16 ? HtStage<K, C>::warp_bytes16 : HtStage<K, C>::warp_bytes;
+  static constexpr int total = oHt + BV / 16 * warp_bytes;
 };
+
+/* PTX of the E3 overlap (sm_90): the counters' release / acquire at GPU scope (the
+ * programmatic-launch trigger and wait: common.cuh). */
+__device__ __forceinline__ void red_release_gpu_add(int *p, int v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ int ld_acquire_gpu(const int *p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
 
 /* Grid (sequence, head, value block of BV columns); warp w owns value columns
  * xw = col0 + 16w .. +15 and walks the sequence's chunks backwards.  Fragments
@@ -380,11 +403,26 @@ struct DStateLayout {
  *   Oa[kt]    = A fragment of dO^T (x, query row a in 16kt..16kt+15).
  * Pm[a][j] is zero for j > ia = a n + n - 1, so the (a-tile, j-tile) pairs wholly past
  * the diagonal are skipped at compile time (NN = C / TC = n). */
-template <int K, int V, int C, int TC, int BV, bool S16 = false, bool NEW = true>
-__global__ void __launch_bounds__(BV / 16 * 32, 1) dstate_kernel_v3(GdpArgs a, float *dHT32, bf16 *dHT16) {
+template <int K, int V, int C, int TC, int BV, bool S16 = false, bool NEW = true, int STAGES = kStages>
+__global__ void __launch_bounds__(BV / 16 * 32, 1) dstate_kernel_v3(GdpArgs a, float *dHT32, bf16 *dHT16, int *ready) {
+  /* E3: grad_state (launched with programmatic stream serialization right after this
+   * kernel when GDP_CUDA_V3_OVERLAP is on) may start once every block of this grid has
+   * executed the trigger below or exited, i.e. once every dstate block is resident.  Those
+   * never wait on grad_state (they only signal), so grad_state blocks spinning on a chunk's
+   * counter always see it complete: no deadlock at any grid size.  grad_state relies on
+   * everything before this kernel being complete by then, so the wait (this kernel itself
+   * a programmatic dependent under GDP_CUDA_PDL=1) must stay BEFORE the trigger. */
   pdl_wait(); /* the panels, and h^T / D of the states pass before it */
   pdl_launch_dependents();
-  using L = DStateLayout<K, C, TC, BV>;
+  /* STAGES = 2 (E0; only with NEW): the next chunk's panels are issued one chunk ahead
+   * instead of two (same products, same bits), and with S16 the staging buffer is sized for
+   * bf16 rows: 171.5 -> 115.0 KB at K = V = 128, n = 2, BV = 64, so that a grad_state
+   * block fits beside it (E3).  Only this instantiation signals `ready` (NULL: no
+   * signals). */
+  constexpr bool TWO = STAGES == 2;
+  static_assert(STAGES == kStages || (TWO && NEW), "2 stages: the new schedule only");
+  using L = DStateLayout<K, C, TC, BV, STAGES, TWO && S16>;
+  constexpr int WB = L::warp_bytes;
   constexpr int NT = BV / 16 * 32;
   constexpr int NN = C / TC;
   static_assert(K % 32 == 0 && C % 16 == 0 && TC % 16 == 0 && BV % 16 == 0 && NN * TC == C, "tile shapes");
@@ -407,13 +445,13 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) dstate_kernel_v3(GdpArgs a, f
       Ht[nt][e] = a.dht ? a.dht[soff + (int64_t)r * V + x] : 0.f;
     }
 
-  /* iteration it handles chunk cbeg + nc - 1 - it, in stage it % kStages.  NEW: the
+  /* iteration it handles chunk cbeg + nc - 1 - it, in stage it % STAGES.  NEW: the
    * chunk's (t0, ntok) for dO come from registers loaded one iteration earlier (the old
    * schedule loaded them here, after the barrier, and the dO copies waited on that
    * load), and the four workspace panels are copied without the zero-fill predicate. */
   auto issue = [&](int it, int t0, int ntok) {
     if (it < nc) {
-      unsigned char *st = smem + (it % kStages) * L::stage;
+      unsigned char *st = smem + (it % STAGES) * L::stage;
       const int c = cbeg + nc - 1 - it;
       const int64_t base = (int64_t)c * H + h;
       if constexpr (NEW) {
@@ -442,11 +480,11 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) dstate_kernel_v3(GdpArgs a, f
     }
   };
 #pragma unroll
-  for (int it = 0; it < kStages - 1; it++) {
+  for (int it = 0; it < STAGES - 1; it++) {
     if constexpr (NEW) load_next(it);
     issue(it, nx_t0, nx_ntok);
   }
-  if constexpr (NEW) load_next(kStages - 1);
+  if constexpr (NEW) load_next(STAGES - 1);
 
   const int nrow = (lane >> 4) * 8 + (lane & 7), ncol = ((lane >> 3) & 1) * 8;
   const int trow = ((lane >> 3) & 1) * 8 + (lane & 7), tcol = (lane >> 4) * 8;
@@ -459,11 +497,11 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) dstate_kernel_v3(GdpArgs a, f
   for (int it = 0; it < nc; it++) {
     const int64_t CHi = (int64_t)(cbeg + nc - 1 - it) * H + h;
     const float el = a.elast[CHi];
-    cp_async_wait<kStages - 2>();
+    cp_async_wait<STAGES - 2>();
     __syncthreads();
-    issue(it + kStages - 1, nx_t0, nx_ntok);
-    if constexpr (NEW) load_next(it + kStages); /* used one iteration later */
-    const uint32_t sb = smem0 + (it % kStages) * L::stage;
+    issue(it + STAGES - 1, nx_t0, nx_ntok);
+    if constexpr (NEW) load_next(it + STAGES); /* used one iteration later */
+    const uint32_t sb = smem0 + (it % STAGES) * L::stage;
     const uint32_t sW = sb + L::oW, sKd = sb + L::oKd, sQd = sb + L::oQd, sPm = sb + L::oPm,
                    sdO = sb + L::odO;
 
@@ -477,7 +515,7 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) dstate_kernel_v3(GdpArgs a, f
     const bool keep = S16 ? dHT16 != nullptr : dHT32 != nullptr; /* for the v3 gradient kernels */
     /* dH^T rows xw..xw+7 now, xw+8..15 after the dD products (Ht is unchanged until the
      * decay): the stores of each half overlap the products that follow */
-    if (keep) store_stateT_half<K, C, S16>(smem + L::oHt, dHT32, dHT16, CHi * V * K + (int64_t)xw * K, Ht, 0);
+    if (keep) store_stateT_half<K, C, S16, WB>(smem + L::oHt, dHT32, dHT16, CHi * V * K + (int64_t)xw * K, Ht, 0);
     if constexpr (NEW) {
       /* bf16 dH only for variant 2's kernel, in its own loop: the branch inside the
        * product loop below (the old schedule) cut it into one basic block per k tile,
@@ -567,15 +605,26 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) dstate_kernel_v3(GdpArgs a, f
         }
     };
     if constexpr (NEW) {
-      if (keep) store_stateT_half<K, C, S16>(smem + L::oHt, dHT32, dHT16, CHi * V * K + (int64_t)(xw + 8) * K, Ht, 1);
+      if (keep) store_stateT_half<K, C, S16, WB>(smem + L::oHt, dHT32, dHT16, CHi * V * K + (int64_t)(xw + 8) * K, Ht, 1);
       decay_qd();
       to_afrag<C / 16>(Gt, Ga, -1.f);
       w_products();
-      stage_dfrags<K, C>(smem + L::oHt, a.dDbuf + CHi * C * V + xw, V, Ga, 0x80008000u);
+      if constexpr (TWO) {
+        /* E3: the previous chunk's dH^T / dD stores (this thread's were issued a whole
+         * chunk ago, so the fence seldom waits) are made visible at GPU scope, then one
+         * release add per block.  Here rather than at the loop top, where the fence would
+         * wait for the dD stores just issued. */
+        if (ready != nullptr && it > 0) {
+          __threadfence();
+          __syncthreads();
+          if (threadIdx.x == 0) red_release_gpu_add(ready + (CHi + H), 1); /* chunk c + 1 (iteration it - 1) */
+        }
+      }
+      stage_dfrags<K, C, WB>(smem + L::oHt, a.dDbuf + CHi * C * V + xw, V, Ga, 0x80008000u);
     } else {
       to_afrag<C / 16>(Gt, Ga, -1.f);
-      if (keep) store_stateT_half<K, C, S16>(smem + L::oHt, dHT32, dHT16, CHi * V * K + (int64_t)(xw + 8) * K, Ht, 1);
-      stage_dfrags<K, C>(smem + L::oHt, a.dDbuf + CHi * C * V + xw, V, Ga, 0x80008000u);
+      if (keep) store_stateT_half<K, C, S16, WB>(smem + L::oHt, dHT32, dHT16, CHi * V * K + (int64_t)(xw + 8) * K, Ht, 1);
+      stage_dfrags<K, C, WB>(smem + L::oHt, a.dDbuf + CHi * C * V + xw, V, Ga, 0x80008000u);
       decay_qd();
       w_products();
     }
@@ -590,6 +639,16 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) dstate_kernel_v3(GdpArgs a, f
         const int r = nt * 8 + 2 * tig + (e & 1), x = xw + grp + 8 * (e >> 1);
         a.dh0[soff + (int64_t)r * V + x] = Ht[nt][e];
       }
+  }
+  if constexpr (TWO) {
+    /* E3: the sequence's first chunk (the last iteration) is signalled after dh0 too, so
+     * that once every counter is complete every store of this grid is visible (the host
+     * turns the overlap off where a sequence has no chunk to signal). */
+    if (ready != nullptr && nc > 0) {
+      __threadfence();
+      __syncthreads();
+      if (threadIdx.x == 0) red_release_gpu_add(ready + ((int64_t)cbeg * H + h), 1);
+    }
   }
 }
 
@@ -630,11 +689,21 @@ struct GradStateLayout {
  * i.e. the terms of variant 2's chunk_grad_kernel phases P1-P6 (gdp_bwd.cu); the WY part
  * (T, dT, dA, dv, dbeta and the rest of dk, dg) adds to dKnA and dgcA.  Only the TC query
  * rows enter the query products (dO is zero on the other steps). */
-template <int K, int V, int C, int TC, bool S16 = false, bool PIPE = false>
+template <int K, int V, int C, int TC, bool S16 = false, bool PIPE = false, bool OVL = false>
 __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradStateOut go, int ahead) {
-  pdl_wait(); /* dH^T, dD of the state-gradient pass */
+  /* dH^T, dD of the state-gradient pass; OVL (E3): no wait -- the block waits on its
+   * chunk's counter before its dH^T / dD copies instead (below) */
+  if constexpr (!OVL) pdl_wait();
   pdl_launch_dependents();
   using L = GradStateLayout<K, V, C, TC>;
+  /* OVL (E3, GDP_CUDA_V3_OVERLAP; with S16 && PIPE only): launched as dstate's
+   * programmatic dependent, without griddepcontrol.wait, so dstate may still be running:
+   * a 1-D grid of chunks x H blocks in go.order's order (the latest chunk of every
+   * sequence first, as dstate walks backwards; heads fastest), and the block's dH^T, dD -- the only inputs
+   * dstate writes -- are read only once its chunk's counter go.ready[c H + h] reaches
+   * go.ready_target (every value tile stored).  Everything else was complete before
+   * dstate started. */
+  static_assert(!OVL || (S16 && PIPE), "the overlap reads dH^T by cp.async after the wait");
   /* PIPE (bf16 states only; GDP_CUDA_V3_GSPIPE=old turns it off): dH^T is cp.async'ed
    * straight into the K x V buffer with the other panels at the start (it is bf16 in
    * global memory already, and the layout is the buffer's), instead of being read into
@@ -654,8 +723,9 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
   constexpr int NN = C / TC;
   static_assert(K % 64 == 0 && V % 16 == 0 && C % 16 == 0 && TC % 16 == 0 && NN * TC == C, "shapes");
   extern __shared__ __align__(128) unsigned char smem[];
-  const int c = blockIdx.x, h = blockIdx.y;
-  const ChunkInfo ci = a.chunks[c];
+  const int h = OVL ? (int)(blockIdx.x % (unsigned)a.H) : (int)blockIdx.y;
+  const ChunkInfo ci = OVL ? go.order[blockIdx.x / (unsigned)a.H] : a.chunks[blockIdx.x];
+  const int c = OVL ? ci.pad : (int)blockIdx.x;
   const int H = a.H, n = NN, nv = ci.ntok * NN;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, grp = lane >> 2, tig = lane & 3;
   const int64_t CHi = (int64_t)c * H + h;
@@ -698,8 +768,26 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
   const int64_t lin_ahead = (int64_t)blockIdx.y * gridDim.x + blockIdx.x + ahead;
   const bool do_ahead = ahead > 0 && lin_ahead < (int64_t)gridDim.x * gridDim.y; /* block-uniform */
   if (do_ahead && tid < 4) /* the ChunkInfo's four ints, 4-byte copies (the table is only int-aligned) */
-    cp_async4(smem + L::oNext + 4 * tid, (const int *)(a.chunks + lin_ahead % gridDim.x) + tid);
+    cp_async4(smem + L::oNext + 4 * tid,
+              (const int *)(OVL ? go.order + lin_ahead / a.H : a.chunks + lin_ahead % gridDim.x) + tid);
   cp_async_commit();
+  if constexpr (OVL) {
+    /* E3: wait for dstate's dH^T / dD of this (chunk, head): one thread polls the counter
+     * (acquire at GPU scope, backing off), the barrier passes the acquire on to the block.
+     * The copies above (D, dO, k, q) do not depend on dstate and are in flight meanwhile.
+     * A bounded spin: ~2^24 polls (seconds) -- a counter that never completes is a bug,
+     * and traps instead of hanging the GPU. */
+    if (tid == 0) {
+      const int *cnt = go.ready + CHi;
+      unsigned ns = 32;
+      for (int polls = 0; ld_acquire_gpu(cnt) != go.ready_target; polls++) {
+        if (polls >= (1 << 24)) __trap();
+        __nanosleep(ns);
+        if (ns < 1024) ns *= 2;
+      }
+    }
+    __syncthreads();
+  }
   if constexpr (NP) {
     /* dH^T [V][K] bf16 -> the K x V buffer (rows padded): thread tid copies the 16-byte
      * vectors e = tid + 256 u, the ones it dots with its h^T reload in P3a */
@@ -1019,9 +1107,13 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
        * starts, so its cp.async panels and float32 reads hit L2 and the DRAM traffic runs
        * under the resident blocks' products.  Hints only: nothing waits on them, and only
        * rows inside that block's chunk are touched. */
-      const int cn = (int)(lin_ahead % gridDim.x), hn = (int)(lin_ahead / gridDim.x);
-      const int64_t CHn = (int64_t)cn * H + hn;
       const ChunkInfo cin = *reinterpret_cast<const ChunkInfo *>(smem + L::oNext);
+      /* OVL: the slot's chunk from its order entry, heads fastest (its dH^T, dD may not
+       * be stored yet: then the hint fetches stale lines into L2, which dstate's stores
+       * then update there -- wasted, never wrong) */
+      const int cn = OVL ? cin.pad : (int)(lin_ahead % gridDim.x),
+                hn = OVL ? (int)(lin_ahead % H) : (int)(lin_ahead / gridDim.x);
+      const int64_t CHn = (int64_t)cn * H + hn;
       if (tid == 0) {
         if constexpr (S16) {
           prefetch_l2_bulk(go.dHT16 + CHn * V * K, kSB);
@@ -1846,7 +1938,7 @@ static cudaError_t seq_carveout(Kern kern) {
 }
 
 template <int K, int V, int C, int BV>
-static gdp_status launch_states(const Plan &plan, float *f32, bf16 *b16, bool old) {
+static gdp_status launch_states(const Plan &plan, float *f32, bf16 *b16, bool old, bool paired = false) {
   const GdpArgs &a = plan.a;
   const dim3 grid((unsigned)a.N, (unsigned)a.H, (unsigned)(a.V / BV));
   constexpr int threads = BV / 16 * 32;
@@ -1855,6 +1947,10 @@ static gdp_status launch_states(const Plan &plan, float *f32, bf16 *b16, bool ol
   constexpr int smem = StatesLayout<K, C, BV>::total;
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   GDP_CUDA_TRY(seq_carveout(kern));
+  /* forked beside a 2-stage dstate (fork_mode 2): the pair needs the max-shared carveout,
+   * also under GDP_CUDA_V3_SEQ_CARVEOUT=0 */
+  if (paired)
+    GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
   GDP_CUDA_TRY(launch_pdl(pdl_wanted(), kern, grid, dim3(threads), smem, plan.stream, a, f32, b16));
   GDP_CUDA_LAUNCHED("bwd_states_kernel_v3");
   return GDP_OK;
@@ -1891,17 +1987,36 @@ static gdp_status compare_states(const Plan &plan, float *f32, bf16 *b16) {
   return GDP_OK;
 }
 
+/* ready != NULL (E3, GDP_CUDA_V3_OVERLAP; bf16 states, new schedule): the 2-stage kernel
+ * with bf16-only staging, which signals the per-(chunk, head) counters `ready` and lets
+ * grad_state launch as its programmatic dependent; at the max-shared carveout, so that a
+ * grad_state block fits beside it. */
 template <int K, int V, int C, int TC, int BV>
-static gdp_status launch_dstate(const Plan &plan, float *f32, bf16 *b16, bool old) {
+static gdp_status launch_dstate(const Plan &plan, float *f32, bf16 *b16, bool old, int *ready = nullptr,
+                                bool two = false) {
   const GdpArgs &a = plan.a;
   const dim3 grid((unsigned)a.N, (unsigned)a.H, (unsigned)(a.V / BV));
   constexpr int threads = BV / 16 * 32;
+  /* two (fork_mode 2): the same 2-stage kernel without counters (ready NULL), for a fork
+   * of the two passes where only the 2-stage dstate fits beside a states block */
+  if (ready || two) {
+    if (!b16 || old)
+      return GDP_ERROR(GDP_ERR_INTERNAL, "dstate_kernel_v3: 2 stages need bf16 states and the new schedule (b16 %s, old %d)",
+                       b16 ? "set" : "NULL", (int)old);
+    auto kern2 = dstate_kernel_v3<K, V, C, TC, BV, true, true, 2>;
+    constexpr int smem2 = DStateLayout<K, C, TC, BV, 2, true>::total;
+    GDP_CUDA_TRY(cudaFuncSetAttribute(kern2, cudaFuncAttributeMaxDynamicSharedMemorySize, smem2));
+    GDP_CUDA_TRY(cudaFuncSetAttribute(kern2, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+    GDP_CUDA_TRY(launch_pdl(pdl_wanted(), kern2, grid, dim3(threads), smem2, plan.stream, a, f32, b16, ready));
+    GDP_CUDA_LAUNCHED("dstate_kernel_v3 (2 stages)");
+    return GDP_OK;
+  }
   auto kern = b16 ? (old ? dstate_kernel_v3<K, V, C, TC, BV, true, false> : dstate_kernel_v3<K, V, C, TC, BV, true, true>)
                   : (old ? dstate_kernel_v3<K, V, C, TC, BV, false, false> : dstate_kernel_v3<K, V, C, TC, BV, false, true>);
   constexpr int smem = DStateLayout<K, C, TC, BV>::total;
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   GDP_CUDA_TRY(seq_carveout(kern));
-  GDP_CUDA_TRY(launch_pdl(pdl_wanted(), kern, grid, dim3(threads), smem, plan.stream, a, f32, b16));
+  GDP_CUDA_TRY(launch_pdl(pdl_wanted(), kern, grid, dim3(threads), smem, plan.stream, a, f32, b16, (int *)nullptr));
   GDP_CUDA_LAUNCHED("dstate_kernel_v3");
   return GDP_OK;
 }
@@ -1946,46 +2061,49 @@ static gdp_status compare_dstate(const Plan &plan, float *f32, bf16 *b16) {
  * (states) or dH (dstate) for the v3 gradient kernel, or NULL; b16: the same in bf16
  * (GDP_CUDA_V3_STATE=bf16: the S16 instantiations, same shared memory), or NULL. */
 template <int K, int V, int C, int TC, int BV>
-static gdp_status launch_seq_bv(const Plan &plan, bool states, bool dry_run, int *occ, float *f32, bf16 *b16) {
+static gdp_status launch_seq_bv(const Plan &plan, bool states, bool dry_run, int *occ, float *f32, bf16 *b16,
+                                int *ready, bool two) {
   constexpr int threads = BV / 16 * 32;
   if (dry_run) return occupancy(dstate_kernel_v3<K, V, C, TC, BV>, threads, DStateLayout<K, C, TC, BV>::total, occ);
   if (states) {
     const int mode = states_mode();
     if (mode == 2) return compare_states<K, V, C, BV>(plan, f32, b16);
-    return launch_states<K, V, C, BV>(plan, f32, b16, mode == 1);
+    return launch_states<K, V, C, BV>(plan, f32, b16, mode == 1, two);
   } else {
     const int mode = dstate_mode();
     if (mode == 2) return compare_dstate<K, V, C, TC, BV>(plan, f32, b16);
-    return launch_dstate<K, V, C, TC, BV>(plan, f32, b16, mode == 1);
+    return launch_dstate<K, V, C, TC, BV>(plan, f32, b16, mode == 1, ready, two);
   }
 }
 
 template <int K, int V, int C, int TC>
 static gdp_status launch_seq_k(const Plan &plan, int bv, bool states, bool dry_run, int *occ, float *f32,
-                               bf16 *b16) {
+                               bf16 *b16, int *ready, bool two) {
   switch (bv) {
-    case 64: return launch_seq_bv<K, V, C, TC, 64>(plan, states, dry_run, occ, f32, b16);
-    case 32: return launch_seq_bv<K, V, C, TC, 32>(plan, states, dry_run, occ, f32, b16);
-    default: return launch_seq_bv<K, V, C, TC, 16>(plan, states, dry_run, occ, f32, b16);
+    case 64: return launch_seq_bv<K, V, C, TC, 64>(plan, states, dry_run, occ, f32, b16, ready, two);
+    case 32: return launch_seq_bv<K, V, C, TC, 32>(plan, states, dry_run, occ, f32, b16, ready, two);
+    default: return launch_seq_bv<K, V, C, TC, 16>(plan, states, dry_run, occ, f32, b16, ready, two);
   }
 }
 
 template <int K, int V>
 static gdp_status launch_seq_n(const Plan &plan, int bv, bool states, bool dry_run, int *occ, float *f32,
-                               bf16 *b16) {
-  if (plan.a.n == 1) return launch_seq_k<K, V, 32, 32>(plan, bv, states, dry_run, occ, f32, b16);
-  if (plan.a.n == 2) return launch_seq_k<K, V, 64, 32>(plan, bv, states, dry_run, occ, f32, b16);
-  return launch_seq_k<K, V, 48, 16>(plan, bv, states, dry_run, occ, f32, b16);
+                               bf16 *b16, int *ready, bool two) {
+  if (plan.a.n == 1) return launch_seq_k<K, V, 32, 32>(plan, bv, states, dry_run, occ, f32, b16, ready, two);
+  if (plan.a.n == 2) return launch_seq_k<K, V, 64, 32>(plan, bv, states, dry_run, occ, f32, b16, ready, two);
+  return launch_seq_k<K, V, 48, 16>(plan, bv, states, dry_run, occ, f32, b16, ready, two);
 }
 
+/* ready: dstate's E3 counters (launch_dstate), or NULL; two: the fork beside a 2-stage
+ * dstate (fork_mode 2: that dstate kernel, and the states pass at the max-shared carveout) */
 static gdp_status launch_seq(const Plan &plan, int bv, bool states, bool dry_run, int *occ, float *f32 = nullptr,
-                             bf16 *b16 = nullptr) {
+                             bf16 *b16 = nullptr, int *ready = nullptr, bool two = false) {
   const GdpArgs &a = plan.a;
   if (a.K == 128)
-    return a.V == 128 ? launch_seq_n<128, 128>(plan, bv, states, dry_run, occ, f32, b16)
-                      : launch_seq_n<128, 64>(plan, bv, states, dry_run, occ, f32, b16);
-  return a.V == 128 ? launch_seq_n<64, 128>(plan, bv, states, dry_run, occ, f32, b16)
-                    : launch_seq_n<64, 64>(plan, bv, states, dry_run, occ, f32, b16);
+    return a.V == 128 ? launch_seq_n<128, 128>(plan, bv, states, dry_run, occ, f32, b16, ready, two)
+                      : launch_seq_n<128, 64>(plan, bv, states, dry_run, occ, f32, b16, ready, two);
+  return a.V == 128 ? launch_seq_n<64, 128>(plan, bv, states, dry_run, occ, f32, b16, ready, two)
+                    : launch_seq_n<64, 64>(plan, bv, states, dry_run, occ, f32, b16, ready, two);
 }
 
 /* grad_wy_kernel_v3: the new schedule, or (old) the session-5 one (GDP_CUDA_V3_WY=old). */
@@ -2060,8 +2178,19 @@ static gdp_status compare_grad_wy(const Plan &plan, const GradStateOut &go) {
   return GDP_OK;
 }
 
+/* GDP_CUDA_V3_GSPIPE=old (lab A/B; read once): with bf16 states, grad_state's schedule
+ * before dH^T came in by cp.async with the first panels (same results bit for bit) */
+static bool gs_pipe_on() {
+  static const bool on = [] {
+    const char *e = getenv("GDP_CUDA_V3_GSPIPE");
+    return !(e && strcmp(e, "old") == 0);
+  }();
+  return on;
+}
+
 /* The per-chunk gradients: the state part, then (wy) the WY part; one 8-warp block per
- * (chunk, head) each. */
+ * (chunk, head) each.  go.ready set (E3): grad_state as dstate's programmatic dependent,
+ * which must be the launch right before this one on plan.stream. */
 template <int K, int V, int C, int TC>
 static gdp_status launch_grad_state_kv(const Plan &plan, const GradStateOut &go_in, bool wy) {
   const dim3 grid((unsigned)plan.a.nchunks, (unsigned)plan.a.H);
@@ -2075,15 +2204,15 @@ static gdp_status launch_grad_state_kv(const Plan &plan, const GradStateOut &go_
    * session 3's gs3, measured slower on the H200 -- n = 2 0.74 -> 0.89 ms: its 64-column
    * key panels read k, q and the states from L2 twice -- and was dropped; NOTES.md.) */
   const bool s16 = go.hT16 != nullptr;
-  /* GDP_CUDA_V3_GSPIPE=old (lab A/B; read once): with bf16 states, the schedule before
-   * dH^T came in by cp.async with the first panels (same results bit for bit) */
-  static const bool gs_pipe = [] {
-    const char *e = getenv("GDP_CUDA_V3_GSPIPE");
-    return !(e && strcmp(e, "old") == 0);
-  }();
+  const bool gs_pipe = gs_pipe_on();
+  const bool ovl = go.ready != nullptr;
   if (!wy) {
     using L = GradStateLayout<K, V, C, TC>;
-    auto kern = !s16     ? grad_state_kernel_v3<K, V, C, TC, false>
+    if (ovl && !(s16 && gs_pipe && go.order))
+      return GDP_ERROR(GDP_ERR_INTERNAL, "grad_state_kernel_v3: the overlap needs bf16 states (%d), GSPIPE (%d), an order (%s)",
+                       (int)s16, (int)gs_pipe, go.order ? "set" : "NULL");
+    auto kern = ovl      ? grad_state_kernel_v3<K, V, C, TC, true, true, true>
+                : !s16    ? grad_state_kernel_v3<K, V, C, TC, false>
                 : gs_pipe ? grad_state_kernel_v3<K, V, C, TC, true, true>
                           : grad_state_kernel_v3<K, V, C, TC, true, false>;
     GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
@@ -2106,6 +2235,15 @@ static gdp_status launch_grad_state_kv(const Plan &plan, const GradStateOut &go_
       ahead = resident[s16] > 0 ? resident[s16] : 0;
     } else if (env) {
       ahead = atoi(env) > 0 ? atoi(env) : 0;
+    }
+    if (ovl) {
+      /* E3: programmatic stream serialization, no griddepcontrol.wait in the kernel: the
+       * blocks may start once every dstate block has executed its trigger (all resident)
+       * and wait on their chunk's counter instead; a 1-D grid in go.order's order */
+      GDP_CUDA_TRY(launch_pdl(true, kern, dim3((unsigned)((int64_t)plan.a.nchunks * plan.a.H)), dim3(256), L::total,
+                              plan.stream, plan.a, go, ahead));
+      GDP_CUDA_LAUNCHED("grad_state_kernel_v3 (dstate's dependent)");
+      return GDP_OK;
     }
     GDP_CUDA_TRY(launch_pdl(pdl_wanted(), kern, grid, dim3(256), L::total, plan.stream, plan.a, go, ahead));
     GDP_CUDA_LAUNCHED("grad_state_kernel_v3");
@@ -2174,17 +2312,132 @@ static int choose_bv(const Plan &plan) {
  * 1.73-1.79, 2 x 8192 n = 1 2.11 -> 2.14).  GDP_CUDA_V3_FORK: unset = fork where one
  * pass leaves SMs idle (at most one block per SM: 128 blocks of 16 value columns at
  * 1 x 32768, H = 16) and both fit on the SMs at once (twice its blocks over blocks per
- * SM at most the SM count); =1 always, =0 never.  Read per call (lab A/B); never
+ * SM at most the SM count), or, with bf16 states, where a states block fits beside a
+ * 2-stage dstate block (fork_mode 2); =1 always, =2 always with the 2-stage dstate where
+ * it can run (lab), =0 never.  Read per call (lab A/B); never
  * under GDP_CUDA_PROFILE, whose marks time one stream, nor in the lab's compare modes. */
-static bool fork_wanted(const Plan &plan, int bv) {
-  if (getenv("GDP_CUDA_PROFILE") || states_mode() == 2 || dstate_mode() == 2) return false;
+/* Two kernels' blocks side by side on one SM (both at the max-shared carveout): their
+ * registers from CUDA (cudaFuncGetAttributes), their shared memory from the layouts, the
+ * SM's limits from the device; v3ovl::pair_fits does the arithmetic of CUDA's occupancy
+ * calculator for the two together (kernels/bench/v3_occupancy.cu's model).  The pairs:
+ * E3's 2-stage dstate + grad_state (overlap instantiations), and the fork's states pass +
+ * 2-stage dstate (fork_mode 2).  Both need bf16 states (the 2-stage kernel is S16 only). */
+enum SmPair { PAIR_OVERLAP = 0, PAIR_FORK2 = 1 };
+
+static gdp_status sm_limits(v3ovl::SmLimits *sm, int *reserved) {
+  int dev = 0;
+  GDP_CUDA_TRY(cudaGetDevice(&dev));
+  GDP_CUDA_TRY(cudaDeviceGetAttribute(&sm->smem, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
+  GDP_CUDA_TRY(cudaDeviceGetAttribute(&sm->regs, cudaDevAttrMaxRegistersPerMultiprocessor, dev));
+  GDP_CUDA_TRY(cudaDeviceGetAttribute(&sm->warps, cudaDevAttrMaxThreadsPerMultiProcessor, dev));
+  GDP_CUDA_TRY(cudaDeviceGetAttribute(&sm->blocks, cudaDevAttrMaxBlocksPerMultiprocessor, dev));
+  GDP_CUDA_TRY(cudaDeviceGetAttribute(reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev));
+  sm->warps /= 32;
+  return GDP_OK;
+}
+
+template <int K, int V, int C, int TC, int BV>
+static gdp_status pair_bv(SmPair pair, int *fits) {
+  v3ovl::SmLimits sm;
+  int reserved = 0;
+  GDP_TRY(sm_limits(&sm, &reserved));
+  cudaFuncAttributes fd, fo;
+  GDP_CUDA_TRY(cudaFuncGetAttributes(&fd, dstate_kernel_v3<K, V, C, TC, BV, true, true, 2>));
+  const v3ovl::Footprint d = v3ovl::footprint(DStateLayout<K, C, TC, BV, 2, true>::total, (int)fd.sharedSizeBytes,
+                                              reserved, BV / 16 * 32, fd.numRegs);
+  v3ovl::Footprint o;
+  if (pair == PAIR_OVERLAP) {
+    GDP_CUDA_TRY(cudaFuncGetAttributes(&fo, grad_state_kernel_v3<K, V, C, TC, true, true, true>));
+    o = v3ovl::footprint(GradStateLayout<K, V, C, TC>::total, (int)fo.sharedSizeBytes, reserved, 256, fo.numRegs);
+  } else {
+    GDP_CUDA_TRY(cudaFuncGetAttributes(&fo, bwd_states_kernel_v3<K, V, C, BV, true, true>));
+    o = v3ovl::footprint(StatesLayout<K, C, BV>::total, (int)fo.sharedSizeBytes, reserved, BV / 16 * 32, fo.numRegs);
+  }
+  *fits = v3ovl::pair_fits(d, o, sm) ? 1 : 0;
+  return GDP_OK;
+}
+
+template <int K, int V, int C, int TC>
+static gdp_status pair_k(SmPair pair, int bv, int *fits) {
+  switch (bv) {
+    case 64: return pair_bv<K, V, C, TC, 64>(pair, fits);
+    case 32: return pair_bv<K, V, C, TC, 32>(pair, fits);
+    default: return pair_bv<K, V, C, TC, 16>(pair, fits);
+  }
+}
+
+template <int K, int V>
+static gdp_status pair_n(SmPair pair, int n, int bv, int *fits) {
+  if (n == 1) return pair_k<K, V, 32, 32>(pair, bv, fits);
+  if (n == 2) return pair_k<K, V, 64, 32>(pair, bv, fits);
+  return pair_k<K, V, 48, 16>(pair, bv, fits);
+}
+
+static bool pair_fits(const Plan &plan, int bv, SmPair pair) {
+  const GdpArgs &a = plan.a;
+  static int cache[2][2][2][3][3] = {}; /* 1 fits, -1 not; depends only on (pair, K, V, n, bv); benign race */
+  int &c = cache[pair][a.K == 128][a.V == 128][a.n - 1][bv == 16 ? 0 : bv == 32 ? 1 : 2];
+  if (c == 0) {
+    int fits = 0;
+    const gdp_status st = a.K == 128 ? (a.V == 128 ? pair_n<128, 128>(pair, a.n, bv, &fits)
+                                                   : pair_n<128, 64>(pair, a.n, bv, &fits))
+                                     : (a.V == 128 ? pair_n<64, 128>(pair, a.n, bv, &fits)
+                                                   : pair_n<64, 64>(pair, a.n, bv, &fits));
+    if (st != GDP_OK) (void)cudaGetLastError(); /* no pair, and no stale error for the next launch check */
+    c = st == GDP_OK && fits ? 1 : -1;
+  }
+  return c > 0;
+}
+
+/* Whether (and how) to fork, see above: 0 no; 1 with today's kernels; 2 with the 2-stage
+ * dstate (bf16 states only, the new dstate schedule), where only that one fits beside a
+ * states block (1 x 32768 n = 2, BV = 16: 124.2 + 100.0 KB; the 3-stage dstate, 149.8 KB,
+ * does not: the occ notes' side result).  The old rule ("twice the blocks over blocks per
+ * SM fit the SMs", dstate's occupancy standing in for the pair) keeps its answers (mode
+ * 1); mode 2 asks the (states, 2-stage dstate) pair directly. */
+static int fork_mode(const Plan &plan, int bv, bool s16) {
+  if (getenv("GDP_CUDA_PROFILE") || states_mode() == 2 || dstate_mode() == 2) return 0;
   const char *env = getenv("GDP_CUDA_V3_FORK");
-  if (env && strcmp(env, "0") == 0) return false;
-  if (env && strcmp(env, "1") == 0) return true;
+  if (env && strcmp(env, "0") == 0) return 0;
   const GdpArgs &a = plan.a;
   const int occ = seq_blocks_per_sm(plan, bv);
   const double blocks = (double)a.N * a.H * (a.V / bv);
-  return occ >= 1 && blocks <= num_sms() && 2.0 * blocks / occ <= num_sms();
+  const bool today = occ >= 1 && blocks <= num_sms() && 2.0 * blocks / occ <= num_sms();
+  const bool two = !today && s16 && dstate_mode() == 0 && blocks <= num_sms() && pair_fits(plan, bv, PAIR_FORK2);
+  if (env && strcmp(env, "1") == 0) return two ? 2 : 1;
+  /* =2 (lab: the check's small problems fork by the old rule): mode 2 wherever it can run */
+  if (env && strcmp(env, "2") == 0) return s16 && dstate_mode() == 0 ? 2 : 1;
+  return today ? 1 : two ? 2 : 0;
+}
+
+/* E3, GDP_CUDA_V3_OVERLAP (read per call): grad_state runs as the programmatic dependent
+ * of dstate, block by block as dstate's per-chunk counters complete (NOTES.md, "dstate ->
+ * grad_state overlap").  Same kernels' arithmetic, same bits; only when things run
+ * changes.  Unset: on where a grad_state block fits beside a 2-stage dstate block
+ * (pair_fits PAIR_OVERLAP; 4 x 4096 n = 2, K = V = 128, BV = 64: 115.0 + 108.0 KB) and the
+ * recompute does not fork; =1 on wherever it can be, also instead of an automatic fork
+ * (not against GDP_CUDA_V3_FORK=1); =0 off (the plain stream order and today's 3-stage
+ * dstate).  Never: with float32 states (the overlap instantiations are bf16-only), a
+ * sequence without tokens (its dstate blocks signal nothing: then a later kernel could
+ * in principle run before its dh0 store; no counter covers it), a forked recompute
+ * (dstate on the side stream: no programmatic edge across streams; `forked` = fork_mode's
+ * answer), GDP_CUDA_PROFILE (its marks time one kernel at a time), the compare modes,
+ * GDP_CUDA_V3_DSTATE=old or GDP_CUDA_V3_GSPIPE=old (other schedules).  choose_bv is not
+ * affected: it asks the 3-stage dstate kernel. */
+static bool overlap_wanted(const Plan &plan, int bv, bool s16, bool forked) {
+  const GdpArgs &a = plan.a;
+  if (!s16 || a.nchunks == 0 || a.chunks_rev == nullptr) return false;
+  if (getenv("GDP_CUDA_PROFILE") || states_mode() == 2 || dstate_mode() != 0 || seq_mode("GDP_CUDA_V3_WY") == 2 ||
+      !gs_pipe_on())
+    return false;
+  const char *env = getenv("GDP_CUDA_V3_OVERLAP");
+  if (env && strcmp(env, "0") == 0) return false;
+  /* =1 also takes the place of an automatic fork (launch_state_passes does not fork when
+   * the counters are set), so that the lab's small problems, which fork, run the
+   * recompute's overlap too; GDP_CUDA_V3_FORK=1 keeps the fork (and then no overlap) */
+  const char *fk = getenv("GDP_CUDA_V3_FORK");
+  if (env && strcmp(env, "1") == 0) return !(forked && fk && strcmp(fk, "1") == 0);
+  return !forked && pair_fits(plan, bv, PAIR_OVERLAP);
 }
 
 /* One non-blocking side stream per device, made on first use and kept for the process
@@ -2238,11 +2491,13 @@ static gdp_status fork_end(cudaStream_t main, Fork *f, bool join) {
   return GDP_OK;
 }
 
-/* The recompute's two passes, forked where fork_wanted says and the fork can be made
- * (otherwise one after the other on the caller's stream). */
+/* The recompute's two passes, forked where fork_mode says and the fork can be made
+ * (otherwise one after the other on the caller's stream).  go.ready set (E3): never
+ * forked, dstate last on the caller's stream with the counters. */
 static gdp_status launch_state_passes(const Plan &plan, int bv, const GradStateOut &go) {
   Fork f;
-  const bool forked = fork_wanted(plan, bv) && fork_begin(plan.stream, &f) == GDP_OK;
+  const int fm = go.ready ? 0 : fork_mode(plan, bv, go.hT16 != nullptr);
+  const bool forked = fm > 0 && fork_begin(plan.stream, &f) == GDP_OK;
   if (!forked) {
     /* a fork that could not be made (no stream or event to spare) is no error: the
      * passes run in order, as without the switch; its CUDA error must not reach the next
@@ -2251,7 +2506,7 @@ static gdp_status launch_state_passes(const Plan &plan, int bv, const GradStateO
     (void)cudaGetLastError();
     gdp_status st = launch_seq(plan, bv, true, false, nullptr, go.hT32, go.hT16);
     prof_mark("bwd states v3 (recompute)", plan.stream);
-    if (st == GDP_OK) st = launch_seq(plan, bv, false, false, nullptr, go.dHT32, go.dHT16);
+    if (st == GDP_OK) st = launch_seq(plan, bv, false, false, nullptr, go.dHT32, go.dHT16, go.ready);
     prof_mark("bwd state gradients v3", plan.stream);
     return st;
   }
@@ -2259,8 +2514,8 @@ static gdp_status launch_state_passes(const Plan &plan, int bv, const GradStateO
   side.stream = f.side;
   /* the backward-in-time pass first, so its blocks are queued by the time the states
    * pass's blocks start */
-  gdp_status st = launch_seq(side, bv, false, false, nullptr, go.dHT32, go.dHT16);
-  const gdp_status st2 = launch_seq(plan, bv, true, false, nullptr, go.hT32, go.hT16);
+  gdp_status st = launch_seq(side, bv, false, false, nullptr, go.dHT32, go.dHT16, nullptr, fm == 2);
+  const gdp_status st2 = launch_seq(plan, bv, true, false, nullptr, go.hT32, go.hT16, nullptr, fm == 2);
   const gdp_status st3 = fork_end(plan.stream, &f, true);
   if (st == GDP_OK) st = st2;
   if (st == GDP_OK) st = st3;
@@ -2295,13 +2550,15 @@ static gdp_status backward_v3_saved(const gdp_gdp_problem *p, const gdp_gdp_bwd_
   v3b::GradStateOut go;
   memset(&go, 0, sizeof go);
   void *extra = nullptr;
+  const int bv = v3b::choose_bv(plan);
+  const bool ovl = v3b::overlap_wanted(plan, bv, s16, false);
   if (plan.a.nchunks > 0) {
     const size_t CH = (size_t)plan.a.nchunks * plan.a.H, K = (size_t)plan.a.K, V = (size_t)plan.a.V,
                  C = (size_t)plan.a.C;
     const size_t bdD = align128(CH * C * V * 2), bHT = align128(CH * V * K * (s16 ? 2 : 4)),
                  bKn = align128(CH * C * K * 4),
-                 bW = align128(CH * C * K * 2), bG = align128(CH * C * 4);
-    st = device_alloc(&extra, bdD + bHT + bKn + bW + bG, stream);
+                 bW = align128(CH * C * K * 2), bG = align128(CH * C * 4), bR = ovl ? align128(CH * 4) : 0;
+    st = device_alloc(&extra, bdD + bHT + bKn + bW + bG + bR, stream);
     if (st != GDP_OK) {
       prof_end(stream);
       return st;
@@ -2320,11 +2577,24 @@ static gdp_status backward_v3_saved(const gdp_gdp_problem *p, const gdp_gdp_bwd_
     go.dWg = (bf16 *)(e + bdD + bHT + bKn);
     go.dgcA = (float *)(e + bdD + bHT + bKn + bW);
     go.Tt = (bf16 *)((char *)const_cast<void *>(saved) + sl.o_Tt);
+    if (ovl) { /* E3's counters, zeroed in stream order here, well before dstate */
+      go.ready = (int *)(e + bdD + bHT + bKn + bW + bG);
+      go.order = plan.a.chunks_rev;
+      go.ready_target = plan.a.V / bv;
+      st = cudaMemsetAsync(go.ready, 0, CH * 4, stream) == cudaSuccess
+               ? GDP_OK
+               : GDP_ERROR(GDP_ERR_CUDA, "backward_v3: zeroing the overlap counters: %s", cudaGetErrorString(cudaGetLastError()));
+      if (st != GDP_OK) {
+        cudaFreeAsync(extra, stream);
+        plan_free(&plan);
+        prof_end(stream);
+        return st;
+      }
+    }
   }
   prof_mark("bwd plan (saved)", stream);
-  const int bv = v3b::choose_bv(plan);
   /* also without chunks (every sequence empty): the reverse pass writes dh0 = dht */
-  st = v3b::launch_seq(plan, bv, false, false, nullptr, go.dHT32, go.dHT16);
+  st = v3b::launch_seq(plan, bv, false, false, nullptr, go.dHT32, go.dHT16, go.ready);
   prof_mark("bwd state gradients v3", stream);
   if (st == GDP_OK) st = v3b::launch_grad_v3(plan, go, false);
   prof_mark("bwd chunk gradients v3, state part", stream);
@@ -2388,12 +2658,15 @@ extern "C" gdp_status gdp_cuda_gdp_backward_v3(const gdp_gdp_problem *p, const g
   v3b::GradStateOut go;
   memset(&go, 0, sizeof go);
   void *extra = nullptr;
+  const int bv = v3b::choose_bv(plan);
+  /* E3 where it applies, and never beside a fork of the two passes */
+  const bool ovl = grad_state && v3b::overlap_wanted(plan, bv, s16, v3b::fork_mode(plan, bv, s16) > 0);
   if (grad_state && plan.a.nchunks > 0) {
     const size_t CH = (size_t)plan.a.nchunks * plan.a.H, K = (size_t)plan.a.K, V = (size_t)plan.a.V,
                  C = (size_t)plan.a.C;
     const size_t bHT = align128(CH * V * K * (s16 ? 2 : 4)), bKn = align128(CH * C * K * 4), bW = align128(CH * C * K * 2),
-                 bG = align128(CH * C * 4), bT = align128(CH * C * C * 2);
-    st = device_alloc(&extra, 2 * bHT + bKn + bW + bG + bT, stream);
+                 bG = align128(CH * C * 4), bT = align128(CH * C * C * 2), bR = ovl ? align128(CH * 4) : 0;
+    st = device_alloc(&extra, 2 * bHT + bKn + bW + bG + bT + bR, stream);
     if (st != GDP_OK) {
       plan_free(&plan);
       prof_end(stream);
@@ -2411,6 +2684,20 @@ extern "C" gdp_status gdp_cuda_gdp_backward_v3(const gdp_gdp_problem *p, const g
     go.dWg = (bf16 *)(e + 2 * bHT + bKn);
     go.dgcA = (float *)(e + 2 * bHT + bKn + bW);
     go.Tt = (bf16 *)(e + 2 * bHT + bKn + bW + bG);
+    if (ovl) { /* E3's counters, zeroed in stream order here, well before dstate */
+      go.ready = (int *)(e + 2 * bHT + bKn + bW + bG + bT);
+      go.order = plan.a.chunks_rev;
+      go.ready_target = plan.a.V / bv;
+      st = cudaMemsetAsync(go.ready, 0, CH * 4, stream) == cudaSuccess
+               ? GDP_OK
+               : GDP_ERROR(GDP_ERR_CUDA, "backward_v3: zeroing the overlap counters: %s", cudaGetErrorString(cudaGetLastError()));
+      if (st != GDP_OK) {
+        cudaFreeAsync(extra, stream);
+        plan_free(&plan);
+        prof_end(stream);
+        return st;
+      }
+    }
   }
   /* U's bf16 residual for the recompute (GdpArgs::Ulo, the plan's PLAN_BACKWARD_V3
    * buffer) unless a lab run turns it off */
@@ -2418,7 +2705,6 @@ extern "C" gdp_status gdp_cuda_gdp_backward_v3(const gdp_gdp_problem *p, const g
   plan.a.d_residual = v3::keep_d_residual(); /* D's residual in the recompute's state update */
   st = v3::launch_prep_v3(plan, go.Tt); /* NULL (no T store) for variant 2's gradient kernel */
   prof_mark("bwd prep v3 (recompute)", stream);
-  const int bv = v3b::choose_bv(plan);
   if (st == GDP_OK) st = v3b::launch_state_passes(plan, bv, go);
   if (grad_state) {
     if (st == GDP_OK) st = v3b::launch_grad_v3(plan, go, false);

@@ -50,6 +50,9 @@ struct GdpArgs {
   const long long *cu; /* N+1 token offsets */
   const ChunkInfo *chunks;
   const int *choff; /* N+1 chunk offsets */
+  /* the chunks latest-first per sequence (v3ovl::reverse_chunk_order, pad = chunk index):
+   * v3 grad_state's block order under GDP_CUDA_V3_OVERLAP; NULL where a sequence is empty */
+  const ChunkInfo *chunks_rev;
   int N, nchunks;
   int nstages; /* pipeline depth of the sequential kernels (set at launch) */
   /* workspace */

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "gdp_chunk.cuh"
+#include "gdp_v3_overlap.h"
 
 namespace gdpcu {
 
@@ -393,6 +394,9 @@ static gdp_status plan_build(const gdp_gdp_problem *p, cudaStream_t stream, Plan
       chunks.push_back(ChunkInfo{(int)s, (int)t0, (int)std::min<int64_t>(TC, eos - t0), 0});
     choff[s + 1] = (int)chunks.size();
   }
+  /* the same chunks latest-first (v3 backward's overlap; not made where a sequence is empty) */
+  std::vector<ChunkInfo> chunks_rev;
+  const bool have_rev = p->N > 0 && v3ovl::reverse_chunk_order(p->N, p->cu_seqlens, TC, &chunks_rev);
   a.N = (int)p->N;
   a.nchunks = (int)chunks.size();
   const int64_t CH = (int64_t)a.nchunks * a.H;
@@ -401,6 +405,7 @@ static gdp_status plan_build(const gdp_gdp_problem *p, cudaStream_t stream, Plan
   const size_t o_cu = cv.take(((size_t)p->N + 1) * sizeof(long long));
   const size_t o_choff = cv.take(((size_t)p->N + 1) * sizeof(int));
   const size_t o_chunks = cv.take(std::max<size_t>(1, chunks.size()) * sizeof(ChunkInfo));
+  const size_t o_chunks_rev = cv.take(std::max<size_t>(1, chunks.size()) * sizeof(ChunkInfo));
   const size_t tables = cv.off;
   const size_t o_W = cv.take(CH * C * K * 2), o_U = cv.take(CH * C * V * 2),
                o_Kd = cv.take(CH * C * K * 2), o_Qd = cv.take(CH * TC * K * 2),
@@ -430,6 +435,7 @@ static gdp_status plan_build(const gdp_gdp_problem *p, cudaStream_t stream, Plan
       ((long long *)(host.data() + o_cu))[s] = p->N > 0 ? (long long)p->cu_seqlens[s] : 0;
     memcpy(host.data() + o_choff, choff.data(), choff.size() * sizeof(int));
     if (!chunks.empty()) memcpy(host.data() + o_chunks, chunks.data(), chunks.size() * sizeof(ChunkInfo));
+    if (have_rev) memcpy(host.data() + o_chunks_rev, chunks_rev.data(), chunks_rev.size() * sizeof(ChunkInfo));
     gdp_status st = upload_async(b, host.data(), tables, stream);
     if (st != GDP_OK) {
       if (!ext) cudaFreeAsync(block, stream);
@@ -439,6 +445,7 @@ static gdp_status plan_build(const gdp_gdp_problem *p, cudaStream_t stream, Plan
   a.cu = (const long long *)(b + o_cu);
   a.choff = (const int *)(b + o_choff);
   a.chunks = (const ChunkInfo *)(b + o_chunks);
+  a.chunks_rev = have_rev ? (const ChunkInfo *)(b + o_chunks_rev) : nullptr;
   a.W = (bf16 *)(b + o_W);
   a.U = (bf16 *)(b + o_U);
   a.Kd = (bf16 *)(b + o_Kd);

@@ -63,6 +63,9 @@ struct HtStage {
   static constexpr int row16 = K * 2 + 16;
   static constexpr int warp_bytes = 8 * row > C * drow ? 8 * row : C * drow;
   static_assert(8 * row16 <= warp_bytes, "bf16 staging fits");
+  /* a buffer that only ever stages bf16 rows and D tiles (dstate's 2-stage S16 kernel:
+   * 3072 instead of 4352 bytes a warp at K = 128, C = 64) */
+  static constexpr int warp_bytes16 = 8 * row16 > C * drow ? 8 * row16 : C * drow;
 };
 
 /* h^T float32 [V][K] per (chunk, head), half of a warp's 16 rows at a time: the
@@ -111,7 +114,7 @@ __device__ __forceinline__ void stage_hT32_half(unsigned char *stage0, float *gr
  * 32 lanes of a store hit 32 distinct banks), read back as whole rows, lane l taking
  * 16 bytes l % (K/8) of row l / (K/8): each STG.128 writes 512 contiguous bytes (two rows
  * at K = 128, four at K = 64), four per half.  Syncs as in stage_hT32_half. */
-template <int K, int C>
+template <int K, int C, int WB = HtStage<K, C>::warp_bytes>
 __device__ __forceinline__ void stage_hT16_half(unsigned char *stage0, bf16 *grow, const float (&X)[K / 8][4],
                                                 int hf) {
   constexpr int kRow = HtStage<K, C>::row16;
@@ -120,7 +123,7 @@ __device__ __forceinline__ void stage_hT16_half(unsigned char *stage0, bf16 *gro
   uint32_t tid;
   asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
   const int lane = (int)(tid & 31);
-  unsigned char *buf = stage0 + (tid >> 5) * HtStage<K, C>::warp_bytes;
+  unsigned char *buf = stage0 + (tid >> 5) * WB;
   __syncwarp();
   unsigned char *s = buf + (lane >> 2) * kRow + 4 * (lane & 3);
 #pragma unroll
@@ -142,14 +145,14 @@ __device__ __forceinline__ void stage_hT16_half(unsigned char *stage0, bf16 *gro
  * every STG.128 writes 16 rows x 32 bytes, one whole sector per row.  `g` = row 0, column
  * xw.  The 2-byte global stores this replaces wrote each sector in two 16-byte halves
  * (2x the L2 requests).  Syncs as in stage_hT32_half. */
-template <int K, int C>
+template <int K, int C, int WB = HtStage<K, C>::warp_bytes>
 __device__ __forceinline__ void stage_dfrags(unsigned char *stage0, bf16 *g, int64_t ld,
                                              const uint32_t (&A)[C / 16][4], uint32_t flip) {
   constexpr int kRow = HtStage<K, C>::drow;
   uint32_t tid;
   asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
   const int lane = (int)(tid & 31);
-  unsigned char *buf = stage0 + (tid >> 5) * HtStage<K, C>::warp_bytes;
+  unsigned char *buf = stage0 + (tid >> 5) * WB;
   __syncwarp();
   unsigned char *s = buf + 2 * (lane & 3) * kRow + (lane >> 2) * 2;
 #pragma unroll
