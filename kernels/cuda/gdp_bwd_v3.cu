@@ -1277,6 +1277,11 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
       go.dgcA[CHi * C + j] = v;
     }
   }
+  /* OVL: this grid started without waiting for dstate; waiting for it here (it is done
+   * with every store by the time the last counter completes) makes this grid's completion
+   * imply dstate's, so whatever the stream runs next -- grad_wy, the workspace's free --
+   * comes after both, as stream order promises */
+  if constexpr (OVL) pdl_wait();
 }
 
 /* ------------------------------------------------------------------ per-chunk gradients, WY part */

@@ -12,7 +12,7 @@ OUT=${OUT:?set OUT}
 mkdir -p "$OUT"
 t0=$(date +%s)
 log() { echo "[$(( $(date +%s) - t0 ))s] $*" | tee -a "$OUT/call3.log"; }
-left() { [ $(( $(date +%s) - t0 )) -lt "${BUDGET_S:-540}" ] || { log "out of time: skipped $*"; return 1; }; }
+left() { [ $(( $(date +%s) - t0 )) -lt "${BUDGET_S:-500}" ] || { log "out of time: skipped $*"; return 1; }; }
 ( ./gdp build > "$OUT/gdp_build.log" 2>&1; echo "rc=$?" >> "$OUT/gdp_build.log" ) &
 bash tools/gpu_lab_build.sh /tmp/lab-main > "$OUT/lab_build.log" 2>&1
 wait
@@ -49,10 +49,12 @@ for run in ovl ovl0 ovl ovl0 ovl ovl0; do
   case $run in ovl) E="" ;; ovl0) E="GDP_CUDA_V3_OVERLAP=0" ;; esac
   env $E timeout 60 $B --with-saving --shapes 4x4096x1,4x4096x2,4x4096x3,1x32768x2 2>&1 | grep -E "^  [0-9]" | sed "s/^/[$run] /" >> "$OUT/library_overlap_ab.log"
 done
-for run in cv1 cv0 cv1 cv0 cv1 cv0; do
-  left "carveout $run" || break
-  case $run in cv1) E="" ;; cv0) E="GDP_CUDA_V3_SEQ_CARVEOUT=0" ;; esac
-  env $E timeout 60 $B --shapes 1x32768x3,1x32768x1 2>&1 | grep -E "^  [0-9]" | sed "s/^/[$run] /" >> "$OUT/library_carveout_ab.log"
+# the forks at 1 x 32768 (n = 2 now beside a 2-stage dstate) against none, and the
+# sequential passes' carveout left to the driver
+for run in def fork0 cv0 def fork0 cv0 def cv0; do
+  left "fork/carveout $run" || break
+  case $run in def) E="" ;; fork0) E="GDP_CUDA_V3_FORK=0" ;; cv0) E="GDP_CUDA_V3_SEQ_CARVEOUT=0" ;; esac
+  env $E timeout 60 $B --shapes 1x32768x1,1x32768x2,1x32768x3 2>&1 | grep -E "^  [0-9]" | sed "s/^/[$run] /" >> "$OUT/library_fork_carveout_ab.log"
 done
 log "library A/B done"
 if left "json"; then
