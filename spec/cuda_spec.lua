@@ -110,7 +110,7 @@ describe("cuda #gpu", function()
   local function with_variant_env(fn) return with_env("GDP_CUDA_VARIANT", fn) end
 
   -- Variant 3's schedule switches that must not change a result: the recompute's two
-  -- state passes on two streams or one (GDP_CUDA_V3_FORK), and the state passes with two
+  -- state passes on two streams or one (GDP_CUDA_V3_FORK; =2 beside the 2-stage dstate), and the state passes with two
   -- warps per value tile or one (GDP_CUDA_V3_PASSES=ks2 / old; n <= 2).  o, ht and dh0
   -- (the state-gradient pass's own output) are compared bit for bit; the other gradients
   -- within 1e-3, a tenth of the bf16 tolerance (the gradient kernels sum parts of them
@@ -119,7 +119,7 @@ describe("cuda #gpu", function()
   -- grad_state started beside dstate on per-chunk counters (GDP_CUDA_V3_OVERLAP; off
   -- where a sequence is empty, hence two non-empty ones there) and programmatic
   -- dependent launches at every kernel boundary (GDP_CUDA_PDL).
-  for _, case in ipairs({ { "GDP_CUDA_V3_FORK", { "0", "1" }, 3 }, { "GDP_CUDA_V3_PASSES", { "old", "ks2" }, 2 },
+  for _, case in ipairs({ { "GDP_CUDA_V3_FORK", { "0", "1", "2" }, 3 }, { "GDP_CUDA_V3_PASSES", { "old", "ks2" }, 2 },
                           { "GDP_CUDA_V3_OVERLAP", { "0", "1" }, 2, { 0, 97, 260 } },
                           { "GDP_CUDA_PDL", { "0", "1" }, 1 } }) do
     local name, values, n, cu = case[1], case[2], case[3], case[4] or { 0, 0, 260 }
@@ -146,17 +146,20 @@ describe("cuda #gpu", function()
           runs[i] = r
         end
       end)
-      local a, b = runs[1], runs[2]
-      for _, key in ipairs({ "o", "ht", "so", "sht" }) do
-        assert.are.same(a[key]:cpu():totable(), b[key]:cpu():totable(), key)
-      end
-      for _, g in ipairs({ "g", "sg" }) do
-        assert.are.same(a[g].dh0:cpu():totable(), b[g].dh0:cpu():totable(), g .. ".dh0")
-        for _, gname in ipairs({ "dq", "dk", "dv", "dbeta", "dg" }) do
-          assert.tensor_near(b[g][gname], a[g][gname], 1e-3)
+      local a = runs[1]
+      for i = 2, #runs do
+        local b, tag = runs[i], name .. "=" .. values[i] .. ": "
+        for _, key in ipairs({ "o", "ht", "so", "sht" }) do
+          assert.are.same(a[key]:cpu():totable(), b[key]:cpu():totable(), tag .. key)
         end
-        assert.is_true(a[g].dk:cpu():norm() > 0)
+        for _, g in ipairs({ "g", "sg" }) do
+          assert.are.same(a[g].dh0:cpu():totable(), b[g].dh0:cpu():totable(), tag .. g .. ".dh0")
+          for _, gname in ipairs({ "dq", "dk", "dv", "dbeta", "dg" }) do
+            assert.tensor_near(b[g][gname], a[g][gname], 1e-3)
+          end
+        end
       end
+      assert.is_true(a.g.dk:cpu():norm() > 0)
     end)
   end
 

@@ -2318,8 +2318,10 @@ static int choose_bv(const Plan &plan) {
  * pass leaves SMs idle (at most one block per SM: 128 blocks of 16 value columns at
  * 1 x 32768, H = 16) and both fit on the SMs at once (twice its blocks over blocks per
  * SM at most the SM count), or, with bf16 states, where a states block fits beside a
- * 2-stage dstate block (fork_mode 2); =1 always, =2 always with the 2-stage dstate where
- * it can run (lab), =0 never.  Read per call (lab A/B); never
+ * 2-stage dstate block (fork_mode 2: 1 x 32768 n = 2, where a states block, 124.2 KB, and
+ * a 3-stage dstate block, 149.8 KB, do not fit together but one of 100.0 KB does; H200,
+ * library fwd+bwd 8.72-8.76 ms unforked (session 7, call 1) -> 7.27-7.39 (call 3));
+ * =1 always, =2 always with the 2-stage dstate where it can run (lab), =0 never.  Read per call (lab A/B); never
  * under GDP_CUDA_PROFILE, whose marks time one stream, nor in the lab's compare modes. */
 /* Two kernels' blocks side by side on one SM (both at the max-shared carveout): their
  * registers from CUDA (cudaFuncGetAttributes), their shared memory from the layouts, the
@@ -2418,11 +2420,16 @@ static int fork_mode(const Plan &plan, int bv, bool s16) {
 /* E3, GDP_CUDA_V3_OVERLAP (read per call): grad_state runs as the programmatic dependent
  * of dstate, block by block as dstate's per-chunk counters complete (NOTES.md, "dstate ->
  * grad_state overlap").  Same kernels' arithmetic, same bits; only when things run
- * changes.  Unset: on where a grad_state block fits beside a 2-stage dstate block
- * (pair_fits PAIR_OVERLAP; 4 x 4096 n = 2, K = V = 128, BV = 64: 115.0 + 108.0 KB) and the
- * recompute does not fork; =1 on wherever it can be, also instead of an automatic fork
- * (not against GDP_CUDA_V3_FORK=1); =0 off (the plain stream order and today's 3-stage
- * dstate).  Never: with float32 states (the overlap instantiations are bf16-only), a
+ * changes.  OFF by default: on the H200 it was slower everywhere (session 7, call 3,
+ * library fwd+bwd ms, three runs each, on / off: 4 x 4096 n = 2 2.866-2.873 / 2.795-2.836,
+ * saving 2.275-2.299 / 2.216-2.282; n = 1 1.75-1.77 / 1.68-1.69; n = 3 4.26 / 4.07-4.11;
+ * 1 x 32768 n = 2 saving 7.17-7.23 / 6.45-6.49; predicted -0.10 at 4 x 4096 n = 2): the
+ * grad_state blocks beside dstate slow its sequential chain by more than the gradient work
+ * they get done early (both passes move ~3 TB/s alone).  =1: on wherever it can run
+ * (pair_fits PAIR_OVERLAP says where a grad_state block also fits beside the 2-stage
+ * dstate; the old default asked it), also instead of an automatic fork (not against
+ * GDP_CUDA_V3_FORK=1); unset or =0: off (the plain stream order and the 3-stage dstate).
+ * Never: with float32 states (the overlap instantiations are bf16-only), a
  * sequence without tokens (its dstate blocks signal nothing: then a later kernel could
  * in principle run before its dh0 store; no counter covers it), a forked recompute
  * (dstate on the side stream: no programmatic edge across streams; `forked` = fork_mode's
@@ -2436,13 +2443,13 @@ static bool overlap_wanted(const Plan &plan, int bv, bool s16, bool forked) {
       !gs_pipe_on())
     return false;
   const char *env = getenv("GDP_CUDA_V3_OVERLAP");
-  if (env && strcmp(env, "0") == 0) return false;
+  if (!env || strcmp(env, "1") != 0) return false;
   /* =1 also takes the place of an automatic fork (launch_state_passes does not fork when
    * the counters are set), so that the lab's small problems, which fork, run the
    * recompute's overlap too; GDP_CUDA_V3_FORK=1 keeps the fork (and then no overlap) */
   const char *fk = getenv("GDP_CUDA_V3_FORK");
-  if (env && strcmp(env, "1") == 0) return !(forked && fk && strcmp(fk, "1") == 0);
-  return !forked && pair_fits(plan, bv, PAIR_OVERLAP);
+  (void)bv;
+  return !(forked && fk && strcmp(fk, "1") == 0);
 }
 
 /* One non-blocking side stream per device, made on first use and kept for the process
