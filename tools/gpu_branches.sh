@@ -128,7 +128,7 @@ for t in "${trees[@]}"; do
     GDP_CUDA_V3_FORK=1 timeout 60 compute-sanitizer --tool memcheck $L bench 1 300 2 v3 --reps 1 2>&1 | grep -E "ERROR SUMMARY" | sed "s/^/[FORK=1 memcheck] /" | tee -a "$LOG"
   fi
   # E3 (lab/e3): grad_state as dstate's programmatic dependent on per-(chunk, head) ready
-  # counters (GDP_CUDA_V3_OVERLAP; unset = on where the pair fits): the same kernels'
+  # counters (GDP_CUDA_V3_OVERLAP; opt-in since session 7: slower on the H200): the same kernels'
   # arithmetic, so the check's error lines must be identical with =0 (today's path) and =1
   # (on wherever it can be, also in place of the small problems' automatic fork of the
   # recompute's passes); memcheck / racecheck with it on, and with the L2 prefetch of
