@@ -2452,6 +2452,20 @@ static bool overlap_wanted(const Plan &plan, int bv, bool s16, bool forked) {
   return !(forked && fk && strcmp(fk, "1") == 0);
 }
 
+/* E3's counters (one int per chunk and head, at `mem`), zeroed in stream order when the
+ * backward's workspace is made, well before dstate, and the rest of go's overlap fields. */
+static gdp_status overlap_counters(const Plan &plan, int bv, size_t chunk_heads, char *mem, GradStateOut *go) {
+  go->ready = (int *)mem;
+  go->order = plan.a.chunks_rev;
+  go->ready_target = plan.a.V / bv;
+  const cudaError_t e = cudaMemsetAsync(go->ready, 0, chunk_heads * sizeof(int), plan.stream);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return GDP_ERROR(GDP_ERR_CUDA, "backward_v3: zeroing the overlap counters: %s", cudaGetErrorString(e));
+  }
+  return GDP_OK;
+}
+
 /* One non-blocking side stream per device, made on first use and kept for the process
  * (as a library handle would be); concurrent callers share it, which orders their side
  * work but keeps each call's own order through its events. */
@@ -2589,13 +2603,8 @@ static gdp_status backward_v3_saved(const gdp_gdp_problem *p, const gdp_gdp_bwd_
     go.dWg = (bf16 *)(e + bdD + bHT + bKn);
     go.dgcA = (float *)(e + bdD + bHT + bKn + bW);
     go.Tt = (bf16 *)((char *)const_cast<void *>(saved) + sl.o_Tt);
-    if (ovl) { /* E3's counters, zeroed in stream order here, well before dstate */
-      go.ready = (int *)(e + bdD + bHT + bKn + bW + bG);
-      go.order = plan.a.chunks_rev;
-      go.ready_target = plan.a.V / bv;
-      st = cudaMemsetAsync(go.ready, 0, CH * 4, stream) == cudaSuccess
-               ? GDP_OK
-               : GDP_ERROR(GDP_ERR_CUDA, "backward_v3: zeroing the overlap counters: %s", cudaGetErrorString(cudaGetLastError()));
+    if (ovl) {
+      st = v3b::overlap_counters(plan, bv, CH, e + bdD + bHT + bKn + bW + bG, &go);
       if (st != GDP_OK) {
         cudaFreeAsync(extra, stream);
         plan_free(&plan);
@@ -2696,13 +2705,8 @@ extern "C" gdp_status gdp_cuda_gdp_backward_v3(const gdp_gdp_problem *p, const g
     go.dWg = (bf16 *)(e + 2 * bHT + bKn);
     go.dgcA = (float *)(e + 2 * bHT + bKn + bW);
     go.Tt = (bf16 *)(e + 2 * bHT + bKn + bW + bG);
-    if (ovl) { /* E3's counters, zeroed in stream order here, well before dstate */
-      go.ready = (int *)(e + 2 * bHT + bKn + bW + bG + bT);
-      go.order = plan.a.chunks_rev;
-      go.ready_target = plan.a.V / bv;
-      st = cudaMemsetAsync(go.ready, 0, CH * 4, stream) == cudaSuccess
-               ? GDP_OK
-               : GDP_ERROR(GDP_ERR_CUDA, "backward_v3: zeroing the overlap counters: %s", cudaGetErrorString(cudaGetLastError()));
+    if (ovl) {
+      st = v3b::overlap_counters(plan, bv, CH, e + 2 * bHT + bKn + bW + bG + bT, &go);
       if (st != GDP_OK) {
         cudaFreeAsync(extra, stream);
         plan_free(&plan);
