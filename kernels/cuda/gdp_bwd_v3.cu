@@ -1934,11 +1934,12 @@ static int states_mode() {
  * dstate block beside it, so the forked passes (launch_state_passes) would run one after
  * the other on that SM.  H200, 1 x 32768 n = 3 forked without this: 11.0 or 13.6 ms
  * fwd+bwd from one process to the next (session 7, call 1; unforked 13.4).
- * GDP_CUDA_V3_SEQ_CARVEOUT=0 leaves the choice to the driver (A/B). */
+ * GDP_CUDA_V3_SEQ_CARVEOUT=0 leaves the choice to the driver (A/B), except where a pairing
+ * needs the room (`required`: the 2-stage dstate, and the states pass forked beside it). */
 template <class Kern>
-static cudaError_t seq_carveout(Kern kern) {
+static cudaError_t seq_carveout(Kern kern, bool required = false) {
   const char *e = getenv("GDP_CUDA_V3_SEQ_CARVEOUT");
-  if (e && strcmp(e, "0") == 0) return cudaSuccess;
+  if (!required && e && strcmp(e, "0") == 0) return cudaSuccess;
   return cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
 }
 
@@ -1951,11 +1952,7 @@ static gdp_status launch_states(const Plan &plan, float *f32, bf16 *b16, bool ol
                   : (old ? bwd_states_kernel_v3<K, V, C, BV, false, false> : bwd_states_kernel_v3<K, V, C, BV, false, true>);
   constexpr int smem = StatesLayout<K, C, BV>::total;
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  GDP_CUDA_TRY(seq_carveout(kern));
-  /* forked beside a 2-stage dstate (fork_mode 2): the pair needs the max-shared carveout,
-   * also under GDP_CUDA_V3_SEQ_CARVEOUT=0 */
-  if (paired)
-    GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+  GDP_CUDA_TRY(seq_carveout(kern, paired)); /* paired: forked beside a 2-stage dstate (fork_mode 2) */
   GDP_CUDA_TRY(launch_pdl(pdl_wanted(), kern, grid, dim3(threads), smem, plan.stream, a, f32, b16));
   GDP_CUDA_LAUNCHED("bwd_states_kernel_v3");
   return GDP_OK;
@@ -2011,7 +2008,7 @@ static gdp_status launch_dstate(const Plan &plan, float *f32, bf16 *b16, bool ol
     auto kern2 = dstate_kernel_v3<K, V, C, TC, BV, true, true, 2>;
     constexpr int smem2 = DStateLayout<K, C, TC, BV, 2, true>::total;
     GDP_CUDA_TRY(cudaFuncSetAttribute(kern2, cudaFuncAttributeMaxDynamicSharedMemorySize, smem2));
-    GDP_CUDA_TRY(cudaFuncSetAttribute(kern2, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+    GDP_CUDA_TRY(seq_carveout(kern2, true));
     GDP_CUDA_TRY(launch_pdl(pdl_wanted(), kern2, grid, dim3(threads), smem2, plan.stream, a, f32, b16, ready));
     GDP_CUDA_LAUNCHED("dstate_kernel_v3 (2 stages)");
     return GDP_OK;
@@ -2326,10 +2323,10 @@ static int choose_bv(const Plan &plan) {
 /* Two kernels' blocks side by side on one SM (both at the max-shared carveout): their
  * registers from CUDA (cudaFuncGetAttributes), their shared memory from the layouts, the
  * SM's limits from the device; v3ovl::pair_fits does the arithmetic of CUDA's occupancy
- * calculator for the two together (kernels/bench/v3_occupancy.cu's model).  The pairs:
- * E3's 2-stage dstate + grad_state (overlap instantiations), and the fork's states pass +
- * 2-stage dstate (fork_mode 2).  Both need bf16 states (the 2-stage kernel is S16 only). */
-enum SmPair { PAIR_OVERLAP = 0, PAIR_FORK2 = 1 };
+ * calculator for the two together (kernels/bench/v3_occupancy.cu's model).  The pair is
+ * the fork's states pass + 2-stage dstate (fork_mode 2; bf16 states only: the 2-stage
+ * kernel is S16 only).  (E3's pair, 2-stage dstate + grad_state, was asked here while the
+ * overlap was on by default; the occupancy tool still tabulates it.) */
 
 static gdp_status sm_limits(v3ovl::SmLimits *sm, int *reserved) {
   int dev = 0;
@@ -2344,52 +2341,46 @@ static gdp_status sm_limits(v3ovl::SmLimits *sm, int *reserved) {
 }
 
 template <int K, int V, int C, int TC, int BV>
-static gdp_status pair_bv(SmPair pair, int *fits) {
+static gdp_status pair_bv(int *fits) {
   v3ovl::SmLimits sm;
   int reserved = 0;
   GDP_TRY(sm_limits(&sm, &reserved));
-  cudaFuncAttributes fd, fo;
+  cudaFuncAttributes fd, fs;
   GDP_CUDA_TRY(cudaFuncGetAttributes(&fd, dstate_kernel_v3<K, V, C, TC, BV, true, true, 2>));
+  GDP_CUDA_TRY(cudaFuncGetAttributes(&fs, bwd_states_kernel_v3<K, V, C, BV, true, true>));
   const v3ovl::Footprint d = v3ovl::footprint(DStateLayout<K, C, TC, BV, 2, true>::total, (int)fd.sharedSizeBytes,
                                               reserved, BV / 16 * 32, fd.numRegs);
-  v3ovl::Footprint o;
-  if (pair == PAIR_OVERLAP) {
-    GDP_CUDA_TRY(cudaFuncGetAttributes(&fo, grad_state_kernel_v3<K, V, C, TC, true, true, true>));
-    o = v3ovl::footprint(GradStateLayout<K, V, C, TC>::total, (int)fo.sharedSizeBytes, reserved, 256, fo.numRegs);
-  } else {
-    GDP_CUDA_TRY(cudaFuncGetAttributes(&fo, bwd_states_kernel_v3<K, V, C, BV, true, true>));
-    o = v3ovl::footprint(StatesLayout<K, C, BV>::total, (int)fo.sharedSizeBytes, reserved, BV / 16 * 32, fo.numRegs);
-  }
-  *fits = v3ovl::pair_fits(d, o, sm) ? 1 : 0;
+  const v3ovl::Footprint st = v3ovl::footprint(StatesLayout<K, C, BV>::total, (int)fs.sharedSizeBytes, reserved,
+                                               BV / 16 * 32, fs.numRegs);
+  *fits = v3ovl::pair_fits(d, st, sm) ? 1 : 0;
   return GDP_OK;
 }
 
 template <int K, int V, int C, int TC>
-static gdp_status pair_k(SmPair pair, int bv, int *fits) {
+static gdp_status pair_k(int bv, int *fits) {
   switch (bv) {
-    case 64: return pair_bv<K, V, C, TC, 64>(pair, fits);
-    case 32: return pair_bv<K, V, C, TC, 32>(pair, fits);
-    default: return pair_bv<K, V, C, TC, 16>(pair, fits);
+    case 64: return pair_bv<K, V, C, TC, 64>(fits);
+    case 32: return pair_bv<K, V, C, TC, 32>(fits);
+    default: return pair_bv<K, V, C, TC, 16>(fits);
   }
 }
 
 template <int K, int V>
-static gdp_status pair_n(SmPair pair, int n, int bv, int *fits) {
-  if (n == 1) return pair_k<K, V, 32, 32>(pair, bv, fits);
-  if (n == 2) return pair_k<K, V, 64, 32>(pair, bv, fits);
-  return pair_k<K, V, 48, 16>(pair, bv, fits);
+static gdp_status pair_n(int n, int bv, int *fits) {
+  if (n == 1) return pair_k<K, V, 32, 32>(bv, fits);
+  if (n == 2) return pair_k<K, V, 64, 32>(bv, fits);
+  return pair_k<K, V, 48, 16>(bv, fits);
 }
 
-static bool pair_fits(const Plan &plan, int bv, SmPair pair) {
+/* Whether a states block and a 2-stage dstate block fit on one SM together. */
+static bool fork2_pair_fits(const Plan &plan, int bv) {
   const GdpArgs &a = plan.a;
-  static int cache[2][2][2][3][3] = {}; /* 1 fits, -1 not; depends only on (pair, K, V, n, bv); benign race */
-  int &c = cache[pair][a.K == 128][a.V == 128][a.n - 1][bv == 16 ? 0 : bv == 32 ? 1 : 2];
+  static int cache[2][2][3][3] = {}; /* 1 fits, -1 not; depends only on (K, V, n, bv); benign race */
+  int &c = cache[a.K == 128][a.V == 128][a.n - 1][bv == 16 ? 0 : bv == 32 ? 1 : 2];
   if (c == 0) {
     int fits = 0;
-    const gdp_status st = a.K == 128 ? (a.V == 128 ? pair_n<128, 128>(pair, a.n, bv, &fits)
-                                                   : pair_n<128, 64>(pair, a.n, bv, &fits))
-                                     : (a.V == 128 ? pair_n<64, 128>(pair, a.n, bv, &fits)
-                                                   : pair_n<64, 64>(pair, a.n, bv, &fits));
+    const gdp_status st = a.K == 128 ? (a.V == 128 ? pair_n<128, 128>(a.n, bv, &fits) : pair_n<128, 64>(a.n, bv, &fits))
+                                     : (a.V == 128 ? pair_n<64, 128>(a.n, bv, &fits) : pair_n<64, 64>(a.n, bv, &fits));
     if (st != GDP_OK) (void)cudaGetLastError(); /* no pair, and no stale error for the next launch check */
     c = st == GDP_OK && fits ? 1 : -1;
   }
@@ -2410,7 +2401,7 @@ static int fork_mode(const Plan &plan, int bv, bool s16) {
   const int occ = seq_blocks_per_sm(plan, bv);
   const double blocks = (double)a.N * a.H * (a.V / bv);
   const bool today = occ >= 1 && blocks <= num_sms() && 2.0 * blocks / occ <= num_sms();
-  const bool two = !today && s16 && dstate_mode() == 0 && blocks <= num_sms() && pair_fits(plan, bv, PAIR_FORK2);
+  const bool two = !today && s16 && dstate_mode() == 0 && blocks <= num_sms() && fork2_pair_fits(plan, bv);
   if (env && strcmp(env, "1") == 0) return two ? 2 : 1;
   /* =2 (lab: the check's small problems fork by the old rule): mode 2 wherever it can run */
   if (env && strcmp(env, "2") == 0) return s16 && dstate_mode() == 0 ? 2 : 1;
@@ -2426,8 +2417,8 @@ static int fork_mode(const Plan &plan, int bv, bool s16) {
  * 1 x 32768 n = 2 saving 7.17-7.23 / 6.45-6.49; predicted -0.10 at 4 x 4096 n = 2): the
  * grad_state blocks beside dstate slow its sequential chain by more than the gradient work
  * they get done early (both passes move ~3 TB/s alone).  =1: on wherever it can run
- * (pair_fits PAIR_OVERLAP says where a grad_state block also fits beside the 2-stage
- * dstate; the old default asked it), also instead of an automatic fork (not against
+ * (whether or not a grad_state block also fits beside the 2-stage dstate: the occupancy
+ * tool's E3 table says where it does), also instead of an automatic fork (not against
  * GDP_CUDA_V3_FORK=1); unset or =0: off (the plain stream order and the 3-stage dstate).
  * Never: with float32 states (the overlap instantiations are bf16-only), a
  * sequence without tokens (its dstate blocks signal nothing: then a later kernel could
@@ -2436,19 +2427,20 @@ static int fork_mode(const Plan &plan, int bv, bool s16) {
  * answer), GDP_CUDA_PROFILE (its marks time one kernel at a time), the compare modes,
  * GDP_CUDA_V3_DSTATE=old or GDP_CUDA_V3_GSPIPE=old (other schedules).  choose_bv is not
  * affected: it asks the 3-stage dstate kernel. */
-static bool overlap_wanted(const Plan &plan, int bv, bool s16, bool forked) {
+static bool overlap_asked() {
+  const char *env = getenv("GDP_CUDA_V3_OVERLAP");
+  return env && strcmp(env, "1") == 0;
+}
+static bool overlap_wanted(const Plan &plan, bool s16, bool forked) {
   const GdpArgs &a = plan.a;
-  if (!s16 || a.nchunks == 0 || a.chunks_rev == nullptr) return false;
+  if (!overlap_asked() || !s16 || a.nchunks == 0 || a.chunks_rev == nullptr) return false;
   if (getenv("GDP_CUDA_PROFILE") || states_mode() == 2 || dstate_mode() != 0 || seq_mode("GDP_CUDA_V3_WY") == 2 ||
       !gs_pipe_on())
     return false;
-  const char *env = getenv("GDP_CUDA_V3_OVERLAP");
-  if (!env || strcmp(env, "1") != 0) return false;
   /* =1 also takes the place of an automatic fork (launch_state_passes does not fork when
    * the counters are set), so that the lab's small problems, which fork, run the
    * recompute's overlap too; GDP_CUDA_V3_FORK=1 keeps the fork (and then no overlap) */
   const char *fk = getenv("GDP_CUDA_V3_FORK");
-  (void)bv;
   return !(forked && fk && strcmp(fk, "1") == 0);
 }
 
@@ -2577,7 +2569,7 @@ static gdp_status backward_v3_saved(const gdp_gdp_problem *p, const gdp_gdp_bwd_
   memset(&go, 0, sizeof go);
   void *extra = nullptr;
   const int bv = v3b::choose_bv(plan);
-  const bool ovl = v3b::overlap_wanted(plan, bv, s16, false);
+  const bool ovl = v3b::overlap_wanted(plan, s16, false);
   if (plan.a.nchunks > 0) {
     const size_t CH = (size_t)plan.a.nchunks * plan.a.H, K = (size_t)plan.a.K, V = (size_t)plan.a.V,
                  C = (size_t)plan.a.C;
@@ -2681,7 +2673,10 @@ extern "C" gdp_status gdp_cuda_gdp_backward_v3(const gdp_gdp_problem *p, const g
   void *extra = nullptr;
   const int bv = v3b::choose_bv(plan);
   /* E3 where it applies, and never beside a fork of the two passes */
-  const bool ovl = grad_state && v3b::overlap_wanted(plan, bv, s16, v3b::fork_mode(plan, bv, s16) > 0);
+  /* (fork_mode is asked only where the overlap is: the default path decides the fork once, in
+   * launch_state_passes) */
+  const bool ovl =
+      grad_state && v3b::overlap_asked() && v3b::overlap_wanted(plan, s16, v3b::fork_mode(plan, bv, s16) > 0);
   if (grad_state && plan.a.nchunks > 0) {
     const size_t CH = (size_t)plan.a.nchunks * plan.a.H, K = (size_t)plan.a.K, V = (size_t)plan.a.V,
                  C = (size_t)plan.a.C;
