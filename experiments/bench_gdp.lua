@@ -59,6 +59,12 @@
 -- time); the JSON then has fla_fwd_queued_ms, fla_fwdbwd_queued_ms, fla_fwd_host_ms,
 -- fla_fwdbwd_host_ms, speedup_fwdbwd_queued (and saving_speedup_fwdbwd_queued), or
 -- fla_queued_note saying why not; the table adds fla_q_fb, speedup_q_fb, sv_speedup_q_fb.
+-- On cuda our forward+backward is also timed that way (gdp.ops.timed_device: launched
+-- behind a spin, device marks around it; same inputs as the repeat's host-timed pass):
+-- fwdbwd_device_ms, saving_fwdbwd_device_ms, and against fla's queued figure (both GPU
+-- time only) speedup_fwdbwd_device, saving_speedup_fwdbwd_device; the table adds dev_fb,
+-- sv_dev_fb, speedup_dev, sv_speedup_dev.  A repeat whose launches took longer than the
+-- hold leaves the figure out with device_note saying so.
 --
 -- Output: a table on stdout (stderr with --json, whose stdout is ONE JSON object: the
 -- configuration, command, ceilings, flop_count, fla's versions, and `shapes`, an array of
@@ -387,30 +393,51 @@ local function draw_inputs(s)
   return args
 end
 
--- Median seconds of the forward and of forward+backward at shape s; `save`: the
--- forwards save for backward and the backward reads what they kept.
+-- On cuda each repeat also times forward+backward on the device alone (gdp.ops.timed_device:
+-- launched behind a spin, as fla_bench.py's "queued" figure is), on the same inputs.
+local device_timer = ctx:type() == "cuda"
+
+-- Median seconds of the forward and of forward+backward at shape s, and (cuda) of
+-- forward+backward on the device alone, or nil and why not; `save`: the forwards save
+-- for backward and the backward reads what they kept.
 local function time_shape(s, save)
-  local fwd, fwdbwd = {}, {}
+  local fwd, fwdbwd, fwdbwd_dev, dev_note = {}, {}, {}, nil
   for r = 1, opts.warmup + opts["repeat"] do
     local args = draw_inputs(s)
     local o, ht, grads, saved
     args.save_for_backward = save or nil
-    local t_fwd = timed(function() o, ht, saved = gdp.ops.chunk_gated_delta_product(args) end)
-    o:free(); if ht then ht:free() end
-    if saved then saved:free() end
-    local t_fb = timed(function()
+    local function release()
+      o:free(); if ht then ht:free() end
+      if saved then saved:free() end
+      if grads then gdp.ops.free_all(grads) end
+      o, ht, saved, grads, args.saved = nil, nil, nil, nil, nil
+    end
+    local function forward_backward()
       o, ht, saved = gdp.ops.chunk_gated_delta_product(args)
       args.saved = saved
       grads = gdp.ops.chunk_gated_delta_product_backward(args)
-    end)
-    o:free(); if ht then ht:free() end
-    if saved then saved:free() end
-    args.saved, args.save_for_backward = nil, nil
-    gdp.ops.free_all(grads)
+    end
+    local t_fwd = timed(function() o, ht, saved = gdp.ops.chunk_gated_delta_product(args) end)
+    release()
+    local t_fb = timed(forward_backward)
+    release()
+    local t_dev, note
+    if device_timer then
+      local dev_s, _, why = gdp.ops.timed_device(ctx, forward_backward)
+      t_dev, note = dev_s, why
+      release()
+    end
+    args.save_for_backward = nil
     gdp.ops.free_all(args)
-    if r > opts.warmup then fwd[#fwd + 1], fwdbwd[#fwdbwd + 1] = t_fwd, t_fb end
+    if r > opts.warmup then
+      fwd[#fwd + 1], fwdbwd[#fwdbwd + 1] = t_fwd, t_fb
+      if t_dev then fwdbwd_dev[#fwdbwd_dev + 1] = t_dev end
+      dev_note = dev_note or note
+    end
   end
-  return util.median(fwd), util.median(fwdbwd)
+  -- one repeat whose host outran the hold invalidates the figure (it would mix in host time)
+  local dev = (device_timer and not dev_note and #fwdbwd_dev > 0) and util.median(fwdbwd_dev) or nil
+  return util.median(fwd), util.median(fwdbwd), dev, dev_note
 end
 
 -- Fields common to the run and to every CSV row.
@@ -466,11 +493,13 @@ for i, s in ipairs(shapes) do
   local row = { B = s.B, T = s.T, n = s.n, H = opts.H, K = opts.K, V = opts.V }
   rows[i] = row
   local shape_ok, shape_err = pcall(function()
-    local t_fwd, t_fb = time_shape(s, opts.save_for_backward)
+    local t_fwd, t_fb, t_dev, dev_note = time_shape(s, opts.save_for_backward)
     figures(s, t_fwd, t_fb, "", row)
+    row.fwdbwd_device_ms, row.device_note = t_dev and t_dev * 1e3, dev_note
     if opts.with_saving then
-      local sv_fwd, sv_fb = time_shape(s, true)
+      local sv_fwd, sv_fb, sv_dev, sv_note = time_shape(s, true)
       figures(s, sv_fwd, sv_fb, "saving_", row)
+      row.saving_fwdbwd_device_ms, row.saving_device_note = sv_dev and sv_dev * 1e3, sv_note
     end
   end)
   row.status = shape_ok and "ok" or "error"
@@ -505,11 +534,14 @@ if opts.against_fla then
       row.fla_queued_note = type(r.queued_note) == "string" and r.queued_note or nil
       row.fla_fwd_host_ms, row.fla_fwdbwd_host_ms = tonumber(r.fwd_host_ms), tonumber(r.fwdbwd_host_ms)
       row.fla_fwd_queued_ms, row.fla_fwdbwd_queued_ms = tonumber(r.fwd_queued_ms), tonumber(r.fwdbwd_queued_ms)
-      if row.fla_fwdbwd_queued_ms and row.fwdbwd_ms then
-        row.speedup_fwdbwd_queued = row.fla_fwdbwd_queued_ms / row.fwdbwd_ms
-      end
-      if row.fla_fwdbwd_queued_ms and row.saving_fwdbwd_ms then
-        row.saving_speedup_fwdbwd_queued = row.fla_fwdbwd_queued_ms / row.saving_fwdbwd_ms
+      -- against ours as measured (host included: *_queued) and on the device alone
+      -- (gdp.ops.timed_device: *_device), plain and saving
+      for _, pre in ipairs({ "", "saving_" }) do
+        for ours, name in pairs({ fwdbwd_ms = "speedup_fwdbwd_queued", fwdbwd_device_ms = "speedup_fwdbwd_device" }) do
+          if row.fla_fwdbwd_queued_ms and row[pre .. ours] then
+            row[pre .. name] = row.fla_fwdbwd_queued_ms / row[pre .. ours]
+          end
+        end
       end
     else
       row.fla_error = fla_err or "fla_bench.py gave no times for " .. shape_text(s)
@@ -626,6 +658,16 @@ elseif #rows > 0 then
     for _, h in ipairs({ "fla_q_fb", "speedup_q_fb" }) do header[#header + 1] = h end
     if opts.with_saving then header[#header + 1] = "sv_speedup_q_fb" end
   end
+  local has_dev = false
+  for _, r in ipairs(rows) do has_dev = has_dev or r.fwdbwd_device_ms ~= nil end
+  if has_dev then
+    header[#header + 1] = "dev_fb"
+    if opts.with_saving then header[#header + 1] = "sv_dev_fb" end
+    if has_queued then
+      header[#header + 1] = "speedup_dev"
+      if opts.with_saving then header[#header + 1] = "sv_speedup_dev" end
+    end
+  end
   if has_ceil then for _, h in ipairs({ "of_mm", "of_copy", "floor_ms", "gap" }) do header[#header + 1] = h end end
   if has_fla and has_ceil then for _, h in ipairs({ "fla_of_mm", "fla_gap" }) do header[#header + 1] = h end end
   local lines = {}
@@ -642,6 +684,14 @@ elseif #rows > 0 then
       for _, k in ipairs({ "fla_fwdbwd_queued_ms", "speedup_fwdbwd_queued" }) do l[#l + 1] = r[k] or "-" end
       if opts.with_saving then l[#l + 1] = r.saving_speedup_fwdbwd_queued or "-" end
     end
+    if has_dev then
+      l[#l + 1] = r.fwdbwd_device_ms or "-"
+      if opts.with_saving then l[#l + 1] = r.saving_fwdbwd_device_ms or "-" end
+      if has_queued then
+        l[#l + 1] = r.speedup_fwdbwd_device or "-"
+        if opts.with_saving then l[#l + 1] = r.saving_speedup_fwdbwd_device or "-" end
+      end
+    end
     if has_ceil then
       for _, k in ipairs({ "fraction_of_bf16_matmul", "fraction_of_copy", "floor_fwdbwd_ms", "gap_fwdbwd" }) do
         l[#l + 1] = r[k] or "-"
@@ -657,8 +707,14 @@ elseif #rows > 0 then
     say("# fla_q_fb: fla's forward+backward with its launches queued behind a spin (GPU time only); " ..
         "speedup_q_fb = that / our ms as measured (host included)")
   end
+  if has_dev then
+    say("# dev_fb: our forward+backward on the device alone (launched behind a spin, as fla_q_fb)%s",
+        has_queued and "; speedup_dev = fla_q_fb / dev_fb, both GPU time only" or "")
+  end
   for i, r in ipairs(rows) do
     if r.fla_queued_note then say("# fla %s: queued timing: %s", shape_text(shapes[i]), r.fla_queued_note) end
+    if r.device_note then say("# %s: no dev_fb: %s", shape_text(shapes[i]), r.device_note) end
+    if r.saving_device_note then say("# %s: no sv_dev_fb: %s", shape_text(shapes[i]), r.saving_device_note) end
   end
   if fla then
     say("# fla %s (commit %s), torch %s, triton %s, on %s", tostring(fla.fla_version or "?"),

@@ -28,6 +28,34 @@ describe("cuda #gpu", function()
     end
   end)
 
+  it("timed_device: the device's time of queued work, without the hold or the host's time", function()
+    if not need_gpu() then return end
+    local ctx = gdp.device("cuda")
+    local a = gdp.randn({ 2048, 2048 }, { dtype = "f32", device = ctx })
+    local c = gdp.empty({ 2048, 2048 }, { dtype = "f32", device = ctx })
+    local function work() for _ = 1, 8 do gdp.matmul(a, a, { out = c }) end end
+    work()
+    local host = ops.timed(ctx, work)
+    local dev, launch = ops.timed_device(ctx, work)
+    assert.is_number(dev)
+    assert.is_true(dev > 0.2 * host and dev < host + 5e-4, ("device %g s, host-synchronised %g s"):format(dev, host))
+    assert.is_true(launch < 0.02)
+    -- a host slower than the hold: no figure, and why
+    local none, slow, note = ops.timed_device(ctx, function()
+      local t0 = gdp.time()
+      while gdp.time() - t0 < 0.005 do end
+    end, 2)
+    assert.is_nil(none)
+    assert.is_true(slow >= 0.005)
+    assert.truthy(note:find("2 ms hold", 1, true), note)
+    -- an error inside leaves no start pending: the next stop is refused, the next start works
+    H.expect_error(function() ops.timed_device(ctx, function() error("inside the timed region") end) end,
+                   "inside the timed region")
+    H.expect_error(function() ctx:timer_stop() end, "no gdp_ctx_timer_start pending")
+    assert.is_number((ops.timed_device(ctx, function() end)))
+    a:free(); c:free()
+  end)
+
   it("gives the same random numbers as the cpu for the same seed", function()
     if not need_gpu() then return end
     gdp.manual_seed(999)

@@ -166,6 +166,16 @@ describe("tensor argument errors", function()
     end
     H.assert_alive()
   end)
+
+  it("the device timer on the cpu, and a hold that is not a number", function()
+    local cpu = gdp.device("cpu")
+    local _, err = H.expect_error(function() cpu:timer_start(20) end, "timer_start", "no device timer on cpu")
+    assert.are.equal("GDP_ERR_UNSUPPORTED", err.name)
+    H.expect_error(function() cpu:timer_start(0) end, "hold_ms must be in (0, 10000]")
+    H.expect_error(function() cpu:timer_start("20") end, "gdp.timer_start", "hold_ms: expected a number", "string")
+    H.expect_error(function() gdp.ops.timed_device(cpu, function() end) end, "no device timer on cpu")
+    H.assert_alive()
+  end)
 end)
 
 describe("file errors", function()

@@ -116,6 +116,17 @@ gdp_device_type gdp_ctx_device_type(const gdp_ctx *ctx);
 int gdp_ctx_device_index(const gdp_ctx *ctx);
 /* Waits for all queued work; surfaces asynchronous device errors. */
 gdp_status gdp_ctx_sync(gdp_ctx *ctx);
+/* The device's own time for work the host queues, without the host's launch time (the
+   way fla's "GPU only" figure is taken).  gdp_ctx_timer_start waits for queued work,
+   then queues a spin of hold_ms milliseconds (0 < hold_ms <= 10000) and a start mark
+   after it: work queued while the spin runs starts back to back behind it.
+   gdp_ctx_timer_stop queues a stop mark, waits for it and returns the milliseconds
+   between the marks.  The figure is only the device's if the host queued the work
+   within hold_ms (otherwise the device waited for the host inside it): the caller
+   compares its host time with hold_ms.  GDP_ERR_UNSUPPORTED on the CPU (its work runs on
+   the calling thread); GDP_ERR_INVALID_ARG for a stop without a start. */
+gdp_status gdp_ctx_timer_start(gdp_ctx *ctx, double hold_ms);
+gdp_status gdp_ctx_timer_stop(gdp_ctx *ctx, double *device_ms);
 /* CPU worker threads used by ops (default: the number of online cores, or the
    GDP_NUM_THREADS environment variable).  n < 1 resets to the default. */
 void gdp_ctx_set_num_threads(gdp_ctx *ctx, int n);

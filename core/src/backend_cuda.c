@@ -56,6 +56,10 @@ typedef struct cuda_state {
   char prev_op[OP_NAME_LEN];
   /* release() cannot return an error; a failure there is reported at the next sync. */
   char deferred_error[DEFERRED_LEN];
+  /* gdp_ctx_timer_start / _stop: the marks (created on the first start) and whether a
+   * start is pending */
+  cudaEvent_t timer_mark[2];
+  int timer_started;
 } cuda_state;
 
 static cuda_state *state_of(const gdp_ctx *ctx) { return (cuda_state *)ctx->backend_state; }
@@ -132,6 +136,8 @@ static void destroy_state(gdp_ctx *ctx, cuda_state *st) {
   if (st->blas) (void)cublasDestroy(st->blas);
   if (st->reduce_workspace) (void)cudaFree(st->reduce_workspace);
   if (st->reduce_result) (void)cudaFreeHost(st->reduce_result);
+  for (int i = 0; i < 2; i++)
+    if (st->timer_mark[i]) (void)cudaEventDestroy(st->timer_mark[i]);
   if (st->stream) (void)cudaStreamDestroy(st->stream);
   (void)cudaGetLastError();
   free(st);
@@ -606,6 +612,38 @@ static int cuda_supports(gdp_op op, gdp_dtype dtype) {
   }
 }
 
+/* ------------------------------------------------------------------ device timer */
+
+static gdp_status cuda_timer_start(gdp_ctx *ctx, double hold_ms) {
+  cuda_state *st = state_of(ctx);
+  GDP_CUDA_TRY(cudaSetDevice(ctx->index));
+  for (int i = 0; i < 2; i++)
+    if (!st->timer_mark[i]) GDP_CUDA_TRY(cudaEventCreate(&st->timer_mark[i]));
+  /* earlier work first, so that the spin starts now and holds the stream for the whole
+   * of hold_ms while the caller queues */
+  gdp_status s = stream_sync(ctx);
+  if (s != GDP_OK) return s;
+  GDP_CUDA_TRY(gdp_cuda_spin(hold_ms, st->stream));
+  GDP_CUDA_TRY(cudaEventRecord(st->timer_mark[0], st->stream));
+  st->timer_started = 1;
+  return GDP_OK;
+}
+
+static gdp_status cuda_timer_stop(gdp_ctx *ctx, double *device_ms) {
+  cuda_state *st = state_of(ctx);
+  if (!st->timer_started)
+    return GDP_ERROR(GDP_ERR_INVALID_ARG, "gdp_ctx_timer_stop: no gdp_ctx_timer_start pending on this context");
+  st->timer_started = 0;
+  GDP_CUDA_TRY(cudaSetDevice(ctx->index));
+  GDP_CUDA_TRY(cudaEventRecord(st->timer_mark[1], st->stream));
+  gdp_status s = stream_sync(ctx);
+  if (s != GDP_OK) return s;
+  float ms = 0.f;
+  GDP_CUDA_TRY(cudaEventElapsedTime(&ms, st->timer_mark[0], st->timer_mark[1]));
+  *device_ms = ms;
+  return GDP_OK;
+}
+
 const gdp_backend gdp_backend_cuda = {
     .name = "cuda",
     .type = GDP_DEVICE_CUDA,
@@ -629,4 +667,6 @@ const gdp_backend gdp_backend_cuda = {
     .gdp_forward_save = cuda_gdp_forward_save,
     .gdp_backward_saved = cuda_gdp_backward_saved,
     .supports = cuda_supports,
+    .timer_start = cuda_timer_start,
+    .timer_stop = cuda_timer_stop,
 };

@@ -67,6 +67,10 @@ struct gdp_backend {
   gdp_status (*gdp_backward_saved)(gdp_ctx *ctx, const gdp_gdp_problem *p,
                                    const gdp_gdp_bwd_io *io, int variant, const void *saved);
   int (*supports)(gdp_op op, gdp_dtype dtype);
+  /* Device timing of queued work (gdp_ctx_timer_start / _stop); NULL: the backend has
+   * no device timer (the CPU's work runs on the calling thread: time it on the host). */
+  gdp_status (*timer_start)(gdp_ctx *ctx, double hold_ms);
+  gdp_status (*timer_stop)(gdp_ctx *ctx, double *device_ms);
 };
 
 extern const gdp_backend gdp_backend_cpu;

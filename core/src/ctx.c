@@ -142,6 +142,25 @@ gdp_status gdp_ctx_sync(gdp_ctx *ctx) {
   return ctx->backend->sync ? ctx->backend->sync(ctx) : GDP_OK;
 }
 
+gdp_status gdp_ctx_timer_start(gdp_ctx *ctx, double hold_ms) {
+  if (!ctx) return GDP_ERROR(GDP_ERR_INVALID_ARG, "ctx is NULL");
+  if (!(hold_ms > 0 && hold_ms <= 10000))
+    return GDP_ERROR(GDP_ERR_INVALID_ARG, "hold_ms must be in (0, 10000] milliseconds, got %g", hold_ms);
+  if (!ctx->backend->timer_start)
+    return GDP_ERROR(GDP_ERR_UNSUPPORTED, "no device timer on %s: time the work on the host",
+                     ctx->backend->name);
+  return ctx->backend->timer_start(ctx, hold_ms);
+}
+
+gdp_status gdp_ctx_timer_stop(gdp_ctx *ctx, double *device_ms) {
+  if (!ctx) return GDP_ERROR(GDP_ERR_INVALID_ARG, "ctx is NULL");
+  if (!device_ms) return GDP_ERROR(GDP_ERR_INVALID_ARG, "device_ms is NULL");
+  if (!ctx->backend->timer_stop)
+    return GDP_ERROR(GDP_ERR_UNSUPPORTED, "no device timer on %s: time the work on the host",
+                     ctx->backend->name);
+  return ctx->backend->timer_stop(ctx, device_ms);
+}
+
 void gdp_ctx_set_num_threads(gdp_ctx *ctx, int n) {
   if (!ctx) return;
   ctx->num_threads = n >= 1 ? n : default_num_threads();

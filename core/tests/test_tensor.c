@@ -123,6 +123,14 @@ static void test_basics(void) {
   }
   gdp_dtype d;
   CHECK_ERR(gdp_dtype_from_name("f16", &d), GDP_ERR_DTYPE, "unknown dtype name \"f16\"");
+  /* the device timer: the CPU has none; the hold is range-checked first, by name */
+  double ms = -1;
+  CHECK_ERR(gdp_ctx_timer_start(ctx, 20), GDP_ERR_UNSUPPORTED, "no device timer on cpu");
+  CHECK_ERR(gdp_ctx_timer_stop(ctx, &ms), GDP_ERR_UNSUPPORTED, "no device timer on cpu");
+  CHECK_ERR(gdp_ctx_timer_start(ctx, 0), GDP_ERR_INVALID_ARG, "hold_ms must be in (0, 10000]");
+  CHECK_ERR(gdp_ctx_timer_start(ctx, NAN), GDP_ERR_INVALID_ARG, "hold_ms");
+  CHECK_ERR(gdp_ctx_timer_stop(ctx, NULL), GDP_ERR_INVALID_ARG, "device_ms is NULL");
+  CHECK(ms == -1, "a refused timer leaves device_ms alone");
   CHECK(strcmp(gdp_status_name(GDP_ERR_SHAPE), "GDP_ERR_SHAPE") == 0, "status name");
   CHECK(strcmp(gdp_status_name((gdp_status)-99), "GDP_ERR_UNKNOWN") == 0, "unknown status");
   CHECK(strcmp(gdp_device_type_name(GDP_DEVICE_CUDA), "cuda") == 0, "device name");

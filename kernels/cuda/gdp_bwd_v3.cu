@@ -83,6 +83,20 @@ struct GradStateOut {
   /* GDP_CUDA_V3_PCOL=f32 (lab A/B): dg's P-column sums from the float32 Ps'' (the old way)
    * instead of the bf16-rounded Ps'' that the dq / dKnA products take (default, 0) */
   int pcol_f32;
+  /* GDP_CUDA_V3_DKNA: 1 (default, "bf16") = dKnA travels as bf16 (the first half of the
+   * dKnA buffer; 128 instead of 256 MB written and read back at 4 x 4096 n = 2), 0 ("f32")
+   * = float32 as before.  dKnA is one of the four terms of dKn (dk's only input), rounded
+   * once; the other three are float32 sums in grad_wy's registers.  H200, session 8: the
+   * lab check's dk errors +0.2..0.6e-3 (worst 5.1e-3; every other error bit-identical),
+   * DRAM written by grad_state 454 -> 323 MB, read by grad_wy 1.16 -> 0.93 GB. */
+  int dkna16;
+  /* GDP_CUDA_V3_WY_PF (lab A/B): grad_wy's early L2 prefetches, a bit mask: 1 = dKnA at
+   * the block's start, 2 = dKnA again before W4, 4 = dW at the start where it is copied in
+   * late (kLateDW; it is prefetched again before that copy either way).  Default 0, none:
+   * with three blocks per SM a line prefetched early is often evicted before its read and
+   * costs its DRAM bytes twice.  H200, session 8, 4 x 4096 n = 2, bf16 dKnA (ncu): mask 7
+   * read 925 MB in 516 us, mask 0 778 MB in 503 us (the inputs are ~0.72 GB). */
+  int wy_pf;
 };
 
 /* ------------------------------------------------------------------ PTX wrappers: mma_sm90.cuh */
@@ -1064,11 +1078,21 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
       }
       /* acc = kinv_j (w (D dH^T) + Ps^T qn)_j: divide kinv_j out */
       const float n0 = 1.f / sKinv[jb + grp], n1 = 1.f / sKinv[jb + grp + 8];
-      float *out = go.dKnA + CHi * C * K + (int64_t)(jb + grp) * K + rb + 2 * tig;
+      const int64_t o = CHi * C * K + (int64_t)(jb + grp) * K + rb + 2 * tig;
+      if (go.dkna16) {
+        bf16 *out = reinterpret_cast<bf16 *>(go.dKnA) + o;
 #pragma unroll
-      for (int nt = 0; nt < 8; nt++) {
-        *reinterpret_cast<float2 *>(out + nt * 8) = make_float2(acc[nt][0] * n0, acc[nt][1] * n0);
-        *reinterpret_cast<float2 *>(out + 8 * K + nt * 8) = make_float2(acc[nt][2] * n1, acc[nt][3] * n1);
+        for (int nt = 0; nt < 8; nt++) {
+          *reinterpret_cast<uint32_t *>(out + nt * 8) = pack_bf16(acc[nt][0] * n0, acc[nt][1] * n0);
+          *reinterpret_cast<uint32_t *>(out + 8 * K + nt * 8) = pack_bf16(acc[nt][2] * n1, acc[nt][3] * n1);
+        }
+      } else {
+        float *out = go.dKnA + o;
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++) {
+          *reinterpret_cast<float2 *>(out + nt * 8) = make_float2(acc[nt][0] * n0, acc[nt][1] * n0);
+          *reinterpret_cast<float2 *>(out + 8 * K + nt * 8) = make_float2(acc[nt][2] * n1, acc[nt][3] * n1);
+        }
       }
     }
     if constexpr (NP) {
@@ -1466,8 +1490,11 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
   if constexpr (!L::kLateDW) copy_panel<C, K, 256>(smem + L::odW, L::ldK, go.dWg + CHi * C * K, K, C);
   copy_panel<C, C, 256>(smem + L::oT, L::ldC, go.Tt + CHi * C * C, C, C);
   cp_async_commit();
-  if (tid == 0) prefetch_l2_bulk(go.dKnA + CHi * C * K, C * K * 4);
-  if (L::kLateDW && tid == 32) prefetch_l2_bulk(go.dWg + CHi * C * K, C * K * 2);
+  /* dKnA's bytes: float32 or bf16 (GradStateOut::dkna16); the buffer's (chunk, head)
+   * slices keep the float32 stride either way */
+  const uint32_t kna_bytes = go.dkna16 ? C * K * 2 : C * K * 4;
+  if (tid == 0 && (go.wy_pf & 1)) prefetch_l2_bulk(go.dKnA + CHi * C * K, kna_bytes);
+  if (L::kLateDW && tid == 32 && (go.wy_pf & 4)) prefetch_l2_bulk(go.dWg + CHi * C * K, C * K * 2);
   if (tid < C) {
     const bool ok = tid < nv;
     sGp[tid] = (gg && ok && tid % n == 0) ? __bfloat162float(gg[((int64_t)ci.t0 + tid / n) * H + h]) : 0.f;
@@ -1619,8 +1646,9 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
   /* ---- W4: X = dT T^T (T[j][m] = 0 for m > j); only the lower tiles: dA[ti][tj <= ti]
    * reads X[m][tj] for m >= ti >= tj */
   if constexpr (NEW) /* dKnA into L2 again, nearer its read (W6's end) */
-    if (fresh_sreg<0>() == 0)
-      prefetch_l2_bulk(go.dKnA + ((int64_t)fresh_sreg<1>() * H + fresh_sreg<2>()) * C * K, C * K * 4);
+    if (fresh_sreg<0>() == 0 && (go.wy_pf & 2))
+      prefetch_l2_bulk(go.dKnA + ((int64_t)fresh_sreg<1>() * H + fresh_sreg<2>()) * C * K,
+                       go.dkna16 ? C * K * 2 : C * K * 4);
   for (int item = warp; item < NL; item += 8) {
     int ti, tj;
     lower_tile(item, ti, tj);
@@ -1799,12 +1827,23 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
           mma16816(dkn[nt + 1], fa, b2, b3);
         }
       }
-      const float *pa = go.dKnA + CHi * C * K + (int64_t)(jb + m.grp) * K + rb + 2 * m.tig;
+      const int64_t o = CHi * C * K + (int64_t)(jb + m.grp) * K + rb + 2 * m.tig;
+      if (go.dkna16) {
+        const bf16 *pa = reinterpret_cast<const bf16 *>(go.dKnA) + o;
 #pragma unroll
-      for (int nt = 0; nt < 8; nt++) {
-        const float2 u0 = *reinterpret_cast<const float2 *>(pa + nt * 8),
-                     u1 = *reinterpret_cast<const float2 *>(pa + 8 * K + nt * 8);
-        dkn[nt][0] += u0.x, dkn[nt][1] += u0.y, dkn[nt][2] += u1.x, dkn[nt][3] += u1.y;
+        for (int nt = 0; nt < 8; nt++) {
+          const float2 u0 = unpack_bf16(*reinterpret_cast<const uint32_t *>(pa + nt * 8)),
+                       u1 = unpack_bf16(*reinterpret_cast<const uint32_t *>(pa + 8 * K + nt * 8));
+          dkn[nt][0] += u0.x, dkn[nt][1] += u0.y, dkn[nt][2] += u1.x, dkn[nt][3] += u1.y;
+        }
+      } else {
+        const float *pa = go.dKnA + o;
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++) {
+          const float2 u0 = *reinterpret_cast<const float2 *>(pa + nt * 8),
+                       u1 = *reinterpret_cast<const float2 *>(pa + 8 * K + nt * 8);
+          dkn[nt][0] += u0.x, dkn[nt][1] += u0.y, dkn[nt][2] += u1.x, dkn[nt][3] += u1.y;
+        }
       }
 #pragma unroll
       for (int hf = 0; hf < 2; hf++) {
@@ -2200,8 +2239,18 @@ static gdp_status launch_grad_state_kv(const Plan &plan, const GradStateOut &go_
     const char *e = getenv("GDP_CUDA_V3_PCOL");
     return e && strcmp(e, "f32") == 0 ? 1 : 0;
   }();
+  static const int dkna16 = [] {
+    const char *e = getenv("GDP_CUDA_V3_DKNA");
+    return e && strcmp(e, "f32") == 0 ? 0 : 1;
+  }();
+  static const int wy_pf = [] {
+    const char *e = getenv("GDP_CUDA_V3_WY_PF");
+    return e ? (atoi(e) & 7) : 0;
+  }();
   GradStateOut go = go_in;
   go.pcol_f32 = pcol_f32;
+  go.dkna16 = dkna16;
+  go.wy_pf = wy_pf;
   /* The state part: grad_state_kernel_v3, two blocks per SM.  (A three-block version,
    * session 3's gs3, measured slower on the H200 -- n = 2 0.74 -> 0.89 ms: its 64-column
    * key panels read k, q and the states from L2 twice -- and was dropped; NOTES.md.) */

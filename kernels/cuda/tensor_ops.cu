@@ -666,3 +666,21 @@ extern "C" cudaError_t gdp_cuda_reduce(int ndim, const int64_t *shape, const gdp
     default: return cudaErrorInvalidValue;
   }
 }
+
+/* ------------------------------------------------------------------ spin */
+
+/* %globaltimer counts nanoseconds whatever the SM clock does, so the hold is a duration,
+ * not a cycle count that a clock change would stretch or shrink. */
+__global__ void spin_kernel(uint64_t ns) {
+  uint64_t t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do {
+    __nanosleep(1000);
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  } while (t - t0 < ns);
+}
+
+extern "C" cudaError_t gdp_cuda_spin(double ms, cudaStream_t stream) {
+  spin_kernel<<<1, 1, 0, stream>>>((uint64_t)(ms * 1e6));
+  return cudaGetLastError();
+}

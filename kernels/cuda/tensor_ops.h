@@ -56,6 +56,10 @@ enum { GDP_CUDA_RNG_UNIFORM = 0, GDP_CUDA_RNG_NORMAL = 1 };
 /* Doubles of device workspace gdp_cuda_reduce needs (per-block partial results). */
 enum { GDP_CUDA_REDUCE_WORKSPACE = 1024 + 1 };
 
+/* One thread that spins for `ms` milliseconds of the device's global timer: it holds
+ * `stream` while the host queues work behind it (gdp_ctx_timer_start). */
+cudaError_t gdp_cuda_spin(double ms, cudaStream_t stream);
+
 /* dst = src converted to dst's dtype (same logical shape; must not overlap). */
 cudaError_t gdp_cuda_copy(int ndim, const int64_t *shape, const gdp_cuda_operand *dst,
                           const gdp_cuda_operand *src, cudaStream_t stream);

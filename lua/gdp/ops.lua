@@ -391,6 +391,27 @@ function M.timed(ctx, fn)
   return lib.gdp_time_now() - t0
 end
 
+-- The device's own seconds for fn()'s queued work, without the host's launch time (fla's
+-- "GPU only" way): fn runs while a spin of hold_ms (default 20) holds ctx's stream, and
+-- the time is taken between device marks after the spin and after fn's work.  Returns
+-- device seconds, host seconds (fn's launch time), or nil, host seconds and a note when
+-- the host took longer than the hold (the device then waited for the host inside the
+-- marks, so the figure would not be the device's alone).  cuda contexts only.
+function M.timed_device(ctx, fn, hold_ms)
+  hold_ms = hold_ms or 20
+  ctx:timer_start(hold_ms)
+  local t0 = lib.gdp_time_now()
+  local ok, err = pcall(fn)
+  local host = lib.gdp_time_now() - t0
+  local ms = ctx:timer_stop() -- also after an error: no start left pending
+  if not ok then error(err, 0) end
+  if host * 1e3 >= 0.9 * hold_ms then
+    return nil, host, string.format("the host took %.2f ms to queue the work, near or past the %.0f ms hold: "
+      .. "not the device's time alone", host * 1e3, hold_ms)
+  end
+  return ms / 1e3, host
+end
+
 -- Frees every tensor among the values of t (explicit frees keep device memory flat in
 -- timing loops instead of waiting for the collector).
 function M.free_all(t)

@@ -267,6 +267,20 @@ function ctx_methods.name(c) return ctx_name(c) end
 function ctx_methods.type(c) return ffi.string(lib.gdp_device_type_name(lib.gdp_ctx_device_type(c))) end
 function ctx_methods.index(c) return lib.gdp_ctx_device_index(c) end
 function ctx_methods.sync(c) check(lib.gdp_ctx_sync(c), "sync") end
+-- Device timing of queued work (gdp_ctx_timer_start / _stop in gdp.h): timer_start holds
+-- the stream with a spin of hold_ms, timer_stop returns the device's milliseconds since
+-- the spin ended.  cuda only (a gdp error on the cpu).
+function ctx_methods.timer_start(c, hold_ms)
+  if type(hold_ms) ~= "number" then
+    argerror("timer_start", "hold_ms: expected a number of milliseconds, got " .. type(hold_ms))
+  end
+  check(lib.gdp_ctx_timer_start(c, hold_ms), "timer_start")
+end
+function ctx_methods.timer_stop(c)
+  local ms = ffi.new("double[1]")
+  check(lib.gdp_ctx_timer_stop(c, ms), "timer_stop")
+  return ms[0]
+end
 function ctx_methods.manual_seed(c, seed) lib.gdp_ctx_manual_seed(c, seed) end
 function ctx_methods.seed(c) return tonumber(lib.gdp_ctx_seed(c)) end
 function ctx_methods.rng_offset(c) return tonumber(lib.gdp_ctx_rng_offset(c)) end
