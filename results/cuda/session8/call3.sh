@@ -19,6 +19,8 @@ mkdir -p $TRITON_CACHE_DIR
 FLA=$!
 ./gdp build > "$OUT/gdp_build.log" 2>&1
 log "gdp build rc=$? $(tail -1 "$OUT/gdp_build.log")"
+# nothing else on the GPU while we test and time
+wait $FLA; log "$(cat /tmp/fla_warm.rc) $(tail -2 /tmp/fla_warm.err | tr '\n' ' ')"
 timeout 200 ./gdp test --quick > "$OUT/gdp_test.log" 2>&1
 log "gdp test --quick rc=$? $(tail -1 "$OUT/gdp_test.log")"
 grep -E "test_cuda_tensor|timed_device" "$OUT/gdp_test.log" | head -4 | tee -a "$OUT/call3.log"
@@ -40,7 +42,6 @@ for r in 1 2 3; do
     GDP_CUDA_V3_DKNA=$d timeout 60 $B --with-saving --repeat 20 --shapes 4x4096x2,1x32768x2 2>&1 | grep -E "^  [0-9]" | sed "s/^/[DKNA=$d r$r] /" | tee -a "$OUT/dkna_ab.log"
   done
 done
-wait $FLA; log "$(cat /tmp/fla_warm.rc) $(tail -2 /tmp/fla_warm.err | tr '\n' ' ')"
 if left "bench with fla"; then
   timeout 300 ./gdp experiments/bench_gdp.lua --device cuda --dtype bf16 --H 16 --K 128 --V 128 --shapes $SHAPES \
     --against-fla --with-saving --repeat 30 --json > "$OUT/bench_gdp.json" 2> "$OUT/bench_gdp.log"
