@@ -8,7 +8,7 @@
 #                returns 1, so that a late step is skipped and the logs still come back
 #   build_gdp_and_lab   (below)
 set -u
-OUT=${OUT:?set OUT (the device tool's output folder)}
+OUT=${OUT:?set OUT: the device tool output folder}
 CALL=${CALL:?set CALL before sourcing tools/device_call.sh}
 mkdir -p "$OUT"
 t0=$(date +%s)
