@@ -83,8 +83,9 @@ struct GradStateOut {
   /* GDP_CUDA_V3_PCOL=f32 (lab A/B): dg's P-column sums from the float32 Ps'' (the old way)
    * instead of the bf16-rounded Ps'' that the dq / dKnA products take (default, 0) */
   int pcol_f32;
-  /* GDP_CUDA_V3_DKNA: 1 (default, "bf16") = dKnA travels as bf16 (the first half of the
-   * dKnA buffer; 128 instead of 256 MB written and read back at 4 x 4096 n = 2), 0 ("f32")
+  /* GDP_CUDA_V3_DKNA: 1 (default, "bf16") = dKnA travels as bf16 (packed: (chunk, head)
+   * slice CHi at element CHi C K of a bf16 view, the first half of the float32-sized
+   * buffer -- dkna_slice; 128 instead of 256 MB written and read back at 4 x 4096 n = 2), 0 ("f32")
    * = float32 as before.  dKnA is one of the four terms of dKn (dk's only input), rounded
    * once; the other three are float32 sums in grad_wy's registers.  H200, session 8: the
    * lab check's dk errors +0.2..0.6e-3 (worst 5.1e-3; every other error bit-identical),
@@ -92,12 +93,23 @@ struct GradStateOut {
   int dkna16;
   /* GDP_CUDA_V3_WY_PF (lab A/B): grad_wy's early L2 prefetches, a bit mask: 1 = dKnA at
    * the block's start, 2 = dKnA again before W4, 4 = dW at the start where it is copied in
-   * late (kLateDW; it is prefetched again before that copy either way).  Default 0, none:
-   * with three blocks per SM a line prefetched early is often evicted before its read and
-   * costs its DRAM bytes twice.  H200, session 8, 4 x 4096 n = 2, bf16 dKnA (ncu): mask 7
-   * read 925 MB in 516 us, mask 0 778 MB in 503 us (the inputs are ~0.72 GB). */
+   * late (kLateDW; it is prefetched again before that copy either way).  Default 0, none.
+   * H200, session 8, 4 x 4096 n = 2 (ncu): with float32 dKnA and mask 7 grad_wy read 1.16 GB
+   * against ~0.98 GB of inputs (lines evicted before their reads, fetched twice -- the
+   * reading, not measured apart); with bf16 dKnA mask 7 read 925 MB in 516 us, mask 0
+   * 778 MB in 503 us (inputs ~0.72 GB) -- but those runs' dKnA prefetches still used the
+   * float32 slice addresses (wrong lines; dkna_slice fixed it afterwards, not re-timed). */
   int wy_pf;
 };
+
+/* dKnA's (chunk, head) slice CHi of `elems` values and its bytes, in the format the call
+ * uses (GradStateOut::dkna16): slices are packed at their own element size. */
+__device__ __forceinline__ uint32_t dkna_bytes(const GradStateOut &go, int elems) {
+  return (uint32_t)elems * (go.dkna16 ? 2u : 4u);
+}
+__device__ __forceinline__ const void *dkna_slice(const GradStateOut &go, int64_t CHi, int elems) {
+  return reinterpret_cast<const unsigned char *>(go.dKnA) + CHi * dkna_bytes(go, elems);
+}
 
 /* ------------------------------------------------------------------ PTX wrappers: mma_sm90.cuh */
 
@@ -1490,10 +1502,7 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
   if constexpr (!L::kLateDW) copy_panel<C, K, 256>(smem + L::odW, L::ldK, go.dWg + CHi * C * K, K, C);
   copy_panel<C, C, 256>(smem + L::oT, L::ldC, go.Tt + CHi * C * C, C, C);
   cp_async_commit();
-  /* dKnA's bytes: float32 or bf16 (GradStateOut::dkna16); the buffer's (chunk, head)
-   * slices keep the float32 stride either way */
-  const uint32_t kna_bytes = go.dkna16 ? C * K * 2 : C * K * 4;
-  if (tid == 0 && (go.wy_pf & 1)) prefetch_l2_bulk(go.dKnA + CHi * C * K, kna_bytes);
+  if (tid == 0 && (go.wy_pf & 1)) prefetch_l2_bulk(dkna_slice(go, CHi, C * K), dkna_bytes(go, C * K));
   if (L::kLateDW && tid == 32 && (go.wy_pf & 4)) prefetch_l2_bulk(go.dWg + CHi * C * K, C * K * 2);
   if (tid < C) {
     const bool ok = tid < nv;
@@ -1647,8 +1656,7 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
    * reads X[m][tj] for m >= ti >= tj */
   if constexpr (NEW) /* dKnA into L2 again, nearer its read (W6's end) */
     if (fresh_sreg<0>() == 0 && (go.wy_pf & 2))
-      prefetch_l2_bulk(go.dKnA + ((int64_t)fresh_sreg<1>() * H + fresh_sreg<2>()) * C * K,
-                       go.dkna16 ? C * K * 2 : C * K * 4);
+      prefetch_l2_bulk(dkna_slice(go, (int64_t)fresh_sreg<1>() * H + fresh_sreg<2>(), C * K), dkna_bytes(go, C * K));
   for (int item = warp; item < NL; item += 8) {
     int ti, tj;
     lower_tile(item, ti, tj);
