@@ -219,76 +219,82 @@ describe("cuda #gpu", function()
   -- Save for backward: variant 3 keeps its chunk panels, h^T, D and T^T (saved:bytes() >
   -- 0, counted in the live device memory until freed) and its backward skips the prep
   -- and the state pass; both paths within the bf16 tolerance of the float64 recurrence.
-  -- The gradients of the two paths agree closely (the recompute backward forms the same
-  -- D from the same U = hi + lo: they differ by the order of the gradient kernels'
-  -- shared-memory atomics); o and ht do not need to: the saving forward forms D from
-  -- U = hi + lo too, the plain forward from bf16 U alone.
+  -- The gradients of the two paths agree closely (the recompute backward forms D from
+  -- U = hi + lo, the saving forward by default from U = Tu V in float32, GDP_CUDA_V3_SAVE_U
+  -- unset, or from U = hi + lo too, =ulo: D agrees to ~16 bits either way, and the rest is
+  -- the order of the gradient kernels' shared-memory atomics); o and ht do not need to:
+  -- the plain forward forms D from bf16 U alone.  Every case runs with both SAVE_U modes.
   -- f32 (variant 1) keeps nothing and recomputes.
   local saved_cases = {
     { "bf16", 64, 64, 1 }, { "bf16", 128, 128, 2 }, { "bf16", 64, 128, 3 }, { "bf16", 128, 64, 2 },
     { "f32", 64, 64, 2 },
   }
   for _, case in ipairs(saved_cases) do
-    local dtype, K, V, n = case[1], case[2], case[3], case[4]
-    local label = string.format("%s, K=%d V=%d n=%d", dtype, K, V, n)
-    it("save_for_backward matches the recompute and the float64 recurrence (" .. label .. ")", function()
-      if not need_gpu() then return end
-      H.reseed(505 + K + 7 * V + 31 * n)
-      local args = ops.random_inputs({ B = 1, T = 200, H = 2, K = K, V = V, n = n, grads = true,
-                                       initial_state = true, cu_seqlens = { 0, 70, 70, 200 } })
-      local o_ref, ht_ref, g_ref = oracle(args, dtype)
-      local dev = ops.convert_inputs(args, dtype, "cuda")
-      local tol = ops.TOLERANCE[dtype]
-      local o0, ht0 = ops.chunk_gated_delta_product(dev)
-      local g0 = ops.chunk_gated_delta_product_backward(dev)
-      -- the kept block counts in the live device memory (GC stopped: nothing else moves)
-      collectgarbage("collect")
-      collectgarbage("collect")
-      collectgarbage("stop")
-      local live0 = gdp.memory_live_bytes("cuda")
-      dev.save_for_backward = true
-      local o1, ht1, saved = ops.chunk_gated_delta_product(dev)
-      dev.save_for_backward = nil
-      local live1 = gdp.memory_live_bytes("cuda")
-      collectgarbage("restart")
-      local bytes = saved:bytes()
-      if dtype == "bf16" then
-        assert.is_true(bytes > 0, "variant 3 kept nothing")
-      else
-        assert.are.equal(0, bytes)
-      end
-      local esize = dtype == "bf16" and 2 or 4
-      assert.are.equal(bytes + o1:numel() * esize + ht1:numel() * 4, live1 - live0)
-      dev.saved = saved
-      local g1 = ops.chunk_gated_delta_product_backward(dev)
-      local g2 = ops.chunk_gated_delta_product_backward(dev) -- the object is only read
-      dev.saved = nil
-      local worst = { o = H.rel_error(o1, o0) }
-      assert.tensor_near(o1, o_ref, tol)
-      assert.tensor_near(ht1, ht_ref, tol)
-      assert.tensor_near(o1, o0, tol)
-      assert.tensor_near(ht1, ht0, tol)
-      for _, name in ipairs({ "dq", "dk", "dv", "dbeta", "dg", "dh0" }) do
-        assert.tensor_near(g0[name], g_ref[name], tol)
-        assert.tensor_near(g1[name], g_ref[name], tol)
-        assert.tensor_near(g1[name], g0[name], 2e-3)
-        assert.tensor_near(g2[name], g1[name], 2e-3)
-        worst[name] = H.rel_error(g1[name], g0[name])
-      end
-      local line = {}
-      for _, name in ipairs({ "o", "dq", "dk", "dv", "dbeta", "dg", "dh0" }) do
-        line[#line + 1] = string.format("%s %.1e", name, worst[name])
-      end
-      io.stderr:write(string.format("  saved vs recompute (%s, %d bytes kept): %s\n", label, bytes,
-                                    table.concat(line, ", ")))
-      collectgarbage("stop")
-      local live2 = gdp.memory_live_bytes("cuda")
-      saved:free()
-      saved:free()
-      local live3 = gdp.memory_live_bytes("cuda")
-      collectgarbage("restart")
-      assert.are.equal(bytes, live2 - live3)
-    end)
+    for _, save_u in ipairs({ "tv", "ulo" }) do
+      local dtype, K, V, n = case[1], case[2], case[3], case[4]
+      local label = string.format("%s, K=%d V=%d n=%d, SAVE_U=%s", dtype, K, V, n, save_u)
+      it("save_for_backward matches the recompute and the float64 recurrence (" .. label .. ")", function()
+        if not need_gpu() then return end
+        with_env("GDP_CUDA_V3_SAVE_U", function(set)
+          set(save_u ~= "tv" and save_u or nil)
+          H.reseed(505 + K + 7 * V + 31 * n)
+          local args = ops.random_inputs({ B = 1, T = 200, H = 2, K = K, V = V, n = n, grads = true,
+                                           initial_state = true, cu_seqlens = { 0, 70, 70, 200 } })
+          local o_ref, ht_ref, g_ref = oracle(args, dtype)
+          local dev = ops.convert_inputs(args, dtype, "cuda")
+          local tol = ops.TOLERANCE[dtype]
+          local o0, ht0 = ops.chunk_gated_delta_product(dev)
+          local g0 = ops.chunk_gated_delta_product_backward(dev)
+          -- the kept block counts in the live device memory (GC stopped: nothing else moves)
+          collectgarbage("collect")
+          collectgarbage("collect")
+          collectgarbage("stop")
+          local live0 = gdp.memory_live_bytes("cuda")
+          dev.save_for_backward = true
+          local o1, ht1, saved = ops.chunk_gated_delta_product(dev)
+          dev.save_for_backward = nil
+          local live1 = gdp.memory_live_bytes("cuda")
+          collectgarbage("restart")
+          local bytes = saved:bytes()
+          if dtype == "bf16" then
+            assert.is_true(bytes > 0, "variant 3 kept nothing")
+          else
+            assert.are.equal(0, bytes)
+          end
+          local esize = dtype == "bf16" and 2 or 4
+          assert.are.equal(bytes + o1:numel() * esize + ht1:numel() * 4, live1 - live0)
+          dev.saved = saved
+          local g1 = ops.chunk_gated_delta_product_backward(dev)
+          local g2 = ops.chunk_gated_delta_product_backward(dev) -- the object is only read
+          dev.saved = nil
+          local worst = { o = H.rel_error(o1, o0) }
+          assert.tensor_near(o1, o_ref, tol)
+          assert.tensor_near(ht1, ht_ref, tol)
+          assert.tensor_near(o1, o0, tol)
+          assert.tensor_near(ht1, ht0, tol)
+          for _, name in ipairs({ "dq", "dk", "dv", "dbeta", "dg", "dh0" }) do
+            assert.tensor_near(g0[name], g_ref[name], tol)
+            assert.tensor_near(g1[name], g_ref[name], tol)
+            assert.tensor_near(g1[name], g0[name], 2e-3)
+            assert.tensor_near(g2[name], g1[name], 2e-3)
+            worst[name] = H.rel_error(g1[name], g0[name])
+          end
+          local line = {}
+          for _, name in ipairs({ "o", "dq", "dk", "dv", "dbeta", "dg", "dh0" }) do
+            line[#line + 1] = string.format("%s %.1e", name, worst[name])
+          end
+          io.stderr:write(string.format("  saved vs recompute (%s, %d bytes kept): %s\n", label, bytes,
+                                        table.concat(line, ", ")))
+          collectgarbage("stop")
+          local live2 = gdp.memory_live_bytes("cuda")
+          saved:free()
+          saved:free()
+          local live3 = gdp.memory_live_bytes("cuda")
+          collectgarbage("restart")
+          assert.are.equal(bytes, live2 - live3)
+        end)
+      end)
+    end
   end
 
   it("save_for_backward: a backward that would run another variant is refused", function()

@@ -178,38 +178,7 @@ __device__ __forceinline__ void store_stateT_half(unsigned char *stage0, float *
 }
 
 
-/* ROWS x COLS bf16 panel, global row stride gld -> shared row stride sld, 16 bytes per
- * cp.async, all NT threads; rows >= valid are zero-filled (nothing read).  A thread
- * keeps one 16-byte column and steps down the rows (one base, constant strides). */
-template <int ROWS, int COLS, int NT>
-__device__ __forceinline__ void copy_panel(unsigned char *dst, int sld, const bf16 *src, int64_t gld,
-                                           int valid) {
-  constexpr int per_row = COLS / 8;
-  if constexpr (NT % per_row == 0) {
-    constexpr int row_step = NT / per_row;
-    const int r0 = (int)threadIdx.x / per_row, c8 = ((int)threadIdx.x % per_row) * 8;
-    unsigned char *d = dst + (r0 * sld + c8) * 2;
-    const bf16 *g = src + (int64_t)r0 * gld + c8;
-#pragma unroll
-    for (int r = 0; r < ROWS; r += row_step)
-      if (ROWS % row_step == 0 || r + r0 < ROWS) {
-        const bool ok = r + r0 < valid;
-        cp_async16(d + r * sld * 2, ok ? (const void *)(g + (int64_t)r * gld) : (const void *)src, ok);
-      }
-  } else { /* rows of 6 chunks (C = 48): plain index arithmetic, small panel */
-    constexpr int total = ROWS * per_row;
-#pragma unroll
-    for (int e0 = 0; e0 < total; e0 += NT) {
-      const int e = e0 + (int)threadIdx.x;
-      if (total % NT == 0 || e < total) {
-        const int r = e / per_row, c8 = (e % per_row) * 8;
-        const bool ok = r < valid;
-        cp_async16(dst + (r * sld + c8) * 2, ok ? (const void *)(src + (int64_t)r * gld + c8) : (const void *)src,
-                   ok);
-      }
-    }
-  }
-}
+/* copy_panel (rows >= valid zero-filled): gdp_v3_stage.cuh */
 
 
 /* Pull `bytes` (a multiple of 16, 16-byte aligned) into L2 with one bulk-copy-engine

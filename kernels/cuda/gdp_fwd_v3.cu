@@ -49,17 +49,21 @@ constexpr int kPad = 8;    /* bf16 elements (16 bytes) of padding per shared row
 
 /* Shared-memory layout of one pipeline stage (bytes).  Every region and row starts on
  * 16 bytes, as ldmatrix and cp.async need.  ULO (the saving pass): also U's residual
- * panel, right after U's (195 KB in all at K = 128, C = 64, BV = 64: still one block). */
-template <int K, int C, int TC, int BV, bool ULO = false>
+ * panel, right after U's (195 KB in all at K = 128, C = 64, BV = 64: still one block).
+ * TU (the saving pass that forms U itself): the oU region holds v's rows (C x BV, as
+ * given) and the one after it Tu^T (C x C) instead of the residual (the same 195 KB at
+ * K = 128, C = BV = 64). */
+template <int K, int C, int TC, int BV, bool ULO = false, bool TU = false>
 struct Layout {
   static constexpr int ldK = K + kPad, ldC = C + kPad, ldB = BV + kPad;
   static constexpr int oW = 0;
   static constexpr int oKd = oW + C * ldK * 2;
   static constexpr int oQd = oKd + C * ldK * 2;
   static constexpr int oPm = oQd + TC * ldK * 2;
-  static constexpr int oU = oPm + TC * ldC * 2;
-  static constexpr int oUl = oU + C * ldB * 2;
-  static constexpr int stage = (oUl + (ULO ? C * ldB * 2 : 0) + 127) / 128 * 128;
+  static constexpr int oU = oPm + TC * ldC * 2; /* U's columns, or (TU) v's */
+  static constexpr int oUl = oU + C * ldB * 2;  /* U's residual, or (TU) Tu^T */
+  static constexpr int szUl = !ULO ? 0 : TU ? C * ldC * 2 : C * ldB * 2;
+  static constexpr int stage = (oUl + szUl + 127) / 128 * 128;
   /* ULO (the saving pass) also has, after the stages, one h^T staging buffer per warp
    * (HtStage below): 17 KB at K = 128, BV = 64, 212 KB in all, still one block/SM */
   static constexpr int oHt = stage * kStages;
@@ -106,13 +110,17 @@ __device__ __forceinline__ void afrag_residual_kt(const float (&X)[NT2][4], int 
  * start) to hT32 and D (bf16) to a.Dbuf, the values bwd_states_kernel_v3 would
  * recompute -- the same products in the same order, so the same bits.  S16 (with SAVE):
  * h^T in bf16 to hT16 instead (GDP_CUDA_V3_STATE=bf16), the rounding the backward's
- * products apply to it anyway. */
-template <int K, int C, int TC, int BV, bool SAVE = false, bool S16 = false>
+ * products apply to it anyway.  TU (with SAVE; the prep ran with TU_OUT): U is not read
+ * but formed here, U = Tu V from a.Tu and v's rows, on the same bf16 operands the prep's
+ * U product takes, inside D's accumulator: D = U - W S in one float32 sum, where the
+ * default saving pass starts from U's bf16 rounding plus its residual (~16 bits). */
+template <int K, int C, int TC, int BV, bool SAVE = false, bool S16 = false, bool TU = false>
 __global__ void __launch_bounds__(BV / 16 * 32, 1) state_kernel_v3(GdpArgs a, float *hT32, bf16 *hT16) {
   pdl_wait(); /* the prep's panels (launched as its programmatic dependent) */
-  using L = Layout<K, C, TC, BV, SAVE>;
+  using L = Layout<K, C, TC, BV, SAVE, TU>;
   constexpr int NT = BV / 16 * 32;
   static_assert(K % 32 == 0 && C % 16 == 0 && TC % 16 == 0 && BV % 16 == 0, "tile shapes");
+  static_assert(!TU || SAVE, "TU is a saving pass");
   extern __shared__ __align__(128) unsigned char smem[];
   const int s = blockIdx.x, h = blockIdx.y, col0 = blockIdx.z * BV;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -141,8 +149,16 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) state_kernel_v3(GdpArgs a, fl
       copy_panel_full<C, K, NT>(st + L::oKd, L::ldK, a.Kd + base * C * K, K);
       copy_panel_full<TC, K, NT>(st + L::oQd, L::ldK, a.Qd + base * TC * K, K);
       copy_panel_full<TC, C, NT>(st + L::oPm, L::ldC, a.Pm + base * TC * C, C);
-      copy_panel_full<C, BV, NT>(st + L::oU, L::ldB, a.U + base * C * V + col0, V);
-      if constexpr (SAVE) copy_panel_full<C, BV, NT>(st + L::oUl, L::ldB, a.Ulo + base * C * V + col0, V);
+      if constexpr (TU) { /* v's rows (zero past the sequence end, as in the prep) and Tu^T */
+        const ChunkInfo cj = a.chunks[cbeg + it];
+        const int64_t krow0 = (int64_t)cj.t0 * (C / TC);
+        copy_panel<C, BV, NT>(st + L::oU, L::ldB, (const bf16 *)a.v + (krow0 * H + h) * V + col0, (int64_t)H * V,
+                              cj.ntok * (C / TC));
+        copy_panel_full<C, C, NT>(st + L::oUl, L::ldC, a.Tu + base * C * C, C);
+      } else {
+        copy_panel_full<C, BV, NT>(st + L::oU, L::ldB, a.U + base * C * V + col0, V);
+        if constexpr (SAVE) copy_panel_full<C, BV, NT>(st + L::oUl, L::ldB, a.Ulo + base * C * V + col0, V);
+      }
     }
     cp_async_commit();
   };
@@ -194,21 +210,44 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) state_kernel_v3(GdpArgs a, fl
      * the sign is restored, exactly, when it is rounded into Da).  SAVE: U = hi + lo, as
      * in the recompute backward's D (bwd_states_kernel_v3), which this D replaces. */
     float Dt[C / 8][4];
+    if constexpr (TU) {
+      /* -U^T = (-V^T) Tu^T: the A fragments of V^T come from v's rows [m][x] by
+       * ldmatrix.trans at U^T's addresses below, negated by their sign bits (exact); Tu^T
+       * [m][j] is the transposed-B operand, as Kd's in the update; Tu[j][m] = 0 for m > j */
 #pragma unroll
-    for (int jt = 0; jt < C / 16; jt++) {
-      uint32_t u0, u1, u2, u3;
-      ldsm_x4_t(sU + ((jt * 16 + urow) * L::ldB + ucol) * 2, u0, u1, u2, u3);
-      float2 f0 = unpack_bf16(u0), f1 = unpack_bf16(u1), f2 = unpack_bf16(u2), f3 = unpack_bf16(u3);
-      if constexpr (SAVE) {
-        uint32_t l0, l1, l2, l3;
-        ldsm_x4_t(sU + (L::oUl - L::oU) + ((jt * 16 + urow) * L::ldB + ucol) * 2, l0, l1, l2, l3);
-        const float2 g0 = unpack_bf16(l0), g1 = unpack_bf16(l1), g2 = unpack_bf16(l2), g3 = unpack_bf16(l3);
-        f0.x += g0.x, f0.y += g0.y, f1.x += g1.x, f1.y += g1.y;
-        f2.x += g2.x, f2.y += g2.y, f3.x += g3.x, f3.y += g3.y;
+      for (int nt = 0; nt < C / 8; nt++) Dt[nt][0] = Dt[nt][1] = Dt[nt][2] = Dt[nt][3] = 0.f;
+#pragma unroll
+      for (int mt = 0; mt < C / 16; mt++) {
+        uint32_t va[4];
+        ldsm_x4_t(sU + ((mt * 16 + urow) * L::ldB + ucol) * 2, va[0], va[1], va[2], va[3]);
+#pragma unroll
+        for (int q = 0; q < 4; q++) va[q] ^= 0x80008000u;
+#pragma unroll
+        for (int nt = 0; nt < C / 8; nt += 2) {
+          if (mt * 16 > nt * 8 + 15) continue;
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4_t(sU + (L::oUl - L::oU) + ((mt * 16 + trow) * L::ldC + nt * 8 + tcol) * 2, b0, b1, b2, b3);
+          mma16816(Dt[nt], va, b0, b1);
+          mma16816(Dt[nt + 1], va, b2, b3);
+        }
       }
-      Dt[2 * jt][0] = -f0.x, Dt[2 * jt][1] = -f0.y, Dt[2 * jt][2] = -f1.x, Dt[2 * jt][3] = -f1.y;
-      Dt[2 * jt + 1][0] = -f2.x, Dt[2 * jt + 1][1] = -f2.y;
-      Dt[2 * jt + 1][2] = -f3.x, Dt[2 * jt + 1][3] = -f3.y;
+    } else {
+#pragma unroll
+      for (int jt = 0; jt < C / 16; jt++) {
+        uint32_t u0, u1, u2, u3;
+        ldsm_x4_t(sU + ((jt * 16 + urow) * L::ldB + ucol) * 2, u0, u1, u2, u3);
+        float2 f0 = unpack_bf16(u0), f1 = unpack_bf16(u1), f2 = unpack_bf16(u2), f3 = unpack_bf16(u3);
+        if constexpr (SAVE) {
+          uint32_t l0, l1, l2, l3;
+          ldsm_x4_t(sU + (L::oUl - L::oU) + ((jt * 16 + urow) * L::ldB + ucol) * 2, l0, l1, l2, l3);
+          const float2 g0 = unpack_bf16(l0), g1 = unpack_bf16(l1), g2 = unpack_bf16(l2), g3 = unpack_bf16(l3);
+          f0.x += g0.x, f0.y += g0.y, f1.x += g1.x, f1.y += g1.y;
+          f2.x += g2.x, f2.y += g2.y, f3.x += g3.x, f3.y += g3.y;
+        }
+        Dt[2 * jt][0] = -f0.x, Dt[2 * jt][1] = -f0.y, Dt[2 * jt][2] = -f1.x, Dt[2 * jt][3] = -f1.y;
+        Dt[2 * jt + 1][0] = -f2.x, Dt[2 * jt + 1][1] = -f2.y;
+        Dt[2 * jt + 1][2] = -f3.x, Dt[2 * jt + 1][3] = -f3.y;
+      }
     }
 #pragma unroll
     for (int kt = 0; kt < K / 16; kt++)
@@ -1096,7 +1135,7 @@ __device__ __forceinline__ void prep_split_solve(const float *sA, float *sBuf, c
  *    behind the W items' products rather than at the block's exit;
  *  - every output through prep_stage_store: 16-byte stores of 64 contiguous bytes per
  *    row instead of 4-byte stores of 16. */
-template <int K, int V, int C, bool STORE_ULO, class L>
+template <int K, int V, int C, bool STORE_ULO, class L, bool TU_OUT = false>
 __device__ __forceinline__ void prep_wu_staged(const GdpArgs &a, int64_t CHi, uint32_t s0, uint32_t owners) {
   constexpr int GK = K / 64, NR = C / 16, NI = (GK + V / 64) * NR;
   static_assert(NI <= 16, "owner bits");
@@ -1157,11 +1196,43 @@ __device__ __forceinline__ void prep_wu_staged(const GdpArgs &a, int64_t CHi, ui
   };
   /* not unrolled: that is the point */
 #pragma unroll 1
-  for (int it = GK * NR; it < NI; it++)
+  for (int it = GK * NR; it < (TU_OUT ? 0 : NI); it++) /* TU_OUT: no U (the state pass forms it) */
     if ((int)((owners >> (2 * it)) & 3u) == warp) item(PrepIdx<1>{}, it);
 #pragma unroll 1
   for (int it = 0; it < GK * NR; it++)
     if ((int)((owners >> (2 * it)) & 3u) == warp) item(PrepIdx<0>{}, it);
+}
+
+/* The W items alone (the prep that leaves U to the saving state pass, TU_OUT below):
+ * PrepWuCost's deal over W's items only, so that all four warps share them (at K = 128,
+ * C = 64 each takes 5 of the 20 k tiles) instead of the two that own W's column groups
+ * in the W/U deal. */
+template <int K, int C>
+struct PrepWSched {
+  static constexpr PrepSched<(K / 64) * (C / 16), PrepWuCost<C>> w{};
+};
+template <int K, int C>
+__host__ __device__ constexpr uint32_t prep_w_owner_bits() {
+  uint32_t bits = 0;
+  for (int i = 0; i < (K / 64) * (C / 16); i++) bits |= (uint32_t)PrepWSched<K, C>::w.owner[i] << (2 * i);
+  return bits;
+}
+
+/* TU_OUT: the panel Tu^T = (T diag(beta))^T, as the solve left it in shared memory (row x
+ * = column x of T times beta_x, bf16), to a.Tu ([C][C] per (chunk, head)) in 16-byte
+ * pieces by all 128 threads. */
+template <int C, class L>
+__device__ __forceinline__ void prep_store_tu(const GdpArgs &a, int64_t CHi, uint32_t s0) {
+  constexpr int per_row = C / 8;
+  bf16 *g = a.Tu + CHi * C * C;
+#pragma unroll
+  for (int e0 = 0; e0 < C * per_row; e0 += 128) {
+    const int e = e0 + (int)threadIdx.x, r = e / per_row, c8 = (e % per_row) * 8;
+    if ((C * per_row) % 128 == 0 || e < C * per_row) { /* C = 48: 288 pieces */
+      const uint4 v = lds128(s0 + L::oTu + (r * L::ldT + c8) * 2);
+      stg128(g + r * C + c8, v.x, v.y, v.z, v.w);
+    }
+  }
 }
 
 /* One block (4 warps) per (chunk, head).  Same outputs as variant 2's chunk_prep_kernel
@@ -1194,8 +1265,12 @@ __device__ __forceinline__ void prep_wu_staged(const GdpArgs &a, int64_t CHi, ui
  * known at compile time, and at C = 32 five blocks per SM asked of ptxas (96 registers:
  * shared memory holds five there, and main's kernel happened to fit them; this one took
  * 102-106 registers unasked).  Same bits as without.
+ * TU_OUT (the saving forward, GDP_CUDA_V3_SAVE_U=tv): no U at all -- v is not read, U's
+ * items are skipped -- and Tu^T (the U product's own bf16 operand) goes to a.Tu instead;
+ * the saving state pass forms U = Tu V from v (state_kernel_v3's TU).  W, Kd, Qd, Pm, T^T
+ * and e^last are the same bits as without.
  */
-template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO, bool WU_STAGED, bool SPLIT>
+template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO, bool WU_STAGED, bool SPLIT, bool TU_OUT = false>
 __global__ void __launch_bounds__(128, SPLIT && C == 32 ? 5 : 4)
     prep_kernel_v3(GdpArgs a, bf16 *Tt, uint32_t wu_owners, int head_first) {
   /* the state pass after it may be scheduled once every prep block has started (it waits
@@ -1205,6 +1280,7 @@ __global__ void __launch_bounds__(128, SPLIT && C == 32 ? 5 : 4)
   static_assert(K % 64 == 0 && V % 64 == 0 && C % 16 == 0 && TC % 16 == 0 && C <= 64 && TC <= 32 &&
                     C % TC == 0,
                 "prep shapes");
+  static_assert(!TU_OUT || (WU_STAGED && STORE_T && !STORE_ULO), "TU_OUT: the saving forward's staged prep");
   constexpr int n = C / TC; /* tokens of n key rows: the launcher pairs (C, TC) with n */
   extern __shared__ __align__(128) unsigned char smem[];
   const int H = a.H;
@@ -1252,11 +1328,13 @@ __global__ void __launch_bounds__(128, SPLIT && C == 32 ? 5 : 4)
                  ok ? (const void *)(pq + r * strideK) : (const void *)gq, ok);
     }
     cp_async_commit();
+    if constexpr (!TU_OUT) { /* TU_OUT: no U here, so no v (its group stays, empty) */
 #pragma unroll
-    for (int r = 0; r < C / RV; r++) {
-      const bool ok = iv + r * RV < nv;
-      cp_async16(smem + L::oV + ((iv + r * RV) * L::ldV + cv) * 2,
-                 ok ? (const void *)(pv + r * strideV) : (const void *)gv, ok);
+      for (int r = 0; r < C / RV; r++) {
+        const bool ok = iv + r * RV < nv;
+        cp_async16(smem + L::oV + ((iv + r * RV) * L::ldV + cv) * 2,
+                   ok ? (const void *)(pv + r * strideV) : (const void *)gv, ok);
+      }
     }
     cp_async_commit();
   }
@@ -1434,7 +1512,8 @@ __global__ void __launch_bounds__(128, SPLIT && C == 32 ? 5 : 4)
    * A fragments come from the transposed panels by ldmatrix.trans: matrix m = lane/8
    * covers k rows kt 16 + 8(m/2).. and T rows rb + 8(m%2).. */
   if constexpr (WU_STAGED) {
-    prep_wu_staged<K, V, C, STORE_ULO, L>(a, CHi, s0, wu_owners);
+    if constexpr (TU_OUT) prep_store_tu<C, L>(a, CHi, s0);
+    prep_wu_staged<K, V, C, STORE_ULO, L, TU_OUT>(a, CHi, s0, wu_owners);
   } else {
     constexpr int GK = K / 64, NR = C / 16, NI = (GK + V / 64) * NR;
     const int trow = ((lane >> 3) & 1) * 8 + (lane & 7), tcol = (lane >> 4) * 8;
@@ -1489,11 +1568,15 @@ __global__ void __launch_bounds__(128, SPLIT && C == 32 ? 5 : 4)
 
 /* save: the SAVE pass (h^T to hT32, or in bf16 to hT16 where that is given, and D to
  * plan.a.Dbuf, besides o); a dry run only asks the occupancy of the pass it names (the
- * two h^T formats share one layout). */
+ * two h^T formats share one layout).  tu (with save, one-warp pass only): the pass that
+ * forms U from a.Tu and v (state_kernel_v3's TU). */
 template <int K, int C, int TC, int BV>
 static gdp_status launch_bv(const Plan &plan, bool dry_run, int *blocks_per_sm, bool save, float *hT32,
-                            bf16 *hT16, bool ks2) {
+                            bf16 *hT16, bool ks2, bool tu) {
   const GdpArgs &a = plan.a;
+  if (tu && (!save || ks2))
+    return GDP_ERROR(GDP_ERR_INTERNAL, "launch_state_v3: U from Tu and v is a one-warp saving pass (save %d, ks2 %d)",
+                     (int)save, (int)ks2);
   if constexpr (C % 32 == 0 && TC % 32 == 0) {
     /* two warps per 16 value columns (state_ks2_kernel_v3), plain or saving */
     if (ks2) {
@@ -1523,9 +1606,12 @@ static gdp_status launch_bv(const Plan &plan, bool dry_run, int *blocks_per_sm, 
       return GDP_OK;
     }
   }
-  /* the saving pass also stages U's residual: a larger stage */
-  const int smem = save ? Layout<K, C, TC, BV, true>::total : Layout<K, C, TC, BV, false>::total;
+  /* the saving pass also stages U's residual (or, tu, Tu^T): a larger stage */
+  const int smem = !save ? Layout<K, C, TC, BV, false>::total
+                   : tu  ? Layout<K, C, TC, BV, true, true>::total
+                         : Layout<K, C, TC, BV, true>::total;
   auto kern = !save ? state_kernel_v3<K, C, TC, BV, false, false>
+              : tu  ? (hT16 ? state_kernel_v3<K, C, TC, BV, true, true, true> : state_kernel_v3<K, C, TC, BV, true, false, true>)
               : hT16 ? state_kernel_v3<K, C, TC, BV, true, true>
                      : state_kernel_v3<K, C, TC, BV, true, false>;
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -1541,25 +1627,25 @@ static gdp_status launch_bv(const Plan &plan, bool dry_run, int *blocks_per_sm, 
 
 template <int K, int C, int TC>
 static gdp_status launch_k(const Plan &plan, int bv, bool dry_run, int *occ, bool save, float *hT32,
-                           bf16 *hT16, bool ks2) {
+                           bf16 *hT16, bool ks2, bool tu) {
   switch (bv) {
-    case 64: return launch_bv<K, C, TC, 64>(plan, dry_run, occ, save, hT32, hT16, ks2);
-    case 32: return launch_bv<K, C, TC, 32>(plan, dry_run, occ, save, hT32, hT16, ks2);
-    default: return launch_bv<K, C, TC, 16>(plan, dry_run, occ, save, hT32, hT16, ks2);
+    case 64: return launch_bv<K, C, TC, 64>(plan, dry_run, occ, save, hT32, hT16, ks2, tu);
+    case 32: return launch_bv<K, C, TC, 32>(plan, dry_run, occ, save, hT32, hT16, ks2, tu);
+    default: return launch_bv<K, C, TC, 16>(plan, dry_run, occ, save, hT32, hT16, ks2, tu);
   }
 }
 
 static gdp_status launch_state_v3(const Plan &plan, int bv, bool dry_run, int *occ, bool save, float *hT32,
-                                  bf16 *hT16 = nullptr, bool ks2 = false) {
+                                  bf16 *hT16 = nullptr, bool ks2 = false, bool tu = false) {
   const GdpArgs &a = plan.a;
   if (a.K == 128) {
-    if (a.n == 1) return launch_k<128, 32, 32>(plan, bv, dry_run, occ, save, hT32, hT16, ks2);
-    if (a.n == 2) return launch_k<128, 64, 32>(plan, bv, dry_run, occ, save, hT32, hT16, ks2);
-    return launch_k<128, 48, 16>(plan, bv, dry_run, occ, save, hT32, hT16, ks2);
+    if (a.n == 1) return launch_k<128, 32, 32>(plan, bv, dry_run, occ, save, hT32, hT16, ks2, tu);
+    if (a.n == 2) return launch_k<128, 64, 32>(plan, bv, dry_run, occ, save, hT32, hT16, ks2, tu);
+    return launch_k<128, 48, 16>(plan, bv, dry_run, occ, save, hT32, hT16, ks2, tu);
   }
-  if (a.n == 1) return launch_k<64, 32, 32>(plan, bv, dry_run, occ, save, hT32, hT16, ks2);
-  if (a.n == 2) return launch_k<64, 64, 32>(plan, bv, dry_run, occ, save, hT32, hT16, ks2);
-  return launch_k<64, 48, 16>(plan, bv, dry_run, occ, save, hT32, hT16, ks2);
+  if (a.n == 1) return launch_k<64, 32, 32>(plan, bv, dry_run, occ, save, hT32, hT16, ks2, tu);
+  if (a.n == 2) return launch_k<64, 64, 32>(plan, bv, dry_run, occ, save, hT32, hT16, ks2, tu);
+  return launch_k<64, 48, 16>(plan, bv, dry_run, occ, save, hT32, hT16, ks2, tu);
 }
 
 /* Value-block width: the fewest waves of blocks; on a tie the narrower block (more SMs
@@ -1567,8 +1653,9 @@ static gdp_status launch_state_v3(const Plan &plan, int bv, bool dry_run, int *o
  * chunks of its sequence, so a wave costs one sequence's full chain.  By the occupancy of
  * the pass that runs: the saving pass's larger stage fits fewer blocks (at K = V = 128,
  * n = 3 the plain pass's choice, BV = 32, ran the saving pass in two waves).
- * GDP_CUDA_V3_BV=16|32|64 forces a width (lab experiments). */
-static int choose_bv(const Plan &plan, bool save) {
+ * GDP_CUDA_V3_BV=16|32|64 forces a width (lab experiments).  tu: the saving pass that
+ * forms U itself (its stage holds Tu^T, C x C, where the residual's is C x BV). */
+static int choose_bv(const Plan &plan, bool save, bool tu = false) {
   const GdpArgs &a = plan.a;
   const char *env = getenv("GDP_CUDA_V3_BV");
   if (env) {
@@ -1580,9 +1667,10 @@ static int choose_bv(const Plan &plan, bool save) {
   for (int bv : {16, 32, 64}) {
     if (a.V % bv) continue;
     /* occupancy depends only on (save, K, n, bv): asked once, then cached (benign race) */
-    static int occ_cache[2][2][3][3] = {};
-    int &occ = occ_cache[save][a.K == 128][a.n - 1][bv == 16 ? 0 : bv == 32 ? 1 : 2];
-    if (occ == 0 && launch_state_v3(plan, bv, true, &occ, save, nullptr) != GDP_OK) occ = -1;
+    static int occ_cache[3][2][3][3] = {};
+    int &occ = occ_cache[save + (save && tu)][a.K == 128][a.n - 1][bv == 16 ? 0 : bv == 32 ? 1 : 2];
+    if (occ == 0 && launch_state_v3(plan, bv, true, &occ, save, nullptr, nullptr, false, save && tu) != GDP_OK)
+      occ = -1;
     if (occ < 1) continue;
     const double blocks = (double)a.N * a.H * (a.V / bv);
     const double waves = ceil(blocks / ((double)num_sms() * occ));
@@ -1619,7 +1707,7 @@ static PrepRun prep_run_wanted() {
  * kernel fits at all (A/B at other shapes; not the saving pass at K = 128, BV = 64).
  * Never the saving pass with D's residual in the update (GDP_CUDA_V3_DLO=1): the pair
  * kernel does not add it (the one-warp saving pass does). */
-static bool choose_ks2(const Plan &plan, int bv, bool save) {
+static bool choose_ks2(const Plan &plan, int bv, bool save, bool tu = false) {
   const GdpArgs &a = plan.a;
   if (a.n > 2 || (save && a.d_residual)) return false;
   static const int mode = [] {
@@ -1628,24 +1716,27 @@ static bool choose_ks2(const Plan &plan, int bv, bool save) {
   }();
   if (mode == 0 || (mode == 1 && bv != 16)) return false;
   /* occupancy depends only on (K, n, save, BV): asked once, then cached (benign race) */
-  static int occ_cache[2][2][2][3][2] = {};
-  int *occ = occ_cache[a.K == 128][a.n - 1][save][bv == 64 ? 2 : bv == 32 ? 1 : 0];
-  if (occ[0] == 0 && launch_state_v3(plan, bv, true, &occ[0], save, nullptr, nullptr, false) != GDP_OK) occ[0] = -1;
+  /* tu: the one-warp saving pass it is weighed against is the one that forms U itself */
+  static int occ_cache[2][2][3][3][2] = {};
+  int *occ = occ_cache[a.K == 128][a.n - 1][save + (save && tu)][bv == 64 ? 2 : bv == 32 ? 1 : 0];
+  if (occ[0] == 0 && launch_state_v3(plan, bv, true, &occ[0], save, nullptr, nullptr, false, save && tu) != GDP_OK)
+    occ[0] = -1;
   if (occ[1] == 0 && launch_state_v3(plan, bv, true, &occ[1], save, nullptr, nullptr, true) != GDP_OK) occ[1] = -1;
   if (mode == 2) return occ[1] >= 1;
   return occ[1] >= 1 && occ[1] >= occ[0];
 }
 
-template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO, bool WU_STAGED, bool SPLIT>
+template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO, bool WU_STAGED, bool SPLIT, bool TU_OUT = false>
 static gdp_status launch_prep_kernel(const Plan &plan, bf16 *Tt, PrepRun run) {
   using L = PrepLayout<K, V, C, TC, WU_STAGED, SPLIT>;
-  auto kern = prep_kernel_v3<K, V, C, TC, STORE_T, STORE_ULO, WU_STAGED, SPLIT>;
+  auto kern = prep_kernel_v3<K, V, C, TC, STORE_T, STORE_ULO, WU_STAGED, SPLIT, TU_OUT>;
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
   /* four blocks of up to 54.5 KB per SM need (nearly) all of the unified L1 as shared memory */
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout,
                                     cudaSharedmemCarveoutMaxShared));
-  const uint32_t owners =
-      STORE_ULO && run.ulo_sched ? prep_wu_owner_bits_ulo<K, V, C>() : prep_wu_owner_bits<K, V, C>();
+  const uint32_t owners = TU_OUT                      ? prep_w_owner_bits<K, C>()
+                          : STORE_ULO && run.ulo_sched ? prep_wu_owner_bits_ulo<K, V, C>()
+                                                       : prep_wu_owner_bits<K, V, C>();
   /* heads first needs the chunk-head count in one grid dimension (< 2^31) */
   const int64_t nblocks = (int64_t)plan.a.nchunks * plan.a.H;
   const bool head_first = run.head_first && nblocks <= 0x7fffffff;
@@ -1748,6 +1839,11 @@ static gdp_status launch_prep_kvt(const Plan &plan, bf16 *Tt) {
 template <int K, int V, int C, int TC>
 static gdp_status launch_prep_kv(const Plan &plan, bf16 *Tt) {
   if (!Tt) return launch_prep_kvt<K, V, C, TC, false, false>(plan, nullptr);
+  if (plan.a.Tu) { /* the saving forward that forms U in its state pass: no U, Tu^T instead */
+    if (plan.a.Ulo || C > V)
+      return GDP_ERROR(GDP_ERR_INTERNAL, "launch_prep_v3: Tu with U's residual or C %d > V %d", C, V);
+    if constexpr (C <= V) return launch_prep_kernel<K, V, C, TC, true, false, true, true, true>(plan, Tt, prep_run_wanted());
+  }
   return plan.a.Ulo ? launch_prep_kvt<K, V, C, TC, true, true>(plan, Tt)
                     : launch_prep_kvt<K, V, C, TC, true, false>(plan, Tt);
 }
@@ -1773,6 +1869,17 @@ gdp_status launch_prep_v3(const Plan &plan, bf16 *Tt) {
   const int K = plan.a.K, V = plan.a.V;
   if (K == 128) return V == 128 ? launch_prep_n<128, 128>(plan, Tt) : launch_prep_n<128, 64>(plan, Tt);
   return V == 128 ? launch_prep_n<64, 128>(plan, Tt) : launch_prep_n<64, 64>(plan, Tt);
+}
+
+/* How the saving forward gets U into D = U - W S.  Unset or =tv: the prep stores Tu^T =
+ * (T diag(beta))^T (8 KB per (chunk, head) at C = 64) instead of U and U's residual (32
+ * KB) and reads no v; the saving state pass reads Tu^T and v's rows (24 KB instead of 32)
+ * and forms U in float32 inside D's accumulator (NOTES.md "U from Tu and v").  =ulo: U
+ * and its residual through memory (sessions 3-8).  Where the pass cannot (the two-warp
+ * pass, ks2; C > V, where Tu^T would not fit U's buffer) the residual path runs. */
+static bool save_u_from_tv() {
+  const char *env = getenv("GDP_CUDA_V3_SAVE_U");
+  return !(env && strcmp(env, "ulo") == 0);
 }
 
 /* GDP_CUDA_V3_ULO=0 drops U's residual from the backward's D (lab experiments: what the
@@ -1873,15 +1980,23 @@ static gdp_status forward_v3(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io,
     /* the saved h must be the recompute backward's h (bwd_states_kernel_v3 adds it too) */
     plan.a.d_residual = v3::keep_d_residual();
   }
+  /* the state pass is chosen before the prep runs: whether the saving pass forms U from
+   * Tu and v (tu) decides what the prep stores.  Tu^T ([C][C] bf16 per (chunk, head))
+   * goes into U's buffer, which the prep then does not write (C <= V: it fits). */
+  const bool tu_wanted = saved && new_prep && v3::save_u_from_tv() && plan.a.C <= plan.a.V;
+  const int bv = v3::choose_bv(plan, saved != nullptr, tu_wanted);
+  const bool ks2 = v3::choose_ks2(plan, bv, saved != nullptr, tu_wanted);
+  const bool tu = tu_wanted && !ks2;
+  if (tu) {
+    plan.a.Tu = plan.a.U;
+    plan.a.Ulo = nullptr;
+  }
   prof_mark("fwd plan+upload", stream);
   /* saving: the prep also stores T^T for grad_wy (the recompute backward's prep does) */
   st = new_prep ? v3::launch_prep_v3(plan, Tt) : launch_prep(plan);
   prof_mark(new_prep ? "fwd prep v3" : "fwd prep", stream);
-  if (st == GDP_OK) {
-    const int bv = v3::choose_bv(plan, saved != nullptr);
-    st = v3::launch_state_v3(plan, bv, false, nullptr, saved != nullptr, hT32, hT16,
-                             v3::choose_ks2(plan, bv, saved != nullptr));
-  }
+  if (st == GDP_OK)
+    st = v3::launch_state_v3(plan, bv, false, nullptr, saved != nullptr, hT32, hT16, ks2, tu);
   prof_mark(saved ? "fwd state+output v3 (saving h, D)" : "fwd state+output v3", stream);
   plan_free(&plan);
   prof_end(stream);
