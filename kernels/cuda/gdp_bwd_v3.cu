@@ -56,6 +56,7 @@ using v3::stage_dfrags;
 using v3::stage_hT16_half;
 using v3::stage_hT32_half;
 using v3::copy_panel_full;
+using v3::copy_panel;
 
 constexpr int kStages = 3; /* chunk panels in flight: current + next two */
 constexpr int kPad = 8;    /* bf16 elements (16 bytes) of padding per shared row */
