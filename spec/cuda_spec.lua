@@ -220,23 +220,24 @@ describe("cuda #gpu", function()
   -- 0, counted in the live device memory until freed) and its backward skips the prep
   -- and the state pass; both paths within the bf16 tolerance of the float64 recurrence.
   -- The gradients of the two paths agree closely (the recompute backward forms D from
-  -- U = hi + lo, the saving forward by default from U = Tu V in float32, GDP_CUDA_V3_SAVE_U
-  -- unset, or from U = hi + lo too, =ulo: D agrees to ~16 bits either way, and the rest is
-  -- the order of the gradient kernels' shared-memory atomics); o and ht do not need to:
-  -- the plain forward forms D from bf16 U alone.  Every case runs with both SAVE_U modes.
+  -- U = hi + lo; the saving forward by default from U = Tu V in float32, GDP_CUDA_V3_U
+  -- unset, or from U = hi + lo too, =panel: D agrees to ~16 bits either way, and the rest
+  -- is the order of the gradient kernels' shared-memory atomics); o and ht need not: the
+  -- plain forward forms D from U = Tu V too by default, from bf16 U alone with =panel.
+  -- Every case runs with both modes of GDP_CUDA_V3_U (plain and saving forward alike).
   -- f32 (variant 1) keeps nothing and recomputes.
   local saved_cases = {
     { "bf16", 64, 64, 1 }, { "bf16", 128, 128, 2 }, { "bf16", 64, 128, 3 }, { "bf16", 128, 64, 2 },
     { "f32", 64, 64, 2 },
   }
   for _, case in ipairs(saved_cases) do
-    for _, save_u in ipairs({ "tv", "ulo" }) do
+    for _, umode in ipairs({ "tv", "panel" }) do
       local dtype, K, V, n = case[1], case[2], case[3], case[4]
-      local label = string.format("%s, K=%d V=%d n=%d, SAVE_U=%s", dtype, K, V, n, save_u)
+      local label = string.format("%s, K=%d V=%d n=%d, GDP_CUDA_V3_U=%s", dtype, K, V, n, umode)
       it("save_for_backward matches the recompute and the float64 recurrence (" .. label .. ")", function()
         if not need_gpu() then return end
-        with_env("GDP_CUDA_V3_SAVE_U", function(set)
-          set(save_u ~= "tv" and save_u or nil)
+        with_env("GDP_CUDA_V3_U", function(set)
+          set(umode ~= "tv" and umode or nil)
           H.reseed(505 + K + 7 * V + 31 * n)
           local args = ops.random_inputs({ B = 1, T = 200, H = 2, K = K, V = V, n = n, grads = true,
                                            initial_state = true, cu_seqlens = { 0, 70, 70, 200 } })

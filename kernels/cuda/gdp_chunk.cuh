@@ -60,9 +60,9 @@ struct GdpArgs {
   /* v3 backward only (else NULL): U - bf16(U), so that the recompute's D = U - W h starts
    * from U to ~16 bits instead of 8 (dg's z terms amplify D's error; NOTES.md) */
   bf16 *Ulo;
-  /* v3 saving forward only (else NULL; GDP_CUDA_V3_SAVE_U): (T diag(beta))^T, bf16 [C][C]
-   * per (chunk, head), which the prep stores in U's buffer (C <= V) instead of U and U's
-   * residual; the saving state pass reads it and v and forms U = Tu V itself, in float32,
+  /* v3 forward only (else NULL; GDP_CUDA_V3_U): (T diag(beta))^T, bf16 [C][C] per
+   * (chunk, head), which the prep stores in U's buffer (C <= V) instead of U (and, saving,
+   * U's residual); the state pass reads it and v and forms U = Tu V itself, in float32,
    * inside D's accumulator (no U round trip, no residual) */
   bf16 *Tu;
   float *elast;

@@ -50,9 +50,9 @@ constexpr int kPad = 8;    /* bf16 elements (16 bytes) of padding per shared row
 /* Shared-memory layout of one pipeline stage (bytes).  Every region and row starts on
  * 16 bytes, as ldmatrix and cp.async need.  ULO (the saving pass): also U's residual
  * panel, right after U's (195 KB in all at K = 128, C = 64, BV = 64: still one block).
- * TU (the saving pass that forms U itself): the oU region holds v's rows (C x BV, as
- * given) and the one after it Tu^T (C x C) instead of the residual (the same 195 KB at
- * K = 128, C = BV = 64). */
+ * TU (a pass that forms U itself): the oU region holds v's rows (C x BV, as given) and
+ * the one after it Tu^T (C x C), in the saving pass instead of the residual (the same
+ * 195 KB at K = 128, C = BV = 64), in the plain one added (9 KB more there). */
 template <int K, int C, int TC, int BV, bool ULO = false, bool TU = false>
 struct Layout {
   static constexpr int ldK = K + kPad, ldC = C + kPad, ldB = BV + kPad;
@@ -62,7 +62,7 @@ struct Layout {
   static constexpr int oPm = oQd + TC * ldK * 2;
   static constexpr int oU = oPm + TC * ldC * 2; /* U's columns, or (TU) v's */
   static constexpr int oUl = oU + C * ldB * 2;  /* U's residual, or (TU) Tu^T */
-  static constexpr int szUl = !ULO ? 0 : TU ? C * ldC * 2 : C * ldB * 2;
+  static constexpr int szUl = TU ? C * ldC * 2 : ULO ? C * ldB * 2 : 0;
   static constexpr int stage = (oUl + szUl + 127) / 128 * 128;
   /* ULO (the saving pass) also has, after the stages, one h^T staging buffer per warp
    * (HtStage below): 17 KB at K = 128, BV = 64, 212 KB in all, still one block/SM */
@@ -110,7 +110,7 @@ __device__ __forceinline__ void afrag_residual_kt(const float (&X)[NT2][4], int 
  * start) to hT32 and D (bf16) to a.Dbuf, the values bwd_states_kernel_v3 would
  * recompute -- the same products in the same order, so the same bits.  S16 (with SAVE):
  * h^T in bf16 to hT16 instead (GDP_CUDA_V3_STATE=bf16), the rounding the backward's
- * products apply to it anyway.  TU (with SAVE; the prep ran with TU_OUT): U is not read
+ * products apply to it anyway.  TU (the prep ran with TU_OUT; plain or SAVE): U is not read
  * but formed here, U = Tu V from a.Tu and v's rows, on the same bf16 operands the prep's
  * U product takes, inside D's accumulator: D = U - W S in one float32 sum, where the
  * default saving pass starts from U's bf16 rounding plus its residual (~16 bits). */
@@ -120,7 +120,6 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) state_kernel_v3(GdpArgs a, fl
   using L = Layout<K, C, TC, BV, SAVE, TU>;
   constexpr int NT = BV / 16 * 32;
   static_assert(K % 32 == 0 && C % 16 == 0 && TC % 16 == 0 && BV % 16 == 0, "tile shapes");
-  static_assert(!TU || SAVE, "TU is a saving pass");
   extern __shared__ __align__(128) unsigned char smem[];
   const int s = blockIdx.x, h = blockIdx.y, col0 = blockIdx.z * BV;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -721,13 +720,14 @@ struct PrepSplit {
  * region from oQ on is used twice: first by q (then qn) and the packed A, then -- after
  * the barrier that ends the solve's reads of A -- by the bf16 panels Tw^T and Tu^T
  * (row x = column x of T, the layout the solve's threads write with 16-byte stores).
- * At K = V = 128, C = 64 that is 52.5 KB: four blocks per SM. */
-template <int K, int V, int C, int TC, bool STAGED = false, bool SPLIT = false>
+ * At K = V = 128, C = 64 that is 52.5 KB: four blocks per SM.  NOV (the prep that stores
+ * Tu^T instead of U, TU_OUT): no v region (17 KB less at V = 128, C = 64). */
+template <int K, int V, int C, int TC, bool STAGED = false, bool SPLIT = false, bool NOV = false>
 struct PrepLayout {
   static constexpr int ldK = K + kPad, ldV = V + kPad, ldT = C + kPad;
   static constexpr int oK = 0;                   /* k rows, then kn (bf16) */
-  static constexpr int oV = oK + C * ldK * 2;    /* v rows (bf16, as given) */
-  static constexpr int oBeta = oV + C * ldV * 2; /* beta (float) */
+  static constexpr int oV = oK + C * ldK * 2;    /* v rows (bf16, as given; none with NOV) */
+  static constexpr int oBeta = oV + (NOV ? 0 : C * ldV * 2); /* beta (float) */
   static constexpr int oGc = oBeta + C * 4;      /* in-chunk cumulative g (float) */
   static constexpr int oQ = oGc + C * 4;         /* q rows, then qn (bf16) */
   static constexpr int oA = oQ + TC * ldK * 2;   /* A, packed rows (float) */
@@ -1265,22 +1265,26 @@ __device__ __forceinline__ void prep_store_tu(const GdpArgs &a, int64_t CHi, uin
  * known at compile time, and at C = 32 five blocks per SM asked of ptxas (96 registers:
  * shared memory holds five there, and main's kernel happened to fit them; this one took
  * 102-106 registers unasked).  Same bits as without.
- * TU_OUT (the saving forward, GDP_CUDA_V3_SAVE_U=tv): no U at all -- v is not read, U's
+ * TU_OUT (the forward, GDP_CUDA_V3_U=tv): no U at all -- v is not read, U's
  * items are skipped -- and Tu^T (the U product's own bf16 operand) goes to a.Tu instead;
- * the saving state pass forms U = Tu V from v (state_kernel_v3's TU).  W, Kd, Qd, Pm, T^T
- * and e^last are the same bits as without.
+ * the state pass forms U = Tu V from v (state_kernel_v3's TU).  W, Kd, Qd, Pm, T^T and
+ * e^last are the same bits as without.  FIVE (with TU_OUT): compiled for five blocks per
+ * SM (96 registers; without v's region five fit in shared memory at C = 48, 64), where
+ * four is the default elsewhere; ptxas: no spills at C = 32, 48, ~56 bytes at C = 64.
  */
-template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO, bool WU_STAGED, bool SPLIT, bool TU_OUT = false>
-__global__ void __launch_bounds__(128, SPLIT && C == 32 ? 5 : 4)
+template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO, bool WU_STAGED, bool SPLIT, bool TU_OUT = false,
+          bool FIVE = false>
+__global__ void __launch_bounds__(128, FIVE || (SPLIT && C == 32) ? 5 : 4)
     prep_kernel_v3(GdpArgs a, bf16 *Tt, uint32_t wu_owners, int head_first) {
   /* the state pass after it may be scheduled once every prep block has started (it waits
    * for the prep's completion before it reads a panel): no launch gap */
   pdl_launch_dependents();
-  using L = PrepLayout<K, V, C, TC, WU_STAGED, SPLIT>;
+  using L = PrepLayout<K, V, C, TC, WU_STAGED, SPLIT, TU_OUT>;
   static_assert(K % 64 == 0 && V % 64 == 0 && C % 16 == 0 && TC % 16 == 0 && C <= 64 && TC <= 32 &&
                     C % TC == 0,
                 "prep shapes");
-  static_assert(!TU_OUT || (WU_STAGED && STORE_T && !STORE_ULO), "TU_OUT: the saving forward's staged prep");
+  static_assert(!TU_OUT || (WU_STAGED && !STORE_ULO), "TU_OUT: the staged prep, without U's residual");
+  static_assert(TU_OUT || !FIVE, "five blocks per SM only without v's region");
   constexpr int n = C / TC; /* tokens of n key rows: the launcher pairs (C, TC) with n */
   extern __shared__ __align__(128) unsigned char smem[];
   const int H = a.H;
@@ -1568,15 +1572,14 @@ __global__ void __launch_bounds__(128, SPLIT && C == 32 ? 5 : 4)
 
 /* save: the SAVE pass (h^T to hT32, or in bf16 to hT16 where that is given, and D to
  * plan.a.Dbuf, besides o); a dry run only asks the occupancy of the pass it names (the
- * two h^T formats share one layout).  tu (with save, one-warp pass only): the pass that
- * forms U from a.Tu and v (state_kernel_v3's TU). */
+ * two h^T formats share one layout).  tu (one-warp pass only): the pass that forms U
+ * from a.Tu and v (state_kernel_v3's TU). */
 template <int K, int C, int TC, int BV>
 static gdp_status launch_bv(const Plan &plan, bool dry_run, int *blocks_per_sm, bool save, float *hT32,
                             bf16 *hT16, bool ks2, bool tu) {
   const GdpArgs &a = plan.a;
-  if (tu && (!save || ks2))
-    return GDP_ERROR(GDP_ERR_INTERNAL, "launch_state_v3: U from Tu and v is a one-warp saving pass (save %d, ks2 %d)",
-                     (int)save, (int)ks2);
+  if (tu && ks2)
+    return GDP_ERROR(GDP_ERR_INTERNAL, "launch_state_v3: U from Tu and v is a one-warp pass (ks2 asked)");
   if constexpr (C % 32 == 0 && TC % 32 == 0) {
     /* two warps per 16 value columns (state_ks2_kernel_v3), plain or saving */
     if (ks2) {
@@ -1607,10 +1610,10 @@ static gdp_status launch_bv(const Plan &plan, bool dry_run, int *blocks_per_sm, 
     }
   }
   /* the saving pass also stages U's residual (or, tu, Tu^T): a larger stage */
-  const int smem = !save ? Layout<K, C, TC, BV, false>::total
+  const int smem = !save ? (tu ? Layout<K, C, TC, BV, false, true>::total : Layout<K, C, TC, BV, false>::total)
                    : tu  ? Layout<K, C, TC, BV, true, true>::total
                          : Layout<K, C, TC, BV, true>::total;
-  auto kern = !save ? state_kernel_v3<K, C, TC, BV, false, false>
+  auto kern = !save ? (tu ? state_kernel_v3<K, C, TC, BV, false, false, true> : state_kernel_v3<K, C, TC, BV, false, false>)
               : tu  ? (hT16 ? state_kernel_v3<K, C, TC, BV, true, true, true> : state_kernel_v3<K, C, TC, BV, true, false, true>)
               : hT16 ? state_kernel_v3<K, C, TC, BV, true, true>
                      : state_kernel_v3<K, C, TC, BV, true, false>;
@@ -1653,8 +1656,8 @@ static gdp_status launch_state_v3(const Plan &plan, int bv, bool dry_run, int *o
  * chunks of its sequence, so a wave costs one sequence's full chain.  By the occupancy of
  * the pass that runs: the saving pass's larger stage fits fewer blocks (at K = V = 128,
  * n = 3 the plain pass's choice, BV = 32, ran the saving pass in two waves).
- * GDP_CUDA_V3_BV=16|32|64 forces a width (lab experiments).  tu: the saving pass that
- * forms U itself (its stage holds Tu^T, C x C, where the residual's is C x BV). */
+ * GDP_CUDA_V3_BV=16|32|64 forces a width (lab experiments).  tu: the pass that forms U
+ * itself (its stage also holds Tu^T, C x C; the saving one's instead of the residual). */
 static int choose_bv(const Plan &plan, bool save, bool tu = false) {
   const GdpArgs &a = plan.a;
   const char *env = getenv("GDP_CUDA_V3_BV");
@@ -1667,10 +1670,9 @@ static int choose_bv(const Plan &plan, bool save, bool tu = false) {
   for (int bv : {16, 32, 64}) {
     if (a.V % bv) continue;
     /* occupancy depends only on (save, K, n, bv): asked once, then cached (benign race) */
-    static int occ_cache[3][2][3][3] = {};
-    int &occ = occ_cache[save + (save && tu)][a.K == 128][a.n - 1][bv == 16 ? 0 : bv == 32 ? 1 : 2];
-    if (occ == 0 && launch_state_v3(plan, bv, true, &occ, save, nullptr, nullptr, false, save && tu) != GDP_OK)
-      occ = -1;
+    static int occ_cache[2][2][2][3][3] = {};
+    int &occ = occ_cache[save][tu][a.K == 128][a.n - 1][bv == 16 ? 0 : bv == 32 ? 1 : 2];
+    if (occ == 0 && launch_state_v3(plan, bv, true, &occ, save, nullptr, nullptr, false, tu) != GDP_OK) occ = -1;
     if (occ < 1) continue;
     const double blocks = (double)a.N * a.H * (a.V / bv);
     const double waves = ceil(blocks / ((double)num_sms() * occ));
@@ -1716,20 +1718,21 @@ static bool choose_ks2(const Plan &plan, int bv, bool save, bool tu = false) {
   }();
   if (mode == 0 || (mode == 1 && bv != 16)) return false;
   /* occupancy depends only on (K, n, save, BV): asked once, then cached (benign race) */
-  /* tu: the one-warp saving pass it is weighed against is the one that forms U itself */
-  static int occ_cache[2][2][3][3][2] = {};
-  int *occ = occ_cache[a.K == 128][a.n - 1][save + (save && tu)][bv == 64 ? 2 : bv == 32 ? 1 : 0];
-  if (occ[0] == 0 && launch_state_v3(plan, bv, true, &occ[0], save, nullptr, nullptr, false, save && tu) != GDP_OK)
+  /* tu: the one-warp pass it is weighed against is the one that forms U itself */
+  static int occ_cache[2][2][2][2][3][2] = {};
+  int *occ = occ_cache[a.K == 128][a.n - 1][save][tu][bv == 64 ? 2 : bv == 32 ? 1 : 0];
+  if (occ[0] == 0 && launch_state_v3(plan, bv, true, &occ[0], save, nullptr, nullptr, false, tu) != GDP_OK)
     occ[0] = -1;
   if (occ[1] == 0 && launch_state_v3(plan, bv, true, &occ[1], save, nullptr, nullptr, true) != GDP_OK) occ[1] = -1;
   if (mode == 2) return occ[1] >= 1;
   return occ[1] >= 1 && occ[1] >= occ[0];
 }
 
-template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO, bool WU_STAGED, bool SPLIT, bool TU_OUT = false>
+template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO, bool WU_STAGED, bool SPLIT, bool TU_OUT = false,
+          bool FIVE = false>
 static gdp_status launch_prep_kernel(const Plan &plan, bf16 *Tt, PrepRun run) {
-  using L = PrepLayout<K, V, C, TC, WU_STAGED, SPLIT>;
-  auto kern = prep_kernel_v3<K, V, C, TC, STORE_T, STORE_ULO, WU_STAGED, SPLIT, TU_OUT>;
+  using L = PrepLayout<K, V, C, TC, WU_STAGED, SPLIT, TU_OUT>;
+  auto kern = prep_kernel_v3<K, V, C, TC, STORE_T, STORE_ULO, WU_STAGED, SPLIT, TU_OUT, FIVE>;
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
   /* four blocks of up to 54.5 KB per SM need (nearly) all of the unified L1 as shared memory */
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout,
@@ -1765,6 +1768,17 @@ static bool prep_wu_staged_wanted() {
 static bool prep_split_wanted() {
   const char *env = getenv("GDP_CUDA_V3_PREP_SOLVE");
   return !(env && strcmp(env, "rows") == 0);
+}
+
+/* The prep that stores Tu^T (TU_OUT) at five blocks per SM (FIVE)?  GDP_CUDA_V3_PREP_FIVE=1:
+ * at every C; =0: never (four, as every other prep at C > 32); unset: where ptxas fits it
+ * in 96 registers without spilling, C = 48 (n = 3; at C = 32 every prep runs five
+ * already), not C = 64 (~56 bytes spilled). */
+static bool prep_five_wanted(int C) {
+  const char *env = getenv("GDP_CUDA_V3_PREP_FIVE");
+  if (env && strcmp(env, "1") == 0) return true;
+  if (env && strcmp(env, "0") == 0) return false;
+  return C == 48;
 }
 
 static bool prep_wu_compare() {
@@ -1836,14 +1850,27 @@ static gdp_status launch_prep_kvt(const Plan &plan, bf16 *Tt) {
                              : launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, true, false>(plan, Tt, run);
 }
 
+/* The prep for a state pass that forms U itself (plan.a.Tu set): Tu^T instead of U, no v;
+ * with T^T where Tt is given (the saving forward, the recompute backward). */
+template <int K, int V, int C, int TC>
+static gdp_status launch_prep_tu(const Plan &plan, bf16 *Tt) {
+  if (plan.a.Ulo || C > V)
+    return GDP_ERROR(GDP_ERR_INTERNAL, "launch_prep_v3: Tu with U's residual or C %d > V %d", C, V);
+  if constexpr (C <= V) {
+    const PrepRun run = prep_run_wanted();
+    if (prep_five_wanted(C))
+      return Tt ? launch_prep_kernel<K, V, C, TC, true, false, true, true, true, true>(plan, Tt, run)
+                : launch_prep_kernel<K, V, C, TC, false, false, true, true, true, true>(plan, nullptr, run);
+    return Tt ? launch_prep_kernel<K, V, C, TC, true, false, true, true, true>(plan, Tt, run)
+              : launch_prep_kernel<K, V, C, TC, false, false, true, true, true>(plan, nullptr, run);
+  }
+  return GDP_OK;
+}
+
 template <int K, int V, int C, int TC>
 static gdp_status launch_prep_kv(const Plan &plan, bf16 *Tt) {
+  if (plan.a.Tu) return launch_prep_tu<K, V, C, TC>(plan, Tt);
   if (!Tt) return launch_prep_kvt<K, V, C, TC, false, false>(plan, nullptr);
-  if (plan.a.Tu) { /* the saving forward that forms U in its state pass: no U, Tu^T instead */
-    if (plan.a.Ulo || C > V)
-      return GDP_ERROR(GDP_ERR_INTERNAL, "launch_prep_v3: Tu with U's residual or C %d > V %d", C, V);
-    if constexpr (C <= V) return launch_prep_kernel<K, V, C, TC, true, false, true, true, true>(plan, Tt, prep_run_wanted());
-  }
   return plan.a.Ulo ? launch_prep_kvt<K, V, C, TC, true, true>(plan, Tt)
                     : launch_prep_kvt<K, V, C, TC, true, false>(plan, Tt);
 }
@@ -1871,15 +1898,16 @@ gdp_status launch_prep_v3(const Plan &plan, bf16 *Tt) {
   return V == 128 ? launch_prep_n<64, 128>(plan, Tt) : launch_prep_n<64, 64>(plan, Tt);
 }
 
-/* How the saving forward gets U into D = U - W S.  Unset or =tv: the prep stores Tu^T =
- * (T diag(beta))^T (8 KB per (chunk, head) at C = 64) instead of U and U's residual (32
- * KB) and reads no v; the saving state pass reads Tu^T and v's rows (24 KB instead of 32)
- * and forms U in float32 inside D's accumulator (NOTES.md "U from Tu and v").  =ulo: U
- * and its residual through memory (sessions 3-8).  Where the pass cannot (the two-warp
- * pass, ks2; C > V, where Tu^T would not fit U's buffer) the residual path runs. */
-static bool save_u_from_tv() {
-  const char *env = getenv("GDP_CUDA_V3_SAVE_U");
-  return !(env && strcmp(env, "ulo") == 0);
+/* How the forward's state pass gets U into D = U - W S.  Unset or =tv: the prep stores
+ * Tu^T = (T diag(beta))^T (8 KB per (chunk, head) at C = 64) instead of U (16 KB; the
+ * saving forward also U's residual, 16 more) and reads no v; the state pass reads Tu^T
+ * and v's rows and forms U in float32 inside D's accumulator (NOTES.md "U from Tu and
+ * v").  =panel: U (and, saving, its residual) through memory, as in sessions 3-8.  Where
+ * the pass cannot (the two-warp pass, ks2; C > V, where Tu^T would not fit U's buffer)
+ * the panel path runs.  The recompute backward's states keep U and its residual. */
+static bool u_from_tv() {
+  const char *env = getenv("GDP_CUDA_V3_U");
+  return !(env && strcmp(env, "panel") == 0);
 }
 
 /* GDP_CUDA_V3_ULO=0 drops U's residual from the backward's D (lab experiments: what the
@@ -1983,7 +2011,7 @@ static gdp_status forward_v3(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io,
   /* the state pass is chosen before the prep runs: whether the saving pass forms U from
    * Tu and v (tu) decides what the prep stores.  Tu^T ([C][C] bf16 per (chunk, head))
    * goes into U's buffer, which the prep then does not write (C <= V: it fits). */
-  const bool tu_wanted = saved && new_prep && v3::save_u_from_tv() && plan.a.C <= plan.a.V;
+  const bool tu_wanted = new_prep && v3::u_from_tv() && plan.a.C <= plan.a.V;
   const int bv = v3::choose_bv(plan, saved != nullptr, tu_wanted);
   const bool ks2 = v3::choose_ks2(plan, bv, saved != nullptr, tu_wanted);
   const bool tu = tu_wanted && !ks2;
