@@ -5,6 +5,8 @@
 # lab check v3 v5 (tv), the SAVE_U specs (both modes against the float64 recurrence),
 # the A/B on the device timer, per-kernel profiles, memcheck / racecheck on the lab's
 # bench 1 x 300 (n = 2, 3) with tv, check_reference bf16 saving, lab check with ulo, slices at n = 2.
+# (The switch was renamed after this call: GDP_CUDA_V3_SAVE_U=tv|ulo is now GDP_CUDA_V3_U=tv|panel,
+# and tv also covers the plain forward; re-running this script on main, read it so.)
 # Device (carry [".devbundle"]):
 #   source .devbundle/env.sh && OUT=$OUT bash results/cuda/session9/call2.sh
 CALL=call2
