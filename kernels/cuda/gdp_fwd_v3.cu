@@ -1203,7 +1203,7 @@ __device__ __forceinline__ void prep_wu_staged(const GdpArgs &a, int64_t CHi, ui
     if ((int)((owners >> (2 * it)) & 3u) == warp) item(PrepIdx<0>{}, it);
 }
 
-/* The W items alone (the prep that leaves U to the saving state pass, TU_OUT below):
+/* The W items alone (the prep that leaves U to the state pass, TU_OUT below):
  * PrepWuCost's deal over W's items only, so that all four warps share them (at K = 128,
  * C = 64 each takes 5 of the 20 k tiles) instead of the two that own W's column groups
  * in the W/U deal. */
