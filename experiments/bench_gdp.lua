@@ -626,8 +626,9 @@ say("# gdp %s on %s, %s, %s, H=%d K=%d V=%d, algorithm %s, %d threads, median of
     shapes[1].T, shapes[1].n) or (#shapes .. " shapes"), opts.H, opts.K, opts.V, opts.algorithm,
     common.threads, opts["repeat"], inputs, (opts.final_state and "final state" or "no final state") ..
     (opts.save_for_backward and ", save for backward" or ""))
-if #shapes == 1 and not opts.against_fla and r1 and r1.status == "ok" then
-  -- the single-shape table of before --shapes
+if opts.shapes == "" and not opts.against_fla and not opts.with_saving and r1 and r1.status == "ok" then
+  -- the single-shape table of before --shapes (--B/--T/--n alone); --shapes, even with one
+  -- shape, and the columns of --with-saving / --against-fla take the table below
   say("%s", util.format_table({ "pass", "time_ms", "GFLOP/s", "of_sgemm" }, {
     { "forward", r1.fwd_ms, r1.gflops_fwd, r1.gflops_fwd / ceil.sgemm_gflops },
     { "forward+backward", r1.fwdbwd_ms, r1.gflops, r1.fraction_of_sgemm },

@@ -125,6 +125,20 @@ describe("bench_gdp --shapes and --against-fla (cpu, fla stubbed)", function()
     assert.are.equal(r.shapes[1].fraction_of_sgemm, r.fraction_of_sgemm)
   end)
 
+  it("prints the shapes table for one --shapes shape too, with the --with-saving columns", function()
+    -- (the per-pass table of a bare --B/--T/--n run has no saving columns: a script that
+    -- filtered for the shapes table got nothing from a one-shape --shapes run)
+    for _, args in ipairs({ " --shapes 1x32x2 --with-saving", " --B 1 --T 32 --n 2 --with-saving" }) do
+      local out, rc = sh(base .. args .. " --no-save 2>&1")
+      assert.are.equal(0, rc, out)
+      assert.truthy(out:find("\n# BxTxn +fwd_ms +fwdbwd_ms +Mtok/s +sv_fwd +sv_fwdbwd"), args .. ":\n" .. out)
+      assert.truthy(out:find("\n  1x32x2 +[%d.]+ +[%d.]+ +[%d.]+ +[%d.]+ +[%d.]+"), args .. ":\n" .. out)
+    end
+    local out, rc = sh(base .. " --B 1 --T 32 --n 2 --no-save 2>&1")
+    assert.are.equal(0, rc, out)
+    assert.truthy(out:find("\n# pass +time_ms +GFLOP/s +of_sgemm"), out)
+  end)
+
   it("refuses malformed --shapes with exit status 2", function()
     for _, bad in ipairs({ "4x4096", "4x4096x0", "4x4096x2,", "ax1x1", "1x2x3x4" }) do
       local out, rc = sh(base .. " --shapes " .. util.shell_quote(bad))
