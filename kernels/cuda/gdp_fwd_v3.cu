@@ -1854,9 +1854,10 @@ static gdp_status launch_prep_kvt(const Plan &plan, bf16 *Tt) {
  * with T^T where Tt is given (the saving forward, the recompute backward). */
 template <int K, int V, int C, int TC>
 static gdp_status launch_prep_tu(const Plan &plan, bf16 *Tt) {
-  if (plan.a.Ulo || C > V)
-    return GDP_ERROR(GDP_ERR_INTERNAL, "launch_prep_v3: Tu with U's residual or C %d > V %d", C, V);
-  if constexpr (C <= V) {
+  if constexpr (C > V) { /* Tu^T ([C][C]) would not fit U's buffer ([C][V]) */
+    return GDP_ERROR(GDP_ERR_INTERNAL, "launch_prep_v3: Tu with C %d > V %d", C, V);
+  } else {
+    if (plan.a.Ulo) return GDP_ERROR(GDP_ERR_INTERNAL, "launch_prep_v3: Tu with U's residual");
     const PrepRun run = prep_run_wanted();
     if (prep_five_wanted(C))
       return Tt ? launch_prep_kernel<K, V, C, TC, true, false, true, true, true, true>(plan, Tt, run)
@@ -1864,7 +1865,6 @@ static gdp_status launch_prep_tu(const Plan &plan, bf16 *Tt) {
     return Tt ? launch_prep_kernel<K, V, C, TC, true, false, true, true, true>(plan, Tt, run)
               : launch_prep_kernel<K, V, C, TC, false, false, true, true, true>(plan, nullptr, run);
   }
-  return GDP_OK;
 }
 
 template <int K, int V, int C, int TC>
@@ -2008,8 +2008,8 @@ static gdp_status forward_v3(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io,
     /* the saved h must be the recompute backward's h (bwd_states_kernel_v3 adds it too) */
     plan.a.d_residual = v3::keep_d_residual();
   }
-  /* the state pass is chosen before the prep runs: whether the saving pass forms U from
-   * Tu and v (tu) decides what the prep stores.  Tu^T ([C][C] bf16 per (chunk, head))
+  /* the state pass is chosen before the prep runs: whether it forms U from Tu and v (tu)
+   * decides what the prep stores.  Tu^T ([C][C] bf16 per (chunk, head))
    * goes into U's buffer, which the prep then does not write (C <= V: it fits). */
   const bool tu_wanted = new_prep && v3::u_from_tv() && plan.a.C <= plan.a.V;
   const int bv = v3::choose_bv(plan, saved != nullptr, tu_wanted);
