@@ -219,10 +219,11 @@ describe("cuda #gpu", function()
   -- Save for backward: variant 3 keeps its chunk panels, h^T, D and T^T (saved:bytes() >
   -- 0, counted in the live device memory until freed) and its backward skips the prep
   -- and the state pass; both paths within the bf16 tolerance of the float64 recurrence.
-  -- The gradients of the two paths agree closely (the recompute backward forms D from
-  -- U = hi + lo; the saving forward by default from U = Tu V in float32, GDP_CUDA_V3_U
-  -- unset, or from U = hi + lo too, =panel: D agrees to ~16 bits either way, and the rest
-  -- is the order of the gradient kernels' shared-memory atomics); o and ht need not: the
+  -- The gradients of the two paths agree closely (both form D from U = Tu V in float32
+  -- by default, GDP_CUDA_V3_U unset -- the recompute backward where its value block is at
+  -- least C wide, else from U = hi + lo -- and both from U = hi + lo with =panel: D agrees
+  -- to ~16 bits either way, and the rest is the order of the gradient kernels'
+  -- shared-memory atomics); o and ht need not: the
   -- plain forward forms D from U = Tu V too by default, from bf16 U alone with =panel.
   -- Every case runs with both modes of GDP_CUDA_V3_U (plain and saving forward alike).
   -- f32 (variant 1) keeps nothing and recomputes.

@@ -202,11 +202,12 @@ __device__ __forceinline__ void prefetch_l2_line(const void *p) {
 
 template <int K, int C, int BV>
 struct StatesLayout {
-  static constexpr int ldK = K + kPad, ldB = BV + kPad;
+  static constexpr int ldK = K + kPad, ldB = BV + kPad, ldC = C + kPad;
   static constexpr int oW = 0;
   static constexpr int oKd = oW + C * ldK * 2;
-  static constexpr int oU = oKd + C * ldK * 2;
-  static constexpr int oUl = oU + C * ldB * 2; /* U's residual (a.Ulo), when given */
+  static constexpr int oU = oKd + C * ldK * 2; /* U's columns, or (TU) v's */
+  /* U's residual (a.Ulo), when given; or (TU, BV >= C) Tu^T, C rows of ldC <= ldB */
+  static constexpr int oUl = oU + C * ldB * 2;
   static constexpr int stage = (oUl + C * ldB * 2 + 127) / 128 * 128;
   static constexpr int oHt = stage * kStages; /* h^T staging, one HtStage per warp */
   static constexpr int total = oHt + BV / 16 * HtStage<K, C>::warp_bytes;
@@ -218,14 +219,18 @@ struct StatesLayout {
  *   Dt[nt][e] = -D^T[x][j], j = 8nt + 2tig + e%2.
  * Per chunk: h (= bf16 S at the chunk start, the same rounding the products use) and D
  * to variant 2's workspace, then S^T <- e^{last} S^T + D^T Kd.  No ht: the forward gave
- * it.  For the v3 gradient kernels h^T goes to hT32 (float32) or, S16, to hT16 (bf16). */
-template <int K, int V, int C, int BV, bool S16 = false, bool NEW = true>
+ * it.  For the v3 gradient kernels h^T goes to hT32 (float32) or, S16, to hT16 (bf16).
+ * TU (with NEW, BV >= C; the prep ran with TU_OUT): U = Tu V formed here from a.Tu and
+ * v's rows, inside D's accumulator, as state_kernel_v3's TU (gdp_fwd_v3.cu): no U, no
+ * residual through memory, and D one float32 sum. */
+template <int K, int V, int C, int BV, bool S16 = false, bool NEW = true, bool TU = false>
 __global__ void __launch_bounds__(BV / 16 * 32, 1) bwd_states_kernel_v3(GdpArgs a, float *hT32, bf16 *hT16) {
   pdl_wait(); /* the prep's panels (a programmatic dependent: common.cuh) */
   pdl_launch_dependents();
   using L = StatesLayout<K, C, BV>;
   constexpr int NT = BV / 16 * 32;
   static_assert(K % 32 == 0 && C % 16 == 0 && BV % 16 == 0, "tile shapes");
+  static_assert(!TU || (NEW && BV >= C), "TU: the new copies, Tu^T in the residual's region");
   extern __shared__ __align__(128) unsigned char smem[];
   const int s = blockIdx.x, h = blockIdx.y, col0 = blockIdx.z * BV;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -248,7 +253,15 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) bwd_states_kernel_v3(GdpArgs 
     if (it < nc) {
       unsigned char *st = smem + (it % kStages) * L::stage;
       const int64_t base = (int64_t)(cbeg + it) * H + h;
-      if constexpr (NEW) { /* complete workspace panels: no zero-fill predicate (copy_panel_full) */
+      if constexpr (TU) { /* v's rows (zero past the sequence end) and Tu^T */
+        copy_panel_full<C, K, NT>(st + L::oW, L::ldK, a.W + base * C * K, K);
+        copy_panel_full<C, K, NT>(st + L::oKd, L::ldK, a.Kd + base * C * K, K);
+        const ChunkInfo cj = a.chunks[cbeg + it];
+        const int64_t krow0 = (int64_t)cj.t0 * a.n;
+        copy_panel<C, BV, NT>(st + L::oU, L::ldB, (const bf16 *)a.v + (krow0 * H + h) * V + col0, (int64_t)H * V,
+                              cj.ntok * a.n);
+        copy_panel_full<C, C, NT>(st + L::oUl, L::ldC, a.Tu + base * C * C, C);
+      } else if constexpr (NEW) { /* complete workspace panels: no zero-fill predicate (copy_panel_full) */
         copy_panel_full<C, K, NT>(st + L::oW, L::ldK, a.W + base * C * K, K);
         copy_panel_full<C, K, NT>(st + L::oKd, L::ldK, a.Kd + base * C * K, K);
         copy_panel_full<C, BV, NT>(st + L::oU, L::ldB, a.U + base * C * V + col0, V);
@@ -285,21 +298,41 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) bwd_states_kernel_v3(GdpArgs 
      * given (hi + lo is exact in float32): the gate gradient's z terms take D from here,
      * and a bf16-only U was the largest single error in dg (NOTES.md, "dg precision"). */
     float Dt[C / 8][4];
+    if constexpr (TU) { /* -U^T = (-V^T) Tu^T, as in state_kernel_v3 (gdp_fwd_v3.cu) */
 #pragma unroll
-    for (int jt = 0; jt < C / 16; jt++) {
-      uint32_t u0, u1, u2, u3;
-      ldsm_x4_t(sU + ((jt * 16 + urow) * L::ldB + ucol) * 2, u0, u1, u2, u3);
-      float2 f0 = unpack_bf16(u0), f1 = unpack_bf16(u1), f2 = unpack_bf16(u2), f3 = unpack_bf16(u3);
-      if (ulo) {
-        uint32_t l0, l1, l2, l3;
-        ldsm_x4_t(sU + (L::oUl - L::oU) + ((jt * 16 + urow) * L::ldB + ucol) * 2, l0, l1, l2, l3);
-        const float2 g0 = unpack_bf16(l0), g1 = unpack_bf16(l1), g2 = unpack_bf16(l2), g3 = unpack_bf16(l3);
-        f0.x += g0.x, f0.y += g0.y, f1.x += g1.x, f1.y += g1.y;
-        f2.x += g2.x, f2.y += g2.y, f3.x += g3.x, f3.y += g3.y;
+      for (int nt = 0; nt < C / 8; nt++) Dt[nt][0] = Dt[nt][1] = Dt[nt][2] = Dt[nt][3] = 0.f;
+#pragma unroll
+      for (int mt = 0; mt < C / 16; mt++) {
+        uint32_t va[4];
+        ldsm_x4_t(sU + ((mt * 16 + urow) * L::ldB + ucol) * 2, va[0], va[1], va[2], va[3]);
+#pragma unroll
+        for (int q = 0; q < 4; q++) va[q] ^= 0x80008000u;
+#pragma unroll
+        for (int nt = 0; nt < C / 8; nt += 2) {
+          if (mt * 16 > nt * 8 + 15) continue; /* Tu[j][m] = 0 for m > j */
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4_t(sU + (L::oUl - L::oU) + ((mt * 16 + trow) * L::ldC + nt * 8 + tcol) * 2, b0, b1, b2, b3);
+          mma16816(Dt[nt], va, b0, b1);
+          mma16816(Dt[nt + 1], va, b2, b3);
+        }
       }
-      Dt[2 * jt][0] = -f0.x, Dt[2 * jt][1] = -f0.y, Dt[2 * jt][2] = -f1.x, Dt[2 * jt][3] = -f1.y;
-      Dt[2 * jt + 1][0] = -f2.x, Dt[2 * jt + 1][1] = -f2.y;
-      Dt[2 * jt + 1][2] = -f3.x, Dt[2 * jt + 1][3] = -f3.y;
+    } else {
+#pragma unroll
+      for (int jt = 0; jt < C / 16; jt++) {
+        uint32_t u0, u1, u2, u3;
+        ldsm_x4_t(sU + ((jt * 16 + urow) * L::ldB + ucol) * 2, u0, u1, u2, u3);
+        float2 f0 = unpack_bf16(u0), f1 = unpack_bf16(u1), f2 = unpack_bf16(u2), f3 = unpack_bf16(u3);
+        if (ulo) {
+          uint32_t l0, l1, l2, l3;
+          ldsm_x4_t(sU + (L::oUl - L::oU) + ((jt * 16 + urow) * L::ldB + ucol) * 2, l0, l1, l2, l3);
+          const float2 g0 = unpack_bf16(l0), g1 = unpack_bf16(l1), g2 = unpack_bf16(l2), g3 = unpack_bf16(l3);
+          f0.x += g0.x, f0.y += g0.y, f1.x += g1.x, f1.y += g1.y;
+          f2.x += g2.x, f2.y += g2.y, f3.x += g3.x, f3.y += g3.y;
+        }
+        Dt[2 * jt][0] = -f0.x, Dt[2 * jt][1] = -f0.y, Dt[2 * jt][2] = -f1.x, Dt[2 * jt][3] = -f1.y;
+        Dt[2 * jt + 1][0] = -f2.x, Dt[2 * jt + 1][1] = -f2.y;
+        Dt[2 * jt + 1][2] = -f3.x, Dt[2 * jt + 1][3] = -f3.y;
+      }
     }
     bf16 *gh = a.hbuf + CHi * K * V + xw + grp;
     const bool keep = S16 ? hT16 != nullptr : hT32 != nullptr; /* for the v3 gradient kernels */
@@ -1967,6 +2000,15 @@ static gdp_status launch_states(const Plan &plan, float *f32, bf16 *b16, bool ol
   constexpr int threads = BV / 16 * 32;
   auto kern = b16 ? (old ? bwd_states_kernel_v3<K, V, C, BV, true, false> : bwd_states_kernel_v3<K, V, C, BV, true, true>)
                   : (old ? bwd_states_kernel_v3<K, V, C, BV, false, false> : bwd_states_kernel_v3<K, V, C, BV, false, true>);
+  if (a.Tu) { /* U from Tu and v (the prep stored Tu^T instead of U): the new copies, BV >= C */
+    if constexpr (BV >= C) {
+      if (old)
+        return GDP_ERROR(GDP_ERR_INTERNAL, "bwd_states_kernel_v3: U from Tu and v has no old schedule");
+      kern = b16 ? bwd_states_kernel_v3<K, V, C, BV, true, true, true> : bwd_states_kernel_v3<K, V, C, BV, false, true, true>;
+    } else {
+      return GDP_ERROR(GDP_ERR_INTERNAL, "bwd_states_kernel_v3: U from Tu and v needs BV %d >= C %d", BV, C);
+    }
+  }
   constexpr int smem = StatesLayout<K, C, BV>::total;
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   GDP_CUDA_TRY(seq_carveout(kern, paired)); /* paired: forked beside a 2-stage dstate (fork_mode 2) */
@@ -2740,6 +2782,13 @@ extern "C" gdp_status gdp_cuda_gdp_backward_v3(const gdp_gdp_problem *p, const g
   /* U's bf16 residual for the recompute (GdpArgs::Ulo, the plan's PLAN_BACKWARD_V3
    * buffer) unless a lab run turns it off */
   if (!v3::keep_u_residual()) plan.a.Ulo = nullptr;
+  /* U formed in the states pass from Tu and v (GDP_CUDA_V3_U), where its value block holds
+   * Tu^T in the residual's region (bv >= C), for the v3 gradient kernels, with the default
+   * states schedule; the prep then stores Tu^T into U's buffer instead of U and U's residual */
+  if (grad_state && v3::u_from_tv() && v3b::states_mode() == 0 && bv >= plan.a.C && plan.a.C <= plan.a.V) {
+    plan.a.Tu = plan.a.U;
+    plan.a.Ulo = nullptr;
+  }
   plan.a.d_residual = v3::keep_d_residual(); /* D's residual in the recompute's state update */
   st = v3::launch_prep_v3(plan, go.Tt); /* NULL (no T store) for variant 2's gradient kernel */
   prof_mark("bwd prep v3 (recompute)", stream);

@@ -1904,8 +1904,9 @@ gdp_status launch_prep_v3(const Plan &plan, bf16 *Tt) {
  * and v's rows and forms U in float32 inside D's accumulator (NOTES.md "U from Tu and
  * v").  =panel: U (and, saving, its residual) through memory, as in sessions 3-8.  Where
  * the pass cannot (the two-warp pass, ks2; C > V, where Tu^T would not fit U's buffer)
- * the panel path runs.  The recompute backward's states keep U and its residual. */
-static bool u_from_tv() {
+ * the panel path runs.  The recompute backward's states pass too, where its value block
+ * is at least C wide (gdp_bwd_v3.cu, bwd_states_kernel_v3's TU). */
+bool u_from_tv() {
   const char *env = getenv("GDP_CUDA_V3_U");
   return !(env && strcmp(env, "panel") == 0);
 }

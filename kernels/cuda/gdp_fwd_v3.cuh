@@ -55,6 +55,9 @@ SavedLayout saved_layout(const gdp_gdp_problem *p, bool state16);
  * the rounded values (kernels/cuda/NOTES.md, "bf16 chunk states"). */
 bool state16(const gdp_gdp_problem *p);
 bool keep_u_residual();
+/* GDP_CUDA_V3_U: unset or tv = the state passes form U = Tu V themselves (GdpArgs::Tu),
+ * =panel = U through memory (gdp_fwd_v3.cu). */
+bool u_from_tv();
 /* GdpArgs::d_residual for the state passes that feed the gradients (opt-in: GDP_CUDA_V3_DLO=1). */
 bool keep_d_residual();
 }  // namespace v3
