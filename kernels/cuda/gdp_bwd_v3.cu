@@ -57,6 +57,7 @@ using v3::stage_hT16_half;
 using v3::stage_hT32_half;
 using v3::copy_panel_full;
 using v3::copy_panel;
+using v3::neg_u_from_tu_v;
 
 constexpr int kStages = 3; /* chunk panels in flight: current + next two */
 constexpr int kPad = 8;    /* bf16 elements (16 bytes) of padding per shared row */
@@ -299,23 +300,7 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) bwd_states_kernel_v3(GdpArgs 
      * and a bf16-only U was the largest single error in dg (NOTES.md, "dg precision"). */
     float Dt[C / 8][4];
     if constexpr (TU) { /* -U^T = (-V^T) Tu^T, as in state_kernel_v3 (gdp_fwd_v3.cu) */
-#pragma unroll
-      for (int nt = 0; nt < C / 8; nt++) Dt[nt][0] = Dt[nt][1] = Dt[nt][2] = Dt[nt][3] = 0.f;
-#pragma unroll
-      for (int mt = 0; mt < C / 16; mt++) {
-        uint32_t va[4];
-        ldsm_x4_t(sU + ((mt * 16 + urow) * L::ldB + ucol) * 2, va[0], va[1], va[2], va[3]);
-#pragma unroll
-        for (int q = 0; q < 4; q++) va[q] ^= 0x80008000u;
-#pragma unroll
-        for (int nt = 0; nt < C / 8; nt += 2) {
-          if (mt * 16 > nt * 8 + 15) continue; /* Tu[j][m] = 0 for m > j */
-          uint32_t b0, b1, b2, b3;
-          ldsm_x4_t(sU + (L::oUl - L::oU) + ((mt * 16 + trow) * L::ldC + nt * 8 + tcol) * 2, b0, b1, b2, b3);
-          mma16816(Dt[nt], va, b0, b1);
-          mma16816(Dt[nt + 1], va, b2, b3);
-        }
-      }
+      neg_u_from_tu_v<C>(Dt, sU, sU + (L::oUl - L::oU), L::ldB, L::ldC, urow, ucol, trow, tcol);
     } else {
 #pragma unroll
       for (int jt = 0; jt < C / 16; jt++) {

@@ -210,26 +210,9 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) state_kernel_v3(GdpArgs a, fl
      * in the recompute backward's D (bwd_states_kernel_v3), which this D replaces. */
     float Dt[C / 8][4];
     if constexpr (TU) {
-      /* -U^T = (-V^T) Tu^T: the A fragments of V^T come from v's rows [m][x] by
-       * ldmatrix.trans at U^T's addresses below, negated by their sign bits (exact); Tu^T
-       * [m][j] is the transposed-B operand, as Kd's in the update; Tu[j][m] = 0 for m > j */
-#pragma unroll
-      for (int nt = 0; nt < C / 8; nt++) Dt[nt][0] = Dt[nt][1] = Dt[nt][2] = Dt[nt][3] = 0.f;
-#pragma unroll
-      for (int mt = 0; mt < C / 16; mt++) {
-        uint32_t va[4];
-        ldsm_x4_t(sU + ((mt * 16 + urow) * L::ldB + ucol) * 2, va[0], va[1], va[2], va[3]);
-#pragma unroll
-        for (int q = 0; q < 4; q++) va[q] ^= 0x80008000u;
-#pragma unroll
-        for (int nt = 0; nt < C / 8; nt += 2) {
-          if (mt * 16 > nt * 8 + 15) continue;
-          uint32_t b0, b1, b2, b3;
-          ldsm_x4_t(sU + (L::oUl - L::oU) + ((mt * 16 + trow) * L::ldC + nt * 8 + tcol) * 2, b0, b1, b2, b3);
-          mma16816(Dt[nt], va, b0, b1);
-          mma16816(Dt[nt + 1], va, b2, b3);
-        }
-      }
+      /* -U^T = (-V^T) Tu^T, v's rows where U's were (the A fragments of V^T at U^T's
+       * addresses), Tu^T where the residual's were */
+      neg_u_from_tu_v<C>(Dt, sU, sU + (L::oUl - L::oU), L::ldB, L::ldC, urow, ucol, trow, tcol);
     } else {
 #pragma unroll
       for (int jt = 0; jt < C / 16; jt++) {

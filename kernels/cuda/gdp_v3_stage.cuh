@@ -83,6 +83,34 @@ __device__ __forceinline__ void copy_panel(unsigned char *dst, int sld, const bf
   }
 }
 
+/* -U^T = (-V^T) Tu^T into the accumulator Dt (zeroed here), for a state pass that forms U
+ * itself (GdpArgs::Tu): the warp's 16 value columns of v's rows [m][x] in shared memory at
+ * sV (row stride ldB elements) give the A fragments of V^T by ldmatrix.trans at
+ * (urow, ucol), negated by their sign bits (exact); Tu^T [m][j] at sTu (row stride ldC) is
+ * the transposed-B operand at (trow, tcol); Tu[j][m] = 0 for m > j, so those tiles are
+ * skipped.  Both state_kernel_v3 (gdp_fwd_v3.cu) and bwd_states_kernel_v3 (gdp_bwd_v3.cu). */
+template <int C>
+__device__ __forceinline__ void neg_u_from_tu_v(float (&Dt)[C / 8][4], uint32_t sV, uint32_t sTu, int ldB, int ldC,
+                                                int urow, int ucol, int trow, int tcol) {
+#pragma unroll
+  for (int nt = 0; nt < C / 8; nt++) Dt[nt][0] = Dt[nt][1] = Dt[nt][2] = Dt[nt][3] = 0.f;
+#pragma unroll
+  for (int mt = 0; mt < C / 16; mt++) {
+    uint32_t va[4];
+    ldsm_x4_t(sV + ((mt * 16 + urow) * ldB + ucol) * 2, va[0], va[1], va[2], va[3]);
+#pragma unroll
+    for (int q = 0; q < 4; q++) va[q] ^= 0x80008000u;
+#pragma unroll
+    for (int nt = 0; nt < C / 8; nt += 2) {
+      if (mt * 16 > nt * 8 + 15) continue;
+      uint32_t b0, b1, b2, b3;
+      ldsm_x4_t(sTu + ((mt * 16 + trow) * ldC + nt * 8 + tcol) * 2, b0, b1, b2, b3);
+      mma16816(Dt[nt], va, b0, b1);
+      mma16816(Dt[nt + 1], va, b2, b3);
+    }
+  }
+}
+
 /* A warp's h^T float32 staging buffer (h^T / dH^T stores, stage_hT32_half below): eight
  * rows of K floats, each padded by 32 bytes so that the eight rows of one fragment store
  * start 8 banks apart (2 wavefronts per 256-byte STS.64, the minimum). */
