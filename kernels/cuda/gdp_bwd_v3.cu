@@ -58,6 +58,7 @@ using v3::stage_hT32_half;
 using v3::copy_panel_full;
 using v3::copy_panel;
 using v3::neg_u_from_tu_v;
+using v3::neg_u_from_panel;
 
 constexpr int kStages = 3; /* chunk panels in flight: current + next two */
 constexpr int kPad = 8;    /* bf16 elements (16 bytes) of padding per shared row */
@@ -302,22 +303,7 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) bwd_states_kernel_v3(GdpArgs 
     if constexpr (TU) { /* -U^T = (-V^T) Tu^T, as in state_kernel_v3 (gdp_fwd_v3.cu) */
       neg_u_from_tu_v<C>(Dt, sU, sU + (L::oUl - L::oU), L::ldB, L::ldC, urow, ucol, trow, tcol);
     } else {
-#pragma unroll
-      for (int jt = 0; jt < C / 16; jt++) {
-        uint32_t u0, u1, u2, u3;
-        ldsm_x4_t(sU + ((jt * 16 + urow) * L::ldB + ucol) * 2, u0, u1, u2, u3);
-        float2 f0 = unpack_bf16(u0), f1 = unpack_bf16(u1), f2 = unpack_bf16(u2), f3 = unpack_bf16(u3);
-        if (ulo) {
-          uint32_t l0, l1, l2, l3;
-          ldsm_x4_t(sU + (L::oUl - L::oU) + ((jt * 16 + urow) * L::ldB + ucol) * 2, l0, l1, l2, l3);
-          const float2 g0 = unpack_bf16(l0), g1 = unpack_bf16(l1), g2 = unpack_bf16(l2), g3 = unpack_bf16(l3);
-          f0.x += g0.x, f0.y += g0.y, f1.x += g1.x, f1.y += g1.y;
-          f2.x += g2.x, f2.y += g2.y, f3.x += g3.x, f3.y += g3.y;
-        }
-        Dt[2 * jt][0] = -f0.x, Dt[2 * jt][1] = -f0.y, Dt[2 * jt][2] = -f1.x, Dt[2 * jt][3] = -f1.y;
-        Dt[2 * jt + 1][0] = -f2.x, Dt[2 * jt + 1][1] = -f2.y;
-        Dt[2 * jt + 1][2] = -f3.x, Dt[2 * jt + 1][3] = -f3.y;
-      }
+      neg_u_from_panel<C / 16>(Dt, sU, sU + (L::oUl - L::oU), L::ldB, urow, ucol, ulo);
     }
     bf16 *gh = a.hbuf + CHi * K * V + xw + grp;
     const bool keep = S16 ? hT16 != nullptr : hT32 != nullptr; /* for the v3 gradient kernels */

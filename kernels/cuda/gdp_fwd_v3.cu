@@ -214,22 +214,7 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) state_kernel_v3(GdpArgs a, fl
        * addresses), Tu^T where the residual's were */
       neg_u_from_tu_v<C>(Dt, sU, sU + (L::oUl - L::oU), L::ldB, L::ldC, urow, ucol, trow, tcol);
     } else {
-#pragma unroll
-      for (int jt = 0; jt < C / 16; jt++) {
-        uint32_t u0, u1, u2, u3;
-        ldsm_x4_t(sU + ((jt * 16 + urow) * L::ldB + ucol) * 2, u0, u1, u2, u3);
-        float2 f0 = unpack_bf16(u0), f1 = unpack_bf16(u1), f2 = unpack_bf16(u2), f3 = unpack_bf16(u3);
-        if constexpr (SAVE) {
-          uint32_t l0, l1, l2, l3;
-          ldsm_x4_t(sU + (L::oUl - L::oU) + ((jt * 16 + urow) * L::ldB + ucol) * 2, l0, l1, l2, l3);
-          const float2 g0 = unpack_bf16(l0), g1 = unpack_bf16(l1), g2 = unpack_bf16(l2), g3 = unpack_bf16(l3);
-          f0.x += g0.x, f0.y += g0.y, f1.x += g1.x, f1.y += g1.y;
-          f2.x += g2.x, f2.y += g2.y, f3.x += g3.x, f3.y += g3.y;
-        }
-        Dt[2 * jt][0] = -f0.x, Dt[2 * jt][1] = -f0.y, Dt[2 * jt][2] = -f1.x, Dt[2 * jt][3] = -f1.y;
-        Dt[2 * jt + 1][0] = -f2.x, Dt[2 * jt + 1][1] = -f2.y;
-        Dt[2 * jt + 1][2] = -f3.x, Dt[2 * jt + 1][3] = -f3.y;
-      }
+      neg_u_from_panel<C / 16>(Dt, sU, sU + (L::oUl - L::oU), L::ldB, urow, ucol, SAVE);
     }
 #pragma unroll
     for (int kt = 0; kt < K / 16; kt++)
@@ -564,22 +549,8 @@ __global__ void __launch_bounds__(BV / 16 * 64, 1) state_ks2_kernel_v3(GdpArgs a
 
     /* -D^T for this warp's C half: j-tiles w C/16 + i */
     float Dt[SC][4];
-#pragma unroll
-    for (int jt = 0; jt < SC / 2; jt++) {
-      uint32_t u0, u1, u2, u3;
-      ldsm_x4_t(sU + ((jt * 16 + urow) * P::ldB + ucol) * 2, u0, u1, u2, u3);
-      float2 f0 = unpack_bf16(u0), f1 = unpack_bf16(u1), f2 = unpack_bf16(u2), f3 = unpack_bf16(u3);
-      if constexpr (SAVE) { /* U = hi + lo, as in state_kernel_v3's saving pass */
-        uint32_t l0, l1, l2, l3;
-        ldsm_x4_t(sU + (P::oUl - P::oU) + ((jt * 16 + urow) * P::ldB + ucol) * 2, l0, l1, l2, l3);
-        const float2 g0 = unpack_bf16(l0), g1 = unpack_bf16(l1), g2 = unpack_bf16(l2), g3 = unpack_bf16(l3);
-        f0.x += g0.x, f0.y += g0.y, f1.x += g1.x, f1.y += g1.y;
-        f2.x += g2.x, f2.y += g2.y, f3.x += g3.x, f3.y += g3.y;
-      }
-      Dt[2 * jt][0] = -f0.x, Dt[2 * jt][1] = -f0.y, Dt[2 * jt][2] = -f1.x, Dt[2 * jt][3] = -f1.y;
-      Dt[2 * jt + 1][0] = -f2.x, Dt[2 * jt + 1][1] = -f2.y;
-      Dt[2 * jt + 1][2] = -f3.x, Dt[2 * jt + 1][3] = -f3.y;
-    }
+    /* SAVE: U = hi + lo, as in state_kernel_v3's saving pass */
+    neg_u_from_panel<SC / 2>(Dt, sU, sU + (P::oUl - P::oU), P::ldB, urow, ucol, SAVE);
 #pragma unroll
     for (int kt = 0; kt < K / 16; kt++)
 #pragma unroll

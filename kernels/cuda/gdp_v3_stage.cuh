@@ -83,6 +83,32 @@ __device__ __forceinline__ void copy_panel(unsigned char *dst, int sld, const bf
   }
 }
 
+/* -U^T into the accumulator Dt for NJ j-tiles of 16, U read from its bf16 panel [j][x] in
+ * shared memory at sU (row stride ldB elements) by ldmatrix.trans at (urow, ucol), straight
+ * into accumulator order (j-tiles 2jt, 2jt + 1); with lo, plus U's bf16 residual from the
+ * panel of the same layout at sUl (hi + lo is exact in float32).  The panel path of
+ * state_kernel_v3, its two-warp pass and bwd_states_kernel_v3. */
+template <int NJ>
+__device__ __forceinline__ void neg_u_from_panel(float (&Dt)[2 * NJ][4], uint32_t sU, uint32_t sUl, int ldB,
+                                                 int urow, int ucol, bool lo) {
+#pragma unroll
+  for (int jt = 0; jt < NJ; jt++) {
+    uint32_t u0, u1, u2, u3;
+    ldsm_x4_t(sU + ((jt * 16 + urow) * ldB + ucol) * 2, u0, u1, u2, u3);
+    float2 f0 = unpack_bf16(u0), f1 = unpack_bf16(u1), f2 = unpack_bf16(u2), f3 = unpack_bf16(u3);
+    if (lo) {
+      uint32_t l0, l1, l2, l3;
+      ldsm_x4_t(sUl + ((jt * 16 + urow) * ldB + ucol) * 2, l0, l1, l2, l3);
+      const float2 g0 = unpack_bf16(l0), g1 = unpack_bf16(l1), g2 = unpack_bf16(l2), g3 = unpack_bf16(l3);
+      f0.x += g0.x, f0.y += g0.y, f1.x += g1.x, f1.y += g1.y;
+      f2.x += g2.x, f2.y += g2.y, f3.x += g3.x, f3.y += g3.y;
+    }
+    Dt[2 * jt][0] = -f0.x, Dt[2 * jt][1] = -f0.y, Dt[2 * jt][2] = -f1.x, Dt[2 * jt][3] = -f1.y;
+    Dt[2 * jt + 1][0] = -f2.x, Dt[2 * jt + 1][1] = -f2.y;
+    Dt[2 * jt + 1][2] = -f3.x, Dt[2 * jt + 1][3] = -f3.y;
+  }
+}
+
 /* -U^T = (-V^T) Tu^T into the accumulator Dt (zeroed here), for a state pass that forms U
  * itself (GdpArgs::Tu): the warp's 16 value columns of v's rows [m][x] in shared memory at
  * sV (row stride ldB elements) give the A fragments of V^T by ldmatrix.trans at
