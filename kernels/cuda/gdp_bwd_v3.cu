@@ -59,6 +59,7 @@ using v3::copy_panel_full;
 using v3::copy_panel;
 using v3::neg_u_from_tu_v;
 using v3::neg_u_from_panel;
+using v3::copy_panel_sw128;
 
 constexpr int kStages = 3; /* chunk panels in flight: current + next two */
 constexpr int kPad = 8;    /* bf16 elements (16 bytes) of padding per shared row */
@@ -1296,7 +1297,7 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
 
 /* ------------------------------------------------------------------ per-chunk gradients, WY part */
 
-template <int K, int V, int C>
+template <int K, int V, int C, bool WG = false>
 struct GradWYLayout {
   static constexpr int ldK = K + kPad, ldV = V + kPad, ldC = C + kPad;
   /* Three blocks per SM need <= 76800 bytes a block (228 KB less 1 KB reserved per block,
@@ -1324,7 +1325,60 @@ struct GradWYLayout {
   static_assert(C <= V, "X, dT and G fit in the dD region");
   static constexpr int fGp = 0, fGc = C, fBeta = 2 * C, fDgc = 3 * C, fDb = 4 * C, fDot = 5 * C, fKinv = 6 * C;
   static constexpr int total = oF + nF * 4;
+  /* Byte offset of element (r, c) in the kn and dW panels (K columns) and in the dD panel
+   * (V columns).  WG (wgmma for dVb and W6's products): those three panels are SW128
+   * (wgmma_sm90.cuh, the B operands' layout; unpadded, so in the same regions with room to
+   * spare) and every region starts on a 1024-byte boundary (checked below). */
+  __device__ static __forceinline__ uint32_t kpos(int r, int c) {
+    if constexpr (WG) return sw128_off<C>(r, c);
+    else return (uint32_t)((r * ldK + c) * 2);
+  }
+  __device__ static __forceinline__ uint32_t dpos(int r, int c) {
+    if constexpr (WG) return sw128_off<C>(r, c);
+    else return (uint32_t)((r * ldV + c) * 2);
+  }
+  static_assert(!WG || (oKn % 1024 == 0 && odW % 1024 == 0 && odD % 1024 == 0), "SW128 panels on 1 KB boundaries");
 };
+
+/* The 16-row, 64-column item a warp owns in grad_wy's dVb (W3) and dKn (W6) products.
+ * mma.sync: rows by warp / (cols / 64).  WG: the warpgroup (warps 0-3, 4-7) is the
+ * 64-column block, its four warps the 16-row slices of one m64n64 wgmma, so that the
+ * accumulator is the same registers in the same order either way. */
+template <int COLS, bool WG>
+__device__ __forceinline__ void wy_item(int warp, int &rowb, int &colb) {
+  if constexpr (WG) {
+    rowb = (warp & 3) * 16;
+    colb = (warp >> 2) * 64;
+  } else {
+    rowb = warp / (COLS / 64) * 16;
+    colb = warp % (COLS / 64) * 64;
+  }
+}
+
+/* acc (this warp's 16 x 64 of a 64 x 64 warpgroup product) += A B over the chunk's C rows:
+ * A's 16 x 16 tile kt from load(kt, fa) (this warp's rows; zeros where A is zero), B the
+ * 64-column block at panel (a SW128 panel of C rows, MN-major: its rows are the k index).
+ * One k16 product per commit group, the A fragments in two buffers: tile kt + 1 is read
+ * from shared memory while product kt runs, and a buffer is refilled only once the
+ * product that read it is done (wait_group 1) -- 8 fragment registers instead of 4 C / 16
+ * (all four tiles held spilled 100 bytes at 80 registers).  Returns with every product
+ * done; the accumulator fences keep the compiler from moving its reads or writes across
+ * the asynchronous products. */
+template <int C, class Load>
+__device__ __forceinline__ void wy_wgmma(float (&acc)[8][4], Load load, uint32_t panel) {
+  uint32_t fa[2][4];
+  wg_fence_acc(acc);
+#pragma unroll
+  for (int kt = 0; kt < C / 16; kt++) {
+    if (kt >= 2) wg_wait<1>();
+    load(kt, fa[kt & 1]);
+    wg_fence();
+    wg_m64n64k16_rs<1>(acc, fa[kt & 1], wg_desc_sw128(panel + kt * 2048, C * 128, 1024));
+    wg_commit();
+  }
+  wg_wait<0>();
+  wg_fence_acc(acc);
+}
 
 /* A special register (0: %tid.x, 1: %ctaid.x, 2: %ctaid.y) read anew: volatile, so never
  * merged with an earlier read -- a way to make the compiler recompute values derived from
@@ -1378,7 +1432,7 @@ __device__ __forceinline__ void grad_wy_dDVt(uint32_t s0, int ti, int tj, const 
 #pragma unroll
   for (int kt = 0; kt < V / 16; kt++) {
     uint32_t fa[4], b0, b1, b2, b3;
-    ldsm_x4(s0 + L::odD + ((ti * 16 + m.arow) * L::ldV + kt * 16 + m.acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+    ldsm_x4(s0 + L::odD + L::dpos(ti * 16 + m.arow, kt * 16 + m.acol), fa[0], fa[1], fa[2], fa[3]);
     ldsm_x4(s0 + L::oV + ((tj * 16 + m.nrow) * L::ldV + kt * 16 + m.ncol) * 2, b0, b1, b2, b3);
     mma16816(acc[0], fa, b0, b1);
     mma16816(acc[1], fa, b2, b3);
@@ -1391,8 +1445,8 @@ __device__ __forceinline__ void grad_wy_dT_out(unsigned char *smem, uint32_t s0,
 #pragma unroll
   for (int kt = 0; kt < K / 16; kt++) {
     uint32_t fa[4], b0, b1, b2, b3;
-    ldsm_x4(s0 + L::odW + ((ti * 16 + m.arow) * L::ldK + kt * 16 + m.acol) * 2, fa[0], fa[1], fa[2], fa[3]);
-    ldsm_x4(s0 + L::oKn + ((tj * 16 + m.nrow) * L::ldK + kt * 16 + m.ncol) * 2, b0, b1, b2, b3);
+    ldsm_x4(s0 + L::odW + L::kpos(ti * 16 + m.arow, kt * 16 + m.acol), fa[0], fa[1], fa[2], fa[3]);
+    ldsm_x4(s0 + L::oKn + L::kpos(tj * 16 + m.nrow, kt * 16 + m.ncol), b0, b1, b2, b3);
     mma16816(acg[0], fa, b0, b1);
     mma16816(acg[1], fa, b2, b3);
   }
@@ -1417,8 +1471,8 @@ __device__ __forceinline__ void grad_wy_kk(uint32_t s0, int ti, int tj, const La
 #pragma unroll
   for (int kt = 0; kt < K / 16; kt++) {
     uint32_t fa[4], b0, b1, b2, b3;
-    ldsm_x4(s0 + L::oKn + ((ti * 16 + m.arow) * L::ldK + kt * 16 + m.acol) * 2, fa[0], fa[1], fa[2], fa[3]);
-    ldsm_x4(s0 + L::oKn + ((tj * 16 + m.nrow) * L::ldK + kt * 16 + m.ncol) * 2, b0, b1, b2, b3);
+    ldsm_x4(s0 + L::oKn + L::kpos(ti * 16 + m.arow, kt * 16 + m.acol), fa[0], fa[1], fa[2], fa[3]);
+    ldsm_x4(s0 + L::oKn + L::kpos(tj * 16 + m.nrow, kt * 16 + m.ncol), b0, b1, b2, b3);
     mma16816(kk[0], fa, b0, b1);
     mma16816(kk[1], fa, b2, b3);
   }
@@ -1443,10 +1497,13 @@ __device__ __forceinline__ void grad_wy_kk(uint32_t s0, int ti, int tj, const La
  * with kLateDW, W5's kn kn^T tiles are computed while dW comes in from L2 (they only read
  * kn) instead of in W5; dKnA (and, late, dW) are prefetched into L2 again nearer their
  * use; dg's reverse cumsum is stored by the 32 lanes of warp 7 instead of one thread. */
-template <int K, int V, int C, int TC, bool NEW = true>
-__global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v3(GdpArgs a, GradStateOut go) {
+template <int K, int V, int C, int TC, bool NEW = true, int WGB = 0>
+__global__ void __launch_bounds__(256, WGB ? WGB : grad_wy_blocks(K, V, C)) grad_wy_kernel_v3(GdpArgs a, GradStateOut go) {
   pdl_wait(); /* the state part's dKnA, dWg, dgcA */
-  using L = GradWYLayout<K, V, C>;
+  constexpr bool WG = WGB != 0; /* WGB: wgmma, compiled for WGB blocks per SM */
+  using L = GradWYLayout<K, V, C, WG>;
+  static_assert(!WG || (NEW && C == 64 && K == 128 && V == 128 && L::kLateDW),
+                "WG: the 64-row products of C = 64, K = V = 128 (two warpgroups, one 64-column block each)");
   constexpr bool kPreKK = NEW && L::kLateDW; /* W5's kk computed in the dW wait */
   constexpr int NN = C / TC, NB = C / 16, NI = (C / 16) * (K / 64), NL = NB * (NB + 1) / 2, NVB = NB * (V / 64);
   static_assert(K % 64 == 0 && V % 64 == 0 && C % 16 == 0 && C <= 64 && NI <= 8 && NL <= 10, "shapes");
@@ -1464,15 +1521,18 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
   float *sGp = sF + L::fGp, *sGc = sF + L::fGc, *sBeta = sF + L::fBeta, *sDgc = sF + L::fDgc, *sDb = sF + L::fDb,
         *sDot = sF + L::fDot, *sKinv = sF + L::fKinv;
   const uint32_t s0 = smem_addr(smem);
+  if (WG && (s0 & 1023)) __trap(); /* the SW128 panels' swizzle is that of absolute addresses */
 
   /* The loads, by cp.async in two groups: the raw k rows (normalised in place below),
    * then v, dD, dW and T^T (first read in W3, so their latency overlaps the norms).
    * dKnA (read at the end) is pulled into L2 now so that that read does not wait on
    * DRAM; so is dW where it arrives late (kLateDW: copied in after W3a). */
-  copy_panel<C, K, 256>(smem + L::oKn, L::ldK, gk + (krow0 * H + h) * K, (int64_t)H * K, nv);
+  if constexpr (WG) copy_panel_sw128<C, K, 256>(smem + L::oKn, gk + (krow0 * H + h) * K, (int64_t)H * K, nv);
+  else copy_panel<C, K, 256>(smem + L::oKn, L::ldK, gk + (krow0 * H + h) * K, (int64_t)H * K, nv);
   cp_async_commit();
   copy_panel<C, V, 256>(smem + L::oV, L::ldV, gv + (krow0 * H + h) * V, (int64_t)H * V, nv);
-  copy_panel<C, V, 256>(smem + L::odD, L::ldV, a.dDbuf + CHi * C * V, V, C);
+  if constexpr (WG) copy_panel_sw128<C, V, 256>(smem + L::odD, a.dDbuf + CHi * C * V, V, C);
+  else copy_panel<C, V, 256>(smem + L::odD, L::ldV, a.dDbuf + CHi * C * V, V, C);
   if constexpr (!L::kLateDW) copy_panel<C, K, 256>(smem + L::odW, L::ldK, go.dWg + CHi * C * K, K, C);
   copy_panel<C, C, 256>(smem + L::oT, L::ldC, go.Tt + CHi * C * C, C, C);
   cp_async_commit();
@@ -1508,22 +1568,24 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
     for (int i = 0; i < C; i += 4) *reinterpret_cast<float4 *>(sGc + i) = make_float4(gp[i], gp[i + 1], gp[i + 2], gp[i + 3]);
   }
   for (int i = warp; i < C; i += 8) { /* kn in place; rows past the end were zero-filled */
-    bf16 *rp = (bf16 *)(smem + L::oKn) + i * L::ldK;
     float x[K / 32], ss = 0.f;
 #pragma unroll
     for (int m = 0; m < K / 32; m++) {
-      x[m] = __bfloat162float(rp[lane + 32 * m]);
+      x[m] = __bfloat162float(*reinterpret_cast<const bf16 *>(smem + L::oKn + L::kpos(i, lane + 32 * m)));
       ss += x[m] * x[m];
     }
     const float inv = a.l2norm ? rsqrtf(warp_sum(ss) + kNormEps) : 1.f;
 #pragma unroll
-    for (int m = 0; m < K / 32; m++) rp[lane + 32 * m] = __float2bfloat16(x[m] * inv);
+    for (int m = 0; m < K / 32; m++)
+      *reinterpret_cast<bf16 *>(smem + L::oKn + L::kpos(i, lane + 32 * m)) = __float2bfloat16(x[m] * inv);
     if (lane == 0) sKinv[i] = inv;
   }
+  if constexpr (WG) fence_proxy_async_smem(); /* kn is W6's wgmma operand */
   __syncthreads();
 
 
   cp_async_wait<0>(); /* v, dD, dW, T^T */
+  if constexpr (WG) fence_proxy_async_smem(); /* dD: dVb's wgmma operand */
   __syncthreads();
   if constexpr (NEW && L::kLateDW) /* again, nearer its copy (W3a's end): the first may have left L2 */
     if (tid == 32) prefetch_l2_bulk(go.dWg + CHi * C * K, C * K * 2);
@@ -1532,21 +1594,32 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
    * of the high warps are the short ones, vjb near C).  dKb = T^T dW is computed in W6,
    * where its accumulators are needed (T^T and dW stay untouched until then): held from
    * here to W6 they made C = 48 spill at 128 registers. */
-  for (int item = warp; item < NVB; item += 8) { /* dVb = T^T dD */
+  for (int item = warp; item < NVB; item += 8) { /* dVb = T^T dD (WG: NVB = 8, one item a warp) */
     const LaneMaps m = lane_maps();
-    const int vjb = (item / (V / 64)) * 16, xb = (item % (V / 64)) * 64;
+    int vjb, xb;
+    wy_item<V, WG>(item, vjb, xb);
     float acc[8][4] = {};
+    if constexpr (WG) { /* the warpgroup's 64 x 64 block in one product; T^T's zero tiles as zero fragments */
+      wy_wgmma<C>(
+          acc,
+          [&](int kt, uint32_t(&f)[4]) {
+            f[0] = f[1] = f[2] = f[3] = 0u;
+            if (kt * 16 + 15 >= vjb) ldsm_x4(s0 + L::oT + ((vjb + m.arow) * L::ldC + kt * 16 + m.acol) * 2, f[0], f[1], f[2], f[3]);
+          },
+          s0 + L::odD + L::dpos(0, xb));
+    } else {
 #pragma unroll
-    for (int kt = 0; kt < NB; kt++) {
-      if (kt * 16 + 15 < vjb) continue;
-      uint32_t fa[4];
-      ldsm_x4(s0 + L::oT + ((vjb + m.arow) * L::ldC + kt * 16 + m.acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+      for (int kt = 0; kt < NB; kt++) {
+        if (kt * 16 + 15 < vjb) continue;
+        uint32_t fa[4];
+        ldsm_x4(s0 + L::oT + ((vjb + m.arow) * L::ldC + kt * 16 + m.acol) * 2, fa[0], fa[1], fa[2], fa[3]);
 #pragma unroll
-      for (int nt = 0; nt < 8; nt += 2) {
-        uint32_t b0, b1, b2, b3;
-        ldsm_x4_t(s0 + L::odD + ((kt * 16 + m.arow) * L::ldV + xb + nt * 8 + m.acol) * 2, b0, b1, b2, b3);
-        mma16816(acc[nt], fa, b0, b1);
-        mma16816(acc[nt + 1], fa, b2, b3);
+        for (int nt = 0; nt < 8; nt += 2) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4_t(s0 + L::odD + L::dpos(kt * 16 + m.arow, xb + nt * 8 + m.acol), b0, b1, b2, b3);
+          mma16816(acc[nt], fa, b0, b1);
+          mma16816(acc[nt + 1], fa, b2, b3);
+        }
       }
     }
     bf16 *dv = (bf16 *)a.dv;
@@ -1597,7 +1670,8 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
     __syncthreads(); /* v and dD read for the last time (dVb, dD V^T): dW over v, from L2 */
     {
       const int64_t CHl = (int64_t)fresh_sreg<1>() * H + fresh_sreg<2>();
-      copy_panel<C, K, 256>(smem + L::odW, L::ldK, go.dWg + CHl * C * K, K, C);
+      if constexpr (WG) copy_panel_sw128<C, K, 256>(smem + L::odW, go.dWg + CHl * C * K, K, C);
+      else copy_panel<C, K, 256>(smem + L::odW, L::ldK, go.dWg + CHl * C * K, K, C);
       cp_async_commit();
     }
     if constexpr (kPreKK) { /* W5's kk tiles (items warp, warp + 8) while dW is in flight */
@@ -1613,6 +1687,7 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
       }
     }
     cp_async_wait<0>();
+    if constexpr (WG) fence_proxy_async_smem(); /* dW: W6's wgmma operand */
     __syncthreads();
     /* ---- W3b: dT (over dD) from the scratch sums and dW kn^T */
     for (int item = 7 - (fresh_sreg<0>() >> 5); item < NL; item += 8) {
@@ -1744,22 +1819,33 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
   {
     const int warp = fresh_sreg<0>() >> 5;
     const LaneMaps m = lane_maps();
-    const int jb = warp / (K / 64) * 16, rb = warp % (K / 64) * 64;
+    int jb, rb;
+    wy_item<K, WG>(warp, jb, rb);
     const int64_t CHi = (int64_t)fresh_sreg<1>() * H + fresh_sreg<2>();
     /* ---- W6: own item: dKn = beta e^{gc} (T^T dW) + G kn + G^T kn + dKnA; l2-norm
      * backward; dk out */
     if (warp < NI) {
+      if constexpr (WG) { /* dKb = T^T dW; T^T's zero tiles (i < j) as zero fragments */
+        wy_wgmma<C>(
+            dkn,
+            [&](int kt, uint32_t(&f)[4]) {
+              f[0] = f[1] = f[2] = f[3] = 0u;
+              if (kt * 16 + 15 >= jb) ldsm_x4(s0 + L::oT + ((jb + m.arow) * L::ldC + kt * 16 + m.acol) * 2, f[0], f[1], f[2], f[3]);
+            },
+            s0 + L::odW + L::kpos(0, rb));
+      } else {
 #pragma unroll
-      for (int kt = 0; kt < NB; kt++) { /* dKb = T^T dW */
-        if (kt * 16 + 15 < jb) continue; /* T^T[j][i] = 0 for i < j */
-        uint32_t fa[4];
-        ldsm_x4(s0 + L::oT + ((jb + m.arow) * L::ldC + kt * 16 + m.acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+        for (int kt = 0; kt < NB; kt++) { /* dKb = T^T dW */
+          if (kt * 16 + 15 < jb) continue; /* T^T[j][i] = 0 for i < j */
+          uint32_t fa[4];
+          ldsm_x4(s0 + L::oT + ((jb + m.arow) * L::ldC + kt * 16 + m.acol) * 2, fa[0], fa[1], fa[2], fa[3]);
 #pragma unroll
-        for (int nt = 0; nt < 8; nt += 2) {
-          uint32_t b0, b1, b2, b3;
-          ldsm_x4_t(s0 + L::odW + ((kt * 16 + m.arow) * L::ldK + rb + nt * 8 + m.acol) * 2, b0, b1, b2, b3);
-          mma16816(dkn[nt], fa, b0, b1);
-          mma16816(dkn[nt + 1], fa, b2, b3);
+          for (int nt = 0; nt < 8; nt += 2) {
+            uint32_t b0, b1, b2, b3;
+            ldsm_x4_t(s0 + L::odW + L::kpos(kt * 16 + m.arow, rb + nt * 8 + m.acol), b0, b1, b2, b3);
+            mma16816(dkn[nt], fa, b0, b1);
+            mma16816(dkn[nt + 1], fa, b2, b3);
+          }
         }
       }
 #pragma unroll
@@ -1770,7 +1856,7 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
 #pragma unroll
         for (int nt = 0; nt < 8; nt++) {
           const float2 kv = unpack_bf16(*reinterpret_cast<const uint32_t *>(
-              smem + L::oKn + (j * L::ldK + rb + nt * 8 + 2 * m.tig) * 2));
+              smem + L::oKn + L::kpos(j, rb + nt * 8 + 2 * m.tig)));
           s += kv.x * dkn[nt][2 * hf] + kv.y * dkn[nt][2 * hf + 1];
           dkn[nt][2 * hf] *= bj * eg;
           dkn[nt][2 * hf + 1] *= bj * eg;
@@ -1783,30 +1869,50 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
           atomicAdd(sDgc + j, bj * s);
         }
       }
+      if constexpr (WG) { /* G kn, then G^T kn, each one warpgroup product over the C rows of kn;
+                           * G's unwritten upper tiles as zero fragments */
+        wy_wgmma<C>(
+            dkn,
+            [&](int kt, uint32_t(&f)[4]) {
+              f[0] = f[1] = f[2] = f[3] = 0u;
+              if (kt * 16 <= jb + 15) /* G[j][m] = 0 for m >= j */
+                ldsm_x4(s0 + L::oG + ((jb + m.arow) * L::ldC + kt * 16 + m.acol) * 2, f[0], f[1], f[2], f[3]);
+            },
+            s0 + L::oKn + L::kpos(0, rb));
+        wy_wgmma<C>(
+            dkn,
+            [&](int kt, uint32_t(&f)[4]) {
+              f[0] = f[1] = f[2] = f[3] = 0u;
+              if (kt * 16 + 15 > jb) /* G[m][j] = 0 for m <= j */
+                ldsm_x4_t(s0 + L::oG + ((kt * 16 + m.atk) * L::ldC + jb + m.atm) * 2, f[0], f[1], f[2], f[3]);
+            },
+            s0 + L::oKn + L::kpos(0, rb));
+      } else {
 #pragma unroll
-      for (int kt = 0; kt < NB; kt++) {
-        if (kt * 16 > jb + 15) continue; /* G[j][m] = 0 for m >= j */
-        uint32_t fa[4];
-        ldsm_x4(s0 + L::oG + ((jb + m.arow) * L::ldC + kt * 16 + m.acol) * 2, fa[0], fa[1], fa[2], fa[3]);
+        for (int kt = 0; kt < NB; kt++) {
+          if (kt * 16 > jb + 15) continue; /* G[j][m] = 0 for m >= j */
+          uint32_t fa[4];
+          ldsm_x4(s0 + L::oG + ((jb + m.arow) * L::ldC + kt * 16 + m.acol) * 2, fa[0], fa[1], fa[2], fa[3]);
 #pragma unroll
-        for (int nt = 0; nt < 8; nt += 2) {
-          uint32_t b0, b1, b2, b3;
-          ldsm_x4_t(s0 + L::oKn + ((kt * 16 + m.arow) * L::ldK + rb + nt * 8 + m.acol) * 2, b0, b1, b2, b3);
-          mma16816(dkn[nt], fa, b0, b1);
-          mma16816(dkn[nt + 1], fa, b2, b3);
+          for (int nt = 0; nt < 8; nt += 2) {
+            uint32_t b0, b1, b2, b3;
+            ldsm_x4_t(s0 + L::oKn + L::kpos(kt * 16 + m.arow, rb + nt * 8 + m.acol), b0, b1, b2, b3);
+            mma16816(dkn[nt], fa, b0, b1);
+            mma16816(dkn[nt + 1], fa, b2, b3);
+          }
         }
-      }
 #pragma unroll
-      for (int kt = 0; kt < NB; kt++) {
-        if (kt * 16 + 15 <= jb) continue; /* G[m][j] = 0 for m <= j */
-        uint32_t fa[4];
-        ldsm_x4_t(s0 + L::oG + ((kt * 16 + m.atk) * L::ldC + jb + m.atm) * 2, fa[0], fa[1], fa[2], fa[3]);
+        for (int kt = 0; kt < NB; kt++) {
+          if (kt * 16 + 15 <= jb) continue; /* G[m][j] = 0 for m <= j */
+          uint32_t fa[4];
+          ldsm_x4_t(s0 + L::oG + ((kt * 16 + m.atk) * L::ldC + jb + m.atm) * 2, fa[0], fa[1], fa[2], fa[3]);
 #pragma unroll
-        for (int nt = 0; nt < 8; nt += 2) {
-          uint32_t b0, b1, b2, b3;
-          ldsm_x4_t(s0 + L::oKn + ((kt * 16 + m.arow) * L::ldK + rb + nt * 8 + m.acol) * 2, b0, b1, b2, b3);
-          mma16816(dkn[nt], fa, b0, b1);
-          mma16816(dkn[nt + 1], fa, b2, b3);
+          for (int nt = 0; nt < 8; nt += 2) {
+            uint32_t b0, b1, b2, b3;
+            ldsm_x4_t(s0 + L::oKn + L::kpos(kt * 16 + m.arow, rb + nt * 8 + m.acol), b0, b1, b2, b3);
+            mma16816(dkn[nt], fa, b0, b1);
+            mma16816(dkn[nt + 1], fa, b2, b3);
+          }
         }
       }
       const int64_t o = CHi * C * K + (int64_t)(jb + m.grp) * K + rb + 2 * m.tig;
@@ -1834,7 +1940,7 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
 #pragma unroll
         for (int nt = 0; nt < 8; nt++) {
           const float2 kv = unpack_bf16(*reinterpret_cast<const uint32_t *>(
-              smem + L::oKn + (j * L::ldK + rb + nt * 8 + 2 * m.tig) * 2));
+              smem + L::oKn + L::kpos(j, rb + nt * 8 + 2 * m.tig)));
           d += kv.x * dkn[nt][2 * hf] + kv.y * dkn[nt][2 * hf + 1];
         }
         d += __shfl_xor_sync(0xffffffffu, d, 1);
@@ -1853,7 +1959,8 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
     if (warp < NI) {
       /* afresh: the kn row addresses (and jb, rb) are not kept across the barrier */
       const LaneMaps m = lane_maps();
-      const int jb = warp / (K / 64) * 16, rb = warp % (K / 64) * 64;
+      int jb, rb;
+      wy_item<K, WG>(warp, jb, rb);
       bf16 *dk = (bf16 *)a.dk;
 #pragma unroll
       for (int hf = 0; hf < 2; hf++) {
@@ -1866,7 +1973,7 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) grad_wy_kernel_v
           float o0 = dkn[nt][2 * hf], o1 = dkn[nt][2 * hf + 1];
           if (a.l2norm) {
             const float2 kv = unpack_bf16(*reinterpret_cast<const uint32_t *>(
-                smem + L::oKn + (j * L::ldK + rb + nt * 8 + 2 * m.tig) * 2));
+                smem + L::oKn + L::kpos(j, rb + nt * 8 + 2 * m.tig)));
             o0 = inv * (o0 - kv.x * dot);
             o1 = inv * (o1 - kv.y * dot);
           }
@@ -2138,11 +2245,34 @@ static gdp_status launch_seq(const Plan &plan, int bv, bool states, bool dry_run
                     : launch_seq_n<64, 64>(plan, bv, states, dry_run, occ, f32, b16, ready, two);
 }
 
+/* GDP_CUDA_V3_WY_WG (read once): =3 grad_wy's dVb and W6 products on wgmma (one m64n64
+ * product per warpgroup instead of mma.sync per warp) where C = 64 and K = V = 128, compiled
+ * for three blocks per SM (80 registers); =2 the same for two (128 registers); unset or
+ * =0 mma.sync. */
+static int wy_wg_blocks() {
+  static const int b = [] {
+    const char *e = getenv("GDP_CUDA_V3_WY_WG");
+    return e && (strcmp(e, "2") == 0 || strcmp(e, "3") == 0) ? atoi(e) : 0;
+  }();
+  return b;
+}
+
 /* grad_wy_kernel_v3: the new schedule, or (old) the session-5 one (GDP_CUDA_V3_WY=old). */
 template <int K, int V, int C, int TC>
 static gdp_status launch_grad_wy(const Plan &plan, const GradStateOut &go, bool old) {
-  using L = GradWYLayout<K, V, C>;
   const dim3 grid((unsigned)plan.a.nchunks, (unsigned)plan.a.H);
+  if constexpr (C == 64 && K == 128 && V == 128) {
+    if (!old && wy_wg_blocks()) {
+      using LW = GradWYLayout<K, V, C, true>;
+      auto kern = wy_wg_blocks() == 2 ? grad_wy_kernel_v3<K, V, C, TC, true, 2> : grad_wy_kernel_v3<K, V, C, TC, true, 3>;
+      GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, LW::total));
+      GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+      GDP_CUDA_TRY(launch_pdl(pdl_wanted(), kern, grid, dim3(256), LW::total, plan.stream, plan.a, go));
+      GDP_CUDA_LAUNCHED("grad_wy_kernel_v3 (wgmma)");
+      return GDP_OK;
+    }
+  }
+  using L = GradWYLayout<K, V, C>;
   auto kern = old ? grad_wy_kernel_v3<K, V, C, TC, false> : grad_wy_kernel_v3<K, V, C, TC, true>;
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));

@@ -13,6 +13,7 @@
 
 #include "gdp_chunk.cuh"
 #include "mma_sm90.cuh"
+#include "wgmma_sm90.cuh"
 
 namespace gdpcu {
 namespace v3 {
@@ -81,6 +82,25 @@ __device__ __forceinline__ void copy_panel(unsigned char *dst, int sld, const bf
       }
     }
   }
+}
+
+/* copy_panel into a SW128 panel (wgmma_sm90.cuh: ROWS rows, COLS / 64 column blocks of
+ * 128-byte swizzled lines, no padding) instead of a padded one: same cp.async pattern, the
+ * swizzle folded into each thread's fixed destination chunk (its rows step by a multiple
+ * of 8, so the chunk's position never changes). */
+template <int ROWS, int COLS, int NT>
+__device__ __forceinline__ void copy_panel_sw128(unsigned char *dst, const bf16 *src, int64_t gld, int valid) {
+  constexpr int per_row = COLS / 8, row_step = NT / per_row;
+  static_assert(COLS % 64 == 0 && NT % per_row == 0 && row_step % 8 == 0, "SW128 copy: whole 64-column blocks, rows by 8");
+  const int r0 = (int)threadIdx.x / per_row, c8 = ((int)threadIdx.x % per_row) * 8;
+  unsigned char *d = dst + sw128_off<ROWS>(r0, c8);
+  const bf16 *g = src + (int64_t)r0 * gld + c8;
+#pragma unroll
+  for (int r = 0; r < ROWS; r += row_step)
+    if (ROWS % row_step == 0 || r + r0 < ROWS) {
+      const bool ok = r + r0 < valid;
+      cp_async16(d + r * 128, ok ? (const void *)(g + (int64_t)r * gld) : (const void *)src, ok);
+    }
 }
 
 /* -U^T into the accumulator Dt for NJ j-tiles of 16, U read from its bf16 panel [j][x] in

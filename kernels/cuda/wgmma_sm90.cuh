@@ -61,6 +61,16 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+/* An empty asm that reads and writes every accumulator register: the compiler cannot move
+ * the accumulator's other uses across it (wgmma's results appear only at wg_wait, which the
+ * compiler does not know). */
+__device__ __forceinline__ void wg_fence_acc(float (&d)[8][4]) {
+#pragma unroll
+  for (int i = 0; i < 8; i++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) asm volatile("" : "+f"(d[i][e])::"memory");
+}
+
 #define GDP_WG_D8(i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
 
 /* d (64 x 64 over the warpgroup; this warp's 16 rows) += A (64 x 16, registers) B (16 x 64,
