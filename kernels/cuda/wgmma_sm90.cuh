@@ -20,8 +20,8 @@
  *   K-major (the panel's rows are B's n index, its columns B's k: B = P[n0.., k0..]^T):
  *     SBO = 1024 (the next 8 n-rows), LBO unused; a k16 step inside a column block
  *     starts 32 bytes on (the hardware applies the swizzle to the computed address).
- * kernels/bench/wgmma_probe.cu checks both against a CPU product on the device; NOTES.md
- * "wgmma" has what it measured.
+ * kernels/bench/wgmma_probe.cu checks both against a CPU product on the device (exact on
+ * the H200, session 10; NOTES.md "Session 10", which also has what wgmma did to grad_wy).
  *
  * Register fragments (PTX ISA, "wgmma .m64nNk16 register fragments"): warp w of the
  * warpgroup holds A's rows 16 w .. 16 w + 15 as mma.m16n8k16's A fragment, and D's same
