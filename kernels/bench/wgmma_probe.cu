@@ -7,7 +7,8 @@
  *                      the product on the CPU.  Inputs are multiples of 1/8 in [-2, 2], so
  *                      every float32 sum is exact and a correct case has error 0.  One case
  *                      is a planted mistake (LBO and SBO swapped) that must fail.
- * Exit status 0 when every case is as expected.  Build (sm_90a):
+ * Exit status 0 when every case is as expected, 77 (ctest: skipped) without an sm_90
+ * device.  Built and run by CMake as c.wgmma_probe (label cuda); by hand (sm_90a):
  *   nvcc -O2 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Ikernels/cuda \
  *        kernels/bench/wgmma_probe.cu -o wgmma_probe
  */
@@ -125,13 +126,18 @@ __global__ void probe(int cs, const bf16 *A, const bf16 *B, float *D) {
 }
 
 int main() {
-  int dev = 0, major = 0, minor = 0;
+  int ndev = 0, dev = 0, major = 0, minor = 0;
+  const cudaError_t e = cudaGetDeviceCount(&ndev);
+  if (e != cudaSuccess || ndev == 0) { /* ctest: SKIP_RETURN_CODE 77 */
+    printf("SKIP: no CUDA device (%s)\n", e != cudaSuccess ? cudaGetErrorString(e) : "none found");
+    return 77;
+  }
   CK(cudaGetDevice(&dev));
   CK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
   CK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
   if (major != 9) {
-    printf("wgmma_probe: needs sm_90 (this device is sm_%d%d): skipped\n", major, minor);
-    return 0;
+    printf("SKIP: wgmma needs sm_90 (this device is sm_%d%d)\n", major, minor);
+    return 77;
   }
   const int smem = 2 * 64 * 128 * 2 + 64 * 64 * 2;
   CK(cudaFuncSetAttribute(probe, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
