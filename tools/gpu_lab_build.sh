@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # gpu_lab_build.sh DIR -- builds the CUDA kernel lab (kernels/bench/gdp_cuda_lab.cu with
 # every GDP kernel variant and the float64 oracle) into DIR/lab with nvcc directly, in
-# parallel, with the ptxas register/spill report in DIR/ptxas.log.  Faster than the CMake
+# parallel (the v3 files in their parts, kernels/cuda/parts/), with the ptxas register/spill report in DIR/ptxas.log.  Faster than the CMake
 # build on the GPU machine and independent of the rest of the tree.  Exit status 1 (and
 # the first errors on stderr) when the build fails.
 set -u
@@ -11,8 +11,13 @@ F="-O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icore/include -Icore/sr
 rm -f "$B"/*.o "$B"/ptxas_*.log "$B/lab"
 (
   gcc -O2 -fopenmp -Icore/include -Icore/src -Ikernels -c kernels/cpu/gdp_recurrent.c -o "$B/rec.o" &
-  for f in gdp_fwd gdp_bwd gdp_fwd_v3 gdp_bwd_v3; do
+  for f in gdp_fwd gdp_bwd; do
     nvcc $F -Xptxas -v -c kernels/cuda/$f.cu -o "$B/$f.o" 2>"$B/ptxas_$f.log" &
+  done
+  # the v3 files in parts, compiled in parallel (kernels/cuda/gdp_v3_split.h)
+  for f in kernels/cuda/parts/*.cu; do
+    p=$(basename "$f" .cu)
+    nvcc $F -Xptxas -v -c "$f" -o "$B/$p.o" 2>"$B/ptxas_$p.log" &
   done
   nvcc $F -c kernels/bench/gdp_cuda_lab.cu -o "$B/lab.o" &
   wait

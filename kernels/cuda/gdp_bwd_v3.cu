@@ -38,6 +38,7 @@
 #include "mma_sm90.cuh"
 #include "gdp_chunk.cuh"
 #include "gdp_v3_overlap.h"
+#include "gdp_v3_split.h"
 
 namespace gdpcu {
 
@@ -2233,16 +2234,30 @@ static gdp_status launch_seq_n(const Plan &plan, int bv, bool states, bool dry_r
   return launch_seq_k<K, V, 48, 16>(plan, bv, states, dry_run, occ, f32, b16, ready, two);
 }
 
+/* The (K, V) roots: every kernel of this file is instantiated through these three, one set
+ * per (K, V); the dispatchers below call them by name.  Defined at the end of the
+ * namespace: all four sets here when the file is compiled whole, one set per part file
+ * when it is compiled in parts (gdp_v3_split.h). */
+#define GDP_V3B_DECLARE_ROOTS(K, V)                                                                             \
+  gdp_status seq_k##K##v##V(const Plan &plan, int bv, bool states, bool dry_run, int *occ, float *f32, bf16 *b16, \
+                            int *ready, bool two);                                                              \
+  gdp_status grad_k##K##v##V(const Plan &plan, const GradStateOut &go, bool wy);                                \
+  gdp_status pair_k##K##v##V(int n, int bv, int *fits);
+GDP_V3B_DECLARE_ROOTS(64, 64)
+GDP_V3B_DECLARE_ROOTS(64, 128)
+GDP_V3B_DECLARE_ROOTS(128, 64)
+GDP_V3B_DECLARE_ROOTS(128, 128)
+
 /* ready: dstate's E3 counters (launch_dstate), or NULL; two: the fork beside a 2-stage
  * dstate (fork_mode 2: that dstate kernel, and the states pass at the max-shared carveout) */
 static gdp_status launch_seq(const Plan &plan, int bv, bool states, bool dry_run, int *occ, float *f32 = nullptr,
                              bf16 *b16 = nullptr, int *ready = nullptr, bool two = false) {
   const GdpArgs &a = plan.a;
   if (a.K == 128)
-    return a.V == 128 ? launch_seq_n<128, 128>(plan, bv, states, dry_run, occ, f32, b16, ready, two)
-                      : launch_seq_n<128, 64>(plan, bv, states, dry_run, occ, f32, b16, ready, two);
-  return a.V == 128 ? launch_seq_n<64, 128>(plan, bv, states, dry_run, occ, f32, b16, ready, two)
-                    : launch_seq_n<64, 64>(plan, bv, states, dry_run, occ, f32, b16, ready, two);
+    return a.V == 128 ? seq_k128v128(plan, bv, states, dry_run, occ, f32, b16, ready, two)
+                      : seq_k128v64(plan, bv, states, dry_run, occ, f32, b16, ready, two);
+  return a.V == 128 ? seq_k64v128(plan, bv, states, dry_run, occ, f32, b16, ready, two)
+                    : seq_k64v64(plan, bv, states, dry_run, occ, f32, b16, ready, two);
 }
 
 /* GDP_CUDA_V3_WY_WG (read once): =3 grad_wy's dVb and W6 products on wgmma (one m64n64
@@ -2437,8 +2452,8 @@ static gdp_status launch_grad_state_n(const Plan &plan, const GradStateOut &go, 
 static gdp_status launch_grad_v3(const Plan &plan, const GradStateOut &go, bool wy) {
   if (plan.a.nchunks == 0) return GDP_OK;
   const int K = plan.a.K, V = plan.a.V;
-  if (K == 128) return V == 128 ? launch_grad_state_n<128, 128>(plan, go, wy) : launch_grad_state_n<128, 64>(plan, go, wy);
-  return V == 128 ? launch_grad_state_n<64, 128>(plan, go, wy) : launch_grad_state_n<64, 64>(plan, go, wy);
+  if (K == 128) return V == 128 ? grad_k128v128(plan, go, wy) : grad_k128v64(plan, go, wy);
+  return V == 128 ? grad_k64v128(plan, go, wy) : grad_k64v64(plan, go, wy);
 }
 
 /* Blocks per SM of the sequential passes at value-block width bv (the dstate kernel's,
@@ -2549,8 +2564,8 @@ static bool fork2_pair_fits(const Plan &plan, int bv) {
   int &c = cache[a.K == 128][a.V == 128][a.n - 1][bv == 16 ? 0 : bv == 32 ? 1 : 2];
   if (c == 0) {
     int fits = 0;
-    const gdp_status st = a.K == 128 ? (a.V == 128 ? pair_n<128, 128>(a.n, bv, &fits) : pair_n<128, 64>(a.n, bv, &fits))
-                                     : (a.V == 128 ? pair_n<64, 128>(a.n, bv, &fits) : pair_n<64, 64>(a.n, bv, &fits));
+    const gdp_status st = a.K == 128 ? (a.V == 128 ? pair_k128v128(a.n, bv, &fits) : pair_k128v64(a.n, bv, &fits))
+                                     : (a.V == 128 ? pair_k64v128(a.n, bv, &fits) : pair_k64v64(a.n, bv, &fits));
     if (st != GDP_OK) (void)cudaGetLastError(); /* no pair, and no stale error for the next launch check */
     c = st == GDP_OK && fits ? 1 : -1;
   }
@@ -2710,8 +2725,29 @@ static gdp_status launch_state_passes(const Plan &plan, int bv, const GradStateO
   return st;
 }
 
+#define GDP_V3B_DEFINE_ROOTS(K, V)                                                                              \
+  gdp_status seq_k##K##v##V(const Plan &plan, int bv, bool states, bool dry_run, int *occ, float *f32, bf16 *b16, \
+                            int *ready, bool two) {                                                             \
+    return launch_seq_n<K, V>(plan, bv, states, dry_run, occ, f32, b16, ready, two);                            \
+  }                                                                                                             \
+  gdp_status grad_k##K##v##V(const Plan &plan, const GradStateOut &go, bool wy) {                              \
+    return launch_grad_state_n<K, V>(plan, go, wy);                                                             \
+  }                                                                                                             \
+  gdp_status pair_k##K##v##V(int n, int bv, int *fits) { return pair_n<K, V>(n, bv, fits); }
+#define GDP_V3B_DEFINE_PART_ROOTS(K, V) GDP_V3B_DEFINE_ROOTS(K, V) /* K, V expanded first */
+#if !defined(GDP_V3_SPLIT)
+GDP_V3B_DEFINE_ROOTS(64, 64)
+GDP_V3B_DEFINE_ROOTS(64, 128)
+GDP_V3B_DEFINE_ROOTS(128, 64)
+GDP_V3B_DEFINE_ROOTS(128, 128)
+#elif defined(GDP_V3_PART_K)
+GDP_V3B_DEFINE_PART_ROOTS(GDP_V3_PART_K, GDP_V3_PART_V)
+#endif
+
 }  // namespace v3b
 }  // namespace gdpcu
+
+#ifndef GDP_V3_PART_K /* the entry points: in the whole file or its main part, not in a (K, V) part */
 
 using namespace gdpcu;
 
@@ -2908,3 +2944,4 @@ extern "C" gdp_status gdp_cuda_gdp_backward_v3(const gdp_gdp_problem *p, const g
   prof_end(stream);
   return st;
 }
+#endif /* GDP_V3_PART_K */

@@ -38,6 +38,7 @@
 #include "gdp_chunk.cuh"
 #include "gdp_fwd_v3.cuh"
 #include "gdp_v3_stage.cuh"
+#include "gdp_v3_split.h"
 #include "mma_sm90.cuh"
 
 namespace gdpcu {
@@ -1592,17 +1593,32 @@ static gdp_status launch_k(const Plan &plan, int bv, bool dry_run, int *occ, boo
   }
 }
 
+/* The (K, n) roots: every kernel of this file is instantiated through these two, one pair
+ * per K and n; the dispatchers call them by name.  Defined at the end of the namespace:
+ * all six pairs here when the file is compiled whole, one per part file when it is
+ * compiled in parts (gdp_v3_split.h). */
+#define GDP_V3F_DECLARE_ROOTS(K, N)                                                                          \
+  gdp_status state_k##K##n##N(const Plan &plan, int bv, bool dry_run, int *occ, bool save, float *hT32,      \
+                              bf16 *hT16, bool ks2, bool tu);                                                \
+  gdp_status prep_k##K##n##N(const Plan &plan, bf16 *Tt);
+GDP_V3F_DECLARE_ROOTS(64, 1)
+GDP_V3F_DECLARE_ROOTS(64, 2)
+GDP_V3F_DECLARE_ROOTS(64, 3)
+GDP_V3F_DECLARE_ROOTS(128, 1)
+GDP_V3F_DECLARE_ROOTS(128, 2)
+GDP_V3F_DECLARE_ROOTS(128, 3)
+
 static gdp_status launch_state_v3(const Plan &plan, int bv, bool dry_run, int *occ, bool save, float *hT32,
                                   bf16 *hT16 = nullptr, bool ks2 = false, bool tu = false) {
   const GdpArgs &a = plan.a;
   if (a.K == 128) {
-    if (a.n == 1) return launch_k<128, 32, 32>(plan, bv, dry_run, occ, save, hT32, hT16, ks2, tu);
-    if (a.n == 2) return launch_k<128, 64, 32>(plan, bv, dry_run, occ, save, hT32, hT16, ks2, tu);
-    return launch_k<128, 48, 16>(plan, bv, dry_run, occ, save, hT32, hT16, ks2, tu);
+    if (a.n == 1) return state_k128n1(plan, bv, dry_run, occ, save, hT32, hT16, ks2, tu);
+    if (a.n == 2) return state_k128n2(plan, bv, dry_run, occ, save, hT32, hT16, ks2, tu);
+    return state_k128n3(plan, bv, dry_run, occ, save, hT32, hT16, ks2, tu);
   }
-  if (a.n == 1) return launch_k<64, 32, 32>(plan, bv, dry_run, occ, save, hT32, hT16, ks2, tu);
-  if (a.n == 2) return launch_k<64, 64, 32>(plan, bv, dry_run, occ, save, hT32, hT16, ks2, tu);
-  return launch_k<64, 48, 16>(plan, bv, dry_run, occ, save, hT32, hT16, ks2, tu);
+  if (a.n == 1) return state_k64n1(plan, bv, dry_run, occ, save, hT32, hT16, ks2, tu);
+  if (a.n == 2) return state_k64n2(plan, bv, dry_run, occ, save, hT32, hT16, ks2, tu);
+  return state_k64n3(plan, bv, dry_run, occ, save, hT32, hT16, ks2, tu);
 }
 
 /* Value-block width: the fewest waves of blocks; on a tie the narrower block (more SMs
@@ -1829,13 +1845,35 @@ static gdp_status launch_prep_kv(const Plan &plan, bf16 *Tt) {
                     : launch_prep_kvt<K, V, C, TC, true, false>(plan, Tt);
 }
 
-template <int K, int V>
-static gdp_status launch_prep_n(const Plan &plan, bf16 *Tt) {
-  if (plan.a.n == 1) return launch_prep_kv<K, V, 32, 32>(plan, Tt);
-  if (plan.a.n == 2) return launch_prep_kv<K, V, 64, 32>(plan, Tt);
-  return launch_prep_kv<K, V, 48, 16>(plan, Tt);
-}
+/* n's chunk: C steps, TC tokens (chunk_steps) */
+#define GDP_V3F_DEFINE_ROOTS(K, N, C, TC)                                                                    \
+  gdp_status state_k##K##n##N(const Plan &plan, int bv, bool dry_run, int *occ, bool save, float *hT32,      \
+                              bf16 *hT16, bool ks2, bool tu) {                                               \
+    return launch_k<K, C, TC>(plan, bv, dry_run, occ, save, hT32, hT16, ks2, tu);                           \
+  }                                                                                                          \
+  gdp_status prep_k##K##n##N(const Plan &plan, bf16 *Tt) {                                                  \
+    return plan.a.V == 128 ? launch_prep_kv<K, 128, C, TC>(plan, Tt) : launch_prep_kv<K, 64, C, TC>(plan, Tt); \
+  }
+#define GDP_V3F_DEFINE_PART_ROOTS(K, N, C, TC) GDP_V3F_DEFINE_ROOTS(K, N, C, TC) /* K expanded first */
+#if !defined(GDP_V3_SPLIT)
+GDP_V3F_DEFINE_ROOTS(64, 1, 32, 32)
+GDP_V3F_DEFINE_ROOTS(64, 2, 64, 32)
+GDP_V3F_DEFINE_ROOTS(64, 3, 48, 16)
+GDP_V3F_DEFINE_ROOTS(128, 1, 32, 32)
+GDP_V3F_DEFINE_ROOTS(128, 2, 64, 32)
+GDP_V3F_DEFINE_ROOTS(128, 3, 48, 16)
+#elif defined(GDP_V3_PART_K) && GDP_V3_PART_N == 1
+GDP_V3F_DEFINE_PART_ROOTS(GDP_V3_PART_K, 1, 32, 32)
+#elif defined(GDP_V3_PART_K) && GDP_V3_PART_N == 2
+GDP_V3F_DEFINE_PART_ROOTS(GDP_V3_PART_K, 2, 64, 32)
+#elif defined(GDP_V3_PART_K) && GDP_V3_PART_N == 3
+GDP_V3F_DEFINE_PART_ROOTS(GDP_V3_PART_K, 3, 48, 16)
+#elif defined(GDP_V3_PART_K)
+#error "a forward part needs GDP_V3_PART_N = 1, 2 or 3"
+#endif
 
+#ifndef GDP_V3_PART_K /* the file's other external definitions and its entry points: in the
+                       * whole file or its main part, not in a K part */
 /* Also the backward v3's recompute (gdp_bwd_v3.cu) and the saving forward, which pass Tt
  * (bf16 [C][C] per (chunk, head)) to get T^T (and U's residual, where plan.a.Ulo is set)
  * stored for the backward's kernels; the plain forward passes NULL and runs the kernel
@@ -1847,9 +1885,9 @@ gdp_status launch_prep_v3(const Plan &plan, bf16 *Tt) {
     return GDP_ERROR(GDP_ERR_INTERNAL, "launch_prep_v3: Ulo given without Tt (the residual is stored only "
                                        "with T^T)");
   if (plan.a.nchunks == 0) return GDP_OK;
-  const int K = plan.a.K, V = plan.a.V;
-  if (K == 128) return V == 128 ? launch_prep_n<128, 128>(plan, Tt) : launch_prep_n<128, 64>(plan, Tt);
-  return V == 128 ? launch_prep_n<64, 128>(plan, Tt) : launch_prep_n<64, 64>(plan, Tt);
+  const int n = plan.a.n;
+  if (plan.a.K == 128) return n == 1 ? prep_k128n1(plan, Tt) : n == 2 ? prep_k128n2(plan, Tt) : prep_k128n3(plan, Tt);
+  return n == 1 ? prep_k64n1(plan, Tt) : n == 2 ? prep_k64n2(plan, Tt) : prep_k64n3(plan, Tt);
 }
 
 /* How the forward's state pass gets U into D = U - W S.  Unset or =tv: the prep stores
@@ -1910,8 +1948,11 @@ SavedLayout saved_layout(const gdp_gdp_problem *p, bool state16) {
   return L;
 }
 
+#endif /* GDP_V3_PART_K */
 }  // namespace v3
 }  // namespace gdpcu
+
+#ifndef GDP_V3_PART_K
 
 using namespace gdpcu;
 
@@ -2003,3 +2044,4 @@ extern "C" gdp_status gdp_cuda_gdp_forward_v3_save(const gdp_gdp_problem *p, con
                                           "gdp_cuda_gdp_v3_saved_bytes bytes, got NULL");
   return forward_v3(p, io, stream, 1, saved);
 }
+#endif /* GDP_V3_PART_K */
