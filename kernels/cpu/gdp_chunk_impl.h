@@ -146,6 +146,19 @@ static inline real ck_dot(int64_t len, const real *a, const real *b) {
   return acc;
 }
 
+/* The same in double partial sums, for a long dot whose terms cancel (dS . S0, K V terms,
+ * into the log-decay gradients). */
+static inline double ck_dot64(int64_t len, const real *a, const real *b) {
+  double part[CK_LANES] = {0};
+  int64_t i = 0;
+  for (; i + CK_LANES <= len; i += CK_LANES)
+    for (int l = 0; l < CK_LANES; l++) part[l] += (double)a[i + l] * (double)b[i + l];
+  double acc = 0;
+  for (; i < len; i++) acc += (double)a[i] * (double)b[i];
+  for (int l = 0; l < CK_LANES; l++) acc += part[l];
+  return acc;
+}
+
 /* ------------------------------------------------------------------ triangular solves */
 
 /* X (c x ncol, ld ldx) <- (I + A)^-1 X, or (I + A)^-T X when `transposed`, for A strictly
@@ -449,14 +462,16 @@ typedef struct ck_bwd_ws {
   real *L3;            /* (C + mmax) x K: [-diag(b e^G) K ; scale diag(e^G) Q] */
   real *Zb;            /* C x K */
   real *PQ;            /* mmax x C */
-  real *G, *eG, *dGc, *kY, *gam; /* C each */
+  real *G, *eG, *kY, *gam; /* C each */
+  double *dGc;              /* C: the log-decay gradients, in double in both precisions */
 } ck_bwd_ws;
 
 static size_t ck_bwd_ws_count(const ck_dims *d, int64_t max_chunks) {
   const size_t C = (size_t)d->C, K = (size_t)d->K, V = (size_t)d->V, m = (size_t)d->mmax;
   const size_t nb = (size_t)(max_chunks > 0 ? max_chunks : 1);
   return nb * (C + K) * V + nb * C * C + (C + m + K) * V + 2 * C * C + (C + m) * (C + K) +
-         C * (m + K) + C * (C + m) + 2 * (C + m) * K + C * K + m * C + 5 * C;
+         C * (m + K) + C * (C + m) + 2 * (C + m) * K + C * K + m * C + 4 * C +
+         (C + 1) * sizeof(double) / sizeof(real); /* dGc, and room to align it */
 }
 
 static void ck_bwd_ws_carve(const ck_dims *d, int64_t max_chunks, real *base, ck_bwd_ws *w) {
@@ -476,9 +491,10 @@ static void ck_bwd_ws_carve(const ck_dims *d, int64_t max_chunks, real *base, ck
   w->PQ = w->Zb + C * K;
   w->G = w->PQ + m * C;
   w->eG = w->G + C;
-  w->dGc = w->eG + C;
-  w->kY = w->dGc + C;
+  w->kY = w->eG + C;
   w->gam = w->kY + C;
+  const uintptr_t end = (uintptr_t)(w->gam + C), al = sizeof(double);
+  w->dGc = (double *)((end + al - 1) / al * al);
 }
 
 /* Backward through one chunk.  On entry dS (in BV) is the gradient of the state after
@@ -496,7 +512,13 @@ static void ck_backward_chunk(const ck_dims *d, const gdp_gdp_bwd_io *io, const 
   const real *vc = v + ch->step0 * d->ldv + h * V;
   const real *bc = beta + ch->step0 * H + h;
   const real *Delta = DSst, *S0 = DSst + c * V;
-  real *G = w->G, *eG = w->eG, *dGc = w->dGc, *Gam = w->Gam;
+  real *G = w->G, *eG = w->eG, *Gam = w->Gam;
+  /* dGc: gradients of the chunk's cumulative log-decays G_r.  In double in both
+   * precisions: a token's dg is their reverse cumulative sum, in which terms much larger
+   * than the result cancel (e^(Gl-G_r) k_r.Z_r enters at r and again at the chunk's end,
+   * dS.S0 at the end), and in float32 that cost dg up to ~1e-3 of its size on heads
+   * whose dg is small (the f32 mixer golden cases' grad.A_log, session 10). */
+  double *dGc = w->dGc;
   real *dS = w->BV + (C + d->mmax) * V;
   real *dO = dS - m * V, *dR = dO - c * V;
   const int64_t ldres = C + K, ldl1 = d->mmax + K, ldl2 = C + d->mmax;
@@ -577,7 +599,7 @@ static void ck_backward_chunk(const ck_dims *d, const gdp_gdp_bwd_io *io, const 
     }
     l2r[r] = 0;
     if (g) {
-      real rowF = 0;
+      double rowF = 0;
 #pragma omp simd reduction(+ : rowF)
       for (int64_t s = 0; s < r; s++) { /* dA o A: A_rs depends on G_r - G_s */
         const real f = -F1r[s] * b * kkr[s];
@@ -613,7 +635,7 @@ static void ck_backward_chunk(const ck_dims *d, const gdp_gdp_bwd_io *io, const 
     }
     for (int64_t s = r + 1; s < c; s++) w->L2[s * ldl2 + c + j] = 0;
     if (g) {
-      real rowD = 0;
+      double rowD = 0;
 #pragma omp simd reduction(+ : rowD)
       for (int64_t s = 0; s <= r; s++) {
         const real dd = scale * dPj[s] * Pj[s];
@@ -636,14 +658,14 @@ static void ck_backward_chunk(const ck_dims *d, const gdp_gdp_bwd_io *io, const 
 
   if (g) {
     /* the decay of the carried state: S_end = e^Gl S0 + ... */
-    dGc[c - 1] += eGl * ck_dot(K * V, dS, S0);
+    dGc[c - 1] += eGl * ck_dot64(K * V, dS, S0);
     /* G_r = sum_{s<=r} (step log-decays): reverse cumulative sum; a token's dg is the
      * gradient of the log-decay of its step 0. */
-    real acc = 0;
+    double acc = 0;
     for (int64_t r = c - 1; r >= 0; r--) {
       acc += dGc[r];
       const int64_t i = ch->i0 + r;
-      if (i % n == 0) dg[(ch->bos + i / n) * H + h] = acc;
+      if (i % n == 0) dg[(ch->bos + i / n) * H + h] = (real)acc;
     }
   }
 
