@@ -2263,7 +2263,8 @@ static gdp_status launch_seq(const Plan &plan, int bv, bool states, bool dry_run
 /* GDP_CUDA_V3_WY_WG (read once): =3 grad_wy's dVb and W6 products on wgmma (one m64n64
  * product per warpgroup instead of mma.sync per warp) where C = 64 and K = V = 128, compiled
  * for three blocks per SM (80 registers); =2 the same for two (128 registers); unset or
- * =0 mma.sync. */
+ * =0 mma.sync.  Opt-in: correct on the H200 but slower, saving fwd+bwd at 4 x 4096 n = 2
+ * 2.12 -> 2.15 ms (=3) and 2.27 (=2) (NOTES.md "Session 10"). */
 static int wy_wg_blocks() {
   static const int b = [] {
     const char *e = getenv("GDP_CUDA_V3_WY_WG");
