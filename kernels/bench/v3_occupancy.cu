@@ -118,14 +118,17 @@ template <int K, int V, int C, int TC>
 struct GradStateLayout {
   static constexpr int ldK = K + kPad, ldV = V + kPad, ldC = C + kPad;
   static constexpr int oF = V * ldK * 2 + 2 * C * ldV * 2 + TC * ldV * 2 + C * ldK * 2 + TC * ldK * 2 + TC * ldC * 2;
-  static constexpr int total = oF + (5 * C + 2 * TC + 8) * 4 + 16;
+  static constexpr int nF = 3 * C + (TC / 16) * C + (K / 64) * C + TC + (K / 32) * TC + 8; /* with the partial-sum slots */
+  static constexpr int total = oF + nF * 4 + 16;
 };
 template <int K, int V, int C>
 struct GradWYLayout {
   static constexpr int ldK = K + kPad, ldV = V + kPad, ldC = C + kPad;
-  static constexpr int szKn = C * ldK * 2, szV = C * ldV * 2, szC = C * ldC * 2, nF = 7 * C;
+  static constexpr int NL = (C / 16) * (C / 16 + 1) / 2;
+  static constexpr int nF = 5 * C + (V / 64 + 2 * (K / 64)) * C + 2 * NL * 16; /* with the partial-sum slots */
+  static constexpr int szKn = C * ldK * 2, szV = C * ldV * 2, szC = C * ldC * 2;
   static constexpr bool kLateDW = 2 * szKn + 2 * szV + 2 * szC + nF * 4 > 76800;
-  static constexpr int NL = (C / 16) * (C / 16 + 1) / 2, szP = kLateDW ? NL * 1024 : 0;
+  static constexpr int szP = kLateDW ? NL * 1024 : 0;
   static constexpr int odD = szKn + (kLateDW && szKn > szV ? szKn : szV);
   static constexpr int oT = kLateDW ? odD + szV : odD + szV + szKn;
   static constexpr int total = oT + szC + (szP > szC ? szP : szC) + nF * 4;

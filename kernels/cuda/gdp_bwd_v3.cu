@@ -657,6 +657,17 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) dstate_kernel_v3(GdpArgs a, f
 /* ------------------------------------------------------------------ per-chunk gradients, state part */
 
 /* Shared-memory layout of grad_state_kernel_v3 (bytes; rows padded by 16 bytes). */
+/* sum over NS partial-sum slots p[0], p[stride], ..., from 0.f in slot order: with two slots
+ * the bits a shared-memory atomicAdd from zero gave in either order ((0 + a) + b: -0 + -0
+ * comes out +0 as there), with more a fixed order where the atomics' was not */
+template <int NS>
+__device__ __forceinline__ float slot_sum(const float *p, int stride) {
+  float x = 0.f;
+#pragma unroll
+  for (int i = 0; i < NS; i++) x += p[i * stride];
+  return x;
+}
+
 template <int K, int V, int C, int TC>
 struct GradStateLayout {
   static constexpr int ldK = K + kPad, ldV = V + kPad, ldC = C + kPad;
@@ -668,8 +679,13 @@ struct GradStateLayout {
   static constexpr int oQn = oKn + C * ldK * 2;       /* qn [TC][K] */
   static constexpr int oPs = oQn + TC * ldK * 2;      /* Ps [TC][C] */
   static constexpr int oF = oPs + TC * ldC * 2;       /* floats below */
-  static constexpr int fGp = 0, fGc = C, fDgc = 2 * C, fZ = 3 * C, fQinv = 4 * C, fQdot = 4 * C + TC,
-                       fDot = 4 * C + 2 * TC, fKinv = 4 * C + 2 * TC + 8, nF = 5 * C + 2 * TC + 8;
+  /* dgc's P1 column sums, z and qn . dqn are summed over several warps' items in partial-sum
+   * slots, one writer each (TC / 16, K / 64 and K / 32 of them), added up in a fixed order
+   * (slot_sum) where they are read; shared-memory float atomics compiled to compare-and-swap
+   * loops (ncu, session 11: ~5% of the kernel's warp stall samples) */
+  static constexpr int nDgc = TC / 16, nZ = K / 64, nQd = K / 32;
+  static constexpr int fGp = 0, fGc = C, fDgc = 2 * C, fZ = fDgc + nDgc * C, fQinv = fZ + nZ * C,
+                       fQdot = fQinv + TC, fDot = fQdot + nQd * TC, fKinv = fDot + 8, nF = fKinv + C;
   static constexpr int oNext = oF + nF * 4; /* ChunkInfo of the block `ahead` slots on (16 bytes) */
   static_assert(oNext % 16 == 0, "ChunkInfo alignment");
   static constexpr int total = oNext + 16;
@@ -799,11 +815,7 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
   if constexpr (NP) copy_panel_full<C, V, 256>(smem + L::odD, L::ldV, a.dDbuf + CHi * C * V, V);
   else copy_panel<C, V, 256>(smem + L::odD, L::ldV, a.dDbuf + CHi * C * V, V, C);
   cp_async_commit();
-  if (tid < C) {
-    sDgc[tid] = 0.f;
-    sZ[tid] = 0.f;
-  }
-  if (tid < TC) sQdot[tid] = 0.f;
+  /* sDgc, sZ, sQdot: every slot is written once below (P1, P3a, P2), none zeroed */
   if (warp == 0) {
     /* gc of key row i = g summed over the tokens <= i/n, token by token from 0.f: the
      * prep's shuffle scan (gdp_fwd_v3.cu), so the same additions in the same order, and
@@ -914,7 +926,7 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
         v += __shfl_xor_sync(0xffffffffu, v, 4);
         v += __shfl_xor_sync(0xffffffffu, v, 8);
         v += __shfl_xor_sync(0xffffffffu, v, 16);
-        if (grp == 0) atomicAdd(sDgc + jb + 8 * nt + 2 * tig + e, -v);
+        if (grp == 0) sDgc[(mb / 16) * C + jb + 8 * nt + 2 * tig + e] = -v;
       }
   }
 
@@ -1048,7 +1060,7 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
         }
         z += __shfl_xor_sync(0xffffffffu, z, 1);
         z += __shfl_xor_sync(0xffffffffu, z, 2);
-        if (tig == 0) atomicAdd(sZ + j, z);
+        if (tig == 0) sZ[(rb / 64) * C + j] = z;
       }
       /* + Ps^T qn: A = Ps^T (rows j, k = query a) by ldmatrix.trans from Ps [a][j] */
 #pragma unroll
@@ -1246,7 +1258,7 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
       }
       d += __shfl_xor_sync(0xffffffffu, d, 1);
       d += __shfl_xor_sync(0xffffffffu, d, 2);
-      if (tig == 0) atomicAdd(sQdot + qa, d);
+      if (tig == 0) sQdot[(qrb / 32) * TC + qa] = d;
     }
   }
 
@@ -1260,7 +1272,7 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
       const int qa = qmb + grp + 8 * hf;
       if (qa >= ci.ntok) continue;
       /* dqa = qinv dqn and qn = qinv q_raw, so dq = qinv (dqn - qn (qn . dqn)) = dqa - q_raw qinv^2 dot */
-      const float inv = sQinv[qa], dot = sQdot[qa] * inv * inv;
+      const float inv = sQinv[qa], dot = slot_sum<L::nQd>(sQdot + qa, TC) * inv * inv;
       bf16 *row = dq + (((int64_t)ci.t0 + qa) * H + h) * K + qrb + 2 * tig;
 #pragma unroll
       for (int nt = 0; nt < 4; nt++) {
@@ -1277,14 +1289,14 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
   }
   if (warp == 0) {
     float zs = 0.f;
-    for (int j = lane; j < C; j += 32) zs += sZ[j];
+    for (int j = lane; j < C; j += 32) zs += slot_sum<L::nZ>(sZ + j, C);
     zs = warp_sum(zs);
     float dts = 0.f;
 #pragma unroll
     for (int w = 0; w < 8; w++) dts += sDot[w];
     for (int j = lane; j < C; j += 32) {
-      float v = sDgc[j] - sZ[j];
-      if (j % n == n - 1) v += sQdot[j / n];
+      float v = slot_sum<L::nDgc>(sDgc + j, C) - slot_sum<L::nZ>(sZ + j, C);
+      if (j % n == n - 1) v += slot_sum<L::nQd>(sQdot + j / n, TC);
       if (j == C - 1) v += __expf(last) * dts + zs;
       go.dgcA[CHi * C + j] = v;
     }
@@ -1309,9 +1321,16 @@ struct GradWYLayout {
    * Later tenants of dead regions (the barriers between the phases order them):
    *   early dW: dT in R2 (W3-W4), X over dD (W4-W5), G over dT (W5-W6);
    *   late dW:  P in R2 (W3a-W3b), dT over dD (W3b-W4), X over P (W4-W5), G over dD (W5-W6). */
-  static constexpr int szKn = C * ldK * 2, szV = C * ldV * 2, szC = C * ldC * 2, nF = 7 * C;
-  static constexpr bool kLateDW = 2 * szKn + 2 * szV + 2 * szC + nF * 4 > 76800;
-  static constexpr int NL = (C / 16) * (C / 16 + 1) / 2, szP = kLateDW ? NL * 1024 : 0;
+  static constexpr int NL = (C / 16) * (C / 16 + 1) / 2;
+  /* Float sums of several warps' terms (dbeta, dgc, the l2-norm dots) go to partial-sum
+   * slots with one writer each, summed in a fixed order at the end (WySlots below), not
+   * to shared-memory float atomics: those compile to compare-and-swap loops (ATOMS.CAST.SPIN)
+   * that held ~10% of the kernel's warp stall samples (ncu, session 11), and their order
+   * varied from run to run. */
+  static constexpr int nS = (V / 64 + 2 * (K / 64)) * C + 2 * NL * 16;
+  static constexpr int szKn = C * ldK * 2, szV = C * ldV * 2, szC = C * ldC * 2, nF = 5 * C;
+  static constexpr bool kLateDW = 2 * szKn + 2 * szV + 2 * szC + (nF + nS) * 4 > 76800;
+  static constexpr int szP = kLateDW ? NL * 1024 : 0;
   static constexpr int oKn = 0;                                        /* kn [C][K] */
   static constexpr int oV = oKn + szKn;                                /* v [C][V] as given; late: then dW */
   static constexpr int odD = oV + (kLateDW && szKn > szV ? szKn : szV); /* dD [C][V] */
@@ -1324,8 +1343,9 @@ struct GradWYLayout {
   static constexpr int oX = kLateDW ? oR2 : odD;  /* X = dT T^T (bf16) */
   static constexpr int oG = kLateDW ? odD : oR2;  /* G = dA o beta_i Gamma (bf16) */
   static_assert(C <= V, "X, dT and G fit in the dD region");
-  static constexpr int fGp = 0, fGc = C, fBeta = 2 * C, fDgc = 3 * C, fDb = 4 * C, fDot = 5 * C, fKinv = 6 * C;
-  static constexpr int total = oF + nF * 4;
+  static constexpr int fGp = 0, fGc = C, fBeta = 2 * C, fDgc = 3 * C, fKinv = 4 * C;
+  static constexpr int oS = oF + nF * 4; /* the partial-sum slots (WySlots) */
+  static constexpr int total = oS + nS * 4;
   /* Byte offset of element (r, c) in the kn and dW panels (K columns) and in the dD panel
    * (V columns).  WG (wgmma for dVb and W6's products): those three panels are SW128
    * (wgmma_sm90.cuh, the B operands' layout; unpadded, so in the same regions with room to
@@ -1401,6 +1421,76 @@ __device__ __forceinline__ void lower_tile(int t, int &ti, int &tj) {
   ti = (int)((0x3333222110ull >> (4 * t)) & 15u);
   tj = (int)((0x3210210100ull >> (4 * t)) & 15u);
 }
+
+/* Which lower tiles a warp takes in W4 (X = dT T^T: tj + 1 k16 steps) and W5 (dA = -T^T X:
+ * NB - ti steps, then the heavy epilogue), slot 0 and 1; -1: none.  Up to 8 tiles, tile =
+ * warp.  At C = 64 (10 tiles) two warps take two, and those get the cheapest: W5 warps 6, 7
+ * the tiles of row 3 (one step each) where tile = warp, warp + 8 gave warps 0, 1 five steps
+ * and two epilogues; W4 the tiles of column 0 (one step each) to warps 6, 7.  (ncu, session
+ * 11: the barrier after W5 held ~8% of grad_wy's warp stall samples.) */
+template <int NL>
+__device__ __forceinline__ int w5_tile(int warp, int slot) {
+  static_assert(NL <= 10, "C <= 64");
+  if (slot == 0) return warp < NL ? warp : -1;
+  return NL > 8 && warp >= 16 - NL ? warp + NL - 8 : -1;
+}
+template <int NL>
+__device__ __forceinline__ int w4_tile(int warp, int slot) {
+  static_assert(NL <= 10, "C <= 64");
+  if constexpr (NL == 10) /* slot 0: tiles 2 4 5 7 8 9 0 1 (nibble = warp), slot 1: 3 6 for warps 6 7 */
+    return slot == 0 ? (int)((0x10987542u >> (4 * warp)) & 15u) : warp >= 6 ? (warp == 6 ? 3 : 6) : -1;
+  else
+    return slot == 0 && warp < NL ? warp : -1;
+}
+
+/* grad_wy's partial sums (GradWYLayout::nS floats at oS), each slot written by one lane of
+ * one warp, then summed in a fixed order by warp 7 after W6 (dbeta, dgc) and by the dk
+ * store (the l2-norm dot):
+ *   dvb[b][j]  W3:  v_j . dVb_j over the 64 value columns of block b
+ *   row[t][r]  W5:  sum_m dA_im e^{gc_i - gc_m} kk_im of tile t = (ti, tj), row i = 16 ti + r
+ *   col[t][r]  W5:  -sum_i dA_im A_im of tile t, column m = 16 tj + r
+ *   dkb[b][j]  W6:  e^{gc_j} kn_j . dKb_j over the 64 key columns of block b
+ *   dot[b][j]  W6:  kn_j . dKn_j over the same columns
+ * dbeta_j = dvb + row + dkb terms;  dgc_j = dgcA_j + beta_j (row + dkb terms) + col terms
+ * (W5's row term of dgc, sum_m dA_im A_im, is beta_i times its row term of dbeta, as
+ * A_im = beta_i e kk_im; W6's is beta_j s).  Offsets in floats. */
+template <int K, int V, int C>
+struct WySlots {
+  static constexpr int NB = C / 16, NL = NB * (NB + 1) / 2;
+  static constexpr int dvb = 0, row = dvb + (V / 64) * C, col = row + NL * 16, dkb = col + NL * 16, dot = dkb + (K / 64) * C;
+  static constexpr int count = dot + (K / 64) * C;
+  __device__ static __forceinline__ float dot_sum(const float *S, int j) {
+    float d = 0.f;
+#pragma unroll
+    for (int b = 0; b < K / 64; b++) d += S[dot + b * C + j];
+    return d;
+  }
+  /* row j's W5 and W6 terms of dbeta (the ones dgc takes times beta_j) */
+  __device__ static __forceinline__ float wb_sum(const float *S, int j) {
+    const int ti = j >> 4, r = j & 15;
+    float x = 0.f;
+#pragma unroll
+    for (int tj = 0; tj < NB; tj++)
+      if (tj <= ti) x += S[row + (ti * (ti + 1) / 2 + tj) * 16 + r];
+#pragma unroll
+    for (int b = 0; b < K / 64; b++) x += S[dkb + b * C + j];
+    return x;
+  }
+  __device__ static __forceinline__ float dvb_sum(const float *S, int j) {
+    float x = 0.f;
+#pragma unroll
+    for (int b = 0; b < V / 64; b++) x += S[dvb + b * C + j];
+    return x;
+  }
+  __device__ static __forceinline__ float col_sum(const float *S, int m) {
+    const int tj = m >> 4, r = m & 15;
+    float x = 0.f;
+#pragma unroll
+    for (int ti = 0; ti < NB; ti++)
+      if (ti >= tj) x += S[col + (ti * (ti + 1) / 2 + tj) * 16 + r];
+    return x;
+  }
+};
 
 /* A lane's ldmatrix row / column maps and its accumulator row / column pair (grp, tig),
  * computed from a fresh read of %tid.x: each phase of grad_wy_kernel_v3 takes its own copy,
@@ -1519,8 +1609,10 @@ __global__ void __launch_bounds__(256, WGB ? WGB : grad_wy_blocks(K, V, C)) grad
   const bf16 *gk = (const bf16 *)a.k, *gv = (const bf16 *)a.v, *gg = (const bf16 *)a.g,
              *gbeta = (const bf16 *)a.beta;
   float *sF = (float *)(smem + L::oF);
-  float *sGp = sF + L::fGp, *sGc = sF + L::fGc, *sBeta = sF + L::fBeta, *sDgc = sF + L::fDgc, *sDb = sF + L::fDb,
-        *sDot = sF + L::fDot, *sKinv = sF + L::fKinv;
+  float *sGp = sF + L::fGp, *sGc = sF + L::fGc, *sBeta = sF + L::fBeta, *sDgc = sF + L::fDgc, *sKinv = sF + L::fKinv;
+  using WS = WySlots<K, V, C>; /* the partial sums, at S (every slot written once: no zeroing) */
+  static_assert(WS::count == L::nS, "slots");
+  float *S = (float *)(smem + L::oS);
   const uint32_t s0 = smem_addr(smem);
   if (WG && (s0 & 1023)) __trap(); /* the SW128 panels' swizzle is that of absolute addresses */
 
@@ -1544,8 +1636,6 @@ __global__ void __launch_bounds__(256, WGB ? WGB : grad_wy_blocks(K, V, C)) grad
     sGp[tid] = (gg && ok && tid % n == 0) ? __bfloat162float(gg[((int64_t)ci.t0 + tid / n) * H + h]) : 0.f;
     sBeta[tid] = ok ? __bfloat162float(gbeta[(krow0 + tid) * H + h]) : 0.f;
     sDgc[tid] = go.dgcA[CHi * C + tid];
-    sDb[tid] = 0.f;
-    sDot[tid] = 0.f;
   }
   cp_async_wait<1>(); /* k */
   __syncthreads();
@@ -1639,7 +1729,7 @@ __global__ void __launch_bounds__(256, WGB ? WGB : grad_wy_blocks(K, V, C)) grad
       }
       s += __shfl_xor_sync(0xffffffffu, s, 1);
       s += __shfl_xor_sync(0xffffffffu, s, 2);
-      if (m.tig == 0) atomicAdd(sDb + j, s);
+      if (m.tig == 0) S[WS::dvb + (xb / 64) * C + j] = s;
     }
   }
   /* dT = (dD V^T + dW kn^T diag(e^{gc})) diag(beta), lower tiles only: X's lower tiles, the
@@ -1679,8 +1769,8 @@ __global__ void __launch_bounds__(256, WGB ? WGB : grad_wy_blocks(K, V, C)) grad
       const int w = fresh_sreg<0>() >> 5;
 #pragma unroll
       for (int sl = 0; sl < 2; sl++) {
-        const int item = w + 8 * sl;
-        if (item < NL) {
+        const int item = w5_tile<NL>(w, sl);
+        if (item >= 0) {
           int ti, tj;
           lower_tile(item, ti, tj);
           grad_wy_kk<L, K>(s0, ti, tj, lane_maps(), kkp[sl]);
@@ -1707,7 +1797,10 @@ __global__ void __launch_bounds__(256, WGB ? WGB : grad_wy_blocks(K, V, C)) grad
   if constexpr (NEW) /* dKnA into L2 again, nearer its read (W6's end) */
     if (fresh_sreg<0>() == 0 && (go.wy_pf & 2))
       prefetch_l2_bulk(dkna_slice(go, (int64_t)fresh_sreg<1>() * H + fresh_sreg<2>(), C * K), dkna_bytes(go, C * K));
-  for (int item = warp; item < NL; item += 8) {
+#pragma unroll
+  for (int sl = 0; sl < 2; sl++) {
+    const int item = w4_tile<NL>(warp, sl);
+    if (item < 0) continue;
     int ti, tj;
     lower_tile(item, ti, tj);
     const LaneMaps m = lane_maps();
@@ -1736,7 +1829,10 @@ __global__ void __launch_bounds__(256, WGB ? WGB : grad_wy_blocks(K, V, C)) grad
    * G[jb][m <= jb] and G[m >= jb][jb] only); dbeta, dgc sums.  The tile's kn kn^T (kk)
    * is computed here, in registers (it used to be a W1 phase into 17 KB of shared
    * memory at C = 64; same products, same order, so the same floats). */
-  for (int item = warp; item < NL; item += 8) {
+#pragma unroll
+  for (int sl = 0; sl < 2; sl++) {
+    const int item = w5_tile<NL>(warp, sl);
+    if (item < 0) continue;
     int ti, tj;
     lower_tile(item, ti, tj);
     const LaneMaps m = lane_maps();
@@ -1745,7 +1841,7 @@ __global__ void __launch_bounds__(256, WGB ? WGB : grad_wy_blocks(K, V, C)) grad
 #pragma unroll
       for (int nt = 0; nt < 2; nt++)
 #pragma unroll
-        for (int e = 0; e < 4; e++) kk[nt][e] = item >= 8 ? kkp[1][nt][e] : kkp[0][nt][e]; /* slot item / 8 */
+        for (int e = 0; e < 4; e++) kk[nt][e] = kkp[sl][nt][e];
     } else {
       grad_wy_kk<L, K>(s0, ti, tj, m, kk);
     }
@@ -1760,7 +1856,7 @@ __global__ void __launch_bounds__(256, WGB ? WGB : grad_wy_blocks(K, V, C)) grad
         mma16816(acc[1], fa, b2, b3);
       }
     }
-    float rdb[2] = {}, rdg[2] = {}, cdg[2][2] = {};
+    float rdb[2] = {}, cdg[2][2] = {};
 #pragma unroll
     for (int nt = 0; nt < 2; nt++)
 #pragma unroll
@@ -1776,7 +1872,6 @@ __global__ void __launch_bounds__(256, WGB ? WGB : grad_wy_blocks(K, V, C)) grad
             const float aij = sBeta[i] * ee * kkij; /* = A_ij, recomputed (A is not kept) */
             gv[e] = da * sBeta[i] * ee;
             rdb[hf] += da * ee * kkij;
-            rdg[hf] += da * aij;
             cdg[nt][e] -= da * aij;
           }
         }
@@ -1785,15 +1880,10 @@ __global__ void __launch_bounds__(256, WGB ? WGB : grad_wy_blocks(K, V, C)) grad
     {
 #pragma unroll
       for (int hf = 0; hf < 2; hf++) {
-        float b = rdb[hf], g2 = rdg[hf];
+        float b = rdb[hf];
         b += __shfl_xor_sync(0xffffffffu, b, 1);
         b += __shfl_xor_sync(0xffffffffu, b, 2);
-        g2 += __shfl_xor_sync(0xffffffffu, g2, 1);
-        g2 += __shfl_xor_sync(0xffffffffu, g2, 2);
-        if (m.tig == 0) {
-          atomicAdd(sDb + ti * 16 + m.grp + 8 * hf, b);
-          atomicAdd(sDgc + ti * 16 + m.grp + 8 * hf, g2);
-        }
+        if (m.tig == 0) S[WS::row + item * 16 + m.grp + 8 * hf] = b;
       }
 #pragma unroll
       for (int nt = 0; nt < 2; nt++)
@@ -1803,7 +1893,7 @@ __global__ void __launch_bounds__(256, WGB ? WGB : grad_wy_blocks(K, V, C)) grad
           v += __shfl_xor_sync(0xffffffffu, v, 4);
           v += __shfl_xor_sync(0xffffffffu, v, 8);
           v += __shfl_xor_sync(0xffffffffu, v, 16);
-          if (m.grp == 0) atomicAdd(sDgc + tj * 16 + nt * 8 + 2 * m.tig + e, v);
+          if (m.grp == 0) S[WS::col + item * 16 + nt * 8 + 2 * m.tig + e] = v;
         }
     }
   }
@@ -1865,10 +1955,7 @@ __global__ void __launch_bounds__(256, WGB ? WGB : grad_wy_blocks(K, V, C)) grad
         s *= eg;
         s += __shfl_xor_sync(0xffffffffu, s, 1);
         s += __shfl_xor_sync(0xffffffffu, s, 2);
-        if (m.tig == 0) {
-          atomicAdd(sDb + j, s);
-          atomicAdd(sDgc + j, bj * s);
-        }
+        if (m.tig == 0) S[WS::dkb + (rb / 64) * C + j] = s;
       }
       if constexpr (WG) { /* G kn, then G^T kn, each one warpgroup product over the C rows of kn;
                            * G's unwritten upper tiles as zero fragments */
@@ -1946,7 +2033,7 @@ __global__ void __launch_bounds__(256, WGB ? WGB : grad_wy_blocks(K, V, C)) grad
         }
         d += __shfl_xor_sync(0xffffffffu, d, 1);
         d += __shfl_xor_sync(0xffffffffu, d, 2);
-        if (m.tig == 0) atomicAdd(sDot + j, d);
+        if (m.tig == 0) S[WS::dot + (rb / 64) * C + j] = d;
       }
     }
   }
@@ -1967,7 +2054,7 @@ __global__ void __launch_bounds__(256, WGB ? WGB : grad_wy_blocks(K, V, C)) grad
       for (int hf = 0; hf < 2; hf++) {
         const int j = jb + m.grp + 8 * hf;
         if (j >= nv) continue;
-        const float inv = sKinv[j], dot = sDot[j];
+        const float inv = sKinv[j], dot = WS::dot_sum(S, j);
         bf16 *row = dk + ((krow0 + j) * H + h) * K + rb + 2 * m.tig;
 #pragma unroll
         for (int nt = 0; nt < 8; nt++) {
@@ -1982,7 +2069,14 @@ __global__ void __launch_bounds__(256, WGB ? WGB : grad_wy_blocks(K, V, C)) grad
         }
       }
     }
-    if (tid < nv) ((bf16 *)a.dbeta)[(krow0 + tid) * H + h] = __float2bfloat16(sDb[tid]);
+    if (warp == 7) { /* the slots' sums: dbeta out, dgc's step values (before the cumsum) into sDgc */
+      for (int j = tid & 31; j < C; j += 32) {
+        const float w = WS::wb_sum(S, j);
+        if (j < nv) ((bf16 *)a.dbeta)[(krow0 + j) * H + h] = __float2bfloat16(WS::dvb_sum(S, j) + w);
+        sDgc[j] += sBeta[j] * w + WS::col_sum(S, j);
+      }
+      __syncwarp();
+    }
     if (NEW && a.g && warp == 7) { /* as below, but the 32 lanes store: lane 0 runs the same sum
                                     * and leaves the running values in sDgc */
       if ((tid & 31) == 0) {
