@@ -1658,18 +1658,41 @@ __global__ void __launch_bounds__(256, WGB ? WGB : grad_wy_blocks(K, V, C)) grad
 #pragma unroll
     for (int i = 0; i < C; i += 4) *reinterpret_cast<float4 *>(sGc + i) = make_float4(gp[i], gp[i + 1], gp[i + 2], gp[i + 3]);
   }
-  for (int i = warp; i < C; i += 8) { /* kn in place; rows past the end were zero-filled */
-    float x[K / 32], ss = 0.f;
+  { /* kn in place, the forward prep's l2 norm (gdp_fwd_v3.cu): LPR = K / 8 lanes per row,
+     * 8 elements (one 16-byte chunk, whole under the SW128 swizzle too) a lane, RPS rows per
+     * warp and step -- the same sums in the same order, so kn and kinv are the prep's bit
+     * for bit.  It was a warp per row (2-byte accesses, five-shuffle sums, eight rows in
+     * turn): ~16% of the kernel's warp stall samples with the gate's cumsum (ncu, session
+     * 11), where grad_state's quad-per-row norms had been made cheap in session 5.  Rows
+     * past the end were zero-filled. */
+    constexpr int LPR = K / 8, RPS = 32 / LPR, STEPS = (C + 8 * RPS - 1) / (8 * RPS);
+    static_assert(C % RPS == 0, "a step's rows of a warp are all in or all out (its shuffles need every lane)");
+    const int sub = lane / LPR, c8 = (lane % LPR) * 8;
+#pragma unroll 2 /* two steps' loads in flight; fully unrolled, C = 64 spilled 8 bytes at 80 registers */
+    for (int st = 0; st < STEPS; st++) {
+      const int i = (st * 8 + warp) * RPS + sub;
+      if (C % (8 * RPS) != 0 && i >= C) break; /* warp-uniform */
+      unsigned char *src = smem + L::oKn + L::kpos(i, c8);
+      const uint4 raw = *reinterpret_cast<const uint4 *>(src);
+      const uint32_t w4[4] = {raw.x, raw.y, raw.z, raw.w};
+      float x[8], ss = 0.f;
 #pragma unroll
-    for (int m = 0; m < K / 32; m++) {
-      x[m] = __bfloat162float(*reinterpret_cast<const bf16 *>(smem + L::oKn + L::kpos(i, lane + 32 * m)));
-      ss += x[m] * x[m];
+      for (int m = 0; m < 4; m++) {
+        const float2 p = unpack_bf16(w4[m]);
+        x[2 * m] = p.x;
+        x[2 * m + 1] = p.y;
+      }
+#pragma unroll
+      for (int m = 0; m < 8; m++) ss += x[m] * x[m];
+#pragma unroll
+      for (int o = LPR / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+      const float inv = a.l2norm ? rsqrtf(ss + kNormEps) : 1.f;
+      uint32_t kn[4];
+#pragma unroll
+      for (int m = 0; m < 4; m++) kn[m] = pack_bf16(x[2 * m] * inv, x[2 * m + 1] * inv);
+      *reinterpret_cast<uint4 *>(src) = make_uint4(kn[0], kn[1], kn[2], kn[3]);
+      if (lane % LPR == 0) sKinv[i] = inv;
     }
-    const float inv = a.l2norm ? rsqrtf(warp_sum(ss) + kNormEps) : 1.f;
-#pragma unroll
-    for (int m = 0; m < K / 32; m++)
-      *reinterpret_cast<bf16 *>(smem + L::oKn + L::kpos(i, lane + 32 * m)) = __float2bfloat16(x[m] * inv);
-    if (lane == 0) sKinv[i] = inv;
   }
   if constexpr (WG) fence_proxy_async_smem(); /* kn is W6's wgmma operand */
   __syncthreads();
