@@ -6,12 +6,21 @@
 # (NOTES.md "Session 10") is that a grad_wy block lives ~24 us, i.e. ~2.8k instructions
 # per warp at ~16 cycles each; this says which lines those are.  ~3-4 minutes after the
 # lab build.
+# Other kernels: KERNELS (an ncu --kernel-name regex), NAME (the files' prefix) and
+# PER_PASS (how many launches of them one forward+backward makes: the first pass's are
+# skipped as warm-up, the second's profiled), e.g. the saving forward and dstate:
+#   KERNELS='prep_kernel_v3|state_ks2_kernel_v3|state_kernel_v3|dstate_kernel_v3' NAME=seq PER_PASS=3
 # Device (carry [".devbundle"]):
 #   source .devbundle/env.sh && OUT=$OUT bash tools/gpu_ncu_source.sh
-# Files back: ncu_source.log (this script's log), grad.ncu-rep (open in Nsight Compute),
-# grad_source.csv (per-line metrics), grad_details.txt (the sections as text).
+# Files back: ncu_source.log (this script's log), NAME.ncu-rep (open in Nsight Compute; over
+# the device tool's size limit, it stays there), NAME_source.csv (per-line metrics),
+# NAME_details.txt (the sections as text), NAME_lines.txt (tools/ncu_lines.py: stall
+# samples per phase and per line, compare-and-swap atomics).
 CALL=ncu_source
 BUDGET_S=${BUDGET_S:-560}
+KERNELS=${KERNELS:-grad_(wy|state)_kernel}
+NAME=${NAME:-grad}
+PER_PASS=${PER_PASS:-2}
 source tools/device_call.sh
 L=${L:-/tmp/lab-main/lab}
 if [ ! -x "$L" ]; then
@@ -20,14 +29,15 @@ if [ ! -x "$L" ]; then
   [ -x "$L" ] || exit 1
   rm -f "$OUT/lab_build.log"
 fi
-# --launch-skip 2: the first forward+backward is the warm-up; one launch of each kernel
+# --launch-skip PER_PASS: the first forward+backward is the warm-up; one launch of each kernel
 timeout 300 ncu --set full --import-source yes --section SourceCounters --section WarpStateStats \
-  --kernel-name regex:"grad_(wy|state)_kernel" --launch-skip 2 --launch-count 2 \
-  -f -o "$OUT/grad" $L bench 4 4096 2 v5 --reps 1 > "$OUT/ncu_run.tmp" 2>&1
+  --kernel-name regex:"$KERNELS" --launch-skip "$PER_PASS" --launch-count "$PER_PASS" \
+  -f -o "$OUT/$NAME" $L bench 4 4096 2 v5 --reps 1 > "$OUT/ncu_run.tmp" 2>&1
 log "ncu rc=$? $(grep -c '==PROF== Profiling' "$OUT/ncu_run.tmp") kernels profiled"
 tail -5 "$OUT/ncu_run.tmp" | tee -a "$OUT/$CALL.log"; rm -f "$OUT/ncu_run.tmp"
-left "details page" && { ncu --import "$OUT/grad.ncu-rep" --page details > "$OUT/grad_details.txt" 2>&1; log "details rc=$?"; }
-left "source page" && { ncu --import "$OUT/grad.ncu-rep" --page source --csv --print-source cuda,sass \
-  > "$OUT/grad_source.csv" 2>&1; log "source page rc=$? $(wc -l < "$OUT/grad_source.csv") lines"; }
+left "details page" && { ncu --import "$OUT/$NAME.ncu-rep" --page details > "$OUT/${NAME}_details.txt" 2>&1; log "details rc=$?"; }
+left "source page" && { ncu --import "$OUT/$NAME.ncu-rep" --page source --csv --print-source cuda,sass \
+  > "$OUT/${NAME}_source.csv" 2>&1; log "source page rc=$? $(wc -l < "$OUT/${NAME}_source.csv") lines"; }
+left "summary" && { python3 tools/ncu_lines.py "$OUT/${NAME}_source.csv" > "$OUT/${NAME}_lines.txt" 2>&1; log "ncu_lines rc=$?"; }
 ls -la "$OUT" | tee -a "$OUT/$CALL.log"
 log "done"

@@ -1616,7 +1616,7 @@ __global__ void __launch_bounds__(256, WGB ? WGB : grad_wy_blocks(K, V, C)) grad
   const uint32_t s0 = smem_addr(smem);
   if (WG && (s0 & 1023)) __trap(); /* the SW128 panels' swizzle is that of absolute addresses */
 
-  /* The loads, by cp.async in two groups: the raw k rows (normalised in place below),
+  /* ---- loads, by cp.async in two groups: the raw k rows (normalised in place below),
    * then v, dD, dW and T^T (first read in W3, so their latency overlaps the norms).
    * dKnA (read at the end) is pulled into L2 now so that that read does not wait on
    * DRAM; so is dW where it arrives late (kLateDW: copied in after W3a). */
@@ -1658,6 +1658,7 @@ __global__ void __launch_bounds__(256, WGB ? WGB : grad_wy_blocks(K, V, C)) grad
 #pragma unroll
     for (int i = 0; i < C; i += 4) *reinterpret_cast<float4 *>(sGc + i) = make_float4(gp[i], gp[i + 1], gp[i + 2], gp[i + 3]);
   }
+  /* ---- kn: l2 norms */
   { /* kn in place, the forward prep's l2 norm (gdp_fwd_v3.cu): LPR = K / 8 lanes per row,
      * 8 elements (one 16-byte chunk, whole under the SW128 swizzle too) a lane, RPS rows per
      * warp and step -- the same sums in the same order, so kn and kinv are the prep's bit
