@@ -141,8 +141,10 @@ describe("cuda #gpu", function()
   -- state passes on two streams or one (GDP_CUDA_V3_FORK; =2 beside the 2-stage dstate), and the state passes with two
   -- warps per value tile or one (GDP_CUDA_V3_PASSES=ks2 / old; n <= 2).  o, ht and dh0
   -- (the state-gradient pass's own output) are compared bit for bit; the other gradients
-  -- within 1e-3, a tenth of the bf16 tolerance (the gradient kernels sum parts of them
-  -- with shared-memory atomics, whose order may differ between any two runs).  Plain and
+  -- within 1e-3, a tenth of the bf16 tolerance (set when the gradient kernels summed parts
+  -- of them with shared-memory atomics, whose order could differ between any two runs;
+  -- since session 11 they do not -- see "bitwise reproducible" below -- and these could be
+  -- compared bit for bit once that has been seen on the GPU).  Plain and
   -- saving paths, two sequences (one empty) so the passes run several blocks each.  Also
   -- grad_state started beside dstate on per-chunk counters (GDP_CUDA_V3_OVERLAP; off
   -- where a sequence is empty, hence two non-empty ones there) and programmatic
@@ -191,6 +193,35 @@ describe("cuda #gpu", function()
     end)
   end
 
+  -- Variant 3 has no atomics since session 11 (its gradient kernels sum across warps in
+  -- partial-sum slots, in a fixed order): the same backward twice gives the same bits in
+  -- every gradient, plain and saving for backward, packed with an empty sequence.  (With
+  -- the shared-memory atomics before, dbeta and dg could differ in their last bits.)
+  for _, case in ipairs({ { 128, 128, 2 }, { 64, 64, 3 }, { 128, 64, 1 } }) do
+    local K, V, n = case[1], case[2], case[3]
+    it(string.format("variant 3's backward is bitwise reproducible (bf16, K=%d V=%d n=%d)", K, V, n), function()
+      if not need_gpu() then return end
+      H.reseed(808 + K + V + n)
+      local args = ops.random_inputs({ B = 1, T = 300, H = 2, K = K, V = V, n = n, grads = true,
+                                       initial_state = true, cu_seqlens = { 0, 130, 130, 300 } })
+      local dev = ops.convert_inputs(args, "bf16", "cuda")
+      ops.chunk_gated_delta_product(dev)
+      local g = { ops.chunk_gated_delta_product_backward(dev), ops.chunk_gated_delta_product_backward(dev) }
+      dev.save_for_backward = true
+      local _, _, saved = ops.chunk_gated_delta_product(dev)
+      dev.save_for_backward, dev.saved = nil, saved
+      g[3] = ops.chunk_gated_delta_product_backward(dev)
+      g[4] = ops.chunk_gated_delta_product_backward(dev)
+      dev.saved = nil
+      saved:free()
+      for _, name in ipairs({ "dq", "dk", "dv", "dbeta", "dg", "dh0" }) do
+        assert.are.same(g[1][name]:cpu():totable(), g[2][name]:cpu():totable(), "plain: " .. name)
+        assert.are.same(g[3][name]:cpu():totable(), g[4][name]:cpu():totable(), "saving: " .. name)
+      end
+      assert.is_true(g[1].dg:cpu():norm() > 0)
+    end)
+  end
+
   -- GDP_CUDA_VARIANT forces a variant: all three on a shape each of them takes, and a
   -- clear error for a bad value.
   it("GDP_CUDA_VARIANT forces each variant; a bad value is an error naming it", function()
@@ -222,8 +253,8 @@ describe("cuda #gpu", function()
   -- The gradients of the two paths agree closely (both form D from U = Tu V in float32
   -- by default, GDP_CUDA_V3_U unset -- the recompute backward where its value block is at
   -- least C wide, else from U = hi + lo -- and both from U = hi + lo with =panel: D agrees
-  -- to ~16 bits either way, and the rest is the order of the gradient kernels'
-  -- shared-memory atomics); o and ht need not: the
+  -- to ~16 bits either way; until session 11 the gradient kernels' shared-memory
+  -- atomics added their order); o and ht need not: the
   -- plain forward forms D from U = Tu V too by default, from bf16 U alone with =panel.
   -- Every case runs with both modes of GDP_CUDA_V3_U (plain and saving forward alike).
   -- f32 (variant 1) keeps nothing and recomputes.
