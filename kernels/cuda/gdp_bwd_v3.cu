@@ -1459,12 +1459,7 @@ struct WySlots {
   static constexpr int NB = C / 16, NL = NB * (NB + 1) / 2;
   static constexpr int dvb = 0, row = dvb + (V / 64) * C, col = row + NL * 16, dkb = col + NL * 16, dot = dkb + (K / 64) * C;
   static constexpr int count = dot + (K / 64) * C;
-  __device__ static __forceinline__ float dot_sum(const float *S, int j) {
-    float d = 0.f;
-#pragma unroll
-    for (int b = 0; b < K / 64; b++) d += S[dot + b * C + j];
-    return d;
-  }
+  __device__ static __forceinline__ float dot_sum(const float *S, int j) { return slot_sum<K / 64>(S + dot + j, C); }
   /* row j's W5 and W6 terms of dbeta (the ones dgc takes times beta_j) */
   __device__ static __forceinline__ float wb_sum(const float *S, int j) {
     const int ti = j >> 4, r = j & 15;
@@ -1476,12 +1471,7 @@ struct WySlots {
     for (int b = 0; b < K / 64; b++) x += S[dkb + b * C + j];
     return x;
   }
-  __device__ static __forceinline__ float dvb_sum(const float *S, int j) {
-    float x = 0.f;
-#pragma unroll
-    for (int b = 0; b < V / 64; b++) x += S[dvb + b * C + j];
-    return x;
-  }
+  __device__ static __forceinline__ float dvb_sum(const float *S, int j) { return slot_sum<V / 64>(S + dvb + j, C); }
   __device__ static __forceinline__ float col_sum(const float *S, int m) {
     const int tj = m >> 4, r = m & 15;
     float x = 0.f;
