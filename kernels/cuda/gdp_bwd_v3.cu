@@ -58,6 +58,7 @@ using v3::stage_hT16_half;
 using v3::stage_hT32_half;
 using v3::copy_panel_full;
 using v3::copy_panel;
+using v3::row_l2_inv;
 using v3::neg_u_from_tu_v;
 using v3::neg_u_from_panel;
 using v3::copy_panel_sw128;
@@ -1649,10 +1650,10 @@ __global__ void __launch_bounds__(256, WGB ? WGB : grad_wy_blocks(K, V, C)) grad
     for (int i = 0; i < C; i += 4) *reinterpret_cast<float4 *>(sGc + i) = make_float4(gp[i], gp[i + 1], gp[i + 2], gp[i + 3]);
   }
   /* ---- kn: l2 norms */
-  { /* kn in place, the forward prep's l2 norm (gdp_fwd_v3.cu): LPR = K / 8 lanes per row,
-     * 8 elements (one 16-byte chunk, whole under the SW128 swizzle too) a lane, RPS rows per
-     * warp and step -- the same sums in the same order, so kn and kinv are the prep's bit
-     * for bit.  It was a warp per row (2-byte accesses, five-shuffle sums, eight rows in
+  { /* kn in place, the forward prep's l2 norm (row_l2_inv, shared with gdp_fwd_v3.cu): LPR =
+     * K / 8 lanes per row, 8 elements (one 16-byte chunk, whole under the SW128 swizzle too)
+     * a lane, RPS rows per warp and step -- the same sums in the same order, so kn and kinv
+     * are the prep's bit for bit.  It was a warp per row (2-byte accesses, five-shuffle sums, eight rows in
      * turn): ~16% of the kernel's warp stall samples with the gate's cumsum (ncu, session
      * 11), where grad_state's quad-per-row norms had been made cheap in session 5.  Rows
      * past the end were zero-filled. */
@@ -1665,19 +1666,8 @@ __global__ void __launch_bounds__(256, WGB ? WGB : grad_wy_blocks(K, V, C)) grad
       if (C % (8 * RPS) != 0 && i >= C) break; /* warp-uniform */
       unsigned char *src = smem + L::oKn + L::kpos(i, c8);
       const uint4 raw = *reinterpret_cast<const uint4 *>(src);
-      const uint32_t w4[4] = {raw.x, raw.y, raw.z, raw.w};
-      float x[8], ss = 0.f;
-#pragma unroll
-      for (int m = 0; m < 4; m++) {
-        const float2 p = unpack_bf16(w4[m]);
-        x[2 * m] = p.x;
-        x[2 * m + 1] = p.y;
-      }
-#pragma unroll
-      for (int m = 0; m < 8; m++) ss += x[m] * x[m];
-#pragma unroll
-      for (int o = LPR / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-      const float inv = a.l2norm ? rsqrtf(ss + kNormEps) : 1.f;
+      float x[8];
+      const float inv = row_l2_inv<LPR>(raw, x, a.l2norm);
       uint32_t kn[4];
 #pragma unroll
       for (int m = 0; m < 4; m++) kn[m] = pack_bf16(x[2 * m] * inv, x[2 * m + 1] * inv);

@@ -1336,19 +1336,8 @@ __global__ void __launch_bounds__(128, FIVE || (SPLIT && C == 32) ? 5 : 4)
       const int row = isq ? i - C : i;
       bf16 *src = (isq ? sQ : sK) + row * L::ldK + c8;
       const uint4 raw = *reinterpret_cast<const uint4 *>(src);
-      const uint32_t w4[4] = {raw.x, raw.y, raw.z, raw.w};
-      float x[8], ss = 0.f;
-#pragma unroll
-      for (int m = 0; m < 4; m++) {
-        const float2 p = unpack_bf16(w4[m]);
-        x[2 * m] = p.x;
-        x[2 * m + 1] = p.y;
-      }
-#pragma unroll
-      for (int m = 0; m < 8; m++) ss += x[m] * x[m];
-#pragma unroll
-      for (int o = LPR / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-      const float inv = a.l2norm ? rsqrtf(ss + kNormEps) : 1.f;
+      float x[8];
+      const float inv = row_l2_inv<LPR>(raw, x, a.l2norm);
       const float f = isq ? a.scale * __expf(sGc[row * n + n - 1]) : __expf(last - sGc[row]);
       uint32_t kn[4], kd[4];
 #pragma unroll

@@ -280,6 +280,26 @@ __device__ __forceinline__ void stage_dfrags(unsigned char *stage0, bf16 *g, int
         *reinterpret_cast<const uint4 *>(buf + (i + r) * kRow + h16);
 }
 
+/* The l2 norm of a row spread over LPR lanes, one 16-byte chunk (8 bf16) a lane: x gets the
+ * chunk as floats; returns 1 / sqrt(|row|^2 + eps) (1 without l2norm).  The forward prep and
+ * grad_wy (gdp_bwd_v3.cu) both normalise k with it, so their kn are the same bits. */
+template <int LPR>
+__device__ __forceinline__ float row_l2_inv(uint4 raw, float (&x)[8], bool l2norm) {
+  const uint32_t w4[4] = {raw.x, raw.y, raw.z, raw.w};
+  float ss = 0.f;
+#pragma unroll
+  for (int m = 0; m < 4; m++) {
+    const float2 p = unpack_bf16(w4[m]);
+    x[2 * m] = p.x;
+    x[2 * m + 1] = p.y;
+  }
+#pragma unroll
+  for (int m = 0; m < 8; m++) ss += x[m] * x[m];
+#pragma unroll
+  for (int o = LPR / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  return l2norm ? rsqrtf(ss + kNormEps) : 1.f;
+}
+
 }  // namespace v3
 }  // namespace gdpcu
 
