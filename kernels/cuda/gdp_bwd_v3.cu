@@ -1079,16 +1079,19 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
       }
       /* acc = kinv_j (w (D dH^T) + Ps^T qn)_j: divide kinv_j out */
       const float n0 = 1.f / sKinv[jb + grp], n1 = 1.f / sKinv[jb + grp + 8];
-      const int64_t o = CHi * C * K + (int64_t)(jb + grp) * K + rb + 2 * tig;
+      const int64_t o = CHi * C * K + (int64_t)(jb + grp) * K + rb;
       if (go.dkna16) {
         bf16 *out = reinterpret_cast<bf16 *>(go.dKnA) + o;
+        uint32_t w0[8], w1[8];
 #pragma unroll
         for (int nt = 0; nt < 8; nt++) {
-          *reinterpret_cast<uint32_t *>(out + nt * 8) = pack_bf16(acc[nt][0] * n0, acc[nt][1] * n0);
-          *reinterpret_cast<uint32_t *>(out + 8 * K + nt * 8) = pack_bf16(acc[nt][2] * n1, acc[nt][3] * n1);
+          w0[nt] = pack_bf16(acc[nt][0] * n0, acc[nt][1] * n0);
+          w1[nt] = pack_bf16(acc[nt][2] * n1, acc[nt][3] * n1);
         }
+        st_row_pairs<8>(out, w0, tig, true);
+        st_row_pairs<8>(out + 8 * K, w1, tig, true);
       } else {
-        float *out = go.dKnA + o;
+        float *out = go.dKnA + o + 2 * tig;
 #pragma unroll
         for (int nt = 0; nt < 8; nt++) {
           *reinterpret_cast<float2 *>(out + nt * 8) = make_float2(acc[nt][0] * n0, acc[nt][1] * n0);
@@ -1200,12 +1203,15 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
           mma16816(acc[nt + 1], fa, b2, b3);
         }
       }
-      bf16 *out = go.dWg + CHi * C * K + (int64_t)(jb + grp) * K + rb + 2 * tig;
+      bf16 *out = go.dWg + CHi * C * K + (int64_t)(jb + grp) * K + rb;
+      uint32_t w0[8], w1[8];
 #pragma unroll
       for (int nt = 0; nt < 8; nt++) {
-        *reinterpret_cast<uint32_t *>(out + nt * 8) = pack_bf16(-acc[nt][0], -acc[nt][1]);
-        *reinterpret_cast<uint32_t *>(out + 8 * K + nt * 8) = pack_bf16(-acc[nt][2], -acc[nt][3]);
+        w0[nt] = pack_bf16(-acc[nt][0], -acc[nt][1]);
+        w1[nt] = pack_bf16(-acc[nt][2], -acc[nt][3]);
       }
+      st_row_pairs<8>(out, w0, tig, true);
+      st_row_pairs<8>(out + 8 * K, w1, tig, true);
     }
   }
 
@@ -1270,11 +1276,10 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
     bf16 *dq = (bf16 *)a.dq;
 #pragma unroll
     for (int hf = 0; hf < 2; hf++) {
-      const int qa = qmb + grp + 8 * hf;
-      if (qa >= ci.ntok) continue;
+      const int qa = qmb + grp + 8 * hf; /* rows past the end: computed, not stored (the shuffles need every lane) */
       /* dqa = qinv dqn and qn = qinv q_raw, so dq = qinv (dqn - qn (qn . dqn)) = dqa - q_raw qinv^2 dot */
       const float inv = sQinv[qa], dot = slot_sum<L::nQd>(sQdot + qa, TC) * inv * inv;
-      bf16 *row = dq + (((int64_t)ci.t0 + qa) * H + h) * K + qrb + 2 * tig;
+      uint32_t w[4];
 #pragma unroll
       for (int nt = 0; nt < 4; nt++) {
         float o0 = dqa[nt][2 * hf], o1 = dqa[nt][2 * hf + 1];
@@ -1284,8 +1289,9 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
           o0 = o0 - qv.x * dot;
           o1 = o1 - qv.y * dot;
         }
-        *reinterpret_cast<uint32_t *>(row + nt * 8) = pack_bf16(o0, o1);
+        w[nt] = pack_bf16(o0, o1);
       }
+      st_row_pairs<4>(dq + (((int64_t)ci.t0 + qa) * H + h) * K + qrb, w, tig, qa < ci.ntok);
     }
   }
   if (warp == 0) {
@@ -1347,6 +1353,22 @@ struct GradWYLayout {
   static constexpr int fGp = 0, fGc = C, fBeta = 2 * C, fDgc = 3 * C, fKinv = 4 * C;
   static constexpr int oS = oF + nF * 4; /* the partial-sum slots (WySlots) */
   static constexpr int total = oS + nS * 4;
+  /* W6's dKnA slices (bf16, 16 rows x 64 columns = 2 KB a warp), copied in by cp.async at
+   * W6's start so that their L2 latency passes under W6's products, into two regions dead
+   * by then (see the tenants above): late dW, R2 (X's, W4-W5) and dD's tail past G (dT and
+   * G use C x ldC of it); early dW, dD (X's, W4-W5; G is in R2) and v (read last in W3).
+   * Where they do not fit (or WG), dKnA is read from global memory at W6's end as before.
+   * Row r of a slice at 128 r bytes, its 16-byte chunk c at c ^ (r & 7): a warp's
+   * accumulator-fragment reads (rows grp, columns 8 nt + 2 tig) are then free of bank
+   * conflicts. */
+  static constexpr int kNI = (C / 16) * (K / 64), kSlice = 16 * 64 * 2;
+  static constexpr int kFreeA = kLateDW ? oR2 : odD, kSizeA = kLateDW ? (szP > szC ? szP : szC) : szV;
+  static constexpr int kFreeB = kLateDW ? odD + szC : oV, kSizeB = kLateDW ? szV - szC : szV;
+  static constexpr int kSlicesA = kSizeA / kSlice, kSlicesB = kSizeB / kSlice;
+  static constexpr bool kDknaSmem = !WG && kNI <= kSlicesA + kSlicesB;
+  __device__ static __forceinline__ int dkna_slice(int warp) {
+    return warp < kSlicesA ? kFreeA + warp * kSlice : kFreeB + (warp - kSlicesA) * kSlice;
+  }
   /* Byte offset of element (r, c) in the kn and dW panels (K columns) and in the dD panel
    * (V columns).  WG (wgmma for dVb and W6's products): those three panels are SW128
    * (wgmma_sm90.cuh, the B operands' layout; unpadded, so in the same regions with room to
@@ -1920,6 +1942,18 @@ __global__ void __launch_bounds__(256, WGB ? WGB : grad_wy_blocks(K, V, C)) grad
     /* ---- W6: own item: dKn = beta e^{gc} (T^T dW) + G kn + G^T kn + dKnA; l2-norm
      * backward; dk out */
     if (warp < NI) {
+      if constexpr (L::kDknaSmem)
+        if (go.dkna16) { /* this warp's dKnA slice into shared memory, read after the products */
+          const bf16 *src = reinterpret_cast<const bf16 *>(go.dKnA) + CHi * C * K + (int64_t)jb * K + rb;
+          unsigned char *dst = smem + L::dkna_slice(warp);
+          const int lane = fresh_sreg<0>() & 31;
+#pragma unroll
+          for (int u = 0; u < 4; u++) {
+            const int e = lane + 32 * u, r = e >> 3, c = e & 7;
+            cp_async16(dst + r * 128 + ((c ^ (r & 7)) << 4), src + (int64_t)r * K + 8 * c, true);
+          }
+          cp_async_commit();
+        }
       if constexpr (WG) { /* dKb = T^T dW; T^T's zero tiles (i < j) as zero fragments */
         wy_wgmma<C>(
             dkn,
@@ -2008,7 +2042,18 @@ __global__ void __launch_bounds__(256, WGB ? WGB : grad_wy_blocks(K, V, C)) grad
         }
       }
       const int64_t o = CHi * C * K + (int64_t)(jb + m.grp) * K + rb + 2 * m.tig;
-      if (go.dkna16) {
+      if (L::kDknaSmem && go.dkna16) {
+        cp_async_wait<0>();
+        __syncwarp(); /* the other lanes' copies */
+        const unsigned char *sl = smem + L::dkna_slice(warp) + m.grp * 128 + 4 * m.tig; /* rows grp, grp + 8: same swizzle */
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++) {
+          const int c = (nt ^ m.grp) << 4;
+          const float2 u0 = unpack_bf16(*reinterpret_cast<const uint32_t *>(sl + c)),
+                       u1 = unpack_bf16(*reinterpret_cast<const uint32_t *>(sl + 8 * 128 + c));
+          dkn[nt][0] += u0.x, dkn[nt][1] += u0.y, dkn[nt][2] += u1.x, dkn[nt][3] += u1.y;
+        }
+      } else if (go.dkna16) {
         const bf16 *pa = reinterpret_cast<const bf16 *>(go.dKnA) + o;
 #pragma unroll
         for (int nt = 0; nt < 8; nt++) {
@@ -2057,19 +2102,25 @@ __global__ void __launch_bounds__(256, WGB ? WGB : grad_wy_blocks(K, V, C)) grad
 #pragma unroll
       for (int hf = 0; hf < 2; hf++) {
         const int j = jb + m.grp + 8 * hf;
+        const unsigned live = __ballot_sync(0xffffffffu, j < nv); /* the lanes that store (and shuffle) */
         if (j >= nv) continue;
         const float inv = sKinv[j], dot = WS::dot_sum(S, j);
-        bf16 *row = dk + ((krow0 + j) * H + h) * K + rb + 2 * m.tig;
+        bf16 *row = dk + ((krow0 + j) * H + h) * K + rb;
 #pragma unroll
-        for (int nt = 0; nt < 8; nt++) {
-          float o0 = dkn[nt][2 * hf], o1 = dkn[nt][2 * hf + 1];
-          if (a.l2norm) {
-            const float2 kv = unpack_bf16(*reinterpret_cast<const uint32_t *>(
-                smem + L::oKn + L::kpos(j, rb + nt * 8 + 2 * m.tig)));
-            o0 = inv * (o0 - kv.x * dot);
-            o1 = inv * (o1 - kv.y * dot);
+        for (int nt = 0; nt < 8; nt += 2) {
+          uint32_t w[2];
+#pragma unroll
+          for (int e = 0; e < 2; e++) {
+            float o0 = dkn[nt + e][2 * hf], o1 = dkn[nt + e][2 * hf + 1];
+            if (a.l2norm) {
+              const float2 kv = unpack_bf16(*reinterpret_cast<const uint32_t *>(
+                  smem + L::oKn + L::kpos(j, rb + (nt + e) * 8 + 2 * m.tig)));
+              o0 = inv * (o0 - kv.x * dot);
+              o1 = inv * (o1 - kv.y * dot);
+            }
+            w[e] = pack_bf16(o0, o1);
           }
-          *reinterpret_cast<uint32_t *>(row + nt * 8) = pack_bf16(o0, o1);
+          st_pair_x8(row, nt, w[0], w[1], m.tig, true, live);
         }
       }
     }

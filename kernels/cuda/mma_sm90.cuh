@@ -43,6 +43,30 @@ __device__ __forceinline__ float2 unpack_bf16(uint32_t v) {
   __nv_bfloat162 b = *reinterpret_cast<__nv_bfloat162 *>(&v);
   return __bfloat1622float2(b);
 }
+/* One row of a warp's 16 x 8NT accumulator tile, as bf16, to memory, 8 bytes a lane
+ * (st_row_pairs; st_pair_x8 stores one pair of 8-column blocks): w[nt] is this lane's
+ * packed pair (columns 8 nt + 2 tig, + 1).  Lanes tig and tig ^ 1 swap one word
+ * per pair of 8-column blocks, so that the even lane holds four consecutive columns of block
+ * p and the odd lane four of block p + 1: the row's 32 bytes in one store instruction (whole
+ * 32-byte sectors) instead of 16 bytes in each of two, half the store instructions.  Every
+ * lane of the warp (of `lanes`) must call it (the shuffles); `ok` predicates the stores only.  row:
+ * column 0 of the tile in this lane's row, 8-byte aligned. */
+__device__ __forceinline__ void st_pair_x8(__nv_bfloat16 *row, int p, uint32_t wp, uint32_t wq, int tig, bool ok,
+                                           unsigned lanes = 0xffffffffu) {
+  /* blocks p and p + 1 (p even): wp, wq this lane's words of the two; lanes: the lanes that
+   * call it (a lane's partner tig ^ 1 is in its row, so in or out with it) */
+  const bool odd = tig & 1;
+  const uint32_t got = __shfl_xor_sync(lanes, odd ? wp : wq, 1);
+  if (ok)
+    *reinterpret_cast<uint2 *>(row + p * 8 + (odd ? 8 + 2 * (tig - 1) : 2 * tig)) =
+        odd ? make_uint2(got, wq) : make_uint2(wp, got);
+}
+template <int NT>
+__device__ __forceinline__ void st_row_pairs(__nv_bfloat16 *row, const uint32_t (&w)[NT], int tig, bool ok) {
+  static_assert(NT % 2 == 0, "pairs of 8-column blocks");
+#pragma unroll
+  for (int p = 0; p < NT; p += 2) st_pair_x8(row, p, w[p], w[p + 1], tig, ok);
+}
 
 }  // namespace gdpcu
 
