@@ -9,7 +9,11 @@
 # Other kernels: KERNELS (an ncu --kernel-name regex), NAME (the files' prefix) and
 # PER_PASS (how many launches of them one forward+backward makes: the first pass's are
 # skipped as warm-up, the second's profiled), e.g. the saving forward and dstate:
-#   KERNELS='prep_kernel_v3|state_ks2_kernel_v3|state_kernel_v3|dstate_kernel_v3' NAME=seq PER_PASS=3
+#   KERNELS='(^|[^_a-z])(prep|state_ks2|state|dstate)_kernel_v3' NAME=seq PER_PASS=3
+# (the names' left edge matters: session 12 ran 'prep_kernel_v3|...|state_kernel_v3|...',
+# which grad_state_kernel_v3 matches too, so the skip count was off and ncu profiled
+# grad_state, the prep and the saving state pass instead of the prep, the state pass and
+# dstate; the anchored form above has not yet been run)
 # Device (carry [".devbundle"]):
 #   source .devbundle/env.sh && OUT=$OUT bash tools/gpu_ncu_source.sh
 # Files back: ncu_source.log (this script's log), NAME.ncu-rep (open in Nsight Compute; over

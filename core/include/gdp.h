@@ -347,11 +347,11 @@ gdp_status gdp_gdp_backward(gdp_ctx *ctx, const gdp_gdp_options *opts, const gdp
  * Save for backward (opt-in).  gdp_gdp_forward_ex is gdp_gdp_forward that, when saved
  * is not NULL, also returns in *saved (owned; free with gdp_gdp_saved_free) what the
  * backward would otherwise recompute: on cuda variant 3 (bf16, n <= 3, K and V in
- * {64, 128}) the per-chunk panels, the chunk-start states h (float32; bf16 with
- * GDP_CUDA_V3_STATE=bf16 in the environment, 2KV instead of 4KV below), D (bf16) and the
- * prep's T^T (bf16) -- 2(2C + TC)K + 4CV + 2 TC C + 2C^2 + 4KV + 4 bytes per chunk of
- * C steps (TC tokens) and head, C = 32, 64, 48 for n = 1, 2, 3, e.g. 1.24 GB (0.97 GB)
- * at B x T = 4 x 4096, H = 16, K = V = 128,
+ * {64, 128}) the per-chunk panels, the chunk-start states h (bf16 for bf16 problems;
+ * float32, 4KV instead of 2KV below, with GDP_CUDA_V3_STATE=f32 in the environment),
+ * D (bf16) and the prep's T^T (bf16) -- 2(2C + TC)K + 4CV + 2 TC C + 2C^2 + 2KV + 4 bytes
+ * per chunk of C steps (TC tokens) and head, C = 32, 64, 48 for n = 1, 2, 3, e.g. 0.97 GB
+ * (1.24 GB with float32 states) at B x T = 4 x 4096, H = 16, K = V = 128,
  * n = 2 -- which gdp_gdp_backward_ex then reads
  * instead of running the prep and the state pass again.  Backends and variants that
  * keep nothing (cpu; cuda variants 1 and 2) still return a saved object, of 0 bytes,

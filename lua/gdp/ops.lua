@@ -14,7 +14,7 @@
 --
 -- Save for backward (opt-in): with save_for_backward = true the forward returns a third
 -- value, a gdp.GdpSaved handle of what the backward would recompute (cuda variant 3: the
--- chunk panels and states, 1.24 GB at 4 x 4096, H = 16, K = V = 128, n = 2; elsewhere
+-- chunk panels and states, 0.97 GB at 4 x 4096, H = 16, K = V = 128, n = 2; elsewhere
 -- 0 bytes, and the backward recomputes); pass it as `saved` to the backward, which then
 -- skips the recompute.  It belongs to the forward's input VALUES (not checked; the
 -- problem -- shapes, dtype, device, options, cu_seqlens -- is, field by field).
