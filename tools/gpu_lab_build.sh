@@ -27,6 +27,11 @@ if ! nvcc $F -Xcompiler -fopenmp "$B"/*.o -o "$B/lab" >>"$B/build.log" 2>&1; the
   grep -ih "error" "$B/build.log" "$B/ptxas.log" | head -20 >&2
   exit 1
 fi
-# Kernels that spill (there should be none).
-grep -B2 -E "[1-9][0-9]* bytes spill" "$B/ptxas.log" | grep -oE "_Z[A-Za-z0-9_]+|[0-9]+ bytes spill stores" | paste - - | head >&2
+# Kernels that spill, one line each: bytes, then the kernel (known: opt-in schedules and
+# shapes off the benchmark's; kernels/cuda/NOTES.md).  The name is taken from the last
+# "Compiling entry function" line before the spill line (session 12 found the earlier
+# grep | paste pairing names with the wrong kernels' bytes).
+awk '/Compiling entry function/ { match($0, /_Z[A-Za-z0-9_]+/); fn = substr($0, RSTART, RLENGTH) }
+     /[1-9][0-9]* bytes spill stores/ { match($0, /[0-9]+ bytes spill stores/); print substr($0, RSTART, RLENGTH) "\t" fn }' \
+  "$B/ptxas.log" | sort -u | head -20 >&2
 exit 0
