@@ -143,8 +143,9 @@ describe("cuda #gpu", function()
   -- (the state-gradient pass's own output) are compared bit for bit; the other gradients
   -- within 1e-3, a tenth of the bf16 tolerance (set when the gradient kernels summed parts
   -- of them with shared-memory atomics, whose order could differ between any two runs;
-  -- since session 11 they do not -- see "bitwise reproducible" below -- and these could be
-  -- compared bit for bit once that has been seen on the GPU).  Plain and
+  -- since session 11 they do not -- "bitwise reproducible" below, passed on the H200 in
+  -- session 12 -- so these could be compared bit for bit in a change that runs them
+  -- there).  Plain and
   -- saving paths, two sequences (one empty) so the passes run several blocks each.  Also
   -- grad_state started beside dstate on per-chunk counters (GDP_CUDA_V3_OVERLAP; off
   -- where a sequence is empty, hence two non-empty ones there) and programmatic

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # gpu_lab_build.sh DIR -- builds the CUDA kernel lab (kernels/bench/gdp_cuda_lab.cu with
 # every GDP kernel variant and the float64 oracle) into DIR/lab with nvcc directly, in
-# parallel (the v3 files in their parts, kernels/cuda/parts/), with the ptxas register/spill report in DIR/ptxas.log.  Faster than the CMake
-# build on the GPU machine and independent of the rest of the tree.  Exit status 1 (and
+# parallel (the v3 files in their parts, kernels/cuda/parts/), with the ptxas
+# register/spill report in DIR/ptxas.log.  Faster than the CMake build on the GPU machine
+# and independent of the rest of the tree.  Exit status 1 (and
 # the first errors on stderr) when the build fails.
 set -u
 B=${1:?usage: tools/gpu_lab_build.sh DIR}

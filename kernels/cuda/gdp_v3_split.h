@@ -23,7 +23,7 @@
 #define GDP_KERNELS_CUDA_V3_SPLIT_H
 
 #if defined(GDP_V3_PART_K) && !defined(GDP_V3_SPLIT)
-#error "gdp_v3_split.h: a part (GDP_V3_PART_K) is compiled with GDP_V3_SPLIT"
+#error "gdp_v3_split.h: a part (GDP_V3_PART_K defined) needs GDP_V3_SPLIT defined too"
 #endif
 
 #endif
