@@ -11,45 +11,8 @@
 
 #include "gdp.h"
 
-/* ------------------------------------------------------------------ errors */
-
-/* Records a message for gdp_last_error() and returns `status`, so that callers write
- *   return GDP_ERROR(GDP_ERR_SHAPE, "q: expected 4 dims [B,T,H,K], got %d", nd);
- * The message becomes "<func>: <text> (<file>:<line>)".  `func` is the public entry
- * point the user called where that differs from __func__ (see GDP_ERROR_IN). */
-gdp_status gdp_set_error(gdp_status status, const char *func, const char *file, int line,
-                         const char *fmt, ...)
-#if defined(__GNUC__)
-    __attribute__((format(printf, 5, 6)))
-#endif
-    ;
-
-#define GDP_ERROR(status, ...) gdp_set_error((status), __func__, __FILE__, __LINE__, __VA_ARGS__)
-#define GDP_ERROR_IN(func, status, ...) gdp_set_error((status), (func), __FILE__, __LINE__, __VA_ARGS__)
-
-/* Propagates a failing status (the callee already recorded the message). */
-#define GDP_TRY(expr)                    \
-  do {                                   \
-    gdp_status gdp_try_s_ = (expr);      \
-    if (gdp_try_s_ != GDP_OK) return gdp_try_s_; \
-  } while (0)
-
-/* Internal invariants: checked in debug and test builds only (NDEBUG off); a broken
- * invariant is a bug in gdp, never a user error. */
-#ifndef NDEBUG
-#include <stdio.h>
-#include <stdlib.h>
-#define GDP_ASSERT(cond)                                                          \
-  do {                                                                            \
-    if (!(cond)) {                                                                \
-      fprintf(stderr, "gdp internal assertion failed: %s (%s:%d)\n", #cond, __FILE__, \
-              __LINE__);                                                          \
-      abort();                                                                    \
-    }                                                                             \
-  } while (0)
-#else
-#define GDP_ASSERT(cond) ((void)0)
-#endif
+/* errors, GDP_TRY, GDP_ASSERT and the debugging switches: shared with the kernels */
+#include "kernel_status.h"
 
 /* Formats a shape as "[2x3x4]" into buf (for messages). */
 const char *gdp_shape_str(char *buf, size_t buflen, int ndim, const int64_t *shape);

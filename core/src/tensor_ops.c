@@ -16,16 +16,10 @@
 
 static gdp_ctx *ctx_of(const gdp_tensor *t) { return t->storage->ctx; }
 
-/* GDP_SYNC_EVERY_OP=1 makes asynchronous device errors surface at the op that
- * caused them (read once). */
+/* GDP_SYNC_EVERY_OP=1 (kernels/kernel_status.h) makes asynchronous device errors
+ * surface at the op that caused them. */
 static gdp_status after_op(const char *func, gdp_ctx *ctx, gdp_status st) {
-  static atomic_int mode = -1;
-  int m = atomic_load_explicit(&mode, memory_order_relaxed);
-  if (m < 0) {
-    const char *env = getenv("GDP_SYNC_EVERY_OP");
-    m = env && env[0] && strcmp(env, "0") != 0;
-    atomic_store_explicit(&mode, m, memory_order_relaxed);
-  }
+  const int m = gdp_debug_sync_every_op();
   if (st != GDP_OK || !m || ctx->type == GDP_DEVICE_CPU) return st;
   st = ctx->backend->sync(ctx);
   if (st != GDP_OK) {
