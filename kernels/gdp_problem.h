@@ -33,11 +33,14 @@ typedef struct gdp_gdp_problem {
   int64_t H, K, V;
   int64_t n;                 /* Householder steps per token */
   double scale;
-  int64_t chunk_size;        /* steps of the expanded stream per chunk */
+  int64_t chunk_size;        /* steps of the expanded stream per chunk; 0: the backend's own
+                              * (CPU: GDP_DEFAULT_CHUNK; CUDA: fixed by n on the fast path) */
   int num_threads;           /* CPU worker threads */
   int dtype;                 /* gdp_dtype of the token buffers (see above) */
   int algorithm;             /* gdp_gdp_algorithm: AUTO, CHUNK or RECURRENT */
   int l2norm_in_kernel;      /* 1: q, k raw, the kernel normalises (eps 1e-6) */
+  int value_block;           /* CUDA fast path's value-block width: 0 = its own choice, or 16,
+                              * 32, 64 (a tuning knob: the context's or the call's, never bits) */
 } gdp_gdp_problem;
 
 /* Buffers of one dtype (the compute dtype: double or float), given as void*. */
