@@ -81,7 +81,7 @@ local config = {
   B = 1, T = 4096, H = 4, K = 128, V = 128, n = 2,
   shapes = "",             -- BxTxn,BxTxn,...; empty: the single --B/--T/--n shape
   algorithm = "auto",      -- auto | chunk | recurrent
-  chunk_size = 64,
+  chunk_size = 0,          -- 0: the backend's own (cpu 64; cuda: fixed by n)
   use_qk_l2norm = true,
   final_state = true,      -- output ht (and take a dht in the backward)
   inputs = "auto",         -- auto | gdp | fla: distribution of g and beta
@@ -102,6 +102,7 @@ local config = {
   fla_warmup = 5,          -- fla's untimed repeats (Triton autotuning happens there)
   fla_cmd = "",            -- test hook: replaces `python3 tools/fla_bench.py`
   save = true,             -- write the run folder and the study's results.csv
+  record = "",             -- also write the report to results/<UTC date>-<record>.json
   save_for_backward = false, -- forwards keep their workspace for the backward (gdp.ops)
   with_saving = false,     -- time each shape plain and saving for backward, in one run
 }
@@ -122,6 +123,7 @@ local opts = util.parse_args(arg, config, {
     { "warmup", "untimed repeats first" }, { "repeat", "timed repeats (median)" },
     { "json", "print one JSON object on stdout" },
     { "save", "write the run folder and append to the study's results.csv" },
+    { "record", "NAME: also write the JSON report to results/<UTC date>-NAME.json (what the README cites)" },
     { "algorithm", "operator algorithm" }, { "chunk_size", "steps per chunk" },
     { "final_state", "output ht, backward takes dht (fla too)" },
     { "inputs", "g/beta distribution: fla = logsigmoid/sigmoid, gdp = uniform; auto: fla with --against-fla" },
@@ -389,7 +391,8 @@ local function draw_inputs(s)
     args.g = host_drawn(gdp.randn, { s.B, s.T, opts.H }, logsigmoid)
     args.beta = host_drawn(gdp.rand, { s.B, s.T * s.n, opts.H }, sigmoid)
   end
-  args.algorithm, args.chunk_size = opts.algorithm, opts.chunk_size
+  args.algorithm = opts.algorithm
+  if opts.chunk_size > 0 then args.chunk_size = opts.chunk_size end
   return args
 end
 
@@ -726,5 +729,24 @@ end
 for _, f in ipairs(failures) do say("# error: %s", f) end
 if run then say("# run folder: %s", run.dir) end
 
+if opts.record ~= "" then
+  if not opts.record:match("^[%w%-_.]+$") then
+    io.stderr:write("bench_gdp: --record: expected a name of letters, digits, '-', '_' and '.', got ",
+                    opts.record, "\n")
+    os.exit(2)
+  end
+  local repo = os.getenv("GDP_ROOT") or root
+  local path = string.format("%s/results/%s-%s.json", repo, os.date("!%Y-%m-%d"), opts.record)
+  os.execute("mkdir -p " .. util.shell_quote(repo .. "/results"))
+  local f = io.open(path, "w")
+  if f then
+    f:write(util.json_encode(report, 1), "\n")
+    f:close()
+    say("# recorded: %s", path)
+  else
+    say("# error: cannot write %s", path)
+    status = "error"
+  end
+end
 if opts.json then io.stdout:write(util.json_encode(report), "\n") end
 os.exit(status == "ok" and 0 or 1)
