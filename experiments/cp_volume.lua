@@ -11,7 +11,7 @@
 --              V, K, Q, b, a width (the all-to-all of the in_proj output; z stays local)
 --              plus the reverse all-to-all of y: grows linearly with T.
 --   chunkwise: (cp-1) * B * H * K * (V+K) * e (the one all-gather of [dS | M]) plus the
---              conv halo (W-1) * B * conv_dim * e: independent of T.  DESIGN.md's
+--              conv halo (W-1) * B * conv_dim * e: independent of T.  docs/design.md's
 --              4 * cp * H * K * (K+V) counts the gathered buffer including the rank's own
 --              block (float32): the comm layer's received_incl_self counter, checked
 --              to equal it plus the halo (column chunkwise_fwd_recv_incl_self_bytes).
@@ -21,7 +21,7 @@
 
 local config = {
   T = "64,256,1024,4096",  -- global sequence lengths
-  dtype = "f32",           -- f32 (float32 summaries, as DESIGN.md) | f64
+  dtype = "f32",           -- f32 (float32 summaries, as docs/design.md) | f64
   hidden = 64, heads = 8, head_dim = 16, groups = 2, state_dim = 16, householder = 2,
   conv_width = 4,
   seed = 1,

@@ -9,7 +9,7 @@
 --     dtype against the float64 token-by-token recurrence (the oracle) on a smaller
 --     problem of the same config (check_T tokens, check_H heads, same K, V, n, chunk
 --     size): fwd_rel_err for o and the final state (the larger), bwd_rel_err the largest
---     over dq, dk, dv, dbeta, dg; tol is DESIGN.md's bound for the dtype.
+--     over dq, dk, dv, dbeta, dg; tol is docs/design.md's bound for the dtype.
 --
 --   ./gdp experiments/householder_sweep.lua [--device cpu|cuda] [--n 1,2,3,4]
 --         [--chunk-size 32,64] [--dtype f32] [--B 1 --T 1024 --H 4 --K 64 --V 64]

@@ -360,7 +360,7 @@ describe("gdp.comm across ranks #mpi", function()
     end, "GDP_ERR_INVALID_ARG", "shape[2]: expected an integer, got 0.5")
   end)
 
-  it("byte counters follow DESIGN.md's volume formula", function()
+  it("byte counters follow docs/design.md's volume formula", function()
     -- the chunkwise strategy's all-gather of float32 [H, K, K+V] summaries: received per
     -- rank, counting all cp blocks, is 4 * cp * H * K * (K + V) bytes
     local Hh, K, V = 3, 4, 5

@@ -138,12 +138,12 @@ local function boundary_lengths(Lc)
 end
 
 describe("cp metadata and sharding #mpi", function()
-  it("packed_sequence_cp_metadata reproduces DESIGN.md's example (lengths [5,4,7], cp 4)", function()
+  it("packed_sequence_cp_metadata reproduces docs/design.md's example (lengths [5,4,7], cp 4)", function()
     local want = { { 0, 2, { 0, 4 } }, { 0, 3, { 0, 1, 4 } }, { 1, 4, { 0, 1, 4 } }, { 2, 4, { 0, 4 } } }
     for r = 0, 3 do
       local meta = cp.packed_sequence_cp_metadata({ 0, 5, 9, 16 }, 4, r)
       assert.are.same({ want[r + 1][1], want[r + 1][2] }, { meta.preceding_rank_start, meta.following_rank_stop })
-      -- DESIGN.md lists (p, f - 1), the seeds' test convention
+      -- docs/design.md lists (p, f); the seeds' test convention is (p, f - 1)
       assert.are.same(({ { 0, 1 }, { 0, 2 }, { 1, 3 }, { 2, 3 } })[r + 1],
                       { meta.preceding_rank_start, meta.following_rank_stop - 1 })
       assert.are.same(want[r + 1][3], meta.local_cu_seqlens)

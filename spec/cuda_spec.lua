@@ -78,7 +78,7 @@ describe("cuda #gpu", function()
 
   -- The float64 cpu recurrence on the inputs the device sees (rounded to `dtype` first):
   -- o, ht and the gradients.  Rounding first keeps the comparison about the kernels: dg
-  -- is ill-conditioned under bf16 input rounding on some draws (kernels/cuda/NOTES.md),
+  -- is ill-conditioned under bf16 input rounding on some draws (docs/kernels.md section 3.6),
   -- so against the unrounded inputs a correct kernel can sit just over 1e-2 there.
   local function oracle(args, dtype)
     local ref = ops.convert_inputs(ops.convert_inputs(args, dtype, "cpu"), "f64", "cpu")

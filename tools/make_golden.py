@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Extra golden cases for the Gated DeltaProduct operator, from an independent float64
 reference: the token-by-token recurrence written with jax.lax.scan and differentiated
-by jax.grad (nothing shared with the C oracle but the definition in DESIGN.md s.2).
+by jax.grad (nothing shared with the C oracle but the definition in docs/design.md s.2).
 
 Writes spec/fixtures/golden/gdp_x_*.safetensors in the format of the shipped cases
 (spec/fixtures/golden/README.md): float64 tensors, int64 cu_seqlens, metadata strings.
@@ -177,7 +177,7 @@ def main():
     make_case("gdp_x_n2_long", 104, B=1, T=1001, H=1, K=16, V=16, n=2, gated=True,
               use_l2=True, beta_max=1.0, with_h0=True, g_range=(0.99, 0.9999))
     # n = 3 at K = V = 128, packed with an empty sequence: the shape where the bf16 chunked
-    # CUDA kernels' dg sits closest to 1e-2 (kernels/cuda/NOTES.md).  (A K = V = 64 case of
+    # CUDA kernels' dg sits closest to 1e-2 (docs/kernels.md section 3.6).  (A K = V = 64 case of
     # 300 slowly decaying tokens was tried and left out: its dg is 1.6e-2 from the float64
     # reference already when the float64 recurrence runs on the bf16-rounded inputs, so no
     # bf16 implementation can meet the 1e-2 bar on it.)

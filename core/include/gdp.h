@@ -7,7 +7,7 @@
  * no macros that the FFI needs (macros vanish in preprocessing; expose constants as
  * enums or functions instead).
  *
- * Conventions (DESIGN.md section 5):
+ * Conventions (docs/design.md section 5):
  *   - Fallible functions return gdp_status (GDP_OK = 0, errors negative) and write
  *     results through a final `**out` argument.  On failure a thread-local message
  *     names the function, the argument, expected and actual values, and the source
@@ -396,7 +396,7 @@ void gdp_gdp_saved_free(gdp_gdp_saved *saved);
 /* ------------------------------------------------------------------ mixer layer ops */
 
 /*
- * Building blocks of the Gated DeltaProduct mixer layer (DESIGN.md section 3,
+ * Building blocks of the Gated DeltaProduct mixer layer (docs/design.md section 3,
  * Megatron-Core semantics), each with its backward.  Common rules:
  *   - float64 or float32 tensors of any strides (copied to contiguous inside); the
  *     dtype of the first tensor argument is the compute dtype, the other float
@@ -605,7 +605,7 @@ gdp_status gdp_comm_agree_values(gdp_comm *c, const char *what, const int64_t *v
  *     block counted as if it travelled (allgather: size*S each way, so received equals
  *     out's bytes; all-to-all: in's bytes sent, out's received; allreduce: size*S;
  *     broadcast: root sends size*S, every rank receives S; point to point: the message).
- *     DESIGN.md's per-rank volume formulas (e.g. 4*cp*H*K*(K+V) for the chunkwise
+ *     docs/design.md's per-rank volume formulas (e.g. 4*cp*H*K*(K+V) for the chunkwise
  *     all-gather of float32 summaries) count this way.
  * A failing call counts nothing. */
 int64_t gdp_comm_bytes_sent(const gdp_comm *c);

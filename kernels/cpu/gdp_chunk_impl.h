@@ -2,7 +2,7 @@
  * gdp_chunk_impl.h -- the chunkwise WY algorithm of the Gated DeltaProduct operator,
  * forward and backward, written once and instantiated for double (gdp_chunk_f64.c) and
  * float (gdp_chunk_f32.c).  The derivation, the buffer layouts and measured timings are
- * in NOTES.md next to this file; the comments here say what each block computes.
+ * in docs/kernels.md section 9; the comments here say what each block computes.
  *
  * The includer defines:
  *   CK_REAL            double or float

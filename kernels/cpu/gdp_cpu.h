@@ -2,7 +2,7 @@
  * gdp_cpu.h -- CPU kernels of the GDP operator (see ../gdp_problem.h for layouts).
  *
  *   gdp_cpu_gdp_*_recurrent_f64: the plain token-by-token float64 recurrence with its
- *     hand-written backward (DESIGN.md section 2).  The oracle: kept simple on purpose.
+ *     hand-written backward (docs/design.md section 2).  The oracle: kept simple on purpose.
  *   gdp_cpu_gdp_*_chunk_{f64,f32}: the chunkwise WY algorithm over the expanded stream,
  *     OpenBLAS for the dense products, (sequence, head) pairs spread over threads.
  *

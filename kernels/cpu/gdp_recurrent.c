@@ -1,6 +1,6 @@
 /*
  * gdp_recurrent.c -- the float64 oracle of the Gated DeltaProduct operator: the plain
- * token-by-token recurrence of DESIGN.md section 2 and its hand-written backward.
+ * token-by-token recurrence of docs/design.md section 2 and its hand-written backward.
  *
  * Kept simple on purpose: every other kernel (chunkwise CPU, CUDA) is validated
  * against it.  Per (sequence, head) the state S is K x V, key-major (S[r*V + c]).

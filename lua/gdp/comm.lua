@@ -326,7 +326,7 @@ end
 
 -- Payload bytes of this rank since the last reset (see gdp.h): sent/received count
 -- traffic to and from other ranks; the _incl_self pair also counts this rank's own
--- block (DESIGN.md's per-rank volume formulas count that way).
+-- block (docs/design.md's per-rank volume formulas count that way).
 function C.bytes(c)
   live(c, "bytes")
   return {

@@ -51,7 +51,7 @@ local common_keys = {
   q = true, k = true, v = true, g = true, beta = true, num_householder = true, scale = true,
   initial_state = true, output_final_state = true, use_qk_l2norm_in_kernel = true,
   cu_seqlens = true, chunk_size = true, algorithm = true,
-  -- aliases: DESIGN.md's names
+  -- aliases: the C API's names
   h0 = true, use_qk_l2norm = true,
   -- the upstream gradients, ignored by the forward so that one table drives both passes
   ["do"] = true, d_o = true, dO = true, dht = true,
@@ -317,7 +317,7 @@ function M.convert_inputs(args, dtype, device)
   return out
 end
 
--- Relative-error tolerances against a float64 reference (DESIGN.md section 6).
+-- Relative-error tolerances against a float64 reference (docs/design.md section 6).
 M.TOLERANCE = { f64 = 1e-10, f32 = 1e-4, bf16 = 1e-2 }
 
 local GOLDEN_OUTPUTS = { "o", "ht", "dq", "dk", "dv", "dbeta", "dg", "dh0" }

@@ -1,5 +1,5 @@
 -- gdp.cp.chunkwise: chunkwise (state-passing) context parallelism of the GDP operator,
--- gdp_chunkwise_context_parallel (DESIGN.md section 4.2).
+-- gdp_chunkwise_context_parallel (docs/design.md section 4.2).
 --
 --   local cp = require("gdp.cp")
 --   local meta = cp.packed_sequence_cp_metadata(global_cu, group:size(), group:rank())
@@ -69,7 +69,7 @@ local function state_dtype(dtype) return dtype == "f64" and "f64" or "f32" end
 -- A rank's local sequences are the global ones that share at least one token with its
 -- shard (empty global sequences belong to no rank).  p = (global start of the sequence
 -- holding my first token) // Lc, f = (global index of the last token of the sequence
--- holding my last token) // Lc + 1, so 0 <= p <= r < f <= cp.  DESIGN.md's example
+-- holding my last token) // Lc + 1, so 0 <= p <= r < f <= cp.  docs/design.md's example
 -- (lengths [5,4,7], cp = 4, Lc = 4) gives (p, f) = (0,2), (0,3), (1,4), (2,4), i.e.
 -- (p, f-1) = (0,1), (0,2), (1,3), (2,3), and local cu_seqlens [0,4], [0,1,4], [0,1,4],
 -- [0,4].  Raises an argument error on bad input (callers run it under comm:pcall).

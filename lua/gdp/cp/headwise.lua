@@ -1,5 +1,5 @@
 -- gdp.cp.headwise: headwise (all-to-all) context parallelism of the GDP mixer,
--- Megatron-Core's GDPContextParallel (DESIGN.md section 4.1).
+-- Megatron-Core's GDPContextParallel (docs/design.md section 4.1).
 --
 --   local hcp = gdp.cp.GDPContextParallel{
 --     cp_group = group, d_inner_local_tp = nh * P, nheads_local_tp = nh,

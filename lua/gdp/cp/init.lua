@@ -1,4 +1,4 @@
--- gdp.cp: context parallelism of the Gated DeltaProduct mixer (DESIGN.md section 4).
+-- gdp.cp: context parallelism of the Gated DeltaProduct mixer (docs/design.md section 4).
 --
 --   local gdp = require("gdp")
 --   local group = gdp.comm.world()

@@ -5,7 +5,7 @@
 --   local x_local = shard.split(x, cp, rank, {layout = "zigzag", cu_seqlens = cu})
 --   local x_again = shard.gather(x_local, group, {layout = "zigzag", cu_seqlens = cu})
 --
--- Layouts (DESIGN.md section 4), on the token dim (`dim`, default 1: sequence-major
+-- Layouts (docs/design.md section 4), on the token dim (`dim`, default 1: sequence-major
 -- [T,B,...] tensors; 2 for batch-major [B,T,...]):
 --   contiguous  rank r holds tokens [r T/cp, (r+1) T/cp) of the (packed) stream;
 --               T % cp == 0.  Chunkwise CP always uses it.

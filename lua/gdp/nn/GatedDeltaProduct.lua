@@ -1,5 +1,5 @@
 -- gdp.nn.GatedDeltaProduct: the Gated DeltaProduct mixer layer with Megatron-Core's
--- semantics and parameter names (DESIGN.md section 3), forward and backward, in the
+-- semantics and parameter names (docs/design.md section 3), forward and backward, in the
 -- style of torch's nn.
 --
 --   local nn = require("gdp.nn")
@@ -35,7 +35,7 @@
 -- fan_in = W for a depthwise conv); A ~ U(0, 16), A_log = log A; dt = exp(U(log 1e-3,
 -- log 1e-1)) clamped >= 1e-4, dt_bias = dt + log(-expm1(-dt)); D and norm.weight ones.
 --
--- Context parallelism (DESIGN.md section 4; gdp.cp): cp_mode = "headwise" (all-to-all
+-- Context parallelism (docs/design.md section 4; gdp.cp): cp_mode = "headwise" (all-to-all
 -- around the conv and the operator, Megatron's GDPContextParallel) or "chunkwise" (state
 -- passing with a conv halo), cp_group = a gdp.comm communicator, cp_layout = "zigzag"
 -- (headwise default) or "contiguous" (chunkwise: always).  forward(x, cu_seqlens) then
