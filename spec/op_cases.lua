@@ -173,4 +173,99 @@ function M.run_label(run)
          .. (run.save and ", saving" or "")
 end
 
+-- The mixer ops (nn.functional): each case makes float64 cpu inputs (`inputs`, from the
+-- current seed) and runs its forward and backward (`run`, on inputs of any dtype and
+-- device), returning named results; gdp_op_spec.lua's mixer part compares every result
+-- in each dtype on each device with the float64 cpu run.  The ops' own float64 oracle
+-- (loops written apart from the kernels), finite differences and strided inputs are
+-- core/tests/test_mixer_ops.c's.
+local F = require("gdp.nn.functional")
+local function randn(shape) return gdp.randn(shape, { dtype = "f64" }) end
+local function uniform(shape, lo, hi) return gdp.empty(shape, { dtype = "f64" }):uniform_(lo, hi) end
+
+local function conv_case(name, T, B, C, W, o)
+  return {
+    name = string.format("conv1d %s [T=%d B=%d C=%d W=%d]", name, T, B, C, W),
+    inputs = function()
+      return { x = randn({ T, B, C }), weight = randn({ C, W }), bias = o.bias and randn({ C }) or nil,
+               halo = o.halo and randn({ o.halo, B, C }) or nil, d_out = randn({ T, B, C }) }
+    end,
+    run = function(a)
+      local opts = { activation = o.activation, cu_seqlens = o.cu, halo = a.halo }
+      local g = F.conv1d_backward(a.x, a.weight, a.bias, a.d_out, opts)
+      return { out = F.conv1d(a.x, a.weight, a.bias, opts), dx = g.dx, dweight = g.dweight,
+               dbias = g.dbias, dhalo = g.dhalo }
+    end,
+  }
+end
+
+M.mixer = {
+  conv_case("+ bias, SiLU", 17, 2, 6, 4, { bias = true, activation = "silu" }),
+  conv_case("packed (empty, one-token), halo 2, SiLU", 23, 1, 5, 3,
+            { activation = "silu", cu = { 0, 0, 7, 8, 23 }, halo = 2 }),
+  conv_case("no activation, halo longer than W-1", 9, 1, 8, 4, { bias = true, activation = "none", halo = 5 }),
+  { name = "beta = 2 sigmoid(b)",
+    inputs = function() return { b = randn({ 13, 2, 5 }), d = randn({ 13, 2, 5 }) } end,
+    run = function(a) return { beta = F.beta(a.b, 2), db = F.beta_backward(a.b, 2, a.d) } end },
+  { name = "decay with dt_bias",
+    inputs = function()
+      return { a = randn({ 11, 2, 3 }), A_log = uniform({ 3 }, -1, 1), dt_bias = uniform({ 3 }, -1, 1),
+               d = randn({ 11, 2, 3 }) }
+    end,
+    run = function(a)
+      local da, dA, ddt = F.decay_backward(a.a, a.A_log, a.dt_bias, a.d)
+      return { g = F.decay(a.a, a.A_log, a.dt_bias), da = da, dA_log = dA, ddt_bias = ddt }
+    end },
+  { name = "decay without dt_bias",
+    inputs = function() return { a = randn({ 7, 1, 4 }), A_log = uniform({ 4 }, -1, 1), d = randn({ 7, 1, 4 }) } end,
+    run = function(a)
+      local da, dA = F.decay_backward(a.a, a.A_log, nil, a.d)
+      return { g = F.decay(a.a, a.A_log, nil), da = da, dA_log = dA }
+    end },
+  { name = "gated RMSNorm, groups of 4, with z",
+    inputs = function()
+      return { y = randn({ 6, 3, 12 }), z = randn({ 6, 3, 12 }), w = uniform({ 12 }, 0.5, 1.5), d = randn({ 6, 3, 12 }) }
+    end,
+    run = function(a)
+      local dy, dz, dw = F.gated_rmsnorm_backward(a.y, a.z, a.w, 4, 1e-5, a.d)
+      return { out = F.gated_rmsnorm(a.y, a.z, a.w, 4, 1e-5), dy = dy, dz = dz, dweight = dw }
+    end },
+  { name = "RMSNorm without gate, one group",
+    inputs = function() return { y = randn({ 9, 7 }), w = uniform({ 7 }, 0.5, 1.5), d = randn({ 9, 7 }) } end,
+    run = function(a)
+      local dy, _, dw = F.gated_rmsnorm_backward(a.y, nil, a.w, 7, 1e-5, a.d)
+      return { out = F.gated_rmsnorm(a.y, nil, a.w, 7, 1e-5), dy = dy, dweight = dw }
+    end },
+  { name = "D skip per head",
+    inputs = function()
+      return { y = randn({ 5, 2, 3, 4 }), x = randn({ 5, 2, 3, 4 }), D = uniform({ 3 }, 0.5, 1.5), d = randn({ 5, 2, 3, 4 }) }
+    end,
+    run = function(a)
+      local dx, dD = F.dskip_backward(a.x, a.D, a.d)
+      return { out = F.dskip(a.y, a.x, a.D), dx_v = dx, dD = dD }
+    end },
+  { name = "D skip per channel",
+    inputs = function()
+      return { y = randn({ 4, 1, 2, 5 }), x = randn({ 4, 1, 2, 5 }), D = uniform({ 10 }, 0.5, 1.5), d = randn({ 4, 1, 2, 5 }) }
+    end,
+    run = function(a)
+      local dx, dD = F.dskip_backward(a.x, a.D, a.d)
+      return { out = F.dskip(a.y, a.x, a.D), dx_v = dx, dD = dD }
+    end },
+  { name = "repeat_heads 2 groups -> 6 heads",
+    inputs = function() return { x = randn({ 5, 2, 2, 4 }), d = randn({ 5, 2, 6, 4 }) } end,
+    run = function(a) return { out = F.repeat_heads(a.x, 6), dx = F.repeat_heads_backward(a.d, 2) } end },
+}
+for i, case in ipairs(M.mixer) do case.salt = 3000 + i end
+
+-- Mixer dtypes per device (float64 on the cpu is the reference itself).
+M.MIXER_DTYPES = { cpu = { "f32" }, cuda = { "f32" } }
+
+-- A copy of a case's inputs in `dtype` on `device`.
+function M.convert(inputs, dtype, device)
+  local out = {}
+  for key, t in pairs(inputs) do out[key] = t:to({ dtype = dtype, device = device, copy = true }) end
+  return out
+end
+
 return M
