@@ -84,9 +84,11 @@ for _, dev in ipairs(H.DEVICES) do
   }
   describe("golden cases on " .. device .. dev.tag, function()
     local files = H.list_files(H.golden_dir, "^gdp_.*%.safetensors$")
-    it("are present", function()
-      assert.is_true(#files >= 8, "expected the 8 shipped gdp_*.safetensors in " .. H.golden_dir)
-    end)
+    if device == "cpu" then
+      it("are present", function()
+        assert.is_true(#files >= 8, "expected the 8 shipped gdp_*.safetensors in " .. H.golden_dir)
+      end)
+    end
     for _, file in ipairs(files) do
       for _, run in ipairs(golden_runs[device]) do
         local dtype, algorithm, save = run[1], run[2], run[3]
