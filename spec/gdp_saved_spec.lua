@@ -1,7 +1,9 @@
 -- Save for backward through the bindings on the cpu (whose backend keeps nothing: 0
 -- bytes, the backward recomputes): the handle's API, results identical with and without
--- it, and a refusal naming the field for every recorded field that differs in the
--- backward.  The device path (cuda variant 3) is in cuda_spec.lua (#gpu).
+-- it, and refusals passed through with their names and messages.  The library's side
+-- (every recorded field refused by name, NULL handling, the context reference) is
+-- core/tests/test_gdp_saved.c; saving against the float64 oracle on every device is the
+-- case table's (gdp_op_spec.lua); the cuda block's lifetime is cuda_spec.lua's (#gpu).
 local gdp = require("gdp")
 local H = gdp_test
 local ops = gdp.ops
@@ -29,8 +31,7 @@ end
 describe("save_for_backward (cpu)", function()
   it("returns o, ht and a handle; results identical with and without it", function()
     H.reseed(1101)
-    for _, over in ipairs({ {}, { dtype = "f32" }, { gated = false, initial_state = false, algorithm = "recurrent" },
-                            { B = 1, T = 11, n = 3, cu_seqlens = { 0, 4, 4, 11 }, algorithm = "auto" } }) do
+    for _, over in ipairs({ { B = 1, T = 11, n = 3, cu_seqlens = { 0, 4, 4, 11 }, algorithm = "auto" } }) do
       local args = problem(over)
       local o0, ht0 = ops.chunk_gated_delta_product(args)
       local o1, ht1, saved = ops.chunk_gated_delta_product(with(args, { save_for_backward = true }))
@@ -87,20 +88,11 @@ describe("save_for_backward (cpu)", function()
     collectgarbage("collect")
   end)
 
-  -- Every recorded field, changed in the backward: GDP_ERR_INVALID_ARG naming it, with the
-  -- forward's and this call's values.
+  -- A recorded field changed in the backward: GDP_ERR_INVALID_ARG naming it, with the
+  -- forward's and this call's values (two of them here: the full list is
+  -- test_gdp_saved.c's).
   local cases = {
     { "B", { B = 3 }, "saved: B: expected 2 (the saved forward's), got 3 (this call's)" },
-    { "T", { T = 8 }, "saved: T: expected 9" },
-    { "H", { H = 3 }, "saved: H: expected 2" },
-    { "K", { K = 6 }, "saved: K: expected 5" },
-    { "V", { V = 4 }, "saved: V: expected 3" },
-    { "n", { n = 3 }, "saved: num_householder: expected 2" },
-    { "gated", { gated = false }, "saved: gated (g given): expected 1" },
-    { "h0", { initial_state = false }, "saved: h0 given: expected 1" },
-    { "l2norm", { use_qk_l2norm_in_kernel = false }, "saved: use_qk_l2norm: expected 1" },
-    { "scale", { scale = 0.25 }, "saved: scale: expected 0.447213595" },
-    { "algorithm", { algorithm = "recurrent" }, "saved: algorithm: expected 1" },
     { "dtype", { dtype = "f32" }, "saved: dtype: expected f64 (the saved forward's), got f32" },
   }
   for _, case in ipairs(cases) do

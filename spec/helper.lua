@@ -14,6 +14,23 @@ local H = {}
 _G.gdp_test = H
 H.seed = seed
 
+-- The specs' shared modules (op_cases.lua) live beside them.
+package.path = "./spec/?.lua;" .. package.path
+
+-- Every device a spec runs on, with the busted tag that CPU-only runs exclude
+-- (./gdp test passes --exclude-tags=gpu without a GPU and says so).
+H.DEVICES = { { name = "cpu", tag = "" }, { name = "cuda", tag = " #gpu" } }
+
+-- True when the library can run on `device`; otherwise marks the running test pending
+-- with the reason (a run that did not exclude #gpu shows why it did nothing).
+function H.need_device(device)
+  if device == "cpu" then return true end
+  if device == "cuda" and gdp.has_cuda() then return true end
+  -- busted puts `pending` in the spec file's environment, not in this one's
+  getfenv(2).pending("no " .. device .. " device (gdp.devices(): " .. table.concat(gdp.devices(), " ") .. ")")
+  return false
+end
+
 -- Reseeds from the base seed and a per-test salt so that a test's random inputs do
 -- not depend on which tests ran before it.
 function H.reseed(salt)
@@ -30,10 +47,11 @@ function H.rel_error(actual, ref)
   return gdp.rel_error(actual, ref)
 end
 
--- assert.tensor_near(actual, ref, rtol): same shape and ||a - ref|| / ||ref|| <= rtol
--- (NaN never passes).
+-- assert.tensor_near(actual, ref, rtol[, what]): same shape and ||a - ref|| / ||ref||
+-- <= rtol (NaN never passes); `what` names the result in the message.
 local function tensor_near(state, arguments)
   local actual, ref, rtol = arguments[1], arguments[2], arguments[3] or 1e-10
+  local what = arguments[4] and (tostring(arguments[4]) .. ": ") or ""
   local msg
   if not gdp.is_tensor(actual) or not gdp.is_tensor(ref) then
     msg = string.format("expected two gdp tensors, got %s and %s", type(actual), type(ref))
@@ -55,7 +73,7 @@ local function tensor_near(state, arguments)
     end
   end
   arguments.nofmt = { true }
-  arguments[1], arguments.n = msg, 1
+  arguments[1], arguments.n = what .. msg, 1
   return false
 end
 

@@ -2,8 +2,9 @@
  * test_gdp_saved.c -- save for backward (gdp_gdp_forward_ex / gdp_gdp_backward_ex) on the
  * cpu, whose backend keeps nothing: the API contract (NULL handling, bytes, ownership),
  * results identical to the plain calls, and a refusal naming the field for every
- * recorded field of the problem that differs in the backward.  The device path (cuda
- * variant 3, which keeps its panels and states) is checked by spec/cuda_spec.lua.
+ * recorded field of the problem that differs in the backward.  The device path (the
+ * cuda fast path, which keeps its panels and states) is checked by spec/cuda_spec.lua;
+ * saving against the float64 oracle on every device by spec/gdp_op_spec.lua.
  */
 #include <math.h>
 #include <stdio.h>
