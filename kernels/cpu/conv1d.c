@@ -21,7 +21,7 @@
 #include <string.h>
 #include <tgmath.h>
 
-#include "internal.h"
+#include "../kernel_status.h"
 #include "mixer_cpu.h"
 
 /* Below this many elements the OpenMP fork costs more than the loop. */

@@ -33,7 +33,7 @@
 #include <omp.h>
 
 #include "gdp_cpu.h"
-#include "internal.h"
+#include "../kernel_status.h"
 
 #define CK_CAT2(a, b) a##_##b
 #define CK_CAT(a, b) CK_CAT2(a, b)
