@@ -302,14 +302,16 @@ typedef enum gdp_gdp_algorithm {
 typedef struct gdp_gdp_options {
   int64_t num_householder;    /* n >= 1; k, v, beta hold T*n rows */
   double scale;               /* output scale; 0 means K^-1/2 */
-  int64_t chunk_size;         /* steps per chunk of the expanded stream; 0 means 64 */
+  int64_t chunk_size;         /* steps per chunk of the expanded stream; 0: the backend's
+                                 own (cpu: 64; cuda: see the CUDA operator's shapes) */
   int32_t use_qk_l2norm;      /* normalise q and k inside the op (eps 1e-6) */
   int32_t output_final_state; /* forward returns ht */
   int32_t algorithm;          /* gdp_gdp_algorithm */
   int32_t reserved;           /* must be 0 */
 } gdp_gdp_options;
 
-/* Fills *opts with the defaults (n = 1, scale default, chunk 64, no l2norm, no ht). */
+/* Fills *opts with the defaults (n = 1, scale default, chunk_size 0 = the backend's own,
+   no l2norm, no ht). */
 void gdp_gdp_options_init(gdp_gdp_options *opts);
 /* sizeof and the offsets of the fields in declaration order (7 entries). */
 size_t gdp_gdp_options_layout(size_t offsets[7]);

@@ -807,7 +807,7 @@ static void test_options(void) {
   gdp_gdp_options o;
   memset(&o, 0xff, sizeof o);
   gdp_gdp_options_init(&o);
-  CHECK(o.num_householder == 1 && o.scale == 0.0 && o.chunk_size == 64 && o.use_qk_l2norm == 0 &&
+  CHECK(o.num_householder == 1 && o.scale == 0.0 && o.chunk_size == 0 && o.use_qk_l2norm == 0 &&
             o.output_final_state == 0 && o.algorithm == GDP_ALGO_AUTO && o.reserved == 0,
         "gdp_gdp_options_init defaults");
   size_t off[7];
