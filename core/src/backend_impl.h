@@ -131,6 +131,9 @@ const gdp_backend *gdp_backend_for(gdp_device_type type);
                gdp_device_type_name((ctx)->type), gdp_device_type_name((ctx)->type),    \
                (ctx)->index)
 
+/* 1 when v is a value the value_block tuning field takes: 0, 16, 32 or 64 (ctx.c). */
+int gdp_value_block_valid(int v);
+
 /* Allocation bookkeeping for gdp_mem_live_bytes (atomic). */
 void gdp_mem_track(gdp_device_type type, int64_t delta_bytes);
 

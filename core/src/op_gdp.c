@@ -35,10 +35,11 @@ void gdp_gdp_options_init(gdp_gdp_options *opts) {
   opts->use_qk_l2norm = 0;
   opts->output_final_state = 0;
   opts->algorithm = GDP_ALGO_AUTO;
+  opts->value_block = 0; /* the context's */
   opts->reserved = 0;
 }
 
-size_t gdp_gdp_options_layout(size_t offsets[7]) {
+size_t gdp_gdp_options_layout(size_t offsets[8]) {
   if (offsets) {
     offsets[0] = offsetof(gdp_gdp_options, num_householder);
     offsets[1] = offsetof(gdp_gdp_options, scale);
@@ -46,7 +47,8 @@ size_t gdp_gdp_options_layout(size_t offsets[7]) {
     offsets[3] = offsetof(gdp_gdp_options, use_qk_l2norm);
     offsets[4] = offsetof(gdp_gdp_options, output_final_state);
     offsets[5] = offsetof(gdp_gdp_options, algorithm);
-    offsets[6] = offsetof(gdp_gdp_options, reserved);
+    offsets[6] = offsetof(gdp_gdp_options, value_block);
+    offsets[7] = offsetof(gdp_gdp_options, reserved);
   }
   return sizeof(gdp_gdp_options);
 }
@@ -182,6 +184,10 @@ static gdp_status plan_make(const char *func, gdp_ctx *ctx, const gdp_gdp_option
     return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG,
                         "opts->chunk_size: expected >= 1 (or 0 for the backend's own), got %lld",
                         (long long)opts->chunk_size);
+  if (!gdp_value_block_valid(opts->value_block))
+    return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG,
+                        "opts->value_block: expected 0 (the context's), 16, 32 or 64, got %d",
+                        (int)opts->value_block);
   if (!isfinite(opts->scale))
     return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG,
                         "opts->scale: expected a finite value (0 for K^-1/2), got %g", opts->scale);
@@ -294,6 +300,7 @@ static gdp_status plan_make(const char *func, gdp_ctx *ctx, const gdp_gdp_option
   p->dtype = plan->compute;
   p->algorithm = opts->algorithm;
   p->l2norm_in_kernel = plan->l2norm && !plan->l2norm_here;
+  p->value_block = opts->value_block != 0 ? opts->value_block : ctx->tuning.value_block;
   return GDP_OK;
 }
 
