@@ -1,5 +1,6 @@
 -- The FFI's view of the public non-opaque structs matches the C compiler's
--- (ljsyscall's layout test): sizeof and every field offset of gdp_gdp_options.
+-- (ljsyscall's layout test): sizeof and every field offset of gdp_gdp_options, and of
+-- gdp_tuning.
 local ffi = require("ffi")
 local gdp = require("gdp")
 local lib = gdp.lib
@@ -7,8 +8,8 @@ local lib = gdp.lib
 describe("ffi layout", function()
   it("gdp_gdp_options matches gdp_gdp_options_layout()", function()
     local fields = { "num_householder", "scale", "chunk_size", "use_qk_l2norm",
-                     "output_final_state", "algorithm", "reserved" }
-    local offsets = ffi.new("size_t[7]")
+                     "output_final_state", "algorithm", "value_block", "reserved" }
+    local offsets = ffi.new("size_t[8]")
     local size = tonumber(lib.gdp_gdp_options_layout(offsets))
     assert.are.equal(size, ffi.sizeof("gdp_gdp_options"))
     for i, name in ipairs(fields) do
@@ -22,11 +23,21 @@ describe("ffi layout", function()
     lib.gdp_gdp_options_init(o)
     assert.are.equal(1, tonumber(o.num_householder))
     assert.are.equal(0, o.scale)
-    assert.is_true(tonumber(o.chunk_size) == 64 or tonumber(o.chunk_size) == 0)
+    assert.are.equal(0, tonumber(o.chunk_size)) -- the backend's own
+    assert.are.equal(0, o.value_block)          -- the context's
     assert.are.equal(0, o.use_qk_l2norm)
     assert.are.equal(0, o.output_final_state)
     assert.are.equal(lib.GDP_ALGO_AUTO, o.algorithm)
     assert.are.equal(0, o.reserved)
+  end)
+
+  it("gdp_tuning is one int32 per knob, zeroed by gdp_tuning_init", function()
+    assert.are.equal(4, ffi.sizeof("gdp_tuning"))
+    assert.are.equal(0, ffi.offsetof("gdp_tuning", "value_block"))
+    local t = ffi.new("gdp_tuning")
+    t.value_block = 99
+    lib.gdp_tuning_init(t)
+    assert.are.equal(0, t.value_block)
   end)
 
   it("the ABI version is the one the bindings were written for", function()

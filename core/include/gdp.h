@@ -139,6 +139,20 @@ uint64_t gdp_ctx_seed(const gdp_ctx *ctx);
 uint64_t gdp_ctx_rng_offset(const gdp_ctx *ctx);
 void gdp_ctx_set_rng_offset(gdp_ctx *ctx, uint64_t offset);
 
+/* Tuning: knobs of speed, not of the math.  Each field is 0 for the backend's own choice;
+   a context starts with all zeros, and an op's options may override a field per call.
+     value_block  CUDA fast path of the GDP operator: value columns per thread block, 16,
+                  32 or 64.  No effect on the cpu (its kernels have no such block).
+   gdp_ctx_set_tuning checks every field (GDP_ERR_INVALID_ARG naming the field, what it
+   takes and what it got) and changes nothing unless all are valid. */
+typedef struct gdp_tuning {
+  int32_t value_block;
+} gdp_tuning;
+
+void gdp_tuning_init(gdp_tuning *t); /* all zeros: the backends' own choices */
+gdp_status gdp_ctx_set_tuning(gdp_ctx *ctx, const gdp_tuning *t);
+gdp_status gdp_ctx_get_tuning(const gdp_ctx *ctx, gdp_tuning *out);
+
 typedef enum gdp_op {
   GDP_OP_COPY = 0,         /* copy / dtype conversion / fill */
   GDP_OP_ELEMENTWISE = 1,  /* add, mul, scale */
@@ -302,17 +316,20 @@ typedef enum gdp_gdp_algorithm {
 typedef struct gdp_gdp_options {
   int64_t num_householder;    /* n >= 1; k, v, beta hold T*n rows */
   double scale;               /* output scale; 0 means K^-1/2 */
-  int64_t chunk_size;         /* steps per chunk of the expanded stream; 0 means 64 */
+  int64_t chunk_size;         /* steps per chunk of the expanded stream; 0: the backend's
+                                 own (cpu: 64; cuda: see the CUDA operator's shapes) */
   int32_t use_qk_l2norm;      /* normalise q and k inside the op (eps 1e-6) */
   int32_t output_final_state; /* forward returns ht */
   int32_t algorithm;          /* gdp_gdp_algorithm */
+  int32_t value_block;        /* tuning for this call (gdp_tuning.value_block); 0: the ctx's */
   int32_t reserved;           /* must be 0 */
 } gdp_gdp_options;
 
-/* Fills *opts with the defaults (n = 1, scale default, chunk 64, no l2norm, no ht). */
+/* Fills *opts with the defaults (n = 1, scale default, chunk_size 0 = the backend's own,
+   no l2norm, no ht, value_block 0 = the context's). */
 void gdp_gdp_options_init(gdp_gdp_options *opts);
-/* sizeof and the offsets of the fields in declaration order (7 entries). */
-size_t gdp_gdp_options_layout(size_t offsets[7]);
+/* sizeof and the offsets of the fields in declaration order (8 entries). */
+size_t gdp_gdp_options_layout(size_t offsets[8]);
 
 /*
  * Forward.  Layouts (row-major, fla's):

@@ -1,7 +1,8 @@
 /*
  * backend_cpu.c -- the CPU backend: host memory, strided copies with dtype
  * conversion, fills, Philox fills, elementwise ops, float64-accumulated reductions,
- * OpenBLAS matmul and the dispatch to the CPU GDP kernels.
+ * OpenBLAS matmul and the dispatch to the CPU kernels of the GDP operator, its L2 norm
+ * and the mixer layer ops (kernels/cpu).
  *
  * This backend is the test oracle for every other one, so it favours exactness
  * over speed: arithmetic goes through float64 and every float -> narrower-float
@@ -21,6 +22,7 @@
 
 #include "backend_impl.h"
 #include "cpu/gdp_cpu.h"
+#include "cpu/mixer_cpu.h"
 #include "philox.h"
 
 enum {
@@ -778,6 +780,137 @@ static gdp_status cpu_gdp_backward(gdp_ctx *ctx, const gdp_gdp_problem *p,
   }
 }
 
+/* ------------------------------------------------------------------ L2 norm, mixer ops */
+
+/* The op layer hands these f64 or f32 buffers (the kernels' two instantiations). */
+#define CPU_FLOAT_DISPATCH(dtype, call64, call32)                                          \
+  do {                                                                                   \
+    if ((dtype) == GDP_DTYPE_F64) {                                                      \
+      call64;                                                                            \
+    } else if ((dtype) == GDP_DTYPE_F32) {                                               \
+      call32;                                                                            \
+    } else {                                                                             \
+      return GDP_ERROR(GDP_ERR_DTYPE, "the CPU kernels take f64 or f32 buffers, got %s", \
+                       gdp_dtype_name((gdp_dtype)(dtype)));                              \
+    }                                                                                    \
+  } while (0)
+
+static gdp_status cpu_l2norm_forward(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows, int64_t dim,
+                                     double eps, const void *x, void *y) {
+  CPU_FLOAT_DISPATCH(dtype,
+                     gdp_cpu_l2norm_fwd_f64(rows, dim, eps, x, y, ctx->num_threads),
+                     gdp_cpu_l2norm_fwd_f32(rows, dim, eps, x, y, ctx->num_threads));
+  return GDP_OK;
+}
+
+static gdp_status cpu_l2norm_backward(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows, int64_t dim,
+                                      double eps, const void *x, const void *dy, void *dx) {
+  CPU_FLOAT_DISPATCH(dtype,
+                     gdp_cpu_l2norm_bwd_f64(rows, dim, eps, x, dy, dx, ctx->num_threads),
+                     gdp_cpu_l2norm_bwd_f32(rows, dim, eps, x, dy, dx, ctx->num_threads));
+  return GDP_OK;
+}
+
+static gdp_status cpu_conv1d_forward(gdp_ctx *ctx, const gdp_conv1d_problem *p, const void *x,
+                                     const void *wt, const void *bias, const void *halo,
+                                     void *out) {
+  CPU_FLOAT_DISPATCH(p->dtype, gdp_cpu_conv1d_fwd_f64(p, x, wt, bias, halo, out),
+                     gdp_cpu_conv1d_fwd_f32(p, x, wt, bias, halo, out));
+  return GDP_OK;
+}
+
+static gdp_status cpu_conv1d_backward(gdp_ctx *ctx, const gdp_conv1d_problem *p, const void *x,
+                                      const void *wt, const void *bias, const void *halo,
+                                      const void *d_out, void *dx, void *dweight, void *dbias,
+                                      void *dhalo) {
+  CPU_FLOAT_DISPATCH(
+      p->dtype,
+      return gdp_cpu_conv1d_bwd_f64(p, x, wt, bias, halo, d_out, dx, dweight, dbias, dhalo),
+      return gdp_cpu_conv1d_bwd_f32(p, x, wt, bias, halo, d_out, dx, dweight, dbias, dhalo));
+  return GDP_OK;
+}
+
+static gdp_status cpu_beta_forward(gdp_ctx *ctx, gdp_dtype dtype, int64_t n, double scale,
+                                   const void *b, void *beta) {
+  CPU_FLOAT_DISPATCH(dtype, gdp_cpu_beta_fwd_f64(n, scale, b, beta, ctx->num_threads),
+                     gdp_cpu_beta_fwd_f32(n, scale, b, beta, ctx->num_threads));
+  return GDP_OK;
+}
+
+static gdp_status cpu_beta_backward(gdp_ctx *ctx, gdp_dtype dtype, int64_t n, double scale,
+                                    const void *b, const void *d_beta, void *db) {
+  CPU_FLOAT_DISPATCH(dtype, gdp_cpu_beta_bwd_f64(n, scale, b, d_beta, db, ctx->num_threads),
+                     gdp_cpu_beta_bwd_f32(n, scale, b, d_beta, db, ctx->num_threads));
+  return GDP_OK;
+}
+
+static gdp_status cpu_decay_forward(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows, int64_t H,
+                                    const void *a, const void *A_log, const void *dt_bias,
+                                    void *g) {
+  CPU_FLOAT_DISPATCH(dtype,
+                     gdp_cpu_decay_fwd_f64(rows, H, a, A_log, dt_bias, g, ctx->num_threads),
+                     gdp_cpu_decay_fwd_f32(rows, H, a, A_log, dt_bias, g, ctx->num_threads));
+  return GDP_OK;
+}
+
+static gdp_status cpu_decay_backward(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows, int64_t H,
+                                     const void *a, const void *A_log, const void *dt_bias,
+                                     const void *d_g, void *da, void *dA_log, void *ddt_bias) {
+  CPU_FLOAT_DISPATCH(dtype,
+                     return gdp_cpu_decay_bwd_f64(rows, H, a, A_log, dt_bias, d_g, da, dA_log,
+                                                  ddt_bias, ctx->num_threads),
+                     return gdp_cpu_decay_bwd_f32(rows, H, a, A_log, dt_bias, d_g, da, dA_log,
+                                                  ddt_bias, ctx->num_threads));
+  return GDP_OK;
+}
+
+static gdp_status cpu_gated_rmsnorm_forward(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows,
+                                            int64_t d, int64_t group_size, double eps,
+                                            const void *y, const void *z, const void *weight,
+                                            void *out) {
+  CPU_FLOAT_DISPATCH(dtype,
+                     return gdp_cpu_gated_rmsnorm_fwd_f64(rows, d, group_size, eps, y, z, weight,
+                                                          out, ctx->num_threads),
+                     return gdp_cpu_gated_rmsnorm_fwd_f32(rows, d, group_size, eps, y, z, weight,
+                                                          out, ctx->num_threads));
+  return GDP_OK;
+}
+
+static gdp_status cpu_gated_rmsnorm_backward(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows,
+                                             int64_t d, int64_t group_size, double eps,
+                                             const void *y, const void *z, const void *weight,
+                                             const void *d_out, void *dy, void *dz,
+                                             void *dweight) {
+  CPU_FLOAT_DISPATCH(dtype,
+                     return gdp_cpu_gated_rmsnorm_bwd_f64(rows, d, group_size, eps, y, z, weight,
+                                                          d_out, dy, dz, dweight,
+                                                          ctx->num_threads),
+                     return gdp_cpu_gated_rmsnorm_bwd_f32(rows, d, group_size, eps, y, z, weight,
+                                                          d_out, dy, dz, dweight,
+                                                          ctx->num_threads));
+  return GDP_OK;
+}
+
+static gdp_status cpu_dskip_forward(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows, int64_t H,
+                                    int64_t P, int per_channel, const void *y, const void *x_v,
+                                    const void *D, void *out) {
+  CPU_FLOAT_DISPATCH(
+      dtype, gdp_cpu_dskip_fwd_f64(rows, H, P, per_channel, y, x_v, D, out, ctx->num_threads),
+      gdp_cpu_dskip_fwd_f32(rows, H, P, per_channel, y, x_v, D, out, ctx->num_threads));
+  return GDP_OK;
+}
+
+static gdp_status cpu_dskip_backward(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows, int64_t H,
+                                     int64_t P, int per_channel, const void *x_v, const void *D,
+                                     const void *d_out, void *dx_v, void *dD) {
+  CPU_FLOAT_DISPATCH(dtype,
+                     return gdp_cpu_dskip_bwd_f64(rows, H, P, per_channel, x_v, D, d_out, dx_v,
+                                                  dD, ctx->num_threads),
+                     return gdp_cpu_dskip_bwd_f32(rows, H, P, per_channel, x_v, D, d_out, dx_v,
+                                                  dD, ctx->num_threads));
+  return GDP_OK;
+}
+
 /* ------------------------------------------------------------------ capabilities */
 
 static int cpu_supports(gdp_op op, gdp_dtype dtype) {
@@ -819,5 +952,17 @@ const gdp_backend gdp_backend_cpu = {
     .matmul = cpu_matmul,
     .gdp_forward = cpu_gdp_forward,
     .gdp_backward = cpu_gdp_backward,
+    .l2norm_forward = cpu_l2norm_forward,
+    .l2norm_backward = cpu_l2norm_backward,
+    .conv1d_forward = cpu_conv1d_forward,
+    .conv1d_backward = cpu_conv1d_backward,
+    .beta_forward = cpu_beta_forward,
+    .beta_backward = cpu_beta_backward,
+    .decay_forward = cpu_decay_forward,
+    .decay_backward = cpu_decay_backward,
+    .gated_rmsnorm_forward = cpu_gated_rmsnorm_forward,
+    .gated_rmsnorm_backward = cpu_gated_rmsnorm_backward,
+    .dskip_forward = cpu_dskip_forward,
+    .dskip_backward = cpu_dskip_backward,
     .supports = cpu_supports,
 };

@@ -2,12 +2,16 @@
  * backend_impl.h -- the per-device vtable (ggml's backend idea).  The public API
  * validates arguments, then dispatches through ctx->backend; a backend may assume
  * validated arguments (shapes agree, dtypes supported, tensors on its device).
+ * Every op goes through this table; an entry a backend does not have stays NULL (its
+ * table uses designated initialisers), and the op layer reports the op as not
+ * implemented on that device.
  */
 #ifndef GDP_BACKEND_IMPL_H
 #define GDP_BACKEND_IMPL_H
 
 #include "internal.h"
 #include "../../kernels/gdp_problem.h"
+#include "../../kernels/mixer_problem.h"
 
 typedef enum gdp_reduce_kind {
   GDP_REDUCE_SUM = 0,
@@ -66,6 +70,45 @@ struct gdp_backend {
                                  const gdp_gdp_fwd_io *io, void *saved);
   gdp_status (*gdp_backward_saved)(gdp_ctx *ctx, const gdp_gdp_problem *p,
                                    const gdp_gdp_bwd_io *io, int variant, const void *saved);
+  /* Row-wise L2 norm over `dim` contiguous values (the GDP operator's q/k norm, when the
+   * backend does not fuse it): y = x / sqrt(sum x^2 + eps), x and y may alias; backward
+   * dx = r (dy - y (y . dy)), dx and dy may alias.  `dtype` is the buffers'. */
+  gdp_status (*l2norm_forward)(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows, int64_t dim,
+                               double eps, const void *x, void *y);
+  gdp_status (*l2norm_backward)(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows, int64_t dim,
+                                double eps, const void *x, const void *dy, void *dx);
+  /* The mixer layer ops (gdp.h, "mixer layer ops"), on contiguous buffers of one compute
+   * dtype (`dtype`, or p->dtype), shapes as kernels/cpu/mixer_cpu.h documents them;
+   * backward outputs may be NULL (not wanted).  A backend without an op leaves it NULL
+   * and the op layer answers GDP_ERR_UNSUPPORTED naming the op and the device. */
+  gdp_status (*conv1d_forward)(gdp_ctx *ctx, const gdp_conv1d_problem *p, const void *x,
+                               const void *wt, const void *bias, const void *halo, void *out);
+  gdp_status (*conv1d_backward)(gdp_ctx *ctx, const gdp_conv1d_problem *p, const void *x,
+                                const void *wt, const void *bias, const void *halo,
+                                const void *d_out, void *dx, void *dweight, void *dbias,
+                                void *dhalo);
+  gdp_status (*beta_forward)(gdp_ctx *ctx, gdp_dtype dtype, int64_t n, double scale,
+                             const void *b, void *beta);
+  gdp_status (*beta_backward)(gdp_ctx *ctx, gdp_dtype dtype, int64_t n, double scale,
+                              const void *b, const void *d_beta, void *db);
+  gdp_status (*decay_forward)(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows, int64_t H,
+                              const void *a, const void *A_log, const void *dt_bias, void *g);
+  gdp_status (*decay_backward)(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows, int64_t H,
+                               const void *a, const void *A_log, const void *dt_bias,
+                               const void *d_g, void *da, void *dA_log, void *ddt_bias);
+  gdp_status (*gated_rmsnorm_forward)(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows, int64_t d,
+                                      int64_t group_size, double eps, const void *y,
+                                      const void *z, const void *weight, void *out);
+  gdp_status (*gated_rmsnorm_backward)(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows, int64_t d,
+                                       int64_t group_size, double eps, const void *y,
+                                       const void *z, const void *weight, const void *d_out,
+                                       void *dy, void *dz, void *dweight);
+  gdp_status (*dskip_forward)(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows, int64_t H, int64_t P,
+                              int per_channel, const void *y, const void *x_v, const void *D,
+                              void *out);
+  gdp_status (*dskip_backward)(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows, int64_t H,
+                               int64_t P, int per_channel, const void *x_v, const void *D,
+                               const void *d_out, void *dx_v, void *dD);
   int (*supports)(gdp_op op, gdp_dtype dtype);
   /* Device timing of queued work (gdp_ctx_timer_start / _stop); NULL: the backend has
    * no device timer (the CPU's work runs on the calling thread: time it on the host). */
@@ -80,6 +123,16 @@ extern const gdp_backend gdp_backend_cuda;
 
 /* The backend for a device type, or NULL when not built in. */
 const gdp_backend *gdp_backend_for(gdp_device_type type);
+
+/* The error for an op whose entry the context's backend leaves NULL, e.g.
+ * "gdp_mixer_beta_forward: not implemented on cuda (ctx on cuda:0)". */
+#define GDP_NOT_IMPLEMENTED(func, ctx)                                                  \
+  GDP_ERROR_IN((func), GDP_ERR_UNSUPPORTED, "not implemented on %s (ctx on %s:%d)",      \
+               gdp_device_type_name((ctx)->type), gdp_device_type_name((ctx)->type),    \
+               (ctx)->index)
+
+/* 1 when v is a value the value_block tuning field takes: 0, 16, 32 or 64 (ctx.c). */
+int gdp_value_block_valid(int v);
 
 /* Allocation bookkeeping for gdp_mem_live_bytes (atomic). */
 void gdp_mem_track(gdp_device_type type, int64_t delta_bytes);

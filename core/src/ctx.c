@@ -1,9 +1,10 @@
 /*
- * ctx.c -- contexts (device, worker threads, RNG state), backend lookup, memory
+ * ctx.c -- contexts (device, worker threads, RNG state, tuning), backend lookup, memory
  * accounting, version and clock.
  */
 #include <errno.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -181,6 +182,30 @@ uint64_t gdp_ctx_rng_offset(const gdp_ctx *ctx) { return ctx ? ctx->rng_offset :
 
 void gdp_ctx_set_rng_offset(gdp_ctx *ctx, uint64_t offset) {
   if (ctx) ctx->rng_offset = offset;
+}
+
+int gdp_value_block_valid(int v) { return v == 0 || v == 16 || v == 32 || v == 64; }
+
+void gdp_tuning_init(gdp_tuning *t) {
+  if (t) memset(t, 0, sizeof *t);
+}
+
+gdp_status gdp_ctx_set_tuning(gdp_ctx *ctx, const gdp_tuning *t) {
+  if (!ctx) return GDP_ERROR(GDP_ERR_INVALID_ARG, "ctx: expected a context, got NULL");
+  if (!t) return GDP_ERROR(GDP_ERR_INVALID_ARG, "t: expected a gdp_tuning, got NULL");
+  if (!gdp_value_block_valid(t->value_block))
+    return GDP_ERROR(GDP_ERR_INVALID_ARG,
+                     "value_block: expected 0 (the backend's own), 16, 32 or 64, got %d",
+                     (int)t->value_block);
+  ctx->tuning = *t;
+  return GDP_OK;
+}
+
+gdp_status gdp_ctx_get_tuning(const gdp_ctx *ctx, gdp_tuning *out) {
+  if (!ctx) return GDP_ERROR(GDP_ERR_INVALID_ARG, "ctx: expected a context, got NULL");
+  if (!out) return GDP_ERROR(GDP_ERR_INVALID_ARG, "out: expected a gdp_tuning, got NULL");
+  *out = ctx->tuning;
+  return GDP_OK;
 }
 
 int gdp_ctx_supports(const gdp_ctx *ctx, gdp_op op, gdp_dtype dtype) {

@@ -30,6 +30,7 @@ struct gdp_ctx {
   int num_threads;
   uint64_t seed;
   uint64_t rng_offset;
+  gdp_tuning tuning; /* gdp_ctx_set_tuning; zeros: the backend's own choices */
 };
 
 /* A refcounted allocation on one device.  Holds a reference to its context so that

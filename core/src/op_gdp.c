@@ -9,7 +9,8 @@
  *      float64 oracle whatever the input dtype; cuda kernels take f32/bf16 directly);
  *   3. cu_seqlens read to a host int64 array (an unpacked batch is the packed problem
  *      {0, T, 2T, ..., B*T});
- *   4. the L2 norm of q and k and its backward, unless the backend fuses it (cuda);
+ *   4. the L2 norm of q and k and its backward (through the backend's l2norm entries),
+ *      unless the backend fuses it into the operator (cuda);
  *   5. dispatch through ctx->backend and conversion of the results to the documented
  *      dtypes.
  * Every temporary tensor is released on every path, success or failure.
@@ -21,25 +22,24 @@
 
 #include "backend_impl.h"
 #include "internal.h"
-#include "../../kernels/cpu/gdp_cpu.h"
 
 /* eps of the q/k L2 norm, inside the square root (fla's l2norm). */
 #define GDP_L2NORM_EPS 1e-6
-#define GDP_DEFAULT_CHUNK 64
 
 void gdp_gdp_options_init(gdp_gdp_options *opts) {
   if (!opts) return;
   memset(opts, 0, sizeof *opts);
   opts->num_householder = 1;
   opts->scale = 0.0;
-  opts->chunk_size = GDP_DEFAULT_CHUNK;
+  opts->chunk_size = 0; /* the backend's own */
   opts->use_qk_l2norm = 0;
   opts->output_final_state = 0;
   opts->algorithm = GDP_ALGO_AUTO;
+  opts->value_block = 0; /* the context's */
   opts->reserved = 0;
 }
 
-size_t gdp_gdp_options_layout(size_t offsets[7]) {
+size_t gdp_gdp_options_layout(size_t offsets[8]) {
   if (offsets) {
     offsets[0] = offsetof(gdp_gdp_options, num_householder);
     offsets[1] = offsetof(gdp_gdp_options, scale);
@@ -47,7 +47,8 @@ size_t gdp_gdp_options_layout(size_t offsets[7]) {
     offsets[3] = offsetof(gdp_gdp_options, use_qk_l2norm);
     offsets[4] = offsetof(gdp_gdp_options, output_final_state);
     offsets[5] = offsetof(gdp_gdp_options, algorithm);
-    offsets[6] = offsetof(gdp_gdp_options, reserved);
+    offsets[6] = offsetof(gdp_gdp_options, value_block);
+    offsets[7] = offsetof(gdp_gdp_options, reserved);
   }
   return sizeof(gdp_gdp_options);
 }
@@ -181,8 +182,12 @@ static gdp_status plan_make(const char *func, gdp_ctx *ctx, const gdp_gdp_option
                         (long long)opts->num_householder);
   if (opts->chunk_size < 0)
     return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG,
-                        "opts->chunk_size: expected >= 1 (or 0 for the default %d), got %lld",
-                        GDP_DEFAULT_CHUNK, (long long)opts->chunk_size);
+                        "opts->chunk_size: expected >= 1 (or 0 for the backend's own), got %lld",
+                        (long long)opts->chunk_size);
+  if (!gdp_value_block_valid(opts->value_block))
+    return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG,
+                        "opts->value_block: expected 0 (the context's), 16, 32 or 64, got %d",
+                        (int)opts->value_block);
   if (!isfinite(opts->scale))
     return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG,
                         "opts->scale: expected a finite value (0 for K^-1/2), got %g", opts->scale);
@@ -262,8 +267,7 @@ static gdp_status plan_make(const char *func, gdp_ctx *ctx, const gdp_gdp_option
   if (dht) GDP_TRY(check_shape(func, "dht", dht, 4, state, "[N,H,K,V]", ""));
 
   if (!ctx->backend || (is_backward ? !ctx->backend->gdp_backward : !ctx->backend->gdp_forward))
-    return GDP_ERROR_IN(func, GDP_ERR_UNSUPPORTED, "the %s backend has no GDP %s",
-                        gdp_device_type_name(ctx->type), is_backward ? "backward" : "forward");
+    return GDP_NOT_IMPLEMENTED(func, ctx);
 
   /* Compute dtype (see the file comment). */
   plan->in_dtype = q->dtype;
@@ -277,6 +281,13 @@ static gdp_status plan_make(const char *func, gdp_ctx *ctx, const gdp_gdp_option
   plan->state_out = q->dtype == GDP_DTYPE_F64 ? GDP_DTYPE_F64 : GDP_DTYPE_F32;
   plan->l2norm = opts->use_qk_l2norm != 0;
   plan->l2norm_here = plan->l2norm && plan->on_cpu;
+  if (plan->l2norm_here &&
+      (!ctx->backend->l2norm_forward || (is_backward && !ctx->backend->l2norm_backward)))
+    return GDP_ERROR_IN(func, GDP_ERR_UNSUPPORTED,
+                        "use_qk_l2norm: the L2 norm of q and k is not implemented on %s "
+                        "(ctx on %s:%d)",
+                        gdp_device_type_name(ctx->type), gdp_device_type_name(ctx->type),
+                        ctx->index);
 
   gdp_gdp_problem *p = &plan->p;
   p->T_total = B * T;
@@ -284,11 +295,12 @@ static gdp_status plan_make(const char *func, gdp_ctx *ctx, const gdp_gdp_option
   p->cu_seqlens = plan->cu;
   p->H = H, p->K = K, p->V = V, p->n = n;
   p->scale = opts->scale != 0.0 ? opts->scale : 1.0 / sqrt((double)K);
-  p->chunk_size = opts->chunk_size > 0 ? opts->chunk_size : GDP_DEFAULT_CHUNK;
+  p->chunk_size = opts->chunk_size; /* 0: the backend resolves its own */
   p->num_threads = gdp_ctx_num_threads(ctx);
   p->dtype = plan->compute;
   p->algorithm = opts->algorithm;
   p->l2norm_in_kernel = plan->l2norm && !plan->l2norm_here;
+  p->value_block = opts->value_block != 0 ? opts->value_block : ctx->tuning.value_block;
   return GDP_OK;
 }
 
@@ -338,25 +350,20 @@ static void inputs_free(gdp_op_inputs *in) {
   }
 }
 
-static void l2norm_fwd(const gdp_op_plan *plan, const gdp_tensor *x, gdp_tensor *y) {
+static gdp_status l2norm_fwd(gdp_ctx *ctx, const gdp_op_plan *plan, const gdp_tensor *x,
+                             gdp_tensor *y) {
   const int64_t rows = gdp_tensor_numel(x) / plan->K;
-  if (plan->compute == GDP_DTYPE_F64)
-    gdp_cpu_l2norm_fwd_f64(rows, plan->K, GDP_L2NORM_EPS, gdp_tensor_data(x), gdp_tensor_data(y),
-                           plan->p.num_threads);
-  else
-    gdp_cpu_l2norm_fwd_f32(rows, plan->K, GDP_L2NORM_EPS, gdp_tensor_data(x), gdp_tensor_data(y),
-                           plan->p.num_threads);
+  return ctx->backend->l2norm_forward(ctx, plan->compute, rows, plan->K, GDP_L2NORM_EPS,
+                                      gdp_tensor_data(x), gdp_tensor_data(y));
 }
 
 /* dx = backward of the norm at raw x, given dy; in place (dx is dy). */
-static void l2norm_bwd_inplace(const gdp_op_plan *plan, const gdp_tensor *x, gdp_tensor *dxy) {
+static gdp_status l2norm_bwd_inplace(gdp_ctx *ctx, const gdp_op_plan *plan, const gdp_tensor *x,
+                                     gdp_tensor *dxy) {
   const int64_t rows = gdp_tensor_numel(x) / plan->K;
-  if (plan->compute == GDP_DTYPE_F64)
-    gdp_cpu_l2norm_bwd_f64(rows, plan->K, GDP_L2NORM_EPS, gdp_tensor_data(x),
-                           gdp_tensor_data(dxy), gdp_tensor_data(dxy), plan->p.num_threads);
-  else
-    gdp_cpu_l2norm_bwd_f32(rows, plan->K, GDP_L2NORM_EPS, gdp_tensor_data(x),
-                           gdp_tensor_data(dxy), gdp_tensor_data(dxy), plan->p.num_threads);
+  return ctx->backend->l2norm_backward(ctx, plan->compute, rows, plan->K, GDP_L2NORM_EPS,
+                                       gdp_tensor_data(x), gdp_tensor_data(dxy),
+                                       gdp_tensor_data(dxy));
 }
 
 static gdp_status inputs_make(gdp_ctx *ctx, const gdp_op_plan *plan, const gdp_tensor *q,
@@ -373,8 +380,8 @@ static gdp_status inputs_make(gdp_ctx *ctx, const gdp_op_plan *plan, const gdp_t
   if (plan->l2norm_here) {
     if ((s = gdp_tensor_empty(ctx, plan->compute, 4, q->shape, &in->qn)) != GDP_OK) goto fail;
     if ((s = gdp_tensor_empty(ctx, plan->compute, 4, k->shape, &in->kn)) != GDP_OK) goto fail;
-    l2norm_fwd(plan, in->qc, in->qn);
-    l2norm_fwd(plan, in->kc, in->kn);
+    if ((s = l2norm_fwd(ctx, plan, in->qc, in->qn)) != GDP_OK) goto fail;
+    if ((s = l2norm_fwd(ctx, plan, in->kc, in->kn)) != GDP_OK) goto fail;
   } else {
     in->qn = gdp_tensor_retain(in->qc);
     in->kn = gdp_tensor_retain(in->kc);
@@ -624,8 +631,8 @@ static gdp_status backward_impl(const char *func, gdp_ctx *ctx, const gdp_gdp_op
 
   if (plan.l2norm_here) {
     /* The kernel's dq, dk are with respect to the normalised q, k. */
-    l2norm_bwd_inplace(&plan, in.qc, grads[0]);
-    l2norm_bwd_inplace(&plan, in.kc, grads[1]);
+    if ((s = l2norm_bwd_inplace(ctx, &plan, in.qc, grads[0])) != GDP_OK) goto done;
+    if ((s = l2norm_bwd_inplace(ctx, &plan, in.kc, grads[1])) != GDP_OK) goto done;
   }
 
   for (int i = 0; i < 6; i++) {

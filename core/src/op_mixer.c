@@ -1,12 +1,11 @@
 /*
  * op_mixer.c -- the public mixer layer ops (gdp.h, "mixer layer ops"): argument
- * validation, contiguous compute-dtype copies, dispatch to the CPU kernels
- * (kernels/cpu/mixer_cpu.h), and delivery of the results in the documented dtypes.
+ * validation, contiguous compute-dtype copies, dispatch through ctx->backend
+ * (backend_impl.h), and delivery of the results in the documented dtypes.
  *
- * The backend vtable has no slots for these ops yet: they run on the cpu and answer
- * GDP_ERR_UNSUPPORTED for other devices, so that a CUDA backend can add them later
- * behind the same entry points.  repeat_heads is built from views, copies and adds of
- * the tensor library and therefore runs on every device already.
+ * A backend without an op's entry (cuda today) answers GDP_ERR_UNSUPPORTED naming the
+ * op and the device; a CUDA mixer slots in by filling its entries.  repeat_heads is
+ * built from views, copies and adds of the tensor library and runs on every device.
  *
  * Every temporary is released on every path: each entry point collects its tensors
  * in a local array that one cleanup loop frees.
@@ -16,10 +15,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "internal.h"
-#include "../../kernels/cpu/mixer_cpu.h"
+#include "backend_impl.h"
 
-/* The kernels keep the conv taps' partial sums on the stack. */
+/* The widest conv the kernels take (the CPU's keeps the taps' partial sums on the stack). */
 enum { MIXER_CONV_MAX_WIDTH = 16 };
 
 const char *gdp_activation_name(gdp_activation act) {
@@ -49,16 +47,13 @@ static gdp_status need_out(const char *func, const char *name, gdp_tensor **out)
 
 static int is_float(gdp_dtype d) { return d == GDP_DTYPE_F64 || d == GDP_DTYPE_F32; }
 
-/* A context whose backend runs the mixer kernels (cpu only for now). */
-static gdp_status check_ctx_cpu(const char *func, const gdp_ctx *ctx) {
-  if (!ctx) return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG, "ctx: expected a context, got NULL");
-  if (ctx->type != GDP_DEVICE_CPU)
-    return GDP_ERROR_IN(func, GDP_ERR_UNSUPPORTED,
-                        "no %s kernel for this op yet (cpu only), got a ctx on %s:%d",
-                        gdp_device_type_name(ctx->type), gdp_device_type_name(ctx->type),
-                        ctx->index);
-  return GDP_OK;
-}
+/* ctx is a context whose backend has the op: its table entry `entry` is not NULL. */
+#define NEED_OP(func, ctx, entry)                                                          \
+  do {                                                                                     \
+    if (!(ctx))                                                                            \
+      return GDP_ERROR_IN((func), GDP_ERR_INVALID_ARG, "ctx: expected a context, got NULL"); \
+    if (!(ctx)->backend->entry) return GDP_NOT_IMPLEMENTED((func), (ctx));                  \
+  } while (0)
 
 /* t (may be NULL) lives on ctx's device and holds float64 or float32 values. */
 static gdp_status check_float_on(const char *func, const char *name, const gdp_ctx *ctx,
@@ -202,7 +197,6 @@ static gdp_status conv_plan_make(const char *func, gdp_ctx *ctx, const gdp_tenso
                                  gdp_activation act, const gdp_tensor *d_out, conv_plan *p) {
   char a[128];
   memset(p, 0, sizeof *p);
-  GDP_TRY(check_ctx_cpu(func, ctx));
   GDP_TRY(need_tensor(func, "x", x));
   GDP_TRY(need_tensor(func, "weight", weight));
   GDP_TRY(check_float_on(func, "x", ctx, x));
@@ -260,10 +254,11 @@ static gdp_status load_weight_tap_major(gdp_ctx *ctx, const conv_plan *p, const 
   return s;
 }
 
-static gdp_cpu_conv1d_args conv_args(const conv_plan *p, gdp_ctx *ctx, gdp_activation act) {
-  gdp_cpu_conv1d_args a = {.T = p->T, .B = p->B, .C = p->C, .W = p->W,
-                           .seq_start = p->seq_start, .halo_len = p->L,
-                           .silu = act == GDP_ACT_SILU, .num_threads = ctx->num_threads};
+static gdp_conv1d_problem conv_problem(const conv_plan *p, gdp_ctx *ctx, gdp_activation act) {
+  gdp_conv1d_problem a = {.T = p->T, .B = p->B, .C = p->C, .W = p->W,
+                          .seq_start = p->seq_start, .halo_len = p->L,
+                          .silu = act == GDP_ACT_SILU, .num_threads = ctx->num_threads,
+                          .dtype = p->compute};
   return a;
 }
 
@@ -274,6 +269,7 @@ gdp_status gdp_mixer_conv1d_forward(gdp_ctx *ctx, const gdp_tensor *x, const gdp
   static const char *func = "gdp_mixer_conv1d_forward";
   GDP_TRY(need_out(func, "out", out));
   *out = NULL;
+  NEED_OP(func, ctx, conv1d_forward);
   conv_plan p;
   gdp_tensor *tmp[5] = {0}; /* x, weight [W,C], bias, halo, out */
   gdp_status s = conv_plan_make(func, ctx, x, weight, bias, halo, cu_seqlens, activation, NULL, &p);
@@ -283,11 +279,11 @@ gdp_status gdp_mixer_conv1d_forward(gdp_ctx *ctx, const gdp_tensor *x, const gdp
   if (s == GDP_OK) s = load(ctx, halo, p.compute, &tmp[3]);
   if (s == GDP_OK) s = gdp_tensor_empty(ctx, p.compute, 3, x->shape, &tmp[4]);
   if (s == GDP_OK) {
-    const gdp_cpu_conv1d_args a = conv_args(&p, ctx, activation);
-    if (p.compute == GDP_DTYPE_F64)
-      gdp_cpu_conv1d_fwd_f64(&a, ptr(tmp[0]), ptr(tmp[1]), ptr(tmp[2]), ptr(tmp[3]), ptr(tmp[4]));
-    else
-      gdp_cpu_conv1d_fwd_f32(&a, ptr(tmp[0]), ptr(tmp[1]), ptr(tmp[2]), ptr(tmp[3]), ptr(tmp[4]));
+    const gdp_conv1d_problem a = conv_problem(&p, ctx, activation);
+    s = ctx->backend->conv1d_forward(ctx, &a, ptr(tmp[0]), ptr(tmp[1]), ptr(tmp[2]), ptr(tmp[3]),
+                                     ptr(tmp[4]));
+  }
+  if (s == GDP_OK) {
     *out = tmp[4];
     tmp[4] = NULL;
   }
@@ -304,6 +300,7 @@ gdp_status gdp_mixer_conv1d_backward(gdp_ctx *ctx, const gdp_tensor *x, const gd
                                      gdp_tensor **dhalo) {
   static const char *func = "gdp_mixer_conv1d_backward";
   clear_outs(dx, dweight, dbias, dhalo);
+  NEED_OP(func, ctx, conv1d_backward);
   GDP_TRY(need_tensor(func, "d_out", d_out));
   conv_plan p;
   /* x, weight [W,C], bias, halo, d_out, then the results dx, dweight, dbias, dhalo */
@@ -319,13 +316,10 @@ gdp_status gdp_mixer_conv1d_backward(gdp_ctx *ctx, const gdp_tensor *x, const gd
   if (s == GDP_OK) s = buffer_like(ctx, dbias && bias, p.compute, bias, &tmp[7]);
   if (s == GDP_OK) s = buffer_like(ctx, dhalo && halo, p.compute, halo, &tmp[8]);
   if (s == GDP_OK) {
-    const gdp_cpu_conv1d_args a = conv_args(&p, ctx, activation);
-    if (p.compute == GDP_DTYPE_F64)
-      s = gdp_cpu_conv1d_bwd_f64(&a, ptr(tmp[0]), ptr(tmp[1]), ptr(tmp[2]), ptr(tmp[3]),
-                                 ptr(tmp[4]), ptr(tmp[5]), ptr(tmp[6]), ptr(tmp[7]), ptr(tmp[8]));
-    else
-      s = gdp_cpu_conv1d_bwd_f32(&a, ptr(tmp[0]), ptr(tmp[1]), ptr(tmp[2]), ptr(tmp[3]),
-                                 ptr(tmp[4]), ptr(tmp[5]), ptr(tmp[6]), ptr(tmp[7]), ptr(tmp[8]));
+    const gdp_conv1d_problem a = conv_problem(&p, ctx, activation);
+    s = ctx->backend->conv1d_backward(ctx, &a, ptr(tmp[0]), ptr(tmp[1]), ptr(tmp[2]),
+                                      ptr(tmp[3]), ptr(tmp[4]), ptr(tmp[5]), ptr(tmp[6]),
+                                      ptr(tmp[7]), ptr(tmp[8]));
   }
   if (s == GDP_OK) s = deliver(ctx, &tmp[5], p.compute, dx);
   if (s == GDP_OK) s = deliver(ctx, &tmp[6], weight->dtype, dweight);
@@ -348,7 +342,6 @@ gdp_status gdp_mixer_conv1d_backward(gdp_ctx *ctx, const gdp_tensor *x, const gd
 
 static gdp_status beta_check(const char *func, gdp_ctx *ctx, const gdp_tensor *b,
                              double beta_scale, const gdp_tensor *d_beta) {
-  GDP_TRY(check_ctx_cpu(func, ctx));
   GDP_TRY(need_tensor(func, "b", b));
   GDP_TRY(check_float_on(func, "b", ctx, b));
   GDP_TRY(check_float_on(func, "d_beta", ctx, d_beta));
@@ -364,17 +357,17 @@ gdp_status gdp_mixer_beta_forward(gdp_ctx *ctx, const gdp_tensor *b, double beta
   static const char *func = "gdp_mixer_beta_forward";
   GDP_TRY(need_out(func, "beta", beta));
   *beta = NULL;
+  NEED_OP(func, ctx, beta_forward);
   GDP_TRY(beta_check(func, ctx, b, beta_scale, NULL));
   gdp_tensor *tmp[2] = {0};
   const gdp_dtype dt = b->dtype;
   gdp_status s = load(ctx, b, dt, &tmp[0]);
   if (s == GDP_OK) s = gdp_tensor_empty(ctx, dt, b->ndim, b->shape, &tmp[1]);
   if (s == GDP_OK) {
-    const int64_t n = gdp_tensor_numel(b);
-    if (dt == GDP_DTYPE_F64)
-      gdp_cpu_beta_fwd_f64(n, beta_scale, ptr(tmp[0]), ptr(tmp[1]), ctx->num_threads);
-    else
-      gdp_cpu_beta_fwd_f32(n, beta_scale, ptr(tmp[0]), ptr(tmp[1]), ctx->num_threads);
+    s = ctx->backend->beta_forward(ctx, dt, gdp_tensor_numel(b), beta_scale, ptr(tmp[0]),
+                                   ptr(tmp[1]));
+  }
+  if (s == GDP_OK) {
     *beta = tmp[1];
     tmp[1] = NULL;
   }
@@ -387,6 +380,7 @@ gdp_status gdp_mixer_beta_backward(gdp_ctx *ctx, const gdp_tensor *b, double bet
   static const char *func = "gdp_mixer_beta_backward";
   GDP_TRY(need_out(func, "db", db));
   *db = NULL;
+  NEED_OP(func, ctx, beta_backward);
   GDP_TRY(need_tensor(func, "d_beta", d_beta));
   GDP_TRY(beta_check(func, ctx, b, beta_scale, d_beta));
   gdp_tensor *tmp[3] = {0};
@@ -395,11 +389,10 @@ gdp_status gdp_mixer_beta_backward(gdp_ctx *ctx, const gdp_tensor *b, double bet
   if (s == GDP_OK) s = load(ctx, d_beta, dt, &tmp[1]);
   if (s == GDP_OK) s = gdp_tensor_empty(ctx, dt, b->ndim, b->shape, &tmp[2]);
   if (s == GDP_OK) {
-    const int64_t n = gdp_tensor_numel(b);
-    if (dt == GDP_DTYPE_F64)
-      gdp_cpu_beta_bwd_f64(n, beta_scale, ptr(tmp[0]), ptr(tmp[1]), ptr(tmp[2]), ctx->num_threads);
-    else
-      gdp_cpu_beta_bwd_f32(n, beta_scale, ptr(tmp[0]), ptr(tmp[1]), ptr(tmp[2]), ctx->num_threads);
+    s = ctx->backend->beta_backward(ctx, dt, gdp_tensor_numel(b), beta_scale, ptr(tmp[0]),
+                                    ptr(tmp[1]), ptr(tmp[2]));
+  }
+  if (s == GDP_OK) {
     *db = tmp[2];
     tmp[2] = NULL;
   }
@@ -413,7 +406,6 @@ static gdp_status decay_check(const char *func, gdp_ctx *ctx, const gdp_tensor *
                               const gdp_tensor *A_log, const gdp_tensor *dt_bias,
                               const gdp_tensor *d_g, int64_t *H) {
   char s1[128];
-  GDP_TRY(check_ctx_cpu(func, ctx));
   GDP_TRY(need_tensor(func, "a", a));
   GDP_TRY(need_tensor(func, "A_log", A_log));
   GDP_TRY(check_float_on(func, "a", ctx, a));
@@ -434,6 +426,7 @@ gdp_status gdp_mixer_decay_forward(gdp_ctx *ctx, const gdp_tensor *a, const gdp_
   static const char *func = "gdp_mixer_decay_forward";
   GDP_TRY(need_out(func, "g", g));
   *g = NULL;
+  NEED_OP(func, ctx, decay_forward);
   int64_t H = 0;
   GDP_TRY(decay_check(func, ctx, a, A_log, dt_bias, NULL, &H));
   gdp_tensor *tmp[4] = {0}; /* a, A_log, dt_bias, g */
@@ -444,12 +437,10 @@ gdp_status gdp_mixer_decay_forward(gdp_ctx *ctx, const gdp_tensor *a, const gdp_
   if (s == GDP_OK) s = gdp_tensor_empty(ctx, dt, a->ndim, a->shape, &tmp[3]);
   if (s == GDP_OK) {
     const int64_t rows = H > 0 ? gdp_tensor_numel(a) / H : 0;
-    if (dt == GDP_DTYPE_F64)
-      gdp_cpu_decay_fwd_f64(rows, H, ptr(tmp[0]), ptr(tmp[1]), ptr(tmp[2]), ptr(tmp[3]),
-                            ctx->num_threads);
-    else
-      gdp_cpu_decay_fwd_f32(rows, H, ptr(tmp[0]), ptr(tmp[1]), ptr(tmp[2]), ptr(tmp[3]),
-                            ctx->num_threads);
+    s = ctx->backend->decay_forward(ctx, dt, rows, H, ptr(tmp[0]), ptr(tmp[1]), ptr(tmp[2]),
+                                    ptr(tmp[3]));
+  }
+  if (s == GDP_OK) {
     *g = tmp[3];
     tmp[3] = NULL;
   }
@@ -463,6 +454,7 @@ gdp_status gdp_mixer_decay_backward(gdp_ctx *ctx, const gdp_tensor *a, const gdp
                                     gdp_tensor **ddt_bias) {
   static const char *func = "gdp_mixer_decay_backward";
   clear_outs(da, dA_log, ddt_bias, NULL);
+  NEED_OP(func, ctx, decay_backward);
   GDP_TRY(need_tensor(func, "d_g", d_g));
   int64_t H = 0;
   GDP_TRY(decay_check(func, ctx, a, A_log, dt_bias, d_g, &H));
@@ -478,12 +470,8 @@ gdp_status gdp_mixer_decay_backward(gdp_ctx *ctx, const gdp_tensor *a, const gdp
   if (s == GDP_OK) s = buffer_like(ctx, ddt_bias && dt_bias, dt, dt_bias, &tmp[6]);
   if (s == GDP_OK) {
     const int64_t rows = H > 0 ? gdp_tensor_numel(a) / H : 0;
-    if (dt == GDP_DTYPE_F64)
-      s = gdp_cpu_decay_bwd_f64(rows, H, ptr(tmp[0]), ptr(tmp[1]), ptr(tmp[2]), ptr(tmp[3]),
-                                ptr(tmp[4]), ptr(tmp[5]), ptr(tmp[6]), ctx->num_threads);
-    else
-      s = gdp_cpu_decay_bwd_f32(rows, H, ptr(tmp[0]), ptr(tmp[1]), ptr(tmp[2]), ptr(tmp[3]),
-                                ptr(tmp[4]), ptr(tmp[5]), ptr(tmp[6]), ctx->num_threads);
+    s = ctx->backend->decay_backward(ctx, dt, rows, H, ptr(tmp[0]), ptr(tmp[1]), ptr(tmp[2]),
+                                     ptr(tmp[3]), ptr(tmp[4]), ptr(tmp[5]), ptr(tmp[6]));
   }
   if (s == GDP_OK) s = deliver(ctx, &tmp[4], dt, da);
   if (s == GDP_OK) s = deliver(ctx, &tmp[5], A_log->dtype, dA_log);
@@ -506,7 +494,6 @@ static gdp_status norm_check(const char *func, gdp_ctx *ctx, const gdp_tensor *y
                              const gdp_tensor *z, const gdp_tensor *weight, int64_t group_size,
                              double eps, const gdp_tensor *d_out, int64_t *d) {
   char s1[128];
-  GDP_TRY(check_ctx_cpu(func, ctx));
   GDP_TRY(need_tensor(func, "y", y));
   GDP_TRY(need_tensor(func, "weight", weight));
   GDP_TRY(check_float_on(func, "y", ctx, y));
@@ -535,6 +522,7 @@ gdp_status gdp_mixer_gated_rmsnorm_forward(gdp_ctx *ctx, const gdp_tensor *y, co
   static const char *func = "gdp_mixer_gated_rmsnorm_forward";
   GDP_TRY(need_out(func, "out", out));
   *out = NULL;
+  NEED_OP(func, ctx, gated_rmsnorm_forward);
   int64_t d = 0;
   GDP_TRY(norm_check(func, ctx, y, z, weight, group_size, eps, NULL, &d));
   gdp_tensor *tmp[4] = {0}; /* y, z, weight, out */
@@ -545,12 +533,8 @@ gdp_status gdp_mixer_gated_rmsnorm_forward(gdp_ctx *ctx, const gdp_tensor *y, co
   if (s == GDP_OK) s = gdp_tensor_empty(ctx, dt, y->ndim, y->shape, &tmp[3]);
   if (s == GDP_OK) {
     const int64_t rows = d > 0 ? gdp_tensor_numel(y) / d : 0;
-    if (dt == GDP_DTYPE_F64)
-      s = gdp_cpu_gated_rmsnorm_fwd_f64(rows, d, group_size, eps, ptr(tmp[0]), ptr(tmp[1]),
-                                        ptr(tmp[2]), ptr(tmp[3]), ctx->num_threads);
-    else
-      s = gdp_cpu_gated_rmsnorm_fwd_f32(rows, d, group_size, eps, ptr(tmp[0]), ptr(tmp[1]),
-                                        ptr(tmp[2]), ptr(tmp[3]), ctx->num_threads);
+    s = ctx->backend->gated_rmsnorm_forward(ctx, dt, rows, d, group_size, eps, ptr(tmp[0]),
+                                            ptr(tmp[1]), ptr(tmp[2]), ptr(tmp[3]));
   }
   if (s == GDP_OK) {
     *out = tmp[3];
@@ -567,6 +551,7 @@ gdp_status gdp_mixer_gated_rmsnorm_backward(gdp_ctx *ctx, const gdp_tensor *y,
                                             gdp_tensor **dz, gdp_tensor **dweight) {
   static const char *func = "gdp_mixer_gated_rmsnorm_backward";
   clear_outs(dy, dz, dweight, NULL);
+  NEED_OP(func, ctx, gated_rmsnorm_backward);
   GDP_TRY(need_tensor(func, "d_out", d_out));
   int64_t d = 0;
   GDP_TRY(norm_check(func, ctx, y, z, weight, group_size, eps, d_out, &d));
@@ -582,14 +567,9 @@ gdp_status gdp_mixer_gated_rmsnorm_backward(gdp_ctx *ctx, const gdp_tensor *y,
   if (s == GDP_OK) s = buffer_like(ctx, dweight != NULL, dt, weight, &tmp[6]);
   if (s == GDP_OK) {
     const int64_t rows = d > 0 ? gdp_tensor_numel(y) / d : 0;
-    if (dt == GDP_DTYPE_F64)
-      s = gdp_cpu_gated_rmsnorm_bwd_f64(rows, d, group_size, eps, ptr(tmp[0]), ptr(tmp[1]),
-                                        ptr(tmp[2]), ptr(tmp[3]), ptr(tmp[4]), ptr(tmp[5]),
-                                        ptr(tmp[6]), ctx->num_threads);
-    else
-      s = gdp_cpu_gated_rmsnorm_bwd_f32(rows, d, group_size, eps, ptr(tmp[0]), ptr(tmp[1]),
-                                        ptr(tmp[2]), ptr(tmp[3]), ptr(tmp[4]), ptr(tmp[5]),
-                                        ptr(tmp[6]), ctx->num_threads);
+    s = ctx->backend->gated_rmsnorm_backward(ctx, dt, rows, d, group_size, eps, ptr(tmp[0]),
+                                             ptr(tmp[1]), ptr(tmp[2]), ptr(tmp[3]),
+                                             ptr(tmp[4]), ptr(tmp[5]), ptr(tmp[6]));
   }
   if (s == GDP_OK) s = deliver(ctx, &tmp[4], dt, dy);
   if (s == GDP_OK && z) s = deliver(ctx, &tmp[5], dt, dz);
@@ -712,7 +692,6 @@ gdp_status gdp_mixer_repeat_heads_backward(gdp_ctx *ctx, const gdp_tensor *d_out
 static gdp_status dskip_check(const char *func, gdp_ctx *ctx, const gdp_tensor *x_v,
                               const gdp_tensor *D, int64_t *H, int64_t *P, int *per_channel) {
   char s1[128], s2[128];
-  GDP_TRY(check_ctx_cpu(func, ctx));
   GDP_TRY(need_tensor(func, "x_v", x_v));
   GDP_TRY(need_tensor(func, "D", D));
   GDP_TRY(check_float_on(func, "x_v", ctx, x_v));
@@ -739,8 +718,8 @@ gdp_status gdp_mixer_dskip_forward(gdp_ctx *ctx, const gdp_tensor *y, const gdp_
   static const char *func = "gdp_mixer_dskip_forward";
   GDP_TRY(need_out(func, "out", out));
   *out = NULL;
+  NEED_OP(func, ctx, dskip_forward);
   GDP_TRY(need_tensor(func, "y", y));
-  GDP_TRY(check_ctx_cpu(func, ctx));
   GDP_TRY(check_float_on(func, "y", ctx, y));
   int64_t H = 0, P = 0;
   int per_channel = 0;
@@ -754,12 +733,10 @@ gdp_status gdp_mixer_dskip_forward(gdp_ctx *ctx, const gdp_tensor *y, const gdp_
   if (s == GDP_OK) s = gdp_tensor_empty(ctx, dt, y->ndim, y->shape, &tmp[3]);
   if (s == GDP_OK) {
     const int64_t rows = H * P > 0 ? gdp_tensor_numel(y) / (H * P) : 0;
-    if (dt == GDP_DTYPE_F64)
-      gdp_cpu_dskip_fwd_f64(rows, H, P, per_channel, ptr(tmp[0]), ptr(tmp[1]), ptr(tmp[2]),
-                            ptr(tmp[3]), ctx->num_threads);
-    else
-      gdp_cpu_dskip_fwd_f32(rows, H, P, per_channel, ptr(tmp[0]), ptr(tmp[1]), ptr(tmp[2]),
-                            ptr(tmp[3]), ctx->num_threads);
+    s = ctx->backend->dskip_forward(ctx, dt, rows, H, P, per_channel, ptr(tmp[0]), ptr(tmp[1]),
+                                    ptr(tmp[2]), ptr(tmp[3]));
+  }
+  if (s == GDP_OK) {
     *out = tmp[3];
     tmp[3] = NULL;
   }
@@ -772,6 +749,7 @@ gdp_status gdp_mixer_dskip_backward(gdp_ctx *ctx, const gdp_tensor *x_v, const g
                                     gdp_tensor **dD) {
   static const char *func = "gdp_mixer_dskip_backward";
   clear_outs(dx_v, dD, NULL, NULL);
+  NEED_OP(func, ctx, dskip_backward);
   GDP_TRY(need_tensor(func, "d_out", d_out));
   int64_t H = 0, P = 0;
   int per_channel = 0;
@@ -787,12 +765,8 @@ gdp_status gdp_mixer_dskip_backward(gdp_ctx *ctx, const gdp_tensor *x_v, const g
   if (s == GDP_OK) s = buffer_like(ctx, dD != NULL, dt, D, &tmp[4]);
   if (s == GDP_OK) {
     const int64_t rows = H * P > 0 ? gdp_tensor_numel(x_v) / (H * P) : 0;
-    if (dt == GDP_DTYPE_F64)
-      s = gdp_cpu_dskip_bwd_f64(rows, H, P, per_channel, ptr(tmp[0]), ptr(tmp[1]), ptr(tmp[2]),
-                                ptr(tmp[3]), ptr(tmp[4]), ctx->num_threads);
-    else
-      s = gdp_cpu_dskip_bwd_f32(rows, H, P, per_channel, ptr(tmp[0]), ptr(tmp[1]), ptr(tmp[2]),
-                                ptr(tmp[3]), ptr(tmp[4]), ctx->num_threads);
+    s = ctx->backend->dskip_backward(ctx, dt, rows, H, P, per_channel, ptr(tmp[0]), ptr(tmp[1]),
+                                     ptr(tmp[2]), ptr(tmp[3]), ptr(tmp[4]));
   }
   if (s == GDP_OK) s = deliver(ctx, &tmp[3], dt, dx_v);
   if (s == GDP_OK) s = deliver(ctx, &tmp[4], D->dtype, dD);

@@ -670,17 +670,16 @@ static void test_options(void) {
   gdp_gdp_options o;
   memset(&o, 0xff, sizeof o);
   gdp_gdp_options_init(&o);
-  /* chunk_size: 64, or 0 (the backend's own: kernels/gdp_problem.h) */
-  CHECK(o.num_householder == 1 && o.scale == 0.0 && (o.chunk_size == 64 || o.chunk_size == 0) &&
-            o.use_qk_l2norm == 0 &&
-            o.output_final_state == 0 && o.algorithm == GDP_ALGO_AUTO && o.reserved == 0,
+  CHECK(o.num_householder == 1 && o.scale == 0.0 && o.chunk_size == 0 && o.use_qk_l2norm == 0 &&
+            o.output_final_state == 0 && o.algorithm == GDP_ALGO_AUTO && o.value_block == 0 &&
+            o.reserved == 0,
         "gdp_gdp_options_init defaults");
-  size_t off[7];
+  size_t off[8];
   CHECK(gdp_gdp_options_layout(off) == sizeof(gdp_gdp_options), "layout size");
   CHECK(off[0] == 0 && off[1] == 8 && off[2] == 16 && off[3] == 24 && off[4] == 28 &&
-            off[5] == 32 && off[6] == 36,
-        "layout offsets %zu %zu %zu %zu %zu %zu %zu", off[0], off[1], off[2], off[3], off[4],
-        off[5], off[6]);
+            off[5] == 32 && off[6] == 36 && off[7] == 40,
+        "layout offsets %zu %zu %zu %zu %zu %zu %zu %zu", off[0], off[1], off[2], off[3], off[4],
+        off[5], off[6], off[7]);
 }
 
 int main(void) {

@@ -881,7 +881,7 @@ static void test_validation(void) {
   for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) gdp_tensor_free(all[i]);
 }
 
-/* Other devices answer GDP_ERR_UNSUPPORTED until they have kernels. */
+/* A backend without the mixer entries (cuda today) answers GDP_ERR_UNSUPPORTED. */
 static void test_unsupported_device(void) {
   if (gdp_device_count(GDP_DEVICE_CUDA) < 1) return;
   gdp_ctx *cctx = NULL;
@@ -889,7 +889,8 @@ static void test_unsupported_device(void) {
   const int64_t s[2] = {3, 4};
   gdp_tensor *b = NULL, *out = NULL;
   CHECK_OK(gdp_tensor_zeros(cctx, GDP_DTYPE_F32, 2, s, &b));
-  CHECK_ERR(gdp_mixer_beta_forward(cctx, b, 1.0, &out), GDP_ERR_UNSUPPORTED, "cpu only");
+  CHECK_ERR(gdp_mixer_beta_forward(cctx, b, 1.0, &out), GDP_ERR_UNSUPPORTED,
+            "gdp_mixer_beta_forward: not implemented on cuda (ctx on cuda:0)");
   gdp_tensor_free(b);
   gdp_ctx_free(cctx);
 }

@@ -1,6 +1,6 @@
 /*
  * conv1d.c -- depthwise causal conv1d over time with optional fused SiLU, packed
- * sequence restarts and a halo of preceding tokens (see mixer_cpu.h), and its backward.
+ * sequence restarts and a halo of preceding tokens (see ../mixer_problem.h), and its backward.
  *
  *   u[t,b,c] = bias[c] + sum_w weight[c,w] * x~[t-(W-1)+w, b, c],   out = act(u)
  *
@@ -21,7 +21,7 @@
 #include <string.h>
 #include <tgmath.h>
 
-#include "internal.h"
+#include "../kernel_status.h"
 #include "mixer_cpu.h"
 
 /* Below this many elements the OpenMP fork costs more than the loop. */
@@ -29,13 +29,13 @@
 /* Channels per dweight task: enough for the inner loops to vectorise. */
 #define CONV_CBLOCK 32
 
-static int conv_threads(const gdp_cpu_conv1d_args *a) {
+static int conv_threads(const gdp_conv1d_problem *a) {
   return a->num_threads < 1 ? 1 : a->num_threads;
 }
 
 /* Row of x (or of the halo) that tap position s of token t reads, as an element offset
  * into x (*from_halo = 0) or the halo (*from_halo = 1); -1 when the tap reads zero. */
-static inline int64_t conv_tap(const gdp_cpu_conv1d_args *a, int64_t t, int64_t b, int64_t s,
+static inline int64_t conv_tap(const gdp_conv1d_problem *a, int64_t t, int64_t b, int64_t s,
                                int *from_halo) {
   *from_halo = 0;
   if (s >= a->seq_start[t]) return (s * a->B + b) * a->C;
@@ -62,7 +62,7 @@ static inline int64_t conv_tap(const gdp_cpu_conv1d_args *a, int64_t t, int64_t 
 #else /* GDP_CONV1D_GENERIC: the body, once per REAL */
 
 /* Pre-activation u of one row (t,b) into u[0..C). */
-static void FN(conv_row)(const gdp_cpu_conv1d_args *a, const REAL *x, const REAL *wt,
+static void FN(conv_row)(const gdp_conv1d_problem *a, const REAL *x, const REAL *wt,
                          const REAL *bias, const REAL *halo, int64_t t, int64_t b,
                          REAL *restrict u) {
   const int64_t C = a->C, W = a->W;
@@ -77,7 +77,7 @@ static void FN(conv_row)(const gdp_cpu_conv1d_args *a, const REAL *x, const REAL
   }
 }
 
-void FN(gdp_cpu_conv1d_fwd)(const gdp_cpu_conv1d_args *a, const REAL *x, const REAL *wt,
+void FN(gdp_cpu_conv1d_fwd)(const gdp_conv1d_problem *a, const REAL *x, const REAL *wt,
                             const REAL *bias, const REAL *halo, REAL *out) {
   const int64_t rows = a->T * a->B, C = a->C;
 #pragma omp parallel for schedule(static) num_threads(conv_threads(a)) if (rows * C > CONV_PAR_MIN)
@@ -89,7 +89,7 @@ void FN(gdp_cpu_conv1d_fwd)(const gdp_cpu_conv1d_args *a, const REAL *x, const R
   }
 }
 
-gdp_status FN(gdp_cpu_conv1d_bwd)(const gdp_cpu_conv1d_args *a, const REAL *x,
+gdp_status FN(gdp_cpu_conv1d_bwd)(const gdp_conv1d_problem *a, const REAL *x,
                                   const REAL *wt, const REAL *bias, const REAL *halo,
                                   const REAL *d_out, REAL *dx, REAL *dweight, REAL *dbias,
                                   REAL *dhalo) {

@@ -33,7 +33,7 @@
 #include <omp.h>
 
 #include "gdp_cpu.h"
-#include "internal.h"
+#include "../kernel_status.h"
 
 #define CK_CAT2(a, b) a##_##b
 #define CK_CAT(a, b) CK_CAT2(a, b)
@@ -71,7 +71,7 @@ static ck_dims ck_dims_of(const gdp_gdp_problem *p) {
   d.K = p->K;
   d.V = p->V;
   d.n = p->n;
-  d.C = p->chunk_size > 0 ? p->chunk_size : 64;
+  d.C = p->chunk_size > 0 ? p->chunk_size : GDP_DEFAULT_CHUNK; /* 0: the CPU's own */
   /* No chunk holds more steps than the longest sequence, and the workspaces grow with
    * C^2: clamp, so that a chunk_size beyond every sequence neither allocates for steps
    * that never come nor overflows size_t.  Chunk boundaries are unchanged (each

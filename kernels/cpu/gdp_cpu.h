@@ -14,6 +14,10 @@
 #include "gdp.h"
 #include "../gdp_problem.h"
 
+/* The chunk of the chunkwise kernels when the problem's chunk_size is 0 (the backend's
+ * own): 64 steps of the expanded stream. */
+#define GDP_DEFAULT_CHUNK 64
+
 gdp_status gdp_cpu_gdp_fwd_recurrent_f64(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io);
 gdp_status gdp_cpu_gdp_bwd_recurrent_f64(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io);
 

@@ -16,7 +16,7 @@
 #include <string.h>
 
 #include "gdp_cpu.h"
-#include "internal.h"
+#include "../kernel_status.h"
 
 /* Row offsets into the packed buffers (gdp_problem.h). */
 static inline const double *row_q(const gdp_gdp_problem *p, const double *q, int64_t t,

@@ -15,30 +15,20 @@
 #include <stdint.h>
 
 #include "gdp.h"
+#include "../mixer_problem.h"
 
-/* conv1d: x, out, dx [T,B,C]; wt [W,C] (tap-major: the transpose of Megatron's weight, so
- * that inner loops run over contiguous channels); dweight [C,W]; bias [C] or NULL; halo
- * [halo_len,B,C] or NULL.
- * seq_start[t] is the first token of the sequence holding token t; a tap at s < seq_start[t]
- * reads the halo row halo_len+s when seq_start[t] == 0 and s >= -halo_len, else zero. */
-typedef struct gdp_cpu_conv1d_args {
-  int64_t T, B, C, W;
-  const int64_t *seq_start; /* [T] */
-  int64_t halo_len;         /* 0 without a halo */
-  int silu;                 /* fused SiLU after the bias */
-  int num_threads;
-} gdp_cpu_conv1d_args;
-
-void gdp_cpu_conv1d_fwd_f64(const gdp_cpu_conv1d_args *a, const double *x, const double *wt,
+/* conv1d: the problem and the buffers' layouts are in ../mixer_problem.h (a->dtype is
+ * not read: the suffix says it). */
+void gdp_cpu_conv1d_fwd_f64(const gdp_conv1d_problem *a, const double *x, const double *wt,
                             const double *bias, const double *halo, double *out);
-void gdp_cpu_conv1d_fwd_f32(const gdp_cpu_conv1d_args *a, const float *x, const float *wt,
+void gdp_cpu_conv1d_fwd_f32(const gdp_conv1d_problem *a, const float *x, const float *wt,
                             const float *bias, const float *halo, float *out);
 /* dweight [C,W], dbias [C], dhalo [halo_len,B,C]; any may be NULL, so may dx. */
-gdp_status gdp_cpu_conv1d_bwd_f64(const gdp_cpu_conv1d_args *a, const double *x,
+gdp_status gdp_cpu_conv1d_bwd_f64(const gdp_conv1d_problem *a, const double *x,
                                   const double *wt, const double *bias, const double *halo,
                                   const double *d_out, double *dx, double *dweight, double *dbias,
                                   double *dhalo);
-gdp_status gdp_cpu_conv1d_bwd_f32(const gdp_cpu_conv1d_args *a, const float *x,
+gdp_status gdp_cpu_conv1d_bwd_f32(const gdp_conv1d_problem *a, const float *x,
                                   const float *wt, const float *bias, const float *halo,
                                   const float *d_out, float *dx, float *dweight, float *dbias,
                                   float *dhalo);

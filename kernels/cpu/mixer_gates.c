@@ -22,7 +22,7 @@
 
 #include <omp.h>
 
-#include "internal.h"
+#include "../kernel_status.h"
 #include "mixer_cpu.h"
 
 #define GATES_PAR_MIN (1 << 15)

@@ -20,7 +20,7 @@
 
 #include <omp.h>
 
-#include "internal.h"
+#include "../kernel_status.h"
 #include "mixer_cpu.h"
 
 #define NORM_PAR_MIN (1 << 14)

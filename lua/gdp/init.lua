@@ -29,6 +29,9 @@ end
 gdp.Tensor = tensor.methods -- the method table: extend it to add tensor methods
 
 gdp.ops = ops
+-- Tuning of the default contexts (see gdp/ops.lua): gdp.set_tuning{value_block = 32}.
+gdp.set_tuning = ops.set_tuning
+gdp.get_tuning = ops.get_tuning
 gdp.load = gio.load
 gdp.save = gio.save
 gdp.lib = lib

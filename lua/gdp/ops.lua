@@ -7,7 +7,9 @@
 --     initial_state = h0, output_final_state = true,
 --     use_qk_l2norm_in_kernel = true,
 --     cu_seqlens = {0, 5, 5, 12},                   -- a Lua table or an int tensor; B = 1
---     chunk_size = 64, algorithm = "auto",          -- "auto" | "chunk" | "recurrent"
+--     chunk_size = nil, algorithm = "auto",         -- nil: the backend's own (cpu: 64);
+--                                                   -- "auto" | "chunk" | "recurrent"
+--     value_block = nil,                            -- tuning for this call (see below)
 --   }
 --   local grads = gdp.ops.chunk_gated_delta_product_backward{ <same>, ["do"] = dO, dht = dht }
 --   -- grads.dq, grads.dk, grads.dv, grads.dbeta, grads.dg (nil if ungated), grads.dh0
@@ -28,6 +30,15 @@
 -- The context is q's.  Lua checks what it needs itself (argument types, options,
 -- num_householder); shapes, dtypes, devices and cu_seqlens values are checked by the
 -- C library, whose errors name the argument, the expected and the actual value.
+--
+-- Tuning (gdp.h, gdp_tuning): knobs of speed, not of the math; 0 is the backend's own.
+--   value_block  the CUDA fast path's value-block width: 16, 32 or 64 (no effect on cpu)
+--   gdp.set_tuning{value_block = 32}              -- every default context, now and later
+--   gdp.set_tuning({value_block = 32}, "cuda:1")  -- one device's context (or a context)
+--   gdp.get_tuning("cuda:1")  --> {value_block = 32}
+--   gdp.get_tuning()          --> what set_tuning without a device set (zeros at start)
+-- Keys not given keep their values; per call, value_block = 32 in the arguments above
+-- wins over the context's.  gdp.results records the tuning in every run's meta.json.
 local ffi = require("ffi")
 local lib = require("gdp.lib")
 local tensor = require("gdp.tensor")
@@ -50,7 +61,7 @@ local ALGORITHMS = {
 local common_keys = {
   q = true, k = true, v = true, g = true, beta = true, num_householder = true, scale = true,
   initial_state = true, output_final_state = true, use_qk_l2norm_in_kernel = true,
-  cu_seqlens = true, chunk_size = true, algorithm = true,
+  cu_seqlens = true, chunk_size = true, algorithm = true, value_block = true,
   -- aliases: the C API's names
   h0 = true, use_qk_l2norm = true,
   -- the upstream gradients, ignored by the forward so that one table drives both passes
@@ -93,6 +104,14 @@ end
 local function typename(x)
   if type(x) == "cdata" then return tostring(ffi.typeof(x)) end
   return type(x)
+end
+
+local function tuning_int(fn, key, x)
+  if type(x) ~= "number" or x ~= math.floor(x) or x < -2 ^ 31 or x >= 2 ^ 31 then
+    argerror(fn, string.format("%s: expected an integer (0: the backend's own), got %s", key,
+                               tostring(x)))
+  end
+  return x
 end
 
 -- Accepts the table form or fla's positional form (q, k, v, g, beta, opts).
@@ -186,8 +205,13 @@ local function prepare(fn, args, allowed)
     end
     opts.scale = args.scale
   end
+  -- nil keeps gdp_gdp_options_init's 0: the backend's own chunk
   local cs = int_option(fn, "chunk_size", args.chunk_size, 1)
   if cs then opts.chunk_size = cs end
+  -- nil keeps 0: the context's (the library checks the value)
+  if args.value_block ~= nil then
+    opts.value_block = tuning_int(fn, "value_block", args.value_block)
+  end
   local l2 = args.use_qk_l2norm_in_kernel
   if l2 == nil then l2 = args.use_qk_l2norm end
   opts.use_qk_l2norm = l2 and 1 or 0
@@ -421,12 +445,13 @@ end
 -- Median seconds of the forward and of forward+backward on `problem` (a random_inputs
 -- table, with grads), over `samples` runs after `warmup` untimed ones, each on fresh
 -- random inputs drawn outside the timed region (never zeros, never the same buffers).
--- opts: warmup, samples, algorithm, chunk_size.
+-- opts: warmup, samples, algorithm, chunk_size, value_block.
 function M.time_forward_backward(problem, opts)
   local fwd, fwdbwd = {}, {}
   for r = 1, opts.warmup + opts.samples do
     local args = M.random_inputs(problem)
     args.algorithm, args.chunk_size = opts.algorithm, opts.chunk_size
+    args.value_block = opts.value_block
     local ctx = args.q:ctx()
     local o, ht, grads
     local t_fwd = M.timed(ctx, function() o, ht = M.chunk_gated_delta_product(args) end)
@@ -443,6 +468,59 @@ function M.time_forward_backward(problem, opts)
     end
   end
   return util.median(fwd), util.median(fwdbwd)
+end
+
+------------------------------------------------------------------ tuning (see the header)
+
+local TUNING_KEYS = { value_block = true }
+local TUNING_FIELDS = { "value_block" }
+local tuning_box = ffi.typeof("gdp_tuning[1]")
+local default_tuning = { value_block = 0 } -- what set_tuning without a device set
+
+-- Sets the given fields of c's tuning, keeping the others.
+local function ctx_set_fields(fn, c, fields)
+  local t = tuning_box()
+  check(lib.gdp_ctx_get_tuning(c, t), fn)
+  for key, val in pairs(fields) do t[0][key] = val end
+  check(lib.gdp_ctx_set_tuning(c, t), fn)
+end
+
+function M.set_tuning(t, dev)
+  local fn = "set_tuning"
+  if type(t) ~= "table" then
+    argerror(fn, "expected a table such as {value_block = 32}, got " .. typename(t))
+  end
+  tensor.check_opts(fn, t, TUNING_KEYS)
+  for key, val in pairs(t) do tuning_int(fn, key, val) end
+  if dev ~= nil then
+    ctx_set_fields(fn, tensor.get_ctx(fn, dev), t)
+    return
+  end
+  -- the cpu context first: the library checks the values before any context changes
+  ctx_set_fields(fn, tensor.get_ctx(fn, "cpu"), t)
+  for _, c in ipairs(tensor.default_contexts()) do ctx_set_fields(fn, c, t) end
+  for key, val in pairs(t) do default_tuning[key] = val end
+end
+
+-- {value_block = ...} of a device's context (a name or a context), or with no argument
+-- what set_tuning without a device set.
+function M.get_tuning(dev)
+  local out = {}
+  if dev == nil then
+    for _, key in ipairs(TUNING_FIELDS) do out[key] = default_tuning[key] end
+    return out
+  end
+  local t = tuning_box()
+  check(lib.gdp_ctx_get_tuning(tensor.get_ctx("get_tuning", dev), t), "get_tuning")
+  for _, key in ipairs(TUNING_FIELDS) do out[key] = tonumber(t[0][key]) end
+  return out
+end
+
+-- Default contexts created after a set_tuning without a device get its values.
+tensor.ctx_created_hooks[#tensor.ctx_created_hooks + 1] = function(c)
+  local t = tuning_box()
+  for _, key in ipairs(TUNING_FIELDS) do t[0][key] = default_tuning[key] end
+  check(lib.gdp_ctx_set_tuning(c, t), "set_tuning")
 end
 
 -- Exposed for the layers (gdp.nn.functional): one conversion rule for cu_seqlens.

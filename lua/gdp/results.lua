@@ -12,8 +12,9 @@
 --
 -- Only rank 0 writes (OMPI_COMM_WORLD_RANK / PMI_RANK); other ranks get a run whose
 -- methods do nothing.  meta.json holds the args, config, seed, git revision and dirty
--- flag, gdp_build_info(), the devices, selected environment variables, and start and
--- end times (nccl-tests' JSON idea).
+-- flag, gdp_build_info(), the devices, the tuning (gdp.set_tuning: its default and each
+-- default context's, at the start and, under tuning_end, at the finish when it changed),
+-- selected environment variables, and start and end times (nccl-tests' JSON idea).
 local util = require("gdp.util")
 
 local M = {}
@@ -58,6 +59,16 @@ local function environment()
   return env
 end
 
+-- The tuning: {default = gdp.get_tuning(), contexts = {cpu = {...}, ["cuda:0"] = ...}}
+-- for the default contexts created so far.
+local function tuning_facts(gdp)
+  local contexts = {}
+  for _, c in ipairs(require("gdp.tensor").default_contexts()) do
+    contexts[c:name()] = gdp.get_tuning(c)
+  end
+  return { default = gdp.get_tuning(), contexts = contexts }
+end
+
 -- Facts about the library when it can be loaded (the results module itself does not
 -- need it).
 local function gdp_facts()
@@ -67,6 +78,7 @@ local function gdp_facts()
     version = gdp.version,
     build_info = gdp.build_info_table(),
     devices = util.json_array(gdp.devices()),
+    tuning = tuning_facts(gdp),
   }
 end
 
@@ -219,6 +231,13 @@ function Run:finish(extra)
   if not self.dir then return end
   for _, c in ipairs(self.csvs) do c:close() end
   self.meta.end_time = utc_now()
+  local gdp = package.loaded["gdp"]
+  if gdp and self.meta.gdp and self.meta.gdp.tuning then
+    local now = tuning_facts(gdp)
+    if util.json_encode(now) ~= util.json_encode(self.meta.gdp.tuning) then
+      self.meta.gdp.tuning_end = now
+    end
+  end
   for k, v in pairs(extra or {}) do self.meta[k] = v end
   self:write_meta()
 end

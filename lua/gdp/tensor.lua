@@ -301,6 +301,10 @@ ffi.metatype("struct gdp_ctx", ctx_mt)
 local ctx_cache = {}
 local global_seed = nil
 
+-- Functions called with each default context as it is created (gdp.set_tuning applies
+-- the tuning set for every device this way).
+M.ctx_created_hooks = {}
+
 -- Parses "cpu", "cuda", "cuda:1", ("cuda", 1), a context, or nil (cpu).
 local function parse_device(fn, dev, index)
   if dev == nil then return lib.GDP_DEVICE_CPU, 0 end
@@ -333,10 +337,18 @@ local function get_ctx(fn, dev, index)
   check(lib.gdp_ctx_new(ty, idx, box), fn)
   c = ffi.gc(box[0], lib.gdp_ctx_free)
   if global_seed ~= nil then lib.gdp_ctx_manual_seed(c, global_seed) end
+  for _, hook in ipairs(M.ctx_created_hooks) do hook(c) end
   ctx_cache[key] = c
   return c
 end
 M.get_ctx = get_ctx
+
+-- The default contexts created so far (in no particular order).
+function M.default_contexts()
+  local out = {}
+  for _, c in pairs(ctx_cache) do out[#out + 1] = c end
+  return out
+end
 
 -- gdp.device("cpu"), gdp.device("cuda", 0), gdp.device("cuda:1"): the device's context.
 function M.device(dev, index)
