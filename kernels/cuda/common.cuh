@@ -3,9 +3,7 @@
  * and stores, warp reductions, 16-byte asynchronous copies and the bf16 tensor-core
  * tile product (WMMA m16n16k16, float32 accumulation) that every chunk kernel uses.
  *
- * core/src/internal.h cannot be included from C++ (it uses C11 <stdatomic.h>), so the
- * one function we need from it, gdp_set_error, is declared again here with C linkage
- * and the same GDP_ERROR macro shape.
+ * Errors: kernels/kernel_status.h (GDP_ERROR, GDP_TRY), plus the CUDA ones below.
  */
 #ifndef GDP_KERNELS_CUDA_COMMON_CUH
 #define GDP_KERNELS_CUDA_COMMON_CUH
@@ -17,20 +15,7 @@
 #include <stdlib.h>
 
 #include "gdp.h"
-
-extern "C" gdp_status gdp_set_error(gdp_status status, const char *func, const char *file,
-                                    int line, const char *fmt, ...);
-#ifndef GDP_ERROR
-#define GDP_ERROR(status, ...) gdp_set_error((status), __func__, __FILE__, __LINE__, __VA_ARGS__)
-#endif
-
-#ifndef GDP_TRY
-#define GDP_TRY(expr)                              \
-  do {                                             \
-    gdp_status gdp_try_s_ = (expr);                \
-    if (gdp_try_s_ != GDP_OK) return gdp_try_s_;   \
-  } while (0)
-#endif
+#include "kernel_status.h"
 
 /* Returns GDP_ERR_CUDA with the CUDA message from the enclosing gdp_status function. */
 #define GDP_CUDA_TRY(expr)                                                              \
@@ -153,52 +138,14 @@ __device__ __forceinline__ void frag_epilogue(const FragC &c, float *stage, int 
   __syncwarp();
 }
 
-/* ------------------------------------------------------------------ programmatic dependent launch
- * On sm_90 a kernel launched with programmatic stream serialization (launch_pdl) may be
- * scheduled while the kernel before it in the stream still runs: as soon as every block
- * of that kernel has executed pdl_launch_dependents() (or exited).  Its blocks then take
- * the SM room the earlier kernel's last blocks free and sit in pdl_wait(), which returns
- * once that kernel has completed and its memory is visible -- so a dependent calls it
- * before it reads (or overwrites) anything earlier kernels touch.  What it hides is the
- * boundary: launch latency and the block ramp (microseconds per kernel).  Because every
- * dependent waits, a kernel's completion still implies its predecessors' (the chain is
- * transitive).  Both instructions are no-ops without the launch attribute or without a
- * dependent; the attribute is inert where the previous stream operation is not a kernel
- * (a copy, an event record). */
+/* ------------------------------------------------------------------ launch order
+ * griddepcontrol (programmatic dependent launch): no-ops, since no kernel is launched
+ * with the programmatic-serialization attribute (measured: it bought nothing, the
+ * launches were already queued ahead of the GPU).  The kernels keep the instructions so
+ * that their code stays the measured code. */
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 __device__ __forceinline__ void pdl_launch_dependents() {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-}
-
-/* Whether the v3 kernels are launched as programmatic dependents at every boundary:
- * only with GDP_CUDA_PDL=1, and never under GDP_CUDA_PROFILE (its events between the
- * kernels time each one alone).  Off by default because it bought nothing: H200, lab,
- * medians of 10, two runs each (results/cuda/session7/2_pdl/), fwd+bwd ms with / without
- * at 4 x 4096 n = 2 2.787, 2.812 / 2.785, 2.795 (saving 2.213, 2.204 / 2.209, 2.212),
- * 1 x 32768 n = 2 8.81, 8.76 / 8.79, 8.78 -- the launches were already queued ahead of
- * the GPU, so there was no gap to hide -- and at 4 x 4096 n = 1 the recompute backward
- * got slower, 1.27 -> 1.37 ms (dstate blocks started early beside the states pass take
- * the room the states blocks' SMs would otherwise get back whole).  Read per call. */
-inline bool pdl_wanted() {
-  const char *e = getenv("GDP_CUDA_PDL");
-  return e && e[0] == '1' && e[1] == 0 && !getenv("GDP_CUDA_PROFILE");
-}
-
-/* kern<<<grid, block, smem, stream>>>(args...), as a programmatic dependent where pdl. */
-template <typename... Params, typename... Args>
-cudaError_t launch_pdl(bool pdl, void (*kern)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                       Args &&...args) {
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cfg.attrs = &attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, kern, static_cast<Params>(args)...);
 }
 
 /* Stride (elements) of a padded shared-memory row of `cols` bf16 / float values. */

@@ -32,22 +32,14 @@
 #include <type_traits>
 #include <vector>
 
-#include "gdp_bwd_v3.cuh"
 #include "gdp_fwd_v3.cuh"
 #include "gdp_v3_stage.cuh"
 #include "mma_sm90.cuh"
 #include "gdp_chunk.cuh"
-#include "gdp_v3_overlap.h"
 #include "gdp_v3_split.h"
 
 namespace gdpcu {
 
-/* Variant 2's per-chunk gradient kernel (gdp_bwd.cu) and variant 3's prep
- * (gdp_fwd_v3.cu). */
-gdp_status launch_grad(const Plan &plan);
-namespace v3 {
-gdp_status launch_prep_v3(const Plan &plan, bf16 *Tt);
-}
 
 namespace v3b {
 
@@ -2184,54 +2176,25 @@ static gdp_status occupancy(Kern kern, int threads, int smem, int *blocks_per_sm
   return GDP_OK;
 }
 
-/* Which schedule dstate_kernel_v3 runs (GDP_CUDA_V3_DSTATE): 0 the new one (default:
- * chunk info loaded an iteration ahead, workspace panels copied without predicates, no
- * branch in the dD product loop, the stores off the dH chain; NOTES.md "dstate step"),
- * 1 (=old) the session-4 schedule, 2 (=compare, lab only) both, checked byte for byte. */
-static int seq_mode(const char *name) {
-  const char *e = getenv(name);
-  if (e && strcmp(e, "old") == 0) return 1;
-  if (e && strcmp(e, "compare") == 0) return 2;
-  return 0;
-}
-static int dstate_mode() {
-  static const int mode = seq_mode("GDP_CUDA_V3_DSTATE");
-  return mode;
-}
-/* The same for the recompute's bwd_states_kernel_v3 (GDP_CUDA_V3_STATES=old|compare): the
- * new one copies its complete workspace panels without the zero-fill predicate (the only
- * change; at BV = 16 ~400 fewer instructions per chunk). */
-static int states_mode() {
-  static const int mode = seq_mode("GDP_CUDA_V3_STATES");
-  return mode;
-}
-
 /* The two sequential passes at the largest shared-memory carveout.  An SM's carveout is
  * set when a block starts on an idle SM and cannot change while one runs there; left to
  * the driver, a states block could start on an SM at a carveout with no room for a
  * dstate block beside it, so the forked passes (launch_state_passes) would run one after
  * the other on that SM.  H200, 1 x 32768 n = 3 forked without this: 11.0 or 13.6 ms
- * fwd+bwd from one process to the next (session 7, call 1; unforked 13.4).
- * GDP_CUDA_V3_SEQ_CARVEOUT=0 leaves the choice to the driver (A/B), except where a pairing
- * needs the room (`required`: the 2-stage dstate, and the states pass forked beside it). */
+ * fwd+bwd from one process to the next (unforked 13.4). */
 template <class Kern>
-static cudaError_t seq_carveout(Kern kern, bool required = false) {
-  const char *e = getenv("GDP_CUDA_V3_SEQ_CARVEOUT");
-  if (!required && e && strcmp(e, "0") == 0) return cudaSuccess;
+static cudaError_t seq_carveout(Kern kern) {
   return cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
 }
 
 template <int K, int V, int C, int BV>
-static gdp_status launch_states(const Plan &plan, float *f32, bf16 *b16, bool old, bool paired = false) {
+static gdp_status launch_states(const Plan &plan, float *f32, bf16 *b16) {
   const GdpArgs &a = plan.a;
   const dim3 grid((unsigned)a.N, (unsigned)a.H, (unsigned)(a.V / BV));
   constexpr int threads = BV / 16 * 32;
-  auto kern = b16 ? (old ? bwd_states_kernel_v3<K, V, C, BV, true, false> : bwd_states_kernel_v3<K, V, C, BV, true, true>)
-                  : (old ? bwd_states_kernel_v3<K, V, C, BV, false, false> : bwd_states_kernel_v3<K, V, C, BV, false, true>);
-  if (a.Tu) { /* U from Tu and v (the prep stored Tu^T instead of U): the new copies, BV >= C */
+  auto kern = b16 ? bwd_states_kernel_v3<K, V, C, BV, true, true> : bwd_states_kernel_v3<K, V, C, BV, false, true>;
+  if (a.Tu) { /* U from Tu and v (the prep stored Tu^T instead of U): BV >= C */
     if constexpr (BV >= C) {
-      if (old)
-        return GDP_ERROR(GDP_ERR_INTERNAL, "bwd_states_kernel_v3: U from Tu and v has no old schedule");
       kern = b16 ? bwd_states_kernel_v3<K, V, C, BV, true, true, true> : bwd_states_kernel_v3<K, V, C, BV, false, true, true>;
     } else {
       return GDP_ERROR(GDP_ERR_INTERNAL, "bwd_states_kernel_v3: U from Tu and v needs BV %d >= C %d", BV, C);
@@ -2239,148 +2202,68 @@ static gdp_status launch_states(const Plan &plan, float *f32, bf16 *b16, bool ol
   }
   constexpr int smem = StatesLayout<K, C, BV>::total;
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  GDP_CUDA_TRY(seq_carveout(kern, paired)); /* paired: forked beside a 2-stage dstate (fork_mode 2) */
-  GDP_CUDA_TRY(launch_pdl(pdl_wanted(), kern, grid, dim3(threads), smem, plan.stream, a, f32, b16));
+  GDP_CUDA_TRY(seq_carveout(kern));
+  kern<<<grid, dim3(threads), smem, plan.stream>>>(a, f32, b16);
   GDP_CUDA_LAUNCHED("bwd_states_kernel_v3");
   return GDP_OK;
 }
 
-/* GDP_CUDA_V3_STATES=compare (lab only): as compare_dstate, for the recompute's h^T, D
- * and variant 2's bf16 h. */
-template <int K, int V, int C, int BV>
-static gdp_status compare_states(const Plan &plan, float *f32, bf16 *b16) {
-  const GdpArgs &a = plan.a;
-  const size_t ch = (size_t)a.nchunks * (size_t)a.H;
-  const bool keep = f32 || b16;
-  const size_t bytes[3] = {a.Dbuf ? ch * C * V * 2 : 0, f32 ? ch * V * K * 4 : b16 ? ch * V * K * 2 : 0,
-                           (!keep && a.hbuf) ? ch * K * V * 2 : 0};
-  const void *bufs[3] = {a.Dbuf, f32 ? (const void *)f32 : (const void *)b16, a.hbuf};
-  static const char *names[3] = {"D", "h^T", "bf16 h"};
-  std::vector<unsigned char> got[2][3];
-  for (int pass = 0; pass < 2; pass++) {
-    for (int i = 0; i < 3; i++)
-      if (bytes[i]) GDP_CUDA_TRY(cudaMemsetAsync(const_cast<void *>(bufs[i]), pass ? 0x5a : 0xa5, bytes[i], plan.stream));
-    const gdp_status st = launch_states<K, V, C, BV>(plan, f32, b16, pass == 0);
-    if (st != GDP_OK) return st;
-    for (int i = 0; i < 3; i++) {
-      got[pass][i].resize(bytes[i]);
-      if (bytes[i])
-        GDP_CUDA_TRY(cudaMemcpyAsync(got[pass][i].data(), bufs[i], bytes[i], cudaMemcpyDeviceToHost, plan.stream));
-    }
-    GDP_CUDA_TRY(cudaStreamSynchronize(plan.stream));
-  }
-  for (int i = 0; i < 3; i++)
-    if (bytes[i] && memcmp(got[0][i].data(), got[1][i].data(), bytes[i]) != 0)
-      return GDP_ERROR(GDP_ERR_INTERNAL, "bwd_states_kernel_v3<%d,%d,%d,%d>: old and new copies differ in %s", K, V, C,
-                       BV, names[i]);
-  return GDP_OK;
-}
-
-/* ready != NULL (E3, GDP_CUDA_V3_OVERLAP; bf16 states, new schedule): the 2-stage kernel
- * with bf16-only staging, which signals the per-(chunk, head) counters `ready` and lets
- * grad_state launch as its programmatic dependent; at the max-shared carveout, so that a
- * grad_state block fits beside it. */
+/* two (fork_mode 2): the 2-stage kernel with bf16-only staging, for a fork of the two
+ * passes where only it fits beside a states block; else the 3-stage one. */
 template <int K, int V, int C, int TC, int BV>
-static gdp_status launch_dstate(const Plan &plan, float *f32, bf16 *b16, bool old, int *ready = nullptr,
-                                bool two = false) {
+static gdp_status launch_dstate(const Plan &plan, float *f32, bf16 *b16, bool two) {
   const GdpArgs &a = plan.a;
   const dim3 grid((unsigned)a.N, (unsigned)a.H, (unsigned)(a.V / BV));
   constexpr int threads = BV / 16 * 32;
-  /* two (fork_mode 2): the same 2-stage kernel without counters (ready NULL), for a fork
-   * of the two passes where only the 2-stage dstate fits beside a states block */
-  if (ready || two) {
-    if (!b16 || old)
-      return GDP_ERROR(GDP_ERR_INTERNAL, "dstate_kernel_v3: 2 stages need bf16 states and the new schedule (b16 %s, old %d)",
-                       b16 ? "set" : "NULL", (int)old);
+  if (two) {
+    if (!b16) return GDP_ERROR(GDP_ERR_INTERNAL, "dstate_kernel_v3: 2 stages need bf16 states");
     auto kern2 = dstate_kernel_v3<K, V, C, TC, BV, true, true, 2>;
     constexpr int smem2 = DStateLayout<K, C, TC, BV, 2, true>::total;
     GDP_CUDA_TRY(cudaFuncSetAttribute(kern2, cudaFuncAttributeMaxDynamicSharedMemorySize, smem2));
-    GDP_CUDA_TRY(seq_carveout(kern2, true));
-    GDP_CUDA_TRY(launch_pdl(pdl_wanted(), kern2, grid, dim3(threads), smem2, plan.stream, a, f32, b16, ready));
+    GDP_CUDA_TRY(seq_carveout(kern2));
+    kern2<<<grid, dim3(threads), smem2, plan.stream>>>(a, f32, b16, (int *)nullptr);
     GDP_CUDA_LAUNCHED("dstate_kernel_v3 (2 stages)");
     return GDP_OK;
   }
-  auto kern = b16 ? (old ? dstate_kernel_v3<K, V, C, TC, BV, true, false> : dstate_kernel_v3<K, V, C, TC, BV, true, true>)
-                  : (old ? dstate_kernel_v3<K, V, C, TC, BV, false, false> : dstate_kernel_v3<K, V, C, TC, BV, false, true>);
+  auto kern = b16 ? dstate_kernel_v3<K, V, C, TC, BV, true, true> : dstate_kernel_v3<K, V, C, TC, BV, false, true>;
   constexpr int smem = DStateLayout<K, C, TC, BV>::total;
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   GDP_CUDA_TRY(seq_carveout(kern));
-  GDP_CUDA_TRY(launch_pdl(pdl_wanted(), kern, grid, dim3(threads), smem, plan.stream, a, f32, b16, (int *)nullptr));
+  kern<<<grid, dim3(threads), smem, plan.stream>>>(a, f32, b16, (int *)nullptr);
   GDP_CUDA_LAUNCHED("dstate_kernel_v3");
   return GDP_OK;
 }
 
-/* GDP_CUDA_V3_DSTATE=compare (lab only: synchronises, copies to the host): the old
- * schedule, then the new one on the same inputs; dD, dH^T (float32 or bf16), variant 2's
- * bf16 dH where it is written, and dh0 must come out byte for byte the same, otherwise
- * GDP_ERR_INTERNAL names the buffer. */
-template <int K, int V, int C, int TC, int BV>
-static gdp_status compare_dstate(const Plan &plan, float *f32, bf16 *b16) {
-  const GdpArgs &a = plan.a;
-  const size_t ch = (size_t)a.nchunks * (size_t)a.H;
-  const bool keep = f32 || b16;
-  const size_t bytes[4] = {a.dDbuf ? ch * C * V * 2 : 0, f32 ? ch * V * K * 4 : b16 ? ch * V * K * 2 : 0,
-                           (!keep && a.dHbuf) ? ch * K * V * 2 : 0,
-                           a.dh0 ? (size_t)a.N * (size_t)a.H * K * V * 4 : 0};
-  const void *bufs[4] = {a.dDbuf, f32 ? (const void *)f32 : (const void *)b16, a.dHbuf, a.dh0};
-  static const char *names[4] = {"dD", "dH^T", "bf16 dH", "dh0"};
-  std::vector<unsigned char> got[2][4];
-  for (int pass = 0; pass < 2; pass++) {
-    /* clear the outputs first, so that a value one schedule leaves unwritten shows */
-    for (int i = 0; i < 4; i++)
-      if (bytes[i]) GDP_CUDA_TRY(cudaMemsetAsync(const_cast<void *>(bufs[i]), pass ? 0x5a : 0xa5, bytes[i], plan.stream));
-    const gdp_status st = launch_dstate<K, V, C, TC, BV>(plan, f32, b16, pass == 0);
-    if (st != GDP_OK) return st;
-    for (int i = 0; i < 4; i++) {
-      got[pass][i].resize(bytes[i]);
-      if (bytes[i])
-        GDP_CUDA_TRY(cudaMemcpyAsync(got[pass][i].data(), bufs[i], bytes[i], cudaMemcpyDeviceToHost, plan.stream));
-    }
-    GDP_CUDA_TRY(cudaStreamSynchronize(plan.stream));
-  }
-  for (int i = 0; i < 4; i++)
-    if (bytes[i] && memcmp(got[0][i].data(), got[1][i].data(), bytes[i]) != 0)
-      return GDP_ERROR(GDP_ERR_INTERNAL, "dstate_kernel_v3<%d,%d,%d,%d,%d>: old and new schedules differ in %s", K, V,
-                       C, TC, BV, names[i]);
-  return GDP_OK;
-}
-
-/* One launch of both sequential kernels at value-block width BV (dry_run: occupancy of
- * the dstate kernel only, the larger of the two).  f32: the float32 transposed copy of h
- * (states) or dH (dstate) for the v3 gradient kernel, or NULL; b16: the same in bf16
- * (GDP_CUDA_V3_STATE=bf16: the S16 instantiations, same shared memory), or NULL. */
+/* One launch of either sequential kernel at value-block width BV (dry_run: occupancy of
+ * the dstate kernel only, the larger of the two; its float32-states instantiation, the
+ * one the measured choices were made with -- same shared memory).  f32 / b16: the
+ * transposed copy of h (states) or dH (dstate) for the gradient kernels, float32 or
+ * bf16. */
 template <int K, int V, int C, int TC, int BV>
 static gdp_status launch_seq_bv(const Plan &plan, bool states, bool dry_run, int *occ, float *f32, bf16 *b16,
-                                int *ready, bool two) {
+                                bool two) {
   constexpr int threads = BV / 16 * 32;
   if (dry_run) return occupancy(dstate_kernel_v3<K, V, C, TC, BV>, threads, DStateLayout<K, C, TC, BV>::total, occ);
-  if (states) {
-    const int mode = states_mode();
-    if (mode == 2) return compare_states<K, V, C, BV>(plan, f32, b16);
-    return launch_states<K, V, C, BV>(plan, f32, b16, mode == 1, two);
-  } else {
-    const int mode = dstate_mode();
-    if (mode == 2) return compare_dstate<K, V, C, TC, BV>(plan, f32, b16);
-    return launch_dstate<K, V, C, TC, BV>(plan, f32, b16, mode == 1, ready, two);
-  }
+  if (states) return launch_states<K, V, C, BV>(plan, f32, b16);
+  return launch_dstate<K, V, C, TC, BV>(plan, f32, b16, two);
 }
 
 template <int K, int V, int C, int TC>
 static gdp_status launch_seq_k(const Plan &plan, int bv, bool states, bool dry_run, int *occ, float *f32,
-                               bf16 *b16, int *ready, bool two) {
+                               bf16 *b16, bool two) {
   switch (bv) {
-    case 64: return launch_seq_bv<K, V, C, TC, 64>(plan, states, dry_run, occ, f32, b16, ready, two);
-    case 32: return launch_seq_bv<K, V, C, TC, 32>(plan, states, dry_run, occ, f32, b16, ready, two);
-    default: return launch_seq_bv<K, V, C, TC, 16>(plan, states, dry_run, occ, f32, b16, ready, two);
+    case 64: return launch_seq_bv<K, V, C, TC, 64>(plan, states, dry_run, occ, f32, b16, two);
+    case 32: return launch_seq_bv<K, V, C, TC, 32>(plan, states, dry_run, occ, f32, b16, two);
+    default: return launch_seq_bv<K, V, C, TC, 16>(plan, states, dry_run, occ, f32, b16, two);
   }
 }
 
 template <int K, int V>
 static gdp_status launch_seq_n(const Plan &plan, int bv, bool states, bool dry_run, int *occ, float *f32,
-                               bf16 *b16, int *ready, bool two) {
-  if (plan.a.n == 1) return launch_seq_k<K, V, 32, 32>(plan, bv, states, dry_run, occ, f32, b16, ready, two);
-  if (plan.a.n == 2) return launch_seq_k<K, V, 64, 32>(plan, bv, states, dry_run, occ, f32, b16, ready, two);
-  return launch_seq_k<K, V, 48, 16>(plan, bv, states, dry_run, occ, f32, b16, ready, two);
+                               bf16 *b16, bool two) {
+  if (plan.a.n == 1) return launch_seq_k<K, V, 32, 32>(plan, bv, states, dry_run, occ, f32, b16, two);
+  if (plan.a.n == 2) return launch_seq_k<K, V, 64, 32>(plan, bv, states, dry_run, occ, f32, b16, two);
+  return launch_seq_k<K, V, 48, 16>(plan, bv, states, dry_run, occ, f32, b16, two);
 }
 
 /* The (K, V) roots: every kernel of this file is instantiated through these three, one set
@@ -2389,7 +2272,7 @@ static gdp_status launch_seq_n(const Plan &plan, int bv, bool states, bool dry_r
  * when it is compiled in parts (gdp_v3_split.h). */
 #define GDP_V3B_DECLARE_ROOTS(K, V)                                                                             \
   gdp_status seq_k##K##v##V(const Plan &plan, int bv, bool states, bool dry_run, int *occ, float *f32, bf16 *b16, \
-                            int *ready, bool two);                                                              \
+                            bool two);                                                                          \
   gdp_status grad_k##K##v##V(const Plan &plan, const GradStateOut &go, bool wy);                                \
   gdp_status pair_k##K##v##V(int n, int bv, int *fits);
 GDP_V3B_DECLARE_ROOTS(64, 64)
@@ -2397,199 +2280,46 @@ GDP_V3B_DECLARE_ROOTS(64, 128)
 GDP_V3B_DECLARE_ROOTS(128, 64)
 GDP_V3B_DECLARE_ROOTS(128, 128)
 
-/* ready: dstate's E3 counters (launch_dstate), or NULL; two: the fork beside a 2-stage
- * dstate (fork_mode 2: that dstate kernel, and the states pass at the max-shared carveout) */
+/* two: the fork beside a 2-stage dstate (fork_mode 2) */
 static gdp_status launch_seq(const Plan &plan, int bv, bool states, bool dry_run, int *occ, float *f32 = nullptr,
-                             bf16 *b16 = nullptr, int *ready = nullptr, bool two = false) {
+                             bf16 *b16 = nullptr, bool two = false) {
   const GdpArgs &a = plan.a;
   if (a.K == 128)
-    return a.V == 128 ? seq_k128v128(plan, bv, states, dry_run, occ, f32, b16, ready, two)
-                      : seq_k128v64(plan, bv, states, dry_run, occ, f32, b16, ready, two);
-  return a.V == 128 ? seq_k64v128(plan, bv, states, dry_run, occ, f32, b16, ready, two)
-                    : seq_k64v64(plan, bv, states, dry_run, occ, f32, b16, ready, two);
-}
-
-/* GDP_CUDA_V3_WY_WG (read once): =3 grad_wy's dVb and W6 products on wgmma (one m64n64
- * product per warpgroup instead of mma.sync per warp) where C = 64 and K = V = 128, compiled
- * for three blocks per SM (80 registers); =2 the same for two (128 registers); unset or
- * =0 mma.sync.  Opt-in: correct on the H200 but slower, saving fwd+bwd at 4 x 4096 n = 2
- * 2.12 -> 2.15 ms (=3) and 2.27 (=2) (NOTES.md "Session 10"). */
-static int wy_wg_blocks() {
-  static const int b = [] {
-    const char *e = getenv("GDP_CUDA_V3_WY_WG");
-    return e && (strcmp(e, "2") == 0 || strcmp(e, "3") == 0) ? atoi(e) : 0;
-  }();
-  return b;
-}
-
-/* grad_wy_kernel_v3: the new schedule, or (old) the session-5 one (GDP_CUDA_V3_WY=old). */
-template <int K, int V, int C, int TC>
-static gdp_status launch_grad_wy(const Plan &plan, const GradStateOut &go, bool old) {
-  const dim3 grid((unsigned)plan.a.nchunks, (unsigned)plan.a.H);
-  if constexpr (C == 64 && K == 128 && V == 128) {
-    if (!old && wy_wg_blocks()) {
-      using LW = GradWYLayout<K, V, C, true>;
-      auto kern = wy_wg_blocks() == 2 ? grad_wy_kernel_v3<K, V, C, TC, true, 2> : grad_wy_kernel_v3<K, V, C, TC, true, 3>;
-      GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, LW::total));
-      GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
-      GDP_CUDA_TRY(launch_pdl(pdl_wanted(), kern, grid, dim3(256), LW::total, plan.stream, plan.a, go));
-      GDP_CUDA_LAUNCHED("grad_wy_kernel_v3 (wgmma)");
-      return GDP_OK;
-    }
-  }
-  using L = GradWYLayout<K, V, C>;
-  auto kern = old ? grad_wy_kernel_v3<K, V, C, TC, false> : grad_wy_kernel_v3<K, V, C, TC, true>;
-  GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
-  GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
-  GDP_CUDA_TRY(launch_pdl(pdl_wanted(), kern, grid, dim3(256), L::total, plan.stream, plan.a, go));
-  GDP_CUDA_LAUNCHED("grad_wy_kernel_v3");
-  return GDP_OK;
-}
-
-/* GDP_CUDA_V3_WY=compare (lab only: synchronises, copies to the host): the old schedule,
- * then the new one on the same inputs (grad_wy reads only its inputs and writes dk, dv,
- * dbeta, dg); the four must come out byte for byte the same, otherwise GDP_ERR_INTERNAL
- * names the buffer. */
-template <int K, int V, int C, int TC>
-static gdp_status compare_grad_wy(const Plan &plan, const GradStateOut &go) {
-  const GdpArgs &a = plan.a;
-  long long tokens = 0; /* cu[N]: all tokens */
-  GDP_CUDA_TRY(cudaMemcpyAsync(&tokens, a.cu + a.N, sizeof tokens, cudaMemcpyDeviceToHost, plan.stream));
-  GDP_CUDA_TRY(cudaStreamSynchronize(plan.stream));
-  const size_t rows = (size_t)tokens * (size_t)a.n * (size_t)a.H;
-  const size_t bytes[4] = {rows * K * 2, rows * V * 2, rows * 2, a.g ? (size_t)tokens * (size_t)a.H * 2 : 0};
-  void *bufs[4] = {a.dk, a.dv, a.dbeta, a.dg};
-  static const char *names[4] = {"dk", "dv", "dbeta", "dg"};
-  std::vector<unsigned char> got[2][4];
-  for (int pass = 0; pass < 2; pass++) {
-    /* clear the outputs first, so that a value one schedule leaves unwritten shows */
-    for (int i = 0; i < 4; i++)
-      if (bytes[i]) GDP_CUDA_TRY(cudaMemsetAsync(bufs[i], pass ? 0x5a : 0xa5, bytes[i], plan.stream));
-    const gdp_status st = launch_grad_wy<K, V, C, TC>(plan, go, pass == 0);
-    if (st != GDP_OK) return st;
-    for (int i = 0; i < 4; i++) {
-      got[pass][i].resize(bytes[i]);
-      if (bytes[i])
-        GDP_CUDA_TRY(cudaMemcpyAsync(got[pass][i].data(), bufs[i], bytes[i], cudaMemcpyDeviceToHost, plan.stream));
-    }
-    GDP_CUDA_TRY(cudaStreamSynchronize(plan.stream));
-  }
-  for (int i = 0; i < 2; i++)
-    if (bytes[i] && memcmp(got[0][i].data(), got[1][i].data(), bytes[i]) != 0)
-      return GDP_ERROR(GDP_ERR_INTERNAL, "grad_wy_kernel_v3<%d,%d,%d,%d>: old and new schedules differ in %s", K, V, C,
-                       TC, names[i]);
-  /* dbeta and dg: within 2^-7 relative (a bf16 step) plus 1e-3 of the buffer's largest
-   * magnitude (cancellation in the float sums).  Set when their sums were shared-memory
-   * atomics in no fixed order; since the partial-sum slots (session 11) both schedules add
-   * the same terms in the same order, so they should now agree bit for bit too (not yet
-   * checked on the GPU: the tolerance stays until it is). */
-  for (int i = 2; i < 4; i++) {
-    const size_t cnt = bytes[i] / 2;
-    auto val = [&](int pass, size_t e) {
-      uint16_t u;
-      memcpy(&u, got[pass][i].data() + 2 * e, 2);
-      const uint32_t w = (uint32_t)u << 16;
-      float f;
-      memcpy(&f, &w, 4);
-      return f;
-    };
-    float amax = 0.f;
-    for (size_t e = 0; e < cnt; e++) amax = fmaxf(amax, fabsf(val(0, e)));
-    size_t bad = 0;
-    for (size_t e = 0; e < cnt; e++) {
-      const float x = val(0, e), y = val(1, e);
-      if (!(fabsf(x - y) <= 0.0078125f * fabsf(x) + 1e-3f * amax)) bad++;
-    }
-    if (bad)
-      return GDP_ERROR(GDP_ERR_INTERNAL, "grad_wy_kernel_v3<%d,%d,%d,%d>: old and new schedules differ in %s (%zu of %zu)",
-                       K, V, C, TC, names[i], bad, cnt);
-  }
-  return GDP_OK;
-}
-
-/* GDP_CUDA_V3_GSPIPE=old (lab A/B; read once): with bf16 states, grad_state's schedule
- * before dH^T came in by cp.async with the first panels (same results bit for bit) */
-static bool gs_pipe_on() {
-  static const bool on = [] {
-    const char *e = getenv("GDP_CUDA_V3_GSPIPE");
-    return !(e && strcmp(e, "old") == 0);
-  }();
-  return on;
+    return a.V == 128 ? seq_k128v128(plan, bv, states, dry_run, occ, f32, b16, two)
+                      : seq_k128v64(plan, bv, states, dry_run, occ, f32, b16, two);
+  return a.V == 128 ? seq_k64v128(plan, bv, states, dry_run, occ, f32, b16, two)
+                    : seq_k64v64(plan, bv, states, dry_run, occ, f32, b16, two);
 }
 
 /* The per-chunk gradients: the state part, then (wy) the WY part; one 8-warp block per
- * (chunk, head) each.  go.ready set (E3): grad_state as dstate's programmatic dependent,
- * which must be the launch right before this one on plan.stream. */
+ * (chunk, head) each.  The state part runs two blocks per SM (a three-block version
+ * measured slower on the H200, n = 2 0.74 -> 0.89 ms: its 64-column key panels read k, q
+ * and the states from L2 twice); dKnA travels as bf16 (GradStateOut::dkna16: 128 instead
+ * of 256 MB written and read back at 4 x 4096 n = 2; dk's errors +0.2..0.6e-3); no early
+ * L2 prefetch (it made both kernels slower). */
 template <int K, int V, int C, int TC>
 static gdp_status launch_grad_state_kv(const Plan &plan, const GradStateOut &go_in, bool wy) {
   const dim3 grid((unsigned)plan.a.nchunks, (unsigned)plan.a.H);
-  static const int pcol_f32 = [] {
-    const char *e = getenv("GDP_CUDA_V3_PCOL");
-    return e && strcmp(e, "f32") == 0 ? 1 : 0;
-  }();
-  static const int dkna16 = [] {
-    const char *e = getenv("GDP_CUDA_V3_DKNA");
-    return e && strcmp(e, "f32") == 0 ? 0 : 1;
-  }();
-  static const int wy_pf = [] {
-    const char *e = getenv("GDP_CUDA_V3_WY_PF");
-    return e ? (atoi(e) & 7) : 0;
-  }();
   GradStateOut go = go_in;
-  go.pcol_f32 = pcol_f32;
-  go.dkna16 = dkna16;
-  go.wy_pf = wy_pf;
-  /* The state part: grad_state_kernel_v3, two blocks per SM.  (A three-block version,
-   * session 3's gs3, measured slower on the H200 -- n = 2 0.74 -> 0.89 ms: its 64-column
-   * key panels read k, q and the states from L2 twice -- and was dropped; NOTES.md.) */
-  const bool s16 = go.hT16 != nullptr;
-  const bool gs_pipe = gs_pipe_on();
-  const bool ovl = go.ready != nullptr;
+  go.pcol_f32 = 0;
+  go.dkna16 = 1;
+  go.wy_pf = 0;
   if (!wy) {
     using L = GradStateLayout<K, V, C, TC>;
-    if (ovl && !(s16 && gs_pipe && go.order))
-      return GDP_ERROR(GDP_ERR_INTERNAL, "grad_state_kernel_v3: the overlap needs bf16 states (%d), GSPIPE (%d), an order (%s)",
-                       (int)s16, (int)gs_pipe, go.order ? "set" : "NULL");
-    auto kern = ovl      ? grad_state_kernel_v3<K, V, C, TC, true, true, true>
-                : !s16    ? grad_state_kernel_v3<K, V, C, TC, false>
-                : gs_pipe ? grad_state_kernel_v3<K, V, C, TC, true, true>
-                          : grad_state_kernel_v3<K, V, C, TC, true, false>;
+    /* with bf16 states dH^T comes in by cp.async with the first panels (PIPE) */
+    auto kern = go.hT16 != nullptr ? grad_state_kernel_v3<K, V, C, TC, true, true> : grad_state_kernel_v3<K, V, C, TC, false>;
     GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
     /* two blocks per SM need the largest shared-memory carveout */
     GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
-    /* L2 prefetch of a later block's inputs, in launch slots: OFF by default -- on the
-     * H200 (session 3, 4 x 4096, n = 2) it made this kernel slower, 0.75 -> 0.90 ms, at
-     * the resident block count as distance (blocks start in launch order, so block
-     * b + resident starts about when block b ends).  GDP_CUDA_V3_GS_AHEAD=<N> turns it on
-     * at distance N, =auto at the resident count (lab experiments). */
-    int ahead = 0;
-    const char *env = getenv("GDP_CUDA_V3_GS_AHEAD");
-    if (env && strcmp(env, "auto") == 0) {
-      static int resident[2] = {0, 0}; /* depends only on the instantiation; benign race */
-      if (resident[s16] == 0) {
-        int occ = 0;
-        GDP_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, 256, L::total));
-        resident[s16] = occ > 0 ? occ * num_sms() : -1;
-      }
-      ahead = resident[s16] > 0 ? resident[s16] : 0;
-    } else if (env) {
-      ahead = atoi(env) > 0 ? atoi(env) : 0;
-    }
-    if (ovl) {
-      /* E3: programmatic stream serialization, no griddepcontrol.wait in the kernel: the
-       * blocks may start once every dstate block has executed its trigger (all resident)
-       * and wait on their chunk's counter instead; a 1-D grid in go.order's order */
-      GDP_CUDA_TRY(launch_pdl(true, kern, dim3((unsigned)((int64_t)plan.a.nchunks * plan.a.H)), dim3(256), L::total,
-                              plan.stream, plan.a, go, ahead));
-      GDP_CUDA_LAUNCHED("grad_state_kernel_v3 (dstate's dependent)");
-      return GDP_OK;
-    }
-    GDP_CUDA_TRY(launch_pdl(pdl_wanted(), kern, grid, dim3(256), L::total, plan.stream, plan.a, go, ahead));
+    kern<<<grid, dim3(256), L::total, plan.stream>>>(plan.a, go, 0);
     GDP_CUDA_LAUNCHED("grad_state_kernel_v3");
   } else {
-    static const int mode = seq_mode("GDP_CUDA_V3_WY");
-    if (mode == 2) return compare_grad_wy<K, V, C, TC>(plan, go);
-    return launch_grad_wy<K, V, C, TC>(plan, go, mode == 1);
+    using L = GradWYLayout<K, V, C>;
+    auto kern = grad_wy_kernel_v3<K, V, C, TC, true>;
+    GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
+    GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+    kern<<<grid, dim3(256), L::total, plan.stream>>>(plan.a, go);
+    GDP_CUDA_LAUNCHED("grad_wy_kernel_v3");
   }
   return GDP_OK;
 }
@@ -2618,15 +2348,11 @@ static int seq_blocks_per_sm(const Plan &plan, int bv) {
   return occ;
 }
 
-/* Value-block width as in the forward v3: the fewest waves, narrower on a tie.
- * GDP_CUDA_V3_BV=16|32|64 forces it. */
+/* Value-block width as in the forward: the fewest waves, narrower on a tie; the
+ * problem's value_block forces it. */
 static int choose_bv(const Plan &plan) {
   const GdpArgs &a = plan.a;
-  const char *env = getenv("GDP_CUDA_V3_BV");
-  if (env) {
-    const int bv = atoi(env);
-    if ((bv == 16 || bv == 32 || bv == 64) && a.V % bv == 0) return bv;
-  }
+  if (plan.value_block) return plan.value_block;
   int best = 16;
   double best_waves = INFINITY;
   for (int bv : {16, 32, 64}) {
@@ -2645,27 +2371,56 @@ static int choose_bv(const Plan &plan) {
  * dH^T, dD, dh0), as fla's chunk_fwd_h and chunk_bwd_dhu are independent too.  Forked,
  * the state-gradient pass runs on a second stream beside the states pass: the two chains
  * overlap where both passes' blocks are resident at once.  H200, bf16, H = 16, K = V =
- * 128, library fwd+bwd (results/cuda/session6/5_passes7/): 1 x 32768 n = 1 5.52 -> 4.38
- * ms, n = 3 13.44 -> 10.91-11.10, n = 2 8.79 either way (one block per SM); where the
- * blocks fill the GPU it costs 1-3% (4 x 4096 n = 3 4.07 -> 4.18, 8 x 2048 n = 1 1.71 ->
- * 1.73-1.79, 2 x 8192 n = 1 2.11 -> 2.14).  GDP_CUDA_V3_FORK: unset = fork where one
- * pass leaves SMs idle (at most one block per SM: 128 blocks of 16 value columns at
- * 1 x 32768, H = 16) and both fit on the SMs at once (twice its blocks over blocks per
- * SM at most the SM count), or, with bf16 states, where a states block fits beside a
- * 2-stage dstate block (fork_mode 2: 1 x 32768 n = 2, where a states block, 124.2 KB, and
- * a 3-stage dstate block, 149.8 KB, do not fit together but one of 100.0 KB does; H200,
- * library fwd+bwd 8.72-8.76 ms unforked (session 7, call 1) -> 7.27-7.39 (call 3));
- * =1 always, =2 always with the 2-stage dstate where it can run (lab), =0 never.  Read per call (lab A/B); never
- * under GDP_CUDA_PROFILE, whose marks time one stream, nor in the lab's compare modes. */
-/* Two kernels' blocks side by side on one SM (both at the max-shared carveout): their
- * registers from CUDA (cudaFuncGetAttributes), their shared memory from the layouts, the
- * SM's limits from the device; v3ovl::pair_fits does the arithmetic of CUDA's occupancy
- * calculator for the two together (kernels/bench/v3_occupancy.cu's model).  The pair is
- * the fork's states pass + 2-stage dstate (fork_mode 2; bf16 states only: the 2-stage
- * kernel is S16 only).  (E3's pair, 2-stage dstate + grad_state, was asked here while the
- * overlap was on by default; the occupancy tool still tabulates it.) */
+ * 128, library fwd+bwd: 1 x 32768 n = 1 5.52 -> 4.38 ms, n = 3 13.44 -> 10.91-11.10;
+ * where the blocks fill the GPU it costs 1-3% (4 x 4096 n = 3 4.07 -> 4.18).  So: fork
+ * where one pass leaves SMs idle (at most one block per SM) and both fit on the SMs at
+ * once (twice its blocks over blocks per SM at most the SM count), or, with bf16 states,
+ * where a states block fits beside a 2-stage dstate block (fork_mode 2: 1 x 32768 n = 2,
+ * where a states block, 124.2 KB, and a 3-stage dstate block, 149.8 KB, do not fit
+ * together but one of 100.0 KB does; 8.72-8.76 -> 7.27-7.39 ms).  Never while profiling
+ * (its marks time one stream).
+ *
+ * Whether two kernels' blocks fit side by side on one SM (both at the max-shared
+ * carveout): their registers from CUDA (cudaFuncGetAttributes), their shared memory from
+ * the layouts, the SM's limits from the device, and the arithmetic of CUDA's occupancy
+ * calculator for the two together. */
 
-static gdp_status sm_limits(v3ovl::SmLimits *sm, int *reserved) {
+/* What one block holds on an SM, as CUDA's occupancy calculator counts it: shared memory
+ * (dynamic + static + the per-block reserve, in 128-byte units), warps, registers per warp
+ * (allocated per warp in units of 256). */
+struct Footprint {
+  int smem, warps, regs_per_warp;
+};
+static Footprint footprint(int dyn_smem, int static_smem, int reserved_smem, int threads, int regs_per_thread) {
+  return {(dyn_smem + static_smem + reserved_smem + 127) / 128 * 128, (threads + 31) / 32,
+          (regs_per_thread * 32 + 255) / 256 * 256};
+}
+
+/* SM limits: shared memory at the largest carveout, registers (split over 4 sub-partitions;
+ * a block's warps go round-robin over them), warps, blocks. */
+struct SmLimits {
+  int smem, regs, warps, blocks;
+};
+
+/* Whether one block of a and one of b are resident on an SM together.  Registers: the 4
+ * sub-partitions separately, each block's warps placed round-robin from the sub-partition
+ * with the most free registers (the hardware's placement is not documented; this model
+ * matched the occupancy tool's measurements). */
+static bool pair_fits(const Footprint &a, const Footprint &b, const SmLimits &sm) {
+  if (a.smem + b.smem > sm.smem || a.warps + b.warps > sm.warps || sm.blocks < 2) return false;
+  int free_regs[4];
+  for (int &f : free_regs) f = sm.regs / 4;
+  for (const Footprint *f : {&a, &b}) {
+    int best = 0;
+    for (int p = 1; p < 4; p++)
+      if (free_regs[p] > free_regs[best]) best = p;
+    for (int w = 0; w < f->warps; w++)
+      if ((free_regs[(best + w) % 4] -= f->regs_per_warp) < 0) return false;
+  }
+  return true;
+}
+
+static gdp_status sm_limits(SmLimits *sm, int *reserved) {
   int dev = 0;
   GDP_CUDA_TRY(cudaGetDevice(&dev));
   GDP_CUDA_TRY(cudaDeviceGetAttribute(&sm->smem, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
@@ -2677,19 +2432,20 @@ static gdp_status sm_limits(v3ovl::SmLimits *sm, int *reserved) {
   return GDP_OK;
 }
 
+/* The fork's pair: the states pass + the 2-stage dstate (bf16 states only). */
 template <int K, int V, int C, int TC, int BV>
 static gdp_status pair_bv(int *fits) {
-  v3ovl::SmLimits sm;
+  SmLimits sm;
   int reserved = 0;
   GDP_TRY(sm_limits(&sm, &reserved));
   cudaFuncAttributes fd, fs;
   GDP_CUDA_TRY(cudaFuncGetAttributes(&fd, dstate_kernel_v3<K, V, C, TC, BV, true, true, 2>));
   GDP_CUDA_TRY(cudaFuncGetAttributes(&fs, bwd_states_kernel_v3<K, V, C, BV, true, true>));
-  const v3ovl::Footprint d = v3ovl::footprint(DStateLayout<K, C, TC, BV, 2, true>::total, (int)fd.sharedSizeBytes,
-                                              reserved, BV / 16 * 32, fd.numRegs);
-  const v3ovl::Footprint st = v3ovl::footprint(StatesLayout<K, C, BV>::total, (int)fs.sharedSizeBytes, reserved,
-                                               BV / 16 * 32, fs.numRegs);
-  *fits = v3ovl::pair_fits(d, st, sm) ? 1 : 0;
+  const Footprint d = footprint(DStateLayout<K, C, TC, BV, 2, true>::total, (int)fd.sharedSizeBytes, reserved,
+                                BV / 16 * 32, fd.numRegs);
+  const Footprint st =
+      footprint(StatesLayout<K, C, BV>::total, (int)fs.sharedSizeBytes, reserved, BV / 16 * 32, fs.numRegs);
+  *fits = pair_fits(d, st, sm) ? 1 : 0;
   return GDP_OK;
 }
 
@@ -2724,75 +2480,16 @@ static bool fork2_pair_fits(const Plan &plan, int bv) {
   return c > 0;
 }
 
-/* Whether (and how) to fork, see above: 0 no; 1 with today's kernels; 2 with the 2-stage
- * dstate (bf16 states only, the new dstate schedule), where only that one fits beside a
- * states block (1 x 32768 n = 2, BV = 16: 124.2 + 100.0 KB; the 3-stage dstate, 149.8 KB,
- * does not: the occ notes' side result).  The old rule ("twice the blocks over blocks per
- * SM fit the SMs", dstate's occupancy standing in for the pair) keeps its answers (mode
- * 1); mode 2 asks the (states, 2-stage dstate) pair directly. */
+/* Whether (and how) to fork, see above: 0 no; 1 with the 3-stage dstate; 2 with the
+ * 2-stage dstate (bf16 states only), where only that one fits beside a states block. */
 static int fork_mode(const Plan &plan, int bv, bool s16) {
-  if (getenv("GDP_CUDA_PROFILE") || states_mode() == 2 || dstate_mode() == 2) return 0;
-  const char *env = getenv("GDP_CUDA_V3_FORK");
-  if (env && strcmp(env, "0") == 0) return 0;
+  if (gdp_debug_profile_kernels()) return 0;
   const GdpArgs &a = plan.a;
   const int occ = seq_blocks_per_sm(plan, bv);
   const double blocks = (double)a.N * a.H * (a.V / bv);
-  const bool today = occ >= 1 && blocks <= num_sms() && 2.0 * blocks / occ <= num_sms();
-  const bool two = !today && s16 && dstate_mode() == 0 && blocks <= num_sms() && fork2_pair_fits(plan, bv);
-  if (env && strcmp(env, "1") == 0) return two ? 2 : 1;
-  /* =2 (lab: the check's small problems fork by the old rule): mode 2 wherever it can run */
-  if (env && strcmp(env, "2") == 0) return s16 && dstate_mode() == 0 ? 2 : 1;
-  return today ? 1 : two ? 2 : 0;
-}
-
-/* E3, GDP_CUDA_V3_OVERLAP (read per call): grad_state runs as the programmatic dependent
- * of dstate, block by block as dstate's per-chunk counters complete (NOTES.md, "dstate ->
- * grad_state overlap").  Same kernels' arithmetic, same bits; only when things run
- * changes.  OFF by default: on the H200 it was slower everywhere (session 7, call 3,
- * library fwd+bwd ms, three runs each, on / off: 4 x 4096 n = 2 2.866-2.873 / 2.795-2.836,
- * saving 2.275-2.299 / 2.216-2.282; n = 1 1.75-1.77 / 1.68-1.69; n = 3 4.26 / 4.07-4.11;
- * 1 x 32768 n = 2 saving 7.17-7.23 / 6.45-6.49; predicted -0.10 at 4 x 4096 n = 2): the
- * grad_state blocks beside dstate slow its sequential chain by more than the gradient work
- * they get done early (both passes move ~3 TB/s alone).  =1: on wherever it can run
- * (whether or not a grad_state block also fits beside the 2-stage dstate: the occupancy
- * tool's E3 table says where it does), also instead of an automatic fork (not against
- * GDP_CUDA_V3_FORK=1); unset or =0: off (the plain stream order and the 3-stage dstate).
- * Never: with float32 states (the overlap instantiations are bf16-only), a
- * sequence without tokens (its dstate blocks signal nothing: then a later kernel could
- * in principle run before its dh0 store; no counter covers it), a forked recompute
- * (dstate on the side stream: no programmatic edge across streams; `forked` = fork_mode's
- * answer), GDP_CUDA_PROFILE (its marks time one kernel at a time), the compare modes,
- * GDP_CUDA_V3_DSTATE=old or GDP_CUDA_V3_GSPIPE=old (other schedules).  choose_bv is not
- * affected: it asks the 3-stage dstate kernel. */
-static bool overlap_asked() {
-  const char *env = getenv("GDP_CUDA_V3_OVERLAP");
-  return env && strcmp(env, "1") == 0;
-}
-static bool overlap_wanted(const Plan &plan, bool s16, bool forked) {
-  const GdpArgs &a = plan.a;
-  if (!overlap_asked() || !s16 || a.nchunks == 0 || a.chunks_rev == nullptr) return false;
-  if (getenv("GDP_CUDA_PROFILE") || states_mode() == 2 || dstate_mode() != 0 || seq_mode("GDP_CUDA_V3_WY") == 2 ||
-      !gs_pipe_on())
-    return false;
-  /* =1 also takes the place of an automatic fork (launch_state_passes does not fork when
-   * the counters are set), so that the lab's small problems, which fork, run the
-   * recompute's overlap too; GDP_CUDA_V3_FORK=1 keeps the fork (and then no overlap) */
-  const char *fk = getenv("GDP_CUDA_V3_FORK");
-  return !(forked && fk && strcmp(fk, "1") == 0);
-}
-
-/* E3's counters (one int per chunk and head, at `mem`), zeroed in stream order when the
- * backward's workspace is made, well before dstate, and the rest of go's overlap fields. */
-static gdp_status overlap_counters(const Plan &plan, int bv, size_t chunk_heads, char *mem, GradStateOut *go) {
-  go->ready = (int *)mem;
-  go->order = plan.a.chunks_rev;
-  go->ready_target = plan.a.V / bv;
-  const cudaError_t e = cudaMemsetAsync(go->ready, 0, chunk_heads * sizeof(int), plan.stream);
-  if (e != cudaSuccess) {
-    (void)cudaGetLastError();
-    return GDP_ERROR(GDP_ERR_CUDA, "backward_v3: zeroing the overlap counters: %s", cudaGetErrorString(e));
-  }
-  return GDP_OK;
+  const bool one = occ >= 1 && blocks <= num_sms() && 2.0 * blocks / occ <= num_sms();
+  const bool two = !one && s16 && blocks <= num_sms() && fork2_pair_fits(plan, bv);
+  return one ? 1 : two ? 2 : 0;
 }
 
 /* One non-blocking side stream per device, made on first use and kept for the process
@@ -2841,36 +2538,34 @@ static gdp_status fork_end(cudaStream_t main, Fork *f, bool join) {
   f->forked = f->done = nullptr;
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
-    return GDP_ERROR(GDP_ERR_CUDA, "backward_v3: joining the side stream: %s", cudaGetErrorString(e));
+    return GDP_ERROR(GDP_ERR_CUDA, "backward: joining the side stream: %s", cudaGetErrorString(e));
   }
   return GDP_OK;
 }
 
 /* The recompute's two passes, forked where fork_mode says and the fork can be made
- * (otherwise one after the other on the caller's stream).  go.ready set (E3): never
- * forked, dstate last on the caller's stream with the counters. */
+ * (otherwise one after the other on the caller's stream). */
 static gdp_status launch_state_passes(const Plan &plan, int bv, const GradStateOut &go) {
   Fork f;
-  const int fm = go.ready ? 0 : fork_mode(plan, bv, go.hT16 != nullptr);
+  const int fm = fork_mode(plan, bv, go.hT16 != nullptr);
   const bool forked = fm > 0 && fork_begin(plan.stream, &f) == GDP_OK;
   if (!forked) {
     /* a fork that could not be made (no stream or event to spare) is no error: the
-     * passes run in order, as without the switch; its CUDA error must not reach the next
-     * launch check */
+     * passes run in order; its CUDA error must not reach the next launch check */
     fork_end(plan.stream, &f, false);
     (void)cudaGetLastError();
     gdp_status st = launch_seq(plan, bv, true, false, nullptr, go.hT32, go.hT16);
-    prof_mark("bwd states v3 (recompute)", plan.stream);
-    if (st == GDP_OK) st = launch_seq(plan, bv, false, false, nullptr, go.dHT32, go.dHT16, go.ready);
-    prof_mark("bwd state gradients v3", plan.stream);
+    prof_mark("bwd states (recompute)", plan.stream);
+    if (st == GDP_OK) st = launch_seq(plan, bv, false, false, nullptr, go.dHT32, go.dHT16);
+    prof_mark("bwd state gradients", plan.stream);
     return st;
   }
   Plan side = plan;
   side.stream = f.side;
   /* the backward-in-time pass first, so its blocks are queued by the time the states
    * pass's blocks start */
-  gdp_status st = launch_seq(side, bv, false, false, nullptr, go.dHT32, go.dHT16, nullptr, fm == 2);
-  const gdp_status st2 = launch_seq(plan, bv, true, false, nullptr, go.hT32, go.hT16, nullptr, fm == 2);
+  gdp_status st = launch_seq(side, bv, false, false, nullptr, go.dHT32, go.dHT16, fm == 2);
+  const gdp_status st2 = launch_seq(plan, bv, true, false, nullptr, go.hT32, go.hT16, fm == 2);
   const gdp_status st3 = fork_end(plan.stream, &f, true);
   if (st == GDP_OK) st = st2;
   if (st == GDP_OK) st = st3;
@@ -2879,8 +2574,8 @@ static gdp_status launch_state_passes(const Plan &plan, int bv, const GradStateO
 
 #define GDP_V3B_DEFINE_ROOTS(K, V)                                                                              \
   gdp_status seq_k##K##v##V(const Plan &plan, int bv, bool states, bool dry_run, int *occ, float *f32, bf16 *b16, \
-                            int *ready, bool two) {                                                             \
-    return launch_seq_n<K, V>(plan, bv, states, dry_run, occ, f32, b16, ready, two);                            \
+                            bool two) {                                                                         \
+    return launch_seq_n<K, V>(plan, bv, states, dry_run, occ, f32, b16, two);                                   \
   }                                                                                                             \
   gdp_status grad_k##K##v##V(const Plan &plan, const GradStateOut &go, bool wy) {                              \
     return launch_grad_state_n<K, V>(plan, go, wy);                                                             \
@@ -2900,21 +2595,15 @@ GDP_V3B_DEFINE_PART_ROOTS(GDP_V3_PART_K, GDP_V3_PART_V)
 }  // namespace gdpcu
 
 #ifndef GDP_V3_PART_K /* the entry points: in the whole file or its main part, not in a (K, V) part */
+namespace gdpcu {
+namespace v3b {
 
-using namespace gdpcu;
-
-extern "C" int gdp_cuda_gdp_backward_v3_supported(const gdp_gdp_problem *p) {
-  return p && chunk_path_ok(p) && (p->K == 64 || p->K == 128) && (p->V == 64 || p->V == 128) && p->n >= 1 &&
-         p->n <= 3;
-}
-
-/* With the blocks a saved forward kept (gdp_cuda_gdp_forward_v3_save): its plan (tables,
- * panels), h^T and D are read from there, so steps 1-2 are skipped; the state-gradient
- * pass and the two gradient kernels run as below.  s16: the kept h^T is bf16 (the
- * forward's format), and dH^T is then written in bf16 too. */
-static gdp_status backward_v3_saved(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io, cudaStream_t stream,
-                                    const void *saved, bool s16) {
-  const v3::SavedLayout sl = v3::saved_layout(p, s16);
+/* With the blocks a saved forward kept: its plan (tables, panels), h^T (bf16) and D are
+ * read from there, so the prep and the states pass are skipped; the state-gradient pass
+ * and the two gradient kernels run as in the recompute. */
+static gdp_status backward_saved(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io, cudaStream_t stream,
+                                 const void *saved) {
+  const v3::SavedLayout sl = v3::saved_layout(p);
   Plan plan;
   prof_begin(stream);
   /* the kept block is only read: its tables and panels are the forward's */
@@ -2923,18 +2612,16 @@ static gdp_status backward_v3_saved(const gdp_gdp_problem *p, const gdp_gdp_bwd_
     prof_end(stream);
     return st;
   }
-  v3b::GradStateOut go;
+  GradStateOut go;
   memset(&go, 0, sizeof go);
   void *extra = nullptr;
-  const int bv = v3b::choose_bv(plan);
-  const bool ovl = v3b::overlap_wanted(plan, s16, false);
+  const int bv = choose_bv(plan);
   if (plan.a.nchunks > 0) {
     const size_t CH = (size_t)plan.a.nchunks * plan.a.H, K = (size_t)plan.a.K, V = (size_t)plan.a.V,
                  C = (size_t)plan.a.C;
-    const size_t bdD = align128(CH * C * V * 2), bHT = align128(CH * V * K * (s16 ? 2 : 4)),
-                 bKn = align128(CH * C * K * 4),
-                 bW = align128(CH * C * K * 2), bG = align128(CH * C * 4), bR = ovl ? align128(CH * 4) : 0;
-    st = device_alloc(&extra, bdD + bHT + bKn + bW + bG + bR, stream);
+    const size_t bdD = align128(CH * C * V * 2), bHT = align128(CH * V * K * 2), bKn = align128(CH * C * K * 4),
+                 bW = align128(CH * C * K * 2), bG = align128(CH * C * 4);
+    st = device_alloc(&extra, bdD + bHT + bKn + bW + bG, stream);
     if (st != GDP_OK) {
       prof_end(stream);
       return st;
@@ -2942,158 +2629,94 @@ static gdp_status backward_v3_saved(const gdp_gdp_problem *p, const gdp_gdp_bwd_
     char *e = (char *)extra;
     plan.a.Dbuf = (bf16 *)((char *)const_cast<void *>(saved) + sl.o_D);
     plan.a.dDbuf = (bf16 *)e;
-    if (s16) {
-      go.hT16 = (bf16 *)((char *)const_cast<void *>(saved) + sl.o_hT);
-      go.dHT16 = (bf16 *)(e + bdD);
-    } else {
-      go.hT32 = (float *)((char *)const_cast<void *>(saved) + sl.o_hT);
-      go.dHT32 = (float *)(e + bdD);
-    }
+    go.hT16 = (bf16 *)((char *)const_cast<void *>(saved) + sl.o_hT);
+    go.dHT16 = (bf16 *)(e + bdD);
     go.dKnA = (float *)(e + bdD + bHT);
     go.dWg = (bf16 *)(e + bdD + bHT + bKn);
     go.dgcA = (float *)(e + bdD + bHT + bKn + bW);
     go.Tt = (bf16 *)((char *)const_cast<void *>(saved) + sl.o_Tt);
-    if (ovl) {
-      st = v3b::overlap_counters(plan, bv, CH, e + bdD + bHT + bKn + bW + bG, &go);
-      if (st != GDP_OK) {
-        cudaFreeAsync(extra, stream);
-        plan_free(&plan);
-        prof_end(stream);
-        return st;
-      }
-    }
   }
   prof_mark("bwd plan (saved)", stream);
   /* also without chunks (every sequence empty): the reverse pass writes dh0 = dht */
-  st = v3b::launch_seq(plan, bv, false, false, nullptr, go.dHT32, go.dHT16, go.ready);
-  prof_mark("bwd state gradients v3", stream);
-  if (st == GDP_OK) st = v3b::launch_grad_v3(plan, go, false);
-  prof_mark("bwd chunk gradients v3, state part", stream);
-  if (st == GDP_OK) st = v3b::launch_grad_v3(plan, go, true);
-  prof_mark("bwd chunk gradients v3, WY part", stream);
+  st = launch_seq(plan, bv, false, false, nullptr, go.dHT32, go.dHT16);
+  prof_mark("bwd state gradients", stream);
+  if (st == GDP_OK) st = launch_grad_v3(plan, go, false);
+  prof_mark("bwd chunk gradients, state part", stream);
+  if (st == GDP_OK) st = launch_grad_v3(plan, go, true);
+  prof_mark("bwd chunk gradients, WY part", stream);
   if (extra) cudaFreeAsync(extra, stream);
   plan_free(&plan);
   prof_end(stream);
   return st;
 }
 
-extern "C" gdp_status gdp_cuda_gdp_backward_v3_saved(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io,
-                                                     void *stream_, const void *saved) {
-  return gdp_cuda_gdp_backward_v3_saved_fmt(p, io, stream_, saved, p && v3::state16(p));
-}
-
-extern "C" gdp_status gdp_cuda_gdp_backward_v3_saved_fmt(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io,
-                                                         void *stream_, const void *saved, int state16) {
-  GDP_TRY(validate_problem(p, "backward_v3"));
-  GDP_TRY(validate_bwd_io(p, io, "backward_v3"));
-  const char *genv = getenv("GDP_CUDA_V3_GRAD");
-  /* variant 2's gradient kernel wants bf16 h and dH, which a saved forward does not keep */
-  if (!saved || (genv && strcmp(genv, "v2") == 0)) return gdp_cuda_gdp_backward_v3(p, io, stream_);
-  if (!gdp_cuda_gdp_backward_v3_supported(p))
-    return GDP_ERROR(GDP_ERR_UNSUPPORTED,
-                     "backward_v3 takes bf16, n = 1..3, K and V = 64 or 128; got dtype %d n=%lld K=%lld V=%lld",
-                     p->dtype, (long long)p->n, (long long)p->K, (long long)p->V);
-  if (p->N == 0) return GDP_OK;
-  if (state16 && p->dtype != GDP_DTYPE_BF16)
-    return GDP_ERROR(GDP_ERR_INVALID_ARG, "backward_v3: saved: bf16 states from a forward of dtype %d", p->dtype);
-  return backward_v3_saved(p, io, (cudaStream_t)stream_, saved, state16 != 0);
-}
-
-extern "C" gdp_status gdp_cuda_gdp_backward_v3(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io,
-                                               void *stream_) {
-  GDP_TRY(validate_problem(p, "backward_v3"));
-  GDP_TRY(validate_bwd_io(p, io, "backward_v3"));
-  if (!gdp_cuda_gdp_backward_v3_supported(p))
-    return GDP_ERROR(GDP_ERR_UNSUPPORTED,
-                     "backward_v3 takes bf16, n = 1..3, K and V = 64 or 128; got dtype %d n=%lld K=%lld V=%lld",
-                     p->dtype, (long long)p->n, (long long)p->K, (long long)p->V);
-  if (p->N == 0) return GDP_OK;
-  cudaStream_t stream = (cudaStream_t)stream_;
+/* The recompute backward: the prep (also storing T^T), the states pass and the
+ * state-gradient pass (forked where that pays), then the two gradient kernels. */
+static gdp_status backward_recompute(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io, cudaStream_t stream) {
   GdpArgs a = bwd_args(p, io);
   Plan plan;
   prof_begin(stream);
-  /* The v3 gradient kernels' float32 copies of h and dH, the state part's outputs and T^T
-   * from the prep (one stream-ordered allocation; the forward never pays for T); the plan
-   * then carries no bf16 h and dH.  GDP_CUDA_V3_GRAD=v2 takes variant 2's gradient kernel
-   * instead, fed by bf16 copies of h and dH (comparison / fallback). */
-  const char *genv = getenv("GDP_CUDA_V3_GRAD");
-  const bool grad_state = !(genv && strcmp(genv, "v2") == 0);
-  /* h^T and dH^T in bf16 (GDP_CUDA_V3_STATE=bf16) or float32 */
-  const bool s16 = v3::state16(p);
-  gdp_status st = plan_make(p, stream, grad_state ? PLAN_BACKWARD_V3 : PLAN_BACKWARD_V2, a, &plan);
+  /* The gradient kernels' bf16 copies of h^T and dH^T, the state part's outputs and T^T
+   * from the prep (one stream-ordered allocation; the forward never pays for T). */
+  gdp_status st = plan_make(p, stream, PLAN_BACKWARD, a, &plan);
   if (st != GDP_OK) {
     prof_end(stream);
     return st;
   }
   prof_mark("bwd plan+upload", stream);
-  v3b::GradStateOut go;
+  GradStateOut go;
   memset(&go, 0, sizeof go);
   void *extra = nullptr;
-  const int bv = v3b::choose_bv(plan);
-  /* E3 where it applies, and never beside a fork of the two passes */
-  /* (fork_mode is asked only where the overlap is: the default path decides the fork once, in
-   * launch_state_passes) */
-  const bool ovl =
-      grad_state && v3b::overlap_asked() && v3b::overlap_wanted(plan, s16, v3b::fork_mode(plan, bv, s16) > 0);
-  if (grad_state && plan.a.nchunks > 0) {
+  const int bv = choose_bv(plan);
+  if (plan.a.nchunks > 0) {
     const size_t CH = (size_t)plan.a.nchunks * plan.a.H, K = (size_t)plan.a.K, V = (size_t)plan.a.V,
                  C = (size_t)plan.a.C;
-    const size_t bHT = align128(CH * V * K * (s16 ? 2 : 4)), bKn = align128(CH * C * K * 4), bW = align128(CH * C * K * 2),
-                 bG = align128(CH * C * 4), bT = align128(CH * C * C * 2), bR = ovl ? align128(CH * 4) : 0;
-    st = device_alloc(&extra, 2 * bHT + bKn + bW + bG + bT + bR, stream);
+    const size_t bHT = align128(CH * V * K * 2), bKn = align128(CH * C * K * 4), bW = align128(CH * C * K * 2),
+                 bG = align128(CH * C * 4), bT = align128(CH * C * C * 2);
+    st = device_alloc(&extra, 2 * bHT + bKn + bW + bG + bT, stream);
     if (st != GDP_OK) {
       plan_free(&plan);
       prof_end(stream);
       return st;
     }
     char *e = (char *)extra;
-    if (s16) {
-      go.hT16 = (bf16 *)e;
-      go.dHT16 = (bf16 *)(e + bHT);
-    } else {
-      go.hT32 = (float *)e;
-      go.dHT32 = (float *)(e + bHT);
-    }
+    go.hT16 = (bf16 *)e;
+    go.dHT16 = (bf16 *)(e + bHT);
     go.dKnA = (float *)(e + 2 * bHT);
     go.dWg = (bf16 *)(e + 2 * bHT + bKn);
     go.dgcA = (float *)(e + 2 * bHT + bKn + bW);
     go.Tt = (bf16 *)(e + 2 * bHT + bKn + bW + bG);
-    if (ovl) {
-      st = v3b::overlap_counters(plan, bv, CH, e + 2 * bHT + bKn + bW + bG + bT, &go);
-      if (st != GDP_OK) {
-        cudaFreeAsync(extra, stream);
-        plan_free(&plan);
-        prof_end(stream);
-        return st;
-      }
-    }
   }
-  /* U's bf16 residual for the recompute (GdpArgs::Ulo, the plan's PLAN_BACKWARD_V3
-   * buffer) unless a lab run turns it off */
-  if (!v3::keep_u_residual()) plan.a.Ulo = nullptr;
-  /* U formed in the states pass from Tu and v (GDP_CUDA_V3_U), where its value block holds
-   * Tu^T in the residual's region (bv >= C), for the v3 gradient kernels, with the default
-   * states schedule; the prep then stores Tu^T into U's buffer instead of U and U's residual */
-  if (grad_state && v3::u_from_tv() && v3b::states_mode() == 0 && bv >= plan.a.C && plan.a.C <= plan.a.V) {
+  /* U formed in the states pass from Tu and v, where its value block holds Tu^T in the
+   * residual's region (bv >= C); the prep then stores Tu^T into U's buffer instead of U
+   * and U's residual.  Elsewhere the states pass reads U and its bf16 residual (the
+   * plan's a.Ulo: D = U - W h then starts from U to ~16 bits instead of 8; dg's z terms
+   * amplify D's error, NOTES.md). */
+  if (bv >= plan.a.C && plan.a.C <= plan.a.V) {
     plan.a.Tu = plan.a.U;
     plan.a.Ulo = nullptr;
   }
-  plan.a.d_residual = v3::keep_d_residual(); /* D's residual in the recompute's state update */
-  st = v3::launch_prep_v3(plan, go.Tt); /* NULL (no T store) for variant 2's gradient kernel */
-  prof_mark("bwd prep v3 (recompute)", stream);
-  if (st == GDP_OK) st = v3b::launch_state_passes(plan, bv, go);
-  if (grad_state) {
-    if (st == GDP_OK) st = v3b::launch_grad_v3(plan, go, false);
-    prof_mark("bwd chunk gradients v3, state part", stream);
-    if (st == GDP_OK) st = v3b::launch_grad_v3(plan, go, true);
-    prof_mark("bwd chunk gradients v3, WY part", stream);
-  } else {
-    if (st == GDP_OK) st = launch_grad(plan);
-    prof_mark("bwd chunk gradients (v2)", stream);
-  }
+  st = v3::launch_prep_v3(plan, go.Tt);
+  prof_mark("bwd prep (recompute)", stream);
+  if (st == GDP_OK) st = launch_state_passes(plan, bv, go);
+  if (st == GDP_OK) st = launch_grad_v3(plan, go, false);
+  prof_mark("bwd chunk gradients, state part", stream);
+  if (st == GDP_OK) st = launch_grad_v3(plan, go, true);
+  prof_mark("bwd chunk gradients, WY part", stream);
   if (extra) cudaFreeAsync(extra, stream);
   plan_free(&plan);
   prof_end(stream);
   return st;
 }
+
+}  // namespace v3b
+
+namespace v3 {
+/* The dispatch has validated p and io and checked that the fast path takes p. */
+gdp_status backward(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io, cudaStream_t stream, const void *saved) {
+  if (p->N == 0) return GDP_OK;
+  return saved ? v3b::backward_saved(p, io, stream, saved) : v3b::backward_recompute(p, io, stream);
+}
+}  // namespace v3
+}  // namespace gdpcu
 #endif /* GDP_V3_PART_K */

@@ -50,45 +50,38 @@ struct GdpArgs {
   const long long *cu; /* N+1 token offsets */
   const ChunkInfo *chunks;
   const int *choff; /* N+1 chunk offsets */
-  /* the chunks latest-first per sequence (v3ovl::reverse_chunk_order, pad = chunk index):
-   * v3 grad_state's block order under GDP_CUDA_V3_OVERLAP; NULL where a sequence is empty */
+  /* unused (NULL): kept so that the kernels' parameter block keeps its layout */
   const ChunkInfo *chunks_rev;
   int N, nchunks;
   int nstages; /* pipeline depth of the sequential kernels (set at launch) */
   /* workspace */
   bf16 *W, *U, *Kd, *Qd, *Pm;
-  /* v3 backward only (else NULL): U - bf16(U), so that the recompute's D = U - W h starts
+  /* backward only (else NULL): U - bf16(U), so that the recompute's D = U - W h starts
    * from U to ~16 bits instead of 8 (dg's z terms amplify D's error; NOTES.md) */
   bf16 *Ulo;
-  /* v3 forward only (else NULL; GDP_CUDA_V3_U): (T diag(beta))^T, bf16 [C][C] per
+  /* where the state pass forms U itself (else NULL): (T diag(beta))^T, bf16 [C][C] per
    * (chunk, head), which the prep stores in U's buffer (C <= V) instead of U (and, saving,
    * U's residual); the state pass reads it and v and forms U = Tu V itself, in float32,
    * inside D's accumulator (no U round trip, no residual) */
   bf16 *Tu;
   float *elast;
+  /* hbuf, dHbuf: always NULL (bf16 chunk states of the old gradient kernel); the state
+   * passes skip their stores */
   bf16 *hbuf, *Dbuf, *dHbuf, *dDbuf;
-  /* v3 state passes that feed the gradients (0 elsewhere, from the memset): 1 = the state
-   * update S += Kd^T D also adds D's bf16 rounding residual, so the states the gradient
-   * kernels read carry D to ~16 bits (dg on long dht sequences; NOTES.md "dg on the K =
-   * 128 golden case") */
+  /* always 0: 1 would add D's bf16 rounding residual to the state update (measured: it
+   * traded dg's worst cases for HMMAs; the kernels keep the branch) */
   int d_residual;
 };
 
-/* Chunk steps for n Householder steps per token (0: no chunk path for this n). */
+/* Chunk steps for n Householder steps per token (0: no chunk path for this n).  Whole
+ * tokens per chunk (C / n = 32, 32, 16), so every sequence starts a chunk. */
 inline int chunk_steps(int64_t n) {
   switch (n) {
     case 1: return 32;
     case 2: return 64;
     case 3: return 48;
-    case 4: return 64;
     default: return 0;
   }
-}
-
-/* The chunk kernels keep a K x V state tile and C x K, C x V panels in shared memory. */
-inline bool chunk_path_ok(const gdp_gdp_problem *p) {
-  return p->dtype == GDP_DTYPE_BF16 && chunk_steps(p->n) > 0 && p->K % 16 == 0 && p->K <= 128 &&
-         p->V % 16 == 0 && p->V <= 128;
 }
 
 /* Host-side plan of one call: device copies of the tables and the workspace, all in
@@ -97,7 +90,7 @@ struct Plan {
   GdpArgs a;
   void *block;
   cudaStream_t stream;
-  int bv_fwd, bv_bwd;
+  int value_block; /* the problem's value_block: 0 = the passes' own choice */
 };
 
 /* Shared helpers (gdp_fwd.cu). */
@@ -110,18 +103,12 @@ GdpArgs fwd_args(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io);
 GdpArgs bwd_args(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io);
 gdp_status device_alloc(void **ptr, size_t bytes, cudaStream_t stream);
 gdp_status upload_cu_seqlens(const gdp_gdp_problem *p, long long *dst, cudaStream_t stream);
-int smem_optin_bytes();
 int num_sms();
 
 /* Which per-chunk buffers a plan carries besides the forward's panels (W, U, Kd, Qd, Pm,
- * elast):
- *  - PLAN_BACKWARD_V2: bf16 h, D, dH, dD (variant 2's backward; variant 3's under
- *    GDP_CUDA_V3_GRAD=v2);
- *  - PLAN_BACKWARD_V3: D, dD and U's residual (a.Ulo, C x V bf16): variant 3's gradient
- *    kernels read h and dH as float32 from their own buffers, so the bf16 h and dH
- *    (2 K V bf16 per chunk and head, 0.54 GB at 4 x 4096, H = 16, K = V = 128, n = 2)
- *    are not allocated (a.hbuf, a.dHbuf NULL). */
-enum PlanBufs { PLAN_FORWARD, PLAN_BACKWARD_V2, PLAN_BACKWARD_V3 };
+ * elast): PLAN_BACKWARD adds D, dD and U's residual (a.Ulo, C x V bf16); the gradient
+ * kernels read h^T and dH^T from their own buffers. */
+enum PlanBufs { PLAN_FORWARD, PLAN_BACKWARD };
 
 /* ext: NULL allocates the block (freed by plan_free); else the plan lives in the
  * caller's block of plan_bytes(p, bufs) bytes (a forward workspace kept for the
@@ -132,13 +119,8 @@ gdp_status plan_make(const gdp_gdp_problem *p, cudaStream_t stream, PlanBufs buf
 size_t plan_bytes(const gdp_gdp_problem *p, PlanBufs bufs);
 void plan_free(Plan *plan);
 
-/* Launchers shared with the backward (defined in gdp_fwd.cu). */
-gdp_status launch_prep(const Plan &plan);
-/* store_states: write h and D per chunk (backward recompute) instead of o. */
-gdp_status launch_state(const Plan &plan, bool store_states);
-
-/* Optional per-kernel timing (GDP_CUDA_PROFILE=1 in the environment): each launch is
- * bracketed by events and the call synchronises at its end, so only for the lab. */
+/* Optional per-kernel timing (gdp_debug_profile_kernels(): GDP_CUDA_PROFILE=1): each
+ * launch is bracketed by events and the call synchronises at its end. */
 void prof_begin(cudaStream_t stream);
 void prof_mark(const char *name, cudaStream_t stream);
 void prof_end(cudaStream_t stream);

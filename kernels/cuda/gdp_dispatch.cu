@@ -1,121 +1,124 @@
 /*
- * gdp_dispatch.cu -- which CUDA variant runs a GDP problem.  The variants, their
- * measurements and why each exists are in kernels/cuda/NOTES.md.
+ * gdp_dispatch.cu -- which CUDA path runs a GDP problem, and the library's entry points.
  *
- *   variant | files                      | takes                                   | used by
- *   --------+----------------------------+-----------------------------------------+-----------------
- *   3       | gdp_fwd_v3.cu, gdp_bwd_v3.cu | bf16, n = 1..3, K and V in {64, 128}    | AUTO, CHUNK
- *   2       | gdp_fwd.cu, gdp_bwd.cu     | bf16, n = 1..4, K, V multiples of 16 <= 128 | CHUNK where 3 does not apply
- *   1       | gdp_fwd.cu, gdp_bwd.cu     | f32 and bf16, K <= 256, any V           | RECURRENT; AUTO where 3 does not apply
+ *   path       | takes                                  | algorithm
+ *   -----------+----------------------------------------+------------------------------------
+ *   fast       | bf16, n = 1..3, K and V in {64, 128}   | AUTO, CHUNK (an error elsewhere)
+ *   recurrent  | f32 and bf16, K <= 256, any V          | RECURRENT; AUTO where fast does not
  *
- * AUTO does not fall back to variant 2: its bf16 per-chunk states put two small-K golden
- * cases at 1.2e-2, over the bf16 tolerance of 1e-2 (results/cuda/session1_final), while
- * the recurrent path stays under 6.2e-3.  Float32 problems always take the recurrent
- * path (exact float32; the chunked kernels are bf16 tensor-core kernels).
- *
- * GDP_CUDA_VARIANT=1|2|3 in the environment forces a variant (A/B runs, the lab); a
- * problem the forced variant does not take is then an error that says so.
+ * The fast path is chunked, with its chunk fixed by n (chunk_steps: C = 32, 64, 48 steps
+ * of the expanded stream for n = 1, 2, 3); a problem's chunk_size is 0 (the path's own)
+ * or that C, anything else is an error that names the size.  The recurrent kernels have
+ * no chunks: a nonzero chunk_size with them is an error too, also where AUTO falls back
+ * to them (a chunk size asked for and silently not used would mislead a measurement).
+ * Float32 problems always take the recurrent path (exact float32; the chunked kernels
+ * are bf16 tensor-core kernels).  value_block (0, 16, 32, 64) forces the fast path's
+ * value-block width; the recurrent kernels ignore it.
  */
-#include <stdlib.h>
-
-#include "gdp_bwd_v3.cuh"
-#include "gdp_chunk.cuh"
 #include "gdp_fwd_v3.cuh"
 
 using namespace gdpcu;
 
 namespace {
 
-/* The variant for a problem: 1, 2 or 3 (0 with the message set: a bad GDP_CUDA_VARIANT). */
-int choose_variant(const gdp_gdp_problem *p) {
-  const char *forced = getenv("GDP_CUDA_VARIANT");
-  if (forced && forced[0] != '\0') {
-    if ((forced[0] == '1' || forced[0] == '2' || forced[0] == '3') && forced[1] == '\0') return forced[0] - '0';
-    GDP_ERROR(GDP_ERR_INVALID_ARG, "GDP_CUDA_VARIANT must be 1, 2 or 3 (or unset), got '%s'", forced);
-    return 0;
+/* The saved object's path code (op_gdp.c keeps it and hands it back to the backward). */
+enum Path { PATH_RECURRENT = 1, PATH_FAST = 3 };
+
+const char *path_name(int path) { return path == PATH_FAST ? "fast chunked" : "recurrent"; }
+
+gdp_status check_chunk_size(const gdp_gdp_problem *p, const char *what, int path) {
+  if (p->chunk_size == 0) return GDP_OK;
+  if (path == PATH_FAST) {
+    const int C = chunk_steps(p->n);
+    if (p->chunk_size == C) return GDP_OK;
+    return GDP_ERROR_IN(what, GDP_ERR_INVALID_ARG,
+                        "chunk_size: the CUDA chunked path takes %d steps at n = %lld (or 0 for it; "
+                        "32, 64, 48 for n = 1, 2, 3), got %lld",
+                        C, (long long)p->n, (long long)p->chunk_size);
   }
-  if (p->algorithm == GDP_ALGO_RECURRENT || p->dtype != GDP_DTYPE_BF16) return 1;
-  if (gdp_cuda_gdp_forward_v3_supported(p, 1) && gdp_cuda_gdp_backward_v3_supported(p)) return 3;
-  if (p->algorithm == GDP_ALGO_CHUNK && chunk_path_ok(p)) return 2;
-  return 1;
+  return GDP_ERROR_IN(what, GDP_ERR_INVALID_ARG,
+                      "chunk_size: this problem runs the CUDA recurrent kernels, which have no chunks "
+                      "(the chunked path takes bf16, n = 1..3, K and V in {64, 128}); expected 0, got %lld",
+                      (long long)p->chunk_size);
 }
 
-/* The saved object's variant code (op_gdp.c keeps it and hands it back to the backward)
- * also records the format of variant 3's kept chunk states: the variant, plus this bit
- * when they are bf16 (GDP_CUDA_V3_STATE=bf16, gdpcu::v3::state16), so the backward reads
- * them in the format its forward wrote. */
-constexpr int kSavedState16 = 0x100;
+/* The path for a validated problem, or an error naming what does not fit. */
+gdp_status choose_path(const gdp_gdp_problem *p, const char *what, int *path) {
+  *path = 0;
+  const int vb = p->value_block;
+  if (vb != 0 && vb != 16 && vb != 32 && vb != 64)
+    return GDP_ERROR_IN(what, GDP_ERR_INVALID_ARG, "value_block: expected 0 (automatic), 16, 32 or 64, got %d", vb);
+  const bool fast = v3::takes(p);
+  if (p->algorithm == GDP_ALGO_CHUNK && !fast)
+    return GDP_ERROR_IN(what, GDP_ERR_UNSUPPORTED,
+                        "algorithm chunk: the CUDA chunked path takes bf16, n = 1..3, K and V in {64, 128}; "
+                        "got %s, n = %lld, K = %lld, V = %lld",
+                        p->dtype == GDP_DTYPE_BF16 ? "bf16" : "float32", (long long)p->n, (long long)p->K,
+                        (long long)p->V);
+  const int chosen = p->algorithm == GDP_ALGO_RECURRENT || !fast ? PATH_RECURRENT : PATH_FAST;
+  GDP_TRY(check_chunk_size(p, what, chosen));
+  if (chosen == PATH_FAST && vb != 0 && p->V % vb != 0)
+    return GDP_ERROR_IN(what, GDP_ERR_INVALID_ARG, "value_block: %d does not divide V = %lld", vb, (long long)p->V);
+  *path = chosen;
+  return GDP_OK;
+}
 
 }  // namespace
 
-/* The variants validate again (the lab calls them directly); checking here first makes
- * a bad argument's message name the library call ("forward"), whichever variant would
- * have run, and keeps choose_variant from reading an invalid problem.  Host-side only. */
 extern "C" gdp_status gdp_cuda_gdp_forward(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io,
                                            void *stream) {
-  GDP_TRY(validate_problem(p, "forward"));
-  GDP_TRY(validate_fwd_io(p, io, "forward"));
-  switch (choose_variant(p)) {
-    case 0: return GDP_ERR_INVALID_ARG;
-    case 3: return gdp_cuda_gdp_forward_v3(p, io, stream, 1);
-    case 2: return gdp_cuda_gdp_forward_v2(p, io, stream);
-    default: return gdp_cuda_gdp_forward_recurrent(p, io, stream);
-  }
+  return gdp_cuda_gdp_forward_ex(p, io, stream, nullptr);
 }
 
 extern "C" gdp_status gdp_cuda_gdp_backward(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io,
                                             void *stream) {
   GDP_TRY(validate_problem(p, "backward"));
   GDP_TRY(validate_bwd_io(p, io, "backward"));
-  switch (choose_variant(p)) {
-    case 0: return GDP_ERR_INVALID_ARG;
-    case 3: return gdp_cuda_gdp_backward_v3(p, io, stream);
-    case 2: return gdp_cuda_gdp_backward_v2(p, io, stream);
-    default: return gdp_cuda_gdp_backward_recurrent(p, io, stream);
-  }
+  int path = 0;
+  GDP_TRY(choose_path(p, "backward", &path));
+  if (path == PATH_FAST) return v3::backward(p, io, (cudaStream_t)stream, nullptr);
+  return backward_recurrent(p, io, (cudaStream_t)stream);
 }
 
 extern "C" gdp_status gdp_cuda_gdp_save_plan(const gdp_gdp_problem *p, int *variant, size_t *bytes) {
   *variant = 0;
   *bytes = 0;
   GDP_TRY(validate_problem(p, "save_plan"));
-  const int v = choose_variant(p);
-  if (v == 0) return GDP_ERR_INVALID_ARG;
-  *variant = v;
-  /* only variant 3 keeps anything: its backward's recompute is what saving removes */
-  if (v == 3 && p->N > 0) *bytes = gdp_cuda_gdp_v3_saved_bytes(p);
-  if (v == 3 && v3::state16(p)) *variant = v | kSavedState16;
+  int path = 0;
+  GDP_TRY(choose_path(p, "save_plan", &path));
+  *variant = path;
+  /* only the fast path keeps anything: its backward's recompute is what saving removes */
+  if (path == PATH_FAST) *bytes = v3::saved_bytes(p);
   return GDP_OK;
 }
 
 extern "C" gdp_status gdp_cuda_gdp_forward_ex(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io, void *stream,
                                               void *saved) {
-  if (!saved) return gdp_cuda_gdp_forward(p, io, stream);
   GDP_TRY(validate_problem(p, "forward"));
   GDP_TRY(validate_fwd_io(p, io, "forward"));
-  const int v = choose_variant(p);
-  if (v == 0) return GDP_ERR_INVALID_ARG;
-  if (v != 3)
-    return GDP_ERROR(GDP_ERR_INVALID_ARG,
-                     "saved: variant %d keeps nothing for the backward (gdp_cuda_gdp_save_plan gives 0 "
-                     "bytes), got a block", v);
-  return gdp_cuda_gdp_forward_v3_save(p, io, stream, saved);
+  int path = 0;
+  GDP_TRY(choose_path(p, "forward", &path));
+  if (path == PATH_FAST) return v3::forward(p, io, (cudaStream_t)stream, saved);
+  if (saved)
+    return GDP_ERROR_IN("forward", GDP_ERR_INVALID_ARG,
+                        "saved: the recurrent kernels keep nothing for the backward (gdp_cuda_gdp_save_plan "
+                        "gives 0 bytes), got a block");
+  return forward_recurrent(p, io, (cudaStream_t)stream);
 }
 
 extern "C" gdp_status gdp_cuda_gdp_backward_ex(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io, void *stream,
                                                int saved_variant, const void *saved) {
   GDP_TRY(validate_problem(p, "backward"));
   GDP_TRY(validate_bwd_io(p, io, "backward"));
-  const int v = choose_variant(p);
-  if (v == 0) return GDP_ERR_INVALID_ARG;
-  const int state16 = (saved_variant & kSavedState16) != 0;
-  if ((saved_variant & ~kSavedState16) != v)
-    return GDP_ERROR(GDP_ERR_INVALID_ARG,
-                     "saved: variant: expected %d (the variant this backward runs), got %d (the saved "
-                     "forward's; GDP_CUDA_VARIANT changed between the calls?)",
-                     v, saved_variant & ~kSavedState16);
-  if (!saved) return gdp_cuda_gdp_backward(p, io, stream);
-  if (v != 3)
-    return GDP_ERROR(GDP_ERR_INVALID_ARG, "saved: variant %d keeps nothing for the backward, got a block", v);
-  return gdp_cuda_gdp_backward_v3_saved_fmt(p, io, stream, saved, state16);
+  int path = 0;
+  GDP_TRY(choose_path(p, "backward", &path));
+  if (saved_variant != path)
+    return GDP_ERROR_IN("backward", GDP_ERR_INVALID_ARG,
+                        "saved: the forward ran the %s path (code %d), this backward runs the %s path (%d)",
+                        path_name(saved_variant), saved_variant, path_name(path), path);
+  if (path == PATH_FAST) return v3::backward(p, io, (cudaStream_t)stream, saved);
+  if (saved)
+    return GDP_ERROR_IN("backward", GDP_ERR_INVALID_ARG,
+                        "saved: the recurrent kernels keep nothing for the backward, got a block");
+  return backward_recurrent(p, io, (cudaStream_t)stream);
 }

@@ -35,7 +35,6 @@
 
 #include <vector>
 
-#include "gdp_chunk.cuh"
 #include "gdp_fwd_v3.cuh"
 #include "gdp_v3_stage.cuh"
 #include "gdp_v3_split.h"
@@ -1516,8 +1515,9 @@ __global__ void __launch_bounds__(128, FIVE || (SPLIT && C == 32) ? 5 : 4)
 
 /* save: the SAVE pass (h^T to hT32, or in bf16 to hT16 where that is given, and D to
  * plan.a.Dbuf, besides o); a dry run only asks the occupancy of the pass it names (the
- * two h^T formats share one layout).  tu (one-warp pass only): the pass that forms U
- * from a.Tu and v (state_kernel_v3's TU). */
+ * two h^T formats share one layout; the dry run asks the float32 one, as the measured
+ * choices always have).  tu (one-warp pass only): the pass that forms U from a.Tu and v
+ * (state_kernel_v3's TU). */
 template <int K, int C, int TC, int BV>
 static gdp_status launch_bv(const Plan &plan, bool dry_run, int *blocks_per_sm, bool save, float *hT32,
                             bf16 *hT16, bool ks2, bool tu) {
@@ -1547,8 +1547,8 @@ static gdp_status launch_bv(const Plan &plan, bool dry_run, int *blocks_per_sm, 
         GDP_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, kern, BV / 16 * 64, smem));
         return GDP_OK;
       }
-      GDP_CUDA_TRY(launch_pdl(pdl_wanted(), kern, dim3((unsigned)a.N, (unsigned)a.H, (unsigned)(a.V / BV)),
-                              dim3(BV / 16 * 64), smem, plan.stream, a, hT32, hT16));
+      kern<<<dim3((unsigned)a.N, (unsigned)a.H, (unsigned)(a.V / BV)), dim3(BV / 16 * 64), smem, plan.stream>>>(
+          a, hT32, hT16);
       GDP_CUDA_LAUNCHED("state_ks2_kernel_v3");
       return GDP_OK;
     }
@@ -1566,8 +1566,8 @@ static gdp_status launch_bv(const Plan &plan, bool dry_run, int *blocks_per_sm, 
     GDP_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, kern, BV / 16 * 32, smem));
     return GDP_OK;
   }
-  GDP_CUDA_TRY(launch_pdl(pdl_wanted(), kern, dim3((unsigned)a.N, (unsigned)a.H, (unsigned)(a.V / BV)),
-                          dim3(BV / 16 * 32), smem, plan.stream, a, hT32, hT16));
+  kern<<<dim3((unsigned)a.N, (unsigned)a.H, (unsigned)(a.V / BV)), dim3(BV / 16 * 32), smem, plan.stream>>>(a, hT32,
+                                                                                                          hT16);
   GDP_CUDA_LAUNCHED("state_kernel_v3");
   return GDP_OK;
 }
@@ -1614,16 +1614,13 @@ static gdp_status launch_state_v3(const Plan &plan, int bv, bool dry_run, int *o
  * busy, fewer warps sharing one SM's shared-memory bandwidth).  Every block walks all
  * chunks of its sequence, so a wave costs one sequence's full chain.  By the occupancy of
  * the pass that runs: the saving pass's larger stage fits fewer blocks (at K = V = 128,
- * n = 3 the plain pass's choice, BV = 32, ran the saving pass in two waves).
- * GDP_CUDA_V3_BV=16|32|64 forces a width (lab experiments).  tu: the pass that forms U
- * itself (its stage also holds Tu^T, C x C; the saving one's instead of the residual). */
+ * n = 3 the plain pass's choice, BV = 32, ran the saving pass in two waves).  The
+ * problem's value_block (validated by the dispatch) forces a width.  tu: the pass that
+ * forms U itself (its stage also holds Tu^T, C x C; the saving one's instead of the
+ * residual). */
 static int choose_bv(const Plan &plan, bool save, bool tu = false) {
   const GdpArgs &a = plan.a;
-  const char *env = getenv("GDP_CUDA_V3_BV");
-  if (env) {
-    const int bv = atoi(env);
-    if ((bv == 16 || bv == 32 || bv == 64) && a.V % bv == 0) return bv;
-  }
+  if (plan.value_block) return plan.value_block;
   int best = 16;
   double best_waves = INFINITY;
   for (int bv : {16, 32, 64}) {
@@ -1640,42 +1637,14 @@ static int choose_bv(const Plan &plan, bool save, bool tu = false) {
   return best;
 }
 
-/* How a prep launch runs, besides its kernel: the block order and, in the staged W/U
- * phase, which warp runs which W/U item (prep_kernel_v3 takes both as arguments; neither
- * changes a bit of the output). */
-struct PrepRun {
-  bool head_first; /* 1-D grid, heads fastest (prep_kernel_v3's head_first) */
-  bool ulo_sched;  /* the residual-aware W/U owners (prep_wu_owner_bits_ulo) where U's residual is stored */
-};
-
-/* GDP_CUDA_V3_PREP: unset = heads-first block order and the residual-aware W/U owners
- * (session 5, helper prep5; NOTES.md "The prep's block order"); =old = the chunk-first
- * order and PrepWuSched's owners (main's kernel before it, for the A/B); =oldorder /
- * =oldsched = only that one of the two back (to time them apart). */
-static PrepRun prep_run_wanted() {
-  const char *env = getenv("GDP_CUDA_V3_PREP");
-  PrepRun r = {true, true};
-  if (env && (strcmp(env, "old") == 0 || strcmp(env, "oldorder") == 0)) r.head_first = false;
-  if (env && (strcmp(env, "old") == 0 || strcmp(env, "oldsched") == 0)) r.ulo_sched = false;
-  return r;
-}
-
 /* Two warps per 16 value columns (state_ks2_kernel_v3; n = 1, 2 only), plain or saving
- * pass?  By default where choose_bv takes one-warp blocks (BV = 16: a few long sequences,
- * e.g. 1 x 32768 at H = 16, 128 blocks on 132 SMs, one warp each), unless the pair kernel's
- * exchange (and, saving, staging) buffers would fit fewer blocks per SM.
- * GDP_CUDA_V3_PASSES=old: never (the one-warp-per-tile passes); =ks2: wherever the pair
- * kernel fits at all (A/B at other shapes; not the saving pass at K = 128, BV = 64).
- * Never the saving pass with D's residual in the update (GDP_CUDA_V3_DLO=1): the pair
- * kernel does not add it (the one-warp saving pass does). */
+ * pass?  Where choose_bv takes one-warp blocks (BV = 16: a few long sequences, e.g.
+ * 1 x 32768 at H = 16, 128 blocks on 132 SMs, one warp each), unless the pair kernel's
+ * exchange (and, saving, staging) buffers would fit fewer blocks per SM.  (Wherever the
+ * pair kernel fits, at other widths too, measured slower.) */
 static bool choose_ks2(const Plan &plan, int bv, bool save, bool tu = false) {
   const GdpArgs &a = plan.a;
-  if (a.n > 2 || (save && a.d_residual)) return false;
-  static const int mode = [] {
-    const char *env = getenv("GDP_CUDA_V3_PASSES");
-    return env && !strcmp(env, "old") ? 0 : env && !strcmp(env, "ks2") ? 2 : 1;
-  }();
-  if (mode == 0 || (mode == 1 && bv != 16)) return false;
+  if (a.n > 2 || bv != 16) return false;
   /* occupancy depends only on (K, n, save, BV): asked once, then cached (benign race) */
   /* tu: the one-warp pass it is weighed against is the one that forms U itself */
   static int occ_cache[2][2][2][2][3][2] = {};
@@ -1683,155 +1652,55 @@ static bool choose_ks2(const Plan &plan, int bv, bool save, bool tu = false) {
   if (occ[0] == 0 && launch_state_v3(plan, bv, true, &occ[0], save, nullptr, nullptr, false, tu) != GDP_OK)
     occ[0] = -1;
   if (occ[1] == 0 && launch_state_v3(plan, bv, true, &occ[1], save, nullptr, nullptr, true) != GDP_OK) occ[1] = -1;
-  if (mode == 2) return occ[1] >= 1;
   return occ[1] >= 1 && occ[1] >= occ[0];
 }
 
-template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO, bool WU_STAGED, bool SPLIT, bool TU_OUT = false,
-          bool FIVE = false>
-static gdp_status launch_prep_kernel(const Plan &plan, bf16 *Tt, PrepRun run) {
-  using L = PrepLayout<K, V, C, TC, WU_STAGED, SPLIT, TU_OUT>;
-  auto kern = prep_kernel_v3<K, V, C, TC, STORE_T, STORE_ULO, WU_STAGED, SPLIT, TU_OUT, FIVE>;
+/* One prep launch.  Heads-first block order (a 1-D grid, heads fastest: the blocks of one
+ * chunk share its k, v rows in L2) and the W/U item owners that balance the warps' work:
+ * with U's residual stored, the residual-aware ones (NOTES.md "The prep's block order";
+ * neither changes a bit of the output). */
+template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO, bool TU_OUT = false, bool FIVE = false>
+static gdp_status launch_prep_kernel(const Plan &plan, bf16 *Tt) {
+  using L = PrepLayout<K, V, C, TC, true, true, TU_OUT>;
+  auto kern = prep_kernel_v3<K, V, C, TC, STORE_T, STORE_ULO, true, true, TU_OUT, FIVE>;
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
   /* four blocks of up to 54.5 KB per SM need (nearly) all of the unified L1 as shared memory */
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout,
                                     cudaSharedmemCarveoutMaxShared));
-  const uint32_t owners = TU_OUT                      ? prep_w_owner_bits<K, C>()
-                          : STORE_ULO && run.ulo_sched ? prep_wu_owner_bits_ulo<K, V, C>()
-                                                       : prep_wu_owner_bits<K, V, C>();
+  const uint32_t owners = TU_OUT      ? prep_w_owner_bits<K, C>()
+                          : STORE_ULO ? prep_wu_owner_bits_ulo<K, V, C>()
+                                      : prep_wu_owner_bits<K, V, C>();
   /* heads first needs the chunk-head count in one grid dimension (< 2^31) */
   const int64_t nblocks = (int64_t)plan.a.nchunks * plan.a.H;
-  const bool head_first = run.head_first && nblocks <= 0x7fffffff;
+  const bool head_first = nblocks <= 0x7fffffff;
   const dim3 grid = head_first ? dim3((unsigned)nblocks) : dim3((unsigned)plan.a.nchunks, (unsigned)plan.a.H);
   kern<<<grid, 128, L::total, plan.stream>>>(plan.a, Tt, owners, head_first ? 1 : 0);
   GDP_CUDA_LAUNCHED("prep_kernel_v3");
   return GDP_OK;
 }
 
-/* Which W/U phase the prep runs: the staged one by default.  On the H200 (session 4,
- * 4 x 4096, n = 2, one profiled call each) it took the prep that stores T^T and U's
- * residual from 1.00 to 0.49 ms, and the plain forward's prep from 0.50 to 0.42; the
- * staged prep with both stores was faster than the unrolled plain one at n = 1 and 3 too
- * (0.20 vs 0.22, 0.56 vs 0.59).  GDP_CUDA_V3_PREP_WU=old | new forces the unrolled |
- * staged phase (lab A/B; both give the same bits: =compare runs both and checks that
- * they do, which passed on the H200 for every lab check problem). */
-static bool prep_wu_staged_wanted() {
-  const char *env = getenv("GDP_CUDA_V3_PREP_WU");
-  return !(env && strcmp(env, "old") == 0);
-}
-
-/* Which triangular solve: the split one (prep_split_solve, four warps) by default;
- * GDP_CUDA_V3_PREP_SOLVE=rows runs the row-serial one (the kernel main had, for the A/B).
- * The split solve needs the staged W/U phase (GDP_CUDA_V3_PREP_WU=old gives the
- * row-serial solve too). */
-static bool prep_split_wanted() {
-  const char *env = getenv("GDP_CUDA_V3_PREP_SOLVE");
-  return !(env && strcmp(env, "rows") == 0);
-}
-
-/* The prep that stores Tu^T (TU_OUT) at five blocks per SM (FIVE)?  GDP_CUDA_V3_PREP_FIVE=1:
- * at every C; =0: never (four, as every other prep at C > 32); unset: where ptxas fits it
- * in 96 registers without spilling, C = 48 (n = 3; at C = 32 every prep runs five
- * already), not C = 64 (~56 bytes spilled). */
-static bool prep_five_wanted(int C) {
-  const char *env = getenv("GDP_CUDA_V3_PREP_FIVE");
-  if (env && strcmp(env, "1") == 0) return true;
-  if (env && strcmp(env, "0") == 0) return false;
-  return C == 48;
-}
-
-static bool prep_wu_compare() {
-  const char *env = getenv("GDP_CUDA_V3_PREP_WU");
-  return env && strcmp(env, "compare") == 0;
-}
-
-/* GDP_CUDA_V3_PREP_WU=compare (lab only: synchronises, copies the panels to the host):
- * the unrolled W/U phase with the row-serial solve (the reference), then the staged phase
- * with the row-serial solve, then the staged phase with the split solve (SPLIT), these
- * three in the chunk-first block order with PrepWuSched's owners, then the default kernel
- * (SPLIT) in the heads-first order with the residual-aware owners; all over the same
- * plan, every panel poisoned (all bytes 0xff: bf16 NaN) before each kernel after the
- * first, so that an element a kernel leaves unwritten cannot pass.  W, U, U's residual,
- * T^T, Kd, Qd, Pm and e^{last} must come out byte for byte the same, otherwise
- * GDP_ERR_INTERNAL names the kernel and the panel. */
-template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO>
-static gdp_status compare_prep_wu(const Plan &plan, bf16 *Tt) {
-  const GdpArgs &a = plan.a;
-  const size_t chunk_heads = (size_t)a.nchunks * (size_t)a.H;
-  constexpr int NP = 8, NK = 4;
-  const size_t bytes[NP] = {chunk_heads * C * K * 2,
-                            chunk_heads * C * V * 2,
-                            STORE_ULO ? chunk_heads * C * V * 2 : 0,
-                            STORE_T ? chunk_heads * C * C * 2 : 0,
-                            chunk_heads * C * K * 2,
-                            chunk_heads * TC * K * 2,
-                            chunk_heads * TC * C * 2,
-                            chunk_heads * 4};
-  void *panels[NP] = {a.W, a.U, a.Ulo, Tt, a.Kd, a.Qd, a.Pm, a.elast};
-  static const char *names[NP] = {"W", "U", "U's residual", "T^T", "Kd", "Qd", "Pm", "e^last"};
-  static const char *kernels[NK] = {"unrolled W/U", "staged W/U", "staged W/U with the split solve",
-                                    "the default prep (split solve, heads first, residual-aware W/U owners)"};
-  const PrepRun old_run = {false, false}, new_run = {true, true};
-  std::vector<unsigned char> ref[NP], got[NP];
-  for (int pass = 0; pass < NK; pass++) {
-    if (pass)
-      for (int i = 0; i < NP; i++)
-        if (bytes[i]) GDP_CUDA_TRY(cudaMemsetAsync(panels[i], 0xff, bytes[i], plan.stream));
-    const gdp_status st =
-        pass == 0   ? launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, false, false>(plan, Tt, old_run)
-        : pass == 1 ? launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, true, false>(plan, Tt, old_run)
-        : pass == 2 ? launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, true, true>(plan, Tt, old_run)
-                    : launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, true, true>(plan, Tt, new_run);
-    if (st != GDP_OK) return st;
-    for (int i = 0; i < NP; i++) {
-      std::vector<unsigned char> &host = pass ? got[i] : ref[i];
-      host.resize(bytes[i]);
-      if (bytes[i])
-        GDP_CUDA_TRY(cudaMemcpyAsync(host.data(), panels[i], bytes[i], cudaMemcpyDeviceToHost, plan.stream));
-    }
-    GDP_CUDA_TRY(cudaStreamSynchronize(plan.stream));
-    if (pass)
-      for (int i = 0; i < NP; i++)
-        if (bytes[i] && memcmp(ref[i].data(), got[i].data(), bytes[i]) != 0)
-          return GDP_ERROR(GDP_ERR_INTERNAL, "prep_kernel_v3<%d,%d,%d,%d>: %s and the unrolled W/U phase differ in %s",
-                           K, V, C, TC, kernels[pass], names[i]);
-  }
-  return GDP_OK;
-}
-
-template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO>
-static gdp_status launch_prep_kvt(const Plan &plan, bf16 *Tt) {
-  if (prep_wu_compare()) return compare_prep_wu<K, V, C, TC, STORE_T, STORE_ULO>(plan, Tt);
-  const PrepRun run = prep_run_wanted();
-  if (!prep_wu_staged_wanted())
-    return launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, false, false>(plan, Tt, run);
-  return prep_split_wanted() ? launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, true, true>(plan, Tt, run)
-                             : launch_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, true, false>(plan, Tt, run);
-}
-
 /* The prep for a state pass that forms U itself (plan.a.Tu set): Tu^T instead of U, no v;
- * with T^T where Tt is given (the saving forward, the recompute backward). */
+ * with T^T where Tt is given (the saving forward, the recompute backward).  At C = 48
+ * compiled for five blocks per SM (FIVE): ptxas fits it in 96 registers without spilling
+ * there; at C = 32 every prep runs five already, at C = 64 five would spill (~56 bytes). */
 template <int K, int V, int C, int TC>
 static gdp_status launch_prep_tu(const Plan &plan, bf16 *Tt) {
   if constexpr (C > V) { /* Tu^T ([C][C]) would not fit U's buffer ([C][V]) */
     return GDP_ERROR(GDP_ERR_INTERNAL, "launch_prep_v3: Tu with C %d > V %d", C, V);
   } else {
     if (plan.a.Ulo) return GDP_ERROR(GDP_ERR_INTERNAL, "launch_prep_v3: Tu with U's residual");
-    const PrepRun run = prep_run_wanted();
-    if (prep_five_wanted(C))
-      return Tt ? launch_prep_kernel<K, V, C, TC, true, false, true, true, true, true>(plan, Tt, run)
-                : launch_prep_kernel<K, V, C, TC, false, false, true, true, true, true>(plan, nullptr, run);
-    return Tt ? launch_prep_kernel<K, V, C, TC, true, false, true, true, true>(plan, Tt, run)
-              : launch_prep_kernel<K, V, C, TC, false, false, true, true, true>(plan, nullptr, run);
+    constexpr bool five = C == 48;
+    return Tt ? launch_prep_kernel<K, V, C, TC, true, false, true, five>(plan, Tt)
+              : launch_prep_kernel<K, V, C, TC, false, false, true, five>(plan, nullptr);
   }
 }
 
 template <int K, int V, int C, int TC>
 static gdp_status launch_prep_kv(const Plan &plan, bf16 *Tt) {
   if (plan.a.Tu) return launch_prep_tu<K, V, C, TC>(plan, Tt);
-  if (!Tt) return launch_prep_kvt<K, V, C, TC, false, false>(plan, nullptr);
-  return plan.a.Ulo ? launch_prep_kvt<K, V, C, TC, true, true>(plan, Tt)
-                    : launch_prep_kvt<K, V, C, TC, true, false>(plan, Tt);
+  if (!Tt) return launch_prep_kernel<K, V, C, TC, false, false>(plan, nullptr);
+  return plan.a.Ulo ? launch_prep_kernel<K, V, C, TC, true, true>(plan, Tt)
+                    : launch_prep_kernel<K, V, C, TC, true, false>(plan, Tt);
 }
 
 /* n's chunk: C steps, TC tokens (chunk_steps) */
@@ -1863,10 +1732,10 @@ GDP_V3F_DEFINE_PART_ROOTS(GDP_V3_PART_K, 3, 48, 16)
 
 #ifndef GDP_V3_PART_K /* the file's other external definitions and its entry points: in the
                        * whole file or its main part, not in a K part */
-/* Also the backward v3's recompute (gdp_bwd_v3.cu) and the saving forward, which pass Tt
- * (bf16 [C][C] per (chunk, head)) to get T^T (and U's residual, where plan.a.Ulo is set)
- * stored for the backward's kernels; the plain forward passes NULL and runs the kernel
- * without either store. */
+/* Also the backward's recompute and the saving forward, which pass Tt (bf16 [C][C] per
+ * (chunk, head)) to get T^T (and U's residual, where plan.a.Ulo is set) stored for the
+ * backward's kernels; the plain forward passes NULL and runs the kernel without either
+ * store. */
 gdp_status launch_prep_v3(const Plan &plan, bf16 *Tt) {
   /* the residual is only written by the BWD instantiation: without it, the state pass
    * that reads a.Ulo would read whatever the buffer held */
@@ -1879,51 +1748,7 @@ gdp_status launch_prep_v3(const Plan &plan, bf16 *Tt) {
   return n == 1 ? prep_k64n1(plan, Tt) : n == 2 ? prep_k64n2(plan, Tt) : prep_k64n3(plan, Tt);
 }
 
-/* How the forward's state pass gets U into D = U - W S.  Unset or =tv: the prep stores
- * Tu^T = (T diag(beta))^T (8 KB per (chunk, head) at C = 64) instead of U (16 KB; the
- * saving forward also U's residual, 16 more) and reads no v; the state pass reads Tu^T
- * and v's rows and forms U in float32 inside D's accumulator (NOTES.md "U from Tu and
- * v").  =panel: U (and, saving, its residual) through memory, as in sessions 3-8.  Where
- * the pass cannot (the two-warp pass, ks2; C > V, where Tu^T would not fit U's buffer)
- * the panel path runs.  The recompute backward's states pass too, where its value block
- * is at least C wide (gdp_bwd_v3.cu, bwd_states_kernel_v3's TU). */
-bool u_from_tv() {
-  const char *env = getenv("GDP_CUDA_V3_U");
-  return !(env && strcmp(env, "panel") == 0);
-}
-
-/* GDP_CUDA_V3_ULO=0 drops U's residual from the backward's D (lab experiments: what the
- * residual costs in the prep and the state passes, and what it buys in dg). */
-bool keep_u_residual() {
-  const char *env = getenv("GDP_CUDA_V3_ULO");
-  return !(env && strcmp(env, "0") == 0);
-}
-
-/* GDP_CUDA_V3_DLO=1 adds D's residual to the state update of the saving forward and the
- * recompute backward (NOTES.md "dg on the K = 128 golden case"). */
-bool keep_d_residual() {
-  /* opt-in on lab/next3 (GDP_CUDA_V3_DLO=1) until its first GPU run: it costs HMMAs in
-   * the state passes and trades dg's worst cases (NOTES.md "dg on the K = 128 golden
-   * case"); the next3 A/B decides its default */
-  const char *env = getenv("GDP_CUDA_V3_DLO");
-  return env && strcmp(env, "1") == 0;
-}
-
-/* bf16 problems keep their chunk states in bf16 between the kernels (gdp_fwd_v3.cuh):
- * the default since the H200 run of session 5 (saving fwd+bwd at 4x4096 n=2 2.52 -> 2.33
- * ms, lab-check errors unchanged, dg's worst 5.1e-3 -> 4.7e-3).  GDP_CUDA_V3_STATE=f32
- * keeps them in float32 for A/B.  Read once per process (not per call like the lab's
- * other switches): a saved block is sized by it at the forward and read by it at the
- * backward. */
-bool state16(const gdp_gdp_problem *p) {
-  static const bool want = [] {
-    const char *env = getenv("GDP_CUDA_V3_STATE");
-    return !(env && strcmp(env, "f32") == 0);
-  }();
-  return want && p->dtype == GDP_DTYPE_BF16;
-}
-
-SavedLayout saved_layout(const gdp_gdp_problem *p, bool state16) {
+SavedLayout saved_layout(const gdp_gdp_problem *p) {
   SavedLayout L;
   const int64_t TC = chunk_steps(p->n) / p->n;
   int64_t nchunks = 0;
@@ -1931,49 +1756,34 @@ SavedLayout saved_layout(const gdp_gdp_problem *p, bool state16) {
   const size_t CH = (size_t)nchunks * (size_t)p->H;
   L.plan = align128(plan_bytes(p, PLAN_FORWARD));
   L.o_hT = L.plan;
-  L.o_D = L.o_hT + align128(CH * (size_t)(p->V * p->K) * (state16 ? 2 : 4));
+  L.o_D = L.o_hT + align128(CH * (size_t)(p->V * p->K) * 2);
   L.o_Tt = L.o_D + align128(CH * (size_t)(chunk_steps(p->n) * p->V) * 2);
   L.total = L.o_Tt + align128(CH * (size_t)(chunk_steps(p->n) * chunk_steps(p->n)) * 2);
   return L;
 }
 
-#endif /* GDP_V3_PART_K */
-}  // namespace v3
-}  // namespace gdpcu
-
-#ifndef GDP_V3_PART_K
-
-using namespace gdpcu;
-
-extern "C" int gdp_cuda_gdp_forward_v3_supported(const gdp_gdp_problem *p, int new_prep) {
-  if (!p || !chunk_path_ok(p) || !(p->K == 64 || p->K == 128) || p->n < 1 || p->n > 3) return 0;
-  return !new_prep || p->V == 64 || p->V == 128;
+bool takes(const gdp_gdp_problem *p) {
+  return p && p->dtype == GDP_DTYPE_BF16 && (p->K == 64 || p->K == 128) && (p->V == 64 || p->V == 128) &&
+         p->n >= 1 && p->n <= 3;
 }
 
-/* The forward; saved non-NULL (variant 3's prep only): the plan lives in the caller's
- * block (saved_layout) and the state pass also stores h^T and D there. */
-static gdp_status forward_v3(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io, void *stream_, int new_prep,
-                             void *saved) {
-  GDP_TRY(validate_problem(p, "forward_v3"));
-  GDP_TRY(validate_fwd_io(p, io, "forward_v3"));
-  if (!gdp_cuda_gdp_forward_v3_supported(p, new_prep))
-    return GDP_ERROR(GDP_ERR_UNSUPPORTED,
-                     "forward_v3 takes bf16, n = 1..3, K = 64 or 128, V = 64 or 128 (a multiple of "
-                     "16 <= 128 with the old prep); got dtype %d n=%lld K=%lld V=%lld",
-                     p->dtype, (long long)p->n, (long long)p->K, (long long)p->V);
+size_t saved_bytes(const gdp_gdp_problem *p) {
+  if (!takes(p) || p->N == 0) return 0;
+  return saved_layout(p).total;
+}
+
+/* The forward; saved non-NULL: the plan lives in the caller's block (saved_layout) and the
+ * state pass also stores h^T (bf16) and D there.  The dispatch has validated p and io. */
+gdp_status forward(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io, cudaStream_t stream, void *saved) {
   if (p->N == 0) return GDP_OK;
-  cudaStream_t stream = (cudaStream_t)stream_;
   GdpArgs a = fwd_args(p, io);
   Plan plan;
   prof_begin(stream);
-  v3::SavedLayout sl = {0, 0, 0, 0, 0};
-  float *hT32 = nullptr;
+  SavedLayout sl = {0, 0, 0, 0, 0};
   bf16 *hT16 = nullptr, *Tt = nullptr;
   if (saved) {
-    const bool s16 = v3::state16(p);
-    sl = v3::saved_layout(p, s16);
-    if (s16) hT16 = (bf16 *)((char *)saved + sl.o_hT);
-    else hT32 = (float *)((char *)saved + sl.o_hT);
+    sl = saved_layout(p);
+    hT16 = (bf16 *)((char *)saved + sl.o_hT);
     Tt = (bf16 *)((char *)saved + sl.o_Tt);
   }
   gdp_status st = plan_make(p, stream, PLAN_FORWARD, a, &plan, saved, true);
@@ -1987,18 +1797,19 @@ static gdp_status forward_v3(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io,
      * in dg, NOTES.md "dg precision").  The residual has D's shape, so the prep writes it
      * into the D region itself and the SAVE state pass overwrites it chunk by chunk: a
      * block reads its columns of chunk c (cp.async, waited for) before it stores D there,
-     * and no other block touches those columns. */
+     * and no other block touches those columns.  (Where the pass forms U itself, below,
+     * there is no residual: U is never rounded.) */
     plan.a.Dbuf = (bf16 *)((char *)saved + sl.o_D);
-    if (v3::keep_u_residual()) plan.a.Ulo = plan.a.Dbuf;
-    /* the saved h must be the recompute backward's h (bwd_states_kernel_v3 adds it too) */
-    plan.a.d_residual = v3::keep_d_residual();
+    plan.a.Ulo = plan.a.Dbuf;
   }
-  /* the state pass is chosen before the prep runs: whether it forms U from Tu and v (tu)
-   * decides what the prep stores.  Tu^T ([C][C] bf16 per (chunk, head))
-   * goes into U's buffer, which the prep then does not write (C <= V: it fits). */
-  const bool tu_wanted = new_prep && v3::u_from_tv() && plan.a.C <= plan.a.V;
-  const int bv = v3::choose_bv(plan, saved != nullptr, tu_wanted);
-  const bool ks2 = v3::choose_ks2(plan, bv, saved != nullptr, tu_wanted);
+  /* The state pass is chosen before the prep runs: whether it forms U from Tu and v (tu;
+   * the one-warp pass, C <= V) decides what the prep stores.  Tu^T ([C][C] bf16 per
+   * (chunk, head)) goes into U's buffer, which the prep then does not write (C <= V: it
+   * fits).  Forming U inside D's accumulator saves U's round trip through memory
+   * (NOTES.md "U from Tu and v"). */
+  const bool tu_wanted = plan.a.C <= plan.a.V;
+  const int bv = choose_bv(plan, saved != nullptr, tu_wanted);
+  const bool ks2 = choose_ks2(plan, bv, saved != nullptr, tu_wanted);
   const bool tu = tu_wanted && !ks2;
   if (tu) {
     plan.a.Tu = plan.a.U;
@@ -2006,31 +1817,15 @@ static gdp_status forward_v3(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io,
   }
   prof_mark("fwd plan+upload", stream);
   /* saving: the prep also stores T^T for grad_wy (the recompute backward's prep does) */
-  st = new_prep ? v3::launch_prep_v3(plan, Tt) : launch_prep(plan);
-  prof_mark(new_prep ? "fwd prep v3" : "fwd prep", stream);
-  if (st == GDP_OK)
-    st = v3::launch_state_v3(plan, bv, false, nullptr, saved != nullptr, hT32, hT16, ks2, tu);
-  prof_mark(saved ? "fwd state+output v3 (saving h, D)" : "fwd state+output v3", stream);
+  st = launch_prep_v3(plan, Tt);
+  prof_mark("fwd prep", stream);
+  if (st == GDP_OK) st = launch_state_v3(plan, bv, false, nullptr, saved != nullptr, nullptr, hT16, ks2, tu);
+  prof_mark(saved ? "fwd state+output (saving h, D)" : "fwd state+output", stream);
   plan_free(&plan);
   prof_end(stream);
   return st;
 }
 
-extern "C" gdp_status gdp_cuda_gdp_forward_v3(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io,
-                                              void *stream, int new_prep) {
-  return forward_v3(p, io, stream, new_prep, nullptr);
-}
-
-extern "C" size_t gdp_cuda_gdp_v3_saved_bytes(const gdp_gdp_problem *p) {
-  if (!gdp_cuda_gdp_forward_v3_supported(p, 1) || validate_problem(p, "v3_saved_bytes") != GDP_OK) return 0;
-  return v3::saved_layout(p, v3::state16(p)).total;
-}
-
-extern "C" gdp_status gdp_cuda_gdp_forward_v3_save(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io,
-                                                   void *stream, void *saved) {
-  if (!saved)
-    return GDP_ERROR(GDP_ERR_INVALID_ARG, "forward_v3_save: saved: expected a device block of "
-                                          "gdp_cuda_gdp_v3_saved_bytes bytes, got NULL");
-  return forward_v3(p, io, stream, 1, saved);
-}
 #endif /* GDP_V3_PART_K */
+}  // namespace v3
+}  // namespace gdpcu
