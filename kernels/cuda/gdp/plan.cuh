@@ -1,11 +1,12 @@
 /*
- * gdp_chunk.cuh -- internal interface between gdp_fwd.cu and gdp_bwd.cu: the argument
- * block of the GDP kernels, the per-call plan (chunk table, workspace), and the
- * launchers the backward reuses from the forward (prep and state pass recompute).
+ * plan.cuh -- the GDP operator's CUDA internals shared by every file of kernels/cuda/gdp:
+ * the kernels' argument block, the per-call plan (chunk table, workspace), validation,
+ * and the interfaces between the stages (dispatch.cu, chunk_forward.cu,
+ * chunk_backward.cu, recurrent.cu).
  *
- * Chunkwise algorithm (DESIGN.md section 2), over the expanded stream of T*n steps,
- * chunks of C steps = TC whole tokens (C = 32, 64, 48, 64 for n = 1, 2, 3, 4), so
- * every sequence starts a chunk.  Per chunk c and head h, with kn, qn the normalised
+ * Chunkwise algorithm (docs: the design note), over the expanded stream of T*n steps,
+ * chunks of C steps = TC whole tokens (C = 32, 64, 48 for n = 1, 2, 3), so every
+ * sequence starts a chunk.  Per chunk c and head h, with kn, qn the normalised
  * keys/queries, gc the in-chunk cumulative log decay (g on step 0 of each token),
  * last = gc[C-1] and query a on step ia = a*n + n-1:
  *   A  = strictly-lower(beta_i e^{gc_i-gc_j} kn_i.kn_j),  T = (I + A)^-1
@@ -14,18 +15,48 @@
  *   Pm = scale e^{gc_ia-gc_j} qn_a.kn_j  (j <= ia)        [TC x C: query rows only]
  *   D  = U - W S,  o = Qd S + Pm D,  S <- e^{last} S + Kd^T D
  * Workspace per (chunk, head), bf16: W[C][K] U[C][V] Kd[C][K] Qd[TC][K] Pm[TC][C];
- * float elast.  The backward adds h[K][V] (S at chunk start), D[C][V], dH[K][V]
- * (gradient of S at chunk end) and dD[C][V].
+ * float elast.  The backward adds D[C][V], dD[C][V] and U's residual.
  */
-#ifndef GDP_KERNELS_CUDA_CHUNK_CUH
-#define GDP_KERNELS_CUDA_CHUNK_CUH
+#ifndef GDP_KERNELS_CUDA_GDP_PLAN_CUH
+#define GDP_KERNELS_CUDA_GDP_PLAN_CUH
 
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 
-#include "common.cuh"
-#include "gdp_cuda.h"
+#include "gdp.h"
+#include "kernel_status.h"
+#include "../gdp_cuda.h"
+
+/* Returns GDP_ERR_CUDA with the CUDA message from the enclosing gdp_status function. */
+#define GDP_CUDA_TRY(expr)                                                              \
+  do {                                                                                  \
+    cudaError_t gdp_cuda_e_ = (expr);                                                   \
+    if (gdp_cuda_e_ != cudaSuccess)                                                     \
+      return GDP_ERROR(GDP_ERR_CUDA, "%s: %s", #expr, cudaGetErrorString(gdp_cuda_e_)); \
+  } while (0)
+
+/* After a launch: configuration errors surface here, faults at the next sync. */
+#define GDP_CUDA_LAUNCHED(name)                                                           \
+  do {                                                                                    \
+    cudaError_t gdp_cuda_e_ = cudaGetLastError();                                         \
+    if (gdp_cuda_e_ != cudaSuccess)                                                       \
+      return GDP_ERROR(GDP_ERR_CUDA, "launch of %s: %s", name, cudaGetErrorString(gdp_cuda_e_)); \
+  } while (0)
+
+typedef __nv_bfloat16 bf16;
 
 namespace gdpcu {
+
+/* Stride (elements) of a padded shared-memory row of `cols` bf16 / float values. */
+__host__ __device__ constexpr int ldb16(int cols) { return cols + 8; }
+__host__ __device__ constexpr int ldf32(int cols) { return cols + 4; }
+
+/* Round a byte count up to 128 (keeps every carved shared-memory region aligned). */
+__host__ __device__ constexpr size_t align128(size_t b) { return (b + 127) & ~(size_t)127; }
+
 
 constexpr int kChunkThreads = 256; /* 8 warps in every chunk kernel */
 constexpr float kNormEps = 1e-6f;
@@ -124,6 +155,42 @@ void plan_free(Plan *plan);
 void prof_begin(cudaStream_t stream);
 void prof_mark(const char *name, cudaStream_t stream);
 void prof_end(cudaStream_t stream);
+
+namespace v3 {
+
+/* Whether the fast path takes p: bf16, n = 1..3, K and V in {64, 128}. */
+bool takes(const gdp_gdp_problem *p);
+
+/* Layout of the block a saving forward keeps (bytes): the forward plan's block
+ * (plan_bytes: chunk tables, W, U, Kd, Qd, Pm, elast) from 0, h^T bf16 [CH][V][K] from
+ * o_hT, D bf16 [CH][C][V] from o_D, T^T bf16 [CH][C][C] (the prep's, for grad_wy) from
+ * o_Tt; CH = chunks x heads.  The chunk states travel in bf16: every use of them but one
+ * is a bf16 tensor-core operand, rounded the same way either way; the exception is
+ * grad_state's <dH, h> (gate gradient), which reads the rounded values (NOTES.md "bf16
+ * chunk states": saving fwd+bwd at 4x4096 n=2 2.52 -> 2.33 ms, errors unchanged). */
+struct SavedLayout {
+  size_t plan, o_hT, o_D, o_Tt, total;
+};
+SavedLayout saved_layout(const gdp_gdp_problem *p);
+/* saved_layout(p).total; 0 where the path does not take p or there is no sequence. */
+size_t saved_bytes(const gdp_gdp_problem *p);
+
+/* The forward and backward; p and io validated, takes(p).  forward: saved non-NULL keeps
+ * the block above there.  backward: saved non-NULL reads a saving forward's block of the
+ * same problem and inputs instead of recomputing (the prep and the states pass). */
+gdp_status forward(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io, cudaStream_t stream, void *saved);
+gdp_status backward(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io, cudaStream_t stream, const void *saved);
+
+/* The prep (chunk_state_pass.cuh), also the backward's recompute: Tt non-NULL also stores T^T
+ * there (and U's residual where plan.a.Ulo is set). */
+gdp_status launch_prep_v3(const Plan &plan, bf16 *Tt);
+
+}  // namespace v3
+
+/* The recurrent kernels (gdp_fwd.cu, gdp_bwd.cu): f32 and bf16, any shape the dispatch
+ * validated.  p and io validated. */
+gdp_status forward_recurrent(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io, cudaStream_t stream);
+gdp_status backward_recurrent(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io, cudaStream_t stream);
 
 }  // namespace gdpcu
 

@@ -1,5 +1,5 @@
 /*
- * gdp_dispatch.cu -- which CUDA path runs a GDP problem, and the library's entry points.
+ * dispatch.cu -- which CUDA path runs a GDP problem, and the library's entry points.
  *
  *   path       | takes                                  | algorithm
  *   -----------+----------------------------------------+------------------------------------
@@ -15,7 +15,7 @@
  * are bf16 tensor-core kernels).  value_block (0, 16, 32, 64) forces the fast path's
  * value-block width; the recurrent kernels ignore it.
  */
-#include "gdp_fwd_v3.cuh"
+#include "plan.cuh"
 
 using namespace gdpcu;
 
@@ -121,4 +121,11 @@ extern "C" gdp_status gdp_cuda_gdp_backward_ex(const gdp_gdp_problem *p, const g
     return GDP_ERROR_IN("backward", GDP_ERR_INVALID_ARG,
                         "saved: the recurrent kernels keep nothing for the backward, got a block");
   return backward_recurrent(p, io, (cudaStream_t)stream);
+}
+
+extern "C" int gdp_cuda_gdp_supported(const gdp_gdp_problem *p) {
+  if (!p) return 0;
+  if (p->dtype != GDP_DTYPE_F32 && p->dtype != GDP_DTYPE_BF16) return 0;
+  if (p->H < 1 || p->H > 65535 || p->K < 1 || p->K > 256 || p->V < 1 || p->n < 1) return 0;
+  return 1;
 }

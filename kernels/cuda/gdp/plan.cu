@@ -1,18 +1,7 @@
 /*
- * gdp_fwd.cu -- forward of the Gated DeltaProduct operator on CUDA.
- *
- * Two paths (gdp_chunk.cuh describes the chunk algebra):
- *  - recurrent: one block per (sequence, head, 32 value columns) steps the token
- *    recurrence with the state in registers (lane = key rows, warp = 8 columns).  Exact
- *    float32 arithmetic: the path for float32 problems and for shapes the chunk path
- *    does not cover, and the simple reference the chunk path is timed against.
- *  - chunk (bf16): prep kernel, parallel over (chunk, head): l2 norm, in-chunk decays,
- *    A = K K^T, T = (I + A)^-1 by blocked substitution, W, U, and the query-row-only
- *    panels Qd, Pm; then a state-pass kernel, sequential over the chunks of a sequence
- *    and parallel over (sequence, head, value block), that fuses D = U - W S, the
- *    output of the query rows (only step n-1 of a token has a query, so the other rows
- *    are never computed) and the state update, with the next chunk's panels loaded
- *    asynchronously while the current one is computed.
+ * plan.cu -- host side shared by both CUDA paths: validation of a problem and its
+ * buffers, the kernels' argument blocks, small-table uploads through pinned staging,
+ * stream-ordered workspaces, the chunk plan, and the optional per-kernel timing.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -22,7 +11,7 @@
 #include <mutex>
 #include <vector>
 
-#include "gdp_fwd_v3.cuh"
+#include "plan.cuh"
 
 namespace gdpcu {
 
@@ -137,106 +126,63 @@ gdp_status upload_cu_seqlens(const gdp_gdp_problem *p, long long *dst, cudaStrea
   return upload_async(dst, cu.data(), cu.size() * sizeof(long long), stream);
 }
 
-/* ------------------------------------------------------------------ recurrent forward */
-
-/* Block: 4 warps x 8 value columns = 32 columns; lane l holds key rows l, l+32, ...
- * (RPT of them).  Every reduction over the key axis is a warp sum. */
-template <typename T, int RPT>
-__global__ __launch_bounds__(128) void rec_fwd_kernel(GdpArgs a) {
-  const int s = blockIdx.x, h = blockIdx.y;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int c0 = blockIdx.z * 32 + warp * 8;
-  const int H = a.H, K = a.K, V = a.V, n = a.n;
-  const T *q = (const T *)a.q, *k = (const T *)a.k, *v = (const T *)a.v, *g = (const T *)a.g,
-          *beta = (const T *)a.beta;
-  T *o = (T *)a.o;
-  const int64_t state_off = ((int64_t)s * H + h) * K * V;
-  float S[RPT][8];
-#pragma unroll
-  for (int i = 0; i < RPT; i++)
-#pragma unroll
-    for (int cc = 0; cc < 8; cc++) {
-      const int r = lane + 32 * i, c = c0 + cc;
-      S[i][cc] = (a.h0 && r < K && c < V) ? a.h0[state_off + (int64_t)r * V + c] : 0.f;
-    }
-  const long long bos = a.cu[s], eos = a.cu[s + 1];
-  for (long long t = bos; t < eos; t++) {
-    if (g) {
-      const float d = __expf(to_f(g[t * H + h]));
-#pragma unroll
-      for (int i = 0; i < RPT; i++)
-#pragma unroll
-        for (int cc = 0; cc < 8; cc++) S[i][cc] *= d;
-    }
-    for (int j = 0; j < n; j++) {
-      const int64_t row = (t * n + j) * H + h;
-      float kr[RPT], ss = 0.f;
-#pragma unroll
-      for (int i = 0; i < RPT; i++) {
-        const int r = lane + 32 * i;
-        kr[i] = r < K ? to_f(k[row * K + r]) : 0.f;
-        ss += kr[i] * kr[i];
-      }
-      if (a.l2norm) {
-        const float inv = rsqrtf(warp_sum(ss) + kNormEps);
-#pragma unroll
-        for (int i = 0; i < RPT; i++) kr[i] *= inv;
-      }
-      const float b = to_f(beta[row]);
-      float u[8];
-#pragma unroll
-      for (int cc = 0; cc < 8; cc++) {
-        float acc = 0.f;
-#pragma unroll
-        for (int i = 0; i < RPT; i++) acc += S[i][cc] * kr[i];
-        u[cc] = warp_sum(acc);
-      }
-#pragma unroll
-      for (int cc = 0; cc < 8; cc++) {
-        const int c = c0 + cc;
-        const float vv = c < V ? to_f(v[row * V + c]) : 0.f;
-        const float d = b * (vv - u[cc]);
-#pragma unroll
-        for (int i = 0; i < RPT; i++) S[i][cc] += kr[i] * d;
-      }
-    }
-    const int64_t qrow = t * H + h;
-    float qr[RPT], ss = 0.f;
-#pragma unroll
-    for (int i = 0; i < RPT; i++) {
-      const int r = lane + 32 * i;
-      qr[i] = r < K ? to_f(q[qrow * K + r]) : 0.f;
-      ss += qr[i] * qr[i];
-    }
-    const float qs = a.l2norm ? a.scale * rsqrtf(warp_sum(ss) + kNormEps) : a.scale;
-#pragma unroll
-    for (int cc = 0; cc < 8; cc++) {
-      float acc = 0.f;
-#pragma unroll
-      for (int i = 0; i < RPT; i++) acc += S[i][cc] * qr[i];
-      acc = warp_sum(acc) * qs;
-      if (lane == cc && c0 + cc < V) o[qrow * V + c0 + cc] = from_f<T>(acc);
-    }
-  }
-  if (a.ht) {
-#pragma unroll
-    for (int i = 0; i < RPT; i++)
-#pragma unroll
-      for (int cc = 0; cc < 8; cc++) {
-        const int r = lane + 32 * i, c = c0 + cc;
-        if (r < K && c < V) a.ht[state_off + (int64_t)r * V + c] = S[i][cc];
-      }
-  }
+gdp_status validate_bwd_io(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io, const char *what) {
+  if (!io) return GDP_ERROR(GDP_ERR_INVALID_ARG, "%s: io is NULL", what);
+  if (p->T_total > 0 && (!io->q || !io->k || !io->v || !io->beta || !io->d_o || !io->dq || !io->dk ||
+                         !io->dv || !io->dbeta))
+    return GDP_ERROR(GDP_ERR_INVALID_ARG, "%s: q, k, v, beta, d_o, dq, dk, dv and dbeta must be non-NULL", what);
+  if ((io->g == NULL) != (io->dg == NULL))
+    return GDP_ERROR(GDP_ERR_INVALID_ARG, "%s: dg must be given exactly when g is (g %s, dg %s)",
+                     what, io->g ? "set" : "NULL", io->dg ? "set" : "NULL");
+  return GDP_OK;
 }
 
-template <typename T>
-static gdp_status launch_rec_fwd(const GdpArgs &a, int64_t N, cudaStream_t stream) {
-  const dim3 grid((unsigned)N, (unsigned)a.H, (unsigned)((a.V + 31) / 32));
-  if (a.K <= 64) rec_fwd_kernel<T, 2><<<grid, 128, 0, stream>>>(a);
-  else if (a.K <= 128) rec_fwd_kernel<T, 4><<<grid, 128, 0, stream>>>(a);
-  else rec_fwd_kernel<T, 8><<<grid, 128, 0, stream>>>(a);
-  GDP_CUDA_LAUNCHED("rec_fwd_kernel");
-  return GDP_OK;
+GdpArgs bwd_args(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io) {
+  GdpArgs a;
+  memset(&a, 0, sizeof a);
+  a.q = io->q;
+  a.k = io->k;
+  a.v = io->v;
+  a.g = io->g;
+  a.beta = io->beta;
+  a.h0 = (const float *)io->h0;
+  a.d_o = io->d_o;
+  a.dht = (const float *)io->dht;
+  a.dq = io->dq;
+  a.dk = io->dk;
+  a.dv = io->dv;
+  a.dbeta = io->dbeta;
+  a.dg = io->dg;
+  a.dh0 = (float *)io->dh0;
+  a.H = (int)p->H;
+  a.K = (int)p->K;
+  a.V = (int)p->V;
+  a.n = (int)p->n;
+  a.l2norm = p->l2norm_in_kernel;
+  a.scale = (float)p->scale;
+  a.N = (int)p->N;
+  return a;
+}
+
+GdpArgs fwd_args(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io) {
+  GdpArgs a;
+  memset(&a, 0, sizeof a);
+  a.q = io->q;
+  a.k = io->k;
+  a.v = io->v;
+  a.g = io->g;
+  a.beta = io->beta;
+  a.h0 = (const float *)io->h0;
+  a.o = io->o;
+  a.ht = (float *)io->ht;
+  a.H = (int)p->H;
+  a.K = (int)p->K;
+  a.V = (int)p->V;
+  a.n = (int)p->n;
+  a.l2norm = p->l2norm_in_kernel;
+  a.scale = (float)p->scale;
+  a.N = (int)p->N;
+  return a;
 }
 
 /* ------------------------------------------------------------------ plan */
@@ -357,7 +303,7 @@ void plan_free(Plan *plan) {
   plan->block = nullptr;
 }
 
-/* ------------------------------------------------------------------ profiling (lab only) */
+/* ------------------------------------------------------------------ profiling (GDP_CUDA_PROFILE) */
 
 namespace {
 struct ProfEntry {
@@ -414,6 +360,7 @@ void prof_end(cudaStream_t stream) {
 
 }  // namespace gdpcu
 
+
 extern "C" void gdp_cuda_gdp_profile_dump(FILE *out, double divide_by) {
   std::lock_guard<std::mutex> lock(gdpcu::g_prof.mu);
   for (auto &e : gdpcu::g_prof.table)
@@ -422,47 +369,3 @@ extern "C" void gdp_cuda_gdp_profile_dump(FILE *out, double divide_by) {
 }
 
 using namespace gdpcu;
-
-/* ------------------------------------------------------------------ entry points */
-
-extern "C" int gdp_cuda_gdp_supported(const gdp_gdp_problem *p) {
-  if (!p) return 0;
-  if (p->dtype != GDP_DTYPE_F32 && p->dtype != GDP_DTYPE_BF16) return 0;
-  if (p->H < 1 || p->H > 65535 || p->K < 1 || p->K > 256 || p->V < 1 || p->n < 1) return 0;
-  return 1;
-}
-
-GdpArgs gdpcu::fwd_args(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io) {
-  GdpArgs a;
-  memset(&a, 0, sizeof a);
-  a.q = io->q;
-  a.k = io->k;
-  a.v = io->v;
-  a.g = io->g;
-  a.beta = io->beta;
-  a.h0 = (const float *)io->h0;
-  a.o = io->o;
-  a.ht = (float *)io->ht;
-  a.H = (int)p->H;
-  a.K = (int)p->K;
-  a.V = (int)p->V;
-  a.n = (int)p->n;
-  a.l2norm = p->l2norm_in_kernel;
-  a.scale = (float)p->scale;
-  a.N = (int)p->N;
-  return a;
-}
-
-gdp_status gdpcu::forward_recurrent(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io, cudaStream_t stream) {
-  if (p->N == 0) return GDP_OK;
-  GdpArgs a = fwd_args(p, io);
-  void *cu = nullptr;
-  GDP_TRY(device_alloc(&cu, ((size_t)p->N + 1) * sizeof(long long), stream));
-  gdp_status st = upload_cu_seqlens(p, (long long *)cu, stream);
-  a.cu = (const long long *)cu;
-  if (st == GDP_OK)
-    st = p->dtype == GDP_DTYPE_BF16 ? launch_rec_fwd<bf16>(a, p->N, stream)
-                                    : launch_rec_fwd<float>(a, p->N, stream);
-  cudaFreeAsync(cu, stream);
-  return st;
-}
