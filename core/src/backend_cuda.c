@@ -143,11 +143,6 @@ static void destroy_state(gdp_ctx *ctx, cuda_state *st) {
   free(st);
 }
 
-static int env_flag(const char *name) {
-  const char *v = getenv(name);
-  return v && *v && strcmp(v, "0") != 0;
-}
-
 static gdp_status init_state(gdp_ctx *ctx, cuda_state *st) {
   int dev = ctx->index;
   GDP_CUDA_TRY(cudaSetDevice(dev));
@@ -167,7 +162,7 @@ static gdp_status init_state(gdp_ctx *ctx, cuda_state *st) {
   GDP_CUDA_TRY(cudaMalloc((void **)&st->reduce_workspace,
                           GDP_CUDA_REDUCE_WORKSPACE * sizeof(double)));
   GDP_CUDA_TRY(cudaMallocHost((void **)&st->reduce_result, sizeof(double)));
-  st->sync_every_op = env_flag("GDP_SYNC_EVERY_OP");
+  st->sync_every_op = gdp_debug_sync_every_op();
   snprintf(st->last_op, sizeof st->last_op, "none");
   return GDP_OK;
 }

@@ -17,40 +17,30 @@
 extern "C" {
 #endif
 
-/* The library's entry points (gdp_dispatch.cu): pick a variant for the problem and
- * its algorithm (AUTO, CHUNK, RECURRENT), see the table there. */
+/* The library's entry points (gdp_dispatch.cu): the fast chunked path (bf16, n = 1..3,
+ * K and V in {64, 128}) or the recurrent kernels, by the problem and its algorithm
+ * (AUTO, CHUNK, RECURRENT; the table there).  A problem's chunk_size is 0 or the fast
+ * path's own chunk (32, 64, 48 steps for n = 1, 2, 3), else GDP_ERR_INVALID_ARG; its
+ * value_block 0 or 16, 32, 64. */
 gdp_status gdp_cuda_gdp_forward(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io,
                                 void *stream);
 gdp_status gdp_cuda_gdp_backward(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io,
                                  void *stream);
 
-/* Save for backward.  gdp_cuda_gdp_save_plan: the variant that runs p (1, 2 or 3; the
- * same choice as the entry points above; variant 3 with bf16 kept states,
- * GDP_CUDA_V3_STATE=bf16, reads 3 | 0x100) and the device bytes its forward keeps for the
- * backward (0: that variant keeps nothing and its backward recomputes).
+/* Save for backward.  gdp_cuda_gdp_save_plan: the path that runs p (a code: 1 recurrent,
+ * 3 fast; the same choice as the entry points above) and the device bytes its forward
+ * keeps for the backward (0: that path keeps nothing and its backward recomputes).
  * gdp_cuda_gdp_forward_ex: the forward; saved non-NULL (a block of those bytes on the
  * stream's device, 128-byte aligned) keeps what the backward needs there.
- * gdp_cuda_gdp_backward_ex: the backward; saved_variant is the forward's variant code
- * (GDP_ERR_INVALID_ARG when this call would choose another variant; the 0x100 bit tells
- * the format of the kept states), saved its block or NULL
- * (recompute).  The block belongs to the very inputs of the forward (not checked). */
+ * gdp_cuda_gdp_backward_ex: the backward; saved_variant is the forward's path code
+ * (GDP_ERR_INVALID_ARG when this call would choose another path), saved its block or
+ * NULL (recompute).  The block belongs to the very inputs of the forward (not checked). */
 gdp_status gdp_cuda_gdp_save_plan(const gdp_gdp_problem *p, int *variant, size_t *bytes);
 gdp_status gdp_cuda_gdp_forward_ex(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io, void *stream,
                                    void *saved);
 gdp_status gdp_cuda_gdp_backward_ex(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io, void *stream,
                                     int saved_variant, const void *saved);
 
-/* The variants themselves (same contracts; the lab calls them directly).  Each returns
- * GDP_ERR_UNSUPPORTED for a problem it does not take.  Variant 3's entry points are in
- * gdp_fwd_v3.cuh and gdp_bwd_v3.cuh. */
-gdp_status gdp_cuda_gdp_forward_recurrent(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io,
-                                          void *stream);
-gdp_status gdp_cuda_gdp_backward_recurrent(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io,
-                                           void *stream);
-gdp_status gdp_cuda_gdp_forward_v2(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io,
-                                   void *stream);
-gdp_status gdp_cuda_gdp_backward_v2(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io,
-                                    void *stream);
 /* 1 when the CUDA kernels handle this problem (sizes, dtype), else 0 with no error. */
 int gdp_cuda_gdp_supported(const gdp_gdp_problem *p);
 

@@ -1,19 +1,202 @@
 /*
- * gdp_v3_stage.cuh -- the per-warp shared-memory staging of variant 3's state passes
- * (gdp_fwd_v3.cu's state pass, gdp_bwd_v3.cu's recompute and reverse passes): the
- * transposed chunk states h^T / dH^T (float32, or bf16 with GDP_CUDA_V3_STATE=bf16) and
- * the D / dD tiles go from mma fragments to a warp's staging buffer and out as whole-row
- * 16-byte stores, and the chunk panels come in (copy_panel_full).  One definition for
- * both files (they had grown identical copies).
+ * fragments.cuh -- the device helpers every GDP chunk kernel shares: dtype access, warp
+ * reductions, 16-byte asynchronous copies, the WMMA tile product, the raw PTX wrappers
+ * (ldmatrix, mma.sync m16n8k16 bf16 -> f32, bf16x2 packing; each comment gives the
+ * fragment layout the kernels' index algebra relies on), and the per-warp shared-memory
+ * staging of the state passes: the transposed chunk states h^T / dH^T and the D / dD
+ * tiles go from mma fragments to a warp's staging buffer and out as whole-row 16-byte
+ * stores, and the chunk panels come in (copy_panel_full).
  */
-#ifndef GDP_KERNELS_CUDA_V3_STAGE_CUH
-#define GDP_KERNELS_CUDA_V3_STAGE_CUH
+#ifndef GDP_KERNELS_CUDA_GDP_FRAGMENTS_CUH
+#define GDP_KERNELS_CUDA_GDP_FRAGMENTS_CUH
 
+#include <mma.h>
 #include <stdint.h>
 
-#include "gdp_chunk.cuh"
-#include "mma_sm90.cuh"
-#include "wgmma_sm90.cuh"
+#include "plan.cuh"
+
+namespace gdpcu {
+
+/* ------------------------------------------------------------------ dtype access */
+
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(bf16 x) { return __bfloat162float(x); }
+template <typename T> __device__ __forceinline__ T from_f(float x);
+template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ bf16 from_f<bf16>(float x) { return __float2bfloat16(x); }
+
+/* ------------------------------------------------------------------ reductions */
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+/* ------------------------------------------------------------------ async copies */
+
+__device__ __forceinline__ uint32_t smem_addr(const void *p) {
+  return (uint32_t)__cvta_generic_to_shared(p);
+}
+/* 16 bytes global -> shared; zero-filled (nothing read) when !pred. */
+__device__ __forceinline__ void cp_async16(void *dst, const void *src, bool pred) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)),
+               "l"(src), "r"(pred ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+/* rows x cols bf16 tile (cols % 8 == 0) from global (row stride gld elements) to
+ * shared (row stride sld); rows >= valid_rows are zero-filled.  All threads help. */
+__device__ __forceinline__ void load_tile_async(bf16 *dst, int sld, const bf16 *src, int64_t gld,
+                                                int rows, int cols, int valid_rows) {
+  const int per_row = cols / 8;
+  for (int e = threadIdx.x; e < rows * per_row; e += blockDim.x) {
+    const int r = e / per_row, c8 = (e % per_row) * 8;
+    const bool ok = r < valid_rows;
+    cp_async16(dst + r * sld + c8, ok ? (const void *)(src + (int64_t)r * gld + c8) : (const void *)src,
+               ok);
+  }
+}
+
+/* Each warp loads rows warp, warp+8, ... (R of them, rows >= nvalid read as 0) of `cols`
+ * (<= 128) bf16 values, x[r][m] = element lane + 32 m.  Fully unrolled, so every load
+ * is in flight before the first use: one memory latency instead of R. */
+template <int R>
+__device__ __forceinline__ void warp_load_rows(const bf16 *base, int64_t row_stride, int nvalid,
+                                               int cols, float (&x)[R][4]) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int r = 0; r < R; r++) {
+    const int i = warp + 8 * r;
+#pragma unroll
+    for (int m = 0; m < 4; m++) {
+      const int e = lane + 32 * m;
+      x[r][m] = (i < nvalid && e < cols) ? __bfloat162float(base[(int64_t)i * row_stride + e]) : 0.f;
+    }
+  }
+}
+
+/* ------------------------------------------------------------------ tile products */
+
+namespace wmma = nvcuda::wmma;
+typedef wmma::fragment<wmma::accumulator, 16, 16, 16, float> FragC;
+
+/* c += op(A)[tm-th 16 rows, :K] * op(B)[:K, tn-th 16 cols].
+ * A: !TA: M x K row-major (lda);  TA: stored K x M row-major (we use A^T).
+ * B: !TB: K x N row-major (ldb);  TB: stored N x K row-major (we use B^T).
+ * Shared-memory strides are padded by 8 bf16 so ldmatrix rows fall in distinct banks;
+ * every base must be 32-byte aligned and K a multiple of 16. */
+template <bool TA, bool TB>
+__device__ __forceinline__ void frag_mac(FragC &c, const bf16 *A, int lda, const bf16 *B, int ldb,
+                                         int tm, int tn, int K) {
+  typedef typename std::conditional<TA, wmma::col_major, wmma::row_major>::type LA;
+  typedef typename std::conditional<TB, wmma::col_major, wmma::row_major>::type LB;
+  wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, LA> a;
+  wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, LB> b;
+  for (int k = 0; k < K; k += 16) {
+    const bf16 *pa = TA ? A + (int64_t)k * lda + tm * 16 : A + (int64_t)tm * 16 * lda + k;
+    const bf16 *pb = TB ? B + (int64_t)tn * 16 * ldb + k : B + (int64_t)k * ldb + tn * 16;
+    wmma::load_matrix_sync(a, pa, lda);
+    wmma::load_matrix_sync(b, pb, ldb);
+    wmma::mma_sync(c, a, b, c);
+  }
+}
+
+/* Hands a finished 16x16 tile to epi(row, col, value), element by element, through a
+ * per-warp float staging tile (16 x 20, 32-byte aligned). */
+template <class Epi>
+__device__ __forceinline__ void frag_epilogue(const FragC &c, float *stage, int tm, int tn,
+                                              Epi &&epi) {
+  wmma::store_matrix_sync(stage, c, 20, wmma::mem_row_major);
+  __syncwarp();
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int e = lane; e < 256; e += 32) epi(tm * 16 + (e >> 4), tn * 16 + (e & 15), stage[(e >> 4) * 20 + (e & 15)]);
+  __syncwarp();
+}
+
+/* ------------------------------------------------------------------ launch order
+ * griddepcontrol (programmatic dependent launch): no-ops, since no kernel is launched
+ * with the programmatic-serialization attribute (measured: it bought nothing, the
+ * launches were already queued ahead of the GPU).  The kernels keep the instructions so
+ * that their code stays the measured code. */
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+__device__ __forceinline__ void pdl_launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+
+}  // namespace gdpcu
+
+/* ------------------------------------------------------------------ PTX wrappers */
+
+namespace gdpcu {
+
+/* Four 8x8 bf16 matrices; lanes 8i..8i+7 give the row addresses of matrix i.  Thread t
+ * receives, of matrix i, row t/4 columns 2(t%4), 2(t%4)+1 (register i). */
+__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t &r0, uint32_t &r1, uint32_t &r2,
+                                        uint32_t &r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+/* Same, transposed: thread t receives rows 2(t%4), 2(t%4)+1 of column t/4. */
+__device__ __forceinline__ void ldsm_x4_t(uint32_t addr, uint32_t &r0, uint32_t &r1, uint32_t &r2,
+                                          uint32_t &r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+/* d += A (16x16, row) * B (16x8, col), bf16 in, float32 accumulate. */
+__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+/* Two floats -> bf16x2, the first in the low half (the lower column index). */
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t *>(&v);
+}
+__device__ __forceinline__ float2 unpack_bf16(uint32_t v) {
+  __nv_bfloat162 b = *reinterpret_cast<__nv_bfloat162 *>(&v);
+  return __bfloat1622float2(b);
+}
+/* One row of a warp's 16 x 8NT accumulator tile, as bf16, to memory, 8 bytes a lane
+ * (st_row_pairs; st_pair_x8 stores one pair of 8-column blocks): w[nt] is this lane's
+ * packed pair (columns 8 nt + 2 tig, + 1).  Lanes tig and tig ^ 1 swap one word
+ * per pair of 8-column blocks, so that the even lane holds four consecutive columns of block
+ * p and the odd lane four of block p + 1: the row's 32 bytes in one store instruction (whole
+ * 32-byte sectors) instead of 16 bytes in each of two, half the store instructions.  Every
+ * lane of the warp (of `lanes`) must call it (the shuffles); `ok` predicates the stores only.  row:
+ * column 0 of the tile in this lane's row, 8-byte aligned. */
+__device__ __forceinline__ void st_pair_x8(__nv_bfloat16 *row, int p, uint32_t wp, uint32_t wq, int tig, bool ok,
+                                           unsigned lanes = 0xffffffffu) {
+  /* blocks p and p + 1 (p even): wp, wq this lane's words of the two; lanes: the lanes that
+   * call it (a lane's partner tig ^ 1 is in its row, so in or out with it) */
+  const bool odd = tig & 1;
+  const uint32_t got = __shfl_xor_sync(lanes, odd ? wp : wq, 1);
+  if (ok)
+    *reinterpret_cast<uint2 *>(row + p * 8 + (odd ? 8 + 2 * (tig - 1) : 2 * tig)) =
+        odd ? make_uint2(got, wq) : make_uint2(wp, got);
+}
+template <int NT>
+__device__ __forceinline__ void st_row_pairs(__nv_bfloat16 *row, const uint32_t (&w)[NT], int tig, bool ok) {
+  static_assert(NT % 2 == 0, "pairs of 8-column blocks");
+#pragma unroll
+  for (int p = 0; p < NT; p += 2) st_pair_x8(row, p, w[p], w[p + 1], tig, ok);
+}
+
+}  // namespace gdpcu
+
+
+/* ------------------------------------------------------------------ state staging */
+
+#include "../wgmma_sm90.cuh" /* SW128 panel offsets (copy_panel_sw128; grad_wy's wgmma form) */
 
 namespace gdpcu {
 namespace v3 {
@@ -134,7 +317,7 @@ __device__ __forceinline__ void neg_u_from_panel(float (&Dt)[2 * NJ][4], uint32_
  * sV (row stride ldB elements) give the A fragments of V^T by ldmatrix.trans at
  * (urow, ucol), negated by their sign bits (exact); Tu^T [m][j] at sTu (row stride ldC) is
  * the transposed-B operand at (trow, tcol); Tu[j][m] = 0 for m > j, so those tiles are
- * skipped.  Both state_kernel_v3 (gdp_fwd_v3.cu) and bwd_states_kernel_v3 (gdp_bwd_v3.cu). */
+ * skipped.  Both state_kernel_v3 (chunk_state_pass.cuh) and bwd_states_kernel_v3 (chunk_backward.cu). */
 template <int C>
 __device__ __forceinline__ void neg_u_from_tu_v(float (&Dt)[C / 8][4], uint32_t sV, uint32_t sTu, int ldB, int ldC,
                                                 int urow, int ucol, int trow, int tcol) {
@@ -282,7 +465,7 @@ __device__ __forceinline__ void stage_dfrags(unsigned char *stage0, bf16 *g, int
 
 /* The l2 norm of a row spread over LPR lanes, one 16-byte chunk (8 bf16) a lane: x gets the
  * chunk as floats; returns 1 / sqrt(|row|^2 + eps) (1 without l2norm).  The forward prep and
- * grad_wy (gdp_bwd_v3.cu) both normalise k with it, so their kn are the same bits. */
+ * grad_wy (chunk_backward.cu) both normalise k with it, so their kn are the same bits. */
 template <int LPR>
 __device__ __forceinline__ float row_l2_inv(uint4 raw, float (&x)[8], bool l2norm) {
   const uint32_t w4[4] = {raw.x, raw.y, raw.z, raw.w};
@@ -303,4 +486,4 @@ __device__ __forceinline__ float row_l2_inv(uint4 raw, float (&x)[8], bool l2nor
 }  // namespace v3
 }  // namespace gdpcu
 
-#endif /* GDP_KERNELS_CUDA_V3_STAGE_CUH */
+#endif

@@ -1,0 +1,573 @@
+/*
+ * chunk_backward.cu -- the fast path's backward: the launchers of its passes, their
+ * host-side choices (value-block width, the fork of the two sequential passes), and the
+ * entry points, recompute and saved (plan.cuh).  Compiled in parts like
+ * chunk_forward.cu, one per (K, V) (GDP_PART_K, GDP_PART_V).
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <mutex>
+
+#include "chunk_state_recompute.cuh"
+#include "chunk_dstate.cuh"
+#include "chunk_grad_state.cuh"
+#include "chunk_grad_wy.cuh"
+
+namespace gdpcu {
+namespace v3b {
+
+/* ------------------------------------------------------------------ host side */
+
+template <class Kern>
+static gdp_status occupancy(Kern kern, int threads, int smem, int *blocks_per_sm) {
+  GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  GDP_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, kern, threads, smem));
+  return GDP_OK;
+}
+
+/* The two sequential passes at the largest shared-memory carveout.  An SM's carveout is
+ * set when a block starts on an idle SM and cannot change while one runs there; left to
+ * the driver, a states block could start on an SM at a carveout with no room for a
+ * dstate block beside it, so the forked passes (launch_state_passes) would run one after
+ * the other on that SM.  H200, 1 x 32768 n = 3 forked without this: 11.0 or 13.6 ms
+ * fwd+bwd from one process to the next (unforked 13.4). */
+template <class Kern>
+static cudaError_t seq_carveout(Kern kern) {
+  return cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
+}
+
+template <int K, int V, int C, int BV>
+static gdp_status launch_states(const Plan &plan, float *f32, bf16 *b16) {
+  const GdpArgs &a = plan.a;
+  const dim3 grid((unsigned)a.N, (unsigned)a.H, (unsigned)(a.V / BV));
+  constexpr int threads = BV / 16 * 32;
+  auto kern = b16 ? bwd_states_kernel_v3<K, V, C, BV, true, true> : bwd_states_kernel_v3<K, V, C, BV, false, true>;
+  if (a.Tu) { /* U from Tu and v (the prep stored Tu^T instead of U): BV >= C */
+    if constexpr (BV >= C) {
+      kern = b16 ? bwd_states_kernel_v3<K, V, C, BV, true, true, true> : bwd_states_kernel_v3<K, V, C, BV, false, true, true>;
+    } else {
+      return GDP_ERROR(GDP_ERR_INTERNAL, "bwd_states_kernel_v3: U from Tu and v needs BV %d >= C %d", BV, C);
+    }
+  }
+  constexpr int smem = StatesLayout<K, C, BV>::total;
+  GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  GDP_CUDA_TRY(seq_carveout(kern));
+  kern<<<grid, dim3(threads), smem, plan.stream>>>(a, f32, b16);
+  GDP_CUDA_LAUNCHED("bwd_states_kernel_v3");
+  return GDP_OK;
+}
+
+/* two (fork_mode 2): the 2-stage kernel with bf16-only staging, for a fork of the two
+ * passes where only it fits beside a states block; else the 3-stage one. */
+template <int K, int V, int C, int TC, int BV>
+static gdp_status launch_dstate(const Plan &plan, float *f32, bf16 *b16, bool two) {
+  const GdpArgs &a = plan.a;
+  const dim3 grid((unsigned)a.N, (unsigned)a.H, (unsigned)(a.V / BV));
+  constexpr int threads = BV / 16 * 32;
+  if (two) {
+    if (!b16) return GDP_ERROR(GDP_ERR_INTERNAL, "dstate_kernel_v3: 2 stages need bf16 states");
+    auto kern2 = dstate_kernel_v3<K, V, C, TC, BV, true, true, 2>;
+    constexpr int smem2 = DStateLayout<K, C, TC, BV, 2, true>::total;
+    GDP_CUDA_TRY(cudaFuncSetAttribute(kern2, cudaFuncAttributeMaxDynamicSharedMemorySize, smem2));
+    GDP_CUDA_TRY(seq_carveout(kern2));
+    kern2<<<grid, dim3(threads), smem2, plan.stream>>>(a, f32, b16, (int *)nullptr);
+    GDP_CUDA_LAUNCHED("dstate_kernel_v3 (2 stages)");
+    return GDP_OK;
+  }
+  auto kern = b16 ? dstate_kernel_v3<K, V, C, TC, BV, true, true> : dstate_kernel_v3<K, V, C, TC, BV, false, true>;
+  constexpr int smem = DStateLayout<K, C, TC, BV>::total;
+  GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  GDP_CUDA_TRY(seq_carveout(kern));
+  kern<<<grid, dim3(threads), smem, plan.stream>>>(a, f32, b16, (int *)nullptr);
+  GDP_CUDA_LAUNCHED("dstate_kernel_v3");
+  return GDP_OK;
+}
+
+/* One launch of either sequential kernel at value-block width BV (dry_run: occupancy of
+ * the dstate kernel only, the larger of the two; its float32-states instantiation, the
+ * one the measured choices were made with -- same shared memory).  f32 / b16: the
+ * transposed copy of h (states) or dH (dstate) for the gradient kernels, float32 or
+ * bf16. */
+template <int K, int V, int C, int TC, int BV>
+static gdp_status launch_seq_bv(const Plan &plan, bool states, bool dry_run, int *occ, float *f32, bf16 *b16,
+                                bool two) {
+  constexpr int threads = BV / 16 * 32;
+  if (dry_run) return occupancy(dstate_kernel_v3<K, V, C, TC, BV>, threads, DStateLayout<K, C, TC, BV>::total, occ);
+  if (states) return launch_states<K, V, C, BV>(plan, f32, b16);
+  return launch_dstate<K, V, C, TC, BV>(plan, f32, b16, two);
+}
+
+template <int K, int V, int C, int TC>
+static gdp_status launch_seq_k(const Plan &plan, int bv, bool states, bool dry_run, int *occ, float *f32,
+                               bf16 *b16, bool two) {
+  switch (bv) {
+    case 64: return launch_seq_bv<K, V, C, TC, 64>(plan, states, dry_run, occ, f32, b16, two);
+    case 32: return launch_seq_bv<K, V, C, TC, 32>(plan, states, dry_run, occ, f32, b16, two);
+    default: return launch_seq_bv<K, V, C, TC, 16>(plan, states, dry_run, occ, f32, b16, two);
+  }
+}
+
+template <int K, int V>
+static gdp_status launch_seq_n(const Plan &plan, int bv, bool states, bool dry_run, int *occ, float *f32,
+                               bf16 *b16, bool two) {
+  if (plan.a.n == 1) return launch_seq_k<K, V, 32, 32>(plan, bv, states, dry_run, occ, f32, b16, two);
+  if (plan.a.n == 2) return launch_seq_k<K, V, 64, 32>(plan, bv, states, dry_run, occ, f32, b16, two);
+  return launch_seq_k<K, V, 48, 16>(plan, bv, states, dry_run, occ, f32, b16, two);
+}
+
+/* The (K, V) roots: every kernel of this file is instantiated through these three, one set
+ * per (K, V); the dispatchers below call them by name.  Defined at the end of the
+ * namespace: all four sets here when the file is compiled whole, one set per part file
+ * when it is compiled in parts (chunk_forward.cu's header). */
+#define GDP_V3B_DECLARE_ROOTS(K, V)                                                                             \
+  gdp_status seq_k##K##v##V(const Plan &plan, int bv, bool states, bool dry_run, int *occ, float *f32, bf16 *b16, \
+                            bool two);                                                                          \
+  gdp_status grad_k##K##v##V(const Plan &plan, const GradStateOut &go, bool wy);                                \
+  gdp_status pair_k##K##v##V(int n, int bv, int *fits);
+GDP_V3B_DECLARE_ROOTS(64, 64)
+GDP_V3B_DECLARE_ROOTS(64, 128)
+GDP_V3B_DECLARE_ROOTS(128, 64)
+GDP_V3B_DECLARE_ROOTS(128, 128)
+
+/* two: the fork beside a 2-stage dstate (fork_mode 2) */
+static gdp_status launch_seq(const Plan &plan, int bv, bool states, bool dry_run, int *occ, float *f32 = nullptr,
+                             bf16 *b16 = nullptr, bool two = false) {
+  const GdpArgs &a = plan.a;
+  if (a.K == 128)
+    return a.V == 128 ? seq_k128v128(plan, bv, states, dry_run, occ, f32, b16, two)
+                      : seq_k128v64(plan, bv, states, dry_run, occ, f32, b16, two);
+  return a.V == 128 ? seq_k64v128(plan, bv, states, dry_run, occ, f32, b16, two)
+                    : seq_k64v64(plan, bv, states, dry_run, occ, f32, b16, two);
+}
+
+/* The per-chunk gradients: the state part, then (wy) the WY part; one 8-warp block per
+ * (chunk, head) each.  The state part runs two blocks per SM (a three-block version
+ * measured slower on the H200, n = 2 0.74 -> 0.89 ms: its 64-column key panels read k, q
+ * and the states from L2 twice); dKnA travels as bf16 (GradStateOut::dkna16: 128 instead
+ * of 256 MB written and read back at 4 x 4096 n = 2; dk's errors +0.2..0.6e-3); no early
+ * L2 prefetch (it made both kernels slower). */
+template <int K, int V, int C, int TC>
+static gdp_status launch_grad_state_kv(const Plan &plan, const GradStateOut &go_in, bool wy) {
+  const dim3 grid((unsigned)plan.a.nchunks, (unsigned)plan.a.H);
+  GradStateOut go = go_in;
+  go.pcol_f32 = 0;
+  go.dkna16 = 1;
+  go.wy_pf = 0;
+  if (!wy) {
+    using L = GradStateLayout<K, V, C, TC>;
+    /* with bf16 states dH^T comes in by cp.async with the first panels (PIPE) */
+    auto kern = go.hT16 != nullptr ? grad_state_kernel_v3<K, V, C, TC, true, true> : grad_state_kernel_v3<K, V, C, TC, false>;
+    GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
+    /* two blocks per SM need the largest shared-memory carveout */
+    GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+    kern<<<grid, dim3(256), L::total, plan.stream>>>(plan.a, go, 0);
+    GDP_CUDA_LAUNCHED("grad_state_kernel_v3");
+  } else {
+    using L = GradWYLayout<K, V, C>;
+    auto kern = grad_wy_kernel_v3<K, V, C, TC, true>;
+    GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
+    GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+    kern<<<grid, dim3(256), L::total, plan.stream>>>(plan.a, go);
+    GDP_CUDA_LAUNCHED("grad_wy_kernel_v3");
+  }
+  return GDP_OK;
+}
+
+template <int K, int V>
+static gdp_status launch_grad_state_n(const Plan &plan, const GradStateOut &go, bool wy) {
+  if (plan.a.n == 1) return launch_grad_state_kv<K, V, 32, 32>(plan, go, wy);
+  if (plan.a.n == 2) return launch_grad_state_kv<K, V, 64, 32>(plan, go, wy);
+  return launch_grad_state_kv<K, V, 48, 16>(plan, go, wy);
+}
+
+static gdp_status launch_grad_v3(const Plan &plan, const GradStateOut &go, bool wy) {
+  if (plan.a.nchunks == 0) return GDP_OK;
+  const int K = plan.a.K, V = plan.a.V;
+  if (K == 128) return V == 128 ? grad_k128v128(plan, go, wy) : grad_k128v64(plan, go, wy);
+  return V == 128 ? grad_k64v128(plan, go, wy) : grad_k64v64(plan, go, wy);
+}
+
+/* Blocks per SM of the sequential passes at value-block width bv (the dstate kernel's,
+ * whose shared memory is the larger of the two); -1 where it cannot run. */
+static int seq_blocks_per_sm(const Plan &plan, int bv) {
+  const GdpArgs &a = plan.a;
+  static int occ_cache[2][2][3][3] = {}; /* depends only on (K, V, n, bv); benign race */
+  int &occ = occ_cache[a.K == 128][a.V == 128][a.n - 1][bv == 16 ? 0 : bv == 32 ? 1 : 2];
+  if (occ == 0 && launch_seq(plan, bv, false, true, &occ) != GDP_OK) occ = -1;
+  return occ;
+}
+
+/* Value-block width as in the forward: the fewest waves, narrower on a tie; the
+ * problem's value_block forces it. */
+static int choose_bv(const Plan &plan) {
+  const GdpArgs &a = plan.a;
+  if (plan.value_block) return plan.value_block;
+  int best = 16;
+  double best_waves = INFINITY;
+  for (int bv : {16, 32, 64}) {
+    if (a.V % bv) continue;
+    const int occ = seq_blocks_per_sm(plan, bv);
+    if (occ < 1) continue;
+    const double waves = ceil((double)a.N * a.H * (a.V / bv) / ((double)num_sms() * occ));
+    if (waves < best_waves) best_waves = waves, best = bv;
+  }
+  return best;
+}
+
+/* The recompute backward's two sequential passes -- the states forward in time
+ * (bwd_states_kernel_v3) and the state gradients backward in time (dstate_kernel_v3) --
+ * read only the prep's panels, d_o and dht, and write disjoint buffers (h^T, D against
+ * dH^T, dD, dh0), as fla's chunk_fwd_h and chunk_bwd_dhu are independent too.  Forked,
+ * the state-gradient pass runs on a second stream beside the states pass: the two chains
+ * overlap where both passes' blocks are resident at once.  H200, bf16, H = 16, K = V =
+ * 128, library fwd+bwd: 1 x 32768 n = 1 5.52 -> 4.38 ms, n = 3 13.44 -> 10.91-11.10;
+ * where the blocks fill the GPU it costs 1-3% (4 x 4096 n = 3 4.07 -> 4.18).  So: fork
+ * where one pass leaves SMs idle (at most one block per SM) and both fit on the SMs at
+ * once (twice its blocks over blocks per SM at most the SM count), or, with bf16 states,
+ * where a states block fits beside a 2-stage dstate block (fork_mode 2: 1 x 32768 n = 2,
+ * where a states block, 124.2 KB, and a 3-stage dstate block, 149.8 KB, do not fit
+ * together but one of 100.0 KB does; 8.72-8.76 -> 7.27-7.39 ms).  Never while profiling
+ * (its marks time one stream).
+ *
+ * Whether two kernels' blocks fit side by side on one SM (both at the max-shared
+ * carveout): their registers from CUDA (cudaFuncGetAttributes), their shared memory from
+ * the layouts, the SM's limits from the device, and the arithmetic of CUDA's occupancy
+ * calculator for the two together. */
+
+/* What one block holds on an SM, as CUDA's occupancy calculator counts it: shared memory
+ * (dynamic + static + the per-block reserve, in 128-byte units), warps, registers per warp
+ * (allocated per warp in units of 256). */
+struct Footprint {
+  int smem, warps, regs_per_warp;
+};
+static Footprint footprint(int dyn_smem, int static_smem, int reserved_smem, int threads, int regs_per_thread) {
+  return {(dyn_smem + static_smem + reserved_smem + 127) / 128 * 128, (threads + 31) / 32,
+          (regs_per_thread * 32 + 255) / 256 * 256};
+}
+
+/* SM limits: shared memory at the largest carveout, registers (split over 4 sub-partitions;
+ * a block's warps go round-robin over them), warps, blocks. */
+struct SmLimits {
+  int smem, regs, warps, blocks;
+};
+
+/* Whether one block of a and one of b are resident on an SM together.  Registers: the 4
+ * sub-partitions separately, each block's warps placed round-robin from the sub-partition
+ * with the most free registers (the hardware's placement is not documented; this model
+ * matched the occupancy tool's measurements). */
+static bool pair_fits(const Footprint &a, const Footprint &b, const SmLimits &sm) {
+  if (a.smem + b.smem > sm.smem || a.warps + b.warps > sm.warps || sm.blocks < 2) return false;
+  int free_regs[4];
+  for (int &f : free_regs) f = sm.regs / 4;
+  for (const Footprint *f : {&a, &b}) {
+    int best = 0;
+    for (int p = 1; p < 4; p++)
+      if (free_regs[p] > free_regs[best]) best = p;
+    for (int w = 0; w < f->warps; w++)
+      if ((free_regs[(best + w) % 4] -= f->regs_per_warp) < 0) return false;
+  }
+  return true;
+}
+
+static gdp_status sm_limits(SmLimits *sm, int *reserved) {
+  int dev = 0;
+  GDP_CUDA_TRY(cudaGetDevice(&dev));
+  GDP_CUDA_TRY(cudaDeviceGetAttribute(&sm->smem, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
+  GDP_CUDA_TRY(cudaDeviceGetAttribute(&sm->regs, cudaDevAttrMaxRegistersPerMultiprocessor, dev));
+  GDP_CUDA_TRY(cudaDeviceGetAttribute(&sm->warps, cudaDevAttrMaxThreadsPerMultiProcessor, dev));
+  GDP_CUDA_TRY(cudaDeviceGetAttribute(&sm->blocks, cudaDevAttrMaxBlocksPerMultiprocessor, dev));
+  GDP_CUDA_TRY(cudaDeviceGetAttribute(reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev));
+  sm->warps /= 32;
+  return GDP_OK;
+}
+
+/* The fork's pair: the states pass + the 2-stage dstate (bf16 states only). */
+template <int K, int V, int C, int TC, int BV>
+static gdp_status pair_bv(int *fits) {
+  SmLimits sm;
+  int reserved = 0;
+  GDP_TRY(sm_limits(&sm, &reserved));
+  cudaFuncAttributes fd, fs;
+  GDP_CUDA_TRY(cudaFuncGetAttributes(&fd, dstate_kernel_v3<K, V, C, TC, BV, true, true, 2>));
+  GDP_CUDA_TRY(cudaFuncGetAttributes(&fs, bwd_states_kernel_v3<K, V, C, BV, true, true>));
+  const Footprint d = footprint(DStateLayout<K, C, TC, BV, 2, true>::total, (int)fd.sharedSizeBytes, reserved,
+                                BV / 16 * 32, fd.numRegs);
+  const Footprint st =
+      footprint(StatesLayout<K, C, BV>::total, (int)fs.sharedSizeBytes, reserved, BV / 16 * 32, fs.numRegs);
+  *fits = pair_fits(d, st, sm) ? 1 : 0;
+  return GDP_OK;
+}
+
+template <int K, int V, int C, int TC>
+static gdp_status pair_k(int bv, int *fits) {
+  switch (bv) {
+    case 64: return pair_bv<K, V, C, TC, 64>(fits);
+    case 32: return pair_bv<K, V, C, TC, 32>(fits);
+    default: return pair_bv<K, V, C, TC, 16>(fits);
+  }
+}
+
+template <int K, int V>
+static gdp_status pair_n(int n, int bv, int *fits) {
+  if (n == 1) return pair_k<K, V, 32, 32>(bv, fits);
+  if (n == 2) return pair_k<K, V, 64, 32>(bv, fits);
+  return pair_k<K, V, 48, 16>(bv, fits);
+}
+
+/* Whether a states block and a 2-stage dstate block fit on one SM together. */
+static bool fork2_pair_fits(const Plan &plan, int bv) {
+  const GdpArgs &a = plan.a;
+  static int cache[2][2][3][3] = {}; /* 1 fits, -1 not; depends only on (K, V, n, bv); benign race */
+  int &c = cache[a.K == 128][a.V == 128][a.n - 1][bv == 16 ? 0 : bv == 32 ? 1 : 2];
+  if (c == 0) {
+    int fits = 0;
+    const gdp_status st = a.K == 128 ? (a.V == 128 ? pair_k128v128(a.n, bv, &fits) : pair_k128v64(a.n, bv, &fits))
+                                     : (a.V == 128 ? pair_k64v128(a.n, bv, &fits) : pair_k64v64(a.n, bv, &fits));
+    if (st != GDP_OK) (void)cudaGetLastError(); /* no pair, and no stale error for the next launch check */
+    c = st == GDP_OK && fits ? 1 : -1;
+  }
+  return c > 0;
+}
+
+/* Whether (and how) to fork, see above: 0 no; 1 with the 3-stage dstate; 2 with the
+ * 2-stage dstate (bf16 states only), where only that one fits beside a states block. */
+static int fork_mode(const Plan &plan, int bv, bool s16) {
+  if (gdp_debug_profile_kernels()) return 0;
+  const GdpArgs &a = plan.a;
+  const int occ = seq_blocks_per_sm(plan, bv);
+  const double blocks = (double)a.N * a.H * (a.V / bv);
+  const bool one = occ >= 1 && blocks <= num_sms() && 2.0 * blocks / occ <= num_sms();
+  const bool two = !one && s16 && blocks <= num_sms() && fork2_pair_fits(plan, bv);
+  return one ? 1 : two ? 2 : 0;
+}
+
+/* One non-blocking side stream per device, made on first use and kept for the process
+ * (as a library handle would be); concurrent callers share it, which orders their side
+ * work but keeps each call's own order through its events. */
+static gdp_status side_stream(cudaStream_t *out) {
+  static std::mutex mu;
+  static cudaStream_t streams[64];
+  int dev = 0;
+  GDP_CUDA_TRY(cudaGetDevice(&dev));
+  if (dev < 0 || dev >= 64) return GDP_ERROR(GDP_ERR_INTERNAL, "side_stream: device %d (at most 64 devices)", dev);
+  std::lock_guard<std::mutex> lock(mu);
+  if (!streams[dev]) GDP_CUDA_TRY(cudaStreamCreateWithFlags(&streams[dev], cudaStreamNonBlocking));
+  *out = streams[dev];
+  return GDP_OK;
+}
+
+/* A fork of `main` onto the side stream and its join; the events are destroyed at the
+ * join (CUDA releases them once they complete). */
+struct Fork {
+  cudaStream_t side = nullptr;
+  cudaEvent_t forked = nullptr, done = nullptr;
+};
+
+static gdp_status fork_begin(cudaStream_t main, Fork *f) {
+  GDP_TRY(side_stream(&f->side));
+  GDP_CUDA_TRY(cudaEventCreateWithFlags(&f->forked, cudaEventDisableTiming));
+  GDP_CUDA_TRY(cudaEventCreateWithFlags(&f->done, cudaEventDisableTiming));
+  GDP_CUDA_TRY(cudaEventRecord(f->forked, main));
+  GDP_CUDA_TRY(cudaStreamWaitEvent(f->side, f->forked, 0));
+  return GDP_OK;
+}
+
+/* Joins (main waits for everything queued on the side stream since the fork) and frees
+ * the events; also after a failed fork_begin, whatever it made. */
+static gdp_status fork_end(cudaStream_t main, Fork *f, bool join) {
+  cudaError_t e = cudaSuccess;
+  if (join) {
+    e = cudaEventRecord(f->done, f->side);
+    if (e == cudaSuccess) e = cudaStreamWaitEvent(main, f->done, 0);
+    /* main must not run ahead of the side pass: without the join, wait for it here */
+    if (e != cudaSuccess) cudaStreamSynchronize(f->side);
+  }
+  if (f->forked) cudaEventDestroy(f->forked);
+  if (f->done) cudaEventDestroy(f->done);
+  f->forked = f->done = nullptr;
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return GDP_ERROR(GDP_ERR_CUDA, "backward: joining the side stream: %s", cudaGetErrorString(e));
+  }
+  return GDP_OK;
+}
+
+/* The recompute's two passes, forked where fork_mode says and the fork can be made
+ * (otherwise one after the other on the caller's stream). */
+static gdp_status launch_state_passes(const Plan &plan, int bv, const GradStateOut &go) {
+  Fork f;
+  const int fm = fork_mode(plan, bv, go.hT16 != nullptr);
+  const bool forked = fm > 0 && fork_begin(plan.stream, &f) == GDP_OK;
+  if (!forked) {
+    /* a fork that could not be made (no stream or event to spare) is no error: the
+     * passes run in order; its CUDA error must not reach the next launch check */
+    fork_end(plan.stream, &f, false);
+    (void)cudaGetLastError();
+    gdp_status st = launch_seq(plan, bv, true, false, nullptr, go.hT32, go.hT16);
+    prof_mark("bwd states (recompute)", plan.stream);
+    if (st == GDP_OK) st = launch_seq(plan, bv, false, false, nullptr, go.dHT32, go.dHT16);
+    prof_mark("bwd state gradients", plan.stream);
+    return st;
+  }
+  Plan side = plan;
+  side.stream = f.side;
+  /* the backward-in-time pass first, so its blocks are queued by the time the states
+   * pass's blocks start */
+  gdp_status st = launch_seq(side, bv, false, false, nullptr, go.dHT32, go.dHT16, fm == 2);
+  const gdp_status st2 = launch_seq(plan, bv, true, false, nullptr, go.hT32, go.hT16, fm == 2);
+  const gdp_status st3 = fork_end(plan.stream, &f, true);
+  if (st == GDP_OK) st = st2;
+  if (st == GDP_OK) st = st3;
+  return st;
+}
+
+#define GDP_V3B_DEFINE_ROOTS(K, V)                                                                              \
+  gdp_status seq_k##K##v##V(const Plan &plan, int bv, bool states, bool dry_run, int *occ, float *f32, bf16 *b16, \
+                            bool two) {                                                                         \
+    return launch_seq_n<K, V>(plan, bv, states, dry_run, occ, f32, b16, two);                                   \
+  }                                                                                                             \
+  gdp_status grad_k##K##v##V(const Plan &plan, const GradStateOut &go, bool wy) {                              \
+    return launch_grad_state_n<K, V>(plan, go, wy);                                                             \
+  }                                                                                                             \
+  gdp_status pair_k##K##v##V(int n, int bv, int *fits) { return pair_n<K, V>(n, bv, fits); }
+#define GDP_V3B_DEFINE_PART_ROOTS(K, V) GDP_V3B_DEFINE_ROOTS(K, V) /* K, V expanded first */
+#if !defined(GDP_CHUNK_PARTS)
+GDP_V3B_DEFINE_ROOTS(64, 64)
+GDP_V3B_DEFINE_ROOTS(64, 128)
+GDP_V3B_DEFINE_ROOTS(128, 64)
+GDP_V3B_DEFINE_ROOTS(128, 128)
+#elif defined(GDP_PART_K)
+GDP_V3B_DEFINE_PART_ROOTS(GDP_PART_K, GDP_PART_V)
+#endif
+
+}  // namespace v3b
+}  // namespace gdpcu
+
+#ifndef GDP_PART_K /* the entry points: in the whole file or its main part, not in a (K, V) part */
+namespace gdpcu {
+namespace v3b {
+
+/* With the blocks a saved forward kept: its plan (tables, panels), h^T (bf16) and D are
+ * read from there, so the prep and the states pass are skipped; the state-gradient pass
+ * and the two gradient kernels run as in the recompute. */
+static gdp_status backward_saved(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io, cudaStream_t stream,
+                                 const void *saved) {
+  const v3::SavedLayout sl = v3::saved_layout(p);
+  Plan plan;
+  prof_begin(stream);
+  /* the kept block is only read: its tables and panels are the forward's */
+  gdp_status st = plan_make(p, stream, PLAN_FORWARD, bwd_args(p, io), &plan, const_cast<void *>(saved), false);
+  if (st != GDP_OK) {
+    prof_end(stream);
+    return st;
+  }
+  GradStateOut go;
+  memset(&go, 0, sizeof go);
+  void *extra = nullptr;
+  const int bv = choose_bv(plan);
+  if (plan.a.nchunks > 0) {
+    const size_t CH = (size_t)plan.a.nchunks * plan.a.H, K = (size_t)plan.a.K, V = (size_t)plan.a.V,
+                 C = (size_t)plan.a.C;
+    const size_t bdD = align128(CH * C * V * 2), bHT = align128(CH * V * K * 2), bKn = align128(CH * C * K * 4),
+                 bW = align128(CH * C * K * 2), bG = align128(CH * C * 4);
+    st = device_alloc(&extra, bdD + bHT + bKn + bW + bG, stream);
+    if (st != GDP_OK) {
+      prof_end(stream);
+      return st;
+    }
+    char *e = (char *)extra;
+    plan.a.Dbuf = (bf16 *)((char *)const_cast<void *>(saved) + sl.o_D);
+    plan.a.dDbuf = (bf16 *)e;
+    go.hT16 = (bf16 *)((char *)const_cast<void *>(saved) + sl.o_hT);
+    go.dHT16 = (bf16 *)(e + bdD);
+    go.dKnA = (float *)(e + bdD + bHT);
+    go.dWg = (bf16 *)(e + bdD + bHT + bKn);
+    go.dgcA = (float *)(e + bdD + bHT + bKn + bW);
+    go.Tt = (bf16 *)((char *)const_cast<void *>(saved) + sl.o_Tt);
+  }
+  prof_mark("bwd plan (saved)", stream);
+  /* also without chunks (every sequence empty): the reverse pass writes dh0 = dht */
+  st = launch_seq(plan, bv, false, false, nullptr, go.dHT32, go.dHT16);
+  prof_mark("bwd state gradients", stream);
+  if (st == GDP_OK) st = launch_grad_v3(plan, go, false);
+  prof_mark("bwd chunk gradients, state part", stream);
+  if (st == GDP_OK) st = launch_grad_v3(plan, go, true);
+  prof_mark("bwd chunk gradients, WY part", stream);
+  if (extra) cudaFreeAsync(extra, stream);
+  plan_free(&plan);
+  prof_end(stream);
+  return st;
+}
+
+/* The recompute backward: the prep (also storing T^T), the states pass and the
+ * state-gradient pass (forked where that pays), then the two gradient kernels. */
+static gdp_status backward_recompute(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io, cudaStream_t stream) {
+  GdpArgs a = bwd_args(p, io);
+  Plan plan;
+  prof_begin(stream);
+  /* The gradient kernels' bf16 copies of h^T and dH^T, the state part's outputs and T^T
+   * from the prep (one stream-ordered allocation; the forward never pays for T). */
+  gdp_status st = plan_make(p, stream, PLAN_BACKWARD, a, &plan);
+  if (st != GDP_OK) {
+    prof_end(stream);
+    return st;
+  }
+  prof_mark("bwd plan+upload", stream);
+  GradStateOut go;
+  memset(&go, 0, sizeof go);
+  void *extra = nullptr;
+  const int bv = choose_bv(plan);
+  if (plan.a.nchunks > 0) {
+    const size_t CH = (size_t)plan.a.nchunks * plan.a.H, K = (size_t)plan.a.K, V = (size_t)plan.a.V,
+                 C = (size_t)plan.a.C;
+    const size_t bHT = align128(CH * V * K * 2), bKn = align128(CH * C * K * 4), bW = align128(CH * C * K * 2),
+                 bG = align128(CH * C * 4), bT = align128(CH * C * C * 2);
+    st = device_alloc(&extra, 2 * bHT + bKn + bW + bG + bT, stream);
+    if (st != GDP_OK) {
+      plan_free(&plan);
+      prof_end(stream);
+      return st;
+    }
+    char *e = (char *)extra;
+    go.hT16 = (bf16 *)e;
+    go.dHT16 = (bf16 *)(e + bHT);
+    go.dKnA = (float *)(e + 2 * bHT);
+    go.dWg = (bf16 *)(e + 2 * bHT + bKn);
+    go.dgcA = (float *)(e + 2 * bHT + bKn + bW);
+    go.Tt = (bf16 *)(e + 2 * bHT + bKn + bW + bG);
+  }
+  /* U formed in the states pass from Tu and v, where its value block holds Tu^T in the
+   * residual's region (bv >= C); the prep then stores Tu^T into U's buffer instead of U
+   * and U's residual.  Elsewhere the states pass reads U and its bf16 residual (the
+   * plan's a.Ulo: D = U - W h then starts from U to ~16 bits instead of 8; dg's z terms
+   * amplify D's error, NOTES.md). */
+  if (bv >= plan.a.C && plan.a.C <= plan.a.V) {
+    plan.a.Tu = plan.a.U;
+    plan.a.Ulo = nullptr;
+  }
+  st = v3::launch_prep_v3(plan, go.Tt);
+  prof_mark("bwd prep (recompute)", stream);
+  if (st == GDP_OK) st = launch_state_passes(plan, bv, go);
+  if (st == GDP_OK) st = launch_grad_v3(plan, go, false);
+  prof_mark("bwd chunk gradients, state part", stream);
+  if (st == GDP_OK) st = launch_grad_v3(plan, go, true);
+  prof_mark("bwd chunk gradients, WY part", stream);
+  if (extra) cudaFreeAsync(extra, stream);
+  plan_free(&plan);
+  prof_end(stream);
+  return st;
+}
+
+}  // namespace v3b
+
+namespace v3 {
+/* The dispatch has validated p and io and checked that the fast path takes p. */
+gdp_status backward(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io, cudaStream_t stream, const void *saved) {
+  if (p->N == 0) return GDP_OK;
+  return saved ? v3b::backward_saved(p, io, stream, saved) : v3b::backward_recompute(p, io, stream);
+}
+}  // namespace v3
+}  // namespace gdpcu
+#endif /* GDP_PART_K */

@@ -1,0 +1,200 @@
+/*
+ * plan.cuh -- the GDP operator's CUDA internals shared by every file of kernels/cuda/gdp:
+ * the kernels' argument block, the per-call plan (chunk table, workspace), validation,
+ * and the interfaces between the stages (dispatch.cu, chunk_forward.cu,
+ * chunk_backward.cu, recurrent.cu).
+ *
+ * Chunkwise algorithm (docs: the design note), over the expanded stream of T*n steps,
+ * chunks of C steps = TC whole tokens (C = 32, 64, 48 for n = 1, 2, 3), so every
+ * sequence starts a chunk.  Per chunk c and head h, with kn, qn the normalised
+ * keys/queries, gc the in-chunk cumulative log decay (g on step 0 of each token),
+ * last = gc[C-1] and query a on step ia = a*n + n-1:
+ *   A  = strictly-lower(beta_i e^{gc_i-gc_j} kn_i.kn_j),  T = (I + A)^-1
+ *   W  = T diag(beta e^{gc}) Kn,   U = T diag(beta) V
+ *   Qd = scale e^{gc_ia} qn_a,     Kd = e^{last-gc_j} kn_j
+ *   Pm = scale e^{gc_ia-gc_j} qn_a.kn_j  (j <= ia)        [TC x C: query rows only]
+ *   D  = U - W S,  o = Qd S + Pm D,  S <- e^{last} S + Kd^T D
+ * Workspace per (chunk, head), bf16: W[C][K] U[C][V] Kd[C][K] Qd[TC][K] Pm[TC][C];
+ * float elast.  The backward adds D[C][V], dD[C][V] and U's residual.
+ */
+#ifndef GDP_KERNELS_CUDA_GDP_PLAN_CUH
+#define GDP_KERNELS_CUDA_GDP_PLAN_CUH
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "gdp.h"
+#include "kernel_status.h"
+#include "../gdp_cuda.h"
+
+/* Returns GDP_ERR_CUDA with the CUDA message from the enclosing gdp_status function. */
+#define GDP_CUDA_TRY(expr)                                                              \
+  do {                                                                                  \
+    cudaError_t gdp_cuda_e_ = (expr);                                                   \
+    if (gdp_cuda_e_ != cudaSuccess)                                                     \
+      return GDP_ERROR(GDP_ERR_CUDA, "%s: %s", #expr, cudaGetErrorString(gdp_cuda_e_)); \
+  } while (0)
+
+/* After a launch: configuration errors surface here, faults at the next sync. */
+#define GDP_CUDA_LAUNCHED(name)                                                           \
+  do {                                                                                    \
+    cudaError_t gdp_cuda_e_ = cudaGetLastError();                                         \
+    if (gdp_cuda_e_ != cudaSuccess)                                                       \
+      return GDP_ERROR(GDP_ERR_CUDA, "launch of %s: %s", name, cudaGetErrorString(gdp_cuda_e_)); \
+  } while (0)
+
+typedef __nv_bfloat16 bf16;
+
+namespace gdpcu {
+
+/* Stride (elements) of a padded shared-memory row of `cols` bf16 / float values. */
+__host__ __device__ constexpr int ldb16(int cols) { return cols + 8; }
+__host__ __device__ constexpr int ldf32(int cols) { return cols + 4; }
+
+/* Round a byte count up to 128 (keeps every carved shared-memory region aligned). */
+__host__ __device__ constexpr size_t align128(size_t b) { return (b + 127) & ~(size_t)127; }
+
+
+constexpr int kChunkThreads = 256; /* 8 warps in every chunk kernel */
+constexpr float kNormEps = 1e-6f;
+
+struct ChunkInfo {
+  int seq, t0, ntok, pad;
+};
+
+struct GdpArgs {
+  /* problem */
+  const void *q, *k, *v, *g, *beta;
+  const float *h0;
+  void *o;
+  float *ht;
+  const void *d_o;
+  const float *dht;
+  void *dq, *dk, *dv, *dbeta, *dg;
+  float *dh0;
+  int H, K, V, n, C, TC, l2norm;
+  float scale;
+  /* sequences and chunks (device copies) */
+  const long long *cu; /* N+1 token offsets */
+  const ChunkInfo *chunks;
+  const int *choff; /* N+1 chunk offsets */
+  /* unused (NULL): kept so that the kernels' parameter block keeps its layout */
+  const ChunkInfo *chunks_rev;
+  int N, nchunks;
+  int nstages; /* pipeline depth of the sequential kernels (set at launch) */
+  /* workspace */
+  bf16 *W, *U, *Kd, *Qd, *Pm;
+  /* backward only (else NULL): U - bf16(U), so that the recompute's D = U - W h starts
+   * from U to ~16 bits instead of 8 (dg's z terms amplify D's error; NOTES.md) */
+  bf16 *Ulo;
+  /* where the state pass forms U itself (else NULL): (T diag(beta))^T, bf16 [C][C] per
+   * (chunk, head), which the prep stores in U's buffer (C <= V) instead of U (and, saving,
+   * U's residual); the state pass reads it and v and forms U = Tu V itself, in float32,
+   * inside D's accumulator (no U round trip, no residual) */
+  bf16 *Tu;
+  float *elast;
+  /* hbuf, dHbuf: always NULL (bf16 chunk states of the old gradient kernel); the state
+   * passes skip their stores */
+  bf16 *hbuf, *Dbuf, *dHbuf, *dDbuf;
+  /* always 0: 1 would add D's bf16 rounding residual to the state update (measured: it
+   * traded dg's worst cases for HMMAs; the kernels keep the branch) */
+  int d_residual;
+};
+
+/* Chunk steps for n Householder steps per token (0: no chunk path for this n).  Whole
+ * tokens per chunk (C / n = 32, 32, 16), so every sequence starts a chunk. */
+inline int chunk_steps(int64_t n) {
+  switch (n) {
+    case 1: return 32;
+    case 2: return 64;
+    case 3: return 48;
+    default: return 0;
+  }
+}
+
+/* Host-side plan of one call: device copies of the tables and the workspace, all in
+ * one stream-ordered allocation released by plan_free. */
+struct Plan {
+  GdpArgs a;
+  void *block;
+  cudaStream_t stream;
+  int value_block; /* the problem's value_block: 0 = the passes' own choice */
+};
+
+/* Shared helpers (gdp_fwd.cu). */
+gdp_status validate_problem(const gdp_gdp_problem *p, const char *what);
+/* The io block's required buffers for the call named `what` (gdp_fwd.cu, gdp_bwd.cu). */
+gdp_status validate_fwd_io(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io, const char *what);
+gdp_status validate_bwd_io(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io, const char *what);
+/* The kernels' argument block from a problem and its buffers (every variant). */
+GdpArgs fwd_args(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io);
+GdpArgs bwd_args(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io);
+gdp_status device_alloc(void **ptr, size_t bytes, cudaStream_t stream);
+gdp_status upload_cu_seqlens(const gdp_gdp_problem *p, long long *dst, cudaStream_t stream);
+int num_sms();
+
+/* Which per-chunk buffers a plan carries besides the forward's panels (W, U, Kd, Qd, Pm,
+ * elast): PLAN_BACKWARD adds D, dD and U's residual (a.Ulo, C x V bf16); the gradient
+ * kernels read h^T and dH^T from their own buffers. */
+enum PlanBufs { PLAN_FORWARD, PLAN_BACKWARD };
+
+/* ext: NULL allocates the block (freed by plan_free); else the plan lives in the
+ * caller's block of plan_bytes(p, bufs) bytes (a forward workspace kept for the
+ * backward), which plan_free leaves alone, and upload_tables = false trusts the chunk
+ * tables already there (written by an earlier plan of the same problem). */
+gdp_status plan_make(const gdp_gdp_problem *p, cudaStream_t stream, PlanBufs bufs, GdpArgs base,
+                     Plan *plan, void *ext = nullptr, bool upload_tables = true);
+size_t plan_bytes(const gdp_gdp_problem *p, PlanBufs bufs);
+void plan_free(Plan *plan);
+
+/* Optional per-kernel timing (gdp_debug_profile_kernels(): GDP_CUDA_PROFILE=1): each
+ * launch is bracketed by events and the call synchronises at its end. */
+void prof_begin(cudaStream_t stream);
+void prof_mark(const char *name, cudaStream_t stream);
+void prof_end(cudaStream_t stream);
+
+namespace v3 {
+
+/* Whether the fast path takes p: bf16, n = 1..3, K and V in {64, 128}. */
+bool takes(const gdp_gdp_problem *p);
+
+/* Layout of the block a saving forward keeps (bytes): the forward plan's block
+ * (plan_bytes: chunk tables, W, U, Kd, Qd, Pm, elast) from 0, h^T bf16 [CH][V][K] from
+ * o_hT, D bf16 [CH][C][V] from o_D, T^T bf16 [CH][C][C] (the prep's, for grad_wy) from
+ * o_Tt; CH = chunks x heads.  The chunk states travel in bf16: every use of them but one
+ * is a bf16 tensor-core operand, rounded the same way either way; the exception is
+ * grad_state's <dH, h> (gate gradient), which reads the rounded values (NOTES.md "bf16
+ * chunk states": saving fwd+bwd at 4x4096 n=2 2.52 -> 2.33 ms, errors unchanged). */
+struct SavedLayout {
+  size_t plan, o_hT, o_D, o_Tt, total;
+};
+SavedLayout saved_layout(const gdp_gdp_problem *p);
+/* saved_layout(p).total; 0 where the path does not take p or there is no sequence. */
+size_t saved_bytes(const gdp_gdp_problem *p);
+
+/* The forward and backward; p and io validated, takes(p).  forward: saved non-NULL keeps
+ * the block above there.  backward: saved non-NULL reads a saving forward's block of the
+ * same problem and inputs instead of recomputing (the prep and the states pass). */
+gdp_status forward(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io, cudaStream_t stream, void *saved);
+gdp_status backward(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io, cudaStream_t stream, const void *saved);
+
+/* The prep (chunk_state_pass.cuh), also the backward's recompute: Tt non-NULL also stores T^T
+ * there (and U's residual where plan.a.Ulo is set). */
+gdp_status launch_prep_v3(const Plan &plan, bf16 *Tt);
+
+}  // namespace v3
+
+/* The recurrent kernels (gdp_fwd.cu, gdp_bwd.cu): f32 and bf16, any shape the dispatch
+ * validated.  p and io validated. */
+gdp_status forward_recurrent(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io, cudaStream_t stream);
+gdp_status backward_recurrent(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io, cudaStream_t stream);
+
+}  // namespace gdpcu
+
+/* Lab hook: prints and clears the accumulated per-kernel times (ms, sum over calls). */
+extern "C" void gdp_cuda_gdp_profile_dump(FILE *out, double divide_by);
+
+#endif

@@ -1,5 +1,0 @@
-/* gdp_fwd_v3.cu's kernels for K = 64, n = 2 (gdp_v3_split.h). */
-#define GDP_V3_SPLIT
-#define GDP_V3_PART_K 64
-#define GDP_V3_PART_N 2
-#include "../gdp_fwd_v3.cu"
