@@ -16,7 +16,7 @@
 #include "chunk_grad_wy.cuh"
 
 namespace gdpcu {
-namespace v3b {
+namespace chunked_backward {
 
 /* ------------------------------------------------------------------ host side */
 
@@ -43,19 +43,19 @@ static gdp_status launch_states(const Plan &plan, float *f32, bf16 *b16) {
   const GdpArgs &a = plan.a;
   const dim3 grid((unsigned)a.N, (unsigned)a.H, (unsigned)(a.V / BV));
   constexpr int threads = BV / 16 * 32;
-  auto kern = b16 ? bwd_states_kernel_v3<K, V, C, BV, true, true> : bwd_states_kernel_v3<K, V, C, BV, false, true>;
+  auto kern = b16 ? chunk_state_recompute_kernel<K, V, C, BV, true, true> : chunk_state_recompute_kernel<K, V, C, BV, false, true>;
   if (a.Tu) { /* U from Tu and v (the prep stored Tu^T instead of U): BV >= C */
     if constexpr (BV >= C) {
-      kern = b16 ? bwd_states_kernel_v3<K, V, C, BV, true, true, true> : bwd_states_kernel_v3<K, V, C, BV, false, true, true>;
+      kern = b16 ? chunk_state_recompute_kernel<K, V, C, BV, true, true, true> : chunk_state_recompute_kernel<K, V, C, BV, false, true, true>;
     } else {
-      return GDP_ERROR(GDP_ERR_INTERNAL, "bwd_states_kernel_v3: U from Tu and v needs BV %d >= C %d", BV, C);
+      return GDP_ERROR(GDP_ERR_INTERNAL, "chunk_state_recompute_kernel: U from Tu and v needs BV %d >= C %d", BV, C);
     }
   }
   constexpr int smem = StatesLayout<K, C, BV>::total;
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   GDP_CUDA_TRY(seq_carveout(kern));
   kern<<<grid, dim3(threads), smem, plan.stream>>>(a, f32, b16);
-  GDP_CUDA_LAUNCHED("bwd_states_kernel_v3");
+  GDP_CUDA_LAUNCHED("chunk_state_recompute_kernel");
   return GDP_OK;
 }
 
@@ -67,21 +67,21 @@ static gdp_status launch_dstate(const Plan &plan, float *f32, bf16 *b16, bool tw
   const dim3 grid((unsigned)a.N, (unsigned)a.H, (unsigned)(a.V / BV));
   constexpr int threads = BV / 16 * 32;
   if (two) {
-    if (!b16) return GDP_ERROR(GDP_ERR_INTERNAL, "dstate_kernel_v3: 2 stages need bf16 states");
-    auto kern2 = dstate_kernel_v3<K, V, C, TC, BV, true, true, 2>;
+    if (!b16) return GDP_ERROR(GDP_ERR_INTERNAL, "chunk_dstate_kernel: 2 stages need bf16 states");
+    auto kern2 = chunk_dstate_kernel<K, V, C, TC, BV, true, true, 2>;
     constexpr int smem2 = DStateLayout<K, C, TC, BV, 2, true>::total;
     GDP_CUDA_TRY(cudaFuncSetAttribute(kern2, cudaFuncAttributeMaxDynamicSharedMemorySize, smem2));
     GDP_CUDA_TRY(seq_carveout(kern2));
     kern2<<<grid, dim3(threads), smem2, plan.stream>>>(a, f32, b16, (int *)nullptr);
-    GDP_CUDA_LAUNCHED("dstate_kernel_v3 (2 stages)");
+    GDP_CUDA_LAUNCHED("chunk_dstate_kernel (2 stages)");
     return GDP_OK;
   }
-  auto kern = b16 ? dstate_kernel_v3<K, V, C, TC, BV, true, true> : dstate_kernel_v3<K, V, C, TC, BV, false, true>;
+  auto kern = b16 ? chunk_dstate_kernel<K, V, C, TC, BV, true, true> : chunk_dstate_kernel<K, V, C, TC, BV, false, true>;
   constexpr int smem = DStateLayout<K, C, TC, BV>::total;
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   GDP_CUDA_TRY(seq_carveout(kern));
   kern<<<grid, dim3(threads), smem, plan.stream>>>(a, f32, b16, (int *)nullptr);
-  GDP_CUDA_LAUNCHED("dstate_kernel_v3");
+  GDP_CUDA_LAUNCHED("chunk_dstate_kernel");
   return GDP_OK;
 }
 
@@ -94,7 +94,7 @@ template <int K, int V, int C, int TC, int BV>
 static gdp_status launch_seq_bv(const Plan &plan, bool states, bool dry_run, int *occ, float *f32, bf16 *b16,
                                 bool two) {
   constexpr int threads = BV / 16 * 32;
-  if (dry_run) return occupancy(dstate_kernel_v3<K, V, C, TC, BV>, threads, DStateLayout<K, C, TC, BV>::total, occ);
+  if (dry_run) return occupancy(chunk_dstate_kernel<K, V, C, TC, BV>, threads, DStateLayout<K, C, TC, BV>::total, occ);
   if (states) return launch_states<K, V, C, BV>(plan, f32, b16);
   return launch_dstate<K, V, C, TC, BV>(plan, f32, b16, two);
 }
@@ -158,19 +158,19 @@ static gdp_status launch_grad_state_kv(const Plan &plan, const GradStateOut &go_
   if (!wy) {
     using L = GradStateLayout<K, V, C, TC>;
     /* with bf16 states dH^T comes in by cp.async with the first panels (PIPE) */
-    auto kern = go.hT16 != nullptr ? grad_state_kernel_v3<K, V, C, TC, true, true> : grad_state_kernel_v3<K, V, C, TC, false>;
+    auto kern = go.hT16 != nullptr ? chunk_grad_state_kernel<K, V, C, TC, true, true> : chunk_grad_state_kernel<K, V, C, TC, false>;
     GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
     /* two blocks per SM need the largest shared-memory carveout */
     GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
     kern<<<grid, dim3(256), L::total, plan.stream>>>(plan.a, go, 0);
-    GDP_CUDA_LAUNCHED("grad_state_kernel_v3");
+    GDP_CUDA_LAUNCHED("chunk_grad_state_kernel");
   } else {
     using L = GradWYLayout<K, V, C>;
-    auto kern = grad_wy_kernel_v3<K, V, C, TC, true>;
+    auto kern = chunk_grad_wy_kernel<K, V, C, TC, true>;
     GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
     GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
     kern<<<grid, dim3(256), L::total, plan.stream>>>(plan.a, go);
-    GDP_CUDA_LAUNCHED("grad_wy_kernel_v3");
+    GDP_CUDA_LAUNCHED("chunk_grad_wy_kernel");
   }
   return GDP_OK;
 }
@@ -182,7 +182,7 @@ static gdp_status launch_grad_state_n(const Plan &plan, const GradStateOut &go, 
   return launch_grad_state_kv<K, V, 48, 16>(plan, go, wy);
 }
 
-static gdp_status launch_grad_v3(const Plan &plan, const GradStateOut &go, bool wy) {
+static gdp_status launch_chunk_grad(const Plan &plan, const GradStateOut &go, bool wy) {
   if (plan.a.nchunks == 0) return GDP_OK;
   const int K = plan.a.K, V = plan.a.V;
   if (K == 128) return V == 128 ? grad_k128v128(plan, go, wy) : grad_k128v64(plan, go, wy);
@@ -217,7 +217,7 @@ static int choose_bv(const Plan &plan) {
 }
 
 /* The recompute backward's two sequential passes -- the states forward in time
- * (bwd_states_kernel_v3) and the state gradients backward in time (dstate_kernel_v3) --
+ * (chunk_state_recompute_kernel) and the state gradients backward in time (chunk_dstate_kernel) --
  * read only the prep's panels, d_o and dht, and write disjoint buffers (h^T, D against
  * dH^T, dD, dh0), as fla's chunk_fwd_h and chunk_bwd_dhu are independent too.  Forked,
  * the state-gradient pass runs on a second stream beside the states pass: the two chains
@@ -290,8 +290,8 @@ static gdp_status pair_bv(int *fits) {
   int reserved = 0;
   GDP_TRY(sm_limits(&sm, &reserved));
   cudaFuncAttributes fd, fs;
-  GDP_CUDA_TRY(cudaFuncGetAttributes(&fd, dstate_kernel_v3<K, V, C, TC, BV, true, true, 2>));
-  GDP_CUDA_TRY(cudaFuncGetAttributes(&fs, bwd_states_kernel_v3<K, V, C, BV, true, true>));
+  GDP_CUDA_TRY(cudaFuncGetAttributes(&fd, chunk_dstate_kernel<K, V, C, TC, BV, true, true, 2>));
+  GDP_CUDA_TRY(cudaFuncGetAttributes(&fs, chunk_state_recompute_kernel<K, V, C, BV, true, true>));
   const Footprint d = footprint(DStateLayout<K, C, TC, BV, 2, true>::total, (int)fd.sharedSizeBytes, reserved,
                                 BV / 16 * 32, fd.numRegs);
   const Footprint st =
@@ -442,19 +442,19 @@ GDP_V3B_DEFINE_ROOTS(128, 128)
 GDP_V3B_DEFINE_PART_ROOTS(GDP_PART_K, GDP_PART_V)
 #endif
 
-}  // namespace v3b
+}  // namespace chunked_backward
 }  // namespace gdpcu
 
 #ifndef GDP_PART_K /* the entry points: in the whole file or its main part, not in a (K, V) part */
 namespace gdpcu {
-namespace v3b {
+namespace chunked_backward {
 
 /* With the blocks a saved forward kept: its plan (tables, panels), h^T (bf16) and D are
  * read from there, so the prep and the states pass are skipped; the state-gradient pass
  * and the two gradient kernels run as in the recompute. */
 static gdp_status backward_saved(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io, cudaStream_t stream,
                                  const void *saved) {
-  const v3::SavedLayout sl = v3::saved_layout(p);
+  const chunked::SavedLayout sl = chunked::saved_layout(p);
   Plan plan;
   prof_begin(stream);
   /* the kept block is only read: its tables and panels are the forward's */
@@ -491,9 +491,9 @@ static gdp_status backward_saved(const gdp_gdp_problem *p, const gdp_gdp_bwd_io 
   /* also without chunks (every sequence empty): the reverse pass writes dh0 = dht */
   st = launch_seq(plan, bv, false, false, nullptr, go.dHT32, go.dHT16);
   prof_mark("bwd state gradients", stream);
-  if (st == GDP_OK) st = launch_grad_v3(plan, go, false);
+  if (st == GDP_OK) st = launch_chunk_grad(plan, go, false);
   prof_mark("bwd chunk gradients, state part", stream);
-  if (st == GDP_OK) st = launch_grad_v3(plan, go, true);
+  if (st == GDP_OK) st = launch_chunk_grad(plan, go, true);
   prof_mark("bwd chunk gradients, WY part", stream);
   if (extra) cudaFreeAsync(extra, stream);
   plan_free(&plan);
@@ -547,12 +547,12 @@ static gdp_status backward_recompute(const gdp_gdp_problem *p, const gdp_gdp_bwd
     plan.a.Tu = plan.a.U;
     plan.a.Ulo = nullptr;
   }
-  st = v3::launch_prep_v3(plan, go.Tt);
+  st = chunked::launch_chunk_prep(plan, go.Tt);
   prof_mark("bwd prep (recompute)", stream);
   if (st == GDP_OK) st = launch_state_passes(plan, bv, go);
-  if (st == GDP_OK) st = launch_grad_v3(plan, go, false);
+  if (st == GDP_OK) st = launch_chunk_grad(plan, go, false);
   prof_mark("bwd chunk gradients, state part", stream);
-  if (st == GDP_OK) st = launch_grad_v3(plan, go, true);
+  if (st == GDP_OK) st = launch_chunk_grad(plan, go, true);
   prof_mark("bwd chunk gradients, WY part", stream);
   if (extra) cudaFreeAsync(extra, stream);
   plan_free(&plan);
@@ -560,14 +560,14 @@ static gdp_status backward_recompute(const gdp_gdp_problem *p, const gdp_gdp_bwd
   return st;
 }
 
-}  // namespace v3b
+}  // namespace chunked_backward
 
-namespace v3 {
+namespace chunked {
 /* The dispatch has validated p and io and checked that the fast path takes p. */
 gdp_status backward(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io, cudaStream_t stream, const void *saved) {
   if (p->N == 0) return GDP_OK;
-  return saved ? v3b::backward_saved(p, io, stream, saved) : v3b::backward_recompute(p, io, stream);
+  return saved ? chunked_backward::backward_saved(p, io, stream, saved) : chunked_backward::backward_recompute(p, io, stream);
 }
-}  // namespace v3
+}  // namespace chunked
 }  // namespace gdpcu
 #endif /* GDP_PART_K */

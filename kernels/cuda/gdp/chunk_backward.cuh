@@ -5,16 +5,16 @@
  * Steps (the chunk algebra is in plan.cuh):
  *  1. recompute the per-chunk panels with the forward's prep (chunk_prep.cuh), which here
  *     also stores T^T = ((I + A)^-1)^T (bf16) for step 5;
- *  2. bwd_states_kernel_v3: the forward v3 state pass (S^T float32 in registers for the
+ *  2. chunk_state_recompute_kernel: the forward state pass (S^T float32 in registers for the
  *     whole sequence) without the output products; per chunk it stores h = S at the
  *     chunk start (float32, transposed [V][K]) and D = U - W h (bf16, variant 2's layout);
- *  3. dstate_kernel_v3: the reverse state-gradient pass, dH^T float32 in registers:
+ *  3. chunk_dstate_kernel: the reverse state-gradient pass, dH^T float32 in registers:
  *        dD^T = dO^T Pm + dH^T Kd^T,    dH^T <- e^{last} dH^T + dO^T Qd - dD^T W,
  *     storing dH (gradient of the chunk-end state; float32, transposed) and dD (bf16) per
  *     chunk, and dh0 at the end;
- *  4. grad_state_kernel_v3: the per-chunk gradient terms that need the K x V matrices
+ *  4. chunk_grad_state_kernel: the per-chunk gradient terms that need the K x V matrices
  *     (dq final; dKnA, dWg, dgcA partials), from the float32 h and dH;
- *  5. grad_wy_kernel_v3: the WY part (dT, dA; T from step 1): dk, dv, dbeta, dg final.
+ *  5. chunk_grad_wy_kernel: the WY part (dT, dA; T from step 1): dk, dv, dbeta, dg final.
  *
  * The layout argument is the forward's (chunk_state_pass.cuh): with everything transposed the
  * value columns x are the M side of every product, so a float32 accumulator fragment
@@ -29,19 +29,19 @@
 #include "fragments.cuh"
 
 namespace gdpcu {
-namespace v3b {
+namespace chunked_backward {
 
 /* the state passes' staging (fragments.cuh) */
-using v3::HtStage;
-using v3::stage_dfrags;
-using v3::stage_hT16_half;
-using v3::stage_hT32_half;
-using v3::copy_panel_full;
-using v3::copy_panel;
-using v3::row_l2_inv;
-using v3::neg_u_from_tu_v;
-using v3::neg_u_from_panel;
-using v3::copy_panel_sw128;
+using chunked::HtStage;
+using chunked::stage_dfrags;
+using chunked::stage_hT16_half;
+using chunked::stage_hT32_half;
+using chunked::copy_panel_full;
+using chunked::copy_panel;
+using chunked::row_l2_inv;
+using chunked::neg_u_from_tu_v;
+using chunked::neg_u_from_panel;
+using chunked::copy_panel_sw128;
 
 constexpr int kStages = 3; /* chunk panels in flight: current + next two */
 constexpr int kPad = 8;    /* bf16 elements (16 bytes) of padding per shared row */
@@ -50,7 +50,7 @@ constexpr int kPad = 8;    /* bf16 elements (16 bytes) of padding per shared row
  * hT32, dHT32 [V][K] (h^T and dH^T, written by the two sequential kernels), the state
  * part's outputs for the WY part: dKnA [C][K] float, dWg [C][K] bf16, dgcA [C] float, and
  * Tt [C][C] bf16: T^T = ((I + A)^-1)^T, written by the recompute's prep.  With
- * GDP_CUDA_V3_STATE=bf16 (v3::state16) h^T and dH^T are bf16 (hT16, dHT16; same layout). */
+ * GDP_CUDA_V3_STATE=bf16 (chunked::state16) h^T and dH^T are bf16 (hT16, dHT16; same layout). */
 struct GradStateOut {
   float *hT32, *dHT32;
   bf16 *hT16, *dHT16; /* the same in bf16 (GDP_CUDA_V3_STATE=bf16), instead of hT32, dHT32 */
@@ -183,7 +183,7 @@ __device__ __forceinline__ void prefetch_l2_line(const void *p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p) : "memory");
 }
 
-}  // namespace v3b
+}  // namespace chunked_backward
 }  // namespace gdpcu
 
 #endif

@@ -8,7 +8,7 @@
 #include "chunk_backward.cuh"
 
 namespace gdpcu {
-namespace v3b {
+namespace chunked_backward {
 
 /* ------------------------------------------------------------------ reverse state-gradient pass */
 
@@ -48,7 +48,7 @@ __device__ __forceinline__ int ld_acquire_gpu(const int *p) {
  * Pm[a][j] is zero for j > ia = a n + n - 1, so the (a-tile, j-tile) pairs wholly past
  * the diagonal are skipped at compile time (NN = C / TC = n). */
 template <int K, int V, int C, int TC, int BV, bool S16 = false, bool NEW = true, int STAGES = kStages>
-__global__ void __launch_bounds__(BV / 16 * 32, 1) dstate_kernel_v3(GdpArgs a, float *dHT32, bf16 *dHT16, int *ready) {
+__global__ void __launch_bounds__(BV / 16 * 32, 1) chunk_dstate_kernel(GdpArgs a, float *dHT32, bf16 *dHT16, int *ready) {
   /* E3: grad_state (launched with programmatic stream serialization right after this
    * kernel when GDP_CUDA_V3_OVERLAP is on) may start once every block of this grid has
    * executed the trigger below or exited, i.e. once every dstate block is resident.  Those
@@ -156,7 +156,7 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) dstate_kernel_v3(GdpArgs a, f
 #pragma unroll
     for (int nt = 0; nt < C / 8; nt++) Gt[nt][0] = Gt[nt][1] = Gt[nt][2] = Gt[nt][3] = 0.f;
     bf16 *gdh = a.dHbuf + CHi * K * V + xw + grp;
-    const bool keep = S16 ? dHT16 != nullptr : dHT32 != nullptr; /* for the v3 gradient kernels */
+    const bool keep = S16 ? dHT16 != nullptr : dHT32 != nullptr; /* for the per-chunk gradient kernels */
     /* dH^T rows xw..xw+7 now, xw+8..15 after the dD products (Ht is unchanged until the
      * decay): the stores of each half overlap the products that follow */
     if (keep) store_stateT_half<K, C, S16, WB>(smem + L::oHt, dHT32, dHT16, CHi * V * K + (int64_t)xw * K, Ht, 0);
@@ -296,7 +296,7 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) dstate_kernel_v3(GdpArgs a, f
   }
 }
 
-}  // namespace v3b
+}  // namespace chunked_backward
 }  // namespace gdpcu
 
 #endif

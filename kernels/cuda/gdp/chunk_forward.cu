@@ -23,7 +23,7 @@
 #endif
 
 namespace gdpcu {
-namespace v3 {
+namespace chunked {
 
 /* ------------------------------------------------------------------ host side */
 
@@ -31,15 +31,15 @@ namespace v3 {
  * plan.a.Dbuf, besides o); a dry run only asks the occupancy of the pass it names (the
  * two h^T formats share one layout; the dry run asks the float32 one, as the measured
  * choices always have).  tu (one-warp pass only): the pass that forms U from a.Tu and v
- * (state_kernel_v3's TU). */
+ * (chunk_state_kernel's TU). */
 template <int K, int C, int TC, int BV>
 static gdp_status launch_bv(const Plan &plan, bool dry_run, int *blocks_per_sm, bool save, float *hT32,
                             bf16 *hT16, bool ks2, bool tu) {
   const GdpArgs &a = plan.a;
   if (tu && ks2)
-    return GDP_ERROR(GDP_ERR_INTERNAL, "launch_state_v3: U from Tu and v is a one-warp pass (ks2 asked)");
+    return GDP_ERROR(GDP_ERR_INTERNAL, "launch_chunk_state: U from Tu and v is a one-warp pass (ks2 asked)");
   if constexpr (C % 32 == 0 && TC % 32 == 0) {
-    /* two warps per 16 value columns (state_ks2_kernel_v3), plain or saving */
+    /* two warps per 16 value columns (chunk_state_pair_kernel), plain or saving */
     if (ks2) {
       const int smem = save ? Ks2Layout<K, C, TC, BV, true>::total : Ks2Layout<K, C, TC, BV, false>::total;
       /* the saving pair pass at BV = 64 (K = 128) needs more than an SM's 227 KB: it does
@@ -50,12 +50,12 @@ static gdp_status launch_bv(const Plan &plan, bool dry_run, int *blocks_per_sm, 
           *blocks_per_sm = 0;
           return GDP_OK;
         }
-        return GDP_ERROR(GDP_ERR_INTERNAL, "state_ks2_kernel_v3: %d bytes of shared memory (at most %d)", smem,
+        return GDP_ERROR(GDP_ERR_INTERNAL, "chunk_state_pair_kernel: %d bytes of shared memory (at most %d)", smem,
                          227 * 1024);
       }
-      auto kern = !save ? state_ks2_kernel_v3<K, C, TC, BV, false, false>
-                  : hT16 ? state_ks2_kernel_v3<K, C, TC, BV, true, true>
-                         : state_ks2_kernel_v3<K, C, TC, BV, true, false>;
+      auto kern = !save ? chunk_state_pair_kernel<K, C, TC, BV, false, false>
+                  : hT16 ? chunk_state_pair_kernel<K, C, TC, BV, true, true>
+                         : chunk_state_pair_kernel<K, C, TC, BV, true, false>;
       GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
       if (dry_run) {
         GDP_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, kern, BV / 16 * 64, smem));
@@ -63,7 +63,7 @@ static gdp_status launch_bv(const Plan &plan, bool dry_run, int *blocks_per_sm, 
       }
       kern<<<dim3((unsigned)a.N, (unsigned)a.H, (unsigned)(a.V / BV)), dim3(BV / 16 * 64), smem, plan.stream>>>(
           a, hT32, hT16);
-      GDP_CUDA_LAUNCHED("state_ks2_kernel_v3");
+      GDP_CUDA_LAUNCHED("chunk_state_pair_kernel");
       return GDP_OK;
     }
   }
@@ -71,10 +71,10 @@ static gdp_status launch_bv(const Plan &plan, bool dry_run, int *blocks_per_sm, 
   const int smem = !save ? (tu ? Layout<K, C, TC, BV, false, true>::total : Layout<K, C, TC, BV, false>::total)
                    : tu  ? Layout<K, C, TC, BV, true, true>::total
                          : Layout<K, C, TC, BV, true>::total;
-  auto kern = !save ? (tu ? state_kernel_v3<K, C, TC, BV, false, false, true> : state_kernel_v3<K, C, TC, BV, false, false>)
-              : tu  ? (hT16 ? state_kernel_v3<K, C, TC, BV, true, true, true> : state_kernel_v3<K, C, TC, BV, true, false, true>)
-              : hT16 ? state_kernel_v3<K, C, TC, BV, true, true>
-                     : state_kernel_v3<K, C, TC, BV, true, false>;
+  auto kern = !save ? (tu ? chunk_state_kernel<K, C, TC, BV, false, false, true> : chunk_state_kernel<K, C, TC, BV, false, false>)
+              : tu  ? (hT16 ? chunk_state_kernel<K, C, TC, BV, true, true, true> : chunk_state_kernel<K, C, TC, BV, true, false, true>)
+              : hT16 ? chunk_state_kernel<K, C, TC, BV, true, true>
+                     : chunk_state_kernel<K, C, TC, BV, true, false>;
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   if (dry_run) {
     GDP_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, kern, BV / 16 * 32, smem));
@@ -82,7 +82,7 @@ static gdp_status launch_bv(const Plan &plan, bool dry_run, int *blocks_per_sm, 
   }
   kern<<<dim3((unsigned)a.N, (unsigned)a.H, (unsigned)(a.V / BV)), dim3(BV / 16 * 32), smem, plan.stream>>>(a, hT32,
                                                                                                           hT16);
-  GDP_CUDA_LAUNCHED("state_kernel_v3");
+  GDP_CUDA_LAUNCHED("chunk_state_kernel");
   return GDP_OK;
 }
 
@@ -111,7 +111,7 @@ GDP_V3F_DECLARE_ROOTS(128, 1)
 GDP_V3F_DECLARE_ROOTS(128, 2)
 GDP_V3F_DECLARE_ROOTS(128, 3)
 
-static gdp_status launch_state_v3(const Plan &plan, int bv, bool dry_run, int *occ, bool save, float *hT32,
+static gdp_status launch_chunk_state(const Plan &plan, int bv, bool dry_run, int *occ, bool save, float *hT32,
                                   bf16 *hT16 = nullptr, bool ks2 = false, bool tu = false) {
   const GdpArgs &a = plan.a;
   if (a.K == 128) {
@@ -142,7 +142,7 @@ static int choose_bv(const Plan &plan, bool save, bool tu = false) {
     /* occupancy depends only on (save, K, n, bv): asked once, then cached (benign race) */
     static int occ_cache[2][2][2][3][3] = {};
     int &occ = occ_cache[save][tu][a.K == 128][a.n - 1][bv == 16 ? 0 : bv == 32 ? 1 : 2];
-    if (occ == 0 && launch_state_v3(plan, bv, true, &occ, save, nullptr, nullptr, false, tu) != GDP_OK) occ = -1;
+    if (occ == 0 && launch_chunk_state(plan, bv, true, &occ, save, nullptr, nullptr, false, tu) != GDP_OK) occ = -1;
     if (occ < 1) continue;
     const double blocks = (double)a.N * a.H * (a.V / bv);
     const double waves = ceil(blocks / ((double)num_sms() * occ));
@@ -151,7 +151,7 @@ static int choose_bv(const Plan &plan, bool save, bool tu = false) {
   return best;
 }
 
-/* Two warps per 16 value columns (state_ks2_kernel_v3; n = 1, 2 only), plain or saving
+/* Two warps per 16 value columns (chunk_state_pair_kernel; n = 1, 2 only), plain or saving
  * pass?  Where choose_bv takes one-warp blocks (BV = 16: a few long sequences, e.g.
  * 1 x 32768 at H = 16, 128 blocks on 132 SMs, one warp each), unless the pair kernel's
  * exchange (and, saving, staging) buffers would fit fewer blocks per SM.  (Wherever the
@@ -163,9 +163,9 @@ static bool choose_ks2(const Plan &plan, int bv, bool save, bool tu = false) {
   /* tu: the one-warp pass it is weighed against is the one that forms U itself */
   static int occ_cache[2][2][2][2][3][2] = {};
   int *occ = occ_cache[a.K == 128][a.n - 1][save][tu][bv == 64 ? 2 : bv == 32 ? 1 : 0];
-  if (occ[0] == 0 && launch_state_v3(plan, bv, true, &occ[0], save, nullptr, nullptr, false, tu) != GDP_OK)
+  if (occ[0] == 0 && launch_chunk_state(plan, bv, true, &occ[0], save, nullptr, nullptr, false, tu) != GDP_OK)
     occ[0] = -1;
-  if (occ[1] == 0 && launch_state_v3(plan, bv, true, &occ[1], save, nullptr, nullptr, true) != GDP_OK) occ[1] = -1;
+  if (occ[1] == 0 && launch_chunk_state(plan, bv, true, &occ[1], save, nullptr, nullptr, true) != GDP_OK) occ[1] = -1;
   return occ[1] >= 1 && occ[1] >= occ[0];
 }
 
@@ -176,7 +176,7 @@ static bool choose_ks2(const Plan &plan, int bv, bool save, bool tu = false) {
 template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO, bool TU_OUT = false, bool FIVE = false>
 static gdp_status launch_prep_kernel(const Plan &plan, bf16 *Tt) {
   using L = PrepLayout<K, V, C, TC, true, true, TU_OUT>;
-  auto kern = prep_kernel_v3<K, V, C, TC, STORE_T, STORE_ULO, true, true, TU_OUT, FIVE>;
+  auto kern = chunk_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, true, true, TU_OUT, FIVE>;
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
   /* four blocks of up to 54.5 KB per SM need (nearly) all of the unified L1 as shared memory */
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout,
@@ -189,7 +189,7 @@ static gdp_status launch_prep_kernel(const Plan &plan, bf16 *Tt) {
   const bool head_first = nblocks <= 0x7fffffff;
   const dim3 grid = head_first ? dim3((unsigned)nblocks) : dim3((unsigned)plan.a.nchunks, (unsigned)plan.a.H);
   kern<<<grid, 128, L::total, plan.stream>>>(plan.a, Tt, owners, head_first ? 1 : 0);
-  GDP_CUDA_LAUNCHED("prep_kernel_v3");
+  GDP_CUDA_LAUNCHED("chunk_prep_kernel");
   return GDP_OK;
 }
 
@@ -200,9 +200,9 @@ static gdp_status launch_prep_kernel(const Plan &plan, bf16 *Tt) {
 template <int K, int V, int C, int TC>
 static gdp_status launch_prep_tu(const Plan &plan, bf16 *Tt) {
   if constexpr (C > V) { /* Tu^T ([C][C]) would not fit U's buffer ([C][V]) */
-    return GDP_ERROR(GDP_ERR_INTERNAL, "launch_prep_v3: Tu with C %d > V %d", C, V);
+    return GDP_ERROR(GDP_ERR_INTERNAL, "launch_chunk_prep: Tu with C %d > V %d", C, V);
   } else {
-    if (plan.a.Ulo) return GDP_ERROR(GDP_ERR_INTERNAL, "launch_prep_v3: Tu with U's residual");
+    if (plan.a.Ulo) return GDP_ERROR(GDP_ERR_INTERNAL, "launch_chunk_prep: Tu with U's residual");
     constexpr bool five = C == 48;
     return Tt ? launch_prep_kernel<K, V, C, TC, true, false, true, five>(plan, Tt)
               : launch_prep_kernel<K, V, C, TC, false, false, true, five>(plan, nullptr);
@@ -250,11 +250,11 @@ GDP_V3F_DEFINE_PART_ROOTS(GDP_PART_K, 3, 48, 16)
  * (chunk, head)) to get T^T (and U's residual, where plan.a.Ulo is set) stored for the
  * backward's kernels; the plain forward passes NULL and runs the kernel without either
  * store. */
-gdp_status launch_prep_v3(const Plan &plan, bf16 *Tt) {
+gdp_status launch_chunk_prep(const Plan &plan, bf16 *Tt) {
   /* the residual is only written by the BWD instantiation: without it, the state pass
    * that reads a.Ulo would read whatever the buffer held */
   if (plan.a.Ulo && !Tt)
-    return GDP_ERROR(GDP_ERR_INTERNAL, "launch_prep_v3: Ulo given without Tt (the residual is stored only "
+    return GDP_ERROR(GDP_ERR_INTERNAL, "launch_chunk_prep: Ulo given without Tt (the residual is stored only "
                                        "with T^T)");
   if (plan.a.nchunks == 0) return GDP_OK;
   const int n = plan.a.n;
@@ -331,9 +331,9 @@ gdp_status forward(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io, cudaStrea
   }
   prof_mark("fwd plan+upload", stream);
   /* saving: the prep also stores T^T for grad_wy (the recompute backward's prep does) */
-  st = launch_prep_v3(plan, Tt);
+  st = launch_chunk_prep(plan, Tt);
   prof_mark("fwd prep", stream);
-  if (st == GDP_OK) st = launch_state_v3(plan, bv, false, nullptr, saved != nullptr, nullptr, hT16, ks2, tu);
+  if (st == GDP_OK) st = launch_chunk_state(plan, bv, false, nullptr, saved != nullptr, nullptr, hT16, ks2, tu);
   prof_mark(saved ? "fwd state+output (saving h, D)" : "fwd state+output", stream);
   plan_free(&plan);
   prof_end(stream);
@@ -341,5 +341,5 @@ gdp_status forward(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io, cudaStrea
 }
 
 #endif /* GDP_PART_K */
-}  // namespace v3
+}  // namespace chunked
 }  // namespace gdpcu

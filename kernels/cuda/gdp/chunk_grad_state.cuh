@@ -8,11 +8,11 @@
 #include "chunk_backward.cuh"
 
 namespace gdpcu {
-namespace v3b {
+namespace chunked_backward {
 
 /* ------------------------------------------------------------------ per-chunk gradients, state part */
 
-/* Shared-memory layout of grad_state_kernel_v3 (bytes; rows padded by 16 bytes). */
+/* Shared-memory layout of chunk_grad_state_kernel (bytes; rows padded by 16 bytes). */
 /* sum over NS partial-sum slots p[0], p[stride], ..., from 0.f in slot order: with two slots
  * the bits a shared-memory atomicAdd from zero gave in either order ((0 + a) + b: -0 + -0
  * comes out +0 as there), with more a fixed order where the atomics' was not */
@@ -64,7 +64,7 @@ struct GradStateLayout {
  * (T, dT, dA, dv, dbeta and the rest of dk, dg) adds to dKnA and dgcA.  Only the TC query
  * rows enter the query products (dO is zero on the other steps). */
 template <int K, int V, int C, int TC, bool S16 = false, bool PIPE = false, bool OVL = false>
-__global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradStateOut go, int ahead) {
+__global__ void __launch_bounds__(256, 2) chunk_grad_state_kernel(GdpArgs a, GradStateOut go, int ahead) {
   /* dH^T, dD of the state-gradient pass; OVL (E3): no wait -- the block waits on its
    * chunk's counter before its dH^T / dD copies instead (below) */
   if constexpr (!OVL) pdl_wait();
@@ -670,7 +670,7 @@ __global__ void __launch_bounds__(256, 2) grad_state_kernel_v3(GdpArgs a, GradSt
   if constexpr (OVL) pdl_wait();
 }
 
-}  // namespace v3b
+}  // namespace chunked_backward
 }  // namespace gdpcu
 
 #endif

@@ -8,7 +8,7 @@
 #include "chunk_backward.cuh"
 
 namespace gdpcu {
-namespace v3b {
+namespace chunked_backward {
 
 /* ------------------------------------------------------------------ per-chunk gradients, WY part */
 
@@ -201,7 +201,7 @@ struct WySlots {
 };
 
 /* A lane's ldmatrix row / column maps and its accumulator row / column pair (grp, tig),
- * computed from a fresh read of %tid.x: each phase of grad_wy_kernel_v3 takes its own copy,
+ * computed from a fresh read of %tid.x: each phase of chunk_grad_wy_kernel takes its own copy,
  * so that none is held (or spilled) across the barriers -- they cost a few integer
  * instructions to rebuild, registers otherwise.  arow/acol: A operand (and the .trans B
  * operand: row = k); atk/atm: A operand by .trans; nrow/ncol: B operand, non-transposed. */
@@ -214,7 +214,7 @@ __device__ __forceinline__ LaneMaps lane_maps() {
           (l & 7) + 8 * (l >> 4), 8 * ((l >> 3) & 1)};
 }
 
-/* Blocks per SM that grad_wy_kernel_v3 is compiled for, where ptxas (nvcc 13.0) fits it
+/* Blocks per SM that chunk_grad_wy_kernel is compiled for, where ptxas (nvcc 13.0) fits it
  * with 0 bytes spilled: three (80 registers) at C = 32 and 48 except K = 128, V = 64, and
  * at C = 64 with K = V = 128 (since wy2: no KK region, late dW); two (128 registers)
  * elsewhere (at 80 those spill 4-8 bytes: C = 48 K = 128 V = 64, and C = 64 but for
@@ -278,7 +278,7 @@ __device__ __forceinline__ void grad_wy_kk(uint32_t s0, int ti, int tj, const La
 }
 
 /* The WY part of the per-chunk gradients (one block of 8 warps per (chunk, head)), after
- * grad_state_kernel_v3 (its dKnA, dWg, dgcA) and the recompute's prep (T^T, bf16, the
+ * chunk_grad_state_kernel (its dKnA, dWg, dgcA) and the recompute's prep (T^T, bf16, the
  * only precision this kernel uses T in: every product with T is on bf16 mma operands,
  * and the epilogues use A, recomputed in float32 from kn kn^T) -- variant 2's phases
  * P7-P8 on mma.sync:
@@ -297,7 +297,7 @@ __device__ __forceinline__ void grad_wy_kk(uint32_t s0, int ti, int tj, const La
  * kn) instead of in W5; dKnA (and, late, dW) are prefetched into L2 again nearer their
  * use; dg's reverse cumsum is stored by the 32 lanes of warp 7 instead of one thread. */
 template <int K, int V, int C, int TC, bool NEW = true, int WGB = 0>
-__global__ void __launch_bounds__(256, WGB ? WGB : grad_wy_blocks(K, V, C)) grad_wy_kernel_v3(GdpArgs a, GradStateOut go) {
+__global__ void __launch_bounds__(256, WGB ? WGB : grad_wy_blocks(K, V, C)) chunk_grad_wy_kernel(GdpArgs a, GradStateOut go) {
   pdl_wait(); /* the state part's dKnA, dWg, dgcA */
   constexpr bool WG = WGB != 0; /* WGB: wgmma, compiled for WGB blocks per SM */
   using L = GradWYLayout<K, V, C, WG>;
@@ -870,7 +870,7 @@ __global__ void __launch_bounds__(256, WGB ? WGB : grad_wy_blocks(K, V, C)) grad
   }
 }
 
-}  // namespace v3b
+}  // namespace chunked_backward
 }  // namespace gdpcu
 
 #endif

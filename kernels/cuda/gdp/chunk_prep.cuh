@@ -1,7 +1,7 @@
 /*
  * chunk_prep.cuh -- the fast path's prep: per (chunk, head), the l2 norms, in-chunk decays,
  * A = K K^T, T = (I + A)^-1, and the panels W, U (or Tu), Kd, Qd, Pm, e^{last} the state
- * passes read (plan.cuh gives the algebra; the method is described above prep_kernel_v3).
+ * passes read (plan.cuh gives the algebra; the method is described above chunk_prep_kernel).
  */
 #ifndef GDP_KERNELS_CUDA_GDP_CHUNK_PREP_CUH
 #define GDP_KERNELS_CUDA_GDP_CHUNK_PREP_CUH
@@ -9,7 +9,7 @@
 #include "chunk_state_pass.cuh"
 
 namespace gdpcu {
-namespace v3 {
+namespace chunked {
 
 /* ------------------------------------------------------------------ the prep */
 
@@ -382,7 +382,7 @@ __device__ __forceinline__ void prep_t_rows_out(const float *t, int i0, int x, f
 }
 
 /* The split solve (prep_split_*) and the panels Tw^T, Tu^T (and T^T) from it: the same
- * bits as the row-serial block in prep_kernel_v3, with 4 more barriers.  sBuf: the
+ * bits as the row-serial block in chunk_prep_kernel, with 4 more barriers.  sBuf: the
  * layout's oSolve (over q, or after A); Tw^T / Tu^T go over q and A after the last
  * barrier, as before. */
 template <int C, bool STORE_T, class L>
@@ -442,7 +442,7 @@ __device__ __forceinline__ void prep_split_solve(const float *sA, float *sBuf, c
   }
 }
 
-/* The W/U phase of prep_kernel_v3 with WU_STAGED (same products, same bits as the
+/* The W/U phase of chunk_prep_kernel with WU_STAGED (same products, same bits as the
  * unrolled phase in the kernel): W = Tw Kn, U = Tu V (and U's residual with STORE_ULO)
  * by items of 16 rows x 64 columns, each warp taking the items PrepWuSched gives it, but
  *  - in a runtime loop over the items (one copy of the code per item kind, W or U,
@@ -571,7 +571,7 @@ __device__ __forceinline__ void prep_store_tu(const GdpArgs &a, int64_t CHi, uin
  * For the panels a backward will read (the recompute backward's prep and a forward
  * saving for backward): STORE_T: T itself, unscaled, rounded to bf16, also goes to
  * global as T^T (row x = column x of T, [C][C] per (chunk, head) at Tt), for
- * grad_wy_kernel_v3 (chunk_backward.cu), which would otherwise solve for it again; STORE_ULO:
+ * chunk_grad_wy_kernel (chunk_backward.cu), which would otherwise solve for it again; STORE_ULO:
  * U's bf16 rounding residual to a.Ulo.  Both are template flags, not runtime tests: with
  * the residual's runtime test in it (never taken), the plain forward's prep at n = 2 ran
  * 0.86 ms instead of 0.50 on the H200 (session 3); its instantiation <false, false> is
@@ -585,7 +585,7 @@ __device__ __forceinline__ void prep_store_tu(const GdpArgs &a, int64_t CHi, uin
  * 102-106 registers unasked).  Same bits as without.
  * TU_OUT (the forward, GDP_CUDA_V3_U=tv): no U at all -- v is not read, U's
  * items are skipped -- and Tu^T (the U product's own bf16 operand) goes to a.Tu instead;
- * the state pass forms U = Tu V from v (state_kernel_v3's TU).  W, Kd, Qd, Pm, T^T and
+ * the state pass forms U = Tu V from v (chunk_state_kernel's TU).  W, Kd, Qd, Pm, T^T and
  * e^last are the same bits as without.  FIVE (with TU_OUT): compiled for five blocks per
  * SM (96 registers; without v's region five fit in shared memory at C = 48, 64), where
  * four is the default elsewhere; ptxas: no spills at C = 32, 48, ~56 bytes at C = 64.
@@ -593,7 +593,7 @@ __device__ __forceinline__ void prep_store_tu(const GdpArgs &a, int64_t CHi, uin
 template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO, bool WU_STAGED, bool SPLIT, bool TU_OUT = false,
           bool FIVE = false>
 __global__ void __launch_bounds__(128, FIVE || (SPLIT && C == 32) ? 5 : 4)
-    prep_kernel_v3(GdpArgs a, bf16 *Tt, uint32_t wu_owners, int head_first) {
+    chunk_prep_kernel(GdpArgs a, bf16 *Tt, uint32_t wu_owners, int head_first) {
   /* the state pass after it may be scheduled once every prep block has started (it waits
    * for the prep's completion before it reads a panel): no launch gap */
   pdl_launch_dependents();
@@ -875,7 +875,7 @@ __global__ void __launch_bounds__(128, FIVE || (SPLIT && C == 32) ? 5 : 4)
   if (tid == 0) a.elast[CHi] = __expf(last);
 }
 
-}  // namespace v3
+}  // namespace chunked
 }  // namespace gdpcu
 
 #endif

@@ -7,7 +7,7 @@
  * W, U or Tu, Kd, Qd, Pm and e^{last}, plan.cuh).  The state-pass algebra, per chunk c
  * of a sequence, head h:
  *     D = U - W S,   o = Qd S + Pm D   (TC query rows),   S <- e^{last} S + Kd^T D.
- * The prep's method is described above prep_kernel_v3.
+ * The prep's method is described above chunk_prep_kernel.
  *
  * Why the state pass is laid out the way it is (kernels/cuda/NOTES.md, "Variant 3"):
  *  - Everything is computed transposed: S^T (BV x K), D^T = U^T - S^T W^T (BV x C),
@@ -33,7 +33,7 @@
 #include "fragments.cuh"
 
 namespace gdpcu {
-namespace v3 {
+namespace chunked {
 
 constexpr int kStages = 3; /* chunk panels in flight: current + next two */
 constexpr int kPad = 8;    /* bf16 elements (16 bytes) of padding per shared row */
@@ -68,7 +68,7 @@ struct Layout {
 /* ------------------------------------------------------------------ saved-state stores */
 
 /* The two stores of a forward that keeps its states for the backward (SAVE below), in
- * exactly the layouts bwd_states_kernel_v3 writes (chunk_backward.cu), so the backward's
+ * exactly the layouts chunk_state_recompute_kernel writes (chunk_backward.cu), so the backward's
  * gradient kernels read them unchanged:
  *  - h^T float32 [V][K] per (chunk, head): stage_hT32_half, two halves per chunk;
  *  - D bf16 [C][V] (variant 2's layout): stage_dfrags, from the A fragments of D^T. */
@@ -99,7 +99,7 @@ __device__ __forceinline__ void afrag_residual_kt(const float (&X)[NT2][4], int 
  *   Ot[nt][e]  = o^T[x][a],  a = 8nt + 2tig + e%2
  * and the bf16 A fragments Sa[kt], Da[kt] cover k columns 16kt..16kt+15.
  * SAVE (a forward kept for the backward): per chunk also h^T (float32, S at the chunk
- * start) to hT32 and D (bf16) to a.Dbuf, the values bwd_states_kernel_v3 would
+ * start) to hT32 and D (bf16) to a.Dbuf, the values chunk_state_recompute_kernel would
  * recompute -- the same products in the same order, so the same bits.  S16 (with SAVE):
  * h^T in bf16 to hT16 instead (GDP_CUDA_V3_STATE=bf16), the rounding the backward's
  * products apply to it anyway.  TU (the prep ran with TU_OUT; plain or SAVE): U is not read
@@ -107,7 +107,7 @@ __device__ __forceinline__ void afrag_residual_kt(const float (&X)[NT2][4], int 
  * U product takes, inside D's accumulator: D = U - W S in one float32 sum, where the
  * default saving pass starts from U's bf16 rounding plus its residual (~16 bits). */
 template <int K, int C, int TC, int BV, bool SAVE = false, bool S16 = false, bool TU = false>
-__global__ void __launch_bounds__(BV / 16 * 32, 1) state_kernel_v3(GdpArgs a, float *hT32, bf16 *hT16) {
+__global__ void __launch_bounds__(BV / 16 * 32, 1) chunk_state_kernel(GdpArgs a, float *hT32, bf16 *hT16) {
   pdl_wait(); /* the prep's panels (launched as its programmatic dependent) */
   using L = Layout<K, C, TC, BV, SAVE, TU>;
   constexpr int NT = BV / 16 * 32;
@@ -199,7 +199,7 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) state_kernel_v3(GdpArgs a, fl
 
     /* -D^T = -U^T + S^T W^T (the mma only adds, so the accumulator starts at -U^T and
      * the sign is restored, exactly, when it is rounded into Da).  SAVE: U = hi + lo, as
-     * in the recompute backward's D (bwd_states_kernel_v3), which this D replaces. */
+     * in the recompute backward's D (chunk_state_recompute_kernel), which this D replaces. */
     float Dt[C / 8][4];
     if constexpr (TU) {
       /* -U^T = (-V^T) Tu^T, v's rows where U's were (the A fragments of V^T at U^T's
@@ -275,7 +275,7 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) state_kernel_v3(GdpArgs a, fl
       for (int e = 0; e < 4; e++) St[nt][e] *= el;
     if (SAVE && a.d_residual) {
       /* + Dl^T Kd, Dl = bf16(D - bf16(D)) (exact difference): D to ~16 bits in the states
-       * the gradients read, as bwd_states_kernel_v3 does (the same bits) */
+       * the gradients read, as chunk_state_recompute_kernel does (the same bits) */
 #pragma unroll
       for (int kt = 0; kt < C / 16; kt++) {
         uint32_t Dl[4];
@@ -409,7 +409,7 @@ __device__ __forceinline__ void ks2_stage_dhalf(unsigned char *buf, bf16 *g, int
         *reinterpret_cast<const uint4 *>(buf + (i + r) * kRow + h16);
 }
 
-/* Layout of state_ks2_kernel_v3: the plain pass's stages, then per warp pair the two
+/* Layout of chunk_state_pair_kernel: the plain pass's stages, then per warp pair the two
  * exchange buffers: Sa (the bf16 A fragments of S^T, K/16 tiles) and Da (those of D^T,
  * C/16 tiles), each tile as 32 lanes x 16 bytes, so one STS.128 / LDS.128 per tile moves
  * 512 contiguous bytes (4 wavefronts, the minimum). */
@@ -423,7 +423,7 @@ struct Ks2Layout {
   static constexpr int total = oHt + (SAVE ? BV / 16 * 2 * Ks2Stage<K, C>::warp_bytes : 0);
 };
 
-/* The plain state pass (state_kernel_v3<.., SAVE = false>) with two warps on each 16
+/* The plain state pass (chunk_state_kernel<.., SAVE = false>) with two warps on each 16
  * value columns (GDP_CUDA_V3_PASSES; default where the plain pass runs one-warp blocks,
  * i.e. a few long sequences: at 1 x 32768, H = 16 the pass had 128 one-warp blocks on 132
  * SMs, one tensor pipe of four busy per SM, and its per-chunk chain of 176 mma on one warp
@@ -435,7 +435,7 @@ struct Ks2Layout {
  * and S), so each warp publishes its half of Sa (after its S update, for the next chunk)
  * and of Da (after D) as bf16 fragments in shared memory and both read back all tiles.
  * Each accumulator element sees the same mma, with the same operands, in the same order
- * as in state_kernel_v3 (D: -U^T, then kt = 0..K/16-1; o: Qd kt = 0.., then Pm; S: decay,
+ * as in chunk_state_kernel (D: -U^T, then kt = 0..K/16-1; o: Qd kt = 0.., then Pm; S: decay,
  * then kt = 0..C/16-1), so o and ht are bit-identical to it; the mma per warp and chunk
  * halve (176 -> 88 at K = 128, C = 64), as do the panel copies per thread.
  * Ordering: the Sa tiles of chunk it are written before the loop-top __syncthreads of
@@ -445,12 +445,12 @@ struct Ks2Layout {
  * and its Da tiles after the next loop-top barrier, which its partner reaches only after
  * its Da reads.  So one buffer each suffices.  Needs C % 32 == 0 and TC % 32 == 0 (n = 1,
  * 2): each warp then owns whole 16-column A tiles of D and pairs of 8-column o tiles.
- * SAVE, S16: the saving pass (state_kernel_v3<.., SAVE, S16>) split alike: U = hi + lo in
+ * SAVE, S16: the saving pass (chunk_state_kernel<.., SAVE, S16>) split alike: U = hi + lo in
  * D, each warp stores its K half of h^T (ks2_stage_hT32 / 16, at the same two points of the
  * chunk as there) and its C half of D (ks2_stage_dhalf, after its Sa publish) through its
  * own Ks2Stage buffer: the same bits at the same addresses as the one-warp saving pass. */
 template <int K, int C, int TC, int BV, bool SAVE = false, bool S16 = false>
-__global__ void __launch_bounds__(BV / 16 * 64, 1) state_ks2_kernel_v3(GdpArgs a, float *hT32, bf16 *hT16) {
+__global__ void __launch_bounds__(BV / 16 * 64, 1) chunk_state_pair_kernel(GdpArgs a, float *hT32, bf16 *hT16) {
   pdl_wait(); /* the prep's panels (launched as its programmatic dependent) */
   using P = Layout<K, C, TC, BV, SAVE>;
   using L = Ks2Layout<K, C, TC, BV, SAVE>;
@@ -524,7 +524,7 @@ __global__ void __launch_bounds__(BV / 16 * 64, 1) state_ks2_kernel_v3(GdpArgs a
                    sQd = sb + P::oQd + w * (TC / 2) * P::ldK * 2, sPm = sb + P::oPm + w * (TC / 2) * P::ldC * 2,
                    sU = sb + P::oU + w * (C / 2) * P::ldB * 2;
     /* SAVE: this warp's K half of h^T rows xw..xw+7 now, of rows xw+8..15 after its D
-     * products (St is unchanged until the decay), as in state_kernel_v3 */
+     * products (St is unchanged until the decay), as in chunk_state_kernel */
     unsigned char *const hbuf = smem + L::oHt + warp * Ks2Stage<K, C>::warp_bytes;
     const int64_t hrow = ((int64_t)c * H + h) * V * K + (int64_t)xw * K + w * (K / 2);
     if constexpr (SAVE && S16)
@@ -541,7 +541,7 @@ __global__ void __launch_bounds__(BV / 16 * 64, 1) state_ks2_kernel_v3(GdpArgs a
 
     /* -D^T for this warp's C half: j-tiles w C/16 + i */
     float Dt[SC][4];
-    /* SAVE: U = hi + lo, as in state_kernel_v3's saving pass */
+    /* SAVE: U = hi + lo, as in chunk_state_kernel's saving pass */
     neg_u_from_panel<SC / 2>(Dt, sU, sU + (P::oUl - P::oU), P::ldB, urow, ucol, SAVE);
 #pragma unroll
     for (int kt = 0; kt < K / 16; kt++)
@@ -639,7 +639,7 @@ __global__ void __launch_bounds__(BV / 16 * 64, 1) state_ks2_kernel_v3(GdpArgs a
   }
 }
 
-}  // namespace v3
+}  // namespace chunked
 }  // namespace gdpcu
 
 #endif

@@ -8,7 +8,7 @@
 #include "chunk_backward.cuh"
 
 namespace gdpcu {
-namespace v3b {
+namespace chunked_backward {
 
 /* ------------------------------------------------------------------ recompute: states */
 
@@ -31,12 +31,12 @@ struct StatesLayout {
  *   Dt[nt][e] = -D^T[x][j], j = 8nt + 2tig + e%2.
  * Per chunk: h (= bf16 S at the chunk start, the same rounding the products use) and D
  * to variant 2's workspace, then S^T <- e^{last} S^T + D^T Kd.  No ht: the forward gave
- * it.  For the v3 gradient kernels h^T goes to hT32 (float32) or, S16, to hT16 (bf16).
+ * it.  For the per-chunk gradient kernels h^T goes to hT32 (float32) or, S16, to hT16 (bf16).
  * TU (with NEW, BV >= C; the prep ran with TU_OUT): U = Tu V formed here from a.Tu and
- * v's rows, inside D's accumulator, as state_kernel_v3's TU (chunk_state_pass.cuh): no U, no
+ * v's rows, inside D's accumulator, as chunk_state_kernel's TU (chunk_state_pass.cuh): no U, no
  * residual through memory, and D one float32 sum. */
 template <int K, int V, int C, int BV, bool S16 = false, bool NEW = true, bool TU = false>
-__global__ void __launch_bounds__(BV / 16 * 32, 1) bwd_states_kernel_v3(GdpArgs a, float *hT32, bf16 *hT16) {
+__global__ void __launch_bounds__(BV / 16 * 32, 1) chunk_state_recompute_kernel(GdpArgs a, float *hT32, bf16 *hT16) {
   pdl_wait(); /* the prep's panels (a no-op: fragments.cuh) */
   pdl_launch_dependents();
   using L = StatesLayout<K, C, BV>;
@@ -110,13 +110,13 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) bwd_states_kernel_v3(GdpArgs 
      * given (hi + lo is exact in float32): the gate gradient's z terms take D from here,
      * and a bf16-only U was the largest single error in dg (NOTES.md, "dg precision"). */
     float Dt[C / 8][4];
-    if constexpr (TU) { /* -U^T = (-V^T) Tu^T, as in state_kernel_v3 (chunk_state_pass.cuh) */
+    if constexpr (TU) { /* -U^T = (-V^T) Tu^T, as in chunk_state_kernel (chunk_state_pass.cuh) */
       neg_u_from_tu_v<C>(Dt, sU, sU + (L::oUl - L::oU), L::ldB, L::ldC, urow, ucol, trow, tcol);
     } else {
       neg_u_from_panel<C / 16>(Dt, sU, sU + (L::oUl - L::oU), L::ldB, urow, ucol, ulo);
     }
     bf16 *gh = a.hbuf + CHi * K * V + xw + grp;
-    const bool keep = S16 ? hT16 != nullptr : hT32 != nullptr; /* for the v3 gradient kernels */
+    const bool keep = S16 ? hT16 != nullptr : hT32 != nullptr; /* for the per-chunk gradient kernels */
     /* h^T rows xw..xw+7 now, xw+8..15 after the D products (St is unchanged until the
      * decay): the stores of each half overlap the products that follow */
     if (keep) store_stateT_half<K, C, S16>(smem + L::oHt, hT32, hT16, CHi * V * K + (int64_t)xw * K, St, 0);
@@ -176,7 +176,7 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) bwd_states_kernel_v3(GdpArgs 
   cp_async_wait<0>();
 }
 
-}  // namespace v3b
+}  // namespace chunked_backward
 }  // namespace gdpcu
 
 #endif

@@ -48,7 +48,7 @@ gdp_status choose_path(const gdp_gdp_problem *p, const char *what, int *path) {
   const int vb = p->value_block;
   if (vb != 0 && vb != 16 && vb != 32 && vb != 64)
     return GDP_ERROR_IN(what, GDP_ERR_INVALID_ARG, "value_block: expected 0 (automatic), 16, 32 or 64, got %d", vb);
-  const bool fast = v3::takes(p);
+  const bool fast = chunked::takes(p);
   if (p->algorithm == GDP_ALGO_CHUNK && !fast)
     return GDP_ERROR_IN(what, GDP_ERR_UNSUPPORTED,
                         "algorithm chunk: the CUDA chunked path takes bf16, n = 1..3, K and V in {64, 128}; "
@@ -76,7 +76,7 @@ extern "C" gdp_status gdp_cuda_gdp_backward(const gdp_gdp_problem *p, const gdp_
   GDP_TRY(validate_bwd_io(p, io, "backward"));
   int path = 0;
   GDP_TRY(choose_path(p, "backward", &path));
-  if (path == PATH_FAST) return v3::backward(p, io, (cudaStream_t)stream, nullptr);
+  if (path == PATH_FAST) return chunked::backward(p, io, (cudaStream_t)stream, nullptr);
   return backward_recurrent(p, io, (cudaStream_t)stream);
 }
 
@@ -88,7 +88,7 @@ extern "C" gdp_status gdp_cuda_gdp_save_plan(const gdp_gdp_problem *p, int *vari
   GDP_TRY(choose_path(p, "save_plan", &path));
   *variant = path;
   /* only the fast path keeps anything: its backward's recompute is what saving removes */
-  if (path == PATH_FAST) *bytes = v3::saved_bytes(p);
+  if (path == PATH_FAST) *bytes = chunked::saved_bytes(p);
   return GDP_OK;
 }
 
@@ -98,7 +98,7 @@ extern "C" gdp_status gdp_cuda_gdp_forward_ex(const gdp_gdp_problem *p, const gd
   GDP_TRY(validate_fwd_io(p, io, "forward"));
   int path = 0;
   GDP_TRY(choose_path(p, "forward", &path));
-  if (path == PATH_FAST) return v3::forward(p, io, (cudaStream_t)stream, saved);
+  if (path == PATH_FAST) return chunked::forward(p, io, (cudaStream_t)stream, saved);
   if (saved)
     return GDP_ERROR_IN("forward", GDP_ERR_INVALID_ARG,
                         "saved: the recurrent kernels keep nothing for the backward (gdp_cuda_gdp_save_plan "
@@ -116,7 +116,7 @@ extern "C" gdp_status gdp_cuda_gdp_backward_ex(const gdp_gdp_problem *p, const g
     return GDP_ERROR_IN("backward", GDP_ERR_INVALID_ARG,
                         "saved: the forward ran the %s path (code %d), this backward runs the %s path (%d)",
                         path_name(saved_variant), saved_variant, path_name(path), path);
-  if (path == PATH_FAST) return v3::backward(p, io, (cudaStream_t)stream, saved);
+  if (path == PATH_FAST) return chunked::backward(p, io, (cudaStream_t)stream, saved);
   if (saved)
     return GDP_ERROR_IN("backward", GDP_ERR_INVALID_ARG,
                         "saved: the recurrent kernels keep nothing for the backward, got a block");

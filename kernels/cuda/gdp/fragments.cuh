@@ -199,7 +199,7 @@ __device__ __forceinline__ void st_row_pairs(__nv_bfloat16 *row, const uint32_t 
 #include "../wgmma_sm90.cuh" /* SW128 panel offsets (copy_panel_sw128; grad_wy's wgmma form) */
 
 namespace gdpcu {
-namespace v3 {
+namespace chunked {
 
 /* ROWS x COLS bf16 panel whose rows are all there (the prep's workspace panels are
  * zero-filled past a sequence's end), global row stride gld -> shared row stride sld, 16
@@ -207,7 +207,7 @@ namespace v3 {
  * column and steps down the rows, so its addresses are one base plus constant strides
  * (few registers), and without a zero-fill predicate each cp.async is one LDGSTS with
  * constant offsets.  (copy_panel below, predicated by valid rows, keeps a
- * compare, a select and a 64-bit pointer per copy: at BV = 16 ~500 of dstate_kernel_v3's
+ * compare, a select and a 64-bit pointer per copy: at BV = 16 ~500 of chunk_dstate_kernel's
  * ~1500 instructions per chunk, and 255 registers.) */
 template <int ROWS, int COLS, int NT>
 __device__ __forceinline__ void copy_panel_full(unsigned char *dst, int sld, const bf16 *src, int64_t gld) {
@@ -290,7 +290,7 @@ __device__ __forceinline__ void copy_panel_sw128(unsigned char *dst, const bf16 
  * shared memory at sU (row stride ldB elements) by ldmatrix.trans at (urow, ucol), straight
  * into accumulator order (j-tiles 2jt, 2jt + 1); with lo, plus U's bf16 residual from the
  * panel of the same layout at sUl (hi + lo is exact in float32).  The panel path of
- * state_kernel_v3, its two-warp pass and bwd_states_kernel_v3. */
+ * chunk_state_kernel, its two-warp pass and chunk_state_recompute_kernel. */
 template <int NJ>
 __device__ __forceinline__ void neg_u_from_panel(float (&Dt)[2 * NJ][4], uint32_t sU, uint32_t sUl, int ldB,
                                                  int urow, int ucol, bool lo) {
@@ -317,7 +317,7 @@ __device__ __forceinline__ void neg_u_from_panel(float (&Dt)[2 * NJ][4], uint32_
  * sV (row stride ldB elements) give the A fragments of V^T by ldmatrix.trans at
  * (urow, ucol), negated by their sign bits (exact); Tu^T [m][j] at sTu (row stride ldC) is
  * the transposed-B operand at (trow, tcol); Tu[j][m] = 0 for m > j, so those tiles are
- * skipped.  Both state_kernel_v3 (chunk_state_pass.cuh) and bwd_states_kernel_v3 (chunk_backward.cu). */
+ * skipped.  Both chunk_state_kernel (chunk_state_pass.cuh) and chunk_state_recompute_kernel (chunk_backward.cu). */
 template <int C>
 __device__ __forceinline__ void neg_u_from_tu_v(float (&Dt)[C / 8][4], uint32_t sV, uint32_t sTu, int ldB, int ldC,
                                                 int urow, int ucol, int trow, int tcol) {
@@ -483,7 +483,7 @@ __device__ __forceinline__ float row_l2_inv(uint4 raw, float (&x)[8], bool l2nor
   return l2norm ? rsqrtf(ss + kNormEps) : 1.f;
 }
 
-}  // namespace v3
+}  // namespace chunked
 }  // namespace gdpcu
 
 #endif

@@ -156,7 +156,7 @@ void prof_begin(cudaStream_t stream);
 void prof_mark(const char *name, cudaStream_t stream);
 void prof_end(cudaStream_t stream);
 
-namespace v3 {
+namespace chunked {
 
 /* Whether the fast path takes p: bf16, n = 1..3, K and V in {64, 128}. */
 bool takes(const gdp_gdp_problem *p);
@@ -183,9 +183,9 @@ gdp_status backward(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io, cudaStre
 
 /* The prep (chunk_state_pass.cuh), also the backward's recompute: Tt non-NULL also stores T^T
  * there (and U's residual where plan.a.Ulo is set). */
-gdp_status launch_prep_v3(const Plan &plan, bf16 *Tt);
+gdp_status launch_chunk_prep(const Plan &plan, bf16 *Tt);
 
-}  // namespace v3
+}  // namespace chunked
 
 /* The recurrent kernels (gdp_fwd.cu, gdp_bwd.cu): f32 and bf16, any shape the dispatch
  * validated.  p and io validated. */
