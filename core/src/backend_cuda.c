@@ -1,7 +1,8 @@
 /*
  * backend_cuda.c -- the cuda device: one non-blocking stream and a lazily created
  * cuBLAS handle per context, stream-ordered allocation from the device's default
- * memory pool, and dispatch to the kernels of kernels/cuda (tensor_ops.h, gdp_cuda.h).
+ * memory pool, and dispatch to the kernels of kernels/cuda (tensor_ops.h, gdp_cuda.h,
+ * mixer/mixer_cuda.h).
  *
  * Everything is queued on the context's stream; host-visible results (to_host,
  * reductions) synchronise it.  Asynchronous kernel faults therefore surface at the
@@ -23,6 +24,7 @@
 #include "backend_impl.h"
 #include "cuda_check.h"
 #include "cuda/gdp_cuda.h"
+#include "cuda/mixer/mixer_cuda.h"
 #include "cuda/tensor_ops.h"
 
 /* tensor_ops.h repeats these enums for the .cu files, which cannot include this one. */
@@ -590,6 +592,174 @@ static gdp_status cuda_gdp_backward_saved(gdp_ctx *ctx, const gdp_gdp_problem *p
   return op_end(ctx);
 }
 
+/* ------------------------------------------------------------------ mixer ops, L2 norm */
+
+/* Records a mixer op as "<op> <dtype> [rows x cols]" (the buffers are raw pointers). */
+static gdp_status mixer_begin(gdp_ctx *ctx, const char *op, gdp_dtype dtype, int64_t rows,
+                              int64_t cols) {
+  cuda_state *st = state_of(ctx);
+  memcpy(st->prev_op, st->last_op, sizeof st->prev_op);
+  snprintf(st->last_op, sizeof st->last_op, "%s %s [%lld x %lld]", op, gdp_dtype_name(dtype),
+           (long long)rows, (long long)cols);
+  GDP_CUDA_TRY(cudaSetDevice(ctx->index));
+  return GDP_OK;
+}
+
+/* Scratch memory for a kernel (stream-ordered; freed right after the launch). */
+static gdp_status mixer_workspace(gdp_ctx *ctx, size_t nbytes, void **out) {
+  return device_alloc("cuda mixer workspace", ctx, nbytes, out);
+}
+
+/* The conv's seq_start (a host array) on the device, or NULL when no token's sequence
+ * starts after token 0 (no packing: the kernels read 0). */
+static gdp_status conv_seq_start(gdp_ctx *ctx, const gdp_conv1d_problem *p, int64_t **out) {
+  *out = NULL;
+  int packed = 0;
+  for (int64_t t = 0; t < p->T && !packed; t++) packed = p->seq_start[t] != 0;
+  if (!packed) return GDP_OK;
+  const size_t nbytes = (size_t)p->T * sizeof(int64_t);
+  void *d = NULL;
+  GDP_TRY(device_alloc("cuda_conv1d", ctx, nbytes, &d));
+  /* From pageable memory: returns once staged, so the op layer may free its array. */
+  cudaError_t e = cudaMemcpyAsync(d, p->seq_start, nbytes, cudaMemcpyHostToDevice,
+                                  state_of(ctx)->stream);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    device_free(ctx, d);
+    return GDP_ERROR(GDP_ERR_CUDA, "copying the conv's sequence starts to cuda:%d failed: %s (%s)",
+                     ctx->index, cudaGetErrorName(e), cudaGetErrorString(e));
+  }
+  *out = (int64_t *)d;
+  return GDP_OK;
+}
+
+static gdp_status cuda_conv1d_forward(gdp_ctx *ctx, const gdp_conv1d_problem *p, const void *x,
+                                      const void *wt, const void *bias, const void *halo,
+                                      void *out) {
+  GDP_TRY(mixer_begin(ctx, "conv1d_forward", (gdp_dtype)p->dtype, p->T * p->B, p->C));
+  int64_t *seq = NULL;
+  GDP_TRY(conv_seq_start(ctx, p, &seq));
+  gdp_status s = gdp_cuda_conv1d_fwd(p, seq, x, wt, bias, halo, out, state_of(ctx)->stream);
+  if (seq) device_free(ctx, seq);
+  GDP_TRY(s);
+  return op_end(ctx);
+}
+
+static gdp_status cuda_conv1d_backward(gdp_ctx *ctx, const gdp_conv1d_problem *p, const void *x,
+                                       const void *wt, const void *bias, const void *halo,
+                                       const void *d_out, void *dx, void *dweight, void *dbias,
+                                       void *dhalo) {
+  GDP_TRY(mixer_begin(ctx, "conv1d_backward", (gdp_dtype)p->dtype, p->T * p->B, p->C));
+  int64_t *seq = NULL;
+  void *ws = NULL;
+  GDP_TRY(conv_seq_start(ctx, p, &seq));
+  gdp_status s = GDP_OK;
+  if (dweight || dbias) s = mixer_workspace(ctx, gdp_cuda_conv1d_bwd_workspace(p), &ws);
+  if (s == GDP_OK)
+    s = gdp_cuda_conv1d_bwd(p, seq, x, wt, bias, halo, d_out, dx, dweight, dbias, dhalo, ws,
+                            state_of(ctx)->stream);
+  if (ws) device_free(ctx, ws);
+  if (seq) device_free(ctx, seq);
+  GDP_TRY(s);
+  return op_end(ctx);
+}
+
+static gdp_status cuda_beta_forward(gdp_ctx *ctx, gdp_dtype dtype, int64_t n, double scale,
+                                    const void *b, void *beta) {
+  GDP_TRY(mixer_begin(ctx, "beta_forward", dtype, n, 1));
+  GDP_TRY(gdp_cuda_beta_fwd((int)dtype, n, scale, b, beta, state_of(ctx)->stream));
+  return op_end(ctx);
+}
+
+static gdp_status cuda_beta_backward(gdp_ctx *ctx, gdp_dtype dtype, int64_t n, double scale,
+                                     const void *b, const void *d_beta, void *db) {
+  GDP_TRY(mixer_begin(ctx, "beta_backward", dtype, n, 1));
+  GDP_TRY(gdp_cuda_beta_bwd((int)dtype, n, scale, b, d_beta, db, state_of(ctx)->stream));
+  return op_end(ctx);
+}
+
+static gdp_status cuda_decay_forward(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows, int64_t H,
+                                     const void *a, const void *A_log, const void *dt_bias,
+                                     void *g) {
+  GDP_TRY(mixer_begin(ctx, "decay_forward", dtype, rows, H));
+  GDP_TRY(gdp_cuda_decay_fwd((int)dtype, rows, H, a, A_log, dt_bias, g, state_of(ctx)->stream));
+  return op_end(ctx);
+}
+
+static gdp_status cuda_decay_backward(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows, int64_t H,
+                                      const void *a, const void *A_log, const void *dt_bias,
+                                      const void *d_g, void *da, void *dA_log, void *ddt_bias) {
+  GDP_TRY(mixer_begin(ctx, "decay_backward", dtype, rows, H));
+  void *ws = NULL;
+  GDP_TRY(mixer_workspace(ctx, gdp_cuda_decay_bwd_workspace(rows, H), &ws));
+  gdp_status s = gdp_cuda_decay_bwd((int)dtype, rows, H, a, A_log, dt_bias, d_g, da, dA_log,
+                                    ddt_bias, ws, state_of(ctx)->stream);
+  device_free(ctx, ws);
+  GDP_TRY(s);
+  return op_end(ctx);
+}
+
+static gdp_status cuda_gated_rmsnorm_forward(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows,
+                                             int64_t d, int64_t group_size, double eps,
+                                             const void *y, const void *z, const void *weight,
+                                             void *out) {
+  GDP_TRY(mixer_begin(ctx, "gated_rmsnorm_forward", dtype, rows, d));
+  GDP_TRY(gdp_cuda_gated_rmsnorm_fwd((int)dtype, rows, d, group_size, eps, y, z, weight, out,
+                                     state_of(ctx)->stream));
+  return op_end(ctx);
+}
+
+static gdp_status cuda_gated_rmsnorm_backward(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows,
+                                              int64_t d, int64_t group_size, double eps,
+                                              const void *y, const void *z, const void *weight,
+                                              const void *d_out, void *dy, void *dz,
+                                              void *dweight) {
+  GDP_TRY(mixer_begin(ctx, "gated_rmsnorm_backward", dtype, rows, d));
+  void *ws = NULL;
+  GDP_TRY(mixer_workspace(ctx, gdp_cuda_gated_rmsnorm_bwd_workspace(rows, d, group_size), &ws));
+  gdp_status s = gdp_cuda_gated_rmsnorm_bwd((int)dtype, rows, d, group_size, eps, y, z, weight,
+                                            d_out, dy, dz, dweight, ws, state_of(ctx)->stream);
+  device_free(ctx, ws);
+  GDP_TRY(s);
+  return op_end(ctx);
+}
+
+static gdp_status cuda_dskip_forward(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows, int64_t H,
+                                     int64_t P, int per_channel, const void *y, const void *x_v,
+                                     const void *D, void *out) {
+  GDP_TRY(mixer_begin(ctx, "dskip_forward", dtype, rows, H * P));
+  GDP_TRY(gdp_cuda_dskip_fwd((int)dtype, rows, H, P, per_channel, y, x_v, D, out,
+                             state_of(ctx)->stream));
+  return op_end(ctx);
+}
+
+static gdp_status cuda_dskip_backward(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows, int64_t H,
+                                      int64_t P, int per_channel, const void *x_v, const void *D,
+                                      const void *d_out, void *dx_v, void *dD) {
+  GDP_TRY(mixer_begin(ctx, "dskip_backward", dtype, rows, H * P));
+  void *ws = NULL;
+  if (dD) GDP_TRY(mixer_workspace(ctx, gdp_cuda_dskip_bwd_workspace(rows, H, P), &ws));
+  gdp_status s = gdp_cuda_dskip_bwd((int)dtype, rows, H, P, per_channel, x_v, D, d_out, dx_v,
+                                    dD, ws, state_of(ctx)->stream);
+  if (ws) device_free(ctx, ws);
+  GDP_TRY(s);
+  return op_end(ctx);
+}
+
+static gdp_status cuda_l2norm_forward(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows, int64_t dim,
+                                      double eps, const void *x, void *y) {
+  GDP_TRY(mixer_begin(ctx, "l2norm_forward", dtype, rows, dim));
+  GDP_TRY(gdp_cuda_l2norm_fwd((int)dtype, rows, dim, eps, x, y, state_of(ctx)->stream));
+  return op_end(ctx);
+}
+
+static gdp_status cuda_l2norm_backward(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows, int64_t dim,
+                                       double eps, const void *x, const void *dy, void *dx) {
+  GDP_TRY(mixer_begin(ctx, "l2norm_backward", dtype, rows, dim));
+  GDP_TRY(gdp_cuda_l2norm_bwd((int)dtype, rows, dim, eps, x, dy, dx, state_of(ctx)->stream));
+  return op_end(ctx);
+}
+
 /* ------------------------------------------------------------------ capabilities */
 
 static int cuda_supports(gdp_op op, gdp_dtype dtype) {
@@ -661,6 +831,19 @@ const gdp_backend gdp_backend_cuda = {
     .gdp_save_plan = cuda_gdp_save_plan,
     .gdp_forward_save = cuda_gdp_forward_save,
     .gdp_backward_saved = cuda_gdp_backward_saved,
+    .l2norm_forward = cuda_l2norm_forward,
+    .l2norm_backward = cuda_l2norm_backward,
+    .conv1d_forward = cuda_conv1d_forward,
+    .conv1d_backward = cuda_conv1d_backward,
+    .beta_forward = cuda_beta_forward,
+    .beta_backward = cuda_beta_backward,
+    .decay_forward = cuda_decay_forward,
+    .decay_backward = cuda_decay_backward,
+    .gated_rmsnorm_forward = cuda_gated_rmsnorm_forward,
+    .gated_rmsnorm_backward = cuda_gated_rmsnorm_backward,
+    .dskip_forward = cuda_dskip_forward,
+    .dskip_backward = cuda_dskip_backward,
+    .mixer_bf16 = 1,
     .supports = cuda_supports,
     .timer_start = cuda_timer_start,
     .timer_stop = cuda_timer_stop,

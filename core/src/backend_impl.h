@@ -109,6 +109,9 @@ struct gdp_backend {
   gdp_status (*dskip_backward)(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows, int64_t H,
                                int64_t P, int per_channel, const void *x_v, const void *D,
                                const void *d_out, void *dx_v, void *dD);
+  /* 1: the mixer entries above also take bf16 buffers (float32 math inside); 0: the op
+   * layer refuses bf16 mixer inputs on this device. */
+  int mixer_bf16;
   int (*supports)(gdp_op op, gdp_dtype dtype);
   /* Device timing of queued work (gdp_ctx_timer_start / _stop); NULL: the backend has
    * no device timer (the CPU's work runs on the calling thread: time it on the host). */

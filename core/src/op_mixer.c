@@ -3,8 +3,9 @@
  * validation, contiguous compute-dtype copies, dispatch through ctx->backend
  * (backend_impl.h), and delivery of the results in the documented dtypes.
  *
- * A backend without an op's entry (cuda today) answers GDP_ERR_UNSUPPORTED naming the
- * op and the device; a CUDA mixer slots in by filling its entries.  repeat_heads is
+ * A backend without an op's entry answers GDP_ERR_UNSUPPORTED naming the op and the
+ * device.  bf16 inputs compute in bf16 buffers where the backend's mixer kernels take
+ * them (cuda: float32 math inside), and are refused elsewhere.  repeat_heads is
  * built from views, copies and adds of the tensor library and runs on every device.
  *
  * Every temporary is released on every path: each entry point collects its tensors
@@ -55,7 +56,8 @@ static int is_float(gdp_dtype d) { return d == GDP_DTYPE_F64 || d == GDP_DTYPE_F
     if (!(ctx)->backend->entry) return GDP_NOT_IMPLEMENTED((func), (ctx));                  \
   } while (0)
 
-/* t (may be NULL) lives on ctx's device and holds float64 or float32 values. */
+/* t (may be NULL) lives on ctx's device and holds float64 or float32 values (or bf16,
+ * where the backend's mixer kernels take it: backend_impl.h, mixer_bf16). */
 static gdp_status check_float_on(const char *func, const char *name, const gdp_ctx *ctx,
                                  const gdp_tensor *t) {
   if (!t) return GDP_OK;
@@ -65,8 +67,10 @@ static gdp_status check_float_on(const char *func, const char *name, const gdp_c
                         "%s: expected a tensor on %s:%d (ctx), got %s:%d", name,
                         gdp_device_type_name(ctx->type), ctx->index,
                         gdp_device_type_name(tc->type), tc->index);
+  if (t->dtype == GDP_DTYPE_BF16 && ctx->backend->mixer_bf16) return GDP_OK;
   if (!is_float(t->dtype))
-    return GDP_ERROR_IN(func, GDP_ERR_DTYPE, "%s: expected dtype f64 or f32, got %s", name,
+    return GDP_ERROR_IN(func, GDP_ERR_DTYPE, "%s: expected dtype f64 or f32%s, got %s", name,
+                        t->dtype == GDP_DTYPE_BF16 ? " (bf16 mixer kernels: cuda only)" : "",
                         gdp_dtype_name(t->dtype));
   return GDP_OK;
 }

@@ -1,0 +1,182 @@
+/*
+ * common.cuh -- what the mixer kernels share: loads and stores that widen bf16 to
+ * float32 (float64 stays float64), block reductions, launch checks, and the
+ * deterministic two-pass column sum behind every parameter gradient:
+ *
+ *   pass 1 (colsum_partial): block (column tile, chunk of rows) sums its rows for its
+ *           columns into partial[v][chunk][col] (in the math type, stored as double);
+ *   pass 2 (colsum_final):   out_v[j] = sum over chunks, then over the G columns of j,
+ *           in double, always in the same order.
+ */
+#ifndef GDP_KERNELS_CUDA_MIXER_COMMON_CUH
+#define GDP_KERNELS_CUDA_MIXER_COMMON_CUH
+
+#include <stdint.h>
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "../../kernel_status.h"
+#include "mixer_cuda.h"
+
+namespace gdp_mixer {
+
+typedef __nv_bfloat16 bf16;
+
+/* The math type of an I/O type: float for f32 and bf16, double for f64. */
+template <typename T> struct Math { typedef float type; };
+template <> struct Math<double> { typedef double type; };
+
+__device__ __forceinline__ float ld(const float *p, int64_t i) { return p[i]; }
+__device__ __forceinline__ double ld(const double *p, int64_t i) { return p[i]; }
+__device__ __forceinline__ float ld(const bf16 *p, int64_t i) { return __bfloat162float(p[i]); }
+__device__ __forceinline__ void st(float *p, int64_t i, float v) { p[i] = v; }
+__device__ __forceinline__ void st(double *p, int64_t i, double v) { p[i] = v; }
+__device__ __forceinline__ void st(bf16 *p, int64_t i, float v) { p[i] = __float2bfloat16(v); }
+
+__device__ __forceinline__ float m_exp(float x) { return expf(x); }
+__device__ __forceinline__ double m_exp(double x) { return exp(x); }
+__device__ __forceinline__ float m_log1p(float x) { return log1pf(x); }
+__device__ __forceinline__ double m_log1p(double x) { return log1p(x); }
+__device__ __forceinline__ float m_rsqrt(float x) { return 1.0f / sqrtf(x); }
+__device__ __forceinline__ double m_rsqrt(double x) { return 1.0 / sqrt(x); }
+
+template <typename A> __device__ __forceinline__ A sigmoid(A x) { return (A)1 / ((A)1 + m_exp(-x)); }
+
+enum { THREADS = 256, MAX_BLOCKS = 1 << 20 };
+
+/* Blocks of THREADS for n elements with a grid-stride loop. */
+static inline unsigned grid_for(int64_t n) {
+  int64_t b = (n + THREADS - 1) / THREADS;
+  if (b < 1) b = 1;
+  if (b > MAX_BLOCKS) b = MAX_BLOCKS;
+  return (unsigned)b;
+}
+
+#define GDP_MIXER_FOR(i, n) \
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n); \
+       i += (int64_t)gridDim.x * blockDim.x)
+
+/* The launch error of the kernels just queued, as a gdp status with the message set. */
+static inline gdp_status launched(const char *func, const char *what) {
+  cudaError_t e = cudaGetLastError();
+  if (e == cudaSuccess) return GDP_OK;
+  return GDP_ERROR_IN(func, GDP_ERR_CUDA, "launch of %s failed: %s (%s)", what,
+                      cudaGetErrorName(e), cudaGetErrorString(e));
+}
+
+/* Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets it.
+ * `shared` holds 32 values; the call ends with a barrier so it can be reused. */
+template <typename A> __device__ __forceinline__ A block_sum(A v, A *shared) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  const int nw = blockDim.x >> 5;
+  A t = lane < nw ? shared[lane] : (A)0;
+  for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
+  __syncthreads();
+  return t;
+}
+
+template <typename A> __device__ __forceinline__ A warp_sum(A v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+/* ---------------------------------------------------------------- column sums */
+
+enum { COLSUM_THREADS = 128, COLSUM_MIN_CHUNK = 64, COLSUM_MAX_CHUNKS = 4096 };
+
+/* Rows per chunk and the chunk count for `rows` rows (0 rows: 0 chunks). */
+static inline int64_t colsum_chunk(int64_t rows) {
+  int64_t c = (rows + COLSUM_MAX_CHUNKS - 1) / COLSUM_MAX_CHUNKS;
+  return c < COLSUM_MIN_CHUNK ? COLSUM_MIN_CHUNK : c;
+}
+static inline int64_t colsum_nchunks(int64_t rows) {
+  const int64_t c = colsum_chunk(rows);
+  return (rows + c - 1) / c;
+}
+/* Workspace bytes of nv column sums of `cols` columns over `rows` rows. */
+static inline size_t colsum_bytes(int nv, int64_t rows, int64_t cols) {
+  return (size_t)nv * (size_t)colsum_nchunks(rows) * (size_t)(cols > 0 ? cols : 1) * sizeof(double);
+}
+
+/* fn(r, col, acc) adds row r's contributions to column col into acc[0..NV) (and may
+ * write elementwise results of (r, col): each pair is visited exactly once). */
+template <int NV, typename A, class Fn>
+__global__ void colsum_partial(Fn fn, int64_t rows, int64_t cols, int64_t chunk, int64_t nch,
+                               double *partial) {
+  const int64_t col = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  const int64_t ch = blockIdx.y;
+  if (col >= cols) return;
+  A acc[NV];
+#pragma unroll
+  for (int v = 0; v < NV; v++) acc[v] = (A)0;
+  const int64_t r0 = ch * chunk;
+  const int64_t r1 = r0 + chunk < rows ? r0 + chunk : rows;
+  for (int64_t r = r0; r < r1; r++) fn(r, col, acc);
+#pragma unroll
+  for (int v = 0; v < NV; v++) partial[((int64_t)v * nch + ch) * cols + col] = (double)acc[v];
+}
+
+/* out[j] = sum over chunks and over columns j*G .. j*G+G-1 of partial[v], j < cols/G. */
+template <typename T>
+__global__ void colsum_final(const double *partial, int v, int64_t nch, int64_t cols, int64_t G,
+                             T *out) {
+  GDP_MIXER_FOR(j, cols / G) {
+    double s = 0.0;
+    for (int64_t ch = 0; ch < nch; ch++) {
+      const double *row = partial + ((int64_t)v * nch + ch) * cols + j * G;
+      for (int64_t g = 0; g < G; g++) s += row[g];
+    }
+    st(out, j, (typename Math<T>::type)s);
+  }
+}
+
+/* Queues pass 1 (always: fn may write elementwise results) and pass 2 for each wanted
+ * output outs[v] (NULL: not wanted). */
+template <int NV, typename T, class Fn>
+static gdp_status colsum_run(const char *func, const char *what, Fn fn, int64_t rows,
+                             int64_t cols, int64_t G, T *const *outs, void *workspace,
+                             cudaStream_t stream) {
+  typedef typename Math<T>::type A;
+  const int64_t chunk = colsum_chunk(rows), nch = colsum_nchunks(rows);
+  double *partial = (double *)workspace;
+  if (nch > 0 && cols > 0) {
+    dim3 grid((unsigned)((cols + COLSUM_THREADS - 1) / COLSUM_THREADS), (unsigned)nch);
+    colsum_partial<NV, A, Fn><<<grid, COLSUM_THREADS, 0, stream>>>(fn, rows, cols, chunk, nch,
+                                                                    partial);
+    GDP_TRY(launched(func, what));
+  }
+  for (int v = 0; v < NV; v++) {
+    if (!outs[v] || cols / G == 0) continue;
+    colsum_final<T><<<grid_for(cols / G), THREADS, 0, stream>>>(partial, v, nch, cols, G, outs[v]);
+    GDP_TRY(launched(func, what));
+  }
+  return GDP_OK;
+}
+
+} // namespace gdp_mixer
+
+/* Bytes of n float32 statistics, rounded up so that a double array may follow. */
+static inline size_t gdp_mixer_rstd_bytes(int64_t n) {
+  return ((size_t)(n > 0 ? n : 0) * sizeof(float) + 15) & ~(size_t)15;
+}
+
+/* Dispatch on the I/O dtype: the statement (the variadic part) is instantiated with the
+ * type name IO. */
+#define GDP_MIXER_DISPATCH(func, dtype, ...)                                              \
+  do {                                                                                     \
+    switch (dtype) {                                                                       \
+      case GDP_DTYPE_F64: { typedef double IO; __VA_ARGS__; } break;                              \
+      case GDP_DTYPE_F32: { typedef float IO; __VA_ARGS__; } break;                               \
+      case GDP_DTYPE_BF16: { typedef gdp_mixer::bf16 IO; __VA_ARGS__; } break;                    \
+      default:                                                                             \
+        return GDP_ERROR_IN((func), GDP_ERR_DTYPE,                                         \
+                            "the cuda mixer kernels take f64, f32 or bf16, got dtype %d",  \
+                            (int)(dtype));                                                 \
+    }                                                                                      \
+  } while (0)
+
+#endif /* GDP_KERNELS_CUDA_MIXER_COMMON_CUH */
