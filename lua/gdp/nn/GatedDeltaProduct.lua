@@ -15,9 +15,16 @@
 -- num_householder (3), conv_width (4), allow_neg_eigval (false: beta in (0,1); true:
 -- (0,2)), D (false | "head" | "channel": the optional skip y += D * x_v, per head or per
 -- channel = Megatron's D_has_hdim), norm_eps (1e-5), conv_bias (true), dtype ("f64" |
--- "f32"), device ("cpu"), seed (nil: the device's current RNG stream), algorithm
--- ("auto": the operator's), init_method_std (0.02), num_layers (1, for out_proj's
--- scaled init).
+-- "f32" on the cpu; "f32" | "bf16" on cuda), device ("cpu"; "cuda", "cuda:<i>"), seed
+-- (nil: the device's current RNG stream), algorithm ("auto": the operator's),
+-- init_method_std (0.02), num_layers (1, for out_proj's scaled init).
+--
+-- Devices and dtypes.  Parameters, gradients and every intermediate live on the layer's
+-- device; each op runs where its tensors are.  A bf16 layer keeps float32 copies where
+-- Megatron does: A_log and dt_bias (and their gradients) are float32, the decay gate g
+-- is computed in float32 from them (then rounded to bf16, the operator's token dtype),
+-- and the norms' statistics are float32 inside the kernels; the GEMMs take bf16 operands
+-- with float32 accumulation.  Every other parameter has the layer's dtype.
 --
 -- Layout.  in_proj maps D_model to [z (d_inner), V (M d_inner), K (M ng N), Q (ng N),
 -- b (M nh), a (nh)] on the last dim, with V inside as (m, head, p), K as (m, group, n)
@@ -99,12 +106,21 @@ end
 
 ------------------------------------------------------------------------------- construction
 
--- Values of a tensor computed on the host: fn(i) for i = 1..n, as a tensor of the module's
--- dtype and device.
-local function host_tensor(self, n, fn)
+-- Parameters kept in float32 in a bf16 layer (Megatron's gate parameters).
+local FLOAT32_IN_BF16 = { A_log = true, dt_bias = true }
+
+-- The dtype of parameter `name` (and of its gradient).
+function GatedDeltaProduct:param_dtype(name)
+  if self.dtype == "bf16" and FLOAT32_IN_BF16[name] then return "f32" end
+  return self.dtype
+end
+
+-- Values of a tensor computed on the host: fn(i) for i = 1..n, as a tensor of dtype
+-- `dtype` on the module's device.
+local function host_tensor(self, n, dtype, fn)
   local vals = {}
   for i = 1, n do vals[i] = fn(i) end
-  return tensor.tensor(vals, { n }, { dtype = self.dtype, device = self.device })
+  return tensor.tensor(vals, { n }, { dtype = dtype, device = self.device })
 end
 
 local function init_parameters(self)
@@ -122,7 +138,7 @@ local function init_parameters(self)
   local nh = self.num_heads
   local dt_u = tensor.empty({ nh }, { dtype = "f64", device = self.device })
                  :uniform_(math.log(1e-3), math.log(1e-1)):flat()
-  p["dt_bias"] = host_tensor(self, nh, function(i)
+  p["dt_bias"] = host_tensor(self, nh, self:param_dtype("dt_bias"), function(i)
     local dt = math.max(math.exp(dt_u[i]), 1e-4)
     -- inverse softplus: log(exp(dt) - 1) = dt + log(1 - exp(-dt)) = dt + log(-expm1(-dt));
     -- -expm1(-dt) written as 1 - exp(-dt) loses digits for small dt, so use the series.
@@ -130,7 +146,7 @@ local function init_parameters(self)
     return dt + math.log(e)
   end)
   local A_u = tensor.empty({ nh }, { dtype = "f64", device = self.device }):uniform_(0, 16):flat()
-  p["A_log"] = host_tensor(self, nh, function(i) return math.log(A_u[i]) end)
+  p["A_log"] = host_tensor(self, nh, self:param_dtype("A_log"), function(i) return math.log(A_u[i]) end)
   if self.D_mode then
     p["D"] = tensor.ones({ self.D_mode == "channel" and s.d_inner or nh }, opts)
   end
@@ -163,11 +179,19 @@ local function construct(cfg)
     argerror(FN, "D: expected false, \"head\" or \"channel\" (D_has_hdim), got " .. tostring(cfg.D))
   end
   self.D_mode = cfg.D or false
-  self.dtype = cfg.dtype or "f64"
-  if self.dtype ~= "f64" and self.dtype ~= "f32" then
-    argerror(FN, "dtype: expected \"f64\" or \"f32\", got " .. tostring(self.dtype))
-  end
   self.device = cfg.device or "cpu"
+  local on_cuda = type(self.device) == "string" and self.device:match("^cuda") ~= nil
+  self.dtype = cfg.dtype or (on_cuda and "f32" or "f64")
+  if on_cuda then
+    if self.dtype ~= "f32" and self.dtype ~= "bf16" then
+      argerror(FN, "dtype: expected \"f32\" or \"bf16\" on " .. self.device ..
+                   " (the cuda operator's dtypes), got " .. tostring(self.dtype))
+    end
+  elseif self.dtype ~= "f64" and self.dtype ~= "f32" then
+    argerror(FN, "dtype: expected \"f64\" or \"f32\" on " .. tostring(self.device) ..
+                 (self.dtype == "bf16" and " (bf16 layers run on cuda)" or "") ..
+                 ", got " .. tostring(self.dtype))
+  end
   self.algorithm = cfg.algorithm or "auto"
   if self.num_heads % self.num_groups ~= 0 then
     argerror(FN, string.format("num_groups: expected a divisor of num_heads = %d, got %d",
@@ -198,6 +222,7 @@ local function construct(cfg)
   -- A given seed draws the parameters from its own stream and leaves the device's
   -- stream where it was.
   local ctx = tensor.get_ctx(FN, self.device)
+  self.device_name = ctx:name()
   local saved_seed, saved_offset
   if cfg.seed ~= nil then
     if type(cfg.seed) ~= "number" or cfg.seed < 0 or cfg.seed ~= math.floor(cfg.seed) then
@@ -215,7 +240,7 @@ local function construct(cfg)
   self.params = params
   self.grads = {}
   for name, t in pairs(params) do
-    self.grads[name] = tensor.zeros(t:shape(), { dtype = self.dtype, device = self.device })
+    self.grads[name] = tensor.zeros(t:shape(), { dtype = self:param_dtype(name), device = self.device })
   end
   self.cache = nil
   return self
@@ -348,6 +373,10 @@ local function check_input(self, fn, x)
   if x:dtype() ~= self.dtype then
     argerror(fn, string.format("x: expected dtype %s (the module's), got %s", self.dtype, x:dtype()))
   end
+  if self.device_name and x:device() ~= self.device_name then
+    argerror(fn, string.format("x: expected a tensor on %s (the module's device), got %s",
+                               self.device_name, x:device()))
+  end
 end
 
 -- x [T,B,D] -> the in_proj output [T,B,d_in_proj].
@@ -412,6 +441,25 @@ function GatedDeltaProduct:conv_backward(xBC, dxBC_c, cu_seqlens, halo, weight, 
   return r.dx, r.dhalo
 end
 
+-- g [T,B,nh] of the layer's dtype from a [T,B,nh]: computed in A_log's dtype (float32
+-- in a bf16 layer, as Megatron's -exp(A_log.float()) * softplus(a.float() + dt_bias)).
+function GatedDeltaProduct:decay_forward(a)
+  local A_log = self.params["A_log"]
+  local g = F.decay(a:to(A_log:dtype()), A_log, self.params["dt_bias"])
+  return g:to(self.dtype)
+end
+
+-- Backward of decay_forward for d_g [T,B,nh]: returns da (a's dtype) and accumulates the
+-- A_log and dt_bias gradients (in their float32 in a bf16 layer).
+function GatedDeltaProduct:decay_backward(a, d_g)
+  local A_log = self.params["A_log"]
+  local dt = A_log:dtype()
+  local da, dA_log, ddt = F.decay_backward(a:to(dt), A_log, self.params["dt_bias"], d_g:to(dt))
+  self.grads["A_log"]:add_(dA_log)
+  self.grads["dt_bias"]:add_(ddt)
+  return da:to(a:dtype())
+end
+
 -- The operator's inputs from the conv output and the gate sections:
 -- {q [B,T,nh,N], k [B,T*M,nh,N], v [B,T*M,nh,P], beta [B,T*M,nh], g [B,T,nh],
 --  x_v [T,B,nh,P] (value copy m = 0, for the D skip)}.
@@ -429,7 +477,7 @@ function GatedDeltaProduct:ssm_inputs(xBC_c, b, a)
   inp.q = F.repeat_heads(Q4, nh):permute(2, 1, 3, 4)
   inp.x_v = V5:select(3, 1)
   inp.beta = F.beta(b, self.beta_scale):view(T, B, M, nh):permute(2, 1, 3, 4):reshape(B, T * M, nh)
-  inp.g = F.decay(a, self.params["A_log"], self.params["dt_bias"]):permute(2, 1, 3)
+  inp.g = self:decay_forward(a):permute(2, 1, 3)
   return inp
 end
 
@@ -450,10 +498,7 @@ function GatedDeltaProduct:ssm_inputs_backward(grads, b, a, dx_v)
         :copy(F.repeat_heads_backward(grads.dq:permute(2, 1, 3, 4), ng))
   local dbeta = grads.dbeta:view(B, T, M, nh):permute(2, 1, 3, 4)
   local db = F.beta_backward(b:view(T, B, M, nh), self.beta_scale, dbeta):view(T, B, M * nh)
-  local da, dA_log, ddt = F.decay_backward(a, self.params["A_log"], self.params["dt_bias"],
-                                           grads.dg:permute(2, 1, 3))
-  self.grads["A_log"]:add_(dA_log)
-  self.grads["dt_bias"]:add_(ddt)
+  local da = self:decay_backward(a, grads.dg:permute(2, 1, 3))
   return dxBC_c, db, da
 end
 
