@@ -11,7 +11,8 @@
 -- --save-for-backward: the forward saves for backward and the backward reads what it
 -- kept (cuda variant 3's saving path; elsewhere nothing is kept and it recomputes).
 -- Mixer-layer cases (mixer_*.safetensors, holding in_proj.weight) run through
--- gdp.nn.GatedDeltaProduct (cpu, f64/f32) and check out, grad.x and every grad.<param>.
+-- gdp.nn.GatedDeltaProduct and check out, grad.x and every grad.<param>: on the cpu in
+-- f64/f32, on cuda in f32/bf16 (the layer's dtypes there; f64 on cuda is skipped).
 
 local config = {
   device = "cpu",        -- cpu | cuda | cuda:<i>
@@ -65,11 +66,16 @@ local function check_operator(t, meta)
 end
 
 local function check_mixer(t, meta)
-  if opts.device ~= "cpu" or opts.dtype == "bf16" then
+  local on_cuda = opts.device:match("^cuda") ~= nil
+  local dtypes = on_cuda and { f32 = true, bf16 = true } or { f64 = true, f32 = true }
+  if not dtypes[opts.dtype] then
     return { { tensor = "-", status = "skipped",
-               note = "the mixer layer runs on cpu in f64/f32 (got " .. opts.device .. ", " .. opts.dtype .. ")" } }
+               note = "the mixer layer takes " .. (on_cuda and "f32/bf16 on cuda" or "f64/f32 on the cpu") ..
+                      " (got " .. opts.device .. ", " .. opts.dtype .. ")" } }
   end
-  local rows, times = require("gdp.nn.golden").check_case(t, meta, { dtype = opts.dtype, tol = tol })
+  local rows, times = require("gdp.nn.golden").check_case(t, meta, {
+    dtype = opts.dtype, device = opts.device, tol = tol,
+  })
   local out = {}
   for _, r in ipairs(rows) do
     out[#out + 1] = { tensor = r.name, err = r.err, tol = r.tol, status = r.ok and "PASS" or "FAIL" }

@@ -8,43 +8,53 @@ local GatedDeltaProduct = require("gdp.nn.GatedDeltaProduct")
 
 local M = {}
 
-M.TOLERANCE = { f64 = 1e-10, f32 = 1e-4 }
+M.TOLERANCE = { f64 = 1e-10, f32 = 1e-4, bf16 = 1e-2 }
 
--- The module a golden file's metadata describes (Megatron's mixer: no D).
-function M.module_for(meta, dtype)
+-- The module a golden file's metadata describes (Megatron's mixer: no D), of `dtype`
+-- on `device` (nil: cpu).
+function M.module_for(meta, dtype, device)
   return GatedDeltaProduct{
     hidden_size = tonumber(meta.d_model), num_heads = tonumber(meta.nheads),
     head_dim = tonumber(meta.headdim), num_groups = tonumber(meta.ngroups),
     state_dim = tonumber(meta.d_state), num_householder = tonumber(meta.num_householder),
     conv_width = tonumber(meta.d_conv), conv_bias = meta.conv_bias == "true",
     allow_neg_eigval = tonumber(meta.beta_scale) == 2, norm_eps = tonumber(meta.norm_eps),
-    dtype = dtype,
+    dtype = dtype, device = device,
   }
 end
 
 -- Returns rows {name, err, tol, ok} for out, grad.x and grad.<param> of every
--- parameter, plus timings {fwd_ms, bwd_ms}.  A gradient in the file that the module
+-- parameter, plus timings {fwd_ms, bwd_ms}.  opts: dtype ("f64"), device ("cpu"; the
+-- file's tensors are copied there), tol (M.TOLERANCE[dtype]).  A gradient in the file that the module
 -- lacks, or a parameter whose gradient the file lacks, is a failing row (err NaN).
 function M.check_case(t, meta, opts)
   opts = opts or {}
   local dtype = opts.dtype or "f64"
   local tol = opts.tol or M.TOLERANCE[dtype]
   if not tol then
-    error("gdp.nn.golden.check_case: dtype: expected f64 or f32, got " .. tostring(dtype), 2)
+    error("gdp.nn.golden.check_case: dtype: expected f64, f32 or bf16, got " .. tostring(dtype), 2)
   end
-  local m = M.module_for(meta, dtype)
+  local device = opts.device or "cpu"
+  local m = M.module_for(meta, dtype, device)
   m:set_parameters(t, false)
-  local x = t.x:to(dtype)
+  local x = t.x:to({ dtype = dtype, device = device })
+  local dy = t.dy:to({ dtype = dtype, device = device })
+  local ctx = gdp.device(device)
+  ctx:sync()
   local t0 = gdp.time()
   local out = m:forward(x, t.cu_seqlens)
+  ctx:sync()
   local t1 = gdp.time()
-  local dx = m:backward(x, t.dy:to(dtype), t.cu_seqlens)
+  local dx = m:backward(x, dy, t.cu_seqlens)
+  ctx:sync()
   local t2 = gdp.time()
 
   local rows = {}
   local function row(name, got, ref)
     local err = 0 / 0
-    if got ~= nil and ref ~= nil then err = gdp.rel_error(got:to("f64"), ref) end
+    if got ~= nil and ref ~= nil then
+      err = gdp.rel_error(got:to({ dtype = "f64", device = "cpu" }), ref:to({ dtype = "f64", device = "cpu" }))
+    end
     rows[#rows + 1] = { name = name, err = err, tol = tol, ok = err <= tol }
   end
   row("out", out, t.out)
