@@ -2,16 +2,96 @@
 -- gated RMSNorm, the D skip, repeat_heads) on every device: each result in each dtype
 -- against the float64 cpu run of the same case, within ops.TOLERANCE.  A device whose
 -- backend has no mixer kernels yet answers GDP_ERR_UNSUPPORTED: its cases are pending,
--- with that reason.  cuda parts are tagged #gpu.
+-- with that reason.  cuda parts are tagged #gpu; there the cases run in f32 and bf16
+-- (the cuda kernels' I/O dtypes), plus larger cases sized to cross the cuda kernels'
+-- tiles: several channel tiles and token chunks of the conv backward, several row
+-- chunks of the two-pass parameter-gradient sums, norm groups wider than a block.
 local gdp = require("gdp")
+local F = require("gdp.nn.functional")
 local H = gdp_test
 local cases = require("op_cases")
+
+local function randn(shape) return gdp.randn(shape, { dtype = "f64" }) end
+local function uniform(shape, lo, hi) return gdp.empty(shape, { dtype = "f64" }):uniform_(lo, hi) end
+
+local function conv_case(name, T, B, C, W, o)
+  return {
+    name = string.format("conv1d %s [T=%d B=%d C=%d W=%d]", name, T, B, C, W),
+    inputs = function()
+      return { x = randn({ T, B, C }), weight = randn({ C, 1, W }), bias = o.bias and randn({ C }) or nil,
+               halo = o.halo and randn({ o.halo, B, C }) or nil, d_out = randn({ T, B, C }) }
+    end,
+    run = function(a)
+      local opts = { activation = o.activation, cu_seqlens = o.cu, halo = a.halo }
+      local g = F.conv1d_backward(a.x, a.weight, a.bias, a.d_out, opts)
+      return { out = F.conv1d(a.x, a.weight, a.bias, opts), dx = g.dx, dweight = g.dweight,
+               dbias = g.dbias, dhalo = g.dhalo }
+    end,
+  }
+end
+
+-- Larger cases (every device: the cpu's f32 run checks the cases themselves).
+local tiled = {
+  conv_case("tiles: 2 channel tiles, 3 token chunks, bias, SiLU", 300, 2, 200, 4,
+            { bias = true, activation = "silu" }),
+  conv_case("tiles: packed with empty sequences, halo 3, SiLU", 300, 1, 130, 4,
+            { bias = true, activation = "silu", cu = { 0, 0, 100, 101, 101, 129, 300, 300 }, halo = 3 }),
+  conv_case("tiles: W = 6 (the wide kernel), packed, halo 5", 140, 1, 40, 6,
+            { bias = true, activation = "silu", cu = { 0, 2, 2, 140 }, halo = 5 }),
+  { name = "beta x2, 70000 elements",
+    inputs = function() return { b = randn({ 7000, 2, 5 }), d = randn({ 7000, 2, 5 }) } end,
+    run = function(a) return { beta = F.beta(a.b, 2), db = F.beta_backward(a.b, 2, a.d) } end },
+  { name = "decay, 600 rows (several chunks of the sums)",
+    inputs = function()
+      return { a = randn({ 300, 2, 5 }), A_log = uniform({ 5 }, -1, 1), dt_bias = uniform({ 5 }, -1, 1),
+               d = randn({ 300, 2, 5 }) }
+    end,
+    run = function(a)
+      local da, dA, ddt = F.decay_backward(a.a, a.A_log, a.dt_bias, a.d)
+      return { g = F.decay(a.a, a.A_log, a.dt_bias), da = da, dA_log = dA, ddt_bias = ddt }
+    end },
+  { name = "gated RMSNorm, 2 groups of 300, 150 rows",
+    inputs = function()
+      return { y = randn({ 75, 2, 600 }), z = randn({ 75, 2, 600 }), w = uniform({ 600 }, 0.5, 1.5),
+               d = randn({ 75, 2, 600 }) }
+    end,
+    run = function(a)
+      local dy, dz, dw = F.gated_rmsnorm_backward(a.y, a.z, a.w, 300, 1e-5, a.d)
+      return { out = F.gated_rmsnorm(a.y, a.z, a.w, 300, 1e-5), dy = dy, dz = dz, dweight = dw }
+    end },
+  { name = "D skip per head, 260 rows",
+    inputs = function()
+      return { y = randn({ 130, 2, 3, 40 }), x = randn({ 130, 2, 3, 40 }), D = uniform({ 3 }, 0.5, 1.5),
+               d = randn({ 130, 2, 3, 40 }) }
+    end,
+    run = function(a)
+      local dx, dD = F.dskip_backward(a.x, a.D, a.d)
+      return { out = F.dskip(a.y, a.x, a.D), dx_v = dx, dD = dD }
+    end },
+  { name = "D skip per channel, 260 rows",
+    inputs = function()
+      return { y = randn({ 130, 2, 3, 40 }), x = randn({ 130, 2, 3, 40 }), D = uniform({ 120 }, 0.5, 1.5),
+               d = randn({ 130, 2, 3, 40 }) }
+    end,
+    run = function(a)
+      local dx, dD = F.dskip_backward(a.x, a.D, a.d)
+      return { out = F.dskip(a.y, a.x, a.D), dx_v = dx, dD = dD }
+    end },
+}
+for i, case in ipairs(tiled) do case.salt = 3500 + i end
+
+local all = {}
+for _, c in ipairs(cases.mixer) do all[#all + 1] = c end
+for _, c in ipairs(tiled) do all[#all + 1] = c end
+
+-- The cuda kernels take bf16 as well (float32 math inside).
+local DTYPES = { cpu = cases.MIXER_DTYPES.cpu, cuda = { "f32", "bf16" } }
 
 for _, dev in ipairs(H.DEVICES) do
   local device = dev.name
   describe("mixer op case table on " .. device .. dev.tag, function()
-    for _, case in ipairs(cases.mixer) do
-      for _, dtype in ipairs(cases.MIXER_DTYPES[device]) do
+    for _, case in ipairs(all) do
+      for _, dtype in ipairs(DTYPES[device]) do
         it(case.name .. " " .. dtype, function()
           if not H.need_device(device) then return end
           H.reseed(case.salt)
@@ -39,3 +119,48 @@ for _, dev in ipairs(H.DEVICES) do
     end
   end)
 end
+
+describe("cuda mixer ops #gpu", function()
+  it("parameter gradients repeat bit for bit (two-pass sums, no atomics)", function()
+    if not H.need_device("cuda") then return end
+    H.reseed(3600)
+    local x = gdp.randn({ 700, 1, 96 }, { device = "cuda", dtype = "f32" })
+    local w = gdp.randn({ 96, 1, 4 }, { device = "cuda", dtype = "f32" })
+    local b = gdp.randn({ 96 }, { device = "cuda", dtype = "f32" })
+    local d = gdp.randn({ 700, 1, 96 }, { device = "cuda", dtype = "f32" })
+    local opts = { activation = "silu", cu_seqlens = { 0, 250, 250, 700 } }
+    local g1 = F.conv1d_backward(x, w, b, d, opts)
+    local g2 = F.conv1d_backward(x, w, b, d, opts)
+    assert.are.equal(0, (g1.dweight - g2.dweight):max_abs())
+    assert.are.equal(0, (g1.dbias - g2.dbias):max_abs())
+    local y, z = x:view(700, 96), d:view(700, 96)
+    local nw = gdp.ones({ 96 }, { device = "cuda", dtype = "f32" })
+    local _, _, w1 = F.gated_rmsnorm_backward(y, z, nw, 32, 1e-5, z)
+    local _, _, w2 = F.gated_rmsnorm_backward(y, z, nw, 32, 1e-5, z)
+    assert.are.equal(0, (w1 - w2):max_abs())
+  end)
+
+  it("mixed devices and bad dtypes get the cpu path's errors", function()
+    if not H.need_device("cuda") then return end
+    local x = gdp.randn({ 5, 1, 4 }, { device = "cuda", dtype = "f32" })
+    local w = gdp.randn({ 4, 1, 4 }, { dtype = "f32" })
+    local ok, err = pcall(F.conv1d, x, w, nil, { activation = "silu" })
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find("weight: expected a tensor on cuda:0", 1, true), tostring(err))
+    ok, err = pcall(F.beta, gdp.zeros({ 3 }, { device = "cuda", dtype = "i32" }), 2)
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find("b: expected dtype f64 or f32", 1, true), tostring(err))
+    ok, err = pcall(F.gated_rmsnorm, x:view(5, 4), nil, gdp.ones({ 4 }, { device = "cuda" }), 3)
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find("group_size: expected a divisor of d = 4", 1, true), tostring(err))
+  end)
+end)
+
+describe("bf16 mixer ops off cuda", function()
+  it("are refused on the cpu with a message naming cuda", function()
+    local b = gdp.zeros({ 3 }, { dtype = "bf16" })
+    local ok, err = pcall(F.beta, b, 2)
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find("bf16 mixer kernels: cuda only", 1, true), tostring(err))
+  end)
+end)
