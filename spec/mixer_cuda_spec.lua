@@ -1,0 +1,132 @@
+-- nn.GatedDeltaProduct on cuda (#gpu) against the cpu layer on the same parameters and
+-- inputs: output, grad.x and every parameter gradient, f32 within 1e-4 and bf16 within
+-- 1e-2 relative (spec/helper.lua's tensor_near), M in {1, 2, 3}, packed with empty
+-- sequences, beta x2, D per head and per channel, groups repeated to heads, and a shape
+-- the operator's fast path takes.  The reference is the float64 cpu layer run on the
+-- cuda layer's own (rounded) parameters and inputs, so that only the computation differs.
+-- Without a GPU every case is pending with the reason.  The constructor's dtype and
+-- device checks run everywhere.
+local gdp = require("gdp")
+local nn = require("gdp.nn")
+local H = gdp_test
+
+local TOL = { f32 = 1e-4, bf16 = 1e-2 }
+
+local function randomize(m, scale)
+  for name, t in pairs(m:parameters()) do
+    if name == "A_log" or name == "dt_bias" then t:uniform_(-1, 1)
+    elseif name == "norm.weight" or name == "D" then t:uniform_(0.5, 1.5)
+    else t:normal_(0, scale) end
+  end
+end
+
+local configs = {
+  { label = "M=1, ng=nh, B=2", T = 33, B = 2,
+    cfg = { hidden_size = 24, num_heads = 2, head_dim = 8, num_groups = 2, state_dim = 8,
+            num_householder = 1 } },
+  { label = "M=2, ng<nh, D head, packed with empty sequences", T = 70, B = 1,
+    cu = { 0, 0, 17, 17, 18, 50, 70, 70 },
+    cfg = { hidden_size = 32, num_heads = 4, head_dim = 8, num_groups = 2, state_dim = 16,
+            num_householder = 2, D = "head" } },
+  { label = "M=3, ng=1, D channel, beta x2, no conv bias, packed", T = 41, B = 1,
+    cu = { 0, 9, 9, 41 },
+    cfg = { hidden_size = 20, num_heads = 2, head_dim = 16, num_groups = 1, state_dim = 16,
+            num_householder = 3, D = "channel", allow_neg_eigval = true, conv_bias = false } },
+  { label = "M=2, beta x2, K=V=64 (the fast path's shapes), B=2", T = 128, B = 2,
+    cfg = { hidden_size = 128, num_heads = 2, head_dim = 64, num_groups = 1, state_dim = 64,
+            num_householder = 2, allow_neg_eigval = true } },
+  { label = "M=3, K=V=128, packed with empty sequences", T = 160, B = 1, cu = { 0, 64, 64, 100, 160 },
+    cfg = { hidden_size = 64, num_heads = 2, head_dim = 128, num_groups = 2, state_dim = 128,
+            num_householder = 3 } },
+}
+
+local function copy_cfg(c, extra)
+  local cfg = {}
+  for k, v in pairs(c) do cfg[k] = v end
+  for k, v in pairs(extra) do cfg[k] = v end
+  return cfg
+end
+
+describe("nn.GatedDeltaProduct on cuda vs the cpu layer #gpu", function()
+  for ci, c in ipairs(configs) do
+    for _, dtype in ipairs({ "f32", "bf16" }) do
+      it(c.label .. " " .. dtype, function()
+        if not H.need_device("cuda") then return end
+        H.reseed(4000 + ci)
+        local ref = nn.GatedDeltaProduct(copy_cfg(c.cfg, { dtype = "f64", seed = H.seed + ci }))
+        randomize(ref, 0.3)
+        local m = nn.GatedDeltaProduct(copy_cfg(c.cfg, { dtype = dtype, device = "cuda", seed = 1 }))
+        m:set_parameters(ref:parameters())
+        ref:set_parameters(m:parameters()) -- the reference sees the rounded values
+        assert.are.equal("f32", m:parameters()["A_log"]:dtype())
+        assert.are.equal("f32", m:gradients()["dt_bias"]:dtype())
+        local D = c.cfg.hidden_size
+        local x = gdp.randn({ c.T, c.B, D }, { dtype = "f64" }):to({ dtype = dtype, device = "cuda" })
+        local dy = gdp.randn({ c.T, c.B, D }, { dtype = "f64" }):to({ dtype = dtype, device = "cuda" })
+        local xr = x:to({ dtype = "f64", device = "cpu" })
+        local dyr = dy:to({ dtype = "f64", device = "cpu" })
+
+        local out = m:forward(x, c.cu)
+        local dx = m:backward(x, dy, c.cu)
+        local out_r = ref:forward(xr, c.cu)
+        local dx_r = ref:backward(xr, dyr, c.cu)
+
+        assert.are.equal(dtype, out:dtype())
+        assert.truthy(out:device():find("^cuda"))
+        assert.tensor_near(out, out_r, TOL[dtype], "out")
+        assert.tensor_near(dx, dx_r, TOL[dtype], "grad.x")
+        local g, gr = m:gradients(), ref:gradients()
+        for _, name in ipairs(m:parameter_names()) do
+          assert.is_true(gr[name]:norm() > 0, name .. ": the reference gradient is zero")
+          assert.tensor_near(g[name], gr[name], TOL[dtype], "grad." .. name)
+        end
+      end)
+    end
+  end
+
+  it("gradients accumulate over two backwards and zero_grad resets them", function()
+    if not H.need_device("cuda") then return end
+    H.reseed(4100)
+    local cfg = configs[2]
+    local m = nn.GatedDeltaProduct(copy_cfg(cfg.cfg, { dtype = "f32", device = "cuda", seed = 3 }))
+    local x = gdp.randn({ cfg.T, 1, cfg.cfg.hidden_size }, { device = "cuda", dtype = "f32" })
+    local dy = gdp.randn({ cfg.T, 1, cfg.cfg.hidden_size }, { device = "cuda", dtype = "f32" })
+    m:backward(x, dy, cfg.cu)
+    local once = m:gradients()["conv1d.weight"]:clone()
+    m:backward(x, dy, cfg.cu)
+    assert.tensor_near(m:gradients()["conv1d.weight"], once * 2, 1e-6, "twice")
+    m:zero_grad()
+    assert.are.equal(0, m:gradients()["conv1d.weight"]:max_abs())
+  end)
+
+  it("bad inputs get clear errors (device, dtype, shape)", function()
+    if not H.need_device("cuda") then return end
+    local m = nn.GatedDeltaProduct(copy_cfg(configs[1].cfg, { dtype = "bf16", device = "cuda", seed = 1 }))
+    local function fails(pattern, f, ...)
+      local ok, err = pcall(f, ...)
+      assert.is_false(ok)
+      assert.truthy(tostring(err):find(pattern, 1, true), tostring(err))
+    end
+    fails("x: expected a tensor on cuda:0 (the module's device), got cpu", m.forward, m,
+          gdp.zeros({ 4, 1, 24 }, { dtype = "bf16" }))
+    fails("x: expected dtype bf16 (the module's), got f32", m.forward, m,
+          gdp.zeros({ 4, 1, 24 }, { dtype = "f32", device = "cuda" }))
+    fails("x: expected [T,B,24]", m.forward, m, gdp.zeros({ 4, 1, 23 }, { dtype = "bf16", device = "cuda" }))
+    fails("cu_seqlens", m.forward, m, gdp.zeros({ 4, 2, 24 }, { dtype = "bf16", device = "cuda" }), { 0, 4 })
+  end)
+end)
+
+describe("nn.GatedDeltaProduct dtypes per device", function()
+  local base = { hidden_size = 8, num_heads = 2, head_dim = 4, state_dim = 4, num_householder = 2 }
+  it("refuses bf16 on the cpu, naming cuda", function()
+    local ok, err = pcall(nn.GatedDeltaProduct, copy_cfg(base, { dtype = "bf16" }))
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find("bf16 layers run on cuda", 1, true), tostring(err))
+  end)
+  it("refuses f64 on cuda, naming the cuda dtypes #gpu", function()
+    if not H.need_device("cuda") then return end
+    local ok, err = pcall(nn.GatedDeltaProduct, copy_cfg(base, { dtype = "f64", device = "cuda" }))
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find("expected \"f32\" or \"bf16\" on cuda", 1, true), tostring(err))
+  end)
+end)
