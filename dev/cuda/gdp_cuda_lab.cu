@@ -17,7 +17,10 @@
  *       GDP_CUDA_PROFILE=1 (the core's switch: the operator synchronises between its
  *       kernels and prints each kernel's time to stderr) it makes one warm-up and one
  *       profiled call per variant instead of the timed ones.  --json appends one line per
- *       variant.
+ *       variant.  The first timed (or the profiled) forward and backward of each variant
+ *       lies between cudaProfilerStart and cudaProfilerStop, so that a profiler started
+ *       with capture off (ncu --profile-from-start off, nsys --capture-range=cudaProfilerApi)
+ *       records exactly one call of each.
  *
  * Variants (default: all three for check; chunk and chunk_saving for bench):
  *   chunk         algorithm CHUNK: the fast chunked path, its backward recomputing
@@ -44,6 +47,7 @@
 #include <vector>
 
 #include <cuda_bf16.h>
+#include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 
 extern "C" {
@@ -559,20 +563,24 @@ static int lab_bench(int64_t B, int64_t T, int64_t n, const vector<int> &variant
       fprintf(stderr, "-- %s B=%lld T=%lld n=%lld: the profiled forward and backward\n", name,
               (long long)B, (long long)T, (long long)n);
       fflush(stderr);
+      CK(cudaProfilerStart());
       if (!run_fwd_bwd(run, &f, &b, name)) status = 1;
       CK(cudaDeviceSynchronize());
+      CK(cudaProfilerStop());
       fflush(stderr);
     } else {
       const int myreps = var == RECURRENT ? std::max(2, reps / 10) : reps;
       if (run_fwd_bwd(run, &f, &b, name)) CK(cudaDeviceSynchronize()); /* second warm-up */
       vector<double> tf, tb, tfb;
       for (int i = 0; i < myreps; i++) {
+        if (i == 0) CK(cudaProfilerStart());
         CK(cudaEventRecord(e0, 0));
         gdp_status st = run.forward(&f);
         CK(cudaEventRecord(e1, 0));
         if (st == GDP_OK) st = run.backward(&b);
         CK(cudaEventRecord(e2, 0));
         CK(cudaEventSynchronize(e2));
+        if (i == 0) CK(cudaProfilerStop());
         if (st != GDP_OK) {
           printf("  %-12s FAILED: %s\n", name, gdp_last_error());
           status = 1;
