@@ -131,6 +131,7 @@ static Prob random_prob(Rng &r, int64_t K, int64_t V, int64_t n, bool gated, boo
       const int64_t L = (r.next() % 4 == 0) ? 0 : 1 + (int64_t)(r.next() % 150);
       P.cu.push_back(P.cu.back() + L);
     }
+    if (P.T() == 0) P.cu.back() = 1 + (int64_t)(r.next() % 150); /* never all empty */
   } else {
     const int64_t B = 1 + (int64_t)(r.next() % 2), L = 64 + (int64_t)(r.next() % 100);
     for (int64_t s = 0; s < B; s++) P.cu.push_back(P.cu.back() + L);
