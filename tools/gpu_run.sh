@@ -119,7 +119,8 @@ if [[ $MODE == profile ]]; then
   if command -v cuobjdump >/dev/null 2>&1; then
     cuobjdump --dump-resource-usage "$BUILD/libgdp_kernels_cuda.a" >"$DIR/resource_usage.txt" 2>&1
     say "cuobjdump rc=$?; kernels with stack or local memory:"
-    grep -E "STACK:[1-9]|LOCAL:[1-9]" "$DIR/resource_usage.txt" | head -20 | tee -a "$LOG"
+    awk '/Function/ { fn = $2 } /STACK:[1-9]|LOCAL:[1-9]/ { print fn, $0 }' "$DIR/resource_usage.txt" |
+      head -20 | tee -a "$LOG"
   fi
   if command -v ncu >/dev/null 2>&1; then
     read -r b t n <<<"${NCU_SHAPE:-4 4096 2}"
