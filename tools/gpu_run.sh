@@ -1,138 +1,150 @@
 #!/usr/bin/env bash
-# gpu_run.sh -- the one script a GPU-machine call runs for the GDP CUDA kernels:
-# build the kernel lab, validate every variant against the float64 oracle, time them
-# next to fla's chunk_gated_delta_product in the same call, and write logs and JSON
-# under $OUT (at most 8 files come back).
+# gpu_run.sh check|bench|profile [DIR] -- the device run: on the GPU machine, from the
+# repository root, after `source .devbundle/env.sh`.  Logs go to DIR (default $OUT, else
+# ./gpu_out); each mode keeps to BUDGET_S seconds (default 540, inside a 10-minute call),
+# skipping a late step with a line saying so rather than running past it.
 #
-#   source .devbundle/env.sh && tools/gpu_run.sh [full|quick] [extra steps...]
-#     full   : check (all shapes), bench at the 4 anchor shapes, fla, summary
-#     quick  : a shorter check, bench at 4x4096 n=2 only, fla at that shape
-#   extra steps: ceilings (torch copy + bf16 matmul), sanitizer (memcheck + racecheck
-#   on a small problem), ctest (core/tests/test_cuda_tensor via CMake, if it builds),
-#   profile (per-kernel times), norec (no recurrent variant in bench)
-# Run from the repository root.  Env: OUT (output folder; default ./gpu_out).
+#   check    ./gdp build, ./gdp test --quick (every suite; on a GPU the cuda ctests, the
+#            lab check dev.lab_check and the #gpu specs among them; the sanitizer pass is
+#            CPU-only and left to CI), check_reference --device cuda in bf16, f32 and
+#            bf16 --save-for-backward, then compute-sanitizer memcheck and racecheck on
+#            the lab's small problems.                                      ~6 minutes
+#   bench    ./gdp build, then bench_gdp --against-fla at the README's shapes, plain and
+#            saving for backward (JSON in DIR/bench_gdp.json).  fla's source in .fla/
+#            (carry it); a warm Triton cache in .fla/triton_cache.tgz saves fla's minutes
+#            of first compile, and SAVE_CACHE=1 writes one to DIR.        ~4-7 minutes
+#   profile  ./gdp build, the lab's medians and per-kernel times (GDP_CUDA_PROFILE=1) at
+#            the same shapes, the kernels' registers, stack and local memory (cuobjdump),
+#            and where ncu is found, Nsight Compute's speed of light, launch statistics
+#            and occupancy on one forward+backward (NCU_SHAPE, default "4 4096 2";
+#            NCU_VARIANT, default chunk_saving).  KERNELS=<ncu regex> adds the full set with
+#            source counters for those kernels: the details page, the per-line source page
+#            and tools/ncu_lines.py's summary of it (the report itself stays in
+#            NCU_DIR, default /tmp/gdp-ncu, too large to come back).       ~3-6 minutes
+#
+# Environment: GDP_BUILD_DIR as for ./gdp (default ./build), BUDGET_S.
 set -u
-MODE=${1:-full}
-shift || true
-STEPS=" $* "
-OUT=${OUT:-$PWD/gpu_out}
-mkdir -p "$OUT"
-LOG="$OUT/run.log"
-: >"$LOG"
-say() { echo "$@" | tee -a "$LOG"; }
+MODE=${1:-}
+case $MODE in check | bench | profile) ;; *)
+  echo "usage: tools/gpu_run.sh check|bench|profile [DIR]" >&2
+  exit 2
+  ;;
+esac
+DIR=${2:-${OUT:-$PWD/gpu_out}}
+mkdir -p "$DIR"
+BUILD=${GDP_BUILD_DIR:-$PWD/build}
+LAB=$BUILD/dev/gdp_cuda_lab
+LOG=$DIR/run.log
+BUDGET_S=${BUDGET_S:-540}
+SHAPES="4x4096x1,4x4096x2,4x4096x3,1x32768x2" # the README's benchmark shapes
 t0=$(date +%s)
-stamp() { say "--- [$(( $(date +%s) - t0 ))s] $*"; }
+say() { echo "[$(($(date +%s) - t0))s] $*" | tee -a "$LOG"; }
+# left NEED WHAT: true when a step of about NEED seconds still ends inside the budget.
+left() {
+  local need=$1
+  shift
+  (($(date +%s) - t0 + need <= BUDGET_S)) && return 0
+  say "out of time: skipped $* (needs ~${need}s)"
+  return 1
+}
+# run NAME TIMEOUT CMD...: CMD's output to DIR/NAME.log (appended), its status to run.log.
+run() {
+  local name=$1 limit=$2 rc
+  shift 2
+  echo "== $*" >>"$DIR/$name.log"
+  timeout -k 10 "$limit" "$@" >>"$DIR/$name.log" 2>&1
+  rc=$?
+  ((rc == 124 || rc == 137)) && say "$name: timed out after ${limit}s"
+  say "$name rc=$rc: $*"
+  return $rc
+}
 
-stamp "gpu_run.sh $MODE $STEPS on $(hostname)"
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv 2>&1 | tee -a "$LOG"
-nvcc --version | tail -1 | tee -a "$LOG"
-git rev-parse --short HEAD 2>/dev/null | sed 's/^/git HEAD /' | tee -a "$LOG"
+say "gpu_run.sh $MODE on $(hostname), git $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,temperature.gpu,power.draw --format=csv,noheader 2>&1 | tee -a "$LOG"
+nvcc --version 2>/dev/null | tail -1 | tee -a "$LOG"
 
-# ---------------------------------------------------------------- build (nvcc directly:
-# only the lab's own sources, so half-written files elsewhere cannot break it)
-B=build-gpulab
-stamp "build"
-bash tools/gpu_lab_build.sh $B 2>&1 | tee -a "$LOG"
-[ -x $B/lab ] || { stamp "BUILD FAILED"; exit 1; }
-LAB=$B/lab
+run build 400 ./gdp build || {
+  tail -20 "$DIR/build.log" | tee -a "$LOG"
+  exit 1
+}
 
-stamp "selftest (CPU mirror of the chunk algebra vs the oracle)"
-$LAB selftest 2>&1 | tail -3 | tee -a "$LOG"
-
-# ---------------------------------------------------------------- validation
-stamp "check"
-if [ "$MODE" = quick ]; then
-  timeout 200 $LAB quick 2>&1 | tee "$OUT/check.log" | grep -E "!|check:|device:" | tee -a "$LOG"
-else
-  timeout 240 $LAB check 2>&1 | tee "$OUT/check.log" | grep -E "!|check:|device:" | tee -a "$LOG"
-fi
-
-if [[ "$STEPS" == *" sanitizer "* ]]; then
-  stamp "compute-sanitizer memcheck + racecheck (small problem)"
-  {
-    timeout 150 compute-sanitizer --tool memcheck --leak-check no $LAB small 2>&1 | tail -8
-    timeout 150 compute-sanitizer --tool racecheck $LAB small 2>&1 | tail -6
-  } | tee "$OUT/sanitizer.log" | tee -a "$LOG"
-fi
-
-if [[ "$STEPS" == *" ceilings "* ]]; then
-  stamp "ceilings (torch)"
-  python3 - <<'EOF' 2>&1 | tee -a "$LOG"
-import torch, statistics
-def bench(fn, reps=10):
-    for _ in range(3): fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a = torch.cuda.Event(enable_timing=True); b = torch.cuda.Event(enable_timing=True)
-        a.record(); fn(); b.record(); b.synchronize(); ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
-x = torch.randn(2**30 // 2, device="cuda", dtype=torch.bfloat16); y = torch.empty_like(x)
-ms = bench(lambda: y.copy_(x)); print(f"ceiling copy: {2 * x.numel() * 2 / ms / 1e9:.2f} TB/s (read+write, 1 GiB)")
-a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16); b = torch.randn_like(a)
-ms = bench(lambda: a @ b); print(f"ceiling bf16 matmul: {2 * 8192**3 / ms / 1e9:.0f} TFLOP/s (8192^3, random)")
-EOF
-fi
-
-if [[ "$STEPS" == *" ctest "* ]]; then
-  stamp "core/tests/test_cuda_tensor (CMake, GDP_CUDA=ON)"
-  {
-    cmake -S . -B build-gpu -DGDP_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null 2>&1 \
-      && cmake --build build-gpu -j16 --target test_cuda_tensor 2>&1 | grep -E "error|Error" | head -20 \
-      && (cd . && ./build-gpu/test_cuda_tensor 2>&1 | tail -25)
-    echo "test_cuda_tensor exit: $?"
-  } 2>&1 | tee -a "$LOG"
-fi
-
-# ---------------------------------------------------------------- timing
-if [ "$MODE" = quick ]; then SHAPES="4x4096x2"; else SHAPES="4x4096x2 4x4096x1 4x4096x3 1x32768x2"; fi
-rm -f "$OUT/lab.jsonl"
-stamp "bench (lab)"
-for s in $SHAPES; do
-  IFS=x read -r Bb Tt Nn <<<"$s"
-  VAR="v1 v2"
-  if [[ "$STEPS" == *" norec "* ]] || [ "$s" != "4x4096x2" ]; then VAR="v2"; fi
-  if [[ "$STEPS" == *" profile "* ]]; then export GDP_CUDA_PROFILE=1; fi
-  timeout 120 $LAB bench $Bb $Tt $Nn $VAR --reps 30 --json "$OUT/lab.jsonl" 2>&1 | tee -a "$OUT/bench.log" | tee -a "$LOG"
-  unset GDP_CUDA_PROFILE
-done
-if [ "$MODE" != quick ]; then
-  for bv in 32 16; do   # the value-block width the chooser did not pick, for comparison
-    GDP_CUDA_BV=$bv timeout 60 $LAB bench 4 4096 2 v2 --reps 30 --json "$OUT/lab.jsonl" 2>&1 | grep -v "^device" | tee -a "$OUT/bench.log" | tee -a "$LOG"
+if [[ $MODE == check ]]; then
+  if left 240 "./gdp test --quick"; then
+    run test 300 ./gdp test --quick
+    grep -E "dev\.|c\.test_cuda|tests passed|^  .* (ok|FAILED)$|passed, [0-9]+ failed" "$DIR/test.log" | tee -a "$LOG"
+  fi
+  for args in "bf16" "f32" "bf16 --save-for-backward"; do
+    left 40 "check_reference $args" || break
+    # shellcheck disable=SC2086 # the dtype and its flag are two words
+    run check_reference 90 ./gdp experiments/check_reference.lua --device cuda --dtype $args
+    tail -1 "$DIR/check_reference.log" | tee -a "$LOG"
+  done
+  for n in 2 3; do
+    for tool in memcheck racecheck; do
+      left 60 "compute-sanitizer $tool n=$n" || break 2
+      run sanitizer 90 compute-sanitizer --tool $tool "$LAB" bench 1 300 $n chunk chunk_saving --reps 1
+      grep -E "(ERROR|RACECHECK) SUMMARY" "$DIR/sanitizer.log" | tail -1 | tee -a "$LOG"
+    done
   done
 fi
 
-stamp "fla (same shapes, same call)"
-FLA_SHAPES=$(echo $SHAPES | tr ' ' ',')
-# Triton's compile cache travels in .fla/triton_cache.tgz (fla's first compile costs minutes)
-export TRITON_CACHE_DIR=/tmp/triton_cache
-mkdir -p $TRITON_CACHE_DIR
-[ -f .fla/triton_cache.tgz ] && tar -xzf .fla/triton_cache.tgz -C $TRITON_CACHE_DIR
-PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/.fla:${PYTHONPATH:-} timeout 300 python3 tools/fla_bench.py --shapes "$FLA_SHAPES" --reps 30 \
-  >"$OUT/fla.json" 2>"$OUT/fla.err.txt"
-tail -8 "$OUT/fla.err.txt" | tee -a "$LOG"
-rm -f "$OUT/fla.err.txt"
-if [[ "$STEPS" == *" savecache "* ]]; then
-  tar -czf "$OUT/triton_cache.tgz" -C $TRITON_CACHE_DIR . && ls -la "$OUT/triton_cache.tgz" | tee -a "$LOG"
+if [[ $MODE == bench ]]; then
+  export TRITON_CACHE_DIR=/tmp/triton_cache
+  mkdir -p "$TRITON_CACHE_DIR"
+  [[ -f .fla/triton_cache.tgz ]] && tar -xzf .fla/triton_cache.tgz -C "$TRITON_CACHE_DIR"
+  if left 300 "bench_gdp --against-fla"; then
+    say "bench_gdp --against-fla at $SHAPES"
+    timeout -k 10 $((BUDGET_S - ($(date +%s) - t0) - 20)) \
+      ./gdp experiments/bench_gdp.lua --device cuda --dtype bf16 --H 16 --K 128 --V 128 \
+      --shapes "$SHAPES" --against-fla --with-saving --repeat 30 --json \
+      >"$DIR/bench_gdp.json" 2>"$DIR/bench_gdp.log"
+    say "bench_gdp rc=$?"
+    grep -vE "^\s*$" "$DIR/bench_gdp.log" | tail -12 | tee -a "$LOG"
+  fi
+  if [[ ${SAVE_CACHE:-0} == 1 ]]; then
+    tar -czf "$DIR/triton_cache.tgz" -C "$TRITON_CACHE_DIR" . && say "Triton cache: $DIR/triton_cache.tgz"
+  fi
 fi
 
-stamp "summary"
-python3 - "$OUT" <<'EOF' 2>&1 | tee "$OUT/summary.txt" | tee -a "$LOG"
-import json, sys, os
-out = sys.argv[1]
-fla = {}
-try:
-    for r in json.load(open(os.path.join(out, "fla.json")))["rows"]:
-        fla[(r["B"], r["T"], r["n"])] = r
-except Exception as e:
-    print("no fla numbers:", e)
-print(f"{'shape':>12} {'variant':>9} {'fwd ms':>8} {'fwd+bwd':>8} | {'fla fwd':>8} {'fla f+b':>8} | {'x fwd':>6} {'x f+b':>6}")
-for line in open(os.path.join(out, "lab.jsonl")):
-    r = json.loads(line)
-    key = (r["B"], r["T"], r["n"])
-    f = fla.get(key)
-    ff = f"{f['fwd_ms']:8.3f} {f['fwdbwd_ms']:8.3f}" if f else f"{'-':>8} {'-':>8}"
-    ratio = f"{f['fwd_ms'] / r['fwd_ms']:6.2f} {f['fwdbwd_ms'] / r['fwdbwd_ms']:6.2f}" if f else ""
-    print(f"{r['B']}x{r['T']} n={r['n']} {r['variant']:>9} {r['fwd_ms']:8.3f} {r['fwdbwd_ms']:8.3f} | {ff} | {ratio}")
-EOF
-stamp "done"
+if [[ $MODE == profile ]]; then
+  IFS=, read -ra shapes <<<"$SHAPES"
+  for s in "${shapes[@]}"; do
+    IFS=x read -r b t n <<<"$s"
+    left 40 "lab bench at $s" || break
+    run bench_lab 60 "$LAB" bench "$b" "$t" "$n" chunk chunk_saving --reps 30 --json "$DIR/lab.jsonl"
+    grep -E "^  (chunk|chunk_saving) " "$DIR/bench_lab.log" | tail -2 | sed "s/^/[$s] /" | tee -a "$LOG"
+    run profile 60 env GDP_CUDA_PROFILE=1 "$LAB" bench "$b" "$t" "$n" chunk chunk_saving
+  done
+  # Registers, stack and local memory (spills) per kernel, from the build's own objects.
+  if command -v cuobjdump >/dev/null 2>&1; then
+    cuobjdump --dump-resource-usage "$BUILD/libgdp_kernels_cuda.a" >"$DIR/resource_usage.txt" 2>&1
+    say "cuobjdump rc=$?; kernels with stack or local memory:"
+    awk '/Function/ { fn = $2 } /STACK:[1-9]|LOCAL:[1-9]/ { print fn, $0 }' "$DIR/resource_usage.txt" |
+      head -20 | tee -a "$LOG"
+  fi
+  if command -v ncu >/dev/null 2>&1; then
+    read -r b t n <<<"${NCU_SHAPE:-4 4096 2}"
+    var=${NCU_VARIANT:-chunk_saving}
+    if left 120 "ncu launch statistics"; then
+      run ncu_launch 180 ncu --profile-from-start off --section SpeedOfLight --section LaunchStats \
+        --section Occupancy "$LAB" bench "$b" "$t" "$n" "$var" --reps 1
+      grep -E "^  [a-zA-Z_].*\(|Duration|Registers Per Thread|Dynamic Shared Memory Per Block|Theoretical Occupancy|Achieved Occupancy|Block Limit" \
+        "$DIR/ncu_launch.log" | sed -E 's/ +/ /g' >"$DIR/ncu_launch_summary.txt"
+      say "ncu launch summary: $(grep -c Duration "$DIR/ncu_launch_summary.txt") kernels in ncu_launch_summary.txt"
+    fi
+    if [[ -n ${KERNELS:-} ]] && left 240 "ncu source profile of $KERNELS"; then
+      NCU_DIR=${NCU_DIR:-/tmp/gdp-ncu}
+      mkdir -p "$NCU_DIR"
+      run ncu_source 300 ncu --profile-from-start off --set full --import-source yes \
+        --section SourceCounters --section WarpStateStats --kernel-name "regex:$KERNELS" \
+        -f -o "$NCU_DIR/source" "$LAB" bench "$b" "$t" "$n" "$var" --reps 1
+      ncu --import "$NCU_DIR/source.ncu-rep" --page details >"$DIR/ncu_details.txt" 2>&1
+      ncu --import "$NCU_DIR/source.ncu-rep" --page source --csv --print-source cuda,sass >"$NCU_DIR/source.csv" 2>&1
+      python3 tools/ncu_lines.py "$NCU_DIR/source.csv" >"$DIR/ncu_lines.txt" 2>&1
+      say "ncu source: details, lines rc=$? (report and CSV in $NCU_DIR)"
+    fi
+  else
+    say "ncu not found: no Nsight Compute sections"
+  fi
+fi
+say "done"

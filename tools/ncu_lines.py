@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """ncu_lines.py SOURCE_CSV [--top N] [--src-root DIR] -- a readable summary of Nsight Compute's
 per-line source page (`ncu --import R --page source --csv --print-source cuda,sass`, as
-tools/gpu_ncu_source.sh writes it), per kernel:
+`KERNELS=<regex> tools/gpu_run.sh profile` writes it), per kernel:
 
   * the warp stall samples by phase: a phase starts at each `/* ---- NAME` comment of the
     kernel's source file (the kernels mark their phases that way), and every SASS

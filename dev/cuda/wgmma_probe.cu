@@ -8,9 +8,9 @@
  *                      every float32 sum is exact and a correct case has error 0.  One case
  *                      is a planted mistake (LBO and SBO swapped) that must fail.
  * Exit status 0 when every case is as expected, 77 (ctest: skipped) without an sm_90
- * device.  Built and run by CMake as c.wgmma_probe (label cuda); by hand (sm_90a):
- *   nvcc -O2 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Ikernels/cuda \
- *        kernels/bench/wgmma_probe.cu -o wgmma_probe
+ * device.  Built by dev/CMakeLists.txt and run as the ctest dev.wgmma_probe (label cuda).
+ * The wrappers it checks are the library's own, included from kernels/cuda; should the
+ * library stop using wgmma_sm90.cuh, the probe keeps its own copy here in dev/cuda.
  */
 #include <math.h>
 #include <stdio.h>

@@ -24,6 +24,7 @@
 #include <cblas.h>
 
 #include "cpu/gdp_cpu.h"
+#include "philox.h"
 
 typedef struct config {
   int64_t B, T, H, K, V, n, chunk;
@@ -37,18 +38,23 @@ static double now_s(void) {
   return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* splitmix64: deterministic inputs without the library's RNG */
-static uint64_t rng_state = 0x5eed;
+/* Deterministic inputs from the library's Philox stream (kernels/philox.h), read in
+ * order: uniforms word by word, normals block by block. */
+static const uint64_t kSeed = 0x5eed;
+static uint64_t rng_block = 0;
+static uint32_t rng_words[4];
+static int rng_used = 4;
 static double urand(void) {
-  uint64_t z = (rng_state += 0x9e3779b97f4a7c15ULL);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  z ^= z >> 31;
-  return (double)(z >> 11) * 0x1.0p-53;
+  if (rng_used == 4) {
+    gdp_philox_stream_block(kSeed, rng_block++, rng_words);
+    rng_used = 0;
+  }
+  return gdp_philox_u01_f64(rng_words[rng_used++]);
 }
 static double nrand(void) {
-  const double u = 1.0 - urand(), v = urand();
-  return sqrt(-2.0 * log(u)) * cos(6.283185307179586 * v);
+  uint32_t w[4];
+  gdp_philox_stream_block(kSeed, rng_block++, w);
+  return gdp_philox_std_normal(w, 0);
 }
 
 /* Inputs in double (rounded to float32 so both precisions see the same values). */
