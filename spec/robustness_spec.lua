@@ -84,3 +84,33 @@ describe("gdp.fingerprint", function()
     assert.are_not.equal(fp(gdp.zeros({ 2, 3 })), fp(gdp.zeros({ 3, 2 })))
   end)
 end)
+
+describe("conversions never drop data silently", function()
+  it("tables with non-array keys, holes or themselves inside are errors", function()
+    H.expect_error(function() gdp.tensor({ a = 1 }) end, "expected an array (keys 1..n), got the key \"a\"")
+    H.expect_error(function() gdp.tensor({ 1, 2, x = 3 }) end, "got the key \"x\"")
+    H.expect_error(function() gdp.tensor({ { 1 }, { 2, n = 1 } }) end, "data[2]: expected an array")
+    local t = {}
+    t[1] = t
+    H.expect_error(function() gdp.tensor(t) end, "does the table contain itself?")
+  end)
+
+  it("integer dtypes reject NaN, fractions and values out of range", function()
+    H.expect_error(function() gdp.tensor({ 0 / 0 }, { dtype = "i32" }) end, "expected an integer", "got nan")
+    H.expect_error(function() gdp.tensor({ 1, 2 ^ 31 }, { dtype = "i32" }) end, "data[2]", "2147483648")
+    H.expect_error(function() gdp.tensor({ 2.5 }, { dtype = "i64" }) end, "got 2.5")
+    assert.are.same({ -2 ^ 31, 2 ^ 31 - 1 }, gdp.tensor({ -2 ^ 31, 2 ^ 31 - 1 }, { dtype = "i32" }):totable())
+  end)
+end)
+
+describe("no hang, a clear message", function()
+  it("arange to infinity", function()
+    H.expect_error(function() gdp.arange(0, math.huge) end, "gdp.arange", "finite")
+    H.expect_error(function() gdp.arange(0, 0 / 0) end, "gdp.arange")
+  end)
+
+  it("sizes that are not integers below 2^53 (inf, strings) are named, 1-based", function()
+    H.expect_error(function() gdp.empty({ math.huge }) end, "shape[1]: expected an integer", "got inf")
+    H.expect_error(function() gdp.empty({ 2, "3" }) end, "shape[2]", "the string \"3\"")
+  end)
+end)
