@@ -667,7 +667,17 @@ end
 ------------------------------------------------------------------------------- methods
 
 local T = {}        -- methods
-local mt = { __index = T }
+-- A missing method is named as such (not as FFI's "'struct gdp_tensor' has no member").
+local mt = {
+  __index = function(_, k)
+    local f = T[k]
+    if f == nil then
+      argerror("Tensor", string.format("no method or field %s (methods: gdp.tensor.methods)",
+                                           type(k) == "string" and ("'" .. k .. "'") or tostring(k)))
+    end
+    return f
+  end,
+}
 M.methods = T
 
 local function live(t, fn)
@@ -1035,6 +1045,9 @@ end
 
 function T.scale_(t, alpha)
   live(t, "scale_")
+  if type(alpha) ~= "number" then
+    argerror("scale_", "alpha: expected a number, got " .. typename(alpha))
+  end
   check(lib.gdp_tensor_scale(t, t, alpha), "scale_")
   return t
 end
