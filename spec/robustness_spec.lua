@@ -122,3 +122,13 @@ describe("raw FFI errors do not reach the user", function()
     H.expect_error(function() t:scale_() end, "alpha: expected a number, got nil")
   end)
 end)
+
+describe("nn.GatedDeltaProduct:set_parameters", function()
+  it("names a parameter that is not a tensor", function()
+    local m = nn.GatedDeltaProduct(cfg)
+    local p = {}
+    for name, t in pairs(m:parameters()) do p[name] = t end
+    p.A_log = 5
+    H.expect_error(function() m:set_parameters(p) end, "A_log: expected a gdp tensor, got number")
+  end)
+end)

@@ -297,9 +297,13 @@ end
 -- parameter must be present with its shape; with strict (default) no other name may be.
 function GatedDeltaProduct:set_parameters(tensors, strict)
   if strict == nil then strict = true end
+  if type(tensors) ~= "table" then
+    argerror(FN, "set_parameters: expected a table {name = tensor}, got " .. type(tensors))
+  end
   for _, name in ipairs(self:parameter_names()) do
     local src = tensors[name]
     if src == nil then argerror(FN, "set_parameters: missing parameter '" .. name .. "'") end
+    tensor.tensor_arg(src, FN .. ":set_parameters", name)
     local dst = self.params[name]
     if tensor.shape_str(src:shape()) ~= tensor.shape_str(dst:shape()) then
       argerror(FN, string.format("set_parameters: %s: expected shape %s, got %s", name,
