@@ -3,6 +3,16 @@
 -- `mpirun -np 2 ./gdp script.lua` themselves (not tagged #mpi: they must not run inside
 -- another mpirun), each under `timeout`, so a regression fails instead of hanging CI.
 local root = os.getenv("GDP_ROOT") or "."
+-- the launcher must use this run's build (not build a default one): GDP_LIB's folder
+local build = (os.getenv("GDP_LIB") or ""):match("^(.*)/[^/]+$")
+local env = build and string.format("GDP_BUILD_DIR=%q ", build) or ""
+do -- and configure it as it is (a CPU-only build stays one: no reconfigure, no CUDA build)
+  local f = build and io.open(build .. "/CMakeCache.txt", "r")
+  if f then
+    if f:read("*a"):find("GDP_CUDA:BOOL=OFF", 1, true) then env = env .. "GDP_NO_CUDA=1 " end
+    f:close()
+  end
+end
 local LIMIT = 60 -- seconds; a healthy failing job ends in a few
 
 local function have_mpi()
@@ -22,7 +32,7 @@ local function run_ranks(body)
   f:write(body)
   f:close()
   local version = io.popen("mpirun --version 2>&1"):read("*a")
-  local cmd = string.format("OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 " ..
+  local cmd = string.format(env .. "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 " ..
                             "timeout -k 5 %d mpirun -np 2 %s %s/gdp %s 2>&1; echo \"rc=$?\"", LIMIT,
                             version:find("Open MPI", 1, true) and "--oversubscribe" or "", root, script)
   local p = assert(io.popen(cmd))
@@ -60,7 +70,7 @@ end)
 
 describe("./gdp", function()
   it("says what is wrong with a missing script (exit 2)", function()
-    local p = io.popen(root .. "/gdp /nonexistent/nosuch.lua 2>&1; echo \"rc=$?\"")
+    local p = io.popen(env .. root .. "/gdp /nonexistent/nosuch.lua 2>&1; echo \"rc=$?\"")
     local out = p:read("*a")
     p:close()
     assert.truthy(out:find("no such file", 1, true), out)
@@ -68,7 +78,7 @@ describe("./gdp", function()
   end)
 
   it("prints its version", function()
-    local p = io.popen(root .. "/gdp --version 2>&1")
+    local p = io.popen(env .. root .. "/gdp --version 2>&1")
     local out = p:read("*a")
     p:close()
     assert.truthy(out:match("^gdp %d+%.%d+"), out)
