@@ -460,6 +460,52 @@ describe("bad input is an error on every rank, never a hang #mpi", function()
     end
   end)
 
+  it("a bad dy on one rank only, in the layer backward", function()
+    for _, mode in ipairs({ "headwise", "chunkwise" }) do
+      local m = layer{ cp_mode = mode }
+      local x = gdp.randn({ 4, 1, 8 }, { dtype = "f64" })
+      m:forward(x)
+      local bad_shape = gdp.randn({ 4, 1, RANK == P - 1 and 7 or 8 }, { dtype = "f64" })
+      expect_error_everywhere(function() m:backward(x, bad_shape) end, "dy: expected the shape of x")
+      local bad_dtype = gdp.randn({ 4, 1, 8 }, { dtype = RANK == P - 1 and "f32" or "f64" })
+      expect_error_everywhere(function() m:backward(x, bad_dtype) end, "dy: expected dtype f64")
+    end
+  end)
+
+  it("x written in place on one rank only: every rank recomputes the forward", function()
+    for _, mode in ipairs({ "headwise", "chunkwise" }) do
+      local m = layer{ cp_mode = mode }
+      local x = gdp.randn({ 4, 1, 8 }, { dtype = "f64" })
+      local dy = gdp.randn({ 4, 1, 8 }, { dtype = "f64" })
+      m:forward(x)
+      if RANK == P - 1 then x:narrow(1, 1, 1):fill(0.25) end
+      local dx = m:backward(x, dy)
+      local m2 = layer{ cp_mode = mode }
+      local want = m2:backward(x, dy)
+      local err = rel(dx, want)
+      group:check(err <= 1e-13, string.format("%s: rank %d: dx off by %.3e", mode, RANK, err))
+    end
+  end)
+
+  it("a configuration field that differs on one rank is named", function()
+    if P == 1 then pending("needs cp > 1") return end
+    for _, mode in ipairs({ "headwise", "chunkwise" }) do
+      expect_error_everywhere(function()
+        layer{ cp_mode = mode, cp_reduce_grads = RANK ~= P - 1 }
+      end, "configuration differs across ranks: cp_reduce_grads")
+      expect_error_everywhere(function()
+        layer{ cp_mode = mode, norm_eps = RANK == P - 1 and 1e-6 or 1e-5 }
+      end, "configuration differs across ranks: norm_eps")
+    end
+  end)
+
+  it("conv halo exchange: x of another shape on one rank", function()
+    if P == 1 then pending("needs cp > 1") return end
+    local x = gdp.randn({ RANK == P - 1 and 3 or 4, 1, 2 }, { dtype = "f64" })
+    expect_error_everywhere(function() cp.conv_halo_exchange(group, x, 3, RANK == 0 and 0 or 3) end,
+                            "differ across ranks")
+  end)
+
   it("chunkwise: packed token count not divisible by cp", function()
     if P == 1 then pending("needs cp > 1") return end
     local m = layer{ cp_mode = "chunkwise" }

@@ -524,10 +524,10 @@ gdp_status gdp_mixer_dskip_backward(gdp_ctx *ctx, const gdp_tensor *x_v, const g
  * the cpu (cuda tensors: GDP_ERR_UNSUPPORTED until the NCCL path exists).  Argument
  * checks are local and cheap; a rank whose arguments are bad returns an error at once
  * while the others may wait for it, so code that cannot rule out rank-dependent bad
- * input first calls gdp_comm_agree_status / gdp_comm_agree_values.  With the
- * environment variable GDP_COMM_CHECK=1 (read when a communicator is made; set it on
- * every rank) every collective first agrees on dtype, shapes, op, root and the
- * all-to-all row counts, so a mismatch is an error on every rank instead of a hang.
+ * input first calls gdp_comm_agree_status / gdp_comm_agree_values.  By default
+ * (GDP_COMM_CHECK=0 opts out; see gdp_comm_set_check) every collective first agrees on
+ * the local checks, dtype, shapes, op, root and the all-to-all row counts, so a
+ * mismatch is an error on every rank instead of a hang.
  * MPI failures return GDP_ERR_MPI with the failing MPI call and MPI's error string
  * (the communicators use MPI_ERRORS_RETURN: MPI never aborts the process).
  */
@@ -568,7 +568,7 @@ gdp_status gdp_comm_alltoall(gdp_comm *c, gdp_tensor *out, const gdp_tensor *in)
 /* Unequal split along dim 0: send_rows[j] consecutive rows of `in` go to rank j and
  * recv_rows[j] rows of `out` come from rank j, both arrays of `size` entries >= 0 in
  * rank order, summing to in's and out's dim 0; the dims after 0 agree.  Rank i's
- * send_rows[j] must equal rank j's recv_rows[i] (checked under GDP_COMM_CHECK=1). */
+ * send_rows[j] must equal rank j's recv_rows[i] (checked unless checking is off). */
 gdp_status gdp_comm_alltoallv(gdp_comm *c, gdp_tensor *out, const int64_t *recv_rows,
                               const gdp_tensor *in, const int64_t *send_rows);
 
@@ -630,6 +630,21 @@ int64_t gdp_comm_bytes_received(const gdp_comm *c);
 int64_t gdp_comm_bytes_sent_incl_self(const gdp_comm *c);
 int64_t gdp_comm_bytes_received_incl_self(const gdp_comm *c);
 void gdp_comm_reset_counters(gdp_comm *c);
+
+/* Argument checking of the collectives (on by default: one small all-gather of each
+ * call's metadata -- status, call, dtype, op, root, shape -- so that a mismatch is an
+ * error on every rank naming the field, never a hang or silent garbage).  Opting out,
+ * for measured benchmarks: GDP_COMM_CHECK=0 in the environment of every rank (read
+ * when a communicator is made), or gdp_comm_set_check(c, 0), collective (the ranks
+ * agree on the flag).  Sub-communicators inherit their parent's setting. */
+gdp_status gdp_comm_set_check(gdp_comm *c, int on);
+int gdp_comm_check_enabled(const gdp_comm *c);
+/* An uncaught error or a failing exit on one rank of a multi-rank job: writes msg (may
+ * be NULL) to stderr, then MPI_Abort(MPI_COMM_WORLD, code), ending every rank (instead
+ * of MPI_Finalize at exit, which waits for ranks that wait for this one).  Returns 0
+ * and does nothing when no multi-rank MPI job is running (no MPI, MPI not initialised
+ * or already finalised, one rank). */
+int gdp_comm_abort(int code, const char *msg);
 
 #ifndef GDP_CDEF
 #ifdef __cplusplus

@@ -2,8 +2,9 @@
  * comm.c -- gdp_comm: collectives on CPU tensors over MPI, and the size-1 path that
  * every build has (gdp_comm_self, and gdp_comm_world outside mpirun).
  *
- * Layering: each public collective validates its arguments locally, optionally agrees
- * on them across ranks (GDP_COMM_CHECK=1), stages non-contiguous tensors through
+ * Layering: each public collective validates its arguments locally, agrees on them
+ * across ranks (by default; GDP_COMM_CHECK=0 or gdp_comm_set_check opts out: one small
+ * all-gather of a fixed metadata record per call), stages non-contiguous tensors through
  * contiguous scratch tensors, then calls a "raw" helper that works on contiguous
  * buffers, and finally counts the payload bytes.  The raw helpers are the only code
  * that calls MPI; every MPI call goes through GDP_MPI_TRY, and our communicators use
@@ -33,7 +34,7 @@ struct gdp_comm {
   atomic_int refcount;
   int rank, size;
   int is_mpi;
-  int check;         /* GDP_COMM_CHECK=1: agree on the arguments before each collective */
+  int check;         /* agree on the arguments before each collective (default; GDP_COMM_CHECK=0 off) */
   int64_t max_count; /* most elements per MPI call (see the top of this file) */
   int64_t sent, received;         /* payload to / from other ranks */
   int64_t sent_all, received_all; /* the same with this rank's own block counted */
@@ -83,7 +84,7 @@ static gdp_comm *comm_new(int rank, int size, int is_mpi) {
   c->rank = rank;
   c->size = size;
   c->is_mpi = is_mpi;
-  c->check = env_int("GDP_COMM_CHECK", 0, 0, 1) == 1;
+  c->check = env_int("GDP_COMM_CHECK", 1, 0, 1) == 1;
   c->max_count = env_int("GDP_COMM_MAX_COUNT", INT_MAX, 1, INT_MAX);
   return c;
 }
@@ -664,24 +665,152 @@ gdp_status gdp_comm_agree_values(gdp_comm *c, const char *what, const int64_t *v
   return agree_values_in(__func__, c, what, values, n);
 }
 
-/* Under GDP_COMM_CHECK: every rank learns whether any rank's local argument check
- * failed, then the call's signature (op, dtype, shapes, ...) is compared.  Otherwise
- * just the local status. */
-enum { SIG_MAX = 4 + GDP_MAX_DIMS * 2 };
+/* Checked mode (the default): one all-gather of a fixed record per collective, holding
+ * the rank's local status and the call's metadata (call, dtype, op, root, shape).  A
+ * failed local check on any rank becomes that rank's error on every rank (the messages
+ * are gathered only then); otherwise the first field that differs from rank 0's is
+ * named with both values.  Unchecked: just the local status. */
+typedef struct {
+  int64_t status, call, dtype, op, root, ndim;
+  int64_t skip_dim0; /* alltoallv: dim 0 may differ */
+  int64_t shape[GDP_MAX_DIMS];
+} call_sig;
 
-static gdp_status agree_call(const char *func, gdp_comm *c, gdp_status local,
-                             const int64_t *sig, int nsig) {
-  if (!c->check) return local;
-  GDP_TRY(agree_status_in(func, c, local, NULL));
-  return agree_values_in(func, c, "arguments (call, dtype, ndim, shape...)", sig, nsig);
+enum { SIG_WORDS = sizeof(call_sig) / sizeof(int64_t) };
+
+static const char *const call_names[] = {"?", "allgather", "alltoall", "alltoallv",
+                                         "allreduce", "broadcast", "barrier"};
+
+static const char *call_name(int64_t call) {
+  return call >= 0 && call < (int64_t)(sizeof call_names / sizeof call_names[0]) ? call_names[call] : "?";
 }
 
-/* Signature: a call id, then per tensor dtype, ndim and shape. */
-static int sig_tensor(int64_t *sig, int n, const gdp_tensor *t) {
-  sig[n++] = t ? (int64_t)t->dtype : -1;
-  sig[n++] = t ? t->ndim : -1;
-  for (int i = 0; t && i < t->ndim; i++) sig[n++] = t->shape[i];
-  return n;
+#ifdef GDP_HAVE_MPI
+static void sig_shape(strbuf *sb, const call_sig *s) {
+  sb_printf(sb, "[");
+  for (int64_t i = 0; i < s->ndim && i < GDP_MAX_DIMS; i++)
+    sb_printf(sb, "%s%" PRId64, i ? ", " : "", s->shape[i]);
+  sb_printf(sb, "]");
+}
+
+/* Names the first field in which b differs from a, with both values; 0 when none. */
+static int sig_diff(strbuf *sb, const call_sig *a, int ra, const call_sig *b, int rb) {
+  if (a->call != b->call) {
+    sb_printf(sb, "call: rank %d is in %s, rank %d in %s (collectives called in a different order)",
+              ra, call_name(a->call), rb, call_name(b->call));
+    return 1;
+  }
+  if (a->dtype != b->dtype) {
+    sb_printf(sb, "dtype: rank %d passes %s, rank %d passes %s", ra,
+              gdp_dtype_name((gdp_dtype)a->dtype), rb, gdp_dtype_name((gdp_dtype)b->dtype));
+    return 1;
+  }
+  if (a->op != b->op) {
+    sb_printf(sb, "op: rank %d passes %s, rank %d passes %s", ra,
+              gdp_reduce_op_name((gdp_reduce_op)a->op), rb, gdp_reduce_op_name((gdp_reduce_op)b->op));
+    return 1;
+  }
+  if (a->root != b->root) {
+    sb_printf(sb, "root: rank %d passes %" PRId64 ", rank %d passes %" PRId64, ra, a->root, rb, b->root);
+    return 1;
+  }
+  int same = a->ndim == b->ndim;
+  for (int64_t i = a->skip_dim0 ? 1 : 0; same && i < a->ndim && i < GDP_MAX_DIMS; i++)
+    same = a->shape[i] == b->shape[i];
+  if (!same) {
+    sb_printf(sb, "shape%s: rank %d passes ", a->skip_dim0 ? " (after dim 1)" : "", ra);
+    sig_shape(sb, a);
+    sb_printf(sb, ", rank %d passes ", rb);
+    sig_shape(sb, b);
+    return 1;
+  }
+  return 0;
+}
+#endif
+
+static gdp_status agree_call(const char *func, gdp_comm *c, gdp_status local, call_sig *sig) {
+  if (!c->check || !c->is_mpi || c->size == 1) return local;
+#ifdef GDP_HAVE_MPI
+  sig->status = local;
+  call_sig *all = malloc((size_t)c->size * sizeof *all);
+  if (!all) return GDP_ERROR_IN(func, GDP_ERR_OOM, "cannot allocate %d call records", c->size);
+  int rc = MPI_Allgather(sig, SIG_WORDS, MPI_INT64_T, all, SIG_WORDS, MPI_INT64_T, c->mpi);
+  if (rc != MPI_SUCCESS) {
+    free(all);
+    return mpi_error(func, __FILE__, __LINE__, "MPI_Allgather(call records)", rc);
+  }
+  int any_failed = 0;
+  for (int r = 0; r < c->size; r++) any_failed |= all[r].status != GDP_OK;
+  if (any_failed) { /* every rank takes this branch: the messages are gathered */
+    free(all);
+    return agree_status_in(func, c, local, NULL);
+  }
+  char text[1200];
+  strbuf sb = {text, sizeof text, 0};
+  text[0] = '\0';
+  int bad = 0;
+  for (int r = 1; r < c->size && !bad; r++) {
+    sb.len = 0;
+    sb_printf(&sb, "arguments differ across ranks: ");
+    bad = sig_diff(&sb, &all[0], 0, &all[r], r);
+  }
+  free(all);
+  if (bad) return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG, "%s", text);
+  return GDP_OK;
+#else
+  return local;
+#endif
+}
+
+/* The metadata of a call on tensor t (NULL: a failed local check, fields -1). */
+static call_sig make_sig(int64_t call, const gdp_tensor *t, int64_t op, int64_t root) {
+  call_sig s;
+  memset(&s, 0, sizeof s);
+  s.call = call;
+  s.op = op;
+  s.root = root;
+  s.dtype = t ? (int64_t)t->dtype : -1;
+  s.ndim = t ? t->ndim : -1;
+  for (int i = 0; t && i < t->ndim && i < GDP_MAX_DIMS; i++) s.shape[i] = t->shape[i];
+  return s;
+}
+
+/* Opting out (collective: the ranks agree on the flag, so that no rank gathers records
+ * the others do not send). */
+gdp_status gdp_comm_set_check(gdp_comm *c, int on) {
+  GDP_TRY(check_comm(__func__, c));
+  int64_t v = on ? 1 : 0;
+  GDP_TRY(agree_values_in(__func__, c, "check (1: agree on each collective's arguments, 0: not)",
+                          &v, 1));
+  c->check = on ? 1 : 0;
+  return GDP_OK;
+}
+
+int gdp_comm_check_enabled(const gdp_comm *c) { return c ? c->check : 0; }
+
+/* Ends every rank of a multi-rank MPI job at once (MPI_Abort on MPI_COMM_WORLD) after
+ * writing msg to stderr; returns 0 without doing anything when no such job is running
+ * (no MPI, not initialised, already finalised, or one rank). */
+int gdp_comm_abort(int code, const char *msg) {
+#ifdef GDP_HAVE_MPI
+  int initialized = 0, finalized = 0, size = 1, rank = 0;
+  MPI_Initialized(&initialized);
+  if (!initialized) return 0;
+  MPI_Finalized(&finalized);
+  if (finalized) return 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  if (size <= 1) return 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  if (msg && *msg) fprintf(stderr, "gdp: rank %d of %d: %s\n", rank, size, msg);
+  fprintf(stderr, "gdp: rank %d of %d failed (exit status %d): aborting every rank\n", rank, size, code);
+  fflush(stderr);
+  MPI_Abort(MPI_COMM_WORLD, code ? code : 1);
+  return 1;
+#else
+  (void)code;
+  (void)msg;
+  return 0;
+#endif
 }
 
 enum {
@@ -756,6 +885,7 @@ gdp_status gdp_comm_split(gdp_comm *c, int color, int key, gdp_comm **out) {
     if (rc != MPI_SUCCESS) return mpi_error(func, __FILE__, __LINE__, "MPI_Comm_set_errhandler/rank/size(sub)", rc);
     return GDP_ERROR(GDP_ERR_OOM, "cannot allocate the communicator");
   }
+  s->check = c->check; /* a sub-communicator checks as its parent does */
   s->mpi = sub;
   *out = s;
   return GDP_OK;
@@ -834,9 +964,8 @@ gdp_status gdp_comm_allgather(gdp_comm *c, gdp_tensor *out, const gdp_tensor *in
   const char *func = __func__;
   GDP_TRY(check_comm(func, c));
   gdp_status st = allgather_args(func, c, out, in);
-  int64_t sig[SIG_MAX] = {CALL_ALLGATHER};
-  int nsig = sig_tensor(sig, 1, st == GDP_OK ? in : NULL);
-  GDP_TRY(agree_call(func, c, st, sig, nsig));
+  call_sig sig = make_sig(CALL_ALLGATHER, st == GDP_OK ? in : NULL, -1, -1);
+  GDP_TRY(agree_call(func, c, st, &sig));
 
   int64_t block = numel(in);
   size_t block_bytes = nbytes(in);
@@ -946,15 +1075,10 @@ static gdp_status alltoallv_impl(const char *func, int call, gdp_comm *c, gdp_te
     for (int i = 1; i < in->ndim; i++) row_elems *= in->shape[i];
     st = alltoallv_plan(func, c, send_rows, recv_rows, row_elems, &units);
   }
-  int64_t sig[SIG_MAX] = {call};
   /* the dims after the first must agree; the first may differ (alltoallv) */
-  int nsig = 1;
-  if (st == GDP_OK) {
-    sig[nsig++] = in->dtype;
-    sig[nsig++] = in->ndim;
-    for (int i = call == CALL_ALLTOALL ? 0 : 1; i < in->ndim; i++) sig[nsig++] = in->shape[i];
-  }
-  GDP_TRY(agree_call(func, c, st, sig, nsig));
+  call_sig sig = make_sig(call, st == GDP_OK ? in : NULL, -1, -1);
+  sig.skip_dim0 = call != CALL_ALLTOALL;
+  GDP_TRY(agree_call(func, c, st, &sig));
   GDP_TRY(check_row_counts(func, c, recv_rows, send_rows));
 
   size_t row_bytes = (size_t)row_elems * gdp_dtype_size(in->dtype);
@@ -1009,14 +1133,14 @@ gdp_status gdp_comm_alltoall(gdp_comm *c, gdp_tensor *out, const gdp_tensor *in)
                         shape_of(ib, sizeof ib, in), in->shape[0], c->size);
   }
   if (st != GDP_OK) {
-    int64_t sig[1] = {CALL_ALLTOALL};
-    return agree_call(func, c, st, sig, 1);
+    call_sig sig = make_sig(CALL_ALLTOALL, NULL, -1, -1);
+    return agree_call(func, c, st, &sig);
   }
   int64_t *rows = malloc((size_t)c->size * sizeof *rows);
   if (!rows) {
     st = GDP_ERROR_IN(func, GDP_ERR_OOM, "cannot allocate %d counts", c->size);
-    int64_t sig[1] = {CALL_ALLTOALL};
-    return agree_call(func, c, st, sig, 1);
+    call_sig sig = make_sig(CALL_ALLTOALL, NULL, -1, -1);
+    return agree_call(func, c, st, &sig);
   }
   for (int j = 0; j < c->size; j++) rows[j] = in->shape[0] / c->size;
   st = alltoallv_impl(func, CALL_ALLTOALL, c, out, rows, in, rows);
@@ -1031,9 +1155,8 @@ gdp_status gdp_comm_allreduce(gdp_comm *c, gdp_tensor *t, gdp_reduce_op op) {
   if (st == GDP_OK && op != GDP_REDUCE_OP_SUM && op != GDP_REDUCE_OP_MAX && op != GDP_REDUCE_OP_MIN)
     st = GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG, "op: expected sum (0), max (1) or min (2), got %d",
                       (int)op);
-  int64_t sig[SIG_MAX] = {CALL_ALLREDUCE, op};
-  int nsig = sig_tensor(sig, 2, st == GDP_OK ? t : NULL);
-  GDP_TRY(agree_call(func, c, st, sig, nsig));
+  call_sig sig = make_sig(CALL_ALLREDUCE, st == GDP_OK ? t : NULL, op, -1);
+  GDP_TRY(agree_call(func, c, st, &sig));
 
   /* bf16 travels and is reduced as float32, then rounded once. */
   gdp_tensor *buf = NULL;
@@ -1053,9 +1176,8 @@ gdp_status gdp_comm_broadcast(gdp_comm *c, gdp_tensor *t, int root) {
   GDP_TRY(check_comm(func, c));
   gdp_status st = check_tensor(func, "t", t);
   if (st == GDP_OK) st = check_peer(func, "root", c, root, 0);
-  int64_t sig[SIG_MAX] = {CALL_BROADCAST, root};
-  int nsig = sig_tensor(sig, 2, st == GDP_OK ? t : NULL);
-  GDP_TRY(agree_call(func, c, st, sig, nsig));
+  call_sig sig = make_sig(CALL_BROADCAST, st == GDP_OK ? t : NULL, -1, root);
+  GDP_TRY(agree_call(func, c, st, &sig));
 
   gdp_tensor *buf = NULL;
   st = staged_output(t, c->rank == root, &buf);
@@ -1072,8 +1194,8 @@ gdp_status gdp_comm_broadcast(gdp_comm *c, gdp_tensor *t, int root) {
 gdp_status gdp_comm_barrier(gdp_comm *c) {
   const char *func = __func__;
   GDP_TRY(check_comm(func, c));
-  int64_t sig[1] = {CALL_BARRIER};
-  GDP_TRY(agree_call(func, c, GDP_OK, sig, 1));
+  call_sig sig = make_sig(CALL_BARRIER, NULL, -1, -1);
+  GDP_TRY(agree_call(func, c, GDP_OK, &sig));
   if (!c->is_mpi) return GDP_OK;
 #ifdef GDP_HAVE_MPI
   GDP_MPI_TRY(MPI_Barrier(c->mpi));

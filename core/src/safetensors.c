@@ -418,14 +418,23 @@ gdp_status gdp_safetensors_load(gdp_ctx *ctx, const char *path, gdp_st_file **ou
   gdp_st_file *f = calloc(1, sizeof *f);
   if (!f) return GDP_ERROR(GDP_ERR_OOM, "out of memory");
 
-  fp = fopen(path, "rb");
-  if (!fp) {
+  /* O_NONBLOCK: opening a FIFO for reading would block until a writer comes; the
+   * regular-file check below must come first.  Reads are blocking again after it. */
+  int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) {
     st = LOAD_ERR(GDP_ERR_IO, "cannot open: %s", strerror(errno));
     goto fail;
   }
   struct stat sb;
-  if (fstat(fileno(fp), &sb) != 0 || !S_ISREG(sb.st_mode)) {
+  if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
+    close(fd);
     st = LOAD_ERR(GDP_ERR_IO, "not a regular file");
+    goto fail;
+  }
+  int fl = fcntl(fd, F_GETFL);
+  if (fl == -1 || fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) == -1 || !(fp = fdopen(fd, "rb"))) {
+    st = LOAD_ERR(GDP_ERR_IO, "cannot open: %s", strerror(errno));
+    close(fd);
     goto fail;
   }
   uint64_t file_size = (uint64_t)sb.st_size;

@@ -794,6 +794,54 @@ static void test_self(void) {
   gdp_comm_free(c);
 }
 
+/* ------------------------------------------------------------------ checked by default */
+
+/* Without GDP_COMM_CHECK in the environment the collectives agree on their arguments,
+ * and the message names the field that differs; gdp_comm_set_check(c, 0) opts out. */
+static void test_checked_by_default(gdp_comm *world) {
+  CHECK(gdp_comm_check_enabled(world) == 1, "checking is on by default");
+  int rank = gdp_comm_rank(world), size = gdp_comm_size(world);
+  if (size < 2) return;
+  int64_t n3[1] = {3};
+  gdp_tensor *t = NULL, *d = NULL;
+  CHECK_OK(gdp_tensor_zeros(ctx, GDP_DTYPE_F32, 1, n3, &t));
+  CHECK_OK(gdp_tensor_zeros(ctx, rank == 1 ? GDP_DTYPE_F64 : GDP_DTYPE_F32, 1, n3, &d));
+  gdp_status st = gdp_comm_allreduce(world, t, rank == 1 ? GDP_REDUCE_OP_MAX : GDP_REDUCE_OP_SUM);
+  CHECK(st == GDP_ERR_INVALID_ARG && strstr(gdp_last_error(), "op: rank 0 passes sum, rank 1 passes max"),
+        "allreduce with differing ops: rank %d got %s: %s", rank, gdp_status_name(st), gdp_last_error());
+  st = gdp_comm_allreduce(world, d, GDP_REDUCE_OP_SUM);
+  CHECK(st == GDP_ERR_INVALID_ARG && strstr(gdp_last_error(), "dtype: rank 0 passes f32, rank 1 passes f64"),
+        "allreduce with differing dtypes: rank %d got %s: %s", rank, gdp_status_name(st), gdp_last_error());
+  st = gdp_comm_broadcast(world, t, rank == 1 ? 1 : 0);
+  CHECK(st == GDP_ERR_INVALID_ARG && strstr(gdp_last_error(), "root: rank 0 passes 0, rank 1 passes 1"),
+        "broadcast with differing roots: rank %d got %s: %s", rank, gdp_status_name(st), gdp_last_error());
+  int64_t o_shape[2] = {size, rank == 1 ? 4 : 3}, in_shape[1] = {rank == 1 ? 4 : 3};
+  gdp_tensor *in = NULL, *out = NULL;
+  CHECK_OK(gdp_tensor_zeros(ctx, GDP_DTYPE_F32, 1, in_shape, &in));
+  CHECK_OK(gdp_tensor_zeros(ctx, GDP_DTYPE_F32, 2, o_shape, &out));
+  st = gdp_comm_allgather(world, out, in);
+  CHECK(st == GDP_ERR_INVALID_ARG && strstr(gdp_last_error(), "shape: rank 0 passes [3], rank 1 passes [4]"),
+        "allgather with differing shapes: rank %d got %s: %s", rank, gdp_status_name(st), gdp_last_error());
+  st = rank == 1 ? gdp_comm_barrier(world) : gdp_comm_allreduce(world, t, GDP_REDUCE_OP_SUM);
+  CHECK(st == GDP_ERR_INVALID_ARG && strstr(gdp_last_error(), "call: rank 0 is in allreduce, rank 1 in barrier"),
+        "different collectives: rank %d got %s: %s", rank, gdp_status_name(st), gdp_last_error());
+  /* opting out is agreed, and sub-communicators inherit it */
+  gdp_comm *sub = NULL;
+  CHECK_OK(gdp_comm_split(world, 0, rank, &sub));
+  CHECK_OK(gdp_comm_set_check(sub, 0));
+  CHECK(gdp_comm_check_enabled(sub) == 0, "set_check(0)");
+  CHECK_OK(gdp_comm_allreduce(sub, t, GDP_REDUCE_OP_SUM));
+  st = gdp_comm_set_check(sub, rank == 1);
+  CHECK(st == GDP_ERR_INVALID_ARG, "set_check with differing flags: rank %d got %s", rank, gdp_status_name(st));
+  CHECK_OK(gdp_comm_set_check(sub, 1));
+  gdp_comm_free(sub);
+  CHECK_OK(gdp_comm_barrier(world));
+  gdp_tensor_free(t);
+  gdp_tensor_free(d);
+  gdp_tensor_free(in);
+  gdp_tensor_free(out);
+}
+
 int main(void) {
   TEST_BEGIN(20250611);
   CHECK_OK(gdp_ctx_new(GDP_DEVICE_CPU, 0, &ctx));
@@ -825,6 +873,7 @@ int main(void) {
   test_counters(world);
   test_arg_errors(world);
   test_checked_small_pieces(world);
+  test_checked_by_default(world);
   test_recv_size_errors(world);
   CHECK_OK(gdp_comm_barrier(world));
 

@@ -701,6 +701,13 @@ static void test_malformed(void) {
   }
 
   gdp_st_file *unused = NULL;
+  /* a FIFO without a writer: an error at once (open() used to block before the
+   * regular-file check; the test would hang, and ctest's timeout fails it) */
+  const char *fifo = tmp_path("fifo.safetensors");
+  if (mkfifo(fifo, 0600) == 0) {
+    CHECK_ERR(gdp_safetensors_load(ctx, fifo, &unused), GDP_ERR_IO, "not a regular file");
+    unlink(fifo);
+  }
   CHECK_ERR(gdp_safetensors_load(NULL, p, &unused), GDP_ERR_INVALID_ARG, "ctx");
   CHECK_ERR(gdp_safetensors_load(ctx, NULL, &unused), GDP_ERR_INVALID_ARG, "path");
   CHECK(gdp_st_count(NULL) == 0 && gdp_st_name(NULL, 0) == NULL, "NULL file accessors");

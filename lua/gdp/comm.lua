@@ -17,10 +17,15 @@
 --
 -- Ranks are 0-based (MPI's numbering) in Lua too; tensor dims stay 1-based.  Every
 -- collective must be called by every rank of the communicator, in the same order.
--- Argument errors found here or in C are raised on the rank that made them only: when
--- inputs may differ between ranks, run the code under c:pcall (or set GDP_COMM_CHECK=1,
--- which makes the C collectives agree on their arguments first) so that no rank is left
--- waiting.
+-- The C collectives agree on their arguments first (one small all-gather of each call's
+-- status, dtype, op, root and shape), so a bad or mismatched argument on one rank is an
+-- error on every rank naming the field.  Measured benchmarks may opt out with
+-- c:set_check(false) (collective) or GDP_COMM_CHECK=0 on every rank.  Checks made here
+-- in Lua before the C call are local: when inputs may differ between ranks, run the
+-- code under c:pcall so that no rank is left waiting.
+--
+-- In a multi-rank job an uncaught error or os.exit with a failing status on one rank
+-- ends every rank (MPI_Abort) with that rank's message; see M.abort.
 --
 -- A communicator is the C handle itself (gdp_comm *, with methods through
 -- ffi.metatype), so it can be passed straight to lib.gdp_comm_* functions; it is freed
@@ -91,13 +96,40 @@ local function new_like(fn, t, shape)
   return wrap(box[0])
 end
 
+------------------------------------------------------------------------------- job abort
+
+-- Ends every rank of a multi-rank MPI job at once with msg on stderr (MPI_Abort), and
+-- returns false when no such job is running (then the caller exits as usual).  Exiting
+-- normally would run MPI_Finalize at exit, which waits for the other ranks while they
+-- wait for this one in a collective: the job would hang instead of failing.
+function M.abort(code, msg)
+  if type(code) ~= "number" then code = 1 end
+  return lib.gdp_comm_abort(code, msg ~= nil and tostring(msg) or nil) ~= 0
+end
+
+-- os.exit with a failing status (false or a non-zero number) aborts the job; installed
+-- once MPI runs with more than one rank (busted and scripts exit through os.exit).
+local exit_wrapped = false
+local function wrap_exit()
+  if exit_wrapped then return end
+  exit_wrapped = true
+  local real_exit = os.exit
+  os.exit = function(code, close) -- luacheck: ignore (a deliberate global)
+    local failing = code == false or (type(code) == "number" and code ~= 0)
+    if failing then M.abort(type(code) == "number" and code or 1, nil) end
+    return real_exit(code, close)
+  end
+end
+
 ------------------------------------------------------------------------------- creation
 
 -- The process-wide world communicator (size 1 and no MPI outside mpirun).
 function M.world()
   local box = comm_box()
   check(lib.gdp_comm_world(box), "comm.world")
-  return own(box[0])
+  local w = own(box[0])
+  if lib.gdp_comm_is_mpi(w) == 1 and lib.gdp_comm_size(w) > 1 then wrap_exit() end
+  return w
 end
 
 -- A new size-1 communicator that never touches MPI.
@@ -128,6 +160,16 @@ function C.free(c)
 end
 
 function C.is_freed(c) return freed[c] == true end
+
+-- Collective: turns the collectives' argument agreement off (false) or on (true).
+function C.set_check(c, on)
+  live(c, "set_check")
+  if type(on) ~= "boolean" then argerror("comm.set_check", "on: expected a boolean, got " .. typename(on)) end
+  check(lib.gdp_comm_set_check(c, on and 1 or 0), "comm.set_check")
+  return c
+end
+
+function C.check_enabled(c) return lib.gdp_comm_check_enabled(live(c, "check_enabled")) == 1 end
 
 -- Collective: ranks passing the same color >= 0 form a communicator ordered by key
 -- (default: the rank in c); a negative color returns nil (this rank joins none).

@@ -251,6 +251,30 @@ local function tensor_arg(x, fn, what)
 end
 M.tensor_arg = tensor_arg
 
+-- A cheap digest of t's current contents, dtype and shape (a string): two calls give
+-- the same string exactly when nothing was written in between (up to a 64-bit FNV-1a
+-- collision).  Modules use it to tell that a cached forward still belongs to its input
+-- (an in-place write keeps the object identity).  One pass over the bytes on the host
+-- (a device tensor is copied there first).
+local u64_ptr, u8_ptr = ffi.typeof("const uint64_t *"), ffi.typeof("const uint8_t *")
+function M.fingerprint(t)
+  tensor_arg(t, "gdp.fingerprint", "t")
+  local c = t
+  if lib.gdp_tensor_device_type(c) ~= lib.GDP_DEVICE_CPU then c = c:to({ device = "cpu" }) end
+  if lib.gdp_tensor_is_contiguous(c) ~= 1 then c = c:contiguous() end
+  local nbytes = tonumber(lib.gdp_tensor_numel(c)) * tonumber(lib.gdp_dtype_size(lib.gdp_tensor_dtype(c)))
+  local h, prime = 14695981039346656037ULL, 1099511628211ULL
+  local data = lib.gdp_tensor_data(c)
+  if nbytes > 0 and data ~= nil then
+    local w, words = ffi.cast(u64_ptr, data), math.floor(nbytes / 8)
+    for i = 0, words - 1 do h = bit.bxor(h, w[i]) * prime end
+    local b = ffi.cast(u8_ptr, data)
+    for i = words * 8, nbytes - 1 do h = bit.bxor(h, b[i]) * prime end
+  end
+  return string.format("%d:%s:%s", tonumber(lib.gdp_tensor_dtype(c)),
+                       table.concat(t:shape(), "x"), bit.tohex(h))
+end
+
 ------------------------------------------------------------------------------- contexts
 
 local ctx_mt = { __index = {} }
@@ -399,9 +423,11 @@ local function shape_array(fn, shape, allow_infer)
   local arr = i64_array(math.max(nd, 1))
   for i = 1, nd do
     local s = shape[i]
-    if type(s) ~= "number" or s ~= math.floor(s) or (s < 0 and not (allow_infer and s == -1)) then
-      argerror(fn, string.format("shape[%d]: expected an integer >= 0%s, got %s", i,
-                                 allow_infer and " (or -1)" or "", tostring(s)))
+    if type(s) ~= "number" or s ~= math.floor(s) or s >= 2 ^ 53 or
+       (s < 0 and not (allow_infer and s == -1)) then
+      argerror(fn, string.format("shape[%d]: expected an integer >= 0 and < 2^53%s, got %s", i,
+                                 allow_infer and " (or -1)" or "",
+                                 type(s) == "string" and string.format("the string %q", s) or tostring(s)))
     end
     arr[i - 1] = s
   end
@@ -514,8 +540,23 @@ function M.randn(...)
   return t
 end
 
+-- An array's entries are x[1..#x] only: a table with other keys ({a = 1}, holes)
+-- would silently lose them.
+local function check_array(fn, x, path)
+  local n, count = #x, 0
+  for k in pairs(x) do
+    count = count + 1
+    if type(k) ~= "number" or k ~= math.floor(k) or k < 1 or k > n then
+      argerror(fn, string.format("data%s: expected an array (keys 1..n), got the key %s", path,
+                                 type(k) == "string" and string.format("%q", k) or tostring(k)))
+    end
+  end
+  if count ~= n then argerror(fn, string.format("data%s: expected an array without holes", path)) end
+end
+
 -- Flattens nested tables into `flat`, checking that they are rectangular.
 local function flatten(fn, x, shape, depth, flat, path)
+  check_array(fn, x, path)
   local size = shape[depth]
   if #x ~= size then
     argerror(fn, string.format("data%s: expected %d entries (a rectangular nested table), got %d",
@@ -549,10 +590,19 @@ local function from_flat(fn, flat, shape, opts)
                                shape_str(shape), #flat))
   end
   local buf = f64_array(math.max(n, 1))
+  -- integer dtypes: every value must be an integer in range (NaN, 2.5 or 2^31 in an
+  -- i32 would otherwise be stored as 0, 2 or 2^31 - 1)
+  local lo, hi
+  if dt == lib.GDP_DTYPE_I32 then lo, hi = -2 ^ 31, 2 ^ 31 - 1
+  elseif dt == lib.GDP_DTYPE_I64 then lo, hi = -2 ^ 53, 2 ^ 53 end -- exact in the f64 buffer
   for i = 1, n do
     local v = flat[i]
     if type(v) ~= "number" then
       argerror(fn, string.format("data[%d]: expected a number, got %s", i, typename(v)))
+    end
+    if lo and (v ~= math.floor(v) or v < lo or v > hi) then
+      argerror(fn, string.format("data[%d]: expected an integer in [%.0f, %.0f] for dtype %s, got %s", i,
+                                 lo, hi, dt == lib.GDP_DTYPE_I32 and "i32" or "i64", tostring(v)))
     end
     buf[i - 1] = v
   end
@@ -579,11 +629,16 @@ function M.tensor(data, a2, a3)
     argerror("tensor", "data: expected a (nested) table of numbers or a number, got " .. typename(data))
   end
   if shape then
+    check_array("tensor", data, "")
     return from_flat("tensor", data, shape, opts)
   end
   shape = {}
   local x = data
   while type(x) == "table" do
+    if #shape == MAX_DIMS then
+      argerror("tensor", string.format("data: nested deeper than %d levels (the most dims a tensor " ..
+                                       "has); does the table contain itself?", MAX_DIMS))
+    end
     shape[#shape + 1] = #x
     x = x[1]
   end
@@ -601,8 +656,16 @@ function M.arange(a, b, c, d)
   if type(b) ~= "number" then start, stop, step, opts = 0, a, 1, b
   elseif type(c) ~= "number" then start, stop, step, opts = a, b, 1, c
   else start, stop, step, opts = a, b, c, d end
-  if type(start) ~= "number" or type(stop) ~= "number" or step == 0 then
+  if type(start) ~= "number" or type(stop) ~= "number" or type(step) ~= "number" or step == 0 or
+     step ~= step then
     argerror("arange", "expected numbers start, stop and a non-zero step")
+  end
+  local count = math.ceil((stop - start) / step)
+  if start ~= start or stop ~= stop or math.abs(start) == math.huge or math.abs(stop) == math.huge or
+     count >= 2 ^ 31 then
+    argerror("arange", string.format("expected finite start and stop and fewer than 2^31 values, " ..
+                                     "got start %s, stop %s, step %s", tostring(start), tostring(stop),
+                                     tostring(step)))
   end
   local vals = {}
   local x = start
@@ -616,7 +679,17 @@ end
 ------------------------------------------------------------------------------- methods
 
 local T = {}        -- methods
-local mt = { __index = T }
+-- A missing method is named as such (not as FFI's "'struct gdp_tensor' has no member").
+local mt = {
+  __index = function(_, k)
+    local f = T[k]
+    if f == nil then
+      argerror("Tensor", string.format("no method or field %s (methods: gdp.tensor.methods)",
+                                           type(k) == "string" and ("'" .. k .. "'") or tostring(k)))
+    end
+    return f
+  end,
+}
 M.methods = T
 
 local function live(t, fn)
@@ -984,6 +1057,9 @@ end
 
 function T.scale_(t, alpha)
   live(t, "scale_")
+  if type(alpha) ~= "number" then
+    argerror("scale_", "alpha: expected a number, got " .. typename(alpha))
+  end
   check(lib.gdp_tensor_scale(t, t, alpha), "scale_")
   return t
 end

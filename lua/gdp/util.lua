@@ -248,7 +248,8 @@ function M.format_table(header, rows, numfmt)
   for ri, r in ipairs(cells) do
     local parts = {}
     for ci, s in ipairs(r) do
-      parts[ci] = string.format("%-" .. widths[ci] .. "s", s)
+      -- padded by hand: a "%-Ns" format breaks for widths over 99
+      parts[ci] = s .. string.rep(" ", widths[ci] - #s)
     end
     lines[ri] = (table.concat(parts, "  "):gsub("%s+$", ""))
   end

@@ -588,7 +588,33 @@ end
 -- (the rows that belong to this rank's first sequence: min(W-1, tokens_before)), or nil
 -- when valid_rows is 0 (rank 0, or a sequence starting exactly at the shard start).
 -- Collective over the ranks of `group` (every rank joins, whatever its valid_rows).
+-- Collective: the halo exchanges' arguments, checked on every rank and agreed (the
+-- point-to-point messages must have one size on every rank).
+local function agree_halo(group, fn, x, what, halo_rows, valid_rows, dhalo)
+  shard.agreed(group, function()
+    tensor.tensor_arg(x, fn, what)
+    if x:dim() ~= 3 then argerror(fn, what .. ": expected [Lc,B,C], got " .. shape_str(x:shape())) end
+    if not is_int(halo_rows) or halo_rows < 0 then
+      argerror(fn, "halo_rows: expected an integer >= 0, got " .. tostring(halo_rows))
+    end
+    if not is_int(valid_rows) or valid_rows < 0 or valid_rows > halo_rows then
+      argerror(fn, string.format("valid_rows: expected an integer in [0, halo_rows = %s], got %s",
+                                 tostring(halo_rows), tostring(valid_rows)))
+    end
+    if dhalo ~= nil then
+      tensor.tensor_arg(dhalo, fn, "dhalo")
+      local want = { valid_rows, x:size(2), x:size(3) }
+      if shape_str(dhalo:shape()) ~= shape_str(want) then
+        argerror(fn, string.format("dhalo: expected %s, got %s", shape_str(want), shape_str(dhalo:shape())))
+      end
+    end
+  end)
+  group:agree(fn .. ": " .. what .. " shape [Lc,B,C], dtype and halo_rows",
+              { x:size(1), x:size(2), x:size(3), DTYPE_CODE[x:dtype()] or 0, halo_rows })
+end
+
 function M.conv_halo_exchange(group, x, halo_rows, valid_rows)
+  if group:size() > 1 then agree_halo(group, "cp.conv_halo_exchange", x, "x", halo_rows, valid_rows) end
   local Lc, B, C = x:size(1), x:size(2), x:size(3)
   local R = halo_rows
   if R == 0 or group:size() == 1 then return nil end
@@ -615,6 +641,9 @@ end
 -- to the ranks that sent those tokens.  Returns the gradient of this rank's last
 -- min(Lc, W-1) tokens, [Lt,B,C], to be added to the last rows of dx.  Collective.
 function M.conv_halo_exchange_backward(group, dhalo, x, halo_rows, valid_rows)
+  if group:size() > 1 then
+    agree_halo(group, "cp.conv_halo_exchange_backward", x, "x", halo_rows, valid_rows, dhalo)
+  end
   local Lc, B, C = x:size(1), x:size(2), x:size(3)
   local R = halo_rows
   local Lt = math.min(Lc, R)

@@ -38,21 +38,62 @@ M.conv_halo_exchange_backward = chunkwise.conv_halo_exchange_backward
 -- Layer support (used by gdp.nn.GatedDeltaProduct with cp_mode set).
 M.MODES = { headwise = true, chunkwise = true }
 
-local DTYPE_CODE = { f64 = 1, f32 = 2 }
-local D_CODE = { [false] = 0, head = 1, channel = 2 }
+-- A string's digest as an integer below 2^53 (exact in a double and an int64).
+local function digest(str)
+  local h1, h2 = 5381, 7
+  for i = 1, #str do
+    local b = str:byte(i)
+    h1 = (h1 * 33 + b) % 4294967291
+    h2 = (h2 * 131 + b) % 2097143
+  end
+  return h1 * 2097152 + h2
+end
+
+-- The module's configuration: every field that is a number, string or boolean (sizes,
+-- norm_eps, cp_reduce_grads, dtype, algorithm, ...), sorted by name, as "name=value".
+local function config_fields(m)
+  local names = {}
+  for k, v in pairs(m) do
+    local t = type(v)
+    if type(k) == "string" and (t == "number" or t == "string" or t == "boolean") then names[#names + 1] = k end
+  end
+  table.sort(names)
+  local values = {}
+  for i, k in ipairs(names) do
+    local v = m[k]
+    values[i] = type(v) == "number" and string.format("%.17g", v) or tostring(v)
+  end
+  return names, values
+end
+
+-- Collective: raises on every rank unless every rank's module has the same
+-- configuration, naming the first field that differs (any field that changes the math
+-- or the communication: cp_reduce_grads differing would hang the backward, norm_eps
+-- differing would silently change the output).  Two small collectives.
+function M.agree_config(group, m, fn)
+  local names, values = config_fields(m)
+  group:agree(fn .. ": the configuration's field names (the same options on every rank)",
+              { #names, digest(table.concat(names, ",")) })
+  local mine = {}
+  for i = 1, #names do mine[i] = digest(values[i]) end
+  local all = group:allgather(tensor.tensor(mine, { #names }, { dtype = "i64" })):totable()
+  for r = 2, #all do
+    for i = 1, #names do
+      if all[r][i] ~= all[1][i] then
+        tensor.argerror(fn, string.format("configuration differs across ranks: %s differs between " ..
+                                          "rank 0 and rank %d (this rank, %d, has %s = %s)",
+                                          names[i], r - 1, group:rank(), names[i], values[i]))
+      end
+    end
+  end
+end
 
 -- Called by GatedDeltaProduct.new (collective): ranks agree on the configuration, the
 -- parameters become identical on all ranks (broadcast from cp rank 0, so that a layer
 -- built without a seed is still one layer), then the mode's state is built.
 function M.attach(m)
   local group = m.cp_group
-  group:agree("nn.GatedDeltaProduct: context-parallel configuration (cp_mode, layout, hidden, " ..
-              "heads, head_dim, groups, state_dim, householder, conv_width, D, conv_bias, " ..
-              "neg eigval, dtype)",
-              { m.cp_mode == "headwise" and 1 or 2, m.cp_layout == "zigzag" and 1 or 2,
-                m.hidden_size, m.num_heads, m.head_dim, m.num_groups, m.state_dim,
-                m.num_householder, m.conv_width, D_CODE[m.D_mode] or 3, m.conv_bias and 1 or 0,
-                m.allow_neg_eigval and 1 or 0, DTYPE_CODE[m.dtype] or 0 })
+  M.agree_config(group, m, "nn.GatedDeltaProduct")
   for _, name in ipairs(m:parameter_names()) do group:broadcast(m.params[name], 0) end
   if m.cp_mode == "headwise" then headwise.attach(m) else chunkwise.attach(m) end
 end

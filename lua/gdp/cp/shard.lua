@@ -36,6 +36,15 @@ function M.agreed(group, fn, ...)
   return group:pcall(fn, ...)
 end
 
+-- Collective: true on every rank when `flag` is true on every rank (a decision that
+-- changes which collectives follow, e.g. recomputing a forward, must be the same on
+-- all ranks).
+function M.all_true(group, flag)
+  local t = tensor.tensor({ flag and 1 or 0 }, { dtype = "i32" })
+  group:all_reduce(t, "min")
+  return t:flat()[1] == 1
+end
+
 -- Local check of a CP layer's rank-local input x [T/cp, B, hidden] (dtype of the module;
 -- at least `min_tokens` tokens when given).  Not collective: callers run it under agreed().
 function M.check_layer_input(m, fn, x, min_tokens)

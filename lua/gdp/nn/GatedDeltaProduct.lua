@@ -322,9 +322,13 @@ end
 -- parameter must be present with its shape; with strict (default) no other name may be.
 function GatedDeltaProduct:set_parameters(tensors, strict)
   if strict == nil then strict = true end
+  if type(tensors) ~= "table" then
+    argerror(FN, "set_parameters: expected a table {name = tensor}, got " .. type(tensors))
+  end
   for _, name in ipairs(self:parameter_names()) do
     local src = tensors[name]
     if src == nil then argerror(FN, "set_parameters: missing parameter '" .. name .. "'") end
+    tensor.tensor_arg(src, FN .. ":set_parameters", name)
     local dst = self.params[name]
     if tensor.shape_str(src:shape()) ~= tensor.shape_str(dst:shape()) then
       argerror(FN, string.format("set_parameters: %s: expected shape %s, got %s", name,
@@ -563,9 +567,34 @@ end
 
 -- out [T,B,D] for x [T,B,D]; cu_seqlens (a table or an int tensor over T, B = 1) packs
 -- independent sequences.  Keeps what backward needs.
+-- What a backward must match to reuse the cached forward: x's object, its contents
+-- (tensor.fingerprint: an in-place write keeps the object) and the packing's values
+-- (a cu_seqlens table or tensor may be changed in place too).
+local function packing_key(cu)
+  if cu == nil then return "unpacked" end
+  if tensor.is_tensor(cu) then return "t:" .. tensor.fingerprint(cu) end
+  if type(cu) ~= "table" then return "?" .. tostring(cu) end
+  local parts = {}
+  for i = 1, #cu do parts[i] = tostring(cu[i]) end
+  return "{" .. table.concat(parts, ",") .. "}"
+end
+
+local function remember_inputs(self, x, cu_seqlens)
+  self.cache.x_fingerprint = tensor.fingerprint(x)
+  self.cache.packing = packing_key(cu_seqlens)
+end
+
+-- True when the cached forward was computed on exactly these inputs.
+function GatedDeltaProduct:cache_matches(x, cu_seqlens)
+  local c = self.cache
+  return c ~= nil and rawequal(c.x, x) and c.packing == packing_key(cu_seqlens) and
+         c.x_fingerprint == tensor.fingerprint(x)
+end
+
 function GatedDeltaProduct:forward(x, cu_seqlens)
   if self.cp_mode then
     local out = require("gdp.cp").layer_forward(self, x, cu_seqlens)
+    remember_inputs(self, x, cu_seqlens)
     self.output = out
     return out
   end
@@ -579,25 +608,42 @@ function GatedDeltaProduct:forward(x, cu_seqlens)
   local out, saved = self:out_forward(o, parts.z, inp.x_v)
   self.cache = { x = x, cu_in = cu_seqlens, cu = cu, zx = zx, parts = parts, xBC_c = xBC_c,
                  inp = inp, saved = saved }
+  remember_inputs(self, x, cu_seqlens)
   self.output = out
   return out
 end
 
 -- dx for the loss sum(out * dy); parameter gradients accumulate (zero_grad resets them).
--- Uses the last forward when it was run on this x (and these cu_seqlens), else runs it.
+-- Uses the last forward when it was run on these inputs -- the same x object with the
+-- same contents, and the same cu_seqlens values (nil: unpacked) -- else runs it again,
+-- so a stale forward is never reused.  With cp_mode the checks and that decision are
+-- agreed over the group before any collective.
 function GatedDeltaProduct:backward(x, dy, cu_seqlens)
   local fn = FN .. ":backward"
-  check_input(self, fn, x)
-  tensor.tensor_arg(dy, fn, "dy")
-  if tensor.shape_str(dy:shape()) ~= tensor.shape_str(x:shape()) then
-    argerror(fn, string.format("dy: expected the shape of x %s, got %s",
-                               tensor.shape_str(x:shape()), tensor.shape_str(dy:shape())))
+  local function check_args()
+    check_input(self, fn, x)
+    tensor.tensor_arg(dy, fn, "dy")
+    if tensor.shape_str(dy:shape()) ~= tensor.shape_str(x:shape()) then
+      argerror(fn, string.format("dy: expected the shape of x %s, got %s",
+                                 tensor.shape_str(x:shape()), tensor.shape_str(dy:shape())))
+    end
+    if dy:dtype() ~= self.dtype then
+      argerror(fn, string.format("dy: expected dtype %s (the module's), got %s", self.dtype, dy:dtype()))
+    end
+    if dy:device() ~= x:device() then
+      argerror(fn, string.format("dy: expected device %s (x's), got %s", x:device(), dy:device()))
+    end
+    return self:cache_matches(x, cu_seqlens)
   end
+  local reuse
+  if self.cp_mode then
+    local shard = require("gdp.cp").shard
+    reuse = shard.all_true(self.cp_group, shard.agreed(self.cp_group, check_args))
+  else
+    reuse = check_args()
+  end
+  if not reuse then self:forward(x, cu_seqlens) end
   local c = self.cache
-  if c == nil or not rawequal(c.x, x) or (cu_seqlens ~= nil and not rawequal(c.cu_in, cu_seqlens)) then
-    self:forward(x, cu_seqlens)
-    c = self.cache
-  end
   if self.cp_mode then
     local dx = require("gdp.cp").layer_backward(self, dy)
     self.grad_input = dx
