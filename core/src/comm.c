@@ -966,6 +966,7 @@ gdp_status gdp_comm_allgather(gdp_comm *c, gdp_tensor *out, const gdp_tensor *in
   gdp_status st = allgather_args(func, c, out, in);
   call_sig sig = make_sig(CALL_ALLGATHER, st == GDP_OK ? in : NULL, -1, -1);
   GDP_TRY(agree_call(func, c, st, &sig));
+  gdp_tensor_mark_written(out);
 
   int64_t block = numel(in);
   size_t block_bytes = nbytes(in);
@@ -1080,6 +1081,7 @@ static gdp_status alltoallv_impl(const char *func, int call, gdp_comm *c, gdp_te
   sig.skip_dim0 = call != CALL_ALLTOALL;
   GDP_TRY(agree_call(func, c, st, &sig));
   GDP_TRY(check_row_counts(func, c, recv_rows, send_rows));
+  gdp_tensor_mark_written(out);
 
   size_t row_bytes = (size_t)row_elems * gdp_dtype_size(in->dtype);
   gdp_tensor *dst = NULL, *src = NULL;
@@ -1157,6 +1159,7 @@ gdp_status gdp_comm_allreduce(gdp_comm *c, gdp_tensor *t, gdp_reduce_op op) {
                       (int)op);
   call_sig sig = make_sig(CALL_ALLREDUCE, st == GDP_OK ? t : NULL, op, -1);
   GDP_TRY(agree_call(func, c, st, &sig));
+  gdp_tensor_mark_written(t);
 
   /* bf16 travels and is reduced as float32, then rounded once. */
   gdp_tensor *buf = NULL;
@@ -1178,6 +1181,7 @@ gdp_status gdp_comm_broadcast(gdp_comm *c, gdp_tensor *t, int root) {
   if (st == GDP_OK) st = check_peer(func, "root", c, root, 0);
   call_sig sig = make_sig(CALL_BROADCAST, st == GDP_OK ? t : NULL, -1, root);
   GDP_TRY(agree_call(func, c, st, &sig));
+  if (c->rank != root) gdp_tensor_mark_written(t); /* the root's values stay */
 
   gdp_tensor *buf = NULL;
   st = staged_output(t, c->rank == root, &buf);
@@ -1243,6 +1247,7 @@ static gdp_status p2p(const char *func, gdp_comm *c, const gdp_tensor *send, int
 
   gdp_tensor *s = NULL, *r = NULL;
   gdp_status st = GDP_OK;
+  if (recv) gdp_tensor_mark_written(recv);
   if (send) st = staged_input(send, &s);
   if (st == GDP_OK && recv) st = staged_output(recv, 0, &r);
   gdp_dtype dt = send ? send->dtype : recv ? recv->dtype : GDP_DTYPE_F32;

@@ -34,12 +34,15 @@ struct gdp_ctx {
 };
 
 /* A refcounted allocation on one device.  Holds a reference to its context so that
- * the memory goes back through the backend that gave it. */
+ * the memory goes back through the backend that gave it.  `version` counts the writes
+ * into existing elements made through the public API (gdp_tensor_version); views share
+ * the storage, so a write through any of them counts for all. */
 typedef struct gdp_storage {
   atomic_int refcount;
   gdp_ctx *ctx;
   void *data;
   size_t nbytes;
+  _Atomic uint64_t version;
 } gdp_storage;
 
 struct gdp_tensor {
@@ -52,6 +55,12 @@ struct gdp_tensor {
   int64_t stride[GDP_MAX_DIMS]; /* in elements */
   int64_t offset;               /* in elements */
 };
+
+/* Every public entry point that writes into a caller's tensor calls this once, before
+ * the write is queued (also when the write then fails: its elements may have changed). */
+static inline void gdp_tensor_mark_written(const gdp_tensor *t) {
+  atomic_fetch_add_explicit(&t->storage->version, 1, memory_order_relaxed);
+}
 
 /* 1 when a and b share storage bytes but are not the very same elements in the same
  * layout (same dtype, offset, shape and strides): writing one while reading the other

@@ -106,6 +106,7 @@ static void wrap_memory(gdp_tensor *t, gdp_storage *s, gdp_ctx *ctx, gdp_dtype d
                         const int64_t *shape, void *data) {
   memset(s, 0, sizeof *s);
   atomic_init(&s->refcount, 1);
+  atomic_init(&s->version, 0);
   s->ctx = ctx;
   s->data = data;
   s->nbytes = (size_t)numel_of(ndim, shape) * gdp_dtype_size(dtype);
@@ -141,6 +142,7 @@ static gdp_status storage_new(const char *func, gdp_ctx *ctx, size_t nbytes, gdp
     return st;
   }
   atomic_init(&s->refcount, 1);
+  atomic_init(&s->version, 0);
   s->ctx = gdp_ctx_retain(ctx);
   s->data = data;
   s->nbytes = nbytes;
@@ -306,6 +308,10 @@ int gdp_tensor_is_contiguous(const gdp_tensor *t) {
 }
 
 int gdp_tensor_is_view(const gdp_tensor *t) { return t ? t->is_view : 0; }
+
+uint64_t gdp_tensor_version(const gdp_tensor *t) {
+  return t ? atomic_load_explicit(&t->storage->version, memory_order_relaxed) : 0;
+}
 
 void *gdp_tensor_data(const gdp_tensor *t) {
   if (!t || !t->storage->data) return NULL;
@@ -667,7 +673,9 @@ static gdp_status copy_cross_device(gdp_ctx *dctx, gdp_tensor *dst, gdp_ctx *sct
   return st;
 }
 
-gdp_status gdp_tensor_copy(gdp_ctx *ctx, gdp_tensor *dst, const gdp_tensor *src) {
+/* gdp_tensor_copy; mark: 0 when dst was made by the caller just now (gdp_tensor_to),
+ * whose version stays 0. */
+static gdp_status tensor_copy(gdp_ctx *ctx, gdp_tensor *dst, const gdp_tensor *src, int mark) {
   if (!dst) return GDP_ERROR(GDP_ERR_INVALID_ARG, "dst is NULL");
   if (!src) return GDP_ERROR(GDP_ERR_INVALID_ARG, "src is NULL");
   GDP_TRY(check_same_shape(__func__, "dst", dst, "src", src));
@@ -677,6 +685,7 @@ gdp_status gdp_tensor_copy(gdp_ctx *ctx, gdp_tensor *dst, const gdp_tensor *src)
                      gdp_device_type_name(ctx->type), ctx->index, gdp_device_type_name(dctx->type),
                      dctx->index, gdp_device_type_name(sctx->type), sctx->index);
   if (numel_of(dst->ndim, dst->shape) == 0) return GDP_OK;
+  if (mark) gdp_tensor_mark_written(dst);
   /* the caller's context (its stream) does the work on its own device */
   gdp_ctx *dwork = ctx && same_device(ctx, dctx) ? ctx : dctx;
   gdp_ctx *swork = ctx && same_device(ctx, sctx) ? ctx : sctx;
@@ -692,6 +701,10 @@ gdp_status gdp_tensor_copy(gdp_ctx *ctx, gdp_tensor *dst, const gdp_tensor *src)
   return copy_cross_device(dwork, dst, swork, src);
 }
 
+gdp_status gdp_tensor_copy(gdp_ctx *ctx, gdp_tensor *dst, const gdp_tensor *src) {
+  return tensor_copy(ctx, dst, src, 1);
+}
+
 gdp_status gdp_tensor_to(gdp_ctx *ctx, const gdp_tensor *t, gdp_dtype dtype, gdp_tensor **out) {
   if (!out) return GDP_ERROR(GDP_ERR_INVALID_ARG, "out is NULL");
   *out = NULL;
@@ -700,7 +713,7 @@ gdp_status gdp_tensor_to(gdp_ctx *ctx, const gdp_tensor *t, gdp_dtype dtype, gdp
   if (!ctx) ctx = tensor_ctx(t);
   gdp_tensor *c = NULL;
   GDP_TRY(tensor_new(__func__, ctx, dtype, t->ndim, t->shape, &c));
-  gdp_status st = gdp_tensor_copy(ctx, c, t);
+  gdp_status st = tensor_copy(ctx, c, t, 0);
   if (st != GDP_OK) {
     gdp_tensor_free(c);
     return st;
@@ -744,6 +757,7 @@ gdp_status gdp_tensor_fill(gdp_tensor *t, double value) {
   if (!t) return GDP_ERROR(GDP_ERR_INVALID_ARG, "t is NULL");
   if (numel_of(t->ndim, t->shape) == 0) return GDP_OK;
   gdp_ctx *ctx = tensor_ctx(t);
+  gdp_tensor_mark_written(t);
   return ctx->backend->fill(ctx, t, value);
 }
 
@@ -794,6 +808,7 @@ gdp_status gdp_tensor_set(gdp_tensor *t, const int64_t *idx, double value) {
   int64_t off;
   GDP_TRY(element_offset(__func__, t, idx, &off));
   gdp_ctx *ctx = tensor_ctx(t);
+  gdp_tensor_mark_written(t);
   size_t es = gdp_dtype_size(t->dtype);
   void *elem = (char *)t->storage->data + (size_t)off * es;
   uint64_t raw = 0;

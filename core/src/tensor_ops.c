@@ -115,6 +115,7 @@ static gdp_status binary_op(const char *func, gdp_tensor *out, const gdp_tensor 
   gdp_ctx *ctx = ctx_of(out);
   GDP_TRY(check_supported(func, ctx, GDP_OP_ELEMENTWISE, "elementwise arithmetic", out->dtype));
   if (gdp_tensor_numel(out) == 0) return GDP_OK;
+  gdp_tensor_mark_written(out);
   /* out may alias an input exactly (each chunk is read before it is written), but an
    * input that shares memory with out in another layout (a transpose, a shifted
    * window) would be read after it was overwritten: stage such inputs first. */
@@ -319,6 +320,7 @@ gdp_status gdp_tensor_matmul(gdp_tensor *out, const gdp_tensor *a, const gdp_ten
   if (overlaps(out, a)) return GDP_ERROR(GDP_ERR_INVALID_ARG, "out must not alias a (they share memory)");
   if (overlaps(out, b)) return GDP_ERROR(GDP_ERR_INVALID_ARG, "out must not alias b (they share memory)");
   if (M == 0 || N == 0) return GDP_OK;
+  gdp_tensor_mark_written(out);
   return after_op(func, ctx,
                   ctx->backend->matmul(ctx, out, a, b, trans_a != 0, trans_b != 0, alpha, beta));
 }
@@ -336,6 +338,7 @@ static gdp_status rng_fill(const char *func, gdp_tensor *t, gdp_rng_kind kind, d
   int64_t n = gdp_tensor_numel(t);
   if (n == 0) return GDP_OK;
   uint64_t offset = ctx->rng_offset;
+  gdp_tensor_mark_written(t);
   GDP_TRY(after_op(func, ctx, ctx->backend->rng(ctx, t, kind, a, b, ctx->seed, offset)));
   ctx->rng_offset = offset + gdp_philox_blocks_for((uint64_t)n);
   return GDP_OK;

@@ -2,7 +2,8 @@
  * test_tensor.c -- tensors on the CPU backend: construction, views, copies and
  * dtype conversions (exact expected bits), bf16 rounding, element access,
  * elementwise ops, reductions, rel_error rules, matmul against a naive loop,
- * error messages, free order, empty and 0-dim tensors, memory accounting.
+ * error messages, free order, empty and 0-dim tensors, write versions, memory
+ * accounting.
  */
 #include <float.h>
 #include <math.h>
@@ -1219,6 +1220,161 @@ static void test_overlapping_copies(void) {
   gdp_tensor_free(u);
 }
 
+/* ------------------------------------------------------------------ write versions */
+
+/* Operands of one version case: `t` is the tensor written (a view of `base`), `a` and
+ * `b` are [2,6] inputs, `m` [2,3] and `n` [3,6] matmul inputs. */
+typedef struct {
+  gdp_tensor *base, *t, *a, *b, *m, *n;
+  gdp_comm *comm;
+} ver_ops;
+
+static gdp_status ver_copy(ver_ops *o) { return gdp_tensor_copy(NULL, o->t, o->a); }
+static gdp_status ver_copy_self(ver_ops *o) { return gdp_tensor_copy(NULL, o->t, o->t); }
+static gdp_status ver_fill(ver_ops *o) { return gdp_tensor_fill(o->t, 3.0); }
+static gdp_status ver_set(ver_ops *o) { return gdp_tensor_set(o->t, (int64_t[]){1, 2}, 5.0); }
+static gdp_status ver_uniform(ver_ops *o) { return gdp_tensor_uniform(o->t, -1.0, 1.0); }
+static gdp_status ver_normal(ver_ops *o) { return gdp_tensor_normal(o->t, 0.0, 1.0); }
+static gdp_status ver_add(ver_ops *o) { return gdp_tensor_add(o->t, o->a, o->b, 2.0); }
+static gdp_status ver_add_(ver_ops *o) { return gdp_tensor_add(o->t, o->t, o->a, 1.0); }
+static gdp_status ver_mul(ver_ops *o) { return gdp_tensor_mul(o->t, o->a, o->b); }
+static gdp_status ver_scale(ver_ops *o) { return gdp_tensor_scale(o->t, o->t, 0.5); }
+static gdp_status ver_matmul(ver_ops *o) {
+  return gdp_tensor_matmul(o->t, o->m, o->n, 0, 0, 1.0, 1.0);
+}
+static gdp_status ver_allgather(ver_ops *o) {
+  gdp_tensor *out = NULL;
+  gdp_status st = gdp_tensor_view(o->t, 3, (int64_t[]){1, 2, 6}, &out);
+  if (st == GDP_OK) st = gdp_comm_allgather(o->comm, out, o->a);
+  gdp_tensor_free(out);
+  return st;
+}
+static gdp_status ver_alltoall(ver_ops *o) { return gdp_comm_alltoall(o->comm, o->t, o->a); }
+static gdp_status ver_alltoallv(ver_ops *o) {
+  return gdp_comm_alltoallv(o->comm, o->t, (int64_t[]){2}, o->a, (int64_t[]){2});
+}
+static gdp_status ver_allreduce(ver_ops *o) {
+  return gdp_comm_allreduce(o->comm, o->t, GDP_REDUCE_OP_SUM);
+}
+static gdp_status ver_sendrecv(ver_ops *o) { return gdp_comm_sendrecv(o->comm, o->a, 0, o->t, 0, 0); }
+
+/* Calls that write nothing into t (t is read, or the call fails its checks). */
+static gdp_status ver_broadcast_root(ver_ops *o) { return gdp_comm_broadcast(o->comm, o->t, 0); }
+static gdp_status ver_send_side(ver_ops *o) { return gdp_comm_sendrecv(o->comm, o->t, 0, o->a, 0, 0); }
+static gdp_status ver_copy_from(ver_ops *o) { return gdp_tensor_copy(NULL, o->a, o->t); }
+static gdp_status ver_add_into_other(ver_ops *o) { return gdp_tensor_add(o->a, o->t, o->b, 1.0); }
+static gdp_status ver_matmul_bad_shape(ver_ops *o) {
+  return gdp_tensor_matmul(o->t, o->n, o->m, 0, 0, 1.0, 0.0) == GDP_OK ? GDP_ERR_INTERNAL : GDP_OK;
+}
+static gdp_status ver_fill_empty(ver_ops *o) {
+  gdp_tensor *e = NULL;
+  gdp_status st = gdp_tensor_narrow(o->t, 0, 1, 0, &e);
+  if (st == GDP_OK) st = gdp_tensor_fill(e, 1.0);
+  gdp_tensor_free(e);
+  return st;
+}
+static gdp_status ver_reads(ver_ops *o) {
+  double d = 0, host[12];
+  int64_t k = 0;
+  gdp_status st = gdp_tensor_get(o->t, (int64_t[]){0, 0}, &d);
+  if (st == GDP_OK) st = gdp_tensor_sum(o->t, &d);
+  if (st == GDP_OK) st = gdp_tensor_dot(o->t, o->a, &d);
+  if (st == GDP_OK) st = gdp_tensor_norm(o->t, &d);
+  if (st == GDP_OK) st = gdp_tensor_max_abs(o->t, &d);
+  if (st == GDP_OK) st = gdp_tensor_count_nonfinite(o->t, &k);
+  if (st == GDP_OK) st = gdp_tensor_rel_error(o->t, o->a, &d);
+  if (st == GDP_OK) st = gdp_tensor_to_host(o->t, GDP_DTYPE_F64, host, sizeof host);
+  return st;
+}
+/* Allocating calls: t's count stays; a copy's result starts at 0. */
+static gdp_status ver_allocating(ver_ops *o) {
+  gdp_tensor *r[8] = {NULL};
+  gdp_status st = GDP_OK;
+  gdp_tensor *tt = NULL;
+  if (st == GDP_OK) st = gdp_tensor_transpose(o->t, 0, 1, &tt);
+  if (st == GDP_OK) st = gdp_tensor_clone(o->t, &r[0]);
+  if (st == GDP_OK) st = gdp_tensor_contiguous(tt, &r[1]);
+  if (st == GDP_OK) st = gdp_tensor_to(NULL, o->t, GDP_DTYPE_F32, &r[2]);
+  if (st == GDP_OK) st = gdp_tensor_reshape(tt, 1, (int64_t[]){12}, &r[3]);
+  if (st == GDP_OK) st = gdp_mixer_beta_forward(ctx, o->t, 2.0, &r[4]);
+  if (st == GDP_OK) st = gdp_mixer_repeat_heads_forward(ctx, o->t, 4, &r[5]);
+  /* the mixer ops may build their results with writes of their own: only the copies'
+   * results are checked */
+  for (int i = 0; i < 4; i++)
+    CHECK(r[i] && gdp_tensor_version(r[i]) == 0, "allocated result %d starts at version 0", i);
+  for (int i = 0; i < 8; i++) gdp_tensor_free(r[i]);
+  gdp_tensor_free(tt);
+  return st;
+}
+
+static void test_versions(void) {
+  static const struct {
+    const char *name;
+    gdp_status (*call)(ver_ops *);
+    int writes;
+  } cases[] = {
+      {"copy", ver_copy, 1},
+      {"copy onto itself", ver_copy_self, 1},
+      {"fill", ver_fill, 1},
+      {"set", ver_set, 1},
+      {"uniform", ver_uniform, 1},
+      {"normal", ver_normal, 1},
+      {"add", ver_add, 1},
+      {"add in place", ver_add_, 1},
+      {"mul", ver_mul, 1},
+      {"scale in place", ver_scale, 1},
+      {"matmul (beta 1)", ver_matmul, 1},
+      {"comm allgather (through a view of the view)", ver_allgather, 1},
+      {"comm alltoall", ver_alltoall, 1},
+      {"comm alltoallv", ver_alltoallv, 1},
+      {"comm allreduce", ver_allreduce, 1},
+      {"comm sendrecv (recv)", ver_sendrecv, 1},
+      {"comm broadcast on the root", ver_broadcast_root, 0},
+      {"comm sendrecv (send)", ver_send_side, 0},
+      {"copy from t", ver_copy_from, 0},
+      {"add reading t", ver_add_into_other, 0},
+      {"matmul failing its checks", ver_matmul_bad_shape, 0},
+      {"fill of an empty view", ver_fill_empty, 0},
+      {"reads and reductions", ver_reads, 0},
+      {"allocating ops", ver_allocating, 0},
+  };
+  ver_ops o = {0};
+  o.base = random_tensor(GDP_DTYPE_F64, 2, (int64_t[]){4, 6});
+  o.a = random_tensor(GDP_DTYPE_F64, 2, (int64_t[]){2, 6});
+  o.b = random_tensor(GDP_DTYPE_F64, 2, (int64_t[]){2, 6});
+  o.m = random_tensor(GDP_DTYPE_F64, 2, (int64_t[]){2, 3});
+  o.n = random_tensor(GDP_DTYPE_F64, 2, (int64_t[]){3, 6});
+  CHECK_OK(gdp_comm_self(&o.comm));
+  CHECK(gdp_tensor_version(o.base) == 0, "a new tensor is at version 0");
+  CHECK(gdp_tensor_version(NULL) == 0, "NULL: 0");
+  CHECK_OK(gdp_tensor_narrow(o.base, 0, 1, 2, &o.t));
+  CHECK(gdp_tensor_version(o.t) == 0, "a view shares the count");
+  for (int i = 0; i < NELEM(cases); i++) {
+    uint64_t before = gdp_tensor_version(o.base), a_before = gdp_tensor_version(o.a);
+    CHECK_OK(cases[i].call(&o));
+    uint64_t after = gdp_tensor_version(o.base);
+    if (cases[i].writes) CHECK(after > before, "%s: the base's version rose", cases[i].name);
+    else CHECK(after == before, "%s: the version stayed (%llu -> %llu)", cases[i].name,
+               (unsigned long long)before, (unsigned long long)after);
+    CHECK(gdp_tensor_version(o.t) == after, "%s: view and base agree", cases[i].name);
+    int a_written = cases[i].call == ver_copy_from || cases[i].call == ver_add_into_other ||
+                    cases[i].call == ver_send_side;
+    if (!a_written) CHECK(gdp_tensor_version(o.a) == a_before, "%s: an input's version stayed", cases[i].name);
+    else CHECK(gdp_tensor_version(o.a) > a_before, "%s: the written tensor's version rose", cases[i].name);
+  }
+  /* a write into the base is seen through the view */
+  uint64_t v = gdp_tensor_version(o.t);
+  CHECK_OK(gdp_tensor_set(o.base, (int64_t[]){3, 5}, 1.0));
+  CHECK(gdp_tensor_version(o.t) > v, "a write through the base shows in the view");
+  gdp_comm_free(o.comm);
+  gdp_tensor_free(o.t);
+  gdp_tensor_free(o.base);
+  gdp_tensor_free(o.a);
+  gdp_tensor_free(o.b);
+  gdp_tensor_free(o.m);
+  gdp_tensor_free(o.n);
+}
+
 static void test_memory(int64_t baseline) {
   int64_t s[2] = {100, 10};
   gdp_tensor *t = NULL, *v = NULL;
@@ -1255,6 +1411,7 @@ int main(void) {
   test_empty_and_scalar();
   test_shape_overflow();
   test_overlapping_copies();
+  test_versions();
   test_memory(baseline);
   /* a tensor may outlive the caller's reference to its context */
   gdp_tensor *t = NULL;
