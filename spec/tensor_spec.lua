@@ -132,6 +132,39 @@ describe("tensor metadata", function()
   end)
 end)
 
+describe("write versions", function()
+  it("every write through gdp's API raises the storage's count, reads do not", function()
+    local base = gdp.zeros({ 4, 6 })
+    local t = base:narrow(1, 2, 2)
+    local v = base:version()
+    assert.are.equal(v, t:version())
+    local writes = {
+      function() t:fill(1) end,
+      function() t:zero() end,
+      function() t:copy(gdp.ones({ 2, 6 })) end,
+      function() t:set(7, 1, 2) end,
+      function() t:uniform_() end,
+      function() t:normal_() end,
+      function() t:add_(gdp.ones({ 2, 6 })) end,
+      function() t:mul_(2) end,
+      function() t:mul_(gdp.ones({ 2, 6 })) end,
+      function() t:scale_(0.5) end,
+      function() t:transpose(1, 2):fill(3) end,
+    }
+    for i, write in ipairs(writes) do
+      write()
+      assert.is_true(base:version() > v, "write " .. i)
+      assert.are.equal(base:version(), t:version(), "write " .. i)
+      v = base:version()
+    end
+    local reads = { t:sum(), t:norm(), t:clone(), t:contiguous(), t:add(1), t:mul(t), t:totable(),
+                    t:get(1, 1), t:transpose(1, 2):contiguous(), t:to({ dtype = "f64" }) }
+    assert.are.equal(v, base:version(), "reads and allocating ops")
+    assert.are.equal(#reads, 10)
+    assert.are.equal(0, t:clone():version())
+  end)
+end)
+
 describe("views", function()
   local t
   before_each(function()

@@ -251,30 +251,6 @@ local function tensor_arg(x, fn, what)
 end
 M.tensor_arg = tensor_arg
 
--- A cheap digest of t's current contents, dtype and shape (a string): two calls give
--- the same string exactly when nothing was written in between (up to a 64-bit FNV-1a
--- collision).  Modules use it to tell that a cached forward still belongs to its input
--- (an in-place write keeps the object identity).  One pass over the bytes on the host
--- (a device tensor is copied there first).
-local u64_ptr, u8_ptr = ffi.typeof("const uint64_t *"), ffi.typeof("const uint8_t *")
-function M.fingerprint(t)
-  tensor_arg(t, "gdp.fingerprint", "t")
-  local c = t
-  if lib.gdp_tensor_device_type(c) ~= lib.GDP_DEVICE_CPU then c = c:to({ device = "cpu" }) end
-  if lib.gdp_tensor_is_contiguous(c) ~= 1 then c = c:contiguous() end
-  local nbytes = tonumber(lib.gdp_tensor_numel(c)) * tonumber(lib.gdp_dtype_size(lib.gdp_tensor_dtype(c)))
-  local h, prime = 14695981039346656037ULL, 1099511628211ULL
-  local data = lib.gdp_tensor_data(c)
-  if nbytes > 0 and data ~= nil then
-    local w, words = ffi.cast(u64_ptr, data), math.floor(nbytes / 8)
-    for i = 0, words - 1 do h = bit.bxor(h, w[i]) * prime end
-    local b = ffi.cast(u8_ptr, data)
-    for i = words * 8, nbytes - 1 do h = bit.bxor(h, b[i]) * prime end
-  end
-  return string.format("%d:%s:%s", tonumber(lib.gdp_tensor_dtype(c)),
-                       table.concat(t:shape(), "x"), bit.tohex(h))
-end
-
 ------------------------------------------------------------------------------- contexts
 
 local ctx_mt = { __index = {} }
@@ -732,6 +708,11 @@ function T.storage_offset(t) return tonumber(lib.gdp_tensor_offset(live(t, "stor
 function T.dtype(t) return dtype_name(lib.gdp_tensor_dtype(live(t, "dtype"))) end
 function T.is_contiguous(t) return lib.gdp_tensor_is_contiguous(live(t, "is_contiguous")) == 1 end
 function T.is_view(t) return lib.gdp_tensor_is_view(live(t, "is_view")) == 1 end
+-- Write counter of t's storage (gdp_tensor_version, PyTorch's _version): raised by every
+-- gdp call that writes into t or a view sharing its storage (copy_, fill, set, random
+-- fills, in-place arithmetic, matmul's out, the collectives' outputs); writes through
+-- the raw t:data() pointer are not seen.  Compare two values: equal means no such write.
+function T.version(t) return tonumber(lib.gdp_tensor_version(live(t, "version"))) end
 function T.ctx(t) return lib.gdp_tensor_ctx(live(t, "ctx")) end
 
 local function device_name(t)
