@@ -211,16 +211,16 @@ int gdp_tensor_is_view(const gdp_tensor *t);
 void *gdp_tensor_data(const gdp_tensor *t);
 /* Write counter of t's storage (PyTorch's _version): 0 for a tensor made by
    gdp_tensor_empty, _zeros, _from_host, _clone or _to (or copied by _contiguous or
-   _reshape), then raised by
-   every call of this API that writes into existing elements -- copy (dst), fill, set,
-   uniform, normal, add, mul, scale and matmul (out), and the collectives' output
-   tensors (allgather, alltoall(v), allreduce, broadcast on the other ranks, recv and
-   sendrecv's recv) -- also when such a call fails after its checks.  Views share the
-   storage: a write through one raises the count of all.  Calls that allocate their
-   results leave their inputs' counts alone.  Writes through gdp_tensor_data's pointer
-   (or by other code holding it) are not seen.  Only differences mean something (other
-   calls may build their results with writes): equal values from two calls mean no write
-   through the API in between, and say nothing about which elements changed. */
+   _reshape), then raised by every call of this API that writes into existing elements:
+   copy (dst), fill, set, uniform, normal, add, mul, scale and matmul (out), and the
+   collectives' output tensors (allgather, alltoall(v), allreduce, broadcast on the
+   other ranks, recv and sendrecv's recv), also when such a call fails after its checks.
+   Views share the storage: a write through one raises the count of all.  Calls that
+   allocate their results leave their inputs' counts alone.  Writes through
+   gdp_tensor_data's pointer (or by other code holding it) are not seen.  Only
+   differences mean something (other calls may build their results with writes): equal
+   values from two calls mean no write through the API in between, and say nothing
+   about which elements changed. */
 uint64_t gdp_tensor_version(const gdp_tensor *t);
 
 /* Views (owned results sharing t's storage).  dims may be negative. */

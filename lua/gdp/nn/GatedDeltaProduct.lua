@@ -617,10 +617,11 @@ function GatedDeltaProduct:forward(x, cu_seqlens)
 end
 
 -- dx for the loss sum(out * dy); parameter gradients accumulate (zero_grad resets them).
--- Uses the last forward when it was run on these inputs -- the same x object with the
--- same contents, and the same cu_seqlens values (nil: unpacked) -- else runs it again,
--- so a stale forward is never reused.  With cp_mode the checks and that decision are
--- agreed over the group before any collective.
+-- Uses the last forward when it was run on these inputs -- the same x object, not written
+-- through gdp's API since (x:version(); a raw x:data() write is not seen), and the same
+-- cu_seqlens values (nil: unpacked) -- else runs it again, so a stale forward is never
+-- reused.  With cp_mode the checks and that decision are agreed over the group before
+-- any collective.
 function GatedDeltaProduct:backward(x, dy, cu_seqlens)
   local fn = FN .. ":backward"
   local function check_args()
