@@ -4,7 +4,7 @@
 -- staging ("mpi-staged"): NCCL refuses ranks on one GPU.  Values are checked against
 -- the same collective on cpu tensors.
 local gdp = require("gdp")
-local tensor = gdp.tensor
+local tensor = require("gdp.tensor")
 
 local function values(t) return t:flat() end
 
