@@ -73,6 +73,16 @@ describe("gdp.comm on one rank", function()
     H.expect_error(function() return c:size() end, "freed")
   end)
 
+  it("backend names the transport per device", function()
+    local c = gdp.comm.self()
+    assert.are.equal("self", c:backend())
+    assert.are.equal("self", c:backend("cpu"))
+    assert.are.equal("self-staged", c:backend("cuda")) -- chooses (no communication at size 1)
+    assert.are.equal("self-staged", c:backend())
+    H.expect_error(function() return c:backend("tpu") end, "expected \"cpu\"")
+    H.expect_error(function() return c:backend(3) end, "device")
+  end)
+
   it("world outside mpirun is size 1", function()
     if os.getenv("OMPI_COMM_WORLD_SIZE") or os.getenv("PMI_SIZE") then
       pending("launched by mpirun")
@@ -165,6 +175,10 @@ describe("gdp.comm across ranks #mpi", function()
     expect_that(c, c:is_mpi() or N == 1, "world is not an MPI communicator")
     local again = gdp.comm.world()
     expect_that(c, again:size() == N and again:rank() == R, "a second world() differs")
+  end)
+
+  it("backend: mpi for cpu tensors", function()
+    expect_that(c, c:backend("cpu") == (c:is_mpi() and "mpi" or "self"), "backend(\"cpu\") is " .. c:backend("cpu"))
   end)
 
   it("allgather, out of place and in place, every dtype", function()

@@ -570,6 +570,20 @@ int gdp_comm_rank(const gdp_comm *c);
 int gdp_comm_size(const gdp_comm *c);
 /* 1 when c is backed by an MPI communicator (even of size 1), else 0. */
 int gdp_comm_is_mpi(const gdp_comm *c);
+/* How c moves tensors of a device type: "mpi" or "self" (size 1, no MPI) for cpu
+ * tensors; for cuda tensors "nccl" (NCCL built in, every rank on its own GPU: device
+ * UUIDs all different, and GDP_COMM_NCCL=0 on no rank), else "mpi-staged" (each buffer
+ * copied to the host, moved over MPI, copied back; always the case when ranks share a
+ * GPU) or "self-staged".  The cuda transport is chosen once per communicator, by the
+ * first collective carrying cuda tensors or by this call with type cuda (index: this
+ * rank's device); choosing is collective when NCCL is built in, so call it on every
+ * rank.  Under NCCL every call waits for its stream, polling NCCL's asynchronous
+ * error, for at most GDP_NCCL_TIMEOUT seconds (default 300), then aborts the NCCL
+ * communicator with GDP_ERR_NCCL naming the collective and the rank.  *name is static. */
+gdp_status gdp_comm_backend(gdp_comm *c, gdp_device_type type, int index, const char **name);
+/* The cuda transport chosen so far ("nccl", "mpi-staged", "self-staged"), "" if none
+ * yet; never communicates. */
+const char *gdp_comm_cuda_transport(const gdp_comm *c);
 
 /* out [size, *in.shape] (out[r] is rank r's `in`); `in` may be out[rank] itself (in
  * place), any other overlap is copied first. */

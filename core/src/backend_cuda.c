@@ -66,6 +66,12 @@ typedef struct cuda_state {
 
 static cuda_state *state_of(const gdp_ctx *ctx) { return (cuda_state *)ctx->backend_state; }
 
+/* The context's stream, for comm.c's NCCL calls (declared there). */
+void *gdp_cuda_ctx_stream(const gdp_ctx *ctx);
+void *gdp_cuda_ctx_stream(const gdp_ctx *ctx) {
+  return ctx && ctx->type == GDP_DEVICE_CUDA ? (void *)state_of(ctx)->stream : NULL;
+}
+
 /* ------------------------------------------------------------------ op bookkeeping */
 
 /* Makes ctx's device current (several contexts may drive several GPUs from one

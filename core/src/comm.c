@@ -29,6 +29,22 @@
 #ifdef GDP_HAVE_MPI
 #include <mpi.h>
 #endif
+#ifdef GDP_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+#if defined(GDP_HAVE_NCCL) && defined(GDP_HAVE_MPI)
+#include <nccl.h>
+#include <time.h>
+#define COMM_NCCL 1
+#endif
+
+/* How a communicator moves cuda tensors, chosen by the first collective that carries
+ * one (collective: every rank reaches the same choice; see choose_transport). */
+typedef enum {
+  TRANSPORT_UNDECIDED = 0,
+  TRANSPORT_STAGED = 1, /* device -> host copy, the MPI (or size-1) path, host -> device */
+  TRANSPORT_NCCL = 2    /* NCCL on the device buffers, on the tensor's context's stream */
+} cuda_transport;
 
 struct gdp_comm {
   atomic_int refcount;
@@ -38,8 +54,15 @@ struct gdp_comm {
   int64_t max_count; /* most elements per MPI call (see the top of this file) */
   int64_t sent, received;         /* payload to / from other ranks */
   int64_t sent_all, received_all; /* the same with this rank's own block counted */
+  int transport;       /* cuda_transport, for cuda tensors */
+  int cuda_index;      /* under NCCL: the device the NCCL communicator was made on */
+  gdp_ctx *host;       /* cpu context of the host staging buffers (made on first use) */
+  double nccl_timeout_s; /* GDP_NCCL_TIMEOUT (seconds; default 300) */
 #ifdef GDP_HAVE_MPI
   MPI_Comm mpi;
+#endif
+#ifdef COMM_NCCL
+  ncclComm_t nccl;
 #endif
 };
 
@@ -86,6 +109,8 @@ static gdp_comm *comm_new(int rank, int size, int is_mpi) {
   c->is_mpi = is_mpi;
   c->check = env_int("GDP_COMM_CHECK", 1, 0, 1) == 1;
   c->max_count = env_int("GDP_COMM_MAX_COUNT", INT_MAX, 1, INT_MAX);
+  c->nccl_timeout_s = (double)env_int("GDP_NCCL_TIMEOUT", 300, 1, 86400 * 7);
+  c->cuda_index = -1;
   return c;
 }
 
@@ -104,14 +129,49 @@ static gdp_status check_comm(const char *func, const gdp_comm *c) {
   return GDP_OK;
 }
 
-static gdp_status check_tensor(const char *func, const char *what, const gdp_tensor *t) {
+static gdp_device_type device_of(const gdp_tensor *t) { return t->storage->ctx->type; }
+static int on_cuda(const gdp_tensor *t) { return t && device_of(t) == GDP_DEVICE_CUDA; }
+
+static gdp_status check_tensor(const char *func, const gdp_comm *c, const char *what,
+                               const gdp_tensor *t) {
   if (!t) return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG, "%s is NULL", what);
-  if (t->storage->ctx->type != GDP_DEVICE_CPU)
+  if (device_of(t) != GDP_DEVICE_CPU && device_of(t) != GDP_DEVICE_CUDA)
     return GDP_ERROR_IN(func, GDP_ERR_UNSUPPORTED,
-                        "%s is a %s tensor; collectives carry cpu tensors only for now "
-                        "(copy it to the cpu)",
-                        what, gdp_device_type_name(t->storage->ctx->type));
+                        "%s is a %s tensor; collectives carry cpu and cuda tensors", what,
+                        gdp_device_type_name(device_of(t)));
+  if (on_cuda(t) && c->transport == TRANSPORT_NCCL && t->storage->ctx->index != c->cuda_index)
+    return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG,
+                        "%s is on cuda:%d, but this communicator's NCCL communicator is on "
+                        "cuda:%d (one GPU per rank)",
+                        what, t->storage->ctx->index, c->cuda_index);
   return GDP_OK;
+}
+
+/* After the agreement: the first collective carrying cuda tensors chooses the
+ * transport (collective), and a cuda tensor under NCCL names its context, whose stream
+ * NCCL runs on (NULL: the MPI path, host-staged for cuda tensors). */
+static gdp_status choose_transport(const char *func, gdp_comm *c, int device);
+
+static gdp_status ready_for(const char *func, gdp_comm *c, const gdp_tensor *t) {
+  if (!on_cuda(t) || c->transport != TRANSPORT_UNDECIDED) return GDP_OK;
+  return choose_transport(func, c, t->storage->ctx->index);
+}
+
+static gdp_ctx *nccl_ctx(const gdp_comm *c, const gdp_tensor *t) {
+  return on_cuda(t) && c->transport == TRANSPORT_NCCL ? t->storage->ctx : NULL;
+}
+
+/* Both tensors of one call live on one device (a collective does not move tensors
+ * between devices). */
+static gdp_status check_same_device(const char *func, const char *a_name, const gdp_tensor *a,
+                                    const char *b_name, const gdp_tensor *b) {
+  if (!a || !b) return GDP_OK;
+  gdp_ctx *x = a->storage->ctx, *y = b->storage->ctx;
+  if (x->type == y->type && (x->type == GDP_DEVICE_CPU || x->index == y->index)) return GDP_OK;
+  return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG,
+                      "%s is on %s:%d but %s on %s:%d; a collective's tensors live on one device",
+                      a_name, gdp_device_type_name(x->type), x->index, b_name,
+                      gdp_device_type_name(y->type), y->index);
 }
 
 static gdp_status check_peer(const char *func, const char *what, const gdp_comm *c, int peer,
@@ -131,14 +191,49 @@ static int overlaps(const gdp_tensor *a, const gdp_tensor *b) {
   return a && b && a->storage == b->storage;
 }
 
-/* A contiguous tensor holding t's values (a new reference to t when it already is). */
-static gdp_status staged_input(const gdp_tensor *t, gdp_tensor **out) {
+/* Host staging: a cuda tensor moves over MPI (or the size-1 path) through a host copy.
+ * The device -> host copy runs on the tensor's context's stream and waits for it
+ * (work queued before the collective is finished first); the host -> device copy back
+ * (finish_output) is queued on that stream from pageable memory, which returns once
+ * the data is staged, so the host buffer may be freed at once. */
+static int host_staged(const gdp_comm *c, const gdp_tensor *t) {
+  return on_cuda(t) && c->transport != TRANSPORT_NCCL;
+}
+
+static gdp_status host_copy(gdp_comm *c, const gdp_tensor *t, int keep_values, gdp_tensor **out) {
+  *out = NULL;
+  if (!c->host) GDP_TRY(gdp_ctx_new(GDP_DEVICE_CPU, 0, &c->host));
+  gdp_tensor *h = NULL;
+  GDP_TRY(gdp_tensor_empty(c->host, t->dtype, t->ndim, t->shape, &h));
+  if (keep_values) {
+    gdp_status st = gdp_tensor_copy(NULL, h, t);
+    if (st != GDP_OK) {
+      gdp_tensor_free(h);
+      return st;
+    }
+  }
+  *out = h;
+  return GDP_OK;
+}
+
+/* A contiguous tensor holding t's values, on the host when t is host-staged (a new
+ * reference to t when it already is contiguous and needs no staging). */
+static gdp_status staged_input(gdp_comm *c, const gdp_tensor *t, gdp_tensor **out) {
+  if (host_staged(c, t)) return host_copy(c, t, 1, out);
   return gdp_tensor_contiguous((gdp_tensor *)t, out);
 }
 
-/* Where a result is written: t itself when contiguous, else a contiguous scratch
- * tensor (holding t's values when keep_values), copied back by finish_output. */
-static gdp_status staged_output(gdp_tensor *t, int keep_values, gdp_tensor **out) {
+/* Like staged_input, but never t itself (for inputs that share storage with an output). */
+static gdp_status staged_copy(gdp_comm *c, const gdp_tensor *t, gdp_tensor **out) {
+  if (host_staged(c, t)) return host_copy(c, t, 1, out);
+  return gdp_tensor_clone((gdp_tensor *)t, out);
+}
+
+/* Where a result is written: t itself when contiguous (and not host-staged), else a
+ * contiguous scratch tensor (holding t's values when keep_values), copied back by
+ * finish_output. */
+static gdp_status staged_output(gdp_comm *c, gdp_tensor *t, int keep_values, gdp_tensor **out) {
+  if (host_staged(c, t)) return host_copy(c, t, keep_values, out);
   if (gdp_tensor_is_contiguous(t)) {
     *out = gdp_tensor_retain(t);
     return GDP_OK;
@@ -263,14 +358,252 @@ static gdp_status mpi_world(gdp_comm **out) {
 
 #endif /* GDP_HAVE_MPI */
 
-/* ------------------------------------------------------------------ raw collectives */
+/* ------------------------------------------------------------------ NCCL */
+
+#ifdef COMM_NCCL
+/* The cuda context's stream (backend_cuda.c). */
+void *gdp_cuda_ctx_stream(const gdp_ctx *ctx);
+
+static cudaStream_t stream_of(gdp_ctx *ctx) { return (cudaStream_t)gdp_cuda_ctx_stream(ctx); }
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Aborts the NCCL communicator (after a failure or a timeout); later cuda collectives
+ * on c fail at once. */
+static void nccl_kill(gdp_comm *c) {
+  if (c->nccl) ncclCommAbort(c->nccl);
+  c->nccl = NULL;
+}
+
+static gdp_status nccl_fail(const char *func, gdp_comm *c, const char *what, const char *why) {
+  nccl_kill(c);
+  return GDP_ERROR_IN(func, GDP_ERR_NCCL,
+                      "%s on rank %d of %d (NCCL): %s; the NCCL communicator was aborted", what,
+                      c->rank, c->size, why);
+}
+
+/* Issues nothing: checks that c's NCCL communicator is usable and makes its device
+ * current (NCCL calls need it). */
+static gdp_status nccl_begin(const char *func, gdp_comm *c, const char *what) {
+  if (!c->nccl)
+    return GDP_ERROR_IN(func, GDP_ERR_NCCL,
+                        "%s on rank %d of %d: the NCCL communicator was aborted by an earlier "
+                        "failure; make a new communicator",
+                        what, c->rank, c->size);
+  cudaError_t e = cudaSetDevice(c->cuda_index);
+  if (e != cudaSuccess)
+    return GDP_ERROR_IN(func, GDP_ERR_CUDA, "cudaSetDevice(%d): %s", c->cuda_index,
+                        cudaGetErrorString(e));
+  return GDP_OK;
+}
+
+/* The watch: after the calls are issued (r: the result of issuing them), waits for the
+ * stream, polling NCCL's asynchronous error, for at most GDP_NCCL_TIMEOUT seconds; a
+ * failure or the timeout aborts the communicator, so no rank waits forever. */
+static gdp_status nccl_watch(const char *func, gdp_comm *c, gdp_ctx *nx, const char *what,
+                             ncclResult_t r) {
+  char why[400];
+  if (r != ncclSuccess && r != ncclInProgress) {
+    snprintf(why, sizeof why, "issuing it failed: %s", ncclGetErrorString(r));
+    return nccl_fail(func, c, what, why);
+  }
+  cudaStream_t s = stream_of(nx);
+  double t0 = now_s();
+  for (;;) {
+    cudaError_t q = cudaStreamQuery(s);
+    if (q == cudaSuccess) return GDP_OK;
+    if (q != cudaErrorNotReady) {
+      snprintf(why, sizeof why, "the stream failed: %s", cudaGetErrorString(q));
+      return nccl_fail(func, c, what, why);
+    }
+    ncclResult_t ar = ncclSuccess;
+    if (ncclCommGetAsyncError(c->nccl, &ar) == ncclSuccess && ar != ncclSuccess &&
+        ar != ncclInProgress) {
+      snprintf(why, sizeof why, "asynchronous error: %s", ncclGetErrorString(ar));
+      return nccl_fail(func, c, what, why);
+    }
+    if (now_s() - t0 > c->nccl_timeout_s) {
+      snprintf(why, sizeof why,
+               "not complete after %.0f s (GDP_NCCL_TIMEOUT): another rank of the %d died, "
+               "hangs, or called a different collective",
+               c->nccl_timeout_s, c->size);
+      return nccl_fail(func, c, what, why);
+    }
+    struct timespec pause = {0, 100000}; /* 0.1 ms */
+    nanosleep(&pause, NULL);
+  }
+}
+
+static ncclDataType_t nccl_type(gdp_dtype dt) {
+  switch (dt) {
+    case GDP_DTYPE_F64: return ncclFloat64;
+    case GDP_DTYPE_I32: return ncclInt32;
+    case GDP_DTYPE_I64: return ncclInt64;
+    default: return ncclFloat32; /* bf16 is reduced as float32 by the caller */
+  }
+}
+
+static ncclRedOp_t nccl_op(gdp_reduce_op op) {
+  return op == GDP_REDUCE_OP_MAX ? ncclMax : op == GDP_REDUCE_OP_MIN ? ncclMin : ncclSum;
+}
+
+/* Payload moves as bytes (ncclUint8): no dtype can be misread on the way. */
+static gdp_status nccl_allgather(const char *func, gdp_comm *c, gdp_ctx *nx, const void *send,
+                                 void *recv, size_t block_bytes) {
+  GDP_TRY(nccl_begin(func, c, "allgather"));
+  if (!send) send = (const char *)recv + (size_t)c->rank * block_bytes;
+  ncclResult_t r = ncclAllGather(send, recv, block_bytes, ncclUint8, c->nccl, stream_of(nx));
+  return nccl_watch(func, c, nx, "allgather", r);
+}
+
+static gdp_status nccl_alltoallv(const char *func, gdp_comm *c, gdp_ctx *nx, const void *send,
+                                 const int64_t *send_rows, void *recv, const int64_t *recv_rows,
+                                 size_t row_bytes) {
+  GDP_TRY(nccl_begin(func, c, "all-to-all"));
+  cudaStream_t s = stream_of(nx);
+  ncclResult_t r = ncclGroupStart();
+  size_t soff = 0, roff = 0;
+  for (int j = 0; j < c->size && r == ncclSuccess; j++) {
+    size_t sb = (size_t)send_rows[j] * row_bytes, rb = (size_t)recv_rows[j] * row_bytes;
+    if (sb) r = ncclSend((const char *)send + soff, sb, ncclUint8, j, c->nccl, s);
+    if (rb && r == ncclSuccess) r = ncclRecv((char *)recv + roff, rb, ncclUint8, j, c->nccl, s);
+    soff += sb;
+    roff += rb;
+  }
+  ncclResult_t g = ncclGroupEnd();
+  return nccl_watch(func, c, nx, "all-to-all", r != ncclSuccess ? r : g);
+}
+
+static gdp_status nccl_allreduce(const char *func, gdp_comm *c, gdp_ctx *nx, void *buf, int64_t n,
+                                 gdp_dtype dt, gdp_reduce_op op) {
+  GDP_TRY(nccl_begin(func, c, "all-reduce"));
+  ncclResult_t r = ncclAllReduce(buf, buf, (size_t)n, nccl_type(dt), nccl_op(op), c->nccl,
+                                 stream_of(nx));
+  return nccl_watch(func, c, nx, "all-reduce", r);
+}
+
+static gdp_status nccl_broadcast(const char *func, gdp_comm *c, gdp_ctx *nx, void *buf,
+                                 size_t bytes, int root) {
+  GDP_TRY(nccl_begin(func, c, "broadcast"));
+  ncclResult_t r = ncclBroadcast(buf, buf, bytes, ncclUint8, root, c->nccl, stream_of(nx));
+  return nccl_watch(func, c, nx, "broadcast", r);
+}
+
+/* NCCL has no tags and cannot see a size mismatch (the watch's timeout catches a
+ * receive that never completes). */
+static gdp_status nccl_sendrecv(const char *func, gdp_comm *c, gdp_ctx *nx, const void *send,
+                                size_t send_bytes, int dst, void *recv, size_t recv_bytes,
+                                int src) {
+  char what[96];
+  snprintf(what, sizeof what, "send/recv (to rank %d, from rank %d)", dst, src);
+  GDP_TRY(nccl_begin(func, c, what));
+  cudaStream_t s = stream_of(nx);
+  ncclResult_t r = ncclGroupStart();
+  if (dst >= 0 && r == ncclSuccess) r = ncclSend(send, send_bytes, ncclUint8, dst, c->nccl, s);
+  if (src >= 0 && r == ncclSuccess) r = ncclRecv(recv, recv_bytes, ncclUint8, src, c->nccl, s);
+  ncclResult_t g = ncclGroupEnd();
+  return nccl_watch(func, c, nx, what, r != ncclSuccess ? r : g);
+}
+#endif /* COMM_NCCL */
+
+/* Chooses how c moves cuda tensors (device: the cuda device index of this rank's
+ * tensors).  Collective when NCCL is built in: NCCL where every rank has its own GPU
+ * (device UUIDs all different; GDP_COMM_NCCL=0 on any rank opts out), else host
+ * staging; the same verdict on every rank.  A failed NCCL set-up falls back to host
+ * staging on every rank (with one line on stderr). */
+static gdp_status choose_transport(const char *func, gdp_comm *c, int device) {
+  c->transport = TRANSPORT_STAGED;
+#ifdef COMM_NCCL
+  if (!c->is_mpi || c->size == 1) return GDP_OK;
+  struct {
+    int64_t want;
+    unsigned char uuid[16];
+  } mine, *all;
+  memset(&mine, 0, sizeof mine);
+  mine.want = env_int("GDP_COMM_NCCL", 1, 0, 1);
+  struct cudaDeviceProp prop;
+  if (mine.want && cudaGetDeviceProperties(&prop, device) == cudaSuccess) {
+    memcpy(mine.uuid, prop.uuid.bytes, sizeof mine.uuid);
+  } else {
+    (void)cudaGetLastError();
+    mine.want = 0;
+  }
+  all = malloc((size_t)c->size * sizeof *all);
+  if (!all) return GDP_ERROR_IN(func, GDP_ERR_OOM, "cannot allocate %d device records", c->size);
+  int rc = MPI_Allgather(&mine, (int)sizeof mine, MPI_BYTE, all, (int)sizeof mine, MPI_BYTE, c->mpi);
+  if (rc != MPI_SUCCESS) {
+    free(all);
+    return mpi_error(func, __FILE__, __LINE__, "MPI_Allgather(device records)", rc);
+  }
+  int use = 1;
+  for (int r = 0; r < c->size && use; r++) {
+    use = all[r].want != 0;
+    for (int q = 0; q < r && use; q++) use = memcmp(all[q].uuid, all[r].uuid, sizeof mine.uuid) != 0;
+  }
+  free(all);
+  if (!use) return GDP_OK; /* a shared GPU (NCCL refuses it) or an opt-out: host staging */
+  ncclUniqueId id;
+  memset(&id, 0, sizeof id);
+  gdp_status st = GDP_OK;
+  if (c->rank == 0) {
+    ncclResult_t r = ncclGetUniqueId(&id);
+    if (r != ncclSuccess)
+      st = GDP_ERROR_IN(func, GDP_ERR_NCCL, "ncclGetUniqueId: %s", ncclGetErrorString(r));
+  }
+  /* rank 0's verdict on the id, then the id: every rank makes the same calls */
+  int64_t id_ok = st == GDP_OK;
+  GDP_MPI_TRY(MPI_Bcast(&id_ok, 1, MPI_INT64_T, 0, c->mpi));
+  GDP_MPI_TRY(MPI_Bcast(&id, (int)sizeof id, MPI_BYTE, 0, c->mpi));
+  char why[300] = "";
+  int failed = !id_ok;
+  if (failed) snprintf(why, sizeof why, "rank 0 could not make an NCCL id");
+  cudaError_t e = failed ? cudaSuccess : cudaSetDevice(device);
+  if (e != cudaSuccess) {
+    failed = 1;
+    snprintf(why, sizeof why, "rank %d: cudaSetDevice(%d): %s", c->rank, device, cudaGetErrorString(e));
+  }
+  /* agree before ncclCommInitRank, which blocks until every rank has called it */
+  int nfailed = 0;
+  GDP_MPI_TRY(MPI_Allreduce(&failed, &nfailed, 1, MPI_INT, MPI_SUM, c->mpi));
+  if (nfailed == 0) {
+    ncclResult_t r = ncclCommInitRank(&c->nccl, c->size, id, c->rank);
+    if (r != ncclSuccess) {
+      c->nccl = NULL;
+      failed = 1;
+      snprintf(why, sizeof why, "rank %d: ncclCommInitRank: %s", c->rank, ncclGetErrorString(r));
+    }
+    GDP_MPI_TRY(MPI_Allreduce(&failed, &nfailed, 1, MPI_INT, MPI_SUM, c->mpi));
+  }
+  if (nfailed) {
+    if (c->nccl) ncclCommAbort(c->nccl);
+    c->nccl = NULL;
+    if (failed)
+      fprintf(stderr, "gdp: NCCL set-up failed (%s); cuda tensors go through host-staged MPI\n", why);
+    return GDP_OK;
+  }
+  c->transport = TRANSPORT_NCCL;
+  c->cuda_index = device;
+#else
+  (void)func;
+  (void)device;
+#endif
+  return GDP_OK;
+}
+
 /* Contiguous buffers, arguments already validated, sizes equal on all ranks. */
 
 /* recv[r] = rank r's send; send == NULL means in place (this rank's block is already
  * in recv). */
-static gdp_status raw_allgather(const char *func, gdp_comm *c, const void *send, void *recv,
-                                int64_t block_elems, gdp_dtype dt) {
+static gdp_status raw_allgather(const char *func, gdp_comm *c, gdp_ctx *nx, const void *send,
+                                void *recv, int64_t block_elems, gdp_dtype dt) {
   size_t block_bytes = (size_t)block_elems * gdp_dtype_size(dt);
+#ifdef COMM_NCCL
+  if (nx) return nccl_allgather(func, c, nx, send, recv, block_bytes);
+#endif
   if (!c->is_mpi) {
     if (send && block_bytes) memmove(recv, send, block_bytes);
     return GDP_OK;
@@ -352,9 +685,13 @@ static gdp_status alltoallv_plan(const char *func, const gdp_comm *c, const int6
 
 /* send_rows[j] rows of `send` go to rank j; recv_rows[j] rows of `recv` come from j.
  * send and recv do not overlap; units from alltoallv_plan. */
-static gdp_status raw_alltoallv(const char *func, gdp_comm *c, const void *send,
+static gdp_status raw_alltoallv(const char *func, gdp_comm *c, gdp_ctx *nx, const void *send,
                                 const int64_t *send_rows, void *recv, const int64_t *recv_rows,
                                 int64_t row_elems, gdp_dtype dt, alltoall_units units) {
+#ifdef COMM_NCCL
+  if (nx) return nccl_alltoallv(func, c, nx, send, send_rows, recv, recv_rows,
+                                (size_t)row_elems * gdp_dtype_size(dt));
+#endif
   if (!c->is_mpi) {
     size_t bytes = (size_t)send_rows[0] * (size_t)row_elems * gdp_dtype_size(dt);
     if (bytes) memcpy(recv, send, bytes);
@@ -385,8 +722,11 @@ static gdp_status raw_alltoallv(const char *func, gdp_comm *c, const void *send,
 }
 
 /* In place; dt is not bf16 (the caller reduces bf16 through float32). */
-static gdp_status raw_allreduce(const char *func, gdp_comm *c, void *buf, int64_t n,
+static gdp_status raw_allreduce(const char *func, gdp_comm *c, gdp_ctx *nx, void *buf, int64_t n,
                                 gdp_dtype dt, gdp_reduce_op op) {
+#ifdef COMM_NCCL
+  if (nx) return nccl_allreduce(func, c, nx, buf, n, dt, op);
+#endif
   if (!c->is_mpi) return GDP_OK;
 #ifdef GDP_HAVE_MPI
   size_t es = gdp_dtype_size(dt);
@@ -403,8 +743,11 @@ static gdp_status raw_allreduce(const char *func, gdp_comm *c, void *buf, int64_
 #endif
 }
 
-static gdp_status raw_broadcast(const char *func, gdp_comm *c, void *buf, int64_t n, gdp_dtype dt,
-                                int root) {
+static gdp_status raw_broadcast(const char *func, gdp_comm *c, gdp_ctx *nx, void *buf, int64_t n,
+                                gdp_dtype dt, int root) {
+#ifdef COMM_NCCL
+  if (nx) return nccl_broadcast(func, c, nx, buf, (size_t)n * gdp_dtype_size(dt), root);
+#endif
   if (!c->is_mpi) return GDP_OK;
 #ifdef GDP_HAVE_MPI
   size_t es = gdp_dtype_size(dt);
@@ -472,9 +815,15 @@ static gdp_status mpi_recv_pieces(const char *func, gdp_comm *c, void *recv, int
  * block, then the sends are waited for: every rank posts before it waits, so rings and
  * chains cannot deadlock.  Messages between a pair of ranks with one tag arrive in
  * order, so the pieces line up. */
-static gdp_status raw_sendrecv(const char *func, gdp_comm *c, const void *send, int64_t n_send,
-                               int dst, void *recv, int64_t n_recv, int src, gdp_dtype dt,
-                               int tag) {
+static gdp_status raw_sendrecv(const char *func, gdp_comm *c, gdp_ctx *nx, const void *send,
+                               int64_t n_send, int dst, void *recv, int64_t n_recv, int src,
+                               gdp_dtype dt, int tag) {
+#ifdef COMM_NCCL
+  if (nx) {
+    size_t es = gdp_dtype_size(dt);
+    return nccl_sendrecv(func, c, nx, send, (size_t)n_send * es, dst, recv, (size_t)n_recv * es, src);
+  }
+#endif
   if (!c->is_mpi) { /* size 1: dst and src are 0 or -1, and n_send == n_recv when both 0 */
     if (dst == 0 && src == 0 && n_send) memcpy(recv, send, (size_t)n_send * gdp_dtype_size(dt));
     return GDP_OK;
@@ -671,7 +1020,7 @@ gdp_status gdp_comm_agree_values(gdp_comm *c, const char *what, const int64_t *v
  * are gathered only then); otherwise the first field that differs from rank 0's is
  * named with both values.  Unchecked: just the local status. */
 typedef struct {
-  int64_t status, call, dtype, op, root, ndim;
+  int64_t status, call, device, dtype, op, root, ndim;
   int64_t skip_dim0; /* alltoallv: dim 0 may differ */
   int64_t shape[GDP_MAX_DIMS];
 } call_sig;
@@ -698,6 +1047,12 @@ static int sig_diff(strbuf *sb, const call_sig *a, int ra, const call_sig *b, in
   if (a->call != b->call) {
     sb_printf(sb, "call: rank %d is in %s, rank %d in %s (collectives called in a different order)",
               ra, call_name(a->call), rb, call_name(b->call));
+    return 1;
+  }
+  if (a->device != b->device) {
+    sb_printf(sb, "device: rank %d passes a %s tensor, rank %d a %s tensor", ra,
+              a->device < 0 ? "?" : gdp_device_type_name((gdp_device_type)a->device), rb,
+              b->device < 0 ? "?" : gdp_device_type_name((gdp_device_type)b->device));
     return 1;
   }
   if (a->dtype != b->dtype) {
@@ -769,6 +1124,7 @@ static call_sig make_sig(int64_t call, const gdp_tensor *t, int64_t op, int64_t 
   s.call = call;
   s.op = op;
   s.root = root;
+  s.device = t ? (int64_t)device_of(t) : -1;
   s.dtype = t ? (int64_t)t->dtype : -1;
   s.ndim = t ? t->ndim : -1;
   for (int i = 0; t && i < t->ndim && i < GDP_MAX_DIMS; i++) s.shape[i] = t->shape[i];
@@ -901,6 +1257,10 @@ gdp_comm *gdp_comm_retain(gdp_comm *c) {
 
 void gdp_comm_free(gdp_comm *c) {
   if (!c || atomic_fetch_sub(&c->refcount, 1) != 1) return;
+#ifdef COMM_NCCL
+  if (c->nccl) ncclCommDestroy(c->nccl);
+#endif
+  gdp_ctx_free(c->host);
 #ifdef GDP_HAVE_MPI
   if (c->is_mpi) {
     int finalized = 1;
@@ -914,6 +1274,33 @@ void gdp_comm_free(gdp_comm *c) {
 int gdp_comm_rank(const gdp_comm *c) { return c ? c->rank : -1; }
 int gdp_comm_size(const gdp_comm *c) { return c ? c->size : -1; }
 int gdp_comm_is_mpi(const gdp_comm *c) { return c ? c->is_mpi : 0; }
+
+gdp_status gdp_comm_backend(gdp_comm *c, gdp_device_type type, int index, const char **name) {
+  const char *func = __func__;
+  if (!name) return GDP_ERROR(GDP_ERR_INVALID_ARG, "name is NULL");
+  *name = NULL;
+  GDP_TRY(check_comm(func, c));
+  if (type != GDP_DEVICE_CPU && type != GDP_DEVICE_CUDA)
+    return GDP_ERROR(GDP_ERR_INVALID_ARG, "type: expected cpu or cuda, got %d", (int)type);
+  if (type == GDP_DEVICE_CUDA) {
+    if (index < 0) return GDP_ERROR(GDP_ERR_INVALID_ARG, "index: expected >= 0, got %d", index);
+    if (c->transport == TRANSPORT_UNDECIDED) GDP_TRY(choose_transport(func, c, index));
+    if (c->transport == TRANSPORT_NCCL) {
+      *name = "nccl";
+      return GDP_OK;
+    }
+    *name = c->is_mpi ? "mpi-staged" : "self-staged";
+    return GDP_OK;
+  }
+  *name = c->is_mpi ? "mpi" : "self";
+  return GDP_OK;
+}
+
+const char *gdp_comm_cuda_transport(const gdp_comm *c) {
+  if (!c || c->transport == TRANSPORT_UNDECIDED) return "";
+  if (c->transport == TRANSPORT_NCCL) return "nccl";
+  return c->is_mpi ? "mpi-staged" : "self-staged";
+}
 
 const char *gdp_reduce_op_name(gdp_reduce_op op) {
   switch (op) {
@@ -945,8 +1332,8 @@ static void count(gdp_comm *c, int64_t sent, int64_t received, int64_t sent_all,
 
 static gdp_status allgather_args(const char *func, gdp_comm *c, const gdp_tensor *out,
                                  const gdp_tensor *in) {
-  GDP_TRY(check_tensor(func, "in", in));
-  GDP_TRY(check_tensor(func, "out", out));
+  GDP_TRY(check_tensor(func, c, "in", in));
+  GDP_TRY(check_tensor(func, c, "out", out));
   if (out->dtype != in->dtype)
     return GDP_ERROR_IN(func, GDP_ERR_DTYPE, "out and in must have one dtype, got %s and %s",
                         gdp_dtype_name(out->dtype), gdp_dtype_name(in->dtype));
@@ -964,22 +1351,24 @@ gdp_status gdp_comm_allgather(gdp_comm *c, gdp_tensor *out, const gdp_tensor *in
   const char *func = __func__;
   GDP_TRY(check_comm(func, c));
   gdp_status st = allgather_args(func, c, out, in);
+  if (st == GDP_OK) st = check_same_device(func, "in", in, "out", out);
   call_sig sig = make_sig(CALL_ALLGATHER, st == GDP_OK ? in : NULL, -1, -1);
   GDP_TRY(agree_call(func, c, st, &sig));
+  GDP_TRY(ready_for(func, c, in));
   gdp_tensor_mark_written(out);
 
   int64_t block = numel(in);
   size_t block_bytes = nbytes(in);
   gdp_tensor *dst = NULL, *src = NULL;
-  st = staged_output(out, 0, &dst);
+  st = staged_output(c, out, 0, &dst);
   /* In place when `in` is exactly dst's block of this rank (nccl-tests' in-place
    * pattern); any other sharing of storage is copied first. */
   int in_place = st == GDP_OK && gdp_tensor_is_contiguous(in) && dst == out &&
                  gdp_tensor_ptr(in) == (char *)gdp_tensor_ptr(dst) + (size_t)c->rank * block_bytes;
   if (st == GDP_OK && !in_place)
-    st = overlaps(in, out) ? gdp_tensor_clone((gdp_tensor *)in, &src) : staged_input(in, &src);
+    st = overlaps(in, out) ? staged_copy(c, in, &src) : staged_input(c, in, &src);
   if (st == GDP_OK)
-    st = raw_allgather(func, c, in_place ? NULL : gdp_tensor_ptr(src), gdp_tensor_ptr(dst), block,
+    st = raw_allgather(func, c, nccl_ctx(c, in), in_place ? NULL : gdp_tensor_ptr(src), gdp_tensor_ptr(dst), block,
                        in->dtype);
   if (st == GDP_OK) st = finish_output(out, dst);
   gdp_tensor_free(src);
@@ -994,8 +1383,8 @@ gdp_status gdp_comm_allgather(gdp_comm *c, gdp_tensor *out, const gdp_tensor *in
 static gdp_status alltoallv_args(const char *func, gdp_comm *c, const gdp_tensor *out,
                                  const int64_t *recv_rows, const gdp_tensor *in,
                                  const int64_t *send_rows) {
-  GDP_TRY(check_tensor(func, "in", in));
-  GDP_TRY(check_tensor(func, "out", out));
+  GDP_TRY(check_tensor(func, c, "in", in));
+  GDP_TRY(check_tensor(func, c, "out", out));
   if (out->dtype != in->dtype)
     return GDP_ERROR_IN(func, GDP_ERR_DTYPE, "out and in must have one dtype, got %s and %s",
                         gdp_dtype_name(out->dtype), gdp_dtype_name(in->dtype));
@@ -1076,21 +1465,23 @@ static gdp_status alltoallv_impl(const char *func, int call, gdp_comm *c, gdp_te
     for (int i = 1; i < in->ndim; i++) row_elems *= in->shape[i];
     st = alltoallv_plan(func, c, send_rows, recv_rows, row_elems, &units);
   }
+  if (st == GDP_OK) st = check_same_device(func, "in", in, "out", out);
   /* the dims after the first must agree; the first may differ (alltoallv) */
   call_sig sig = make_sig(call, st == GDP_OK ? in : NULL, -1, -1);
   sig.skip_dim0 = call != CALL_ALLTOALL;
   GDP_TRY(agree_call(func, c, st, &sig));
   GDP_TRY(check_row_counts(func, c, recv_rows, send_rows));
+  GDP_TRY(ready_for(func, c, in));
   gdp_tensor_mark_written(out);
 
   size_t row_bytes = (size_t)row_elems * gdp_dtype_size(in->dtype);
   gdp_tensor *dst = NULL, *src = NULL;
-  st = staged_output(out, 0, &dst);
+  st = staged_output(c, out, 0, &dst);
   if (st == GDP_OK)
-    st = overlaps(in, out) || overlaps(in, dst) ? gdp_tensor_clone((gdp_tensor *)in, &src)
-                                                : staged_input(in, &src);
+    st = overlaps(in, out) || overlaps(in, dst) ? staged_copy(c, in, &src)
+                                                : staged_input(c, in, &src);
   if (st == GDP_OK)
-    st = raw_alltoallv(func, c, gdp_tensor_ptr(src), send_rows, gdp_tensor_ptr(dst), recv_rows,
+    st = raw_alltoallv(func, c, nccl_ctx(c, in), gdp_tensor_ptr(src), send_rows, gdp_tensor_ptr(dst), recv_rows,
                        row_elems, in->dtype, units);
   if (st == GDP_OK) st = finish_output(out, dst);
   gdp_tensor_free(src);
@@ -1118,8 +1509,8 @@ gdp_status gdp_comm_alltoall(gdp_comm *c, gdp_tensor *out, const gdp_tensor *in)
   GDP_TRY(check_comm(func, c));
   /* One path for both: MPI_Alltoallv with equal counts costs the same as MPI_Alltoall
    * here, and the staging, in-place and counting code stays in one place. */
-  gdp_status st = check_tensor(func, "in", in);
-  if (st == GDP_OK) st = check_tensor(func, "out", out);
+  gdp_status st = check_tensor(func, c, "in", in);
+  if (st == GDP_OK) st = check_tensor(func, c, "out", out);
   if (st == GDP_OK && in->ndim < 1)
     st = GDP_ERROR_IN(func, GDP_ERR_SHAPE, "in: expected at least 1 dim (split along dim 0), got 0");
   if (st == GDP_OK) {
@@ -1153,19 +1544,27 @@ gdp_status gdp_comm_alltoall(gdp_comm *c, gdp_tensor *out, const gdp_tensor *in)
 gdp_status gdp_comm_allreduce(gdp_comm *c, gdp_tensor *t, gdp_reduce_op op) {
   const char *func = __func__;
   GDP_TRY(check_comm(func, c));
-  gdp_status st = check_tensor(func, "t", t);
+  gdp_status st = check_tensor(func, c, "t", t);
   if (st == GDP_OK && op != GDP_REDUCE_OP_SUM && op != GDP_REDUCE_OP_MAX && op != GDP_REDUCE_OP_MIN)
     st = GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG, "op: expected sum (0), max (1) or min (2), got %d",
                       (int)op);
   call_sig sig = make_sig(CALL_ALLREDUCE, st == GDP_OK ? t : NULL, op, -1);
   GDP_TRY(agree_call(func, c, st, &sig));
+  GDP_TRY(ready_for(func, c, t));
   gdp_tensor_mark_written(t);
 
-  /* bf16 travels and is reduced as float32, then rounded once. */
+  /* bf16 travels and is reduced as float32, then rounded once (on the host when
+   * host-staged, on the device under NCCL). */
   gdp_tensor *buf = NULL;
-  st = t->dtype == GDP_DTYPE_BF16 ? gdp_tensor_to(NULL, t, GDP_DTYPE_F32, &buf)
-                                  : staged_output(t, 1, &buf);
-  if (st == GDP_OK) st = raw_allreduce(func, c, gdp_tensor_ptr(buf), numel(buf), buf->dtype, op);
+  if (t->dtype == GDP_DTYPE_BF16) {
+    gdp_tensor *h = NULL;
+    st = staged_input(c, t, &h);
+    if (st == GDP_OK) st = gdp_tensor_to(NULL, h, GDP_DTYPE_F32, &buf);
+    gdp_tensor_free(h);
+  } else {
+    st = staged_output(c, t, 1, &buf);
+  }
+  if (st == GDP_OK) st = raw_allreduce(func, c, nccl_ctx(c, t), gdp_tensor_ptr(buf), numel(buf), buf->dtype, op);
   if (st == GDP_OK) st = finish_output(t, buf);
   int64_t bytes = st == GDP_OK ? (int64_t)nbytes(buf) : 0;
   gdp_tensor_free(buf);
@@ -1177,15 +1576,16 @@ gdp_status gdp_comm_allreduce(gdp_comm *c, gdp_tensor *t, gdp_reduce_op op) {
 gdp_status gdp_comm_broadcast(gdp_comm *c, gdp_tensor *t, int root) {
   const char *func = __func__;
   GDP_TRY(check_comm(func, c));
-  gdp_status st = check_tensor(func, "t", t);
+  gdp_status st = check_tensor(func, c, "t", t);
   if (st == GDP_OK) st = check_peer(func, "root", c, root, 0);
   call_sig sig = make_sig(CALL_BROADCAST, st == GDP_OK ? t : NULL, -1, root);
   GDP_TRY(agree_call(func, c, st, &sig));
+  GDP_TRY(ready_for(func, c, t));
   if (c->rank != root) gdp_tensor_mark_written(t); /* the root's values stay */
 
   gdp_tensor *buf = NULL;
-  st = staged_output(t, c->rank == root, &buf);
-  if (st == GDP_OK) st = raw_broadcast(func, c, gdp_tensor_ptr(buf), numel(buf), buf->dtype, root);
+  st = staged_output(c, t, c->rank == root, &buf);
+  if (st == GDP_OK) st = raw_broadcast(func, c, nccl_ctx(c, t), gdp_tensor_ptr(buf), numel(buf), buf->dtype, root);
   if (st == GDP_OK && c->rank != root) st = finish_output(t, buf);
   gdp_tensor_free(buf);
   if (st != GDP_OK) return st;
@@ -1215,8 +1615,8 @@ static gdp_status p2p(const char *func, gdp_comm *c, const gdp_tensor *send, int
                       gdp_tensor *recv, int src, int tag) {
   GDP_TRY(check_comm(func, c));
   GDP_TRY(check_tag(func, tag));
-  if (send) GDP_TRY(check_tensor(func, "send", send));
-  if (recv) GDP_TRY(check_tensor(func, "recv", recv));
+  if (send) GDP_TRY(check_tensor(func, c, "send", send));
+  if (recv) GDP_TRY(check_tensor(func, c, "recv", recv));
   GDP_TRY(check_peer(func, "dst", c, dst, 1));
   GDP_TRY(check_peer(func, "src", c, src, 1));
   if (dst >= 0 && !send)
@@ -1228,6 +1628,7 @@ static gdp_status p2p(const char *func, gdp_comm *c, const gdp_tensor *send, int
   if (send && recv && send->dtype != recv->dtype)
     return GDP_ERROR_IN(func, GDP_ERR_DTYPE, "send and recv must have one dtype, got %s and %s",
                         gdp_dtype_name(send->dtype), gdp_dtype_name(recv->dtype));
+  if (send && recv) GDP_TRY(check_same_device(func, "send", send, "recv", recv));
   if (send && recv && overlaps(send, recv))
     return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG, "send and recv share storage");
   if (!c->is_mpi) {
@@ -1247,12 +1648,16 @@ static gdp_status p2p(const char *func, gdp_comm *c, const gdp_tensor *send, int
 
   gdp_tensor *s = NULL, *r = NULL;
   gdp_status st = GDP_OK;
+  if (send) st = staged_input(c, send, &s);
+  if (st == GDP_OK && recv) st = staged_output(c, recv, 0, &r);
+  /* Point to point cannot choose a transport (that is collective): before the first
+   * cuda collective on c, cuda tensors are host-staged; under NCCL both partners must
+   * pass cuda tensors. */
+  gdp_ctx *nx = nccl_ctx(c, send ? send : recv);
   if (recv) gdp_tensor_mark_written(recv);
-  if (send) st = staged_input(send, &s);
-  if (st == GDP_OK && recv) st = staged_output(recv, 0, &r);
   gdp_dtype dt = send ? send->dtype : recv ? recv->dtype : GDP_DTYPE_F32;
   if (st == GDP_OK && (send || recv))
-    st = raw_sendrecv(func, c, s ? gdp_tensor_ptr(s) : NULL, s ? numel(s) : 0, send ? dst : -1,
+    st = raw_sendrecv(func, c, nx, s ? gdp_tensor_ptr(s) : NULL, s ? numel(s) : 0, send ? dst : -1,
                       r ? gdp_tensor_ptr(r) : NULL, r ? numel(r) : 0, recv ? src : -1, dt, tag);
   if (st == GDP_OK && recv) st = finish_output(recv, r);
   gdp_tensor_free(s);

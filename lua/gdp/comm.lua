@@ -1,5 +1,6 @@
--- gdp.comm: communicators and collectives on cpu tensors (MPI underneath; GPU tensors
--- over NCCL later, same calls).  One process per rank, launched by mpirun:
+-- gdp.comm: communicators and collectives on cpu and cuda tensors (MPI underneath; cuda
+-- tensors over NCCL when every rank has its own GPU, else host-staged MPI; see
+-- c:backend()).  One process per rank, launched by mpirun:
 --
 --   mpirun -np 4 ./gdp script.lua
 --
@@ -151,6 +152,32 @@ M.methods = C
 function C.rank(c) return lib.gdp_comm_rank(live(c, "rank")) end
 function C.size(c) return lib.gdp_comm_size(live(c, "size")) end
 function C.is_mpi(c) return lib.gdp_comm_is_mpi(live(c, "is_mpi")) == 1 end
+
+-- How c moves tensors: backend() is the cuda transport once one is chosen ("nccl",
+-- "mpi-staged", "self-staged"), else "mpi" or "self" (cpu tensors).  backend(device)
+-- ("cpu", "cuda", "cuda:<i>") answers for that device; for cuda it chooses the
+-- transport if no collective has yet (collective when NCCL is built in: call it on
+-- every rank).  "mpi-staged" copies each buffer to the host and back; it is what runs
+-- when ranks share a GPU (NCCL refuses that).
+function C.backend(c, device)
+  live(c, "backend")
+  if device == nil then
+    local t = ffi.string(lib.gdp_comm_cuda_transport(c))
+    if t ~= "" then return t end
+    device = "cpu"
+  end
+  if type(device) ~= "string" then
+    argerror("comm.backend", "device: expected \"cpu\", \"cuda\" or \"cuda:<i>\", got " .. typename(device))
+  end
+  local kind, index = device:match("^(%a+):?(%d*)$")
+  local types = { cpu = lib.GDP_DEVICE_CPU, cuda = lib.GDP_DEVICE_CUDA }
+  if kind == nil or types[kind] == nil then
+    argerror("comm.backend", "device: expected \"cpu\", \"cuda\" or \"cuda:<i>\", got \"" .. device .. "\"")
+  end
+  local name = ffi.new("const char *[1]")
+  check(lib.gdp_comm_backend(c, types[kind], tonumber(index) or 0, name), "comm.backend")
+  return ffi.string(name[0])
+end
 
 -- Releases the handle now (idempotent); the MPI communicator goes with its last reference.
 function C.free(c)

@@ -176,9 +176,46 @@ CpuBackend.__name = "gdp.cp.CpuBackend"
 
 -- The CPU backend: the local work is gdp.ops' operator (opts.algorithm overrides the
 -- inputs' algorithm when given).
+-- opts.split_columns: compute the [V + K]-column summaries as two operator runs, one
+-- on the V value columns and one on K columns (the state's columns evolve
+-- independently, so the result is the same); nil: on for cuda inputs, where V and K
+-- each take the fast path (K, V in {64, 128}) but V + K does not.
 function M.cpu_backend(opts)
   opts = opts or {}
-  return setmetatable({ name = "cpu", algorithm = opts.algorithm, eye_cache = {} }, CpuBackend)
+  return setmetatable({ name = "cpu", algorithm = opts.algorithm, split_columns = opts.split_columns,
+                        eye_cache = {} }, CpuBackend)
+end
+
+-- The backend for cuda inputs: the same four stages (the local operator runs on the
+-- device, the float64 compositions on the host: each rank copies the gathered
+-- [n, Nb, H, K, V + K] float32 summaries to the host, composes, and copies [Nb, H, K, V]
+-- back), with the summaries computed by two fast-path runs (split_columns).
+function M.cuda_backend(opts)
+  opts = opts or {}
+  local b = M.cpu_backend(opts)
+  b.name = "cuda"
+  if opts.split_columns == nil then b.split_columns = true end
+  return b
+end
+
+-- The backend that suits a device ("cpu", "cuda", "cuda:<i>").
+function M.backend_for(device)
+  if type(device) == "string" and device:match("^cuda") then return M.cuda_backend() end
+  return M.cpu_backend()
+end
+
+local function split_columns(self, device)
+  if self.split_columns ~= nil then return self.split_columns end
+  return type(device) == "string" and device:match("^cuda") ~= nil
+end
+
+-- The initial state handed to the operator: float64 stays float64 on the cpu; on cuda
+-- the state dtype (float32 for float32 and bf16 inputs).
+local function state_on(S, device, sdtype)
+  if type(device) == "string" and device:match("^cuda") then
+    return S:to({ dtype = sdtype, device = device })
+  end
+  return S:to({ device = device })
 end
 
 -- [Nb, H, K, V+K] of `dtype`: zeros, then I_K in the last K columns of every (b, h).
@@ -268,11 +305,25 @@ function CpuBackend:forward_prepare(inputs)
       args = op_args(inputs)
     end
     args = with_algorithm(self, args)
-    args.v = pad_columns(args.v, K)
-    args.initial_state = self:identity_state(Nb, H, K, V, sdtype, device)
     args.output_final_state = true
-    local _, ht = ops.chunk_gated_delta_product(args)
-    summary = ht
+    if split_columns(self, device) then
+      -- dS: the value columns from zero; M: K zero columns from I
+      local _, dS = ops.chunk_gated_delta_product(args)
+      local eye = self:identity_state(Nb, H, K, 0, sdtype, device)
+      local vshape = args.v:shape()
+      vshape[#vshape] = K
+      args.v = tensor.zeros(vshape, { dtype = args.v:dtype(), device = device })
+      args.initial_state = eye
+      local _, Mt = ops.chunk_gated_delta_product(args)
+      summary = tensor.empty({ Nb, H, K, V + K }, { dtype = sdtype, device = device })
+      summary:narrow(4, 1, V):copy(dS)
+      summary:narrow(4, V + 1, K):copy(Mt)
+    else
+      args.v = pad_columns(args.v, K)
+      args.initial_state = self:identity_state(Nb, H, K, V, sdtype, device)
+      local _, ht = ops.chunk_gated_delta_product(args)
+      summary = ht
+    end
   end
   return summary, { inputs = inputs, Nb = Nb, H = H, K = K, V = V, sdtype = sdtype }
 end
@@ -287,10 +338,12 @@ function CpuBackend:forward_apply(local_ctx, preceding)
     if inputs.cu_seqlens ~= nil then
       local cu = inputs.cu_seqlens
       local first = first_last(cu)
-      h0 = tensor.zeros({ #cu - 1, local_ctx.H, K, V }, { dtype = "f64", device = inputs.q:device() })
+      local device = inputs.q:device()
+      local hdtype = device:match("^cuda") and local_ctx.sdtype or "f64"
+      h0 = tensor.zeros({ #cu - 1, local_ctx.H, K, V }, { dtype = hdtype, device = device })
       h0:select(1, first):copy(S_in:select(1, 1))
     else
-      h0 = S_in:to({ device = inputs.q:device() })
+      h0 = state_on(S_in, inputs.q:device(), local_ctx.sdtype)
     end
   end
   local args = with_algorithm(self, op_args(inputs))
@@ -320,13 +373,33 @@ function CpuBackend:backward_prepare(d_o, saved)
       dO = d_o
     end
     args = with_algorithm(self, args)
-    args.v = pad_columns(args.v, K)
-    args["do"] = pad_columns(dO, K)
-    -- dh0 is only returned for a given h0; the adjoint does not depend on its value.
-    args.initial_state = tensor.zeros({ Nb, H, K, V + K }, { dtype = saved.sdtype, device = device })
-    args.dht = self:identity_state(Nb, H, K, V, saved.sdtype, device)
-    local g = ops.chunk_gated_delta_product_backward(args)
-    summary = g.dh0
+    if split_columns(self, device) then
+      -- gamma: dO on the value columns with dht = 0; M^T: K zero columns with dht = I
+      -- (dh0 is only returned for a given h0; the adjoint does not depend on its value)
+      args["do"] = dO
+      args.initial_state = tensor.zeros({ Nb, H, K, V }, { dtype = saved.sdtype, device = device })
+      local gamma = ops.chunk_gated_delta_product_backward(args).dh0
+      local vshape = args.v:shape()
+      vshape[#vshape] = K
+      args.v = tensor.zeros(vshape, { dtype = args.v:dtype(), device = device })
+      local dshape = dO:shape()
+      dshape[#dshape] = K
+      args["do"] = tensor.zeros(dshape, { dtype = dO:dtype(), device = device })
+      args.initial_state = tensor.zeros({ Nb, H, K, K }, { dtype = saved.sdtype, device = device })
+      args.dht = self:identity_state(Nb, H, K, 0, saved.sdtype, device)
+      local MT = ops.chunk_gated_delta_product_backward(args).dh0
+      summary = tensor.empty({ Nb, H, K, V + K }, { dtype = saved.sdtype, device = device })
+      summary:narrow(4, 1, V):copy(gamma)
+      summary:narrow(4, V + 1, K):copy(MT)
+    else
+      args.v = pad_columns(args.v, K)
+      args["do"] = pad_columns(dO, K)
+      -- dh0 is only returned for a given h0; the adjoint does not depend on its value.
+      args.initial_state = tensor.zeros({ Nb, H, K, V + K }, { dtype = saved.sdtype, device = device })
+      args.dht = self:identity_state(Nb, H, K, V, saved.sdtype, device)
+      local g = ops.chunk_gated_delta_product_backward(args)
+      summary = g.dh0
+    end
   end
   return summary, { saved = saved, d_o = d_o }
 end
@@ -342,10 +415,12 @@ function CpuBackend:backward_apply(bwd_ctx, following)
     if inputs.cu_seqlens ~= nil then
       local cu = inputs.cu_seqlens
       local _, last = first_last(cu)
-      dht = tensor.zeros({ #cu - 1, saved.H, K, V }, { dtype = "f64", device = inputs.q:device() })
+      local device = inputs.q:device()
+      local hdtype = device:match("^cuda") and saved.sdtype or "f64"
+      dht = tensor.zeros({ #cu - 1, saved.H, K, V }, { dtype = hdtype, device = device })
       dht:select(1, last):copy(dS_out:select(1, 1))
     else
-      dht = dS_out:to({ device = inputs.q:device() })
+      dht = state_on(dS_out, inputs.q:device(), saved.sdtype)
     end
   end
   local args = with_algorithm(self, op_args(inputs))
@@ -481,7 +556,11 @@ function M.gdp_chunkwise_context_parallel(...)
   end
   local group = args.cp_group
   if group == nil then argerror(FN, "cp_group: expected a gdp.comm communicator, got nil") end
-  local backend = args.backend or M.cpu_backend()
+  local backend = args.backend
+  if backend == nil then
+    local ok, device = pcall(function() return args.q:device() end)
+    backend = M.backend_for(ok and device or "cpu")
+  end
   for _, name in ipairs(BACKEND_METHODS) do
     if type(backend[name]) ~= "function" then
       argerror(FN, "backend: missing method " .. name .. " (the four-stage protocol)")
@@ -674,7 +753,7 @@ function M.attach(m)
                "contiguously, got \"" .. tostring(m.cp_layout) .. "\"")
     end
   end)
-  m.cp_backend = M.cpu_backend()
+  m.cp_backend = M.backend_for(m.device)
 end
 
 function M.layer_forward(m, x, cu_in)

@@ -1,0 +1,171 @@
+-- Both context-parallel strategies on cuda tensors (#gpu #mpi: `./gdp test` runs these
+-- under `mpirun -np 2` and `-np 4` on a machine with a GPU and a CUDA build, every rank
+-- on the one GPU, so the collectives are host-staged; elsewhere #gpu specs are skipped
+-- and the launcher says so).  Each case: the cp = 1 cuda layer and the CP cuda layer
+-- built from one seed, the same global batch; every rank checks the output, the input
+-- gradient and every parameter gradient of its shard (f32 <= 1e-4, bf16 <= 1e-2
+-- relative), and the group agrees on the verdict.
+local gdp = require("gdp")
+local nn = require("gdp.nn")
+local cp = require("gdp.cp")
+local shard = cp.shard
+local H = gdp_test
+
+local group = gdp.comm.world()
+local P, RANK = group:size(), group:rank()
+local TOL = { f32 = 1e-4, bf16 = 1e-2 }
+if P > 1 then gdp.device("cpu"):set_num_threads(1) end
+
+local function cumsum(lengths)
+  local cu = { 0 }
+  for _, l in ipairs(lengths) do cu[#cu + 1] = cu[#cu] + l end
+  return cu
+end
+
+local function expect_rows(rows, tol, label)
+  local bad = {}
+  for _, r in ipairs(rows) do
+    if not (r.err <= tol) then bad[#bad + 1] = string.format("%s %.3e", r.name, r.err) end
+  end
+  local ok = #bad == 0
+  group:check(ok, string.format("%s: rank %d: %s > %.0e (seed %d)", label, RANK,
+                                table.concat(bad, ", "), tol, H.seed))
+  assert.is_true(ok)
+end
+
+local function layer_rows(mode, c)
+  local dtype = c.dtype or "f32"
+  local cfg = {
+    hidden_size = c.hidden or 8, num_heads = c.nh or 4, head_dim = c.P or 3, num_groups = c.ng or 1,
+    state_dim = c.N or 4, num_householder = c.M or 2, D = c.D or false, dtype = dtype,
+    device = "cuda", seed = c.seed or 5, allow_neg_eigval = c.neg or false,
+  }
+  local ref = nn.GatedDeltaProduct(cfg)
+  cfg.cp_mode, cfg.cp_group, cfg.cp_layout = mode, group, c.layout
+  local m = nn.GatedDeltaProduct(cfg)
+  local cu = c.lengths and cumsum(c.lengths) or nil
+  local T = cu and cu[#cu] or c.T
+  local B = cu and 1 or (c.B or 2)
+  H.reseed(c.salt or 0)
+  -- drawn on the cpu (the same values on every rank), then moved
+  local x = gdp.randn({ T, B, cfg.hidden_size }, { dtype = "f32" }):to({ device = "cuda", dtype = dtype })
+  local dy = gdp.randn({ T, B, cfg.hidden_size }, { dtype = "f32" }):to({ device = "cuda", dtype = dtype })
+  local out_ref = ref:forward(x, cu)
+  local dx_ref = ref:backward(x, dy, cu)
+  local sopts = { layout = m.cp_layout, cu_seqlens = cu }
+  local xl = shard.split(x, P, RANK, sopts)
+  local out = m:forward(xl, cu)
+  local dx = m:backward(xl, shard.split(dy, P, RANK, sopts), cu)
+  assert.are.equal("cuda", out:device():match("^%a+"))
+  local rows = {
+    { name = "out", err = H.rel_error(out, shard.split(out_ref, P, RANK, sopts)) },
+    { name = "dx", err = H.rel_error(dx, shard.split(dx_ref, P, RANK, sopts)) },
+  }
+  for _, name in ipairs(m:parameter_names()) do
+    rows[#rows + 1] = { name = "grad " .. name, err = H.rel_error(m:gradients()[name], ref:gradients()[name]) }
+  end
+  return rows
+end
+
+local function describe_case(c)
+  local parts = { c.dtype or "f32", "M=" .. (c.M or 2), "ng=" .. (c.ng or 1) }
+  if c.P then parts[#parts + 1] = string.format("K=%d V=%d", c.N or 4, c.P) end
+  if c.D then parts[#parts + 1] = "D " .. c.D end
+  if c.lengths then parts[#parts + 1] = "lengths [" .. table.concat(c.lengths, ",") .. "]"
+  else parts[#parts + 1] = string.format("T %d x B %d", c.T, c.B or 2) end
+  if c.layout then parts[#parts + 1] = c.layout end
+  return table.concat(parts, ", ")
+end
+
+-- Sequences that start and end exactly on rank boundaries, one that crosses them, and
+-- empty ones (local length Lc).
+local function boundary_lengths(Lc)
+  local out = { Lc, 0 }
+  if P >= 2 then
+    out[#out + 1] = Lc - 2
+    out[#out + 1] = 2
+  end
+  if P >= 3 then out[#out + 1] = Lc * (P - 2) end
+  out[#out + 1] = 0
+  return out
+end
+
+describe("nn.GatedDeltaProduct on cuda, cp_mode = \"chunkwise\", equals cp = 1 #gpu #mpi", function()
+  local cases = {
+    { T = 13 * P, B = 2, M = 2, ng = 1 },
+    { lengths = { 5, 4, 7 }, M = 3, ng = 2, D = "head" },
+    { lengths = { 5, 4, 7 }, M = 1, ng = 4, D = "channel" },
+    { lengths = boundary_lengths(6), M = 2, ng = 1, D = "channel" },
+    { lengths = { 1, 2, 0, 1 }, M = 2, ng = 2 },
+    { lengths = { 37 * P, 11 * P, 0, 16 * P }, M = 3, ng = 1, D = "head" },
+    { lengths = boundary_lengths(8), M = 2, ng = 2, dtype = "bf16" },
+    { lengths = { 37 * P, 0, 27 * P }, M = 1, ng = 1, dtype = "bf16", D = "head" },
+    -- K = V = 64, bf16: the split-column summaries take the fast path
+    { lengths = { 70 * P, 0, 58 * P }, M = 2, ng = 1, nh = 4, P = 64, N = 64, hidden = 64, dtype = "bf16" },
+    { T = 64 * P, B = 2, M = 3, ng = 2, nh = 4, P = 64, N = 64, hidden = 64, dtype = "bf16" },
+  }
+  for i, c in ipairs(cases) do
+    it(describe_case(c), function()
+      local T = c.lengths and cumsum(c.lengths)[#c.lengths + 1] or c.T
+      if T % P ~= 0 then pending("token count not divisible by " .. P) return end
+      c.salt = 300 + i
+      expect_rows(layer_rows("chunkwise", c), TOL[c.dtype or "f32"], "cuda chunkwise layer " .. i)
+    end)
+  end
+end)
+
+describe("nn.GatedDeltaProduct on cuda, cp_mode = \"headwise\", equals cp = 1 #gpu #mpi", function()
+  local Z = 2 * P -- zigzag unit
+  local cases = {
+    { T = 3 * Z, B = 2, M = 2, ng = 1, layout = "zigzag" },
+    { lengths = { 2 * Z, 0, Z, 3 * Z }, M = 3, ng = 4, D = "head", layout = "zigzag" },
+    { lengths = { 2 * Z, 0, Z, 3 * Z }, M = 1, ng = 2, D = "channel", layout = "zigzag" },
+    { lengths = { 5, 4, 7 }, M = 2, ng = 2, D = "channel", layout = "contiguous" },
+    { lengths = { 12 * Z, 5 * Z }, M = 3, ng = 1, D = "head", layout = "zigzag", dtype = "bf16" },
+    { lengths = { Z, 0, 2 * Z }, M = 2, ng = 2, neg = true, layout = "zigzag", dtype = "bf16" },
+    { lengths = { 8 * Z, 0, 4 * Z }, M = 2, ng = 4, nh = 4, P = 64, N = 64, hidden = 64,
+      layout = "zigzag", dtype = "bf16" },
+  }
+  for i, c in ipairs(cases) do
+    it(describe_case(c), function()
+      local T = c.lengths and cumsum(c.lengths)[#c.lengths + 1] or c.T
+      local ng = c.ng or 1
+      local nh = c.nh or 4
+      if nh % P ~= 0 or T % P ~= 0 or (ng < P and P % ng ~= 0) or (ng >= P and ng % P ~= 0) then
+        pending("heads, groups or tokens do not divide over " .. P .. " ranks")
+        return
+      end
+      c.salt = 400 + i
+      expect_rows(layer_rows("headwise", c), TOL[c.dtype or "f32"], "cuda headwise layer " .. i)
+    end)
+  end
+end)
+
+describe("gdp_chunkwise_context_parallel: the split-column summaries #mpi", function()
+  -- On the cpu, the cuda backend's two-run summaries must equal the one-run [v | 0]
+  -- summaries (the state's columns evolve independently): same layer, both backends.
+  it("chunkwise layer with split_columns equals the default cpu backend (f64)", function()
+    local chunkwise = require("gdp.cp.chunkwise")
+    local cfg = { hidden_size = 8, num_heads = 2, head_dim = 3, num_groups = 1, state_dim = 4,
+                  num_householder = 2, dtype = "f64", seed = 9, cp_mode = "chunkwise", cp_group = group }
+    local lengths = boundary_lengths(6)
+    local cu = cumsum(lengths)
+    local T = cu[#cu]
+    if T % P ~= 0 then pending("token count not divisible by " .. P) return end
+    H.reseed(77)
+    local x = gdp.randn({ T, 1, 8 }, { dtype = "f64" })
+    local dy = gdp.randn({ T, 1, 8 }, { dtype = "f64" })
+    local sopts = { layout = "contiguous", cu_seqlens = cu }
+    local xl, dyl = shard.split(x, P, RANK, sopts), shard.split(dy, P, RANK, sopts)
+    local a = nn.GatedDeltaProduct(cfg)
+    local b = nn.GatedDeltaProduct(cfg)
+    b.cp_backend = chunkwise.cpu_backend({ split_columns = true })
+    local oa, ob = a:forward(xl, cu), b:forward(xl, cu)
+    local da, db = a:backward(xl, dyl, cu), b:backward(xl, dyl, cu)
+    local rows = { { name = "out", err = H.rel_error(ob, oa) }, { name = "dx", err = H.rel_error(db, da) } }
+    for _, name in ipairs(a:parameter_names()) do
+      rows[#rows + 1] = { name = "grad " .. name, err = H.rel_error(b:gradients()[name], a:gradients()[name]) }
+    end
+    expect_rows(rows, 1e-12, "split columns")
+  end)
+end)
