@@ -117,14 +117,14 @@ static gdp_status launch_seq_n(const Plan &plan, int bv, bool states, bool dry_r
  * per (K, V); the dispatchers below call them by name.  Defined at the end of the
  * namespace: all four sets here when the file is compiled whole, one set per part file
  * when it is compiled in parts (chunk_forward.cu's header). */
-#define GDP_V3B_DECLARE_ROOTS(K, V)                                                                             \
+#define GDP_BWD_DECLARE_ROOTS(K, V)                                                                             \
   gdp_status seq_k##K##v##V(const Plan &plan, int bv, bool states, bool dry_run, int *occ, bf16 *b16, bool two);          \
   gdp_status grad_k##K##v##V(const Plan &plan, const GradStateOut &go, bool wy);                                \
   gdp_status pair_k##K##v##V(int n, int bv, int *fits);
-GDP_V3B_DECLARE_ROOTS(64, 64)
-GDP_V3B_DECLARE_ROOTS(64, 128)
-GDP_V3B_DECLARE_ROOTS(128, 64)
-GDP_V3B_DECLARE_ROOTS(128, 128)
+GDP_BWD_DECLARE_ROOTS(64, 64)
+GDP_BWD_DECLARE_ROOTS(64, 128)
+GDP_BWD_DECLARE_ROOTS(128, 64)
+GDP_BWD_DECLARE_ROOTS(128, 128)
 
 /* two: the fork beside a 2-stage dstate (fork_mode 2) */
 static gdp_status launch_seq(const Plan &plan, int bv, bool states, bool dry_run, int *occ, bf16 *b16 = nullptr,
@@ -413,7 +413,7 @@ static gdp_status launch_state_passes(const Plan &plan, int bv, const GradStateO
   return st;
 }
 
-#define GDP_V3B_DEFINE_ROOTS(K, V)                                                                              \
+#define GDP_BWD_DEFINE_ROOTS(K, V)                                                                              \
   gdp_status seq_k##K##v##V(const Plan &plan, int bv, bool states, bool dry_run, int *occ, bf16 *b16, bool two) {          \
     return launch_seq_n<K, V>(plan, bv, states, dry_run, occ, b16, two);                                   \
   }                                                                                                             \
@@ -421,14 +421,14 @@ static gdp_status launch_state_passes(const Plan &plan, int bv, const GradStateO
     return launch_grad_state_n<K, V>(plan, go, wy);                                                             \
   }                                                                                                             \
   gdp_status pair_k##K##v##V(int n, int bv, int *fits) { return pair_n<K, V>(n, bv, fits); }
-#define GDP_V3B_DEFINE_PART_ROOTS(K, V) GDP_V3B_DEFINE_ROOTS(K, V) /* K, V expanded first */
+#define GDP_BWD_DEFINE_PART_ROOTS(K, V) GDP_BWD_DEFINE_ROOTS(K, V) /* K, V expanded first */
 #if !defined(GDP_CHUNK_PARTS)
-GDP_V3B_DEFINE_ROOTS(64, 64)
-GDP_V3B_DEFINE_ROOTS(64, 128)
-GDP_V3B_DEFINE_ROOTS(128, 64)
-GDP_V3B_DEFINE_ROOTS(128, 128)
+GDP_BWD_DEFINE_ROOTS(64, 64)
+GDP_BWD_DEFINE_ROOTS(64, 128)
+GDP_BWD_DEFINE_ROOTS(128, 64)
+GDP_BWD_DEFINE_ROOTS(128, 128)
 #elif defined(GDP_PART_K)
-GDP_V3B_DEFINE_PART_ROOTS(GDP_PART_K, GDP_PART_V)
+GDP_BWD_DEFINE_PART_ROOTS(GDP_PART_K, GDP_PART_V)
 #endif
 
 }  // namespace chunked_backward

@@ -94,16 +94,16 @@ static gdp_status launch_k(const Plan &plan, int bv, bool dry_run, int *occ, boo
  * per K and n; the dispatchers call them by name.  Defined at the end of the namespace:
  * all six pairs here when the file is compiled whole, one per part file when it is
  * compiled in parts (chunk_forward.cu's header). */
-#define GDP_V3F_DECLARE_ROOTS(K, N)                                                                          \
+#define GDP_FWD_DECLARE_ROOTS(K, N)                                                                          \
   gdp_status state_k##K##n##N(const Plan &plan, int bv, bool dry_run, int *occ, bool save, bf16 *hT16,       \
                               bool ks2, bool tu);                                                \
   gdp_status prep_k##K##n##N(const Plan &plan, bf16 *Tt);
-GDP_V3F_DECLARE_ROOTS(64, 1)
-GDP_V3F_DECLARE_ROOTS(64, 2)
-GDP_V3F_DECLARE_ROOTS(64, 3)
-GDP_V3F_DECLARE_ROOTS(128, 1)
-GDP_V3F_DECLARE_ROOTS(128, 2)
-GDP_V3F_DECLARE_ROOTS(128, 3)
+GDP_FWD_DECLARE_ROOTS(64, 1)
+GDP_FWD_DECLARE_ROOTS(64, 2)
+GDP_FWD_DECLARE_ROOTS(64, 3)
+GDP_FWD_DECLARE_ROOTS(128, 1)
+GDP_FWD_DECLARE_ROOTS(128, 2)
+GDP_FWD_DECLARE_ROOTS(128, 3)
 
 static gdp_status launch_chunk_state(const Plan &plan, int bv, bool dry_run, int *occ, bool save,
                                   bf16 *hT16 = nullptr, bool ks2 = false, bool tu = false) {
@@ -212,7 +212,7 @@ static gdp_status launch_prep_kv(const Plan &plan, bf16 *Tt) {
 }
 
 /* n's chunk: C steps, TC tokens (chunk_steps) */
-#define GDP_V3F_DEFINE_ROOTS(K, N, C, TC)                                                                    \
+#define GDP_FWD_DEFINE_ROOTS(K, N, C, TC)                                                                    \
   gdp_status state_k##K##n##N(const Plan &plan, int bv, bool dry_run, int *occ, bool save, bf16 *hT16,       \
                               bool ks2, bool tu) {                                               \
     return launch_k<K, C, TC>(plan, bv, dry_run, occ, save, hT16, ks2, tu);                           \
@@ -220,20 +220,20 @@ static gdp_status launch_prep_kv(const Plan &plan, bf16 *Tt) {
   gdp_status prep_k##K##n##N(const Plan &plan, bf16 *Tt) {                                                  \
     return plan.a.V == 128 ? launch_prep_kv<K, 128, C, TC>(plan, Tt) : launch_prep_kv<K, 64, C, TC>(plan, Tt); \
   }
-#define GDP_V3F_DEFINE_PART_ROOTS(K, N, C, TC) GDP_V3F_DEFINE_ROOTS(K, N, C, TC) /* K expanded first */
+#define GDP_FWD_DEFINE_PART_ROOTS(K, N, C, TC) GDP_FWD_DEFINE_ROOTS(K, N, C, TC) /* K expanded first */
 #if !defined(GDP_CHUNK_PARTS)
-GDP_V3F_DEFINE_ROOTS(64, 1, 32, 32)
-GDP_V3F_DEFINE_ROOTS(64, 2, 64, 32)
-GDP_V3F_DEFINE_ROOTS(64, 3, 48, 16)
-GDP_V3F_DEFINE_ROOTS(128, 1, 32, 32)
-GDP_V3F_DEFINE_ROOTS(128, 2, 64, 32)
-GDP_V3F_DEFINE_ROOTS(128, 3, 48, 16)
+GDP_FWD_DEFINE_ROOTS(64, 1, 32, 32)
+GDP_FWD_DEFINE_ROOTS(64, 2, 64, 32)
+GDP_FWD_DEFINE_ROOTS(64, 3, 48, 16)
+GDP_FWD_DEFINE_ROOTS(128, 1, 32, 32)
+GDP_FWD_DEFINE_ROOTS(128, 2, 64, 32)
+GDP_FWD_DEFINE_ROOTS(128, 3, 48, 16)
 #elif defined(GDP_PART_K) && GDP_PART_N == 1
-GDP_V3F_DEFINE_PART_ROOTS(GDP_PART_K, 1, 32, 32)
+GDP_FWD_DEFINE_PART_ROOTS(GDP_PART_K, 1, 32, 32)
 #elif defined(GDP_PART_K) && GDP_PART_N == 2
-GDP_V3F_DEFINE_PART_ROOTS(GDP_PART_K, 2, 64, 32)
+GDP_FWD_DEFINE_PART_ROOTS(GDP_PART_K, 2, 64, 32)
 #elif defined(GDP_PART_K) && GDP_PART_N == 3
-GDP_V3F_DEFINE_PART_ROOTS(GDP_PART_K, 3, 48, 16)
+GDP_FWD_DEFINE_PART_ROOTS(GDP_PART_K, 3, 48, 16)
 #elif defined(GDP_PART_K)
 #error "a forward part needs GDP_PART_N = 1, 2 or 3"
 #endif

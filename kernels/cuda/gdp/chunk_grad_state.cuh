@@ -92,14 +92,12 @@ __global__ void __launch_bounds__(256, 2) chunk_grad_state_kernel(GdpArgs a, Gra
   /* this block's h^T copy */
   const unsigned char *gH = (const unsigned char *)(go.hT16 + CHi * V * K);
 
-  /* ---- loads.  The float32 h^T, dH^T panels (128 KB at K = V = 128, two thirds of the
-   * block's DRAM bytes) are pulled into L2 first, by two bulk prefetches that hold no
-   * register and no shared memory; the bf16 panels follow by cp.async (dD, needed only
-   * from P3b on, in a second group).  The block then computes the cumulative gate, the
-   * k / q norms and P1 (none of which reads h or dH) while that DRAM stream runs, and only
-   * then reads the float32 copies (<dH, h>, dH^T -> bf16 shared), from L2.  Before, the
-   * two rounds of float32 loads came first and each waited a full DRAM latency with
-   * nothing else to do (ncu: 20.5 warp cycles per instruction, DRAM 52%). */
+  /* ---- loads.  h^T is pulled into L2 first, by a bulk prefetch that holds no register
+   * and no shared memory; the panels follow by cp.async (dH^T with them, dD, needed only
+   * from P3b on, in a later group).  The block then computes the cumulative gate, the
+   * k / q norms and P1 (none of which reads h or dH) while that stream runs, and reads
+   * h^T only after P3a's products, from L2.  (Loading the states first, each round waited
+   * a full DRAM latency with nothing else to do: ncu 20.5 warp cycles per instruction.) */
   if (tid == 0) prefetch_l2_bulk(gH, kSB);
   /* D, dD: workspace panels with all C rows */
   copy_panel_full<C, V, 256>(smem + L::oD, L::ldV, a.Dbuf + CHi * C * V, V);
@@ -232,11 +230,10 @@ __global__ void __launch_bounds__(256, 2) chunk_grad_state_kernel(GdpArgs a, Gra
   /* ---- h^T, an L2 hit by now (prefetched at the start): one K x V buffer holds dH^T
    * until P3a's products are done, then h^T (the block stays at ~108 KB, two blocks per
    * SM).  16-byte vectors of 8 bf16 per thread: 2 .. 8 (8 at K = V = 128), all held from
-   * here to the dot and the store over dH^T (the late-load round below is empty at every
-   * shape the fast path takes).  The dot sums per thread e ascending in steps of 256. */
-  constexpr int nvecH = V * K / kEPV, perH = nvecH / 256, earlyH = perH < 8 ? perH : 8;
-  static_assert(nvecH % 256 == 0 && perH <= 16 && perH - earlyH <= earlyH, "h^T reload: two rounds at most");
-  static_assert(perH == earlyH, "the whole h^T reload is held for the dot");
+   * here to the dot and the store over dH^T.  The dot sums per thread e ascending in
+   * steps of 256. */
+  constexpr int nvecH = V * K / kEPV, perH = nvecH / 256, earlyH = perH;
+  static_assert(nvecH % 256 == 0 && perH <= 8, "h^T reload: one round, held for the dot");
   SV hv[earlyH];
   {
     /* the h^T reload (L2, prefetched at the start) is issued here, before the barrier and
@@ -342,18 +339,11 @@ __global__ void __launch_bounds__(256, 2) chunk_grad_state_kernel(GdpArgs a, Gra
     }
   }
   __syncthreads(); /* dH^T no longer read by any warp: h^T takes its place */
-  {
-    const SV *ph = (const SV *)gH;
-    SV hl[perH - earlyH > 0 ? perH - earlyH : 1];
 #pragma unroll
-    for (int u = earlyH; u < perH; u++) hl[u - earlyH] = __ldcs(ph + u * 256 + tid);
-#pragma unroll
-    for (int u = 0; u < perH; u++) {
-      const int e = u * 256 + tid;
-      const int x = (kEPV * e) / K, r = (kEPV * e) % K;
-      const SV v = u < earlyH ? hv[u] : hl[u - earlyH];
-      *reinterpret_cast<uint4 *>(smem + L::oHb + (x * L::ldK + r) * 2) = v;
-    }
+  for (int u = 0; u < perH; u++) {
+    const int e = u * 256 + tid;
+    const int x = (kEPV * e) / K, r = (kEPV * e) % K;
+    *reinterpret_cast<uint4 *>(smem + L::oHb + (x * L::ldK + r) * 2) = hv[u];
   }
   cp_async_wait<0>(); /* dD, read from P3b on */
   __syncthreads();

@@ -313,7 +313,7 @@ __device__ __forceinline__ void ks2_stage_hT16(unsigned char *buf, bf16 *grow, c
 /* stage_dfrags for the C half w of D: the A tiles A[w C/32 + i], i < C/32, rows 16i.. of
  * the warp's buffer, out as 16-byte stores at `g` = global D row w C/2, column xw (rows ld
  * apart).  The tile is selected, not indexed by w (a register array indexed at run time
- * would go to local memory).  Syncs as in stage_hT32_half. */
+ * would go to local memory).  Syncs as in stage_hT16_half. */
 template <int K, int C>
 __device__ __forceinline__ void ks2_stage_dhalf(unsigned char *buf, bf16 *g, int64_t ld,
                                                 const uint32_t (&A)[C / 16][4], int w) {
