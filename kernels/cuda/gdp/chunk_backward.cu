@@ -143,9 +143,8 @@ static gdp_status launch_seq(const Plan &plan, int bv, bool states, bool dry_run
  * and the states from L2 twice); dKnA travels as bf16 (GradStateOut); no early
  * L2 prefetch (it made both kernels slower). */
 template <int K, int V, int C, int TC>
-static gdp_status launch_grad_state_kv(const Plan &plan, const GradStateOut &go_in, bool wy) {
+static gdp_status launch_grad_state_kv(const Plan &plan, const GradStateOut &go, bool wy) {
   const dim3 grid((unsigned)plan.a.nchunks, (unsigned)plan.a.H);
-  const GradStateOut &go = go_in;
   if (!wy) {
     using L = GradStateLayout<K, V, C, TC>;
     auto kern = chunk_grad_state_kernel<K, V, C, TC>;

@@ -116,7 +116,7 @@ __global__ void __launch_bounds__(256, 2) chunk_grad_state_kernel(GdpArgs a, Gra
   /* sDgc, sZ, sQdot: every slot is written once below (P1, P3a, P2), none zeroed */
   if (warp == 0) {
     /* gc of key row i = g summed over the tokens <= i/n, token by token from 0.f: the
-     * prep's shuffle scan (chunk_state_pass.cuh), so the same additions in the same order, and
+     * prep's shuffle scan (chunk_prep.cuh), so the same additions in the same order, and
      * bit-identical to the serial loop over shared memory it replaces (whose other terms
      * were exact zeros), without its 64 dependent shared loads.  Lane t ends with the
      * sum through token t. */

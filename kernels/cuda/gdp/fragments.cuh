@@ -215,7 +215,7 @@ __device__ __forceinline__ void neg_u_from_panel(float (&Dt)[2 * NJ][4], uint32_
  * sV (row stride ldB elements) give the A fragments of V^T by ldmatrix.trans at
  * (urow, ucol), negated by their sign bits (exact); Tu^T [m][j] at sTu (row stride ldC) is
  * the transposed-B operand at (trow, tcol); Tu[j][m] = 0 for m > j, so those tiles are
- * skipped.  Both chunk_state_kernel (chunk_state_pass.cuh) and chunk_state_recompute_kernel (chunk_backward.cu). */
+ * skipped.  Both chunk_state_kernel (chunk_state_pass.cuh) and chunk_state_recompute_kernel (chunk_state_recompute.cuh). */
 template <int C>
 __device__ __forceinline__ void neg_u_from_tu_v(float (&Dt)[C / 8][4], uint32_t sV, uint32_t sTu, int ldB, int ldC,
                                                 int urow, int ucol, int trow, int tcol) {
