@@ -39,14 +39,14 @@ static cudaError_t seq_carveout(Kern kern) {
 }
 
 template <int K, int V, int C, int BV>
-static gdp_status launch_states(const Plan &plan, float *f32, bf16 *b16) {
+static gdp_status launch_states(const Plan &plan, bf16 *hT16) {
   const GdpArgs &a = plan.a;
   const dim3 grid((unsigned)a.N, (unsigned)a.H, (unsigned)(a.V / BV));
   constexpr int threads = BV / 16 * 32;
-  auto kern = b16 ? chunk_state_recompute_kernel<K, V, C, BV, true, true> : chunk_state_recompute_kernel<K, V, C, BV, false, true>;
+  auto kern = chunk_state_recompute_kernel<K, V, C, BV>;
   if (a.Tu) { /* U from Tu and v (the prep stored Tu^T instead of U): BV >= C */
     if constexpr (BV >= C) {
-      kern = b16 ? chunk_state_recompute_kernel<K, V, C, BV, true, true, true> : chunk_state_recompute_kernel<K, V, C, BV, false, true, true>;
+      kern = chunk_state_recompute_kernel<K, V, C, BV, true>;
     } else {
       return GDP_ERROR(GDP_ERR_INTERNAL, "chunk_state_recompute_kernel: U from Tu and v needs BV %d >= C %d", BV, C);
     }
@@ -54,7 +54,7 @@ static gdp_status launch_states(const Plan &plan, float *f32, bf16 *b16) {
   constexpr int smem = StatesLayout<K, C, BV>::total;
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   GDP_CUDA_TRY(seq_carveout(kern));
-  kern<<<grid, dim3(threads), smem, plan.stream>>>(a, f32, b16);
+  kern<<<grid, dim3(threads), smem, plan.stream>>>(a, hT16);
   GDP_CUDA_LAUNCHED("chunk_state_recompute_kernel");
   return GDP_OK;
 }
@@ -62,111 +62,100 @@ static gdp_status launch_states(const Plan &plan, float *f32, bf16 *b16) {
 /* two (fork_mode 2): the 2-stage kernel with bf16-only staging, for a fork of the two
  * passes where only it fits beside a states block; else the 3-stage one. */
 template <int K, int V, int C, int TC, int BV>
-static gdp_status launch_dstate(const Plan &plan, float *f32, bf16 *b16, bool two) {
+static gdp_status launch_dstate(const Plan &plan, bf16 *dHT16, bool two) {
   const GdpArgs &a = plan.a;
   const dim3 grid((unsigned)a.N, (unsigned)a.H, (unsigned)(a.V / BV));
   constexpr int threads = BV / 16 * 32;
   if (two) {
-    if (!b16) return GDP_ERROR(GDP_ERR_INTERNAL, "chunk_dstate_kernel: 2 stages need bf16 states");
-    auto kern2 = chunk_dstate_kernel<K, V, C, TC, BV, true, true, 2>;
+    auto kern2 = chunk_dstate_kernel<K, V, C, TC, BV, 2>;
     constexpr int smem2 = DStateLayout<K, C, TC, BV, 2, true>::total;
     GDP_CUDA_TRY(cudaFuncSetAttribute(kern2, cudaFuncAttributeMaxDynamicSharedMemorySize, smem2));
     GDP_CUDA_TRY(seq_carveout(kern2));
-    kern2<<<grid, dim3(threads), smem2, plan.stream>>>(a, f32, b16, (int *)nullptr);
+    kern2<<<grid, dim3(threads), smem2, plan.stream>>>(a, dHT16);
     GDP_CUDA_LAUNCHED("chunk_dstate_kernel (2 stages)");
     return GDP_OK;
   }
-  auto kern = b16 ? chunk_dstate_kernel<K, V, C, TC, BV, true, true> : chunk_dstate_kernel<K, V, C, TC, BV, false, true>;
+  auto kern = chunk_dstate_kernel<K, V, C, TC, BV>;
   constexpr int smem = DStateLayout<K, C, TC, BV>::total;
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   GDP_CUDA_TRY(seq_carveout(kern));
-  kern<<<grid, dim3(threads), smem, plan.stream>>>(a, f32, b16, (int *)nullptr);
+  kern<<<grid, dim3(threads), smem, plan.stream>>>(a, dHT16);
   GDP_CUDA_LAUNCHED("chunk_dstate_kernel");
   return GDP_OK;
 }
 
 /* One launch of either sequential kernel at value-block width BV (dry_run: occupancy of
- * the dstate kernel only, the larger of the two; its float32-states instantiation, the
- * one the measured choices were made with -- same shared memory).  f32 / b16: the
- * transposed copy of h (states) or dH (dstate) for the gradient kernels, float32 or
- * bf16. */
+ * the 3-stage dstate kernel only, whose shared memory is the larger of the two).  b16:
+ * the transposed bf16 copy of h (states) or dH (dstate) for the gradient kernels. */
 template <int K, int V, int C, int TC, int BV>
-static gdp_status launch_seq_bv(const Plan &plan, bool states, bool dry_run, int *occ, float *f32, bf16 *b16,
-                                bool two) {
+static gdp_status launch_seq_bv(const Plan &plan, bool states, bool dry_run, int *occ, bf16 *b16, bool two) {
   constexpr int threads = BV / 16 * 32;
   if (dry_run) return occupancy(chunk_dstate_kernel<K, V, C, TC, BV>, threads, DStateLayout<K, C, TC, BV>::total, occ);
-  if (states) return launch_states<K, V, C, BV>(plan, f32, b16);
-  return launch_dstate<K, V, C, TC, BV>(plan, f32, b16, two);
+  if (states) return launch_states<K, V, C, BV>(plan, b16);
+  return launch_dstate<K, V, C, TC, BV>(plan, b16, two);
 }
 
 template <int K, int V, int C, int TC>
-static gdp_status launch_seq_k(const Plan &plan, int bv, bool states, bool dry_run, int *occ, float *f32,
-                               bf16 *b16, bool two) {
+static gdp_status launch_seq_k(const Plan &plan, int bv, bool states, bool dry_run, int *occ, bf16 *b16,
+                               bool two) {
   switch (bv) {
-    case 64: return launch_seq_bv<K, V, C, TC, 64>(plan, states, dry_run, occ, f32, b16, two);
-    case 32: return launch_seq_bv<K, V, C, TC, 32>(plan, states, dry_run, occ, f32, b16, two);
-    default: return launch_seq_bv<K, V, C, TC, 16>(plan, states, dry_run, occ, f32, b16, two);
+    case 64: return launch_seq_bv<K, V, C, TC, 64>(plan, states, dry_run, occ, b16, two);
+    case 32: return launch_seq_bv<K, V, C, TC, 32>(plan, states, dry_run, occ, b16, two);
+    default: return launch_seq_bv<K, V, C, TC, 16>(plan, states, dry_run, occ, b16, two);
   }
 }
 
 template <int K, int V>
-static gdp_status launch_seq_n(const Plan &plan, int bv, bool states, bool dry_run, int *occ, float *f32,
-                               bf16 *b16, bool two) {
-  if (plan.a.n == 1) return launch_seq_k<K, V, 32, 32>(plan, bv, states, dry_run, occ, f32, b16, two);
-  if (plan.a.n == 2) return launch_seq_k<K, V, 64, 32>(plan, bv, states, dry_run, occ, f32, b16, two);
-  return launch_seq_k<K, V, 48, 16>(plan, bv, states, dry_run, occ, f32, b16, two);
+static gdp_status launch_seq_n(const Plan &plan, int bv, bool states, bool dry_run, int *occ, bf16 *b16,
+                               bool two) {
+  if (plan.a.n == 1) return launch_seq_k<K, V, 32, 32>(plan, bv, states, dry_run, occ, b16, two);
+  if (plan.a.n == 2) return launch_seq_k<K, V, 64, 32>(plan, bv, states, dry_run, occ, b16, two);
+  return launch_seq_k<K, V, 48, 16>(plan, bv, states, dry_run, occ, b16, two);
 }
 
 /* The (K, V) roots: every kernel of this file is instantiated through these three, one set
  * per (K, V); the dispatchers below call them by name.  Defined at the end of the
  * namespace: all four sets here when the file is compiled whole, one set per part file
  * when it is compiled in parts (chunk_forward.cu's header). */
-#define GDP_V3B_DECLARE_ROOTS(K, V)                                                                             \
-  gdp_status seq_k##K##v##V(const Plan &plan, int bv, bool states, bool dry_run, int *occ, float *f32, bf16 *b16, \
-                            bool two);                                                                          \
+#define GDP_BWD_DECLARE_ROOTS(K, V)                                                                             \
+  gdp_status seq_k##K##v##V(const Plan &plan, int bv, bool states, bool dry_run, int *occ, bf16 *b16, bool two);          \
   gdp_status grad_k##K##v##V(const Plan &plan, const GradStateOut &go, bool wy);                                \
   gdp_status pair_k##K##v##V(int n, int bv, int *fits);
-GDP_V3B_DECLARE_ROOTS(64, 64)
-GDP_V3B_DECLARE_ROOTS(64, 128)
-GDP_V3B_DECLARE_ROOTS(128, 64)
-GDP_V3B_DECLARE_ROOTS(128, 128)
+GDP_BWD_DECLARE_ROOTS(64, 64)
+GDP_BWD_DECLARE_ROOTS(64, 128)
+GDP_BWD_DECLARE_ROOTS(128, 64)
+GDP_BWD_DECLARE_ROOTS(128, 128)
 
 /* two: the fork beside a 2-stage dstate (fork_mode 2) */
-static gdp_status launch_seq(const Plan &plan, int bv, bool states, bool dry_run, int *occ, float *f32 = nullptr,
-                             bf16 *b16 = nullptr, bool two = false) {
+static gdp_status launch_seq(const Plan &plan, int bv, bool states, bool dry_run, int *occ, bf16 *b16 = nullptr,
+                             bool two = false) {
   const GdpArgs &a = plan.a;
   if (a.K == 128)
-    return a.V == 128 ? seq_k128v128(plan, bv, states, dry_run, occ, f32, b16, two)
-                      : seq_k128v64(plan, bv, states, dry_run, occ, f32, b16, two);
-  return a.V == 128 ? seq_k64v128(plan, bv, states, dry_run, occ, f32, b16, two)
-                    : seq_k64v64(plan, bv, states, dry_run, occ, f32, b16, two);
+    return a.V == 128 ? seq_k128v128(plan, bv, states, dry_run, occ, b16, two)
+                      : seq_k128v64(plan, bv, states, dry_run, occ, b16, two);
+  return a.V == 128 ? seq_k64v128(plan, bv, states, dry_run, occ, b16, two)
+                    : seq_k64v64(plan, bv, states, dry_run, occ, b16, two);
 }
 
 /* The per-chunk gradients: the state part, then (wy) the WY part; one 8-warp block per
  * (chunk, head) each.  The state part runs two blocks per SM (a three-block version
  * measured slower on the H200, n = 2 0.74 -> 0.89 ms: its 64-column key panels read k, q
- * and the states from L2 twice); dKnA travels as bf16 (GradStateOut::dkna16: 128 instead
- * of 256 MB written and read back at 4 x 4096 n = 2; dk's errors +0.2..0.6e-3); no early
+ * and the states from L2 twice); dKnA travels as bf16 (GradStateOut); no early
  * L2 prefetch (it made both kernels slower). */
 template <int K, int V, int C, int TC>
-static gdp_status launch_grad_state_kv(const Plan &plan, const GradStateOut &go_in, bool wy) {
+static gdp_status launch_grad_state_kv(const Plan &plan, const GradStateOut &go, bool wy) {
   const dim3 grid((unsigned)plan.a.nchunks, (unsigned)plan.a.H);
-  GradStateOut go = go_in;
-  go.pcol_f32 = 0;
-  go.dkna16 = 1;
-  go.wy_pf = 0;
   if (!wy) {
     using L = GradStateLayout<K, V, C, TC>;
-    /* with bf16 states dH^T comes in by cp.async with the first panels (PIPE) */
-    auto kern = go.hT16 != nullptr ? chunk_grad_state_kernel<K, V, C, TC, true, true> : chunk_grad_state_kernel<K, V, C, TC, false>;
+    auto kern = chunk_grad_state_kernel<K, V, C, TC>;
     GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
     /* two blocks per SM need the largest shared-memory carveout */
     GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
-    kern<<<grid, dim3(256), L::total, plan.stream>>>(plan.a, go, 0);
+    kern<<<grid, dim3(256), L::total, plan.stream>>>(plan.a, go);
     GDP_CUDA_LAUNCHED("chunk_grad_state_kernel");
   } else {
     using L = GradWYLayout<K, V, C>;
-    auto kern = chunk_grad_wy_kernel<K, V, C, TC, true>;
+    auto kern = chunk_grad_wy_kernel<K, V, C, TC>;
     GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
     GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
     kern<<<grid, dim3(256), L::total, plan.stream>>>(plan.a, go);
@@ -290,8 +279,8 @@ static gdp_status pair_bv(int *fits) {
   int reserved = 0;
   GDP_TRY(sm_limits(&sm, &reserved));
   cudaFuncAttributes fd, fs;
-  GDP_CUDA_TRY(cudaFuncGetAttributes(&fd, chunk_dstate_kernel<K, V, C, TC, BV, true, true, 2>));
-  GDP_CUDA_TRY(cudaFuncGetAttributes(&fs, chunk_state_recompute_kernel<K, V, C, BV, true, true>));
+  GDP_CUDA_TRY(cudaFuncGetAttributes(&fd, chunk_dstate_kernel<K, V, C, TC, BV, 2>));
+  GDP_CUDA_TRY(cudaFuncGetAttributes(&fs, chunk_state_recompute_kernel<K, V, C, BV>));
   const Footprint d = footprint(DStateLayout<K, C, TC, BV, 2, true>::total, (int)fd.sharedSizeBytes, reserved,
                                 BV / 16 * 32, fd.numRegs);
   const Footprint st =
@@ -405,9 +394,9 @@ static gdp_status launch_state_passes(const Plan &plan, int bv, const GradStateO
      * passes run in order; its CUDA error must not reach the next launch check */
     fork_end(plan.stream, &f, false);
     (void)cudaGetLastError();
-    gdp_status st = launch_seq(plan, bv, true, false, nullptr, go.hT32, go.hT16);
+    gdp_status st = launch_seq(plan, bv, true, false, nullptr, go.hT16);
     prof_mark("bwd states (recompute)", plan.stream);
-    if (st == GDP_OK) st = launch_seq(plan, bv, false, false, nullptr, go.dHT32, go.dHT16);
+    if (st == GDP_OK) st = launch_seq(plan, bv, false, false, nullptr, go.dHT16);
     prof_mark("bwd state gradients", plan.stream);
     return st;
   }
@@ -415,31 +404,30 @@ static gdp_status launch_state_passes(const Plan &plan, int bv, const GradStateO
   side.stream = f.side;
   /* the backward-in-time pass first, so its blocks are queued by the time the states
    * pass's blocks start */
-  gdp_status st = launch_seq(side, bv, false, false, nullptr, go.dHT32, go.dHT16, fm == 2);
-  const gdp_status st2 = launch_seq(plan, bv, true, false, nullptr, go.hT32, go.hT16, fm == 2);
+  gdp_status st = launch_seq(side, bv, false, false, nullptr, go.dHT16, fm == 2);
+  const gdp_status st2 = launch_seq(plan, bv, true, false, nullptr, go.hT16, fm == 2);
   const gdp_status st3 = fork_end(plan.stream, &f, true);
   if (st == GDP_OK) st = st2;
   if (st == GDP_OK) st = st3;
   return st;
 }
 
-#define GDP_V3B_DEFINE_ROOTS(K, V)                                                                              \
-  gdp_status seq_k##K##v##V(const Plan &plan, int bv, bool states, bool dry_run, int *occ, float *f32, bf16 *b16, \
-                            bool two) {                                                                         \
-    return launch_seq_n<K, V>(plan, bv, states, dry_run, occ, f32, b16, two);                                   \
+#define GDP_BWD_DEFINE_ROOTS(K, V)                                                                              \
+  gdp_status seq_k##K##v##V(const Plan &plan, int bv, bool states, bool dry_run, int *occ, bf16 *b16, bool two) {          \
+    return launch_seq_n<K, V>(plan, bv, states, dry_run, occ, b16, two);                                   \
   }                                                                                                             \
   gdp_status grad_k##K##v##V(const Plan &plan, const GradStateOut &go, bool wy) {                              \
     return launch_grad_state_n<K, V>(plan, go, wy);                                                             \
   }                                                                                                             \
   gdp_status pair_k##K##v##V(int n, int bv, int *fits) { return pair_n<K, V>(n, bv, fits); }
-#define GDP_V3B_DEFINE_PART_ROOTS(K, V) GDP_V3B_DEFINE_ROOTS(K, V) /* K, V expanded first */
+#define GDP_BWD_DEFINE_PART_ROOTS(K, V) GDP_BWD_DEFINE_ROOTS(K, V) /* K, V expanded first */
 #if !defined(GDP_CHUNK_PARTS)
-GDP_V3B_DEFINE_ROOTS(64, 64)
-GDP_V3B_DEFINE_ROOTS(64, 128)
-GDP_V3B_DEFINE_ROOTS(128, 64)
-GDP_V3B_DEFINE_ROOTS(128, 128)
+GDP_BWD_DEFINE_ROOTS(64, 64)
+GDP_BWD_DEFINE_ROOTS(64, 128)
+GDP_BWD_DEFINE_ROOTS(128, 64)
+GDP_BWD_DEFINE_ROOTS(128, 128)
 #elif defined(GDP_PART_K)
-GDP_V3B_DEFINE_PART_ROOTS(GDP_PART_K, GDP_PART_V)
+GDP_BWD_DEFINE_PART_ROOTS(GDP_PART_K, GDP_PART_V)
 #endif
 
 }  // namespace chunked_backward
@@ -489,7 +477,7 @@ static gdp_status backward_saved(const gdp_gdp_problem *p, const gdp_gdp_bwd_io 
   }
   prof_mark("bwd plan (saved)", stream);
   /* also without chunks (every sequence empty): the reverse pass writes dh0 = dht */
-  st = launch_seq(plan, bv, false, false, nullptr, go.dHT32, go.dHT16);
+  st = launch_seq(plan, bv, false, false, nullptr, go.dHT16);
   prof_mark("bwd state gradients", stream);
   if (st == GDP_OK) st = launch_chunk_grad(plan, go, false);
   prof_mark("bwd chunk gradients, state part", stream);
@@ -542,7 +530,7 @@ static gdp_status backward_recompute(const gdp_gdp_problem *p, const gdp_gdp_bwd
    * residual's region (bv >= C); the prep then stores Tu^T into U's buffer instead of U
    * and U's residual.  Elsewhere the states pass reads U and its bf16 residual (the
    * plan's a.Ulo: D = U - W h then starts from U to ~16 bits instead of 8; dg's z terms
-   * amplify D's error, NOTES.md). */
+   * amplify D's error, docs/kernels.md §3.6). */
   if (bv >= plan.a.C && plan.a.C <= plan.a.V) {
     plan.a.Tu = plan.a.U;
     plan.a.Ulo = nullptr;

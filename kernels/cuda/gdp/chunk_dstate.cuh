@@ -12,8 +12,9 @@ namespace chunked_backward {
 
 /* ------------------------------------------------------------------ reverse state-gradient pass */
 
-/* STAGES: chunk panels in flight (3 as today; 2 for the overlap with grad_state, E3);
- * B16: the staging buffer holds only bf16 rows and D tiles (S16 kernels with 2 stages). */
+/* STAGES: chunk panels in flight (3; 2 for the fork beside a states block, see
+ * fork_mode in chunk_backward.cu); B16: the staging buffer holds only bf16 rows and D
+ * tiles (the 2-stage kernel). */
 template <int K, int C, int TC, int BV, int STAGES = kStages, bool B16 = false>
 struct DStateLayout {
   static constexpr int ldK = K + kPad, ldC = C + kPad, ldB = BV + kPad;
@@ -28,17 +29,6 @@ struct DStateLayout {
   static constexpr int total = oHt + BV / 16 * warp_bytes;
 };
 
-/* PTX of the E3 overlap (sm_90): the counters' release / acquire at GPU scope (the
- * programmatic-launch trigger and wait: common.cuh). */
-__device__ __forceinline__ void red_release_gpu_add(int *p, int v) {
-  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-__device__ __forceinline__ int ld_acquire_gpu(const int *p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
 /* Grid (sequence, head, value block of BV columns); warp w owns value columns
  * xw = col0 + 16w .. +15 and walks the sequence's chunks backwards.  Fragments
  * (grp = lane/4, tig = lane%4):
@@ -47,25 +37,14 @@ __device__ __forceinline__ int ld_acquire_gpu(const int *p) {
  *   Oa[kt]    = A fragment of dO^T (x, query row a in 16kt..16kt+15).
  * Pm[a][j] is zero for j > ia = a n + n - 1, so the (a-tile, j-tile) pairs wholly past
  * the diagonal are skipped at compile time (NN = C / TC = n). */
-template <int K, int V, int C, int TC, int BV, bool S16 = false, bool NEW = true, int STAGES = kStages>
-__global__ void __launch_bounds__(BV / 16 * 32, 1) chunk_dstate_kernel(GdpArgs a, float *dHT32, bf16 *dHT16, int *ready) {
-  /* E3: grad_state (launched with programmatic stream serialization right after this
-   * kernel when GDP_CUDA_V3_OVERLAP is on) may start once every block of this grid has
-   * executed the trigger below or exited, i.e. once every dstate block is resident.  Those
-   * never wait on grad_state (they only signal), so grad_state blocks spinning on a chunk's
-   * counter always see it complete: no deadlock at any grid size.  grad_state relies on
-   * everything before this kernel being complete by then, so the wait (this kernel itself
-   * a programmatic dependent under GDP_CUDA_PDL=1) must stay BEFORE the trigger. */
-  pdl_wait(); /* the panels, and h^T / D of the states pass before it */
-  pdl_launch_dependents();
-  /* STAGES = 2 (E0; only with NEW): the next chunk's panels are issued one chunk ahead
-   * instead of two (same products, same bits), and with S16 the staging buffer is sized for
-   * bf16 rows: 171.5 -> 115.0 KB at K = V = 128, n = 2, BV = 64, so that a grad_state
-   * block fits beside it (E3).  Only this instantiation signals `ready` (NULL: no
-   * signals). */
+template <int K, int V, int C, int TC, int BV, int STAGES = kStages>
+__global__ void __launch_bounds__(BV / 16 * 32, 1) chunk_dstate_kernel(GdpArgs a, bf16 *dHT16) {
+  /* STAGES = 2: the next chunk's panels are issued one chunk ahead instead of two (same
+   * products, same bits), and the staging buffer is sized for bf16 rows: 171.5 -> 115.0 KB
+   * at K = V = 128, n = 2, BV = 64, so that a states block fits beside it (the fork). */
   constexpr bool TWO = STAGES == 2;
-  static_assert(STAGES == kStages || (TWO && NEW), "2 stages: the new schedule only");
-  using L = DStateLayout<K, C, TC, BV, STAGES, TWO && S16>;
+  static_assert(STAGES == kStages || TWO, "2 or 3 stages");
+  using L = DStateLayout<K, C, TC, BV, STAGES, TWO>;
   constexpr int WB = L::warp_bytes;
   constexpr int NT = BV / 16 * 32;
   constexpr int NN = C / TC;
@@ -89,33 +68,24 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) chunk_dstate_kernel(GdpArgs a
       Ht[nt][e] = a.dht ? a.dht[soff + (int64_t)r * V + x] : 0.f;
     }
 
-  /* iteration it handles chunk cbeg + nc - 1 - it, in stage it % STAGES.  NEW: the
-   * chunk's (t0, ntok) for dO come from registers loaded one iteration earlier (the old
-   * schedule loaded them here, after the barrier, and the dO copies waited on that
-   * load), and the four workspace panels are copied without the zero-fill predicate. */
+  /* iteration it handles chunk cbeg + nc - 1 - it, in stage it % STAGES.  The chunk's
+   * (t0, ntok) for dO come from registers loaded one iteration earlier (loaded after the
+   * barrier, the dO copies waited on that load), and the four workspace panels are copied
+   * without the zero-fill predicate (all their rows are valid). */
   auto issue = [&](int it, int t0, int ntok) {
     if (it < nc) {
       unsigned char *st = smem + (it % STAGES) * L::stage;
       const int c = cbeg + nc - 1 - it;
       const int64_t base = (int64_t)c * H + h;
-      if constexpr (NEW) {
-        copy_panel_full<C, K, NT>(st + L::oW, L::ldK, a.W + base * C * K, K);
-        copy_panel_full<C, K, NT>(st + L::oKd, L::ldK, a.Kd + base * C * K, K);
-        copy_panel_full<TC, K, NT>(st + L::oQd, L::ldK, a.Qd + base * TC * K, K);
-        copy_panel_full<TC, C, NT>(st + L::oPm, L::ldC, a.Pm + base * TC * C, C);
-      } else {
-        const ChunkInfo ci = a.chunks[c];
-        t0 = ci.t0, ntok = ci.ntok;
-        copy_panel<C, K, NT>(st + L::oW, L::ldK, a.W + base * C * K, K, C);
-        copy_panel<C, K, NT>(st + L::oKd, L::ldK, a.Kd + base * C * K, K, C);
-        copy_panel<TC, K, NT>(st + L::oQd, L::ldK, a.Qd + base * TC * K, K, TC);
-        copy_panel<TC, C, NT>(st + L::oPm, L::ldC, a.Pm + base * TC * C, C, TC);
-      }
+      copy_panel_full<C, K, NT>(st + L::oW, L::ldK, a.W + base * C * K, K);
+      copy_panel_full<C, K, NT>(st + L::oKd, L::ldK, a.Kd + base * C * K, K);
+      copy_panel_full<TC, K, NT>(st + L::oQd, L::ldK, a.Qd + base * TC * K, K);
+      copy_panel_full<TC, C, NT>(st + L::oPm, L::ldC, a.Pm + base * TC * C, C);
       copy_panel<TC, BV, NT>(st + L::odO, L::ldB, d_o + ((int64_t)t0 * H + h) * V + col0, (int64_t)H * V, ntok);
     }
     cp_async_commit();
   };
-  /* NEW: (t0, ntok) of the chunk that the next issue copies */
+  /* (t0, ntok) of the chunk that the next issue copies */
   int nx_t0 = 0, nx_ntok = 0;
   auto load_next = [&](int it) {
     if (it < nc) {
@@ -125,10 +95,10 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) chunk_dstate_kernel(GdpArgs a
   };
 #pragma unroll
   for (int it = 0; it < STAGES - 1; it++) {
-    if constexpr (NEW) load_next(it);
+    load_next(it);
     issue(it, nx_t0, nx_ntok);
   }
-  if constexpr (NEW) load_next(STAGES - 1);
+  load_next(STAGES - 1);
 
   const int nrow = (lane >> 4) * 8 + (lane & 7), ncol = ((lane >> 3) & 1) * 8;
   const int trow = ((lane >> 3) & 1) * 8 + (lane & 7), tcol = (lane >> 4) * 8;
@@ -144,7 +114,7 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) chunk_dstate_kernel(GdpArgs a
     cp_async_wait<STAGES - 2>();
     __syncthreads();
     issue(it + STAGES - 1, nx_t0, nx_ntok);
-    if constexpr (NEW) load_next(it + STAGES); /* used one iteration later */
+    load_next(it + STAGES); /* used one iteration later */
     const uint32_t sb = smem0 + (it % STAGES) * L::stage;
     const uint32_t sW = sb + L::oW, sKd = sb + L::oKd, sQd = sb + L::oQd, sPm = sb + L::oPm,
                    sdO = sb + L::odO;
@@ -155,41 +125,14 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) chunk_dstate_kernel(GdpArgs a
     float Gt[C / 8][4];
 #pragma unroll
     for (int nt = 0; nt < C / 8; nt++) Gt[nt][0] = Gt[nt][1] = Gt[nt][2] = Gt[nt][3] = 0.f;
-    bf16 *gdh = a.dHbuf + CHi * K * V + xw + grp;
-    const bool keep = S16 ? dHT16 != nullptr : dHT32 != nullptr; /* for the per-chunk gradient kernels */
     /* dH^T rows xw..xw+7 now, xw+8..15 after the dD products (Ht is unchanged until the
      * decay): the stores of each half overlap the products that follow */
-    if (keep) store_stateT_half<K, C, S16, WB>(smem + L::oHt, dHT32, dHT16, CHi * V * K + (int64_t)xw * K, Ht, 0);
-    if constexpr (NEW) {
-      /* bf16 dH only for variant 2's kernel, in its own loop: the branch inside the
-       * product loop below (the old schedule) cut it into one basic block per k tile,
-       * and every tile's four ldmatrix then waited before its mma */
-      if (!keep) {
-#pragma unroll
-        for (int kt = 0; kt < K / 16; kt++) {
-          uint32_t Ha[4];
-          afrag_kt(Ht, kt, Ha, 1.f);
-          store_afrag<V>(gdh, kt * 16 + 2 * tig, Ha);
-        }
-      }
+    stage_hT16_half<K, C, WB>(smem + L::oHt, dHT16 + CHi * V * K + (int64_t)xw * K, Ht, 0);
+    {
 #pragma unroll
       for (int kt = 0; kt < K / 16; kt++) {
         uint32_t Ha[4];
         afrag_kt(Ht, kt, Ha, 1.f);
-#pragma unroll
-        for (int nt = 0; nt < C / 8; nt += 2) {
-          uint32_t b0, b1, b2, b3;
-          ldsm_x4(sKd + ((nt * 8 + nrow) * L::ldK + kt * 16 + ncol) * 2, b0, b1, b2, b3);
-          mma16816(Gt[nt], Ha, b0, b1);
-          mma16816(Gt[nt + 1], Ha, b2, b3);
-        }
-      }
-    } else {
-#pragma unroll
-      for (int kt = 0; kt < K / 16; kt++) {
-        uint32_t Ha[4];
-        afrag_kt(Ht, kt, Ha, 1.f);
-        if (!keep) store_afrag<V>(gdh, kt * 16 + 2 * tig, Ha); /* bf16 dH only for variant 2's kernel */
 #pragma unroll
         for (int nt = 0; nt < C / 8; nt += 2) {
           uint32_t b0, b1, b2, b3;
@@ -216,11 +159,10 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) chunk_dstate_kernel(GdpArgs a
     /* -dD^T as A fragments (G), dD (bf16, the same rounding, sign bits flipped back:
      * exact) to the workspace, and
      *   dH^T <- e^{last} dH^T + dO^T Qd + (-dD^T) W   (float32 accumulators).
-     * NEW: the same products in the same order per accumulator, scheduled so that what
-     * needs only dH^T is not on the dD chain: the second dH^T half store and the dO^T Qd
-     * products (independent of dD) cover the tail of the dD products; G's rounding is
-     * followed by the W products at once; dD's staged store goes last, under their tail.
-     * The old schedule stored the dH^T half and dD between G and the W products. */
+     * Scheduled so that what needs only dH^T is not on the dD chain: the second dH^T half
+     * store and the dO^T Qd products (independent of dD) cover the tail of the dD
+     * products; G's rounding is followed by the W products at once; dD's staged store
+     * goes last, under their tail. */
     uint32_t Ga[C / 16][4];
     auto decay_qd = [&]() {
 #pragma unroll
@@ -248,29 +190,12 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) chunk_dstate_kernel(GdpArgs a
           mma16816(Ht[nt + 1], Ga[kt], b2, b3);
         }
     };
-    if constexpr (NEW) {
-      if (keep) store_stateT_half<K, C, S16, WB>(smem + L::oHt, dHT32, dHT16, CHi * V * K + (int64_t)(xw + 8) * K, Ht, 1);
+    {
+      stage_hT16_half<K, C, WB>(smem + L::oHt, dHT16 + CHi * V * K + (int64_t)(xw + 8) * K, Ht, 1);
       decay_qd();
       to_afrag<C / 16>(Gt, Ga, -1.f);
       w_products();
-      if constexpr (TWO) {
-        /* E3: the previous chunk's dH^T / dD stores (this thread's were issued a whole
-         * chunk ago, so the fence seldom waits) are made visible at GPU scope, then one
-         * release add per block.  Here rather than at the loop top, where the fence would
-         * wait for the dD stores just issued. */
-        if (ready != nullptr && it > 0) {
-          __threadfence();
-          __syncthreads();
-          if (threadIdx.x == 0) red_release_gpu_add(ready + (CHi + H), 1); /* chunk c + 1 (iteration it - 1) */
-        }
-      }
       stage_dfrags<K, C, WB>(smem + L::oHt, a.dDbuf + CHi * C * V + xw, V, Ga, 0x80008000u);
-    } else {
-      to_afrag<C / 16>(Gt, Ga, -1.f);
-      if (keep) store_stateT_half<K, C, S16, WB>(smem + L::oHt, dHT32, dHT16, CHi * V * K + (int64_t)(xw + 8) * K, Ht, 1);
-      stage_dfrags<K, C, WB>(smem + L::oHt, a.dDbuf + CHi * C * V + xw, V, Ga, 0x80008000u);
-      decay_qd();
-      w_products();
     }
   }
   cp_async_wait<0>();
@@ -283,16 +208,6 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) chunk_dstate_kernel(GdpArgs a
         const int r = nt * 8 + 2 * tig + (e & 1), x = xw + grp + 8 * (e >> 1);
         a.dh0[soff + (int64_t)r * V + x] = Ht[nt][e];
       }
-  }
-  if constexpr (TWO) {
-    /* E3: the sequence's first chunk (the last iteration) is signalled after dh0 too, so
-     * that once every counter is complete every store of this grid is visible (the host
-     * turns the overlap off where a sequence has no chunk to signal). */
-    if (ready != nullptr && nc > 0) {
-      __threadfence();
-      __syncthreads();
-      if (threadIdx.x == 0) red_release_gpu_add(ready + ((int64_t)cbeg * H + h), 1);
-    }
   }
 }
 

@@ -27,14 +27,12 @@ namespace chunked {
 
 /* ------------------------------------------------------------------ host side */
 
-/* save: the SAVE pass (h^T to hT32, or in bf16 to hT16 where that is given, and D to
- * plan.a.Dbuf, besides o); a dry run only asks the occupancy of the pass it names (the
- * two h^T formats share one layout; the dry run asks the float32 one, as the measured
- * choices always have).  tu (one-warp pass only): the pass that forms U from a.Tu and v
- * (chunk_state_kernel's TU). */
+/* save: the SAVE pass (h^T in bf16 to hT16 and D to plan.a.Dbuf, besides o); a dry run
+ * only asks the occupancy of the pass it names (hT16 may then be NULL).  tu (one-warp pass
+ * only): the pass that forms U from a.Tu and v (chunk_state_kernel's TU). */
 template <int K, int C, int TC, int BV>
-static gdp_status launch_bv(const Plan &plan, bool dry_run, int *blocks_per_sm, bool save, float *hT32,
-                            bf16 *hT16, bool ks2, bool tu) {
+static gdp_status launch_bv(const Plan &plan, bool dry_run, int *blocks_per_sm, bool save, bf16 *hT16,
+                            bool ks2, bool tu) {
   const GdpArgs &a = plan.a;
   if (tu && ks2)
     return GDP_ERROR(GDP_ERR_INTERNAL, "launch_chunk_state: U from Tu and v is a one-warp pass (ks2 asked)");
@@ -53,16 +51,14 @@ static gdp_status launch_bv(const Plan &plan, bool dry_run, int *blocks_per_sm, 
         return GDP_ERROR(GDP_ERR_INTERNAL, "chunk_state_pair_kernel: %d bytes of shared memory (at most %d)", smem,
                          227 * 1024);
       }
-      auto kern = !save ? chunk_state_pair_kernel<K, C, TC, BV, false, false>
-                  : hT16 ? chunk_state_pair_kernel<K, C, TC, BV, true, true>
-                         : chunk_state_pair_kernel<K, C, TC, BV, true, false>;
+      auto kern = save ? chunk_state_pair_kernel<K, C, TC, BV, true> : chunk_state_pair_kernel<K, C, TC, BV, false>;
       GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
       if (dry_run) {
         GDP_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, kern, BV / 16 * 64, smem));
         return GDP_OK;
       }
       kern<<<dim3((unsigned)a.N, (unsigned)a.H, (unsigned)(a.V / BV)), dim3(BV / 16 * 64), smem, plan.stream>>>(
-          a, hT32, hT16);
+          a, hT16);
       GDP_CUDA_LAUNCHED("chunk_state_pair_kernel");
       return GDP_OK;
     }
@@ -71,28 +67,26 @@ static gdp_status launch_bv(const Plan &plan, bool dry_run, int *blocks_per_sm, 
   const int smem = !save ? (tu ? Layout<K, C, TC, BV, false, true>::total : Layout<K, C, TC, BV, false>::total)
                    : tu  ? Layout<K, C, TC, BV, true, true>::total
                          : Layout<K, C, TC, BV, true>::total;
-  auto kern = !save ? (tu ? chunk_state_kernel<K, C, TC, BV, false, false, true> : chunk_state_kernel<K, C, TC, BV, false, false>)
-              : tu  ? (hT16 ? chunk_state_kernel<K, C, TC, BV, true, true, true> : chunk_state_kernel<K, C, TC, BV, true, false, true>)
-              : hT16 ? chunk_state_kernel<K, C, TC, BV, true, true>
-                     : chunk_state_kernel<K, C, TC, BV, true, false>;
+  auto kern = !save ? (tu ? chunk_state_kernel<K, C, TC, BV, false, true> : chunk_state_kernel<K, C, TC, BV, false>)
+              : tu  ? chunk_state_kernel<K, C, TC, BV, true, true>
+                    : chunk_state_kernel<K, C, TC, BV, true>;
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   if (dry_run) {
     GDP_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, kern, BV / 16 * 32, smem));
     return GDP_OK;
   }
-  kern<<<dim3((unsigned)a.N, (unsigned)a.H, (unsigned)(a.V / BV)), dim3(BV / 16 * 32), smem, plan.stream>>>(a, hT32,
-                                                                                                          hT16);
+  kern<<<dim3((unsigned)a.N, (unsigned)a.H, (unsigned)(a.V / BV)), dim3(BV / 16 * 32), smem, plan.stream>>>(a, hT16);
   GDP_CUDA_LAUNCHED("chunk_state_kernel");
   return GDP_OK;
 }
 
 template <int K, int C, int TC>
-static gdp_status launch_k(const Plan &plan, int bv, bool dry_run, int *occ, bool save, float *hT32,
-                           bf16 *hT16, bool ks2, bool tu) {
+static gdp_status launch_k(const Plan &plan, int bv, bool dry_run, int *occ, bool save, bf16 *hT16,
+                           bool ks2, bool tu) {
   switch (bv) {
-    case 64: return launch_bv<K, C, TC, 64>(plan, dry_run, occ, save, hT32, hT16, ks2, tu);
-    case 32: return launch_bv<K, C, TC, 32>(plan, dry_run, occ, save, hT32, hT16, ks2, tu);
-    default: return launch_bv<K, C, TC, 16>(plan, dry_run, occ, save, hT32, hT16, ks2, tu);
+    case 64: return launch_bv<K, C, TC, 64>(plan, dry_run, occ, save, hT16, ks2, tu);
+    case 32: return launch_bv<K, C, TC, 32>(plan, dry_run, occ, save, hT16, ks2, tu);
+    default: return launch_bv<K, C, TC, 16>(plan, dry_run, occ, save, hT16, ks2, tu);
   }
 }
 
@@ -100,28 +94,28 @@ static gdp_status launch_k(const Plan &plan, int bv, bool dry_run, int *occ, boo
  * per K and n; the dispatchers call them by name.  Defined at the end of the namespace:
  * all six pairs here when the file is compiled whole, one per part file when it is
  * compiled in parts (chunk_forward.cu's header). */
-#define GDP_V3F_DECLARE_ROOTS(K, N)                                                                          \
-  gdp_status state_k##K##n##N(const Plan &plan, int bv, bool dry_run, int *occ, bool save, float *hT32,      \
-                              bf16 *hT16, bool ks2, bool tu);                                                \
+#define GDP_FWD_DECLARE_ROOTS(K, N)                                                                          \
+  gdp_status state_k##K##n##N(const Plan &plan, int bv, bool dry_run, int *occ, bool save, bf16 *hT16,       \
+                              bool ks2, bool tu);                                                \
   gdp_status prep_k##K##n##N(const Plan &plan, bf16 *Tt);
-GDP_V3F_DECLARE_ROOTS(64, 1)
-GDP_V3F_DECLARE_ROOTS(64, 2)
-GDP_V3F_DECLARE_ROOTS(64, 3)
-GDP_V3F_DECLARE_ROOTS(128, 1)
-GDP_V3F_DECLARE_ROOTS(128, 2)
-GDP_V3F_DECLARE_ROOTS(128, 3)
+GDP_FWD_DECLARE_ROOTS(64, 1)
+GDP_FWD_DECLARE_ROOTS(64, 2)
+GDP_FWD_DECLARE_ROOTS(64, 3)
+GDP_FWD_DECLARE_ROOTS(128, 1)
+GDP_FWD_DECLARE_ROOTS(128, 2)
+GDP_FWD_DECLARE_ROOTS(128, 3)
 
-static gdp_status launch_chunk_state(const Plan &plan, int bv, bool dry_run, int *occ, bool save, float *hT32,
+static gdp_status launch_chunk_state(const Plan &plan, int bv, bool dry_run, int *occ, bool save,
                                   bf16 *hT16 = nullptr, bool ks2 = false, bool tu = false) {
   const GdpArgs &a = plan.a;
   if (a.K == 128) {
-    if (a.n == 1) return state_k128n1(plan, bv, dry_run, occ, save, hT32, hT16, ks2, tu);
-    if (a.n == 2) return state_k128n2(plan, bv, dry_run, occ, save, hT32, hT16, ks2, tu);
-    return state_k128n3(plan, bv, dry_run, occ, save, hT32, hT16, ks2, tu);
+    if (a.n == 1) return state_k128n1(plan, bv, dry_run, occ, save, hT16, ks2, tu);
+    if (a.n == 2) return state_k128n2(plan, bv, dry_run, occ, save, hT16, ks2, tu);
+    return state_k128n3(plan, bv, dry_run, occ, save, hT16, ks2, tu);
   }
-  if (a.n == 1) return state_k64n1(plan, bv, dry_run, occ, save, hT32, hT16, ks2, tu);
-  if (a.n == 2) return state_k64n2(plan, bv, dry_run, occ, save, hT32, hT16, ks2, tu);
-  return state_k64n3(plan, bv, dry_run, occ, save, hT32, hT16, ks2, tu);
+  if (a.n == 1) return state_k64n1(plan, bv, dry_run, occ, save, hT16, ks2, tu);
+  if (a.n == 2) return state_k64n2(plan, bv, dry_run, occ, save, hT16, ks2, tu);
+  return state_k64n3(plan, bv, dry_run, occ, save, hT16, ks2, tu);
 }
 
 /* Value-block width: the fewest waves of blocks; on a tie the narrower block (more SMs
@@ -142,7 +136,7 @@ static int choose_bv(const Plan &plan, bool save, bool tu = false) {
     /* occupancy depends only on (save, K, n, bv): asked once, then cached (benign race) */
     static int occ_cache[2][2][2][3][3] = {};
     int &occ = occ_cache[save][tu][a.K == 128][a.n - 1][bv == 16 ? 0 : bv == 32 ? 1 : 2];
-    if (occ == 0 && launch_chunk_state(plan, bv, true, &occ, save, nullptr, nullptr, false, tu) != GDP_OK) occ = -1;
+    if (occ == 0 && launch_chunk_state(plan, bv, true, &occ, save, nullptr, false, tu) != GDP_OK) occ = -1;
     if (occ < 1) continue;
     const double blocks = (double)a.N * a.H * (a.V / bv);
     const double waves = ceil(blocks / ((double)num_sms() * occ));
@@ -163,20 +157,20 @@ static bool choose_ks2(const Plan &plan, int bv, bool save, bool tu = false) {
   /* tu: the one-warp pass it is weighed against is the one that forms U itself */
   static int occ_cache[2][2][2][2][3][2] = {};
   int *occ = occ_cache[a.K == 128][a.n - 1][save][tu][bv == 64 ? 2 : bv == 32 ? 1 : 0];
-  if (occ[0] == 0 && launch_chunk_state(plan, bv, true, &occ[0], save, nullptr, nullptr, false, tu) != GDP_OK)
+  if (occ[0] == 0 && launch_chunk_state(plan, bv, true, &occ[0], save, nullptr, false, tu) != GDP_OK)
     occ[0] = -1;
-  if (occ[1] == 0 && launch_chunk_state(plan, bv, true, &occ[1], save, nullptr, nullptr, true) != GDP_OK) occ[1] = -1;
+  if (occ[1] == 0 && launch_chunk_state(plan, bv, true, &occ[1], save, nullptr, true) != GDP_OK) occ[1] = -1;
   return occ[1] >= 1 && occ[1] >= occ[0];
 }
 
 /* One prep launch.  Heads-first block order (a 1-D grid, heads fastest: the blocks of one
  * chunk share its k, v rows in L2) and the W/U item owners that balance the warps' work:
- * with U's residual stored, the residual-aware ones (NOTES.md "The prep's block order";
- * neither changes a bit of the output). */
+ * with U's residual stored, the residual-aware ones (docs/kernels.md §3.2; neither
+ * changes a bit of the output). */
 template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO, bool TU_OUT = false, bool FIVE = false>
 static gdp_status launch_prep_kernel(const Plan &plan, bf16 *Tt) {
-  using L = PrepLayout<K, V, C, TC, true, true, TU_OUT>;
-  auto kern = chunk_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, true, true, TU_OUT, FIVE>;
+  using L = PrepLayout<K, V, C, TC, TU_OUT>;
+  auto kern = chunk_prep_kernel<K, V, C, TC, STORE_T, STORE_ULO, TU_OUT, FIVE>;
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::total));
   /* four blocks of up to 54.5 KB per SM need (nearly) all of the unified L1 as shared memory */
   GDP_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout,
@@ -218,28 +212,28 @@ static gdp_status launch_prep_kv(const Plan &plan, bf16 *Tt) {
 }
 
 /* n's chunk: C steps, TC tokens (chunk_steps) */
-#define GDP_V3F_DEFINE_ROOTS(K, N, C, TC)                                                                    \
-  gdp_status state_k##K##n##N(const Plan &plan, int bv, bool dry_run, int *occ, bool save, float *hT32,      \
-                              bf16 *hT16, bool ks2, bool tu) {                                               \
-    return launch_k<K, C, TC>(plan, bv, dry_run, occ, save, hT32, hT16, ks2, tu);                           \
+#define GDP_FWD_DEFINE_ROOTS(K, N, C, TC)                                                                    \
+  gdp_status state_k##K##n##N(const Plan &plan, int bv, bool dry_run, int *occ, bool save, bf16 *hT16,       \
+                              bool ks2, bool tu) {                                               \
+    return launch_k<K, C, TC>(plan, bv, dry_run, occ, save, hT16, ks2, tu);                           \
   }                                                                                                          \
   gdp_status prep_k##K##n##N(const Plan &plan, bf16 *Tt) {                                                  \
     return plan.a.V == 128 ? launch_prep_kv<K, 128, C, TC>(plan, Tt) : launch_prep_kv<K, 64, C, TC>(plan, Tt); \
   }
-#define GDP_V3F_DEFINE_PART_ROOTS(K, N, C, TC) GDP_V3F_DEFINE_ROOTS(K, N, C, TC) /* K expanded first */
+#define GDP_FWD_DEFINE_PART_ROOTS(K, N, C, TC) GDP_FWD_DEFINE_ROOTS(K, N, C, TC) /* K expanded first */
 #if !defined(GDP_CHUNK_PARTS)
-GDP_V3F_DEFINE_ROOTS(64, 1, 32, 32)
-GDP_V3F_DEFINE_ROOTS(64, 2, 64, 32)
-GDP_V3F_DEFINE_ROOTS(64, 3, 48, 16)
-GDP_V3F_DEFINE_ROOTS(128, 1, 32, 32)
-GDP_V3F_DEFINE_ROOTS(128, 2, 64, 32)
-GDP_V3F_DEFINE_ROOTS(128, 3, 48, 16)
+GDP_FWD_DEFINE_ROOTS(64, 1, 32, 32)
+GDP_FWD_DEFINE_ROOTS(64, 2, 64, 32)
+GDP_FWD_DEFINE_ROOTS(64, 3, 48, 16)
+GDP_FWD_DEFINE_ROOTS(128, 1, 32, 32)
+GDP_FWD_DEFINE_ROOTS(128, 2, 64, 32)
+GDP_FWD_DEFINE_ROOTS(128, 3, 48, 16)
 #elif defined(GDP_PART_K) && GDP_PART_N == 1
-GDP_V3F_DEFINE_PART_ROOTS(GDP_PART_K, 1, 32, 32)
+GDP_FWD_DEFINE_PART_ROOTS(GDP_PART_K, 1, 32, 32)
 #elif defined(GDP_PART_K) && GDP_PART_N == 2
-GDP_V3F_DEFINE_PART_ROOTS(GDP_PART_K, 2, 64, 32)
+GDP_FWD_DEFINE_PART_ROOTS(GDP_PART_K, 2, 64, 32)
 #elif defined(GDP_PART_K) && GDP_PART_N == 3
-GDP_V3F_DEFINE_PART_ROOTS(GDP_PART_K, 3, 48, 16)
+GDP_FWD_DEFINE_PART_ROOTS(GDP_PART_K, 3, 48, 16)
 #elif defined(GDP_PART_K)
 #error "a forward part needs GDP_PART_N = 1, 2 or 3"
 #endif
@@ -308,7 +302,7 @@ gdp_status forward(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io, cudaStrea
   if (saved) {
     /* D is kept for the backward, so it gets what the recompute backward's D gets: U's
      * bf16 residual added before D is formed (GdpArgs::Ulo; the largest single rounding
-     * in dg, NOTES.md "dg precision").  The residual has D's shape, so the prep writes it
+     * in dg, docs/kernels.md §3.6).  The residual has D's shape, so the prep writes it
      * into the D region itself and the SAVE state pass overwrites it chunk by chunk: a
      * block reads its columns of chunk c (cp.async, waited for) before it stores D there,
      * and no other block touches those columns.  (Where the pass forms U itself, below,
@@ -320,7 +314,7 @@ gdp_status forward(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io, cudaStrea
    * the one-warp pass, C <= V) decides what the prep stores.  Tu^T ([C][C] bf16 per
    * (chunk, head)) goes into U's buffer, which the prep then does not write (C <= V: it
    * fits).  Forming U inside D's accumulator saves U's round trip through memory
-   * (NOTES.md "U from Tu and v"). */
+   * (docs/kernels.md §3.3). */
   const bool tu_wanted = plan.a.C <= plan.a.V;
   const int bv = choose_bv(plan, saved != nullptr, tu_wanted);
   const bool ks2 = choose_ks2(plan, bv, saved != nullptr, tu_wanted);
@@ -333,7 +327,7 @@ gdp_status forward(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io, cudaStrea
   /* saving: the prep also stores T^T for grad_wy (the recompute backward's prep does) */
   st = launch_chunk_prep(plan, Tt);
   prof_mark("fwd prep", stream);
-  if (st == GDP_OK) st = launch_chunk_state(plan, bv, false, nullptr, saved != nullptr, nullptr, hT16, ks2, tu);
+  if (st == GDP_OK) st = launch_chunk_state(plan, bv, false, nullptr, saved != nullptr, hT16, ks2, tu);
   prof_mark(saved ? "fwd state+output (saving h, D)" : "fwd state+output", stream);
   plan_free(&plan);
   prof_end(stream);

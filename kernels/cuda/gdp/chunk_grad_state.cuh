@@ -38,13 +38,11 @@ struct GradStateLayout {
   /* dgc's P1 column sums, z and qn . dqn are summed over several warps' items in partial-sum
    * slots, one writer each (TC / 16, K / 64 and K / 32 of them), added up in a fixed order
    * (slot_sum) where they are read; shared-memory float atomics compiled to compare-and-swap
-   * loops (ncu, session 11: ~5% of the kernel's warp stall samples) */
+   * loops (ncu: ~5% of the kernel's warp stall samples) */
   static constexpr int nDgc = TC / 16, nZ = K / 64, nQd = K / 32;
   static constexpr int fGp = 0, fGc = C, fDgc = 2 * C, fZ = fDgc + nDgc * C, fQinv = fZ + nZ * C,
                        fQdot = fQinv + TC, fDot = fQdot + nQd * TC, fKinv = fDot + 8, nF = fKinv + C;
-  static constexpr int oNext = oF + nF * 4; /* ChunkInfo of the block `ahead` slots on (16 bytes) */
-  static_assert(oNext % 16 == 0, "ChunkInfo alignment");
-  static constexpr int total = oNext + 16;
+  static constexpr int total = oF + nF * 4;
 };
 
 /* The state part of the per-chunk gradients (one block of 8 warps per (chunk, head)):
@@ -60,46 +58,26 @@ struct GradStateLayout {
  *   dWg  = -dD h^T                                               (C x K, bf16)
  *   dgcA_j = -sum_a Ps_aj QK_aj + [j = ia] qn_a . dqn_a - z_j
  *            + [j = C-1] (e^{last} <dH, h> + sum_s z_s),   z_j = kn_j . e^{last-gc_j} (D dH^T)_j
- * i.e. the terms of variant 2's chunk_grad_kernel phases P1-P6 (gdp_bwd.cu); the WY part
+ * (phases P1-P6 below); the WY part
  * (T, dT, dA, dv, dbeta and the rest of dk, dg) adds to dKnA and dgcA.  Only the TC query
  * rows enter the query products (dO is zero on the other steps). */
-template <int K, int V, int C, int TC, bool S16 = false, bool PIPE = false, bool OVL = false>
-__global__ void __launch_bounds__(256, 2) chunk_grad_state_kernel(GdpArgs a, GradStateOut go, int ahead) {
-  /* dH^T, dD of the state-gradient pass; OVL (E3): no wait -- the block waits on its
-   * chunk's counter before its dH^T / dD copies instead (below) */
-  if constexpr (!OVL) pdl_wait();
-  pdl_launch_dependents();
+template <int K, int V, int C, int TC>
+__global__ void __launch_bounds__(256, 2) chunk_grad_state_kernel(GdpArgs a, GradStateOut go) {
   using L = GradStateLayout<K, V, C, TC>;
-  /* OVL (E3, GDP_CUDA_V3_OVERLAP; with S16 && PIPE only): launched as dstate's
-   * programmatic dependent, without griddepcontrol.wait, so dstate may still be running:
-   * a 1-D grid of chunks x H blocks in go.order's order (the latest chunk of every
-   * sequence first, as dstate walks backwards; heads fastest), and the block's dH^T, dD -- the only inputs
-   * dstate writes -- are read only once its chunk's counter go.ready[c H + h] reaches
-   * go.ready_target (every value tile stored).  Everything else was complete before
-   * dstate started. */
-  static_assert(!OVL || (S16 && PIPE), "the overlap reads dH^T by cp.async after the wait");
-  /* PIPE (bf16 states only; GDP_CUDA_V3_GSPIPE=old turns it off): dH^T is cp.async'ed
-   * straight into the K x V buffer with the other panels at the start (it is bf16 in
-   * global memory already, and the layout is the buffer's), instead of being read into
-   * registers after P1 and stored from there; <dH, h> is summed in P3a from the h^T
-   * reload (registers) and the dH^T vectors in shared memory, in the same per-thread
-   * order, so every output bit is as before.  Removed from the block's serial chain: the
-   * post-P1 round of 16-byte loads (one L2 round trip and its wait), and one of the two
-   * reads of h^T (32 KB of L2 traffic per block at K = V = 128). */
-  constexpr bool NP = S16 && PIPE;
-  /* S16: h^T, dH^T arrive in bf16 (go.hT16, go.dHT16): 16-byte vectors of 8 elements
-   * instead of float4, half the bytes; the values are the float32 copies' round-to-nearest
-   * bf16, i.e. what this kernel writes to shared memory from those, so every product
-   * below is bit for bit the same; only <dH, h> then sums rounded values. */
-  using SV = typename std::conditional<S16, uint4, float4>::type;
-  constexpr int kEPV = S16 ? 8 : 4;                /* elements per vector */
-  constexpr uint32_t kSB = (uint32_t)(V * K) * (S16 ? 2 : 4); /* bytes of one (chunk, head) copy */
+  /* h^T and dH^T arrive in bf16 (go.hT16, go.dHT16; docs/kernels.md §3.3, bf16 chunk
+   * states): every product below takes them as bf16 operands anyway; only <dH, h> sums
+   * the rounded values.  dH^T is cp.async'ed straight into the K x V buffer with the
+   * other panels at the start (the layout is the buffer's); <dH, h> is summed in P3a from
+   * the h^T reload (registers) against the dH^T vectors in shared memory. */
+  using SV = uint4;
+  constexpr int kEPV = 8;                              /* elements per vector */
+  constexpr uint32_t kSB = (uint32_t)(V * K) * 2;      /* bytes of one (chunk, head) copy */
   constexpr int NN = C / TC;
   static_assert(K % 64 == 0 && V % 16 == 0 && C % 16 == 0 && TC % 16 == 0 && NN * TC == C, "shapes");
   extern __shared__ __align__(128) unsigned char smem[];
-  const int h = OVL ? (int)(blockIdx.x % (unsigned)a.H) : (int)blockIdx.y;
-  const ChunkInfo ci = OVL ? go.order[blockIdx.x / (unsigned)a.H] : a.chunks[blockIdx.x];
-  const int c = OVL ? ci.pad : (int)blockIdx.x;
+  const int h = (int)blockIdx.y;
+  const ChunkInfo ci = a.chunks[blockIdx.x];
+  const int c = (int)blockIdx.x;
   const int H = a.H, n = NN, nv = ci.ntok * NN;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, grp = lane >> 2, tig = lane & 3;
   const int64_t CHi = (int64_t)c * H + h;
@@ -111,70 +89,34 @@ __global__ void __launch_bounds__(256, 2) chunk_grad_state_kernel(GdpArgs a, Gra
   float *sGc = sF + L::fGc, *sDgc = sF + L::fDgc, *sZ = sF + L::fZ,
         *sQinv = sF + L::fQinv, *sQdot = sF + L::fQdot, *sDot = sF + L::fDot, *sKinv = sF + L::fKinv;
   const uint32_t s0 = smem_addr(smem);
-  /* this block's h^T, dH^T copies, in either format */
-  const unsigned char *gH =
-      S16 ? (const unsigned char *)(go.hT16 + CHi * V * K) : (const unsigned char *)(go.hT32 + CHi * V * K);
-  const unsigned char *gdH =
-      S16 ? (const unsigned char *)(go.dHT16 + CHi * V * K) : (const unsigned char *)(go.dHT32 + CHi * V * K);
+  /* this block's h^T copy */
+  const unsigned char *gH = (const unsigned char *)(go.hT16 + CHi * V * K);
 
-  /* ---- loads.  The float32 h^T, dH^T panels (128 KB at K = V = 128, two thirds of the
-   * block's DRAM bytes) are pulled into L2 first, by two bulk prefetches that hold no
-   * register and no shared memory; the bf16 panels follow by cp.async (dD, needed only
-   * from P3b on, in a second group).  The block then computes the cumulative gate, the
-   * k / q norms and P1 (none of which reads h or dH) while that DRAM stream runs, and only
-   * then reads the float32 copies (<dH, h>, dH^T -> bf16 shared), from L2.  Before, the
-   * two rounds of float32 loads came first and each waited a full DRAM latency with
-   * nothing else to do (ncu: 20.5 warp cycles per instruction, DRAM 52%). */
-  if (tid == 0) {
-    if (!NP) prefetch_l2_bulk(gdH, kSB); /* NP: copied by cp.async below */
-    prefetch_l2_bulk(gH, kSB);
-  }
-  /* D, dD: workspace panels with all C rows (NP: without the always-true zero-fill
-   * predicate, the same bytes) */
-  if constexpr (NP) copy_panel_full<C, V, 256>(smem + L::oD, L::ldV, a.Dbuf + CHi * C * V, V);
-  else copy_panel<C, V, 256>(smem + L::oD, L::ldV, a.Dbuf + CHi * C * V, V, C);
+  /* ---- loads.  h^T is pulled into L2 first, by a bulk prefetch that holds no register
+   * and no shared memory; the panels follow by cp.async (dH^T with them, dD, needed only
+   * from P3b on, in a later group).  The block then computes the cumulative gate, the
+   * k / q norms and P1 (none of which reads h or dH) while that stream runs, and reads
+   * h^T only after P3a's products, from L2.  (Loading the states first, each round waited
+   * a full DRAM latency with nothing else to do: ncu 20.5 warp cycles per instruction.) */
+  if (tid == 0) prefetch_l2_bulk(gH, kSB);
+  /* D, dD: workspace panels with all C rows */
+  copy_panel_full<C, V, 256>(smem + L::oD, L::ldV, a.Dbuf + CHi * C * V, V);
   copy_panel<TC, V, 256>(smem + L::odO, L::ldV, d_o + ((int64_t)ci.t0 * H + h) * V, (int64_t)H * V, ci.ntok);
   copy_panel<C, K, 256>(smem + L::oKn, L::ldK, gk + (krow0 * H + h) * K, (int64_t)H * K, nv);
   copy_panel<TC, K, 256>(smem + L::oQn, L::ldK, gq + ((int64_t)ci.t0 * H + h) * K, (int64_t)H * K, ci.ntok);
-  /* the block `ahead` launch slots on (launcher: the resident block count, so roughly the
-   * block that starts when this one ends): its ChunkInfo comes in with the panels, for the
-   * L2 prefetch of its inputs after P3a (below) */
-  const int64_t lin_ahead = (int64_t)blockIdx.y * gridDim.x + blockIdx.x + ahead;
-  const bool do_ahead = ahead > 0 && lin_ahead < (int64_t)gridDim.x * gridDim.y; /* block-uniform */
-  if (do_ahead && tid < 4) /* the ChunkInfo's four ints, 4-byte copies (the table is only int-aligned) */
-    cp_async4(smem + L::oNext + 4 * tid,
-              (const int *)(OVL ? go.order + lin_ahead / a.H : a.chunks + lin_ahead % gridDim.x) + tid);
   cp_async_commit();
-  if constexpr (OVL) {
-    /* E3: wait for dstate's dH^T / dD of this (chunk, head): one thread polls the counter
-     * (acquire at GPU scope, backing off), the barrier passes the acquire on to the block.
-     * The copies above (D, dO, k, q) do not depend on dstate and are in flight meanwhile.
-     * A bounded spin: ~2^24 polls (seconds) -- a counter that never completes is a bug,
-     * and traps instead of hanging the GPU. */
-    if (tid == 0) {
-      const int *cnt = go.ready + CHi;
-      unsigned ns = 32;
-      for (int polls = 0; ld_acquire_gpu(cnt) != go.ready_target; polls++) {
-        if (polls >= (1 << 24)) __trap();
-        __nanosleep(ns);
-        if (ns < 1024) ns *= 2;
-      }
-    }
-    __syncthreads();
-  }
-  if constexpr (NP) {
+  {
     /* dH^T [V][K] bf16 -> the K x V buffer (rows padded): thread tid copies the 16-byte
      * vectors e = tid + 256 u, the ones it dots with its h^T reload in P3a */
     copy_panel_full<V, K, 256>(smem + L::oHb, L::ldK, go.dHT16 + CHi * V * K, K);
     cp_async_commit();
   }
-  if constexpr (NP) copy_panel_full<C, V, 256>(smem + L::odD, L::ldV, a.dDbuf + CHi * C * V, V);
-  else copy_panel<C, V, 256>(smem + L::odD, L::ldV, a.dDbuf + CHi * C * V, V, C);
+  copy_panel_full<C, V, 256>(smem + L::odD, L::ldV, a.dDbuf + CHi * C * V, V);
   cp_async_commit();
   /* sDgc, sZ, sQdot: every slot is written once below (P1, P3a, P2), none zeroed */
   if (warp == 0) {
     /* gc of key row i = g summed over the tokens <= i/n, token by token from 0.f: the
-     * prep's shuffle scan (chunk_state_pass.cuh), so the same additions in the same order, and
+     * prep's shuffle scan (chunk_prep.cuh), so the same additions in the same order, and
      * bit-identical to the serial loop over shared memory it replaces (whose other terms
      * were exact zeros), without its 64 dependent shared loads.  Lane t ends with the
      * sum through token t. */
@@ -189,14 +131,13 @@ __global__ void __launch_bounds__(256, 2) chunk_grad_state_kernel(GdpArgs a, Gra
 #pragma unroll
       for (int r = 0; r < n; r++) sGc[lane * n + r] = acc;
   }
-  if constexpr (NP) cp_async_wait<2>(); /* D, dO, k, q (this thread's copies); dH^T, dD pending */
-  else cp_async_wait<1>();              /* D, dO, k, q (this thread's copies) */
+  cp_async_wait<2>();              /* D, dO, k, q (this thread's copies) */
   __syncthreads();
   /* The k, q rows stay raw (exact bf16) and only their norms are taken:
    * kinv, qinv = rsqrt(|x|^2 + eps).  Every product below uses the raw rows and folds the
    * norms into its epilogue, so kn and qn are never rounded to bf16 here: the gate
    * gradient's z terms (kn . (D dH^T)) lost ~1.9e-3 of dg's precision to that rounding
-   * (NOTES.md, "dg precision").  Rows past the end were zero-filled and stay zero.
+   * (docs/kernels.md §3.6).  Rows past the end were zero-filled and stay zero.
    * A quad per row (8 rows per warp and pass, 16-byte loads, two shuffles) instead of a
    * warp per row (12 serial rows of five-shuffle sums per warp at C = 64). */
   for (int i0 = 8 * warp; i0 < C + TC; i0 += 64) { /* C + TC is a multiple of 16: warp-uniform */
@@ -269,10 +210,10 @@ __global__ void __launch_bounds__(256, 2) chunk_grad_state_kernel(GdpArgs a, Gra
          * bf16 Ps'' below) are one double sum split by token: they cancel in dg's reverse
          * cumsum only if both see the same Ps''.  Summing the float value here left the
          * bf16 rounding of Ps'' uncancelled -- the largest single term of dg's error on
-         * short, dht-free problems (NOTES: "dg margin"). */
+         * short, dht-free problems (docs/kernels.md §3.6). */
         const float2 pr = unpack_bf16(pk);
-        colsum[nt][0] += (go.pcol_f32 ? p0 : pr.x) * qk[nt][2 * hf];
-        colsum[nt][1] += (go.pcol_f32 ? p1 : pr.y) * qk[nt][2 * hf + 1];
+        colsum[nt][0] += pr.x * qk[nt][2 * hf];
+        colsum[nt][1] += pr.y * qk[nt][2 * hf + 1];
       }
 #pragma unroll
     for (int nt = 0; nt < 2; nt++)
@@ -286,88 +227,23 @@ __global__ void __launch_bounds__(256, 2) chunk_grad_state_kernel(GdpArgs a, Gra
       }
   }
 
-  /* ---- the float32 copies, now (mostly) L2 hits: <dH, h> and dH^T -> bf16 shared (h^T
-   * replaces it after the dH products: one K x V buffer keeps the block at ~108 KB, two
-   * blocks per SM).  Two rounds of 16 16-byte loads per thread at K = V = 128; dH is read
-   * once (streaming loads), h again after P3a (default caching).  The per-thread
-   * summation order of the dot is e ascending in steps of 256, as before. */
-  if constexpr (NP) {
-    /* dH^T is in shared memory already; <dH, h> is taken in P3a */
-  } else if constexpr (S16) {
-    /* bf16 copies: one round of up to 8 16-byte vectors each (8 at K = V = 128); dH^T's
-     * go to shared memory as they are (one 16-byte store each) */
-    const uint4 *ph = (const uint4 *)gH, *pd = (const uint4 *)gdH;
-    float dot = 0.f;
-    constexpr int nvec = V * K / 8, per = nvec / 256 < 8 ? nvec / 256 : 8;
-    static_assert(nvec % (256 * per) == 0, "whole rounds");
-#pragma unroll
-    for (int e0 = 0; e0 < nvec; e0 += 256 * per) {
-      uint4 hv[per], dv[per];
-#pragma unroll
-      for (int u = 0; u < per; u++) {
-        const int e = e0 + u * 256 + tid;
-        hv[u] = ph[e], dv[u] = __ldcs(pd + e);
-      }
-#pragma unroll
-      for (int u = 0; u < per; u++) {
-        const int e = e0 + u * 256 + tid;
-        const uint32_t hw[4] = {hv[u].x, hv[u].y, hv[u].z, hv[u].w}, dw[4] = {dv[u].x, dv[u].y, dv[u].z, dv[u].w};
-#pragma unroll
-        for (int q = 0; q < 4; q++) {
-          const float2 hf = unpack_bf16(hw[q]), df = unpack_bf16(dw[q]);
-          dot += hf.x * df.x + hf.y * df.y;
-        }
-        const int x = (8 * e) / K, r = (8 * e) % K;
-        *reinterpret_cast<uint4 *>(smem + L::oHb + (x * L::ldK + r) * 2) = dv[u];
-      }
-    }
-    dot = warp_sum(dot);
-    if (lane == 0) sDot[warp] = dot;
-  } else {
-    const float4 *ph = (const float4 *)gH, *pd = (const float4 *)gdH;
-    float dot = 0.f;
-    constexpr int nvec = V * K / 4, per = 8;
-#pragma unroll
-    for (int e0 = 0; e0 < nvec; e0 += 256 * per) {
-      float4 hv[per], dv[per];
-#pragma unroll
-      for (int u = 0; u < per; u++) {
-        const int e = e0 + u * 256 + tid;
-        if (nvec % (256 * per) == 0 || e < nvec) hv[u] = ph[e], dv[u] = __ldcs(pd + e);
-      }
-#pragma unroll
-      for (int u = 0; u < per; u++) {
-        const int e = e0 + u * 256 + tid;
-        if (nvec % (256 * per) == 0 || e < nvec) {
-          dot += hv[u].x * dv[u].x + hv[u].y * dv[u].y + hv[u].z * dv[u].z + hv[u].w * dv[u].w;
-          const int x = (4 * e) / K, r = (4 * e) % K;
-          *reinterpret_cast<uint2 *>(smem + L::oHb + (x * L::ldK + r) * 2) =
-              make_uint2(pack_bf16(dv[u].x, dv[u].y), pack_bf16(dv[u].z, dv[u].w));
-        }
-      }
-    }
-    dot = warp_sum(dot);
-    if (lane == 0) sDot[warp] = dot;
-  }
-  /* vectors (float4, or S16 8 bf16) of h^T per thread: 4 .. 16 (S16: 2 .. 8); at most 8
-   * are held across the rest of the item (16 spill at K = V = 128 under the 128-register
-   * cap), the others load after it */
-  constexpr int nvecH = V * K / kEPV, perH = nvecH / 256, earlyH = perH < 8 ? perH : 8;
-  static_assert(nvecH % 256 == 0 && perH <= 16 && perH - earlyH <= earlyH, "h^T reload: two rounds at most");
-  static_assert(!NP || perH == earlyH, "NP: the whole h^T reload is held for the dot");
+  /* ---- h^T, an L2 hit by now (prefetched at the start): one K x V buffer holds dH^T
+   * until P3a's products are done, then h^T (the block stays at ~108 KB, two blocks per
+   * SM).  16-byte vectors of 8 bf16 per thread: 2 .. 8 (8 at K = V = 128), all held from
+   * here to the dot and the store over dH^T.  The dot sums per thread e ascending in
+   * steps of 256. */
+  constexpr int nvecH = V * K / kEPV, perH = nvecH / 256, earlyH = perH;
+  static_assert(nvecH % 256 == 0 && perH <= 8, "h^T reload: one round, held for the dot");
   SV hv[earlyH];
-  if constexpr (NP) {
+  {
     /* the h^T reload (L2, prefetched at the start) is issued here, before the barrier and
      * this warp's D dH^T products, so its latency hides behind P3a; held in registers for
      * the dot and the store over dH^T (loads only: same bits) */
     const SV *ph = (const SV *)gH;
 #pragma unroll
     for (int u = 0; u < earlyH; u++) hv[u] = __ldcs(ph + u * 256 + tid);
-  } else if (tid == 0) {
-    prefetch_l2_bulk(gH, kSB); /* h is read again after P3a: keep it in L2 until then */
   }
-  if constexpr (NP) cp_async_wait<1>(); /* dH^T (dD is waited for before P3b) */
-  else cp_async_wait<0>();              /* dD (read from P3b on; the barriers below publish it) */
+  cp_async_wait<1>();              /* dD (read from P3b on; the barriers below publish it) */
   __syncthreads();
 
   /* ---- P3a: per 16 steps x 64 key columns: dKnA = e^{last-gc_j} D dH^T + Ps^T qn (z_j
@@ -393,12 +269,6 @@ __global__ void __launch_bounds__(256, 2) chunk_grad_state_kernel(GdpArgs a, Gra
           mma16816(acc[nt + 1], fa, b2, b3);
         }
       }
-    }
-    if constexpr (!NP) {
-      /* last read of h: streaming 16-byte loads, written over dH^T after the barrier */
-      const SV *ph = (const SV *)gH;
-#pragma unroll
-      for (int u = 0; u < earlyH; u++) hv[u] = __ldcs(ph + u * 256 + tid);
     }
     if (warp < nP3) {
 #pragma unroll
@@ -435,7 +305,7 @@ __global__ void __launch_bounds__(256, 2) chunk_grad_state_kernel(GdpArgs a, Gra
       /* acc = kinv_j (w (D dH^T) + Ps^T qn)_j: divide kinv_j out */
       const float n0 = 1.f / sKinv[jb + grp], n1 = 1.f / sKinv[jb + grp + 8];
       const int64_t o = CHi * C * K + (int64_t)(jb + grp) * K + rb;
-      if (go.dkna16) {
+      {
         bf16 *out = reinterpret_cast<bf16 *>(go.dKnA) + o;
         uint32_t w0[8], w1[8];
 #pragma unroll
@@ -445,20 +315,12 @@ __global__ void __launch_bounds__(256, 2) chunk_grad_state_kernel(GdpArgs a, Gra
         }
         st_row_pairs<8>(out, w0, tig, true);
         st_row_pairs<8>(out + 8 * K, w1, tig, true);
-      } else {
-        float *out = go.dKnA + o + 2 * tig;
-#pragma unroll
-        for (int nt = 0; nt < 8; nt++) {
-          *reinterpret_cast<float2 *>(out + nt * 8) = make_float2(acc[nt][0] * n0, acc[nt][1] * n0);
-          *reinterpret_cast<float2 *>(out + 8 * K + nt * 8) = make_float2(acc[nt][2] * n1, acc[nt][3] * n1);
-        }
       }
     }
-    if constexpr (NP) {
+    {
       /* <dH, h>: this thread's h^T vectors (the reload above) against the same vectors of
        * dH^T, still in shared memory (h^T replaces them only after the barrier below).
-       * The old S16 path's per-thread order (u ascending, then the four pairs), so the
-       * same float sum; the products of two bf16 values are exact in float32. */
+       * Per thread u ascending, then the four pairs; the products of two bf16 values are exact in float32. */
       float dot = 0.f;
 #pragma unroll
       for (int u = 0; u < perH; u++) {
@@ -477,68 +339,13 @@ __global__ void __launch_bounds__(256, 2) chunk_grad_state_kernel(GdpArgs a, Gra
     }
   }
   __syncthreads(); /* dH^T no longer read by any warp: h^T takes its place */
-  {
-    const SV *ph = (const SV *)gH;
-    SV hl[perH - earlyH > 0 ? perH - earlyH : 1];
 #pragma unroll
-    for (int u = earlyH; u < perH; u++) hl[u - earlyH] = __ldcs(ph + u * 256 + tid);
-    /* (the late h^T loads are in flight: the prefetch hints fill their latency) */
-    if (do_ahead) {
-      /* Cross-block pipelining through L2: the inputs of the block `ahead` slots on (h^T,
-       * dH^T, D, dD by bulk prefetches; its strided k, q, dO rows a 128-byte line per
-       * thread) start streaming from DRAM now, ~40% of a block lifetime before that block
-       * starts, so its cp.async panels and float32 reads hit L2 and the DRAM traffic runs
-       * under the resident blocks' products.  Hints only: nothing waits on them, and only
-       * rows inside that block's chunk are touched. */
-      const ChunkInfo cin = *reinterpret_cast<const ChunkInfo *>(smem + L::oNext);
-      /* OVL: the slot's chunk from its order entry, heads fastest (its dH^T, dD may not
-       * be stored yet: then the hint fetches stale lines into L2, which dstate's stores
-       * then update there -- wasted, never wrong) */
-      const int cn = OVL ? cin.pad : (int)(lin_ahead % gridDim.x),
-                hn = OVL ? (int)(lin_ahead % H) : (int)(lin_ahead / gridDim.x);
-      const int64_t CHn = (int64_t)cn * H + hn;
-      if (tid == 0) {
-        if constexpr (S16) {
-          prefetch_l2_bulk(go.dHT16 + CHn * V * K, kSB);
-          prefetch_l2_bulk(go.hT16 + CHn * V * K, kSB);
-        } else {
-          prefetch_l2_bulk(go.dHT32 + CHn * V * K, kSB);
-          prefetch_l2_bulk(go.hT32 + CHn * V * K, kSB);
-        }
-      }
-      if (tid == 32) {
-        prefetch_l2_bulk(a.Dbuf + CHn * C * V, C * V * 2);
-        prefetch_l2_bulk(a.dDbuf + CHn * C * V, C * V * 2);
-      }
-      constexpr int lk = K / 64, lv = V / 64, nk = C * lk, nq = TC * lk, no = TC * lv; /* 128-byte lines */
-      for (int i = tid; i < nk + nq + no; i += 256) {
-        const bf16 *p = nullptr;
-        if (i < nk) {
-          const int r = i / lk;
-          if (r < cin.ntok * NN) p = gk + (((int64_t)cin.t0 * NN + r) * H + hn) * K + (i % lk) * 64;
-        } else if (i < nk + nq) {
-          const int r = (i - nk) / lk;
-          if (r < cin.ntok) p = gq + (((int64_t)cin.t0 + r) * H + hn) * K + ((i - nk) % lk) * 64;
-        } else {
-          const int r = (i - nk - nq) / lv;
-          if (r < cin.ntok) p = d_o + (((int64_t)cin.t0 + r) * H + hn) * V + ((i - nk - nq) % lv) * 64;
-        }
-        if (p) prefetch_l2_line(p);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < perH; u++) {
-      const int e = u * 256 + tid;
-      const int x = (kEPV * e) / K, r = (kEPV * e) % K;
-      const SV v = u < earlyH ? hv[u] : hl[u - earlyH];
-      if constexpr (S16)
-        *reinterpret_cast<uint4 *>(smem + L::oHb + (x * L::ldK + r) * 2) = v;
-      else
-        *reinterpret_cast<uint2 *>(smem + L::oHb + (x * L::ldK + r) * 2) =
-            make_uint2(pack_bf16(v.x, v.y), pack_bf16(v.z, v.w));
-    }
+  for (int u = 0; u < perH; u++) {
+    const int e = u * 256 + tid;
+    const int x = (kEPV * e) / K, r = (kEPV * e) % K;
+    *reinterpret_cast<uint4 *>(smem + L::oHb + (x * L::ldK + r) * 2) = hv[u];
   }
-  if constexpr (NP) cp_async_wait<0>(); /* dD, read from P3b on */
+  cp_async_wait<0>(); /* dD, read from P3b on */
   __syncthreads();
 
   /* ---- P3b: dWg = -dD h^T per (16 steps x 64 key columns) */
@@ -663,11 +470,6 @@ __global__ void __launch_bounds__(256, 2) chunk_grad_state_kernel(GdpArgs a, Gra
       go.dgcA[CHi * C + j] = v;
     }
   }
-  /* OVL: this grid started without waiting for dstate; waiting for it here (it is done
-   * with every store by the time the last counter completes) makes this grid's completion
-   * imply dstate's, so whatever the stream runs next -- grad_wy, the workspace's free --
-   * comes after both, as stream order promises */
-  if constexpr (OVL) pdl_wait();
 }
 
 }  // namespace chunked_backward

@@ -12,7 +12,7 @@ namespace chunked_backward {
 
 /* ------------------------------------------------------------------ per-chunk gradients, WY part */
 
-template <int K, int V, int C, bool WG = false>
+template <int K, int V, int C>
 struct GradWYLayout {
   static constexpr int ldK = K + kPad, ldV = V + kPad, ldC = C + kPad;
   /* Three blocks per SM need <= 76800 bytes a block (228 KB less 1 KB reserved per block,
@@ -27,7 +27,7 @@ struct GradWYLayout {
   /* Float sums of several warps' terms (dbeta, dgc, the l2-norm dots) go to partial-sum
    * slots with one writer each, summed in a fixed order at the end (WySlots below), not
    * to shared-memory float atomics: those compile to compare-and-swap loops (ATOMS.CAST.SPIN)
-   * that held ~10% of the kernel's warp stall samples (ncu, session 11), and their order
+   * that held ~10% of the kernel's warp stall samples (ncu), and their order
    * varied from run to run. */
   static constexpr int nS = (V / 64 + 2 * (K / 64)) * C + 2 * NL * 16;
   static constexpr int szKn = C * ldK * 2, szV = C * ldV * 2, szC = C * ldC * 2, nF = 5 * C;
@@ -52,7 +52,7 @@ struct GradWYLayout {
    * W6's start so that their L2 latency passes under W6's products, into two regions dead
    * by then (see the tenants above): late dW, R2 (X's, W4-W5) and dD's tail past G (dT and
    * G use C x ldC of it); early dW, dD (X's, W4-W5; G is in R2) and v (read last in W3).
-   * Where they do not fit (or WG), dKnA is read from global memory at W6's end as before.
+   * Where they do not fit, dKnA is read from global memory at W6's end.
    * Row r of a slice at 128 r bytes, its 16-byte chunk c at c ^ (r & 7): a warp's
    * accumulator-fragment reads (rows grp, columns 8 nt + 2 tig) are then free of bank
    * conflicts. */
@@ -60,63 +60,22 @@ struct GradWYLayout {
   static constexpr int kFreeA = kLateDW ? oR2 : odD, kSizeA = kLateDW ? (szP > szC ? szP : szC) : szV;
   static constexpr int kFreeB = kLateDW ? odD + szC : oV, kSizeB = kLateDW ? szV - szC : szV;
   static constexpr int kSlicesA = kSizeA / kSlice, kSlicesB = kSizeB / kSlice;
-  static constexpr bool kDknaSmem = !WG && kNI <= kSlicesA + kSlicesB;
+  static constexpr bool kDknaSmem = kNI <= kSlicesA + kSlicesB;
   __device__ static __forceinline__ int dkna_slice(int warp) {
     return warp < kSlicesA ? kFreeA + warp * kSlice : kFreeB + (warp - kSlicesA) * kSlice;
   }
   /* Byte offset of element (r, c) in the kn and dW panels (K columns) and in the dD panel
-   * (V columns).  WG (wgmma for dVb and W6's products): those three panels are SW128
-   * (wgmma_sm90.cuh, the B operands' layout; unpadded, so in the same regions with room to
-   * spare) and every region starts on a 1024-byte boundary (checked below). */
-  __device__ static __forceinline__ uint32_t kpos(int r, int c) {
-    if constexpr (WG) return sw128_off<C>(r, c);
-    else return (uint32_t)((r * ldK + c) * 2);
-  }
-  __device__ static __forceinline__ uint32_t dpos(int r, int c) {
-    if constexpr (WG) return sw128_off<C>(r, c);
-    else return (uint32_t)((r * ldV + c) * 2);
-  }
-  static_assert(!WG || (oKn % 1024 == 0 && odW % 1024 == 0 && odD % 1024 == 0), "SW128 panels on 1 KB boundaries");
+   * (V columns): padded rows. */
+  __device__ static __forceinline__ uint32_t kpos(int r, int c) { return (uint32_t)((r * ldK + c) * 2); }
+  __device__ static __forceinline__ uint32_t dpos(int r, int c) { return (uint32_t)((r * ldV + c) * 2); }
 };
 
-/* The 16-row, 64-column item a warp owns in grad_wy's dVb (W3) and dKn (W6) products.
- * mma.sync: rows by warp / (cols / 64).  WG: the warpgroup (warps 0-3, 4-7) is the
- * 64-column block, its four warps the 16-row slices of one m64n64 wgmma, so that the
- * accumulator is the same registers in the same order either way. */
-template <int COLS, bool WG>
+/* The 16-row, 64-column item a warp owns in grad_wy's dVb (W3) and dKn (W6) products:
+ * rows by warp / (cols / 64). */
+template <int COLS>
 __device__ __forceinline__ void wy_item(int warp, int &rowb, int &colb) {
-  if constexpr (WG) {
-    rowb = (warp & 3) * 16;
-    colb = (warp >> 2) * 64;
-  } else {
-    rowb = warp / (COLS / 64) * 16;
-    colb = warp % (COLS / 64) * 64;
-  }
-}
-
-/* acc (this warp's 16 x 64 of a 64 x 64 warpgroup product) += A B over the chunk's C rows:
- * A's 16 x 16 tile kt from load(kt, fa) (this warp's rows; zeros where A is zero), B the
- * 64-column block at panel (a SW128 panel of C rows, MN-major: its rows are the k index).
- * One k16 product per commit group, the A fragments in two buffers: tile kt + 1 is read
- * from shared memory while product kt runs, and a buffer is refilled only once the
- * product that read it is done (wait_group 1) -- 8 fragment registers instead of 4 C / 16
- * (all four tiles held spilled 100 bytes at 80 registers).  Returns with every product
- * done; the accumulator fences keep the compiler from moving its reads or writes across
- * the asynchronous products. */
-template <int C, class Load>
-__device__ __forceinline__ void wy_wgmma(float (&acc)[8][4], Load load, uint32_t panel) {
-  uint32_t fa[2][4];
-  wg_fence_acc(acc);
-#pragma unroll
-  for (int kt = 0; kt < C / 16; kt++) {
-    if (kt >= 2) wg_wait<1>();
-    load(kt, fa[kt & 1]);
-    wg_fence();
-    wg_m64n64k16_rs<1>(acc, fa[kt & 1], wg_desc_sw128(panel + kt * 2048, C * 128, 1024));
-    wg_commit();
-  }
-  wg_wait<0>();
-  wg_fence_acc(acc);
+  rowb = warp / (COLS / 64) * 16;
+  colb = warp % (COLS / 64) * 64;
 }
 
 /* A special register (0: %tid.x, 1: %ctaid.x, 2: %ctaid.y) read anew: volatile, so never
@@ -144,8 +103,8 @@ __device__ __forceinline__ void lower_tile(int t, int &ti, int &tj) {
  * NB - ti steps, then the heavy epilogue), slot 0 and 1; -1: none.  Up to 8 tiles, tile =
  * warp.  At C = 64 (10 tiles) two warps take two, and those get the cheapest: W5 warps 6, 7
  * the tiles of row 3 (one step each) where tile = warp, warp + 8 gave warps 0, 1 five steps
- * and two epilogues; W4 the tiles of column 0 (one step each) to warps 6, 7.  (ncu, session
- * 11: the barrier after W5 held ~8% of grad_wy's warp stall samples.) */
+ * and two epilogues; W4 the tiles of column 0 (one step each) to warps 6, 7.  (ncu: the
+ * barrier after W5 held ~8% of grad_wy's warp stall samples.) */
 template <int NL>
 __device__ __forceinline__ int w5_tile(int warp, int slot) {
   static_assert(NL <= 10, "C <= 64");
@@ -280,8 +239,7 @@ __device__ __forceinline__ void grad_wy_kk(uint32_t s0, int ti, int tj, const La
 /* The WY part of the per-chunk gradients (one block of 8 warps per (chunk, head)), after
  * chunk_grad_state_kernel (its dKnA, dWg, dgcA) and the recompute's prep (T^T, bf16, the
  * only precision this kernel uses T in: every product with T is on bf16 mma operands,
- * and the epilogues use A, recomputed in float32 from kn kn^T) -- variant 2's phases
- * P7-P8 on mma.sync:
+ * and the epilogues use A, recomputed in float32 from kn kn^T), on mma.sync:
  *   A = strictly-lower(beta_i e^{gc_i-gc_j} kn_i.kn_j),  T = (I + A)^-1 (the prep's)
  *   dVb = T^T dD:  dv = beta dVb,  dbeta += v . dVb
  *   dKb = T^T dW:  dKn += beta e^{gc} dKb,  s = e^{gc} kn . dKb: dbeta += s, dgc += beta s
@@ -291,19 +249,13 @@ __device__ __forceinline__ void grad_wy_kk(uint32_t s0, int ti, int tj, const La
  *   dk = l2-norm backward of dKnA + dKn;  dg = reverse cumsum of dgcA + dgc (step 0 rows).
  * Warp w < (C/16)(K/64) owns the dKn item (16 steps x 64 key columns) in registers from
  * dKb to the dk store.  Blocks per SM: grad_wy_blocks.
- * NEW (default; GDP_CUDA_V3_WY=old the session-5 schedule, =compare both, byte for byte):
- * the same products in the same order, scheduled differently (NOTES.md "grad_wy wy5"):
- * with kLateDW, W5's kn kn^T tiles are computed while dW comes in from L2 (they only read
- * kn) instead of in W5; dKnA (and, late, dW) are prefetched into L2 again nearer their
- * use; dg's reverse cumsum is stored by the 32 lanes of warp 7 instead of one thread. */
-template <int K, int V, int C, int TC, bool NEW = true, int WGB = 0>
-__global__ void __launch_bounds__(256, WGB ? WGB : grad_wy_blocks(K, V, C)) chunk_grad_wy_kernel(GdpArgs a, GradStateOut go) {
-  pdl_wait(); /* the state part's dKnA, dWg, dgcA */
-  constexpr bool WG = WGB != 0; /* WGB: wgmma, compiled for WGB blocks per SM */
-  using L = GradWYLayout<K, V, C, WG>;
-  static_assert(!WG || (NEW && C == 64 && K == 128 && V == 128 && L::kLateDW),
-                "WG: the 64-row products of C = 64, K = V = 128 (two warpgroups, one 64-column block each)");
-  constexpr bool kPreKK = NEW && L::kLateDW; /* W5's kk computed in the dW wait */
+ * Scheduling (docs/kernels.md §3.5): with kLateDW, W5's kn kn^T tiles are computed while
+ * dW comes in from L2 (they only read kn) instead of in W5, and dW is prefetched into L2
+ * again nearer its copy; dg's reverse cumsum is stored by the 32 lanes of warp 7. */
+template <int K, int V, int C, int TC>
+__global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) chunk_grad_wy_kernel(GdpArgs a, GradStateOut go) {
+  using L = GradWYLayout<K, V, C>;
+  constexpr bool kPreKK = L::kLateDW; /* W5's kk computed in the dW wait */
   constexpr int NN = C / TC, NB = C / 16, NI = (C / 16) * (K / 64), NL = NB * (NB + 1) / 2, NVB = NB * (V / 64);
   static_assert(K % 64 == 0 && V % 64 == 0 && C % 16 == 0 && C <= 64 && NI <= 8 && NL <= 10, "shapes");
   static_assert(L::total <= 76800 || grad_wy_blocks(K, V, C) < 3, "three blocks per SM fit in shared memory");
@@ -322,23 +274,18 @@ __global__ void __launch_bounds__(256, WGB ? WGB : grad_wy_blocks(K, V, C)) chun
   static_assert(WS::count == L::nS, "slots");
   float *S = (float *)(smem + L::oS);
   const uint32_t s0 = smem_addr(smem);
-  if (WG && (s0 & 1023)) __trap(); /* the SW128 panels' swizzle is that of absolute addresses */
 
   /* ---- loads, by cp.async in two groups: the raw k rows (normalised in place below),
    * then v, dD, dW and T^T (first read in W3, so their latency overlaps the norms).
    * dKnA (read at the end) is pulled into L2 now so that that read does not wait on
    * DRAM; so is dW where it arrives late (kLateDW: copied in after W3a). */
-  if constexpr (WG) copy_panel_sw128<C, K, 256>(smem + L::oKn, gk + (krow0 * H + h) * K, (int64_t)H * K, nv);
-  else copy_panel<C, K, 256>(smem + L::oKn, L::ldK, gk + (krow0 * H + h) * K, (int64_t)H * K, nv);
+  copy_panel<C, K, 256>(smem + L::oKn, L::ldK, gk + (krow0 * H + h) * K, (int64_t)H * K, nv);
   cp_async_commit();
   copy_panel<C, V, 256>(smem + L::oV, L::ldV, gv + (krow0 * H + h) * V, (int64_t)H * V, nv);
-  if constexpr (WG) copy_panel_sw128<C, V, 256>(smem + L::odD, a.dDbuf + CHi * C * V, V, C);
-  else copy_panel<C, V, 256>(smem + L::odD, L::ldV, a.dDbuf + CHi * C * V, V, C);
+  copy_panel<C, V, 256>(smem + L::odD, L::ldV, a.dDbuf + CHi * C * V, V, C);
   if constexpr (!L::kLateDW) copy_panel<C, K, 256>(smem + L::odW, L::ldK, go.dWg + CHi * C * K, K, C);
   copy_panel<C, C, 256>(smem + L::oT, L::ldC, go.Tt + CHi * C * C, C, C);
   cp_async_commit();
-  if (tid == 0 && (go.wy_pf & 1)) prefetch_l2_bulk(dkna_slice(go, CHi, C * K), dkna_bytes(go, C * K));
-  if (L::kLateDW && tid == 32 && (go.wy_pf & 4)) prefetch_l2_bulk(go.dWg + CHi * C * K, C * K * 2);
   if (tid < C) {
     const bool ok = tid < nv;
     sGp[tid] = (gg && ok && tid % n == 0) ? __bfloat162float(gg[((int64_t)ci.t0 + tid / n) * H + h]) : 0.f;
@@ -368,11 +315,10 @@ __global__ void __launch_bounds__(256, WGB ? WGB : grad_wy_blocks(K, V, C)) chun
   }
   /* ---- kn: l2 norms */
   { /* kn in place, the forward prep's l2 norm (row_l2_inv, shared with chunk_state_pass.cuh): LPR =
-     * K / 8 lanes per row, 8 elements (one 16-byte chunk, whole under the SW128 swizzle too)
+     * K / 8 lanes per row, 8 elements (one 16-byte chunk)
      * a lane, RPS rows per warp and step -- the same sums in the same order, so kn and kinv
-     * are the prep's bit for bit.  It was a warp per row (2-byte accesses, five-shuffle sums, eight rows in
-     * turn): ~16% of the kernel's warp stall samples with the gate's cumsum (ncu, session
-     * 11), where grad_state's quad-per-row norms had been made cheap in session 5.  Rows
+     * are the prep's bit for bit (a warp per row, 2-byte accesses and five-shuffle sums,
+     * held ~16% of the kernel's warp stall samples with the gate's cumsum, ncu).  Rows
      * past the end were zero-filled. */
     constexpr int LPR = K / 8, RPS = 32 / LPR, STEPS = (C + 8 * RPS - 1) / (8 * RPS);
     static_assert(C % RPS == 0, "a step's rows of a warp are all in or all out (its shuffles need every lane)");
@@ -392,34 +338,24 @@ __global__ void __launch_bounds__(256, WGB ? WGB : grad_wy_blocks(K, V, C)) chun
       if (lane % LPR == 0) sKinv[i] = inv;
     }
   }
-  if constexpr (WG) fence_proxy_async_smem(); /* kn is W6's wgmma operand */
   __syncthreads();
 
 
   cp_async_wait<0>(); /* v, dD, dW, T^T */
-  if constexpr (WG) fence_proxy_async_smem(); /* dD: dVb's wgmma operand */
   __syncthreads();
-  if constexpr (NEW && L::kLateDW) /* again, nearer its copy (W3a's end): the first may have left L2 */
+  if constexpr (L::kLateDW) /* again, nearer its copy (W3a's end): the first may have left L2 */
     if (tid == 32) prefetch_l2_bulk(go.dWg + CHi * C * K, C * K * 2);
 
   /* ---- W3: dVb (dv out) and the dT tiles (dT item t to warp 7 - t % 8: the dVb items
    * of the high warps are the short ones, vjb near C).  dKb = T^T dW is computed in W6,
    * where its accumulators are needed (T^T and dW stay untouched until then): held from
    * here to W6 they made C = 48 spill at 128 registers. */
-  for (int item = warp; item < NVB; item += 8) { /* dVb = T^T dD (WG: NVB = 8, one item a warp) */
+  for (int item = warp; item < NVB; item += 8) { /* dVb = T^T dD */
     const LaneMaps m = lane_maps();
     int vjb, xb;
-    wy_item<V, WG>(item, vjb, xb);
+    wy_item<V>(item, vjb, xb);
     float acc[8][4] = {};
-    if constexpr (WG) { /* the warpgroup's 64 x 64 block in one product; T^T's zero tiles as zero fragments */
-      wy_wgmma<C>(
-          acc,
-          [&](int kt, uint32_t(&f)[4]) {
-            f[0] = f[1] = f[2] = f[3] = 0u;
-            if (kt * 16 + 15 >= vjb) ldsm_x4(s0 + L::oT + ((vjb + m.arow) * L::ldC + kt * 16 + m.acol) * 2, f[0], f[1], f[2], f[3]);
-          },
-          s0 + L::odD + L::dpos(0, xb));
-    } else {
+    {
 #pragma unroll
       for (int kt = 0; kt < NB; kt++) {
         if (kt * 16 + 15 < vjb) continue;
@@ -482,8 +418,7 @@ __global__ void __launch_bounds__(256, WGB ? WGB : grad_wy_blocks(K, V, C)) chun
     __syncthreads(); /* v and dD read for the last time (dVb, dD V^T): dW over v, from L2 */
     {
       const int64_t CHl = (int64_t)fresh_sreg<1>() * H + fresh_sreg<2>();
-      if constexpr (WG) copy_panel_sw128<C, K, 256>(smem + L::odW, go.dWg + CHl * C * K, K, C);
-      else copy_panel<C, K, 256>(smem + L::odW, L::ldK, go.dWg + CHl * C * K, K, C);
+      copy_panel<C, K, 256>(smem + L::odW, L::ldK, go.dWg + CHl * C * K, K, C);
       cp_async_commit();
     }
     if constexpr (kPreKK) { /* W5's kk tiles (items warp, warp + 8) while dW is in flight */
@@ -499,7 +434,6 @@ __global__ void __launch_bounds__(256, WGB ? WGB : grad_wy_blocks(K, V, C)) chun
       }
     }
     cp_async_wait<0>();
-    if constexpr (WG) fence_proxy_async_smem(); /* dW: W6's wgmma operand */
     __syncthreads();
     /* ---- W3b: dT (over dD) from the scratch sums and dW kn^T */
     for (int item = 7 - (fresh_sreg<0>() >> 5); item < NL; item += 8) {
@@ -515,9 +449,6 @@ __global__ void __launch_bounds__(256, WGB ? WGB : grad_wy_blocks(K, V, C)) chun
 
   /* ---- W4: X = dT T^T (T[j][m] = 0 for m > j); only the lower tiles: dA[ti][tj <= ti]
    * reads X[m][tj] for m >= ti >= tj */
-  if constexpr (NEW) /* dKnA into L2 again, nearer its read (W6's end) */
-    if (fresh_sreg<0>() == 0 && (go.wy_pf & 2))
-      prefetch_l2_bulk(dkna_slice(go, (int64_t)fresh_sreg<1>() * H + fresh_sreg<2>(), C * K), dkna_bytes(go, C * K));
 #pragma unroll
   for (int sl = 0; sl < 2; sl++) {
     const int item = w4_tile<NL>(warp, sl);
@@ -632,13 +563,12 @@ __global__ void __launch_bounds__(256, WGB ? WGB : grad_wy_blocks(K, V, C)) chun
     const int warp = fresh_sreg<0>() >> 5;
     const LaneMaps m = lane_maps();
     int jb, rb;
-    wy_item<K, WG>(warp, jb, rb);
+    wy_item<K>(warp, jb, rb);
     const int64_t CHi = (int64_t)fresh_sreg<1>() * H + fresh_sreg<2>();
     /* ---- W6: own item: dKn = beta e^{gc} (T^T dW) + G kn + G^T kn + dKnA; l2-norm
      * backward; dk out */
     if (warp < NI) {
-      if constexpr (L::kDknaSmem)
-        if (go.dkna16) { /* this warp's dKnA slice into shared memory, read after the products */
+      if constexpr (L::kDknaSmem) { /* this warp's dKnA slice into shared memory, read after the products */
           const bf16 *src = reinterpret_cast<const bf16 *>(go.dKnA) + CHi * C * K + (int64_t)jb * K + rb;
           unsigned char *dst = smem + L::dkna_slice(warp);
           const int lane = fresh_sreg<0>() & 31;
@@ -649,15 +579,7 @@ __global__ void __launch_bounds__(256, WGB ? WGB : grad_wy_blocks(K, V, C)) chun
           }
           cp_async_commit();
         }
-      if constexpr (WG) { /* dKb = T^T dW; T^T's zero tiles (i < j) as zero fragments */
-        wy_wgmma<C>(
-            dkn,
-            [&](int kt, uint32_t(&f)[4]) {
-              f[0] = f[1] = f[2] = f[3] = 0u;
-              if (kt * 16 + 15 >= jb) ldsm_x4(s0 + L::oT + ((jb + m.arow) * L::ldC + kt * 16 + m.acol) * 2, f[0], f[1], f[2], f[3]);
-            },
-            s0 + L::odW + L::kpos(0, rb));
-      } else {
+      {
 #pragma unroll
         for (int kt = 0; kt < NB; kt++) { /* dKb = T^T dW */
           if (kt * 16 + 15 < jb) continue; /* T^T[j][i] = 0 for i < j */
@@ -690,25 +612,7 @@ __global__ void __launch_bounds__(256, WGB ? WGB : grad_wy_blocks(K, V, C)) chun
         s += __shfl_xor_sync(0xffffffffu, s, 2);
         if (m.tig == 0) S[WS::dkb + (rb / 64) * C + j] = s;
       }
-      if constexpr (WG) { /* G kn, then G^T kn, each one warpgroup product over the C rows of kn;
-                           * G's unwritten upper tiles as zero fragments */
-        wy_wgmma<C>(
-            dkn,
-            [&](int kt, uint32_t(&f)[4]) {
-              f[0] = f[1] = f[2] = f[3] = 0u;
-              if (kt * 16 <= jb + 15) /* G[j][m] = 0 for m >= j */
-                ldsm_x4(s0 + L::oG + ((jb + m.arow) * L::ldC + kt * 16 + m.acol) * 2, f[0], f[1], f[2], f[3]);
-            },
-            s0 + L::oKn + L::kpos(0, rb));
-        wy_wgmma<C>(
-            dkn,
-            [&](int kt, uint32_t(&f)[4]) {
-              f[0] = f[1] = f[2] = f[3] = 0u;
-              if (kt * 16 + 15 > jb) /* G[m][j] = 0 for m <= j */
-                ldsm_x4_t(s0 + L::oG + ((kt * 16 + m.atk) * L::ldC + jb + m.atm) * 2, f[0], f[1], f[2], f[3]);
-            },
-            s0 + L::oKn + L::kpos(0, rb));
-      } else {
+      {
 #pragma unroll
         for (int kt = 0; kt < NB; kt++) {
           if (kt * 16 > jb + 15) continue; /* G[j][m] = 0 for m >= j */
@@ -737,7 +641,7 @@ __global__ void __launch_bounds__(256, WGB ? WGB : grad_wy_blocks(K, V, C)) chun
         }
       }
       const int64_t o = CHi * C * K + (int64_t)(jb + m.grp) * K + rb + 2 * m.tig;
-      if (L::kDknaSmem && go.dkna16) {
+      if (L::kDknaSmem) {
         cp_async_wait<0>();
         __syncwarp(); /* the other lanes' copies */
         const unsigned char *sl = smem + L::dkna_slice(warp) + m.grp * 128 + 4 * m.tig; /* rows grp, grp + 8: same swizzle */
@@ -748,20 +652,12 @@ __global__ void __launch_bounds__(256, WGB ? WGB : grad_wy_blocks(K, V, C)) chun
                        u1 = unpack_bf16(*reinterpret_cast<const uint32_t *>(sl + 8 * 128 + c));
           dkn[nt][0] += u0.x, dkn[nt][1] += u0.y, dkn[nt][2] += u1.x, dkn[nt][3] += u1.y;
         }
-      } else if (go.dkna16) {
+      } else {
         const bf16 *pa = reinterpret_cast<const bf16 *>(go.dKnA) + o;
 #pragma unroll
         for (int nt = 0; nt < 8; nt++) {
           const float2 u0 = unpack_bf16(*reinterpret_cast<const uint32_t *>(pa + nt * 8)),
                        u1 = unpack_bf16(*reinterpret_cast<const uint32_t *>(pa + 8 * K + nt * 8));
-          dkn[nt][0] += u0.x, dkn[nt][1] += u0.y, dkn[nt][2] += u1.x, dkn[nt][3] += u1.y;
-        }
-      } else {
-        const float *pa = go.dKnA + o;
-#pragma unroll
-        for (int nt = 0; nt < 8; nt++) {
-          const float2 u0 = *reinterpret_cast<const float2 *>(pa + nt * 8),
-                       u1 = *reinterpret_cast<const float2 *>(pa + 8 * K + nt * 8);
           dkn[nt][0] += u0.x, dkn[nt][1] += u0.y, dkn[nt][2] += u1.x, dkn[nt][3] += u1.y;
         }
       }
@@ -792,7 +688,7 @@ __global__ void __launch_bounds__(256, WGB ? WGB : grad_wy_blocks(K, V, C)) chun
       /* afresh: the kn row addresses (and jb, rb) are not kept across the barrier */
       const LaneMaps m = lane_maps();
       int jb, rb;
-      wy_item<K, WG>(warp, jb, rb);
+      wy_item<K>(warp, jb, rb);
       bf16 *dk = (bf16 *)a.dk;
 #pragma unroll
       for (int hf = 0; hf < 2; hf++) {
@@ -827,8 +723,10 @@ __global__ void __launch_bounds__(256, WGB ? WGB : grad_wy_blocks(K, V, C)) chun
       }
       __syncwarp();
     }
-    if (NEW && a.g && warp == 7) { /* as below, but the 32 lanes store: lane 0 runs the same sum
-                                    * and leaves the running values in sDgc */
+    if (a.g && warp == 7) { /* reverse cumsum of the step gradients (a token's dg is its step
+                             * 0's): lane 0 reads all C values first (vector loads), runs the
+                             * sequential sum and leaves the running values in sDgc; the 32
+                             * lanes store */
       if ((tid & 31) == 0) {
         float dgc[C];
 #pragma unroll
@@ -849,23 +747,6 @@ __global__ void __launch_bounds__(256, WGB ? WGB : grad_wy_blocks(K, V, C)) chun
       __syncwarp();
       const int t = tid & 31; /* token t of the chunk: step row t n (C / n <= 32) */
       if (t * n < C && t * n < nv) ((bf16 *)a.dg)[((int64_t)ci.t0 + t) * H + h] = __float2bfloat16(sDgc[t * n]);
-    }
-    if (!NEW && a.g && tid == 32 * 7) { /* reverse cumsum of the step gradients; a token's dg is its step 0's.
-                                 * All C values are read first (vector loads), then the same
-                                 * sequential sum: the chain is C adds, not C shared-memory round trips. */
-      float dgc[C];
-#pragma unroll
-      for (int i = 0; i < C; i += 4) {
-        const float4 v4 = *reinterpret_cast<const float4 *>(sDgc + i);
-        dgc[i] = v4.x, dgc[i + 1] = v4.y, dgc[i + 2] = v4.z, dgc[i + 3] = v4.w;
-      }
-      float run = 0.f;
-      bf16 *dgo = (bf16 *)a.dg + (int64_t)ci.t0 * H + h;
-#pragma unroll
-      for (int i = C - 1; i >= 0; i--) {
-        run += dgc[i];
-        if (i % n == 0 && i < nv) dgo[(int64_t)(i / n) * H] = __float2bfloat16(run);
-      }
     }
   }
 }

@@ -40,7 +40,7 @@ struct PrepSplit {
  * (row x = column x of T, the layout the solve's threads write with 16-byte stores).
  * At K = V = 128, C = 64 that is 52.5 KB: four blocks per SM.  NOV (the prep that stores
  * Tu^T instead of U, TU_OUT): no v region (17 KB less at V = 128, C = 64). */
-template <int K, int V, int C, int TC, bool STAGED = false, bool SPLIT = false, bool NOV = false>
+template <int K, int V, int C, int TC, bool NOV = false>
 struct PrepLayout {
   static constexpr int ldK = K + kPad, ldV = V + kPad, ldT = C + kPad;
   static constexpr int oK = 0;                   /* k rows, then kn (bf16) */
@@ -52,7 +52,7 @@ struct PrepLayout {
   static constexpr int oTw = oQ;                 /* (T diag(beta e^gc))^T (bf16) */
   static constexpr int oTu = oTw + C * ldT * 2;  /* (T diag(beta))^T (bf16) */
   static constexpr int endA = oA + prep_a_row(C) * 4, endT = oTu + C * ldT * 2;
-  /* SPLIT: the split solve's buffer over q (dead by then) where q's rows hold it (K = 128
+  /* the split solve's buffer over q (dead by then) where q's rows hold it (K = 128
    * with TC = 32: 7.5 KB in q's 8.5 at C = 64, no growth); at C = 48 after A and Tw^T /
    * Tu^T (+5.6 KB, still four blocks per SM), so that warp 0 reads its rows back after
    * the last barrier, not across the other write-outs (8-16 bytes spilled otherwise);
@@ -61,12 +61,12 @@ struct PrepLayout {
   static constexpr int oSolve = TC * ldK * 2 >= PrepSplit<C>::bytes ? oQ
                                 : C == 48                         ? (endAT + 15) / 16 * 16
                                                                   : (endA + 15) / 16 * 16;
-  static constexpr int endS = SPLIT ? oSolve + PrepSplit<C>::bytes : 0;
+  static constexpr int endS = oSolve + PrepSplit<C>::bytes;
   static constexpr int end = endAT > endS ? endAT : endS;
-  /* STAGED (prep_wu_staged): one 8 x 32 bf16 staging tile (512 bytes) per warp after
+  /* prep_wu_staged: one 8 x 32 bf16 staging tile (512 bytes) per warp after
    * everything else: 52.5 -> 54.5 KB at K = V = 128, C = 64, still four blocks per SM */
   static constexpr int oStage = (end + 127) / 128 * 128;
-  static constexpr int total = STAGED ? oStage + 4 * 512 : end;
+  static constexpr int total = oStage + 4 * 512;
 };
 
 /* A fragment (16 x 16, row-major source with row stride ld elements) at rows rb,
@@ -382,9 +382,8 @@ __device__ __forceinline__ void prep_t_rows_out(const float *t, int i0, int x, f
 }
 
 /* The split solve (prep_split_*) and the panels Tw^T, Tu^T (and T^T) from it: the same
- * bits as the row-serial block in chunk_prep_kernel, with 4 more barriers.  sBuf: the
- * layout's oSolve (over q, or after A); Tw^T / Tu^T go over q and A after the last
- * barrier, as before. */
+ * bits as a one-thread-per-column solve, with 4 more barriers.  sBuf: the layout's
+ * oSolve (over q, or after A); Tw^T / Tu^T go over q and A after the last barrier. */
 template <int C, bool STORE_T, class L>
 __device__ __forceinline__ void prep_split_solve(const float *sA, float *sBuf, const float *sBeta, const float *sGc,
                                                  bf16 *sTw, bf16 *sTu, bf16 *Tt, int64_t CHi, int warp, int lane) {
@@ -442,13 +441,12 @@ __device__ __forceinline__ void prep_split_solve(const float *sA, float *sBuf, c
   }
 }
 
-/* The W/U phase of chunk_prep_kernel with WU_STAGED (same products, same bits as the
- * unrolled phase in the kernel): W = Tw Kn, U = Tu V (and U's residual with STORE_ULO)
+/* The W/U phase of chunk_prep_kernel: W = Tw Kn, U = Tu V (and U's residual with STORE_ULO)
  * by items of 16 rows x 64 columns, each warp taking the items PrepWuSched gives it, but
  *  - in a runtime loop over the items (one copy of the code per item kind, W or U,
  *    instead of one per item: the unrolled phase is 19 KB of the kernel's 139.5 KB at
  *    K = V = 128, C = 64, and 36 KB with the residual, which took the kernel past what
- *    the instruction cache holds -- NOTES.md, "The backward's prep");
+ *    the instruction cache holds -- docs/kernels.md §3.2);
  *  - U's items first, so that their stores (twice as many with the residual) drain
  *    behind the W items' products rather than at the block's exit;
  *  - every output through prep_stage_store: 16-byte stores of 64 contiguous bytes per
@@ -553,55 +551,54 @@ __device__ __forceinline__ void prep_store_tu(const GdpArgs &a, int64_t CHi, uin
   }
 }
 
-/* One block (4 warps) per (chunk, head).  Same outputs as variant 2's chunk_prep_kernel
- * (gdp_fwd.cu): W, U, Kd, Qd, Pm (bf16) and e^{last}, with these differences of method:
+/* One block (4 warps) per (chunk, head): W, U, Kd, Qd, Pm (bf16) and e^{last}, by this
+ * method:
  *  - products on mma.sync with the accumulators' epilogues applied in registers; tiles
  *    that are zero by the causal structure (A above the diagonal, Pm past each query's
  *    last key row, T above the diagonal) are skipped, with a compile-time schedule
  *    balancing the remaining tiles over the warps;
- *  - T = (I + A)^-1 by forward substitution with one thread per column of T, the column
- *    in registers (no barrier inside the solve: the columns are independent), float32;
- *    A is stored packed (strictly lower part only) so that the block fits 4 per SM;
+ *  - T = (I + A)^-1 by forward substitution in float32, split over the four warps
+ *    (prep_split_solve); A is stored packed (strictly lower part only) so that the block
+ *    fits 4 per SM;
  *  - beta and e^{gc} are folded into T's columns before its bf16 rounding
  *    (W = (T diag(beta e^gc)) Kn, U = (T diag(beta)) V), so v enters the product exactly
  *    as given instead of through a rounded beta v;
  *  - the l2 norms run K/8 lanes per row, 16 bytes a lane, every row of the chunk
- *    unrolled (the rows' shuffle chains overlap);
- *  - v arrives in its own cp.async group, waited for only before U's product.
+ *    unrolled (the rows' shuffle chains overlap), each step's row kind (k or q) known at
+ *    compile time;
+ *  - v arrives in its own cp.async group, waited for only before U's product;
+ *  - the W/U phase is prep_wu_staged (a runtime item loop, 16-byte stores through shared
+ *    memory): the same bits in less code (at K = V = 128, n = 2 with T^T and the residual
+ *    stored: 158 -> 128 KB of code, the plain kernel 139.5), which keeps the kernel inside
+ *    the instruction cache (docs/kernels.md §3.2).
+ * At C = 32 the kernel is compiled for five blocks per SM (96 registers; shared memory
+ * holds five there; it took 102-106 registers unasked).
  * For the panels a backward will read (the recompute backward's prep and a forward
  * saving for backward): STORE_T: T itself, unscaled, rounded to bf16, also goes to
  * global as T^T (row x = column x of T, [C][C] per (chunk, head) at Tt), for
- * chunk_grad_wy_kernel (chunk_backward.cu), which would otherwise solve for it again; STORE_ULO:
- * U's bf16 rounding residual to a.Ulo.  Both are template flags, not runtime tests: with
- * the residual's runtime test in it (never taken), the plain forward's prep at n = 2 ran
- * 0.86 ms instead of 0.50 on the H200 (session 3); its instantiation <false, false> is
- * instruction for instruction the kernel without either store.  WU_STAGED: the W/U
- * phase as prep_wu_staged (runtime item loop, 16-byte stores through shared memory), the
- * same bits in less code (<true, true> at K = V = 128, n = 2: 158 -> 128 KB, the plain
- * kernel 139.5), which is what brings it back inside the instruction cache (NOTES.md).
- * SPLIT: the triangular solve on four warps (prep_split_solve), the l2 steps' row kind
- * known at compile time, and at C = 32 five blocks per SM asked of ptxas (96 registers:
- * shared memory holds five there, and main's kernel happened to fit them; this one took
- * 102-106 registers unasked).  Same bits as without.
- * TU_OUT (the forward, GDP_CUDA_V3_U=tv): no U at all -- v is not read, U's
- * items are skipped -- and Tu^T (the U product's own bf16 operand) goes to a.Tu instead;
- * the state pass forms U = Tu V from v (chunk_state_kernel's TU).  W, Kd, Qd, Pm, T^T and
- * e^last are the same bits as without.  FIVE (with TU_OUT): compiled for five blocks per
- * SM (96 registers; without v's region five fit in shared memory at C = 48, 64), where
- * four is the default elsewhere; ptxas: no spills at C = 32, 48, ~56 bytes at C = 64.
+ * chunk_grad_wy_kernel, which would otherwise solve for it again; STORE_ULO: U's bf16
+ * rounding residual to a.Ulo.  Both are template flags, not runtime tests: with the
+ * residual's runtime test in it (never taken), the plain forward's prep at n = 2 ran
+ * 0.86 ms instead of 0.50 on the H200; its instantiation <false, false> is instruction
+ * for instruction the kernel without either store.
+ * TU_OUT (a state pass that forms U itself, docs/kernels.md §3.3): no U at all -- v is
+ * not read, U's items are skipped -- and Tu^T (the U product's own bf16 operand) goes to
+ * a.Tu instead; the state pass forms U = Tu V from v (chunk_state_kernel's TU).  W, Kd,
+ * Qd, Pm, T^T and e^last are the same bits as without.  FIVE (with TU_OUT): compiled for
+ * five blocks per SM (96 registers; without v's region five fit in shared memory at
+ * C = 48, 64), where four is the default elsewhere; ptxas: no spills at C = 32, 48, ~56
+ * bytes at C = 64.
  */
-template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO, bool WU_STAGED, bool SPLIT, bool TU_OUT = false,
-          bool FIVE = false>
-__global__ void __launch_bounds__(128, FIVE || (SPLIT && C == 32) ? 5 : 4)
+template <int K, int V, int C, int TC, bool STORE_T, bool STORE_ULO, bool TU_OUT = false, bool FIVE = false>
+__global__ void __launch_bounds__(128, FIVE || C == 32 ? 5 : 4)
     chunk_prep_kernel(GdpArgs a, bf16 *Tt, uint32_t wu_owners, int head_first) {
   /* the state pass after it may be scheduled once every prep block has started (it waits
    * for the prep's completion before it reads a panel): no launch gap */
-  pdl_launch_dependents();
-  using L = PrepLayout<K, V, C, TC, WU_STAGED, SPLIT, TU_OUT>;
+  using L = PrepLayout<K, V, C, TC, TU_OUT>;
   static_assert(K % 64 == 0 && V % 64 == 0 && C % 16 == 0 && TC % 16 == 0 && C <= 64 && TC <= 32 &&
                     C % TC == 0,
                 "prep shapes");
-  static_assert(!TU_OUT || (WU_STAGED && !STORE_ULO), "TU_OUT: the staged prep, without U's residual");
+  static_assert(!TU_OUT || !STORE_ULO, "TU_OUT: without U's residual");
   static_assert(TU_OUT || !FIVE, "five blocks per SM only without v's region");
   constexpr int n = C / TC; /* tokens of n key rows: the launcher pairs (C, TC) with n */
   extern __shared__ __align__(128) unsigned char smem[];
@@ -663,8 +660,8 @@ __global__ void __launch_bounds__(128, FIVE || (SPLIT && C == 32) ? 5 : 4)
   if (tid < C) sBeta[tid] = tid < nv ? __bfloat162float(gbeta[(krow0 + tid) * H + h]) : 0.f;
   if (warp == 0) {
     /* gc of key row i = g summed over the tokens <= i/n, token by token from 0.f: the
-     * same additions, in the same order, as variant 2's row-wise sum (whose other terms
-     * are exact zeros).  Lane t ends with the sum through token t. */
+     * same additions, in the same order, as a row-wise serial sum over the chunk's steps
+     * (whose other terms are exact zeros).  Lane t ends with the sum through token t. */
     const float gt = (gg && lane < ci.ntok) ? __bfloat162float(gg[((int64_t)ci.t0 + lane) * H + h]) : 0.f;
     float acc = 0.f;
 #pragma unroll
@@ -690,12 +687,11 @@ __global__ void __launch_bounds__(128, FIVE || (SPLIT && C == 32) ? 5 : 4)
 #pragma unroll
     for (int st = 0; st < STEPS; st++) {
       const int i = (st * 4 + warp) * RPS + sub;
-      /* a step's rows are all k rows or all q rows (C is a multiple of 4 RPS): with SPLIT
-       * (the kernel that also has the split solve) that is known at compile time, so a
-       * step is straight-line code that the scheduler can overlap with its neighbours
+      /* a step's rows are all k rows or all q rows (C is a multiple of 4 RPS), known at
+       * compile time, so a step is straight-line code that the scheduler can overlap with its neighbours
        * (as a runtime test it put a branch, and the end of a basic block, in every step:
        * SASS BSSY / BRA); the same rows, the same operations, the same bits */
-      const bool isq = SPLIT ? st * 4 * RPS >= C : i >= C;
+      const bool isq = st * 4 * RPS >= C;
       const int row = isq ? i - C : i;
       bf16 *src = (isq ? sQ : sK) + row * L::ldK + c8;
       const uint4 raw = *reinterpret_cast<const uint4 *>(src);
@@ -710,11 +706,8 @@ __global__ void __launch_bounds__(128, FIVE || (SPLIT && C == 32) ? 5 : 4)
         kd[m] = pack_bf16(y0 * f, y1 * f);
       }
       *reinterpret_cast<uint4 *>(src) = make_uint4(kn[0], kn[1], kn[2], kn[3]);
-      if constexpr (SPLIT) /* one 16-byte store: with isq known, NVVM split the plain one into four */
+      /* one 16-byte store: with isq known, NVVM split the plain one into four */
         stg128((isq ? gQd : gKd) + (int64_t)row * K + c8, kd[0], kd[1], kd[2], kd[3]);
-      else
-        *reinterpret_cast<uint4 *>((isq ? gQd : gKd) + (int64_t)row * K + c8) =
-            make_uint4(kd[0], kd[1], kd[2], kd[3]);
     }
   }
   __syncthreads();
@@ -785,36 +778,8 @@ __global__ void __launch_bounds__(128, FIVE || (SPLIT && C == 32) ? 5 : 4)
    * columns 0..31, warp 1 columns 32..C-1, which are zero above row 32 (skipped).  Then
    * the column is scaled by beta_x e^{gc_x} (-> Tw) and by beta_x (-> Tu), rounded to
    * bf16 and stored as row x of Tw^T, Tu^T -- over q and A, hence the barrier between. */
-  if constexpr (SPLIT) {
+  {
     prep_split_solve<C, STORE_T, L>(sA, (float *)(smem + L::oSolve), sBeta, sGc, sTw, sTu, Tt, CHi, warp, lane);
-  } else {
-    float t[C];
-    const int x = tid;
-    if (warp == 0) prep_solve_column<C, 0>(sA, x, t);
-    if constexpr (C > 32) {
-      if (warp == 1 && x < C) prep_solve_column<C, 32>(sA, x, t);
-    }
-    __syncthreads();
-    if (x < C) {
-      const float bx = sBeta[x], bgx = bx * __expf(sGc[x]);
-#pragma unroll
-      for (int i = 0; i < C; i += 8) {
-        uint32_t w4[4], u4[4];
-#pragma unroll
-        for (int m = 0; m < 4; m++) {
-          w4[m] = pack_bf16(t[i + 2 * m] * bgx, t[i + 2 * m + 1] * bgx);
-          u4[m] = pack_bf16(t[i + 2 * m] * bx, t[i + 2 * m + 1] * bx);
-        }
-        *reinterpret_cast<uint4 *>(sTw + x * L::ldT + i) = make_uint4(w4[0], w4[1], w4[2], w4[3]);
-        *reinterpret_cast<uint4 *>(sTu + x * L::ldT + i) = make_uint4(u4[0], u4[1], u4[2], u4[3]);
-        if constexpr (STORE_T) { /* row x of T^T: 16-byte stores, a thread's row contiguous */
-          uint32_t t4[4];
-#pragma unroll
-          for (int m = 0; m < 4; m++) t4[m] = pack_bf16(t[i + 2 * m], t[i + 2 * m + 1]);
-          *reinterpret_cast<uint4 *>(Tt + (CHi * C + x) * C + i) = make_uint4(t4[0], t4[1], t4[2], t4[3]);
-        }
-      }
-    }
   }
   cp_async_wait<0>(); /* v */
   __syncthreads();
@@ -822,55 +787,9 @@ __global__ void __launch_bounds__(128, FIVE || (SPLIT && C == 32) ? 5 : 4)
   /* W = Tw Kn, U = Tu V: items of 16 rows x 64 columns, k tiles up to the diagonal.  The
    * A fragments come from the transposed panels by ldmatrix.trans: matrix m = lane/8
    * covers k rows kt 16 + 8(m/2).. and T rows rb + 8(m%2).. */
-  if constexpr (WU_STAGED) {
+  {
     if constexpr (TU_OUT) prep_store_tu<C, L>(a, CHi, s0);
     prep_wu_staged<K, V, C, STORE_ULO, L, TU_OUT>(a, CHi, s0, wu_owners);
-  } else {
-    constexpr int GK = K / 64, NR = C / 16, NI = (GK + V / 64) * NR;
-    const int trow = ((lane >> 3) & 1) * 8 + (lane & 7), tcol = (lane >> 4) * 8;
-    const int aoff = ((lane >> 4) * 8 + (lane & 7)) * L::ldT + ((lane >> 3) & 1) * 8;
-    prep_static_for<NI>([&](auto I) {
-      constexpr int item = decltype(I)::value, g = item / NR, r = item % NR;
-      constexpr bool isu = g >= GK;
-      constexpr int rb = r * 16, cb = (isu ? g - GK : g) * 64;
-      constexpr int owner = PrepWuSched<K, V, C>::wu.owner[item];
-      if (warp != owner) return;
-      const uint32_t tbase = s0 + (isu ? L::oTu : L::oTw) + (rb + aoff) * 2,
-                     bbase = s0 + (isu ? L::oV : L::oK);
-      constexpr int ldb = isu ? L::ldV : L::ldK;
-      float acc[8][4];
-#pragma unroll
-      for (int nt = 0; nt < 8; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-#pragma unroll 2 /* fully unrolled, the hoisted fragments would spill at 128 registers */
-      for (int kt = 0; kt <= r; kt++) {
-        uint32_t fa[4];
-        ldsm_x4_t(tbase + kt * 16 * L::ldT * 2, fa[0], fa[1], fa[2], fa[3]);
-#pragma unroll
-        for (int nt = 0; nt < 8; nt += 2) {
-          uint32_t b0, b1, b2, b3;
-          ldsm_x4_t(bbase + ((kt * 16 + trow) * ldb + cb + nt * 8 + tcol) * 2, b0, b1, b2, b3);
-          mma16816(acc[nt], fa, b0, b1);
-          mma16816(acc[nt + 1], fa, b2, b3);
-        }
-      }
-      bf16 *out = isu ? a.U + CHi * C * V : a.W + CHi * C * K;
-      /* STORE_ULO: U's rounding residual too (a.Ulo, plan.cuh), for the backward's
-       * D: U - bf16(U) is exact in float32, its bf16 rounding keeps U to ~16 bits */
-      constexpr int ldo = isu ? V : K;
-#pragma unroll
-      for (int nt = 0; nt < 8; nt++)
-#pragma unroll
-        for (int hf = 0; hf < 2; hf++) {
-          const int i = rb + grp + 8 * hf, col = cb + nt * 8 + 2 * tig;
-          const uint32_t hi = pack_bf16(acc[nt][2 * hf], acc[nt][2 * hf + 1]);
-          *reinterpret_cast<uint32_t *>(out + (int64_t)i * ldo + col) = hi;
-          if constexpr (STORE_ULO && isu) {
-            const float2 h2 = unpack_bf16(hi);
-            *reinterpret_cast<uint32_t *>(a.Ulo + CHi * C * V + (int64_t)i * ldo + col) =
-                pack_bf16(acc[nt][2 * hf] - h2.x, acc[nt][2 * hf + 1] - h2.y);
-          }
-        }
-    });
   }
   if (tid == 0) a.elast[CHi] = __expf(last);
 }

@@ -9,7 +9,7 @@
  *     D = U - W S,   o = Qd S + Pm D   (TC query rows),   S <- e^{last} S + Kd^T D.
  * The prep's method is described above chunk_prep_kernel.
  *
- * Why the state pass is laid out the way it is (kernels/cuda/NOTES.md, "Variant 3"):
+ * Why the state pass is laid out the way it is (docs/kernels.md §3.3):
  *  - Everything is computed transposed: S^T (BV x K), D^T = U^T - S^T W^T (BV x C),
  *    o^T = S^T Qd^T + D^T Pm^T (BV x TC), S^T <- e^{last} S^T + D^T Kd.  Then the value
  *    columns x are the M dimension of every product, and the float32 accumulator
@@ -62,35 +62,13 @@ struct Layout {
   static constexpr int total = oHt + (ULO ? BV / 16 * HtStage<K, C>::warp_bytes : 0);
 };
 
-/* ------------------------------------------------------------------ PTX wrappers: fragments.cuh */
-/* ------------------------------------------------------------------ chunk panels, state staging: fragments.cuh */
-
-/* ------------------------------------------------------------------ saved-state stores */
-
-/* The two stores of a forward that keeps its states for the backward (SAVE below), in
- * exactly the layouts chunk_state_recompute_kernel writes (chunk_backward.cu), so the backward's
- * gradient kernels read them unchanged:
- *  - h^T float32 [V][K] per (chunk, head): stage_hT32_half, two halves per chunk;
- *  - D bf16 [C][V] (variant 2's layout): stage_dfrags, from the A fragments of D^T. */
-
-
-
-
 /* ------------------------------------------------------------------ the state pass */
 
-/* The rounding residual of the bf16 A fragment A of -X's k tile kt (A[q] = bf16 pair of
- * -X[2kt + q/2][2(q%2)], [..+1], as the state passes pack D^T from its negated
- * accumulator): (-X) - A rounded to bf16; the difference is exact in float32, so A + R
- * is -X to ~16 bits.  The same helper is in chunk_backward.cu (separate translation units). */
-template <int NT2>
-__device__ __forceinline__ void afrag_residual_kt(const float (&X)[NT2][4], int kt, const uint32_t (&A)[4],
-                                                  uint32_t (&R)[4]) {
-#pragma unroll
-  for (int q = 0; q < 4; q++) {
-    const float2 a = unpack_bf16(A[q]);
-    R[q] = pack_bf16(-X[2 * kt + (q >> 1)][2 * (q & 1)] - a.x, -X[2 * kt + (q >> 1)][2 * (q & 1) + 1] - a.y);
-  }
-}
+/* The two stores of a forward that keeps its states for the backward (SAVE below), in
+ * exactly the layouts chunk_state_recompute_kernel writes, so the backward's gradient
+ * kernels read them unchanged (the PTX wrappers, panel copies and staging: fragments.cuh):
+ *  - h^T bf16 [V][K] per (chunk, head): stage_hT16_half, two halves per chunk;
+ *  - D bf16 [C][V] per (chunk, head): stage_dfrags, from the A fragments of D^T. */
 
 /* Grid (sequence, head, value block of BV columns); BV/16 warps, warp w owns value
  * columns col0 + 16w .. +15.  Fragment coordinates (grp = lane/4, tig = lane%4):
@@ -98,17 +76,16 @@ __device__ __forceinline__ void afrag_residual_kt(const float (&X)[NT2][4], int 
  *   Dt[nt][e]  = -D^T[x][j], j = 8nt + 2tig + e%2      (accumulated negated, see D)
  *   Ot[nt][e]  = o^T[x][a],  a = 8nt + 2tig + e%2
  * and the bf16 A fragments Sa[kt], Da[kt] cover k columns 16kt..16kt+15.
- * SAVE (a forward kept for the backward): per chunk also h^T (float32, S at the chunk
- * start) to hT32 and D (bf16) to a.Dbuf, the values chunk_state_recompute_kernel would
- * recompute -- the same products in the same order, so the same bits.  S16 (with SAVE):
- * h^T in bf16 to hT16 instead (GDP_CUDA_V3_STATE=bf16), the rounding the backward's
- * products apply to it anyway.  TU (the prep ran with TU_OUT; plain or SAVE): U is not read
+ * SAVE (a forward kept for the backward): per chunk also h^T (S at the chunk start, in
+ * bf16: the rounding the backward's products apply to it anyway; docs/kernels.md §3.3,
+ * bf16 chunk states) to hT16 and D (bf16) to a.Dbuf, the values
+ * chunk_state_recompute_kernel would recompute -- the same products in the same order, so
+ * the same bits.  TU (the prep ran with TU_OUT; plain or SAVE): U is not read
  * but formed here, U = Tu V from a.Tu and v's rows, on the same bf16 operands the prep's
  * U product takes, inside D's accumulator: D = U - W S in one float32 sum, where the
  * default saving pass starts from U's bf16 rounding plus its residual (~16 bits). */
-template <int K, int C, int TC, int BV, bool SAVE = false, bool S16 = false, bool TU = false>
-__global__ void __launch_bounds__(BV / 16 * 32, 1) chunk_state_kernel(GdpArgs a, float *hT32, bf16 *hT16) {
-  pdl_wait(); /* the prep's panels (launched as its programmatic dependent) */
+template <int K, int C, int TC, int BV, bool SAVE = false, bool TU = false>
+__global__ void __launch_bounds__(BV / 16 * 32, 1) chunk_state_kernel(GdpArgs a, bf16 *hT16) {
   using L = Layout<K, C, TC, BV, SAVE, TU>;
   constexpr int NT = BV / 16 * 32;
   static_assert(K % 32 == 0 && C % 16 == 0 && TC % 16 == 0 && BV % 16 == 0, "tile shapes");
@@ -182,10 +159,8 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) chunk_state_kernel(GdpArgs a,
                    sU = sb + L::oU;
     /* SAVE: h^T rows xw..xw+7 now, rows xw+8..15 after the D products (St is unchanged
      * until the decay): the stores of each half overlap the products that follow */
-    if constexpr (SAVE && S16)
+    if constexpr (SAVE)
       stage_hT16_half<K, C>(smem + L::oHt, hT16 + ((int64_t)c * H + h) * V * K + (int64_t)xw * K, St, 0);
-    else if constexpr (SAVE)
-      stage_hT32_half<K, C>(smem + L::oHt, hT32 + ((int64_t)c * H + h) * V * K + (int64_t)xw * K, St, 0);
 
     /* S^T at the chunk start as bf16 A fragments (for D and o) */
     uint32_t Sa[K / 16][4];
@@ -226,10 +201,7 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) chunk_state_kernel(GdpArgs a,
       Da[kt][3] = pack_bf16(-Dt[2 * kt + 1][2], -Dt[2 * kt + 1][3]);
     }
     if constexpr (SAVE) {
-      if constexpr (S16)
-        stage_hT16_half<K, C>(smem + L::oHt, hT16 + ((int64_t)c * H + h) * V * K + (int64_t)(xw + 8) * K, St, 1);
-      else
-        stage_hT32_half<K, C>(smem + L::oHt, hT32 + ((int64_t)c * H + h) * V * K + (int64_t)(xw + 8) * K, St, 1);
+      stage_hT16_half<K, C>(smem + L::oHt, hT16 + ((int64_t)c * H + h) * V * K + (int64_t)(xw + 8) * K, St, 1);
       stage_dfrags<K, C>(smem + L::oHt, a.Dbuf + ((int64_t)c * H + h) * C * V + xw, V, Da, 0u);
     }
 
@@ -273,34 +245,15 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) chunk_state_kernel(GdpArgs a,
     for (int nt = 0; nt < K / 8; nt++)
 #pragma unroll
       for (int e = 0; e < 4; e++) St[nt][e] *= el;
-    if (SAVE && a.d_residual) {
-      /* + Dl^T Kd, Dl = bf16(D - bf16(D)) (exact difference): D to ~16 bits in the states
-       * the gradients read, as chunk_state_recompute_kernel does (the same bits) */
 #pragma unroll
-      for (int kt = 0; kt < C / 16; kt++) {
-        uint32_t Dl[4];
-        afrag_residual_kt(Dt, kt, Da[kt], Dl);
+    for (int kt = 0; kt < C / 16; kt++)
 #pragma unroll
-        for (int nt = 0; nt < K / 8; nt += 2) {
-          uint32_t b0, b1, b2, b3;
-          ldsm_x4_t(sKd + ((kt * 16 + trow) * L::ldK + nt * 8 + tcol) * 2, b0, b1, b2, b3);
-          mma16816(St[nt], Da[kt], b0, b1);
-          mma16816(St[nt + 1], Da[kt], b2, b3);
-          mma16816(St[nt], Dl, b0, b1);
-          mma16816(St[nt + 1], Dl, b2, b3);
-        }
+      for (int nt = 0; nt < K / 8; nt += 2) {
+        uint32_t b0, b1, b2, b3;
+        ldsm_x4_t(sKd + ((kt * 16 + trow) * L::ldK + nt * 8 + tcol) * 2, b0, b1, b2, b3);
+        mma16816(St[nt], Da[kt], b0, b1);
+        mma16816(St[nt + 1], Da[kt], b2, b3);
       }
-    } else {
-#pragma unroll
-      for (int kt = 0; kt < C / 16; kt++)
-#pragma unroll
-        for (int nt = 0; nt < K / 8; nt += 2) {
-          uint32_t b0, b1, b2, b3;
-          ldsm_x4_t(sKd + ((kt * 16 + trow) * L::ldK + nt * 8 + tcol) * 2, b0, b1, b2, b3);
-          mma16816(St[nt], Da[kt], b0, b1);
-          mma16816(St[nt + 1], Da[kt], b2, b3);
-        }
-    }
   }
   cp_async_wait<0>(); /* no copy may outlive the block (the tail groups are empty) */
 
@@ -328,35 +281,13 @@ struct Ks2Stage {
   static_assert(8 * row16 <= warp_bytes, "bf16 staging fits");
 };
 
-/* stage_hT32_half / stage_hT16_half for a warp that holds the K half w of S^T: X[nt][e] =
+/* stage_hT16_half (fragments.cuh) for a warp that holds the K half w of S^T: X[nt][e] =
  * S^T[x][w K/2 + 8nt + 2tig + e%2], x = xw + grp + 8(e/2); half hf = rows xw + 8hf + grp.
  * `grow` = global h^T row xw + 8hf, column w K/2 (rows K apart).  Rows of K/2 elements,
  * read back as 16-byte pieces, lane l taking piece l % P of row l / P (P = pieces per
- * row), so each STG.128 writes whole 128-byte lines (K/2 floats = 256 or 128 bytes; K/2
- * bf16 = 128 or 64 bytes per row, the 64-byte rows in pairs of sectors).  `buf` = this
- * warp's Ks2Stage buffer.  Syncs as in stage_hT32_half. */
-template <int K, int C>
-__device__ __forceinline__ void ks2_stage_hT32(unsigned char *buf, float *grow, const float (&X)[K / 16][4], int hf) {
-  constexpr int kRow = Ks2Stage<K, C>::row;
-  constexpr int kF4 = K / 8;       /* float4 per half row: 16 (K = 128), 8 (K = 64) */
-  constexpr int kRows = 32 / kF4;  /* rows per warp instruction: 2, 4 */
-  uint32_t tid;
-  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
-  const int lane = (int)(tid & 31);
-  __syncwarp();
-  float *s = reinterpret_cast<float *>(buf + (lane >> 2) * kRow) + 2 * (lane & 3);
-#pragma unroll
-  for (int nt = 0; nt < K / 16; nt++)
-    *reinterpret_cast<float2 *>(s + nt * 8) = hf ? make_float2(X[nt][2], X[nt][3]) : make_float2(X[nt][0], X[nt][1]);
-  __syncwarp();
-  const int r = lane / kF4, c4 = lane % kF4;
-  const unsigned char *src = buf + r * kRow + c4 * 16;
-  float *dst = grow + r * K + c4 * 4;
-#pragma unroll
-  for (int i = 0; i < 8; i += kRows)
-    *reinterpret_cast<float4 *>(dst + i * K) = *reinterpret_cast<const float4 *>(src + i * kRow);
-}
-
+ * row), so each STG.128 writes whole lines (K/2 bf16 = 128 or 64 bytes per row, the
+ * 64-byte rows in pairs of sectors).  `buf` = this warp's Ks2Stage buffer.  Syncs as in
+ * stage_hT16_half. */
 template <int K, int C>
 __device__ __forceinline__ void ks2_stage_hT16(unsigned char *buf, bf16 *grow, const float (&X)[K / 16][4], int hf) {
   constexpr int kRow = Ks2Stage<K, C>::row16;
@@ -382,7 +313,7 @@ __device__ __forceinline__ void ks2_stage_hT16(unsigned char *buf, bf16 *grow, c
 /* stage_dfrags for the C half w of D: the A tiles A[w C/32 + i], i < C/32, rows 16i.. of
  * the warp's buffer, out as 16-byte stores at `g` = global D row w C/2, column xw (rows ld
  * apart).  The tile is selected, not indexed by w (a register array indexed at run time
- * would go to local memory).  Syncs as in stage_hT32_half. */
+ * would go to local memory).  Syncs as in stage_hT16_half. */
 template <int K, int C>
 __device__ __forceinline__ void ks2_stage_dhalf(unsigned char *buf, bf16 *g, int64_t ld,
                                                 const uint32_t (&A)[C / 16][4], int w) {
@@ -424,7 +355,7 @@ struct Ks2Layout {
 };
 
 /* The plain state pass (chunk_state_kernel<.., SAVE = false>) with two warps on each 16
- * value columns (GDP_CUDA_V3_PASSES; default where the plain pass runs one-warp blocks,
+ * value columns (chosen by choose_ks2 where the pass runs one-warp blocks,
  * i.e. a few long sequences: at 1 x 32768, H = 16 the pass had 128 one-warp blocks on 132
  * SMs, one tensor pipe of four busy per SM, and its per-chunk chain of 176 mma on one warp
  * set the time).  Warp pair g owns value columns xw = col0 + 16g .. +15; its warp w = 0, 1:
@@ -445,13 +376,12 @@ struct Ks2Layout {
  * and its Da tiles after the next loop-top barrier, which its partner reaches only after
  * its Da reads.  So one buffer each suffices.  Needs C % 32 == 0 and TC % 32 == 0 (n = 1,
  * 2): each warp then owns whole 16-column A tiles of D and pairs of 8-column o tiles.
- * SAVE, S16: the saving pass (chunk_state_kernel<.., SAVE, S16>) split alike: U = hi + lo in
- * D, each warp stores its K half of h^T (ks2_stage_hT32 / 16, at the same two points of the
+ * SAVE: the saving pass (chunk_state_kernel<.., SAVE>) split alike: U = hi + lo in D,
+ * each warp stores its K half of h^T (ks2_stage_hT16, at the same two points of the
  * chunk as there) and its C half of D (ks2_stage_dhalf, after its Sa publish) through its
  * own Ks2Stage buffer: the same bits at the same addresses as the one-warp saving pass. */
-template <int K, int C, int TC, int BV, bool SAVE = false, bool S16 = false>
-__global__ void __launch_bounds__(BV / 16 * 64, 1) chunk_state_pair_kernel(GdpArgs a, float *hT32, bf16 *hT16) {
-  pdl_wait(); /* the prep's panels (launched as its programmatic dependent) */
+template <int K, int C, int TC, int BV, bool SAVE = false>
+__global__ void __launch_bounds__(BV / 16 * 64, 1) chunk_state_pair_kernel(GdpArgs a, bf16 *hT16) {
   using P = Layout<K, C, TC, BV, SAVE>;
   using L = Ks2Layout<K, C, TC, BV, SAVE>;
   constexpr int NT = BV / 16 * 64;
@@ -527,10 +457,7 @@ __global__ void __launch_bounds__(BV / 16 * 64, 1) chunk_state_pair_kernel(GdpAr
      * products (St is unchanged until the decay), as in chunk_state_kernel */
     unsigned char *const hbuf = smem + L::oHt + warp * Ks2Stage<K, C>::warp_bytes;
     const int64_t hrow = ((int64_t)c * H + h) * V * K + (int64_t)xw * K + w * (K / 2);
-    if constexpr (SAVE && S16)
-      ks2_stage_hT16<K, C>(hbuf, hT16 + hrow, St, 0);
-    else if constexpr (SAVE)
-      ks2_stage_hT32<K, C>(hbuf, hT32 + hrow, St, 0);
+    if constexpr (SAVE) ks2_stage_hT16<K, C>(hbuf, hT16 + hrow, St, 0);
 
     uint32_t Sa[K / 16][4];
 #pragma unroll
@@ -558,10 +485,7 @@ __global__ void __launch_bounds__(BV / 16 * 64, 1) chunk_state_pair_kernel(GdpAr
                                              pack_bf16(-Dt[2 * i][2], -Dt[2 * i][3]),
                                              pack_bf16(-Dt[2 * i + 1][0], -Dt[2 * i + 1][1]),
                                              pack_bf16(-Dt[2 * i + 1][2], -Dt[2 * i + 1][3]));
-    if constexpr (SAVE && S16)
-      ks2_stage_hT16<K, C>(hbuf, hT16 + hrow + 8 * K, St, 1);
-    else if constexpr (SAVE)
-      ks2_stage_hT32<K, C>(hbuf, hT32 + hrow + 8 * K, St, 1);
+    if constexpr (SAVE) ks2_stage_hT16<K, C>(hbuf, hT16 + hrow + 8 * K, St, 1);
     /* both Da halves visible to the pair (named barrier 1 + g, its 64 threads) */
     asm volatile("bar.sync %0, 64;" ::"r"(1 + g) : "memory");
     uint32_t Da[C / 16][4];

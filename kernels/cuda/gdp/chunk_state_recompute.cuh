@@ -29,20 +29,18 @@ struct StatesLayout {
  * col0 + 16w .. +15.  Fragments (grp = lane/4, tig = lane%4):
  *   St[nt][e] = S^T[x][r],  x = xw + grp + 8(e/2),  r = 8nt + 2tig + e%2
  *   Dt[nt][e] = -D^T[x][j], j = 8nt + 2tig + e%2.
- * Per chunk: h (= bf16 S at the chunk start, the same rounding the products use) and D
- * to variant 2's workspace, then S^T <- e^{last} S^T + D^T Kd.  No ht: the forward gave
- * it.  For the per-chunk gradient kernels h^T goes to hT32 (float32) or, S16, to hT16 (bf16).
- * TU (with NEW, BV >= C; the prep ran with TU_OUT): U = Tu V formed here from a.Tu and
- * v's rows, inside D's accumulator, as chunk_state_kernel's TU (chunk_state_pass.cuh): no U, no
- * residual through memory, and D one float32 sum. */
-template <int K, int V, int C, int BV, bool S16 = false, bool NEW = true, bool TU = false>
-__global__ void __launch_bounds__(BV / 16 * 32, 1) chunk_state_recompute_kernel(GdpArgs a, float *hT32, bf16 *hT16) {
-  pdl_wait(); /* the prep's panels (a no-op: fragments.cuh) */
-  pdl_launch_dependents();
+ * Per chunk: h^T (bf16 S at the chunk start, the rounding the gradient kernels' products
+ * apply to it anyway) to hT16 and D (bf16 [C][V] per (chunk, head)) to a.Dbuf, then
+ * S^T <- e^{last} S^T + D^T Kd.  No ht: the forward gave it.  TU (BV >= C; the prep ran
+ * with TU_OUT): U = Tu V formed here from a.Tu and v's rows, inside D's accumulator, as
+ * chunk_state_kernel's TU (chunk_state_pass.cuh): no U, no residual through memory, and D
+ * one float32 sum. */
+template <int K, int V, int C, int BV, bool TU = false>
+__global__ void __launch_bounds__(BV / 16 * 32, 1) chunk_state_recompute_kernel(GdpArgs a, bf16 *hT16) {
   using L = StatesLayout<K, C, BV>;
   constexpr int NT = BV / 16 * 32;
   static_assert(K % 32 == 0 && C % 16 == 0 && BV % 16 == 0, "tile shapes");
-  static_assert(!TU || (NEW && BV >= C), "TU: the new copies, Tu^T in the residual's region");
+  static_assert(!TU || BV >= C, "TU: Tu^T in the residual's region");
   extern __shared__ __align__(128) unsigned char smem[];
   const int s = blockIdx.x, h = blockIdx.y, col0 = blockIdx.z * BV;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -73,16 +71,11 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) chunk_state_recompute_kernel(
         copy_panel<C, BV, NT>(st + L::oU, L::ldB, (const bf16 *)a.v + (krow0 * H + h) * V + col0, (int64_t)H * V,
                               cj.ntok * a.n);
         copy_panel_full<C, C, NT>(st + L::oUl, L::ldC, a.Tu + base * C * C, C);
-      } else if constexpr (NEW) { /* complete workspace panels: no zero-fill predicate (copy_panel_full) */
+      } else { /* complete workspace panels: no zero-fill predicate (copy_panel_full) */
         copy_panel_full<C, K, NT>(st + L::oW, L::ldK, a.W + base * C * K, K);
         copy_panel_full<C, K, NT>(st + L::oKd, L::ldK, a.Kd + base * C * K, K);
         copy_panel_full<C, BV, NT>(st + L::oU, L::ldB, a.U + base * C * V + col0, V);
         if (a.Ulo) copy_panel_full<C, BV, NT>(st + L::oUl, L::ldB, a.Ulo + base * C * V + col0, V);
-      } else {
-        copy_panel<C, K, NT>(st + L::oW, L::ldK, a.W + base * C * K, K, C);
-        copy_panel<C, K, NT>(st + L::oKd, L::ldK, a.Kd + base * C * K, K, C);
-        copy_panel<C, BV, NT>(st + L::oU, L::ldB, a.U + base * C * V + col0, V, C);
-        if (a.Ulo) copy_panel<C, BV, NT>(st + L::oUl, L::ldB, a.Ulo + base * C * V + col0, V, C);
       }
     }
     cp_async_commit();
@@ -108,23 +101,20 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) chunk_state_recompute_kernel(
     /* -D^T = -U^T + S^T W^T, the bf16 A fragment of S^T built per k tile (4 registers
      * live instead of K/4) and stored as h on the way.  U = hi + lo when the residual is
      * given (hi + lo is exact in float32): the gate gradient's z terms take D from here,
-     * and a bf16-only U was the largest single error in dg (NOTES.md, "dg precision"). */
+     * and a bf16-only U was the largest single error in dg (docs/kernels.md §3.6). */
     float Dt[C / 8][4];
     if constexpr (TU) { /* -U^T = (-V^T) Tu^T, as in chunk_state_kernel (chunk_state_pass.cuh) */
       neg_u_from_tu_v<C>(Dt, sU, sU + (L::oUl - L::oU), L::ldB, L::ldC, urow, ucol, trow, tcol);
     } else {
       neg_u_from_panel<C / 16>(Dt, sU, sU + (L::oUl - L::oU), L::ldB, urow, ucol, ulo);
     }
-    bf16 *gh = a.hbuf + CHi * K * V + xw + grp;
-    const bool keep = S16 ? hT16 != nullptr : hT32 != nullptr; /* for the per-chunk gradient kernels */
     /* h^T rows xw..xw+7 now, xw+8..15 after the D products (St is unchanged until the
      * decay): the stores of each half overlap the products that follow */
-    if (keep) store_stateT_half<K, C, S16>(smem + L::oHt, hT32, hT16, CHi * V * K + (int64_t)xw * K, St, 0);
+    stage_hT16_half<K, C>(smem + L::oHt, hT16 + CHi * V * K + (int64_t)xw * K, St, 0);
 #pragma unroll
     for (int kt = 0; kt < K / 16; kt++) {
       uint32_t Sa[4];
       afrag_kt(St, kt, Sa, 1.f);
-      if (!keep) store_afrag<V>(gh, kt * 16 + 2 * tig, Sa); /* bf16 h only for variant 2's kernel */
 #pragma unroll
       for (int nt = 0; nt < C / 8; nt += 2) {
         uint32_t b0, b1, b2, b3;
@@ -135,7 +125,7 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) chunk_state_recompute_kernel(
     }
     uint32_t Da[C / 16][4];
     to_afrag<C / 16>(Dt, Da, -1.f);
-    if (keep) store_stateT_half<K, C, S16>(smem + L::oHt, hT32, hT16, CHi * V * K + (int64_t)(xw + 8) * K, St, 1);
+    stage_hT16_half<K, C>(smem + L::oHt, hT16 + CHi * V * K + (int64_t)(xw + 8) * K, St, 1);
     stage_dfrags<K, C>(smem + L::oHt, a.Dbuf + CHi * C * V + xw, V, Da, 0u);
 
     /* S^T <- e^{last} S^T + D^T Kd */
@@ -143,35 +133,15 @@ __global__ void __launch_bounds__(BV / 16 * 32, 1) chunk_state_recompute_kernel(
     for (int nt = 0; nt < K / 8; nt++)
 #pragma unroll
       for (int e = 0; e < 4; e++) St[nt][e] *= el;
-    if (a.d_residual) {
-      /* + Dl^T Kd, Dl = bf16(D - bf16(D)) (exact difference): the states grad_state reads
-       * carry D to ~16 bits (dg's <dH, h> and z terms on long dht sequences; NOTES.md "dg
-       * on the K = 128 golden case") */
 #pragma unroll
-      for (int kt = 0; kt < C / 16; kt++) {
-        uint32_t Dl[4];
-        afrag_residual_kt(Dt, kt, Da[kt], Dl);
+    for (int kt = 0; kt < C / 16; kt++)
 #pragma unroll
-        for (int nt = 0; nt < K / 8; nt += 2) {
-          uint32_t b0, b1, b2, b3;
-          ldsm_x4_t(sKd + ((kt * 16 + trow) * L::ldK + nt * 8 + tcol) * 2, b0, b1, b2, b3);
-          mma16816(St[nt], Da[kt], b0, b1);
-          mma16816(St[nt + 1], Da[kt], b2, b3);
-          mma16816(St[nt], Dl, b0, b1);
-          mma16816(St[nt + 1], Dl, b2, b3);
-        }
+      for (int nt = 0; nt < K / 8; nt += 2) {
+        uint32_t b0, b1, b2, b3;
+        ldsm_x4_t(sKd + ((kt * 16 + trow) * L::ldK + nt * 8 + tcol) * 2, b0, b1, b2, b3);
+        mma16816(St[nt], Da[kt], b0, b1);
+        mma16816(St[nt + 1], Da[kt], b2, b3);
       }
-    } else {
-#pragma unroll
-      for (int kt = 0; kt < C / 16; kt++)
-#pragma unroll
-        for (int nt = 0; nt < K / 8; nt += 2) {
-          uint32_t b0, b1, b2, b3;
-          ldsm_x4_t(sKd + ((kt * 16 + trow) * L::ldK + nt * 8 + tcol) * 2, b0, b1, b2, b3);
-          mma16816(St[nt], Da[kt], b0, b1);
-          mma16816(St[nt + 1], Da[kt], b2, b3);
-        }
-    }
   }
   cp_async_wait<0>();
 }

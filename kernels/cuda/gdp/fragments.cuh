@@ -1,6 +1,6 @@
 /*
  * fragments.cuh -- the device helpers every GDP chunk kernel shares: dtype access, warp
- * reductions, 16-byte asynchronous copies, the WMMA tile product, the raw PTX wrappers
+ * reductions, 16-byte asynchronous copies, the raw PTX wrappers
  * (ldmatrix, mma.sync m16n8k16 bf16 -> f32, bf16x2 packing; each comment gives the
  * fragment layout the kernels' index algebra relies on), and the per-warp shared-memory
  * staging of the state passes: the transposed chunk states h^T / dH^T and the D / dD
@@ -10,7 +10,6 @@
 #ifndef GDP_KERNELS_CUDA_GDP_FRAGMENTS_CUH
 #define GDP_KERNELS_CUDA_GDP_FRAGMENTS_CUH
 
-#include <mma.h>
 #include <stdint.h>
 
 #include "plan.cuh"
@@ -46,86 +45,6 @@ __device__ __forceinline__ void cp_async16(void *dst, const void *src, bool pred
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-/* rows x cols bf16 tile (cols % 8 == 0) from global (row stride gld elements) to
- * shared (row stride sld); rows >= valid_rows are zero-filled.  All threads help. */
-__device__ __forceinline__ void load_tile_async(bf16 *dst, int sld, const bf16 *src, int64_t gld,
-                                                int rows, int cols, int valid_rows) {
-  const int per_row = cols / 8;
-  for (int e = threadIdx.x; e < rows * per_row; e += blockDim.x) {
-    const int r = e / per_row, c8 = (e % per_row) * 8;
-    const bool ok = r < valid_rows;
-    cp_async16(dst + r * sld + c8, ok ? (const void *)(src + (int64_t)r * gld + c8) : (const void *)src,
-               ok);
-  }
-}
-
-/* Each warp loads rows warp, warp+8, ... (R of them, rows >= nvalid read as 0) of `cols`
- * (<= 128) bf16 values, x[r][m] = element lane + 32 m.  Fully unrolled, so every load
- * is in flight before the first use: one memory latency instead of R. */
-template <int R>
-__device__ __forceinline__ void warp_load_rows(const bf16 *base, int64_t row_stride, int nvalid,
-                                               int cols, float (&x)[R][4]) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-  for (int r = 0; r < R; r++) {
-    const int i = warp + 8 * r;
-#pragma unroll
-    for (int m = 0; m < 4; m++) {
-      const int e = lane + 32 * m;
-      x[r][m] = (i < nvalid && e < cols) ? __bfloat162float(base[(int64_t)i * row_stride + e]) : 0.f;
-    }
-  }
-}
-
-/* ------------------------------------------------------------------ tile products */
-
-namespace wmma = nvcuda::wmma;
-typedef wmma::fragment<wmma::accumulator, 16, 16, 16, float> FragC;
-
-/* c += op(A)[tm-th 16 rows, :K] * op(B)[:K, tn-th 16 cols].
- * A: !TA: M x K row-major (lda);  TA: stored K x M row-major (we use A^T).
- * B: !TB: K x N row-major (ldb);  TB: stored N x K row-major (we use B^T).
- * Shared-memory strides are padded by 8 bf16 so ldmatrix rows fall in distinct banks;
- * every base must be 32-byte aligned and K a multiple of 16. */
-template <bool TA, bool TB>
-__device__ __forceinline__ void frag_mac(FragC &c, const bf16 *A, int lda, const bf16 *B, int ldb,
-                                         int tm, int tn, int K) {
-  typedef typename std::conditional<TA, wmma::col_major, wmma::row_major>::type LA;
-  typedef typename std::conditional<TB, wmma::col_major, wmma::row_major>::type LB;
-  wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, LA> a;
-  wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, LB> b;
-  for (int k = 0; k < K; k += 16) {
-    const bf16 *pa = TA ? A + (int64_t)k * lda + tm * 16 : A + (int64_t)tm * 16 * lda + k;
-    const bf16 *pb = TB ? B + (int64_t)tn * 16 * ldb + k : B + (int64_t)k * ldb + tn * 16;
-    wmma::load_matrix_sync(a, pa, lda);
-    wmma::load_matrix_sync(b, pb, ldb);
-    wmma::mma_sync(c, a, b, c);
-  }
-}
-
-/* Hands a finished 16x16 tile to epi(row, col, value), element by element, through a
- * per-warp float staging tile (16 x 20, 32-byte aligned). */
-template <class Epi>
-__device__ __forceinline__ void frag_epilogue(const FragC &c, float *stage, int tm, int tn,
-                                              Epi &&epi) {
-  wmma::store_matrix_sync(stage, c, 20, wmma::mem_row_major);
-  __syncwarp();
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int e = lane; e < 256; e += 32) epi(tm * 16 + (e >> 4), tn * 16 + (e & 15), stage[(e >> 4) * 20 + (e & 15)]);
-  __syncwarp();
-}
-
-/* ------------------------------------------------------------------ launch order
- * griddepcontrol (programmatic dependent launch): no-ops, since no kernel is launched
- * with the programmatic-serialization attribute (measured: it bought nothing, the
- * launches were already queued ahead of the GPU).  The kernels keep the instructions so
- * that their code stays the measured code. */
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
-__device__ __forceinline__ void pdl_launch_dependents() {
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 }
 
 }  // namespace gdpcu
@@ -196,8 +115,6 @@ __device__ __forceinline__ void st_row_pairs(__nv_bfloat16 *row, const uint32_t 
 
 /* ------------------------------------------------------------------ state staging */
 
-#include "../wgmma_sm90.cuh" /* SW128 panel offsets (copy_panel_sw128; grad_wy's wgmma form) */
-
 namespace gdpcu {
 namespace chunked {
 
@@ -267,25 +184,6 @@ __device__ __forceinline__ void copy_panel(unsigned char *dst, int sld, const bf
   }
 }
 
-/* copy_panel into a SW128 panel (wgmma_sm90.cuh: ROWS rows, COLS / 64 column blocks of
- * 128-byte swizzled lines, no padding) instead of a padded one: same cp.async pattern, the
- * swizzle folded into each thread's fixed destination chunk (its rows step by a multiple
- * of 8, so the chunk's position never changes). */
-template <int ROWS, int COLS, int NT>
-__device__ __forceinline__ void copy_panel_sw128(unsigned char *dst, const bf16 *src, int64_t gld, int valid) {
-  constexpr int per_row = COLS / 8, row_step = NT / per_row;
-  static_assert(COLS % 64 == 0 && NT % per_row == 0 && row_step % 8 == 0, "SW128 copy: whole 64-column blocks, rows by 8");
-  const int r0 = (int)threadIdx.x / per_row, c8 = ((int)threadIdx.x % per_row) * 8;
-  unsigned char *d = dst + sw128_off<ROWS>(r0, c8);
-  const bf16 *g = src + (int64_t)r0 * gld + c8;
-#pragma unroll
-  for (int r = 0; r < ROWS; r += row_step)
-    if (ROWS % row_step == 0 || r + r0 < ROWS) {
-      const bool ok = r + r0 < valid;
-      cp_async16(d + r * 128, ok ? (const void *)(g + (int64_t)r * gld) : (const void *)src, ok);
-    }
-}
-
 /* -U^T into the accumulator Dt for NJ j-tiles of 16, U read from its bf16 panel [j][x] in
  * shared memory at sU (row stride ldB elements) by ldmatrix.trans at (urow, ucol), straight
  * into accumulator order (j-tiles 2jt, 2jt + 1); with lo, plus U's bf16 residual from the
@@ -317,7 +215,7 @@ __device__ __forceinline__ void neg_u_from_panel(float (&Dt)[2 * NJ][4], uint32_
  * sV (row stride ldB elements) give the A fragments of V^T by ldmatrix.trans at
  * (urow, ucol), negated by their sign bits (exact); Tu^T [m][j] at sTu (row stride ldC) is
  * the transposed-B operand at (trow, tcol); Tu[j][m] = 0 for m > j, so those tiles are
- * skipped.  Both chunk_state_kernel (chunk_state_pass.cuh) and chunk_state_recompute_kernel (chunk_backward.cu). */
+ * skipped.  Both chunk_state_kernel (chunk_state_pass.cuh) and chunk_state_recompute_kernel (chunk_state_recompute.cuh). */
 template <int C>
 __device__ __forceinline__ void neg_u_from_tu_v(float (&Dt)[C / 8][4], uint32_t sV, uint32_t sTu, int ldB, int ldC,
                                                 int urow, int ucol, int trow, int tcol) {
@@ -340,9 +238,11 @@ __device__ __forceinline__ void neg_u_from_tu_v(float (&Dt)[C / 8][4], uint32_t 
   }
 }
 
-/* A warp's h^T float32 staging buffer (h^T / dH^T stores, stage_hT32_half below): eight
- * rows of K floats, each padded by 32 bytes so that the eight rows of one fragment store
- * start 8 banks apart (2 wavefronts per 256-byte STS.64, the minimum). */
+/* A warp's staging buffer for the h^T / dH^T half-row stores (stage_hT16_half) and the
+ * D / dD tiles (stage_dfrags).  warp_bytes is sized for eight rows of K floats padded by
+ * 32 bytes (row): the passes that stage through it were measured, and their value-block
+ * widths, pair pass and fork chosen, with this shared-memory footprint, so it stays; only
+ * the 2-stage dstate kernel, made for the fork, uses the bf16-only size warp_bytes16. */
 template <int K, int C>
 struct HtStage {
   static constexpr int row = K * 4 + 32;
@@ -350,61 +250,32 @@ struct HtStage {
    * rows 48 bytes apart, so the four rows of one 2-byte fragment store fall in distinct
    * banks and every row starts on 16 bytes */
   static constexpr int drow = 48;
-  /* bf16 h^T, dH^T (GDP_CUDA_V3_STATE=bf16, stage_hT16_half): rows of 2K + 16 bytes */
+  /* bf16 h^T, dH^T (stage_hT16_half): rows of 2K + 16 bytes */
   static constexpr int row16 = K * 2 + 16;
   static constexpr int warp_bytes = 8 * row > C * drow ? 8 * row : C * drow;
   static_assert(8 * row16 <= warp_bytes, "bf16 staging fits");
-  /* a buffer that only ever stages bf16 rows and D tiles (dstate's 2-stage S16 kernel:
-   * 3072 instead of 4352 bytes a warp at K = 128, C = 64) */
+  /* a buffer that only ever stages bf16 rows and D tiles (dstate's 2-stage kernel: 3072
+   * instead of 4352 bytes a warp at K = 128, C = 64) */
   static constexpr int warp_bytes16 = 8 * row16 > C * drow ? 8 * row16 : C * drow;
 };
 
-/* h^T float32 [V][K] per (chunk, head), half of a warp's 16 rows at a time: the
+/* h^T (or dH^T) bf16 [V][K] per (chunk, head), half of a warp's 16 rows at a time: the
  * accumulator tiles X[nt][e] = S^T[x][r], x = xw + grp + 8(e/2), r = 8nt + 2tig + e%2;
- * half hf takes e = 2hf, 2hf+1, i.e. rows xw + 8hf + grp, whole (K floats each).
- * The fragments go to the warp's staging buffer (HtStage, at stage0 + warp * warp_bytes;
- * row grp, float 8nt + 2tig) and come back as whole rows, lane l taking float4 l % (K/4)
- * of row l / (K/4): each STG.128 then writes 512 contiguous bytes (four full 128-byte
- * lines) at `grow` = global row xw + 8hf.  The same floats at the same addresses as the
- * 8-byte stores straight from the fragments that this replaces, which touched 8 lines
- * per instruction with 32 bytes each: 4x the L2 requests (ncu: L2 85-92% busy in these
- * passes, DRAM 55-60%).  Plain shared and global stores, no bulk async copy: on sm_90 the
- * bulk-store wait (cp.async.bulk.wait_group.read) compiles to the same DEPBAR on SB0 as
- * the panels' cp.async.wait_group, so it would drain the panel prefetch too.  The first
- * __syncwarp orders the previous half's reads of the buffer (all lanes) before these
- * writes; the second, the writes before the reads. */
-template <int K, int C>
-__device__ __forceinline__ void stage_hT32_half(unsigned char *stage0, float *grow, const float (&X)[K / 8][4],
-                                                int hf) {
-  constexpr int kF4 = K / 4;      /* float4 per row */
-  constexpr int kRows = 32 / kF4; /* rows per warp instruction: 1 (K = 128), 2 (K = 64) */
-  /* thread index re-read here (volatile: not hoisted), so no lane-derived address stays
-   * live across the chunk loop: the passes run at up to 255 registers */
-  uint32_t tid;
-  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
-  const int lane = (int)(tid & 31);
-  unsigned char *buf = stage0 + (tid >> 5) * HtStage<K, C>::warp_bytes;
-  __syncwarp();
-  float *s = reinterpret_cast<float *>(buf + (lane >> 2) * HtStage<K, C>::row) + 2 * (lane & 3);
-#pragma unroll
-  for (int nt = 0; nt < K / 8; nt++)
-    *reinterpret_cast<float2 *>(s + nt * 8) = hf ? make_float2(X[nt][2], X[nt][3]) : make_float2(X[nt][0], X[nt][1]);
-  __syncwarp();
-  const int r = lane / kF4, c4 = lane % kF4;
-  const unsigned char *src = buf + r * HtStage<K, C>::row + c4 * 16;
-  float *dst = grow + r * K + c4 * 4;
-#pragma unroll
-  for (int i = 0; i < 8; i += kRows)
-    *reinterpret_cast<float4 *>(dst + i * K) = *reinterpret_cast<const float4 *>(src + i * HtStage<K, C>::row);
-}
-
-/* The same half-row store of h^T in bf16 (GDP_CUDA_V3_STATE=bf16; [V][K] as above, 2
- * bytes per element): each accumulator pair rounded once to nearest (pack_bf16: the bits
- * of the A fragments Sa, and of grad_state's own rounding of a float32 copy), staged as
- * one 4-byte word per nt in rows of 2K + 16 bytes (word grp (K/2 + 4) + 4nt + tig: the
- * 32 lanes of a store hit 32 distinct banks), read back as whole rows, lane l taking
- * 16 bytes l % (K/8) of row l / (K/8): each STG.128 writes 512 contiguous bytes (two rows
- * at K = 128, four at K = 64), four per half.  Syncs as in stage_hT32_half. */
+ * half hf takes e = 2hf, 2hf+1, i.e. rows xw + 8hf + grp, whole (K elements each), at
+ * `grow` = global row xw + 8hf.  Each accumulator pair is rounded once to nearest
+ * (pack_bf16: the bits of the A fragments Sa), staged in the warp's buffer (HtStage, at
+ * stage0 + warp * WB) as one 4-byte word per nt in rows of 2K + 16 bytes (word
+ * grp (K/2 + 4) + 4nt + tig: the 32 lanes of a store hit 32 distinct banks), and read
+ * back as whole rows, lane l taking 16 bytes l % (K/8) of row l / (K/8): each STG.128
+ * writes 512 contiguous bytes (two rows at K = 128, four at K = 64), four per half,
+ * instead of the 8-byte stores straight from the fragments, which touched 8 lines per
+ * instruction (4x the L2 requests; ncu: L2 85-92% busy in these passes).  Plain shared
+ * and global stores, no bulk async copy: on sm_90 the bulk-store wait compiles to the
+ * same DEPBAR as the panels' cp.async.wait_group, so it would drain the panel prefetch
+ * too.  The thread index is re-read (volatile: not hoisted), so no lane-derived address
+ * stays live across the chunk loop (the passes run at up to 255 registers).  The first
+ * __syncwarp orders the previous half's reads of the buffer before these writes; the
+ * second, the writes before the reads. */
 template <int K, int C, int WB = HtStage<K, C>::warp_bytes>
 __device__ __forceinline__ void stage_hT16_half(unsigned char *stage0, bf16 *grow, const float (&X)[K / 8][4],
                                                 int hf) {
@@ -435,7 +306,7 @@ __device__ __forceinline__ void stage_hT16_half(unsigned char *stage0, bf16 *gro
  * shared stores, then lane l copies 16 bytes (columns 8(l%2)..+7) of row l/2 (+16i), so
  * every STG.128 writes 16 rows x 32 bytes, one whole sector per row.  `g` = row 0, column
  * xw.  The 2-byte global stores this replaces wrote each sector in two 16-byte halves
- * (2x the L2 requests).  Syncs as in stage_hT32_half. */
+ * (2x the L2 requests).  Syncs as in stage_hT16_half. */
 template <int K, int C, int WB = HtStage<K, C>::warp_bytes>
 __device__ __forceinline__ void stage_dfrags(unsigned char *stage0, bf16 *g, int64_t ld,
                                              const uint32_t (&A)[C / 16][4], uint32_t flip) {

@@ -81,14 +81,13 @@ struct GdpArgs {
   const long long *cu; /* N+1 token offsets */
   const ChunkInfo *chunks;
   const int *choff; /* N+1 chunk offsets */
-  /* unused (NULL): kept so that the kernels' parameter block keeps its layout */
-  const ChunkInfo *chunks_rev;
   int N, nchunks;
   int nstages; /* pipeline depth of the sequential kernels (set at launch) */
   /* workspace */
   bf16 *W, *U, *Kd, *Qd, *Pm;
-  /* backward only (else NULL): U - bf16(U), so that the recompute's D = U - W h starts
-   * from U to ~16 bits instead of 8 (dg's z terms amplify D's error; NOTES.md) */
+  /* U - bf16(U) (else NULL), so that D = U - W h starts from U to ~16 bits instead of 8
+   * (dg's z terms amplify D's error; docs/kernels.md §3.6): the recompute backward's
+   * states pass and the saving forward, where they do not form U from Tu and v */
   bf16 *Ulo;
   /* where the state pass forms U itself (else NULL): (T diag(beta))^T, bf16 [C][C] per
    * (chunk, head), which the prep stores in U's buffer (C <= V) instead of U (and, saving,
@@ -96,12 +95,9 @@ struct GdpArgs {
    * inside D's accumulator (no U round trip, no residual) */
   bf16 *Tu;
   float *elast;
-  /* hbuf, dHbuf: always NULL (bf16 chunk states of the old gradient kernel); the state
-   * passes skip their stores */
-  bf16 *hbuf, *Dbuf, *dHbuf, *dDbuf;
-  /* always 0: 1 would add D's bf16 rounding residual to the state update (measured: it
-   * traded dg's worst cases for HMMAs; the kernels keep the branch) */
-  int d_residual;
+  /* D and dD, bf16 [C][V] per (chunk, head): the saving forward's and the states pass's
+   * D, the state-gradient pass's dD (backward only, else NULL) */
+  bf16 *Dbuf, *dDbuf;
 };
 
 /* Chunk steps for n Householder steps per token (0: no chunk path for this n).  Whole
@@ -124,12 +120,12 @@ struct Plan {
   int value_block; /* the problem's value_block: 0 = the passes' own choice */
 };
 
-/* Shared helpers (gdp_fwd.cu). */
+/* Shared helpers (plan.cu). */
 gdp_status validate_problem(const gdp_gdp_problem *p, const char *what);
-/* The io block's required buffers for the call named `what` (gdp_fwd.cu, gdp_bwd.cu). */
+/* The io block's required buffers for the call named `what`. */
 gdp_status validate_fwd_io(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io, const char *what);
 gdp_status validate_bwd_io(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io, const char *what);
-/* The kernels' argument block from a problem and its buffers (every variant). */
+/* The kernels' argument block from a problem and its buffers (both paths). */
 GdpArgs fwd_args(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io);
 GdpArgs bwd_args(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io);
 gdp_status device_alloc(void **ptr, size_t bytes, cudaStream_t stream);
@@ -166,8 +162,9 @@ bool takes(const gdp_gdp_problem *p);
  * o_hT, D bf16 [CH][C][V] from o_D, T^T bf16 [CH][C][C] (the prep's, for grad_wy) from
  * o_Tt; CH = chunks x heads.  The chunk states travel in bf16: every use of them but one
  * is a bf16 tensor-core operand, rounded the same way either way; the exception is
- * grad_state's <dH, h> (gate gradient), which reads the rounded values (NOTES.md "bf16
- * chunk states": saving fwd+bwd at 4x4096 n=2 2.52 -> 2.33 ms, errors unchanged). */
+ * grad_state's <dH, h> (gate gradient), which reads the rounded values (docs/kernels.md
+ * §3.3, bf16 chunk states: saving fwd+bwd at 4x4096 n=2 2.52 -> 2.33 ms, errors
+ * unchanged). */
 struct SavedLayout {
   size_t plan, o_hT, o_D, o_Tt, total;
 };
@@ -181,13 +178,13 @@ size_t saved_bytes(const gdp_gdp_problem *p);
 gdp_status forward(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io, cudaStream_t stream, void *saved);
 gdp_status backward(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io, cudaStream_t stream, const void *saved);
 
-/* The prep (chunk_state_pass.cuh), also the backward's recompute: Tt non-NULL also stores T^T
- * there (and U's residual where plan.a.Ulo is set). */
+/* The prep (chunk_prep.cuh, launched by chunk_forward.cu), also the backward's recompute:
+ * Tt non-NULL also stores T^T there (and U's residual where plan.a.Ulo is set). */
 gdp_status launch_chunk_prep(const Plan &plan, bf16 *Tt);
 
 }  // namespace chunked
 
-/* The recurrent kernels (gdp_fwd.cu, gdp_bwd.cu): f32 and bf16, any shape the dispatch
+/* The recurrent kernels (recurrent.cu): f32 and bf16, any shape the dispatch
  * validated.  p and io validated. */
 gdp_status forward_recurrent(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io, cudaStream_t stream);
 gdp_status backward_recurrent(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io, cudaStream_t stream);

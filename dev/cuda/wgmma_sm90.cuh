@@ -1,9 +1,10 @@
 /*
- * wgmma_sm90.cuh -- warpgroup MMA (sm_90a) for the v3 kernels: shared-memory matrix
+ * wgmma_sm90.cuh -- warpgroup MMA (sm_90a) for the kernel lab: shared-memory matrix
  * descriptors for 128-byte-swizzled bf16 panels, and m64nNk16 bf16 -> f32 with A from
- * registers and B from shared memory.
+ * registers and B from shared memory.  The library does not use it: wgmma for
+ * grad_wy's 64-row products was correct but slower (docs/kernels.md §7).
  *
- * The layout these kernels use (a "SW128 panel"): a bf16 matrix of R rows and 64 c
+ * The layout (a "SW128 panel"): a bf16 matrix of R rows and 64 c
  * columns is stored as c column blocks of 64 (one 128-byte line per row), block b at
  * b * R * 128 bytes, row r of a block at r * 128 bytes, and its eight 16-byte chunks
  * permuted by the row: chunk j sits at position j ^ (r & 7).  Each 16-byte chunk stays
@@ -20,8 +21,8 @@
  *   K-major (the panel's rows are B's n index, its columns B's k: B = P[n0.., k0..]^T):
  *     SBO = 1024 (the next 8 n-rows), LBO unused; a k16 step inside a column block
  *     starts 32 bytes on (the hardware applies the swizzle to the computed address).
- * kernels/bench/wgmma_probe.cu checks both against a CPU product on the device (exact on
- * the H200, session 10; NOTES.md "Session 10", which also has what wgmma did to grad_wy).
+ * dev/cuda/wgmma_probe.cu checks both against a CPU product on the device (exact on the
+ * H200).
  *
  * Register fragments (PTX ISA, "wgmma .m64nNk16 register fragments"): warp w of the
  * warpgroup holds A's rows 16 w .. 16 w + 15 as mma.m16n8k16's A fragment, and D's same
@@ -29,8 +30,8 @@
  * 16 w + grp + 8 (e / 2), column 8 nt + 2 tig + (e & 1) -- the layout the mma.sync
  * epilogues already index.
  */
-#ifndef GDP_KERNELS_CUDA_WGMMA_SM90_CUH
-#define GDP_KERNELS_CUDA_WGMMA_SM90_CUH
+#ifndef GDP_DEV_CUDA_WGMMA_SM90_CUH
+#define GDP_DEV_CUDA_WGMMA_SM90_CUH
 
 #include <stdint.h>
 
