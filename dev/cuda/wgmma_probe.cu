@@ -9,8 +9,8 @@
  *                      is a planted mistake (LBO and SBO swapped) that must fail.
  * Exit status 0 when every case is as expected, 77 (ctest: skipped) without an sm_90
  * device.  Built by dev/CMakeLists.txt and run as the ctest dev.wgmma_probe (label cuda).
- * The wrappers it checks are the library's own, included from kernels/cuda; should the
- * library stop using wgmma_sm90.cuh, the probe keeps its own copy here in dev/cuda.
+ * The wrappers live beside it: the library's kernels no longer use wgmma (measured slower
+ * for the per-chunk gradients, docs/kernels.md section 7); they stay here for kernel work.
  */
 #include <math.h>
 #include <stdio.h>
@@ -20,8 +20,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include "common.cuh"
-#include "mma_sm90.cuh"
+#include "gdp/fragments.cuh"
 #include "wgmma_sm90.cuh"
 
 using namespace gdpcu;

@@ -306,17 +306,13 @@ void plan_free(Plan *plan) {
 /* ------------------------------------------------------------------ profiling (GDP_CUDA_PROFILE) */
 
 namespace {
-struct ProfEntry {
-  const char *name;
-  double ms;
-  long calls;
-};
+/* One call's marks: an event after each stage, printed as one line per stage to stderr
+ * when the call ends (the mutex keeps two host threads' calls from interleaving). */
 struct Prof {
   std::mutex mu;
   int enabled = -1;
   std::vector<cudaEvent_t> ev;
   std::vector<const char *> names;
-  std::vector<ProfEntry> table;
 };
 Prof g_prof;
 bool prof_on() {
@@ -345,13 +341,7 @@ void prof_end(cudaStream_t stream) {
   for (size_t i = 1; i < g_prof.ev.size(); i++) {
     float ms = 0.f;
     cudaEventElapsedTime(&ms, g_prof.ev[i - 1], g_prof.ev[i]);
-    const char *nm = g_prof.names[i];
-    size_t j = 0;
-    for (; j < g_prof.table.size(); j++)
-      if (!strcmp(g_prof.table[j].name, nm)) break;
-    if (j == g_prof.table.size()) g_prof.table.push_back(ProfEntry{nm, 0.0, 0});
-    g_prof.table[j].ms += ms;
-    g_prof.table[j].calls++;
+    fprintf(stderr, "gdp profile: %-40s %9.4f ms\n", g_prof.names[i], ms);
   }
   for (auto e : g_prof.ev) cudaEventDestroy(e);
   g_prof.ev.clear();
@@ -359,13 +349,5 @@ void prof_end(cudaStream_t stream) {
 }
 
 }  // namespace gdpcu
-
-
-extern "C" void gdp_cuda_gdp_profile_dump(FILE *out, double divide_by) {
-  std::lock_guard<std::mutex> lock(gdpcu::g_prof.mu);
-  for (auto &e : gdpcu::g_prof.table)
-    fprintf(out, "    %-28s %9.4f ms  (%ld launches)\n", e.name, e.ms / divide_by, e.calls);
-  gdpcu::g_prof.table.clear();
-}
 
 using namespace gdpcu;

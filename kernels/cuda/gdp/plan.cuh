@@ -191,7 +191,5 @@ gdp_status backward_recurrent(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io
 
 }  // namespace gdpcu
 
-/* Lab hook: prints and clears the accumulated per-kernel times (ms, sum over calls). */
-extern "C" void gdp_cuda_gdp_profile_dump(FILE *out, double divide_by);
 
 #endif
