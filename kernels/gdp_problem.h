@@ -26,7 +26,7 @@
 
 #include <stdint.h>
 
-typedef struct gdp_gdp_problem {
+typedef struct gdp_delta_product_problem {
   int64_t T_total;           /* tokens over all sequences */
   int64_t N;                 /* sequences */
   const int64_t *cu_seqlens; /* host array, N+1 entries, 0 .. T_total */
@@ -37,26 +37,26 @@ typedef struct gdp_gdp_problem {
                               * (CPU: GDP_DEFAULT_CHUNK; CUDA: fixed by n on the fast path) */
   int num_threads;           /* CPU worker threads */
   int dtype;                 /* gdp_dtype of the token buffers (see above) */
-  int algorithm;             /* gdp_gdp_algorithm: AUTO, CHUNK or RECURRENT */
+  int algorithm;             /* gdp_delta_product_algorithm: AUTO, CHUNK or RECURRENT */
   int l2norm_in_kernel;      /* 1: q, k raw, the kernel normalises (eps 1e-6) */
   int value_block;           /* CUDA fast path's value-block width: 0 = its own choice, or 16,
                               * 32, 64 (a tuning knob: the context's or the call's, never bits) */
-} gdp_gdp_problem;
+} gdp_delta_product_problem;
 
 /* Buffers of one dtype (the compute dtype: double or float), given as void*. */
-typedef struct gdp_gdp_fwd_io {
+typedef struct gdp_delta_product_forward_io {
   const void *q, *k, *v, *g, *beta, *h0; /* g, h0 may be NULL */
   void *o;
   void *ht;                              /* may be NULL */
-} gdp_gdp_fwd_io;
+} gdp_delta_product_forward_io;
 
-typedef struct gdp_gdp_bwd_io {
+typedef struct gdp_delta_product_backward_io {
   const void *q, *k, *v, *g, *beta, *h0; /* g, h0 may be NULL */
   const void *d_o;
   const void *dht;                       /* may be NULL (zeros) */
   void *dq, *dk, *dv, *dbeta;
   void *dg;                              /* NULL iff g is NULL */
   void *dh0;                             /* may be NULL (not wanted) */
-} gdp_gdp_bwd_io;
+} gdp_delta_product_backward_io;
 
 #endif /* GDP_KERNELS_PROBLEM_H */

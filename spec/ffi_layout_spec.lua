@@ -1,26 +1,26 @@
 -- The FFI's view of the public non-opaque structs matches the C compiler's
--- (ljsyscall's layout test): sizeof and every field offset of gdp_gdp_options, and of
+-- (ljsyscall's layout test): sizeof and every field offset of gdp_delta_product_options, and of
 -- gdp_tuning.
 local ffi = require("ffi")
 local gdp = require("gdp")
 local lib = gdp.lib
 
 describe("ffi layout", function()
-  it("gdp_gdp_options matches gdp_gdp_options_layout()", function()
+  it("gdp_delta_product_options matches gdp_delta_product_options_layout()", function()
     local fields = { "num_householder", "scale", "chunk_size", "use_qk_l2norm",
                      "output_final_state", "algorithm", "value_block", "reserved" }
     local offsets = ffi.new("size_t[8]")
-    local size = tonumber(lib.gdp_gdp_options_layout(offsets))
-    assert.are.equal(size, ffi.sizeof("gdp_gdp_options"))
+    local size = tonumber(lib.gdp_delta_product_options_layout(offsets))
+    assert.are.equal(size, ffi.sizeof("gdp_delta_product_options"))
     for i, name in ipairs(fields) do
-      assert.are.equal(tonumber(offsets[i - 1]), ffi.offsetof("gdp_gdp_options", name), name)
+      assert.are.equal(tonumber(offsets[i - 1]), ffi.offsetof("gdp_delta_product_options", name), name)
     end
   end)
 
-  it("gdp_gdp_options_init fills the documented defaults", function()
-    local o = ffi.new("gdp_gdp_options")
+  it("gdp_delta_product_options_init fills the documented defaults", function()
+    local o = ffi.new("gdp_delta_product_options")
     o.reserved = 7
-    lib.gdp_gdp_options_init(o)
+    lib.gdp_delta_product_options_init(o)
     assert.are.equal(1, tonumber(o.num_householder))
     assert.are.equal(0, o.scale)
     assert.are.equal(0, tonumber(o.chunk_size)) -- the backend's own

@@ -318,31 +318,31 @@ gdp_status gdp_safetensors_save(const char *path, int64_t count, const char *con
 
 /* ------------------------------------------------------------------ GDP operator */
 
-typedef enum gdp_gdp_algorithm {
+typedef enum gdp_delta_product_algorithm {
   GDP_ALGO_AUTO = 0,      /* the fastest path the backend has */
   GDP_ALGO_CHUNK = 1,     /* chunkwise WY algorithm */
   GDP_ALGO_RECURRENT = 2  /* token-by-token recurrence (the float64 oracle on cpu) */
-} gdp_gdp_algorithm;
+} gdp_delta_product_algorithm;
 
 /* Options of chunk_gated_delta_product (fla's argument names).  A plain struct: its
-   layout is checked against the FFI's by the specs (gdp_gdp_options_layout). */
-typedef struct gdp_gdp_options {
+   layout is checked against the FFI's by the specs (gdp_delta_product_options_layout). */
+typedef struct gdp_delta_product_options {
   int64_t num_householder;    /* n >= 1; k, v, beta hold T*n rows */
   double scale;               /* output scale; 0 means K^-1/2 */
   int64_t chunk_size;         /* steps per chunk of the expanded stream; 0: the backend's
                                  own (cpu: 64; cuda: see the CUDA operator's shapes) */
   int32_t use_qk_l2norm;      /* normalise q and k inside the op (eps 1e-6) */
   int32_t output_final_state; /* forward returns ht */
-  int32_t algorithm;          /* gdp_gdp_algorithm */
+  int32_t algorithm;          /* gdp_delta_product_algorithm */
   int32_t value_block;        /* tuning for this call (gdp_tuning.value_block); 0: the ctx's */
   int32_t reserved;           /* must be 0 */
-} gdp_gdp_options;
+} gdp_delta_product_options;
 
 /* Fills *opts with the defaults (n = 1, scale default, chunk_size 0 = the backend's own,
    no l2norm, no ht, value_block 0 = the context's). */
-void gdp_gdp_options_init(gdp_gdp_options *opts);
+void gdp_delta_product_options_init(gdp_delta_product_options *opts);
 /* sizeof and the offsets of the fields in declaration order (8 entries). */
-size_t gdp_gdp_options_layout(size_t offsets[8]);
+size_t gdp_delta_product_options_layout(size_t offsets[8]);
 
 /*
  * Forward.  Layouts (row-major, fla's):
@@ -354,7 +354,7 @@ size_t gdp_gdp_options_layout(size_t offsets[8]);
  * Results (owned): *o [B,T,H,V] in q's dtype; *ht [N,H,K,V] (float64 for float64
  * inputs, else float32) when opts->output_final_state, else *ht is set to NULL.
  */
-gdp_status gdp_gdp_forward(gdp_ctx *ctx, const gdp_gdp_options *opts, const gdp_tensor *q,
+gdp_status gdp_delta_product_forward(gdp_ctx *ctx, const gdp_delta_product_options *opts, const gdp_tensor *q,
                            const gdp_tensor *k, const gdp_tensor *v, const gdp_tensor *g,
                            const gdp_tensor *beta, const gdp_tensor *h0,
                            const gdp_tensor *cu_seqlens, gdp_tensor **o, gdp_tensor **ht);
@@ -365,7 +365,7 @@ gdp_status gdp_gdp_forward(gdp_ctx *ctx, const gdp_gdp_options *opts, const gdp_
  * their input: dq, dk, dv, dbeta; *dg (NULL when g is NULL); *dh0 (NULL when h0 is
  * NULL; float32 or float64 like ht).
  */
-gdp_status gdp_gdp_backward(gdp_ctx *ctx, const gdp_gdp_options *opts, const gdp_tensor *q,
+gdp_status gdp_delta_product_backward(gdp_ctx *ctx, const gdp_delta_product_options *opts, const gdp_tensor *q,
                             const gdp_tensor *k, const gdp_tensor *v, const gdp_tensor *g,
                             const gdp_tensor *beta, const gdp_tensor *h0,
                             const gdp_tensor *cu_seqlens, const gdp_tensor *d_o,
@@ -374,22 +374,22 @@ gdp_status gdp_gdp_backward(gdp_ctx *ctx, const gdp_gdp_options *opts, const gdp
                             gdp_tensor **dh0);
 
 /*
- * Save for backward (opt-in).  gdp_gdp_forward_ex is gdp_gdp_forward that, when saved
- * is not NULL, also returns in *saved (owned; free with gdp_gdp_saved_free) what the
+ * Save for backward (opt-in).  gdp_delta_product_forward_ex is gdp_delta_product_forward that, when saved
+ * is not NULL, also returns in *saved (owned; free with gdp_delta_product_saved_free) what the
  * backward would otherwise recompute: on cuda variant 3 (bf16, n <= 3, K and V in
  * {64, 128}) the per-chunk panels, the chunk-start states h (bf16 for bf16 problems;
  * float32, 4KV instead of 2KV below, with GDP_CUDA_V3_STATE=f32 in the environment),
  * D (bf16) and the prep's T^T (bf16) -- 2(2C + TC)K + 4CV + 2 TC C + 2C^2 + 2KV + 4 bytes
  * per chunk of C steps (TC tokens) and head, C = 32, 64, 48 for n = 1, 2, 3, e.g. 0.97 GB
  * (1.24 GB with float32 states) at B x T = 4 x 4096, H = 16, K = V = 128,
- * n = 2 -- which gdp_gdp_backward_ex then reads
+ * n = 2 -- which gdp_delta_product_backward_ex then reads
  * instead of running the prep and the state pass again.  Backends and variants that
  * keep nothing (cpu; cuda variants 1 and 2) still return a saved object, of 0 bytes,
  * and their backward recomputes: results identical to the plain calls.
  *
  * The object records the problem (dtype, device, B, T, H, K, V, n, gated, h0 present,
  * use_qk_l2norm, scale, algorithm, the backend's variant, the cu_seqlens values) and
- * gdp_gdp_backward_ex with a saved object refuses any mismatch (GDP_ERR_INVALID_ARG
+ * gdp_delta_product_backward_ex with a saved object refuses any mismatch (GDP_ERR_INVALID_ARG
  * naming the field, its expected and actual values).  It belongs to the very input
  * VALUES of its forward, which are not checked: a backward with other q, k, v, g, beta
  * or h0 values of the same shapes returns gradients of the forward's inputs.  It holds a
@@ -399,29 +399,29 @@ gdp_status gdp_gdp_backward(gdp_ctx *ctx, const gdp_gdp_options *opts, const gdp
  * device has another stream, so synchronise (gdp_ctx_sync) between them, as for any
  * tensor.  One object may serve several backwards (it is only read).
  */
-typedef struct gdp_gdp_saved gdp_gdp_saved;
+typedef struct gdp_delta_product_saved gdp_delta_product_saved;
 
-/* saved NULL: exactly gdp_gdp_forward.  Else *saved receives the object (NULL on
+/* saved NULL: exactly gdp_delta_product_forward.  Else *saved receives the object (NULL on
  * failure). */
-gdp_status gdp_gdp_forward_ex(gdp_ctx *ctx, const gdp_gdp_options *opts, const gdp_tensor *q,
+gdp_status gdp_delta_product_forward_ex(gdp_ctx *ctx, const gdp_delta_product_options *opts, const gdp_tensor *q,
                               const gdp_tensor *k, const gdp_tensor *v, const gdp_tensor *g,
                               const gdp_tensor *beta, const gdp_tensor *h0,
                               const gdp_tensor *cu_seqlens, gdp_tensor **o, gdp_tensor **ht,
-                              gdp_gdp_saved **saved);
+                              gdp_delta_product_saved **saved);
 
-/* gdp_gdp_backward; saved (borrowed) NULL: the same, else the forward's kept buffers. */
-gdp_status gdp_gdp_backward_ex(gdp_ctx *ctx, const gdp_gdp_options *opts, const gdp_tensor *q,
+/* gdp_delta_product_backward; saved (borrowed) NULL: the same, else the forward's kept buffers. */
+gdp_status gdp_delta_product_backward_ex(gdp_ctx *ctx, const gdp_delta_product_options *opts, const gdp_tensor *q,
                                const gdp_tensor *k, const gdp_tensor *v, const gdp_tensor *g,
                                const gdp_tensor *beta, const gdp_tensor *h0,
                                const gdp_tensor *cu_seqlens, const gdp_tensor *d_o,
                                const gdp_tensor *dht, gdp_tensor **dq, gdp_tensor **dk,
                                gdp_tensor **dv, gdp_tensor **dbeta, gdp_tensor **dg,
-                               gdp_tensor **dh0, const gdp_gdp_saved *saved);
+                               gdp_tensor **dh0, const gdp_delta_product_saved *saved);
 
 /* Device bytes the object keeps (0 for NULL or when its backend keeps nothing). */
-size_t gdp_gdp_saved_bytes(const gdp_gdp_saved *saved);
+size_t gdp_delta_product_saved_bytes(const gdp_delta_product_saved *saved);
 /* Releases the object (owned); NULL is a no-op. */
-void gdp_gdp_saved_free(gdp_gdp_saved *saved);
+void gdp_delta_product_saved_free(gdp_delta_product_saved *saved);
 
 /* ------------------------------------------------------------------ mixer layer ops */
 

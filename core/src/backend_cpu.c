@@ -746,34 +746,34 @@ done:
 
 /* ------------------------------------------------------------------ GDP operator */
 
-static gdp_status cpu_gdp_forward(gdp_ctx *ctx, const gdp_gdp_problem *p,
-                                  const gdp_gdp_fwd_io *io) {
+static gdp_status cpu_gdp_forward(gdp_ctx *ctx, const gdp_delta_product_problem *p,
+                                  const gdp_delta_product_forward_io *io) {
   if (p->l2norm_in_kernel)
     return GDP_ERROR(GDP_ERR_INTERNAL, "the CPU kernels take q and k already L2-normalised "
                                        "(l2norm_in_kernel must be 0)");
   switch (p->dtype) {
     case GDP_DTYPE_F64:
-      return p->algorithm == GDP_ALGO_RECURRENT ? gdp_cpu_gdp_fwd_recurrent_f64(p, io)
-                                                : gdp_cpu_gdp_fwd_chunk_f64(p, io);
+      return p->algorithm == GDP_ALGO_RECURRENT ? gdp_cpu_delta_product_forward_recurrent_f64(p, io)
+                                                : gdp_cpu_delta_product_forward_chunk_f64(p, io);
     case GDP_DTYPE_F32:
-      return gdp_cpu_gdp_fwd_chunk_f32(p, io);
+      return gdp_cpu_delta_product_forward_chunk_f32(p, io);
     default:
       return GDP_ERROR(GDP_ERR_DTYPE, "the CPU kernels take f64 or f32 buffers, got %s",
                        gdp_dtype_name((gdp_dtype)p->dtype));
   }
 }
 
-static gdp_status cpu_gdp_backward(gdp_ctx *ctx, const gdp_gdp_problem *p,
-                                   const gdp_gdp_bwd_io *io) {
+static gdp_status cpu_gdp_backward(gdp_ctx *ctx, const gdp_delta_product_problem *p,
+                                   const gdp_delta_product_backward_io *io) {
   if (p->l2norm_in_kernel)
     return GDP_ERROR(GDP_ERR_INTERNAL, "the CPU kernels take q and k already L2-normalised "
                                        "(l2norm_in_kernel must be 0)");
   switch (p->dtype) {
     case GDP_DTYPE_F64:
-      return p->algorithm == GDP_ALGO_RECURRENT ? gdp_cpu_gdp_bwd_recurrent_f64(p, io)
-                                                : gdp_cpu_gdp_bwd_chunk_f64(p, io);
+      return p->algorithm == GDP_ALGO_RECURRENT ? gdp_cpu_delta_product_backward_recurrent_f64(p, io)
+                                                : gdp_cpu_delta_product_backward_chunk_f64(p, io);
     case GDP_DTYPE_F32:
-      return gdp_cpu_gdp_bwd_chunk_f32(p, io);
+      return gdp_cpu_delta_product_backward_chunk_f32(p, io);
     default:
       return GDP_ERROR(GDP_ERR_DTYPE, "the CPU kernels take f64 or f32 buffers, got %s",
                        gdp_dtype_name((gdp_dtype)p->dtype));

@@ -564,37 +564,37 @@ static gdp_status cuda_matmul(gdp_ctx *ctx, gdp_tensor *out, const gdp_tensor *a
 
 /* ------------------------------------------------------------------ GDP operator */
 
-static gdp_status cuda_gdp_forward(gdp_ctx *ctx, const gdp_gdp_problem *p,
-                                   const gdp_gdp_fwd_io *io) {
+static gdp_status cuda_gdp_forward(gdp_ctx *ctx, const gdp_delta_product_problem *p,
+                                   const gdp_delta_product_forward_io *io) {
   GDP_TRY(op_begin(ctx, "gdp_forward", NULL));
-  GDP_TRY(gdp_cuda_gdp_forward(p, io, (void *)state_of(ctx)->stream));
+  GDP_TRY(gdp_cuda_delta_product_forward(p, io, (void *)state_of(ctx)->stream));
   return op_end(ctx);
 }
 
-static gdp_status cuda_gdp_backward(gdp_ctx *ctx, const gdp_gdp_problem *p,
-                                    const gdp_gdp_bwd_io *io) {
+static gdp_status cuda_gdp_backward(gdp_ctx *ctx, const gdp_delta_product_problem *p,
+                                    const gdp_delta_product_backward_io *io) {
   GDP_TRY(op_begin(ctx, "gdp_backward", NULL));
-  GDP_TRY(gdp_cuda_gdp_backward(p, io, (void *)state_of(ctx)->stream));
+  GDP_TRY(gdp_cuda_delta_product_backward(p, io, (void *)state_of(ctx)->stream));
   return op_end(ctx);
 }
 
-static gdp_status cuda_gdp_save_plan(gdp_ctx *ctx, const gdp_gdp_problem *p, int *variant,
+static gdp_status cuda_gdp_save_plan(gdp_ctx *ctx, const gdp_delta_product_problem *p, int *variant,
                                      size_t *bytes) {
-  return gdp_cuda_gdp_save_plan(p, variant, bytes);
+  return gdp_cuda_delta_product_save_plan(p, variant, bytes);
 }
 
-static gdp_status cuda_gdp_forward_save(gdp_ctx *ctx, const gdp_gdp_problem *p,
-                                        const gdp_gdp_fwd_io *io, void *saved) {
+static gdp_status cuda_gdp_forward_save(gdp_ctx *ctx, const gdp_delta_product_problem *p,
+                                        const gdp_delta_product_forward_io *io, void *saved) {
   GDP_TRY(op_begin(ctx, "gdp_forward (saving for backward)", NULL));
-  GDP_TRY(gdp_cuda_gdp_forward_ex(p, io, (void *)state_of(ctx)->stream, saved));
+  GDP_TRY(gdp_cuda_delta_product_forward_ex(p, io, (void *)state_of(ctx)->stream, saved));
   return op_end(ctx);
 }
 
-static gdp_status cuda_gdp_backward_saved(gdp_ctx *ctx, const gdp_gdp_problem *p,
-                                          const gdp_gdp_bwd_io *io, int variant,
+static gdp_status cuda_gdp_backward_saved(gdp_ctx *ctx, const gdp_delta_product_problem *p,
+                                          const gdp_delta_product_backward_io *io, int variant,
                                           const void *saved) {
   GDP_TRY(op_begin(ctx, saved ? "gdp_backward (saved forward)" : "gdp_backward", NULL));
-  GDP_TRY(gdp_cuda_gdp_backward_ex(p, io, (void *)state_of(ctx)->stream, variant, saved));
+  GDP_TRY(gdp_cuda_delta_product_backward_ex(p, io, (void *)state_of(ctx)->stream, variant, saved));
   return op_end(ctx);
 }
 
@@ -776,7 +776,7 @@ static int cuda_supports(gdp_op op, gdp_dtype dtype) {
     case GDP_OP_REDUCE: return (int)dtype >= 0 && dtype < GDP_DTYPE_COUNT;
     case GDP_OP_RNG: return is_float;
     case GDP_OP_MATMUL: return is_float;
-    /* The kernels answer per problem (gdp_cuda_gdp_supported); per dtype these two. */
+    /* The kernels answer per problem (gdp_cuda_delta_product_supported); per dtype these two. */
     case GDP_OP_GDP_FORWARD:
     case GDP_OP_GDP_BACKWARD: return dtype == GDP_DTYPE_F32 || dtype == GDP_DTYPE_BF16;
     default: return 0;

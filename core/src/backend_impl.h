@@ -55,21 +55,21 @@ struct gdp_backend {
                        int trans_a, int trans_b, double alpha, double beta);
   /* The GDP operator on contiguous tensors of the compute dtype (f64 or f32), q and k
    * already L2-normalised when asked (the op layer does that); see gdp_problem.h. */
-  gdp_status (*gdp_forward)(gdp_ctx *ctx, const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io);
-  gdp_status (*gdp_backward)(gdp_ctx *ctx, const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io);
-  /* Save for backward (gdp_gdp_forward_ex); all three NULL: the backend keeps nothing
+  gdp_status (*gdp_forward)(gdp_ctx *ctx, const gdp_delta_product_problem *p, const gdp_delta_product_forward_io *io);
+  gdp_status (*gdp_backward)(gdp_ctx *ctx, const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io);
+  /* Save for backward (gdp_delta_product_forward_ex); all three NULL: the backend keeps nothing
    * and its saved objects are empty.  gdp_save_plan: the variant that runs p (recorded,
    * and compared by the backward) and the device bytes its forward keeps (0: none).
    * gdp_forward_save: the forward, keeping that many bytes in `saved` (allocated by the
    * op layer through alloc); gdp_backward_saved: the backward of the forward that ran
    * with `variant` (refused when this call would run another), reading `saved` (NULL:
    * recompute). */
-  gdp_status (*gdp_save_plan)(gdp_ctx *ctx, const gdp_gdp_problem *p, int *variant,
+  gdp_status (*gdp_save_plan)(gdp_ctx *ctx, const gdp_delta_product_problem *p, int *variant,
                               size_t *bytes);
-  gdp_status (*gdp_forward_save)(gdp_ctx *ctx, const gdp_gdp_problem *p,
-                                 const gdp_gdp_fwd_io *io, void *saved);
-  gdp_status (*gdp_backward_saved)(gdp_ctx *ctx, const gdp_gdp_problem *p,
-                                   const gdp_gdp_bwd_io *io, int variant, const void *saved);
+  gdp_status (*gdp_forward_save)(gdp_ctx *ctx, const gdp_delta_product_problem *p,
+                                 const gdp_delta_product_forward_io *io, void *saved);
+  gdp_status (*gdp_backward_saved)(gdp_ctx *ctx, const gdp_delta_product_problem *p,
+                                   const gdp_delta_product_backward_io *io, int variant, const void *saved);
   /* Row-wise L2 norm over `dim` contiguous values (the GDP operator's q/k norm, when the
    * backend does not fuse it): y = x / sqrt(sum x^2 + eps), x and y may alias; backward
    * dx = r (dy - y (y . dy)), dx and dy may alias.  `dtype` is the buffers'. */

@@ -1,5 +1,5 @@
 /*
- * op_gdp.c -- the public GDP operator: gdp_gdp_forward / gdp_gdp_backward.
+ * op_gdp.c -- the public GDP operator: gdp_delta_product_forward / gdp_delta_product_backward.
  *
  * This layer owns everything the kernels should not have to think about:
  *   1. validation of every argument, with messages that name the argument and give
@@ -26,7 +26,7 @@
 /* eps of the q/k L2 norm, inside the square root (fla's l2norm). */
 #define GDP_L2NORM_EPS 1e-6
 
-void gdp_gdp_options_init(gdp_gdp_options *opts) {
+void gdp_delta_product_options_init(gdp_delta_product_options *opts) {
   if (!opts) return;
   memset(opts, 0, sizeof *opts);
   opts->num_householder = 1;
@@ -39,18 +39,18 @@ void gdp_gdp_options_init(gdp_gdp_options *opts) {
   opts->reserved = 0;
 }
 
-size_t gdp_gdp_options_layout(size_t offsets[8]) {
+size_t gdp_delta_product_options_layout(size_t offsets[8]) {
   if (offsets) {
-    offsets[0] = offsetof(gdp_gdp_options, num_householder);
-    offsets[1] = offsetof(gdp_gdp_options, scale);
-    offsets[2] = offsetof(gdp_gdp_options, chunk_size);
-    offsets[3] = offsetof(gdp_gdp_options, use_qk_l2norm);
-    offsets[4] = offsetof(gdp_gdp_options, output_final_state);
-    offsets[5] = offsetof(gdp_gdp_options, algorithm);
-    offsets[6] = offsetof(gdp_gdp_options, value_block);
-    offsets[7] = offsetof(gdp_gdp_options, reserved);
+    offsets[0] = offsetof(gdp_delta_product_options, num_householder);
+    offsets[1] = offsetof(gdp_delta_product_options, scale);
+    offsets[2] = offsetof(gdp_delta_product_options, chunk_size);
+    offsets[3] = offsetof(gdp_delta_product_options, use_qk_l2norm);
+    offsets[4] = offsetof(gdp_delta_product_options, output_final_state);
+    offsets[5] = offsetof(gdp_delta_product_options, algorithm);
+    offsets[6] = offsetof(gdp_delta_product_options, value_block);
+    offsets[7] = offsetof(gdp_delta_product_options, reserved);
   }
-  return sizeof(gdp_gdp_options);
+  return sizeof(gdp_delta_product_options);
 }
 
 /* ------------------------------------------------------------------ validation */
@@ -65,7 +65,7 @@ typedef struct gdp_op_plan {
   int l2norm;            /* opts->use_qk_l2norm */
   int l2norm_here;       /* the op layer applies the norm (the backend does not fuse it) */
   int64_t *cu;           /* host, N+1 entries (owned, free with plan_free) */
-  gdp_gdp_problem p;
+  gdp_delta_product_problem p;
 } gdp_op_plan;
 
 static void plan_free(gdp_op_plan *plan) {
@@ -156,7 +156,7 @@ static gdp_status read_cu_seqlens(const char *func, gdp_op_plan *plan, const gdp
 
 /* Validates every argument of forward (d_o = dht = NULL, is_backward = 0) or backward and
  * fills the plan.  On failure the plan holds nothing to free beyond plan_free. */
-static gdp_status plan_make(const char *func, gdp_ctx *ctx, const gdp_gdp_options *opts,
+static gdp_status plan_make(const char *func, gdp_ctx *ctx, const gdp_delta_product_options *opts,
                             const gdp_tensor *q, const gdp_tensor *k, const gdp_tensor *v,
                             const gdp_tensor *g, const gdp_tensor *beta, const gdp_tensor *h0,
                             const gdp_tensor *cu, const gdp_tensor *d_o, const gdp_tensor *dht,
@@ -175,7 +175,7 @@ static gdp_status plan_make(const char *func, gdp_ctx *ctx, const gdp_gdp_option
   /* Options. */
   if (opts->reserved != 0)
     return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG,
-                        "opts->reserved: expected 0 (use gdp_gdp_options_init), got %d",
+                        "opts->reserved: expected 0 (use gdp_delta_product_options_init), got %d",
                         (int)opts->reserved);
   if (opts->num_householder < 1)
     return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG, "opts->num_householder: expected >= 1, got %lld",
@@ -289,7 +289,7 @@ static gdp_status plan_make(const char *func, gdp_ctx *ctx, const gdp_gdp_option
                         gdp_device_type_name(ctx->type), gdp_device_type_name(ctx->type),
                         ctx->index);
 
-  gdp_gdp_problem *p = &plan->p;
+  gdp_delta_product_problem *p = &plan->p;
   p->T_total = B * T;
   p->N = plan->N;
   p->cu_seqlens = plan->cu;
@@ -395,7 +395,7 @@ fail:
 /* ------------------------------------------------------------------ saved forwards */
 
 /* What a forward kept for its backward, and the problem it belongs to (gdp.h). */
-struct gdp_gdp_saved {
+struct gdp_delta_product_saved {
   gdp_ctx *ctx;    /* a reference: the memory goes back through the backend that gave it */
   void *data;      /* device block from ctx->backend->alloc; NULL when nothing is kept */
   size_t bytes;
@@ -408,9 +408,9 @@ struct gdp_gdp_saved {
   int64_t *cu;     /* N+1 cu_seqlens values (host) */
 };
 
-size_t gdp_gdp_saved_bytes(const gdp_gdp_saved *saved) { return saved ? saved->bytes : 0; }
+size_t gdp_delta_product_saved_bytes(const gdp_delta_product_saved *saved) { return saved ? saved->bytes : 0; }
 
-void gdp_gdp_saved_free(gdp_gdp_saved *saved) {
+void gdp_delta_product_saved_free(gdp_delta_product_saved *saved) {
   if (!saved) return;
   /* stream-ordered on the ctx's stream (cuda): a backward queued before still reads it */
   if (saved->data) saved->ctx->backend->release(saved->ctx, saved->data, saved->bytes);
@@ -421,9 +421,9 @@ void gdp_gdp_saved_free(gdp_gdp_saved *saved) {
 
 /* A new saved object recording plan's problem; no device memory yet. */
 static gdp_status saved_new(const char *func, gdp_ctx *ctx, const gdp_op_plan *plan,
-                            const gdp_gdp_options *opts, const gdp_tensor *g, const gdp_tensor *h0,
-                            gdp_gdp_saved **out) {
-  gdp_gdp_saved *sv = calloc(1, sizeof *sv);
+                            const gdp_delta_product_options *opts, const gdp_tensor *g, const gdp_tensor *h0,
+                            gdp_delta_product_saved **out) {
+  gdp_delta_product_saved *sv = calloc(1, sizeof *sv);
   int64_t *cu = malloc((size_t)(plan->N + 1) * sizeof(int64_t));
   if (!sv || !cu) {
     free(sv);
@@ -448,8 +448,8 @@ static gdp_status saved_new(const char *func, gdp_ctx *ctx, const gdp_op_plan *p
 }
 
 /* The saved object belongs to this backward's problem, field by field. */
-static gdp_status saved_check(const char *func, const gdp_gdp_saved *sv, const gdp_ctx *ctx,
-                              const gdp_op_plan *plan, const gdp_gdp_options *opts,
+static gdp_status saved_check(const char *func, const gdp_delta_product_saved *sv, const gdp_ctx *ctx,
+                              const gdp_op_plan *plan, const gdp_delta_product_options *opts,
                               const gdp_tensor *g, const gdp_tensor *h0) {
 #define SAVED_FIELD(name, fwd, here)                                                          \
   if ((int64_t)(fwd) != (int64_t)(here))                                                     \
@@ -492,11 +492,11 @@ static gdp_status saved_check(const char *func, const gdp_gdp_saved *sv, const g
 
 /* ------------------------------------------------------------------ forward */
 
-static gdp_status forward_impl(const char *func, gdp_ctx *ctx, const gdp_gdp_options *opts,
+static gdp_status forward_impl(const char *func, gdp_ctx *ctx, const gdp_delta_product_options *opts,
                                const gdp_tensor *q, const gdp_tensor *k, const gdp_tensor *v,
                                const gdp_tensor *g, const gdp_tensor *beta, const gdp_tensor *h0,
                                const gdp_tensor *cu_seqlens, gdp_tensor **o, gdp_tensor **ht,
-                               gdp_gdp_saved **saved) {
+                               gdp_delta_product_saved **saved) {
   if (saved) *saved = NULL;
   if (!o) return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG, "o: expected an output pointer, got NULL");
   *o = NULL;
@@ -508,7 +508,7 @@ static gdp_status forward_impl(const char *func, gdp_ctx *ctx, const gdp_gdp_opt
   gdp_op_plan plan;
   gdp_op_inputs in = {0};
   gdp_tensor *oc = NULL, *htc = NULL;
-  gdp_gdp_saved *sv = NULL;
+  gdp_delta_product_saved *sv = NULL;
   gdp_status s = plan_make(func, ctx, opts, q, k, v, g, beta, h0, cu_seqlens, NULL, NULL, 0, &plan);
   if (s != GDP_OK) goto done;
   if (saved) {
@@ -530,7 +530,7 @@ static gdp_status forward_impl(const char *func, gdp_ctx *ctx, const gdp_gdp_opt
       (s = gdp_tensor_empty(ctx, state_compute(&plan), 4, st_shape, &htc)) != GDP_OK)
     goto done;
 
-  const gdp_gdp_fwd_io io = {
+  const gdp_delta_product_forward_io io = {
       .q = data_or_null(in.qn), .k = data_or_null(in.kn), .v = data_or_null(in.vc),
       .g = data_or_null(in.gc), .beta = data_or_null(in.bc), .h0 = data_or_null(in.h0c),
       .o = data_or_null(oc), .ht = data_or_null(htc)};
@@ -551,7 +551,7 @@ done:
       gdp_tensor_free(*ht);
       *ht = NULL;
     }
-    gdp_gdp_saved_free(sv);
+    gdp_delta_product_saved_free(sv);
   } else if (saved) {
     *saved = sv;
   }
@@ -562,31 +562,31 @@ done:
   return s;
 }
 
-gdp_status gdp_gdp_forward(gdp_ctx *ctx, const gdp_gdp_options *opts, const gdp_tensor *q,
+gdp_status gdp_delta_product_forward(gdp_ctx *ctx, const gdp_delta_product_options *opts, const gdp_tensor *q,
                            const gdp_tensor *k, const gdp_tensor *v, const gdp_tensor *g,
                            const gdp_tensor *beta, const gdp_tensor *h0,
                            const gdp_tensor *cu_seqlens, gdp_tensor **o, gdp_tensor **ht) {
-  return forward_impl("gdp_gdp_forward", ctx, opts, q, k, v, g, beta, h0, cu_seqlens, o, ht, NULL);
+  return forward_impl("gdp_delta_product_forward", ctx, opts, q, k, v, g, beta, h0, cu_seqlens, o, ht, NULL);
 }
 
-gdp_status gdp_gdp_forward_ex(gdp_ctx *ctx, const gdp_gdp_options *opts, const gdp_tensor *q,
+gdp_status gdp_delta_product_forward_ex(gdp_ctx *ctx, const gdp_delta_product_options *opts, const gdp_tensor *q,
                               const gdp_tensor *k, const gdp_tensor *v, const gdp_tensor *g,
                               const gdp_tensor *beta, const gdp_tensor *h0,
                               const gdp_tensor *cu_seqlens, gdp_tensor **o, gdp_tensor **ht,
-                              gdp_gdp_saved **saved) {
-  return forward_impl("gdp_gdp_forward_ex", ctx, opts, q, k, v, g, beta, h0, cu_seqlens, o, ht,
+                              gdp_delta_product_saved **saved) {
+  return forward_impl("gdp_delta_product_forward_ex", ctx, opts, q, k, v, g, beta, h0, cu_seqlens, o, ht,
                       saved);
 }
 
 /* ------------------------------------------------------------------ backward */
 
-static gdp_status backward_impl(const char *func, gdp_ctx *ctx, const gdp_gdp_options *opts,
+static gdp_status backward_impl(const char *func, gdp_ctx *ctx, const gdp_delta_product_options *opts,
                                 const gdp_tensor *q, const gdp_tensor *k, const gdp_tensor *v,
                                 const gdp_tensor *g, const gdp_tensor *beta, const gdp_tensor *h0,
                                 const gdp_tensor *cu_seqlens, const gdp_tensor *d_o,
                                 const gdp_tensor *dht, gdp_tensor **dq, gdp_tensor **dk,
                                 gdp_tensor **dv, gdp_tensor **dbeta, gdp_tensor **dg,
-                                gdp_tensor **dh0, const gdp_gdp_saved *saved) {
+                                gdp_tensor **dh0, const gdp_delta_product_saved *saved) {
   gdp_tensor **outs[] = {dq, dk, dv, dbeta, dg, dh0};
   static const char *out_names[] = {"dq", "dk", "dv", "dbeta", "dg", "dh0"};
   for (int i = 0; i < 6; i++)
@@ -615,7 +615,7 @@ static gdp_status backward_impl(const char *func, gdp_ctx *ctx, const gdp_gdp_op
       goto done;
   }
 
-  const gdp_gdp_bwd_io io = {
+  const gdp_delta_product_backward_io io = {
       .q = data_or_null(in.qn), .k = data_or_null(in.kn), .v = data_or_null(in.vc),
       .g = data_or_null(in.gc), .beta = data_or_null(in.bc), .h0 = data_or_null(in.h0c),
       .d_o = data_or_null(doc), .dht = data_or_null(dhtc),
@@ -655,24 +655,24 @@ done:
   return s;
 }
 
-gdp_status gdp_gdp_backward(gdp_ctx *ctx, const gdp_gdp_options *opts, const gdp_tensor *q,
+gdp_status gdp_delta_product_backward(gdp_ctx *ctx, const gdp_delta_product_options *opts, const gdp_tensor *q,
                             const gdp_tensor *k, const gdp_tensor *v, const gdp_tensor *g,
                             const gdp_tensor *beta, const gdp_tensor *h0,
                             const gdp_tensor *cu_seqlens, const gdp_tensor *d_o,
                             const gdp_tensor *dht, gdp_tensor **dq, gdp_tensor **dk,
                             gdp_tensor **dv, gdp_tensor **dbeta, gdp_tensor **dg,
                             gdp_tensor **dh0) {
-  return backward_impl("gdp_gdp_backward", ctx, opts, q, k, v, g, beta, h0, cu_seqlens, d_o, dht,
+  return backward_impl("gdp_delta_product_backward", ctx, opts, q, k, v, g, beta, h0, cu_seqlens, d_o, dht,
                        dq, dk, dv, dbeta, dg, dh0, NULL);
 }
 
-gdp_status gdp_gdp_backward_ex(gdp_ctx *ctx, const gdp_gdp_options *opts, const gdp_tensor *q,
+gdp_status gdp_delta_product_backward_ex(gdp_ctx *ctx, const gdp_delta_product_options *opts, const gdp_tensor *q,
                                const gdp_tensor *k, const gdp_tensor *v, const gdp_tensor *g,
                                const gdp_tensor *beta, const gdp_tensor *h0,
                                const gdp_tensor *cu_seqlens, const gdp_tensor *d_o,
                                const gdp_tensor *dht, gdp_tensor **dq, gdp_tensor **dk,
                                gdp_tensor **dv, gdp_tensor **dbeta, gdp_tensor **dg,
-                               gdp_tensor **dh0, const gdp_gdp_saved *saved) {
-  return backward_impl("gdp_gdp_backward_ex", ctx, opts, q, k, v, g, beta, h0, cu_seqlens, d_o,
+                               gdp_tensor **dh0, const gdp_delta_product_saved *saved) {
+  return backward_impl("gdp_delta_product_backward_ex", ctx, opts, q, k, v, g, beta, h0, cu_seqlens, d_o,
                        dht, dq, dk, dv, dbeta, dg, dh0, saved);
 }

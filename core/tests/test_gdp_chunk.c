@@ -87,7 +87,7 @@ static float *to_f32(const double *x, int64_t count) {
 /* ------------------------------------------------------------------ one problem */
 
 typedef struct problem {
-  gdp_gdp_problem p;
+  gdp_delta_product_problem p;
   int64_t cu[9];
   int64_t nq, nk, nv, nb, ng, ns, no; /* element counts */
   double *q, *k, *v, *beta, *g, *h0, *d_o, *dht;
@@ -98,7 +98,7 @@ static void problem_make(problem *P, const tcase *tc, gdp_dtype dtype) {
   P->cu[0] = 0;
   for (int64_t s = 0; s < tc->N; s++) P->cu[s + 1] = P->cu[s] + tc->lens[s];
   const int64_t T = P->cu[tc->N], H = tc->H, K = tc->K, V = tc->V, n = tc->n;
-  gdp_gdp_problem *p = &P->p;
+  gdp_delta_product_problem *p = &P->p;
   p->T_total = T;
   p->N = tc->N;
   p->cu_seqlens = P->cu;
@@ -150,17 +150,17 @@ static void run_oracle(const problem *P, results *R) {
   memset(R, 0, sizeof *R);
   R->o = alloc_out_f64(P->no);
   R->ht = alloc_out_f64(P->ns);
-  gdp_gdp_fwd_io f = {P->q, P->k, P->v, P->g, P->beta, P->h0, R->o, R->ht};
-  CHECK_OK(gdp_cpu_gdp_fwd_recurrent_f64(&P->p, &f));
+  gdp_delta_product_forward_io f = {P->q, P->k, P->v, P->g, P->beta, P->h0, R->o, R->ht};
+  CHECK_OK(gdp_cpu_delta_product_forward_recurrent_f64(&P->p, &f));
   R->dq = alloc_out_f64(P->nq);
   R->dk = alloc_out_f64(P->nk);
   R->dv = alloc_out_f64(P->nv);
   R->dbeta = alloc_out_f64(P->nb);
   R->dg = P->g ? alloc_out_f64(P->ng) : NULL;
   R->dh0 = alloc_out_f64(P->ns);
-  gdp_gdp_bwd_io b = {P->q,  P->k,  P->v,  P->g,     P->beta, P->h0, P->d_o,
+  gdp_delta_product_backward_io b = {P->q,  P->k,  P->v,  P->g,     P->beta, P->h0, P->d_o,
                       P->dht, R->dq, R->dk, R->dv, R->dbeta, R->dg, R->dh0};
-  CHECK_OK(gdp_cpu_gdp_bwd_recurrent_f64(&P->p, &b));
+  CHECK_OK(gdp_cpu_delta_product_backward_recurrent_f64(&P->p, &b));
 }
 
 /* want_ht / want_dh0 = 0 pass NULL for those outputs (and skip their comparison). */
@@ -168,17 +168,17 @@ static void run_chunk_f64(const problem *P, int want_ht, int want_dh0, results *
   memset(R, 0, sizeof *R);
   R->o = alloc_out_f64(P->no);
   R->ht = want_ht ? alloc_out_f64(P->ns) : NULL;
-  gdp_gdp_fwd_io f = {P->q, P->k, P->v, P->g, P->beta, P->h0, R->o, R->ht};
-  CHECK_OK(gdp_cpu_gdp_fwd_chunk_f64(&P->p, &f));
+  gdp_delta_product_forward_io f = {P->q, P->k, P->v, P->g, P->beta, P->h0, R->o, R->ht};
+  CHECK_OK(gdp_cpu_delta_product_forward_chunk_f64(&P->p, &f));
   R->dq = alloc_out_f64(P->nq);
   R->dk = alloc_out_f64(P->nk);
   R->dv = alloc_out_f64(P->nv);
   R->dbeta = alloc_out_f64(P->nb);
   R->dg = P->g ? alloc_out_f64(P->ng) : NULL;
   R->dh0 = want_dh0 ? alloc_out_f64(P->ns) : NULL;
-  gdp_gdp_bwd_io b = {P->q,  P->k,  P->v,  P->g,     P->beta, P->h0, P->d_o,
+  gdp_delta_product_backward_io b = {P->q,  P->k,  P->v,  P->g,     P->beta, P->h0, P->d_o,
                       P->dht, R->dq, R->dk, R->dv, R->dbeta, R->dg, R->dh0};
-  CHECK_OK(gdp_cpu_gdp_bwd_chunk_f64(&P->p, &b));
+  CHECK_OK(gdp_cpu_delta_product_backward_chunk_f64(&P->p, &b));
   CHECK(guard_ok_f64(R->o, P->no) && guard_ok_f64(R->dq, P->nq) && guard_ok_f64(R->dk, P->nk) &&
             guard_ok_f64(R->dv, P->nv) && guard_ok_f64(R->dbeta, P->nb) &&
             (!R->ht || guard_ok_f64(R->ht, P->ns)) && (!R->dg || guard_ok_f64(R->dg, P->ng)) &&
@@ -195,12 +195,12 @@ static void run_chunk_f32(const problem *P, int want_ht, int want_dh0, results *
   float *dq = alloc_out_f32(P->nq), *dk = alloc_out_f32(P->nk), *dv = alloc_out_f32(P->nv);
   float *dbeta = alloc_out_f32(P->nb), *dg = g ? alloc_out_f32(P->ng) : NULL;
   float *dh0 = want_dh0 ? alloc_out_f32(P->ns) : NULL;
-  gdp_gdp_problem p = P->p;
+  gdp_delta_product_problem p = P->p;
   p.dtype = GDP_DTYPE_F32;
-  gdp_gdp_fwd_io f = {q, k, v, g, beta, h0, o, ht};
-  CHECK_OK(gdp_cpu_gdp_fwd_chunk_f32(&p, &f));
-  gdp_gdp_bwd_io b = {q, k, v, g, beta, h0, d_o, dht, dq, dk, dv, dbeta, dg, dh0};
-  CHECK_OK(gdp_cpu_gdp_bwd_chunk_f32(&p, &b));
+  gdp_delta_product_forward_io f = {q, k, v, g, beta, h0, o, ht};
+  CHECK_OK(gdp_cpu_delta_product_forward_chunk_f32(&p, &f));
+  gdp_delta_product_backward_io b = {q, k, v, g, beta, h0, d_o, dht, dq, dk, dv, dbeta, dg, dh0};
+  CHECK_OK(gdp_cpu_delta_product_backward_chunk_f32(&p, &b));
   CHECK(guard_ok_f32(o, P->no) && guard_ok_f32(dq, P->nq) && guard_ok_f32(dk, P->nk) &&
             guard_ok_f32(dv, P->nv) && guard_ok_f32(dbeta, P->nb) &&
             (!ht || guard_ok_f32(ht, P->ns)) && (!dg || guard_ok_f32(dg, P->ng)) &&
@@ -260,8 +260,8 @@ static void run_case(const tcase *tc, int want_ht, int want_dh0) {
 /* loss = sum(o dO) + sum(ht dht), by the chunk forward in float64. */
 static double chunk_loss(const problem *P) {
   double *o = malloc((size_t)P->no * sizeof(double)), *ht = malloc((size_t)P->ns * sizeof(double));
-  gdp_gdp_fwd_io f = {P->q, P->k, P->v, P->g, P->beta, P->h0, o, ht};
-  gdp_status st = gdp_cpu_gdp_fwd_chunk_f64(&P->p, &f);
+  gdp_delta_product_forward_io f = {P->q, P->k, P->v, P->g, P->beta, P->h0, o, ht};
+  gdp_status st = gdp_cpu_delta_product_forward_chunk_f64(&P->p, &f);
   double loss = st == GDP_OK ? 0.0 : NAN;
   for (int64_t i = 0; i < P->no; i++) loss += o[i] * P->d_o[i];
   for (int64_t i = 0; i < P->ns; i++) loss += ht[i] * P->dht[i];

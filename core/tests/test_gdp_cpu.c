@@ -83,15 +83,15 @@ static void op_out_free(op_out *out) {
 }
 
 /* Forward (with ht when dht is given or want_ht) and backward. */
-static gdp_status run_op(const gdp_gdp_options *opts_in, const op_in *in, int want_ht,
+static gdp_status run_op(const gdp_delta_product_options *opts_in, const op_in *in, int want_ht,
                          op_out *out) {
   memset(out, 0, sizeof *out);
-  gdp_gdp_options opts = *opts_in;
+  gdp_delta_product_options opts = *opts_in;
   opts.output_final_state = want_ht;
-  gdp_status s = gdp_gdp_forward(ctx, &opts, in->q, in->k, in->v, in->g, in->beta, in->h0, in->cu,
+  gdp_status s = gdp_delta_product_forward(ctx, &opts, in->q, in->k, in->v, in->g, in->beta, in->h0, in->cu,
                                  &out->o, want_ht ? &out->ht : NULL);
   if (s != GDP_OK) return s;
-  return gdp_gdp_backward(ctx, &opts, in->q, in->k, in->v, in->g, in->beta, in->h0, in->cu,
+  return gdp_delta_product_backward(ctx, &opts, in->q, in->k, in->v, in->g, in->beta, in->h0, in->cu,
                           in->d_o, in->dht, &out->dq, &out->dk, &out->dv, &out->dbeta, &out->dg,
                           &out->dh0);
 }
@@ -221,9 +221,9 @@ static void problem_tensors(const problem *p, gdp_dtype dtype, int which, const 
   }
 }
 
-static gdp_gdp_options problem_opts(const problem *p, int algorithm, int64_t chunk) {
-  gdp_gdp_options o;
-  gdp_gdp_options_init(&o);
+static gdp_delta_product_options problem_opts(const problem *p, int algorithm, int64_t chunk) {
+  gdp_delta_product_options o;
+  gdp_delta_product_options_init(&o);
   o.num_householder = p->n;
   o.use_qk_l2norm = p->l2norm;
   o.algorithm = algorithm;
@@ -243,11 +243,11 @@ static double dot_host(const gdp_tensor *a, const double *b) {
 static double loss_at(const problem *p, int which, const double *dir, double eps) {
   op_in in;
   problem_tensors(p, GDP_DTYPE_F64, which, dir, eps, &in);
-  gdp_gdp_options opts = problem_opts(p, GDP_ALGO_RECURRENT, 0);
+  gdp_delta_product_options opts = problem_opts(p, GDP_ALGO_RECURRENT, 0);
   opts.output_final_state = p->with_dht;
   gdp_tensor *o = NULL, *ht = NULL;
   double loss = NAN;
-  gdp_status s = gdp_gdp_forward(ctx, &opts, in.q, in.k, in.v, in.g, in.beta, in.h0, in.cu, &o,
+  gdp_status s = gdp_delta_product_forward(ctx, &opts, in.q, in.k, in.v, in.g, in.beta, in.h0, in.cu, &o,
                                  p->with_dht ? &ht : NULL);
   CHECK(s == GDP_OK, "loss_at: %s", gdp_last_error());
   if (s == GDP_OK) loss = dot_host(o, p->x[X_DO]) + (ht ? dot_host(ht, p->x[X_DHT]) : 0.0);
@@ -263,7 +263,7 @@ static void fd_case(const char *label, problem *p) {
   problem_fill(p);
   op_in in;
   problem_tensors(p, GDP_DTYPE_F64, -1, NULL, 0.0, &in);
-  gdp_gdp_options opts = problem_opts(p, GDP_ALGO_RECURRENT, 0);
+  gdp_delta_product_options opts = problem_opts(p, GDP_ALGO_RECURRENT, 0);
   op_out got;
   gdp_status s = run_op(&opts, &in, p->with_dht, &got);
   CHECK(s == GDP_OK, "%s: %s", label, gdp_last_error());
@@ -326,7 +326,7 @@ static void chunk_case(const char *label, problem *p, const int64_t *chunks, int
   op_in in64, in32;
   problem_tensors(p, GDP_DTYPE_F64, -1, NULL, 0.0, &in64);
   problem_tensors(p, GDP_DTYPE_F32, -1, NULL, 0.0, &in32);
-  gdp_gdp_options opts = problem_opts(p, GDP_ALGO_RECURRENT, 0);
+  gdp_delta_product_options opts = problem_opts(p, GDP_ALGO_RECURRENT, 0);
   op_out ref;
   gdp_status s = run_op(&opts, &in64, 1, &ref);
   CHECK(s == GDP_OK, "%s: recurrent: %s", label, gdp_last_error());
@@ -370,7 +370,7 @@ static void test_views(void) {
   problem_fill(&p);
   op_in in;
   problem_tensors(&p, GDP_DTYPE_F64, -1, NULL, 0.0, &in);
-  gdp_gdp_options opts = problem_opts(&p, GDP_ALGO_RECURRENT, 0);
+  gdp_delta_product_options opts = problem_opts(&p, GDP_ALGO_RECURRENT, 0);
   op_out ref;
   CHECK_OK(run_op(&opts, &in, 1, &ref));
 
@@ -402,7 +402,7 @@ static void test_views(void) {
   opts.algorithm = GDP_ALGO_RECURRENT;
   opts.output_final_state = 0;
   gdp_tensor *o = NULL, *ht = (gdp_tensor *)&ht; /* junk that must be reset */
-  CHECK_OK(gdp_gdp_forward(ctx, &opts, in.q, in.k, in.v, in.g, in.beta, in.h0, in.cu, &o, &ht));
+  CHECK_OK(gdp_delta_product_forward(ctx, &opts, in.q, in.k, in.v, in.g, in.beta, in.h0, in.cu, &o, &ht));
   CHECK(ht == NULL, "ht must be NULL when output_final_state is 0");
   CHECK(rel_err(o, ref.o) <= TOL_F64, "o without ht differs");
   gdp_tensor_free(o);
@@ -441,32 +441,32 @@ static void test_validation(void) {
   problem_fill(&p);
   op_in in;
   problem_tensors(&p, GDP_DTYPE_F64, -1, NULL, 0.0, &in);
-  gdp_gdp_options ok = problem_opts(&p, GDP_ALGO_AUTO, 0), o2;
+  gdp_delta_product_options ok = problem_opts(&p, GDP_ALGO_AUTO, 0), o2;
   gdp_tensor *o = NULL, *ht = NULL, *bad = NULL, *dq, *dk, *dv, *db, *dg, *dh0;
-  CHECK_OK(gdp_gdp_forward(ctx, &ok, in.q, in.k, in.v, in.g, in.beta, in.h0, NULL, &o, NULL));
+  CHECK_OK(gdp_delta_product_forward(ctx, &ok, in.q, in.k, in.v, in.g, in.beta, in.h0, NULL, &o, NULL));
   gdp_tensor_free(o);
 
 #define FWD(opts, q, k, v, g, beta, h0, cu) \
-  gdp_gdp_forward(ctx, (opts), (q), (k), (v), (g), (beta), (h0), (cu), &o, &ht)
+  gdp_delta_product_forward(ctx, (opts), (q), (k), (v), (g), (beta), (h0), (cu), &o, &ht)
 #define BWD(opts, d_o, dht)                                                                   \
-  gdp_gdp_backward(ctx, (opts), in.q, in.k, in.v, in.g, in.beta, in.h0, NULL, (d_o), (dht), &dq, \
+  gdp_delta_product_backward(ctx, (opts), in.q, in.k, in.v, in.g, in.beta, in.h0, NULL, (d_o), (dht), &dq, \
                    &dk, &dv, &db, &dg, &dh0)
 
   /* NULL arguments */
-  CHECK_ERR(gdp_gdp_forward(NULL, &ok, in.q, in.k, in.v, in.g, in.beta, NULL, NULL, &o, NULL),
+  CHECK_ERR(gdp_delta_product_forward(NULL, &ok, in.q, in.k, in.v, in.g, in.beta, NULL, NULL, &o, NULL),
             GDP_ERR_INVALID_ARG, "ctx");
   CHECK_ERR(FWD(NULL, in.q, in.k, in.v, in.g, in.beta, NULL, NULL), GDP_ERR_INVALID_ARG, "opts");
   CHECK_ERR(FWD(&ok, NULL, in.k, in.v, in.g, in.beta, NULL, NULL), GDP_ERR_INVALID_ARG, "q:");
   CHECK_ERR(FWD(&ok, in.q, NULL, in.v, in.g, in.beta, NULL, NULL), GDP_ERR_INVALID_ARG, "k:");
   CHECK_ERR(FWD(&ok, in.q, in.k, NULL, in.g, in.beta, NULL, NULL), GDP_ERR_INVALID_ARG, "v:");
   CHECK_ERR(FWD(&ok, in.q, in.k, in.v, in.g, NULL, NULL, NULL), GDP_ERR_INVALID_ARG, "beta:");
-  CHECK_ERR(gdp_gdp_forward(ctx, &ok, in.q, in.k, in.v, in.g, in.beta, NULL, NULL, NULL, NULL),
+  CHECK_ERR(gdp_delta_product_forward(ctx, &ok, in.q, in.k, in.v, in.g, in.beta, NULL, NULL, NULL, NULL),
             GDP_ERR_INVALID_ARG, "o:");
   o2 = ok, o2.output_final_state = 1;
-  CHECK_ERR(gdp_gdp_forward(ctx, &o2, in.q, in.k, in.v, in.g, in.beta, NULL, NULL, &o, NULL),
+  CHECK_ERR(gdp_delta_product_forward(ctx, &o2, in.q, in.k, in.v, in.g, in.beta, NULL, NULL, &o, NULL),
             GDP_ERR_INVALID_ARG, "output_final_state");
   CHECK_ERR(BWD(&ok, NULL, NULL), GDP_ERR_INVALID_ARG, "d_o:");
-  CHECK_ERR(gdp_gdp_backward(ctx, &ok, in.q, in.k, in.v, in.g, in.beta, in.h0, NULL, in.d_o, NULL,
+  CHECK_ERR(gdp_delta_product_backward(ctx, &ok, in.q, in.k, in.v, in.g, in.beta, in.h0, NULL, in.d_o, NULL,
                              &dq, &dk, &dv, &db, NULL, &dh0),
             GDP_ERR_INVALID_ARG, "dg: expected an output pointer");
 
@@ -563,7 +563,7 @@ static void test_validation(void) {
     problem_fill(&pk);
     op_in ik;
     problem_tensors(&pk, GDP_DTYPE_F64, -1, NULL, 0.0, &ik);
-    gdp_gdp_options ko = problem_opts(&pk, GDP_ALGO_RECURRENT, 0);
+    gdp_delta_product_options ko = problem_opts(&pk, GDP_ALGO_RECURRENT, 0);
     struct { gdp_dtype dt; int ndim; int64_t shape[2]; int64_t vals[5]; gdp_status st;
              const char *needle; } cus[] = {
         {GDP_DTYPE_I64, 1, {3}, {0, 3, 7}, GDP_OK, ""},
@@ -582,7 +582,7 @@ static void test_validation(void) {
       CHECK_OK(gdp_tensor_from_host(ctx, cus[i].dt, cus[i].ndim, cus[i].shape, GDP_DTYPE_I64,
                                     cus[i].vals, (size_t)count * sizeof(int64_t), &cu));
       o = NULL;
-      gdp_status s = gdp_gdp_forward(ctx, &ko, ik.q, ik.k, ik.v, NULL, ik.beta, NULL, cu, &o, NULL);
+      gdp_status s = gdp_delta_product_forward(ctx, &ko, ik.q, ik.k, ik.v, NULL, ik.beta, NULL, cu, &o, NULL);
       if (cus[i].st == GDP_OK)
         CHECK(s == GDP_OK && o != NULL, "cu_seqlens case %zu: %s", i, gdp_last_error());
       else
@@ -610,8 +610,8 @@ static void test_validation(void) {
     problem_fill(&pk);
     op_in ik;
     problem_tensors(&pk, GDP_DTYPE_F64, -1, NULL, 0.0, &ik);
-    gdp_gdp_options ko = problem_opts(&pk, GDP_ALGO_RECURRENT, 0);
-    CHECK_ERR(gdp_gdp_forward(ctx, &ko, ik.q, ik.k, ik.v, ik.g, ik.beta, in.h0, ik.cu, &o, NULL),
+    gdp_delta_product_options ko = problem_opts(&pk, GDP_ALGO_RECURRENT, 0);
+    CHECK_ERR(gdp_delta_product_forward(ctx, &ko, ik.q, ik.k, ik.v, ik.g, ik.beta, in.h0, ik.cu, &o, NULL),
               GDP_ERR_SHAPE, "h0: expected [N,H,K,V] = [3x2x4x3], got [2x2x4x3]");
     op_in_free(&ik);
     problem_free(&pk);
@@ -652,7 +652,7 @@ static void test_num_threads_respected(void) {
   problem_fill(&p);
   op_in in;
   problem_tensors(&p, GDP_DTYPE_F64, -1, NULL, 0.0, &in);
-  gdp_gdp_options opts = problem_opts(&p, GDP_ALGO_CHUNK, 64);
+  gdp_delta_product_options opts = problem_opts(&p, GDP_ALGO_CHUNK, 64);
   const int before = count_threads();
   op_out out;
   CHECK_OK(run_op(&opts, &in, 1, &out));
@@ -667,15 +667,15 @@ static void test_num_threads_respected(void) {
 
 /* Options helpers and the layout the FFI checks. */
 static void test_options(void) {
-  gdp_gdp_options o;
+  gdp_delta_product_options o;
   memset(&o, 0xff, sizeof o);
-  gdp_gdp_options_init(&o);
+  gdp_delta_product_options_init(&o);
   CHECK(o.num_householder == 1 && o.scale == 0.0 && o.chunk_size == 0 && o.use_qk_l2norm == 0 &&
             o.output_final_state == 0 && o.algorithm == GDP_ALGO_AUTO && o.value_block == 0 &&
             o.reserved == 0,
-        "gdp_gdp_options_init defaults");
+        "gdp_delta_product_options_init defaults");
   size_t off[8];
-  CHECK(gdp_gdp_options_layout(off) == sizeof(gdp_gdp_options), "layout size");
+  CHECK(gdp_delta_product_options_layout(off) == sizeof(gdp_delta_product_options), "layout size");
   CHECK(off[0] == 0 && off[1] == 8 && off[2] == 16 && off[3] == 24 && off[4] == 28 &&
             off[5] == 32 && off[6] == 36 && off[7] == 40,
         "layout offsets %zu %zu %zu %zu %zu %zu %zu %zu", off[0], off[1], off[2], off[3], off[4],

@@ -1,5 +1,5 @@
 /*
- * test_gdp_saved.c -- save for backward (gdp_gdp_forward_ex / gdp_gdp_backward_ex) on the
+ * test_gdp_saved.c -- save for backward (gdp_delta_product_forward_ex / gdp_delta_product_backward_ex) on the
  * cpu, whose backend keeps nothing: the API contract (NULL handling, bytes, ownership),
  * results identical to the plain calls, and a refusal naming the field for every
  * recorded field of the problem that differs in the backward.  The device path (the
@@ -82,9 +82,9 @@ static void problem_free(problem *p) {
   for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) gdp_tensor_free(all[i]);
 }
 
-static gdp_gdp_options options_of(const problem *p) {
-  gdp_gdp_options o;
-  gdp_gdp_options_init(&o);
+static gdp_delta_product_options options_of(const problem *p) {
+  gdp_delta_product_options o;
+  gdp_delta_product_options_init(&o);
   o.num_householder = p->n;
   o.scale = p->scale;
   o.use_qk_l2norm = p->l2norm;
@@ -93,17 +93,17 @@ static gdp_gdp_options options_of(const problem *p) {
   return o;
 }
 
-static gdp_status forward(const problem *p, gdp_tensor **o, gdp_tensor **ht, gdp_gdp_saved **saved) {
-  const gdp_gdp_options opts = options_of(p);
-  return gdp_gdp_forward_ex(ctx, &opts, p->q, p->k, p->v, p->g, p->beta, p->h0, p->cut, o, ht,
+static gdp_status forward(const problem *p, gdp_tensor **o, gdp_tensor **ht, gdp_delta_product_saved **saved) {
+  const gdp_delta_product_options opts = options_of(p);
+  return gdp_delta_product_forward_ex(ctx, &opts, p->q, p->k, p->v, p->g, p->beta, p->h0, p->cut, o, ht,
                             saved);
 }
 
 /* grads[6] = dq, dk, dv, dbeta, dg, dh0 */
-static gdp_status backward(const problem *p, gdp_tensor *grads[6], const gdp_gdp_saved *saved) {
-  const gdp_gdp_options opts = options_of(p);
+static gdp_status backward(const problem *p, gdp_tensor *grads[6], const gdp_delta_product_saved *saved) {
+  const gdp_delta_product_options opts = options_of(p);
   memset(grads, 0, 6 * sizeof grads[0]);
-  return gdp_gdp_backward_ex(ctx, &opts, p->q, p->k, p->v, p->g, p->beta, p->h0, p->cut, p->d_o,
+  return gdp_delta_product_backward_ex(ctx, &opts, p->q, p->k, p->v, p->g, p->beta, p->h0, p->cut, p->d_o,
                              p->dht, &grads[0], &grads[1], &grads[2], &grads[3], &grads[4],
                              &grads[5], saved);
 }
@@ -135,12 +135,12 @@ static double max_abs_diff(const gdp_tensor *a, const gdp_tensor *b) {
 static void test_identical(const char *label, problem p) {
   problem_make(&p);
   gdp_tensor *o0 = NULL, *ht0 = NULL, *o1 = NULL, *ht1 = NULL, *g0[6], *g1[6], *g2[6];
-  gdp_gdp_saved *saved = NULL;
+  gdp_delta_product_saved *saved = NULL;
   CHECK_OK(forward(&p, &o0, &ht0, NULL));
   CHECK_OK(forward(&p, &o1, &ht1, &saved));
   CHECK(saved != NULL, "%s: forward_ex gave no saved object", label);
-  CHECK(gdp_gdp_saved_bytes(saved) == 0, "%s: the cpu kept %zu bytes, expected 0", label,
-        gdp_gdp_saved_bytes(saved));
+  CHECK(gdp_delta_product_saved_bytes(saved) == 0, "%s: the cpu kept %zu bytes, expected 0", label,
+        gdp_delta_product_saved_bytes(saved));
   CHECK(max_abs_diff(o0, o1) == 0.0, "%s: o differs with save_for_backward", label);
   CHECK(max_abs_diff(ht0, ht1) == 0.0, "%s: ht differs with save_for_backward", label);
   CHECK_OK(backward(&p, g0, NULL));
@@ -159,8 +159,8 @@ static void test_identical(const char *label, problem p) {
     }
   }
   CHECK(norm > 0.0, "%s: all gradients are zero (the comparison would be vacuous)", label);
-  printf("  %s: identical with and without saved (bytes %zu)\n", label, gdp_gdp_saved_bytes(saved));
-  gdp_gdp_saved_free(saved);
+  printf("  %s: identical with and without saved (bytes %zu)\n", label, gdp_delta_product_saved_bytes(saved));
+  gdp_delta_product_saved_free(saved);
   grads_free(g0), grads_free(g1), grads_free(g2);
   gdp_tensor_free(o0), gdp_tensor_free(ht0), gdp_tensor_free(o1), gdp_tensor_free(ht1);
   problem_free(&p);
@@ -172,7 +172,7 @@ static void test_mismatch(const char *needle, problem fwd, problem bwd) {
   problem_make(&fwd);
   problem_make(&bwd);
   gdp_tensor *o = NULL, *ht = NULL, *grads[6];
-  gdp_gdp_saved *saved = NULL;
+  gdp_delta_product_saved *saved = NULL;
   CHECK_OK(forward(&fwd, &o, &ht, &saved));
   CHECK_ERR(backward(&bwd, grads, saved), GDP_ERR_INVALID_ARG, needle);
   for (int i = 0; i < 6; i++) CHECK(grads[i] == NULL, "%s: a refused backward left a result", needle);
@@ -182,7 +182,7 @@ static void test_mismatch(const char *needle, problem fwd, problem bwd) {
   /* the plain backward of the other problem works: only the saved object objects */
   CHECK_OK(backward(&bwd, grads, NULL));
   grads_free(grads);
-  gdp_gdp_saved_free(saved);
+  gdp_delta_product_saved_free(saved);
   gdp_tensor_free(o), gdp_tensor_free(ht);
   problem_free(&fwd), problem_free(&bwd);
 }
@@ -218,30 +218,30 @@ static void test_mismatches(void) {
 
 /* NULL handling, failure leaves *saved NULL, the object outlives the caller's ctx. */
 static void test_api(void) {
-  gdp_gdp_saved_free(NULL); /* no-op */
-  CHECK(gdp_gdp_saved_bytes(NULL) == 0, "bytes of NULL");
+  gdp_delta_product_saved_free(NULL); /* no-op */
+  CHECK(gdp_delta_product_saved_bytes(NULL) == 0, "bytes of NULL");
   problem p = base_problem();
   problem_make(&p);
   gdp_tensor *o = NULL, *ht = NULL, *grads[6];
-  gdp_gdp_saved *saved = (gdp_gdp_saved *)&p; /* must be overwritten with NULL */
-  gdp_gdp_options opts = options_of(&p);
+  gdp_delta_product_saved *saved = (gdp_delta_product_saved *)&p; /* must be overwritten with NULL */
+  gdp_delta_product_options opts = options_of(&p);
   /* a failing forward (k of the wrong length) returns no object */
-  CHECK_ERR(gdp_gdp_forward_ex(ctx, &opts, p.q, p.q, p.v, p.g, p.beta, p.h0, NULL, &o, &ht, &saved),
+  CHECK_ERR(gdp_delta_product_forward_ex(ctx, &opts, p.q, p.q, p.v, p.g, p.beta, p.h0, NULL, &o, &ht, &saved),
             GDP_ERR_SHAPE, "k");
   CHECK(saved == NULL, "a failing forward_ex left *saved non-NULL");
   CHECK(o == NULL && ht == NULL, "a failing forward_ex left results");
   /* forward_ex without saved is the plain forward */
-  CHECK_OK(gdp_gdp_forward_ex(ctx, &opts, p.q, p.k, p.v, p.g, p.beta, p.h0, NULL, &o, &ht, NULL));
+  CHECK_OK(gdp_delta_product_forward_ex(ctx, &opts, p.q, p.k, p.v, p.g, p.beta, p.h0, NULL, &o, &ht, NULL));
   gdp_tensor_free(o), gdp_tensor_free(ht);
   o = ht = NULL;
   /* the object holds its own reference to the context */
   gdp_ctx *c2 = NULL;
   CHECK_OK(gdp_ctx_new(GDP_DEVICE_CPU, 0, &c2));
-  CHECK_OK(gdp_gdp_forward_ex(c2, &opts, p.q, p.k, p.v, p.g, p.beta, p.h0, NULL, &o, &ht, &saved));
+  CHECK_OK(gdp_delta_product_forward_ex(c2, &opts, p.q, p.k, p.v, p.g, p.beta, p.h0, NULL, &o, &ht, &saved));
   gdp_ctx_free(c2);
   CHECK_OK(backward(&p, grads, saved));
   grads_free(grads);
-  gdp_gdp_saved_free(saved);
+  gdp_delta_product_saved_free(saved);
   gdp_tensor_free(o), gdp_tensor_free(ht);
   problem_free(&p);
   printf("  API: NULL frees, failing forwards, ctx references\n");

@@ -59,7 +59,7 @@ static double nrand(void) {
 
 /* Inputs in double (rounded to float32 so both precisions see the same values). */
 typedef struct inputs {
-  gdp_gdp_problem p;
+  gdp_delta_product_problem p;
   int64_t *cu;
   int64_t nq, nk, nv, nb, ng, ns, no;
   double *q, *k, *v, *beta, *g, *h0, *d_o, *dht;
@@ -91,7 +91,7 @@ static void inputs_make(inputs *in, const config *cf, int64_t T) {
   const int64_t Tt = cf->B * T, H = cf->H, K = cf->K, V = cf->V, n = cf->n;
   in->cu = malloc((size_t)(cf->B + 1) * sizeof(int64_t));
   for (int64_t b = 0; b <= cf->B; b++) in->cu[b] = b * T;
-  gdp_gdp_problem *p = &in->p;
+  gdp_delta_product_problem *p = &in->p;
   p->T_total = Tt;
   p->N = cf->B;
   p->cu_seqlens = in->cu;
@@ -157,14 +157,14 @@ static void bufs_free(run_bufs *r) {
   for (size_t i = 0; i < sizeof *r / sizeof(void *); i++) free(all[i]);
 }
 
-static gdp_status run_fwd(const gdp_gdp_problem *p, const run_bufs *r, int f64) {
-  gdp_gdp_fwd_io io = {r->q, r->k, r->v, r->g, r->beta, r->h0, r->o, r->ht};
-  return f64 ? gdp_cpu_gdp_fwd_chunk_f64(p, &io) : gdp_cpu_gdp_fwd_chunk_f32(p, &io);
+static gdp_status run_fwd(const gdp_delta_product_problem *p, const run_bufs *r, int f64) {
+  gdp_delta_product_forward_io io = {r->q, r->k, r->v, r->g, r->beta, r->h0, r->o, r->ht};
+  return f64 ? gdp_cpu_delta_product_forward_chunk_f64(p, &io) : gdp_cpu_delta_product_forward_chunk_f32(p, &io);
 }
-static gdp_status run_bwd(const gdp_gdp_problem *p, const run_bufs *r, int f64) {
-  gdp_gdp_bwd_io io = {r->q,  r->k,  r->v,  r->g,     r->beta, r->h0,  r->d_o,
+static gdp_status run_bwd(const gdp_delta_product_problem *p, const run_bufs *r, int f64) {
+  gdp_delta_product_backward_io io = {r->q,  r->k,  r->v,  r->g,     r->beta, r->h0,  r->d_o,
                        r->dht, r->dq, r->dk, r->dv, r->dbeta, r->dg, r->dh0};
-  return f64 ? gdp_cpu_gdp_bwd_chunk_f64(p, &io) : gdp_cpu_gdp_bwd_chunk_f32(p, &io);
+  return f64 ? gdp_cpu_delta_product_backward_chunk_f64(p, &io) : gdp_cpu_delta_product_backward_chunk_f32(p, &io);
 }
 
 static double rel_err(const void *got, int f64, const double *ref, int64_t count) {
@@ -185,14 +185,14 @@ static int validate(const config *cf) {
   run_bufs ref, got;
   bufs_make(&ref, &in, 1);
   bufs_make(&got, &in, cf->f64);
-  gdp_gdp_problem p64 = in.p;
+  gdp_delta_product_problem p64 = in.p;
   p64.dtype = GDP_DTYPE_F64;
-  gdp_gdp_fwd_io f = {ref.q, ref.k, ref.v, ref.g, ref.beta, ref.h0, ref.o, ref.ht};
-  gdp_gdp_bwd_io b = {ref.q,  ref.k,  ref.v,  ref.g,      ref.beta, ref.h0,  ref.d_o,
+  gdp_delta_product_forward_io f = {ref.q, ref.k, ref.v, ref.g, ref.beta, ref.h0, ref.o, ref.ht};
+  gdp_delta_product_backward_io b = {ref.q,  ref.k,  ref.v,  ref.g,      ref.beta, ref.h0,  ref.d_o,
                       ref.dht, ref.dq, ref.dk, ref.dv, ref.dbeta, ref.dg, ref.dh0};
   int bad = 0;
-  if (gdp_cpu_gdp_fwd_recurrent_f64(&p64, &f) != GDP_OK ||
-      gdp_cpu_gdp_bwd_recurrent_f64(&p64, &b) != GDP_OK || run_fwd(&in.p, &got, cf->f64) != GDP_OK ||
+  if (gdp_cpu_delta_product_forward_recurrent_f64(&p64, &f) != GDP_OK ||
+      gdp_cpu_delta_product_backward_recurrent_f64(&p64, &b) != GDP_OK || run_fwd(&in.p, &got, cf->f64) != GDP_OK ||
       run_bwd(&in.p, &got, cf->f64) != GDP_OK) {
     fprintf(stderr, "validation run failed: %s\n", gdp_last_error());
     bad = 1;

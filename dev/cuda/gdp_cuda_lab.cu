@@ -24,15 +24,15 @@
  *
  * Variants (default: all three for check; chunk and chunk_saving for bench):
  *   chunk         algorithm CHUNK: the fast chunked path, its backward recomputing
- *   chunk_saving  the same with save for backward: gdp_cuda_gdp_save_plan, the forward
- *                 keeping its block (gdp_cuda_gdp_forward_ex), the backward reading it
+ *   chunk_saving  the same with save for backward: gdp_cuda_delta_product_save_plan, the forward
+ *                 keeping its block (gdp_cuda_delta_product_forward_ex), the backward reading it
  *   recurrent     algorithm RECURRENT: the recurrent kernels (f32 and bf16)
  * A variant runs the problems the library says it takes: the chunked ones where the save
  * plan of the CHUNK problem keeps a block (only the fast path does), the recurrent one
- * where gdp_cuda_gdp_supported says so.  --value-block sets the problem's value_block
+ * where gdp_cuda_delta_product_supported says so.  --value-block sets the problem's value_block
  * (0: the fast path's own choice; 16, 32 or 64).
  *
- * The oracle is the library's: gdp_cpu_gdp_{fwd,bwd}_recurrent_f64 on inputs normalised
+ * The oracle is the library's: gdp_cpu_delta_product_{fwd,bwd}_recurrent_f64 on inputs normalised
  * by gdp_cpu_l2norm_fwd_f64, the norm's backward by gdp_cpu_l2norm_bwd_f64.  Inputs come
  * from the library's Philox stream (kernels/philox.h).  Exit status 77 (ctest: skipped)
  * when there is no CUDA device.
@@ -167,8 +167,8 @@ static void make_inputs(const Prob &P, Rng &r, bool bf16_inputs, Inputs &in) {
 
 static int g_value_block = 0; /* --value-block */
 
-static gdp_gdp_problem to_problem(const Prob &P, int dtype, int algorithm, int l2norm) {
-  gdp_gdp_problem p;
+static gdp_delta_product_problem to_problem(const Prob &P, int dtype, int algorithm, int l2norm) {
+  gdp_delta_product_problem p;
   memset(&p, 0, sizeof p);
   p.T_total = P.T();
   p.N = P.N();
@@ -197,25 +197,25 @@ static void die_oracle(const char *what) {
 /* The operator with l2norm on q and k, from the library's float64 kernels. */
 static void reference(const Prob &P, const Inputs &in, Outputs &out) {
   const int64_t T = P.T(), H = P.H, K = P.K, V = P.V, n = P.n, N = P.N();
-  gdp_gdp_problem p = to_problem(P, GDP_DTYPE_F64, GDP_ALGO_RECURRENT, 0);
+  gdp_delta_product_problem p = to_problem(P, GDP_DTYPE_F64, GDP_ALGO_RECURRENT, 0);
   vector<double> qn(in.q.size()), kn(in.k.size());
   gdp_cpu_l2norm_fwd_f64(T * H, K, kEps, in.q.data(), qn.data(), p.num_threads);
   gdp_cpu_l2norm_fwd_f64(T * n * H, K, kEps, in.k.data(), kn.data(), p.num_threads);
   out.o.assign(T * H * V, 0);
   out.ht.assign(N * H * K * V, 0);
-  gdp_gdp_fwd_io f = {qn.data(), kn.data(), in.v.data(), P.gated ? in.g.data() : NULL,
+  gdp_delta_product_forward_io f = {qn.data(), kn.data(), in.v.data(), P.gated ? in.g.data() : NULL,
                       in.beta.data(), P.has_h0 ? in.h0.data() : NULL, out.o.data(), out.ht.data()};
-  if (gdp_cpu_gdp_fwd_recurrent_f64(&p, &f) != GDP_OK) die_oracle("forward");
+  if (gdp_cpu_delta_product_forward_recurrent_f64(&p, &f) != GDP_OK) die_oracle("forward");
   vector<double> dqn(T * H * K), dkn(T * n * H * K);
   out.dv.assign(T * n * H * V, 0);
   out.dbeta.assign(T * n * H, 0);
   out.dg.assign(P.gated ? T * H : 0, 0);
   out.dh0.assign(N * H * K * V, 0);
-  gdp_gdp_bwd_io b = {qn.data(), kn.data(), in.v.data(), P.gated ? in.g.data() : NULL,
+  gdp_delta_product_backward_io b = {qn.data(), kn.data(), in.v.data(), P.gated ? in.g.data() : NULL,
                       in.beta.data(), P.has_h0 ? in.h0.data() : NULL, in.d_o.data(),
                       P.has_dht ? in.dht.data() : NULL, dqn.data(), dkn.data(), out.dv.data(),
                       out.dbeta.data(), P.gated ? out.dg.data() : NULL, out.dh0.data()};
-  if (gdp_cpu_gdp_bwd_recurrent_f64(&p, &b) != GDP_OK) die_oracle("backward");
+  if (gdp_cpu_delta_product_backward_recurrent_f64(&p, &b) != GDP_OK) die_oracle("backward");
   out.dq.assign(T * H * K, 0);
   out.dk.assign(T * n * H * K, 0);
   gdp_cpu_l2norm_bwd_f64(T * H, K, kEps, in.q.data(), dqn.data(), out.dq.data(), p.num_threads);
@@ -338,13 +338,13 @@ static void dev_inputs(const Prob &P, const Inputs &in, int dtype, DevProblem &d
   alloc_poisoned(d.dh0, N * H * K * V, GDP_DTYPE_F32);
 }
 
-static gdp_gdp_fwd_io fwd_io(const Prob &P, DevProblem &d, bool want_ht) {
-  gdp_gdp_fwd_io io = {d.q.p, d.k.p, d.v.p, P.gated ? d.g.p : NULL, d.beta.p,
+static gdp_delta_product_forward_io fwd_io(const Prob &P, DevProblem &d, bool want_ht) {
+  gdp_delta_product_forward_io io = {d.q.p, d.k.p, d.v.p, P.gated ? d.g.p : NULL, d.beta.p,
                        P.has_h0 ? d.h0.p : NULL, d.o.p, want_ht ? d.ht.p : NULL};
   return io;
 }
-static gdp_gdp_bwd_io bwd_io(const Prob &P, DevProblem &d, bool want_dh0) {
-  gdp_gdp_bwd_io io = {d.q.p, d.k.p, d.v.p, P.gated ? d.g.p : NULL, d.beta.p,
+static gdp_delta_product_backward_io bwd_io(const Prob &P, DevProblem &d, bool want_dh0) {
+  gdp_delta_product_backward_io io = {d.q.p, d.k.p, d.v.p, P.gated ? d.g.p : NULL, d.beta.p,
                        P.has_h0 ? d.h0.p : NULL, d.d_o.p, P.has_dht ? d.dht.p : NULL,
                        d.dq.p, d.dk.p, d.dv.p, d.dbeta.p, P.gated ? d.dg.p : NULL,
                        want_dh0 ? d.dh0.p : NULL};
@@ -366,7 +366,7 @@ static int parse_variant(const char *s) {
  * its forward keeps (grown as needed, reused; every call runs on the default stream). */
 struct Runner {
   int variant;
-  gdp_gdp_problem p;
+  gdp_delta_product_problem p;
   int saved_variant = 0;
   size_t saved_bytes = 0;
   static void *block;
@@ -377,8 +377,8 @@ struct Runner {
 
   /* Whether the library takes this problem in this variant (no error left behind). */
   bool takes() {
-    if (variant == RECURRENT) return gdp_cuda_gdp_supported(&p) != 0;
-    return gdp_cuda_gdp_save_plan(&p, &saved_variant, &saved_bytes) == GDP_OK && saved_bytes > 0;
+    if (variant == RECURRENT) return gdp_cuda_delta_product_supported(&p) != 0;
+    return gdp_cuda_delta_product_save_plan(&p, &saved_variant, &saved_bytes) == GDP_OK && saved_bytes > 0;
   }
   void *saved() {
     if (variant != CHUNK_SAVING) return nullptr;
@@ -389,20 +389,20 @@ struct Runner {
     }
     return block;
   }
-  gdp_status forward(const gdp_gdp_fwd_io *io) {
-    if (variant == CHUNK_SAVING) return gdp_cuda_gdp_forward_ex(&p, io, nullptr, saved());
-    return gdp_cuda_gdp_forward(&p, io, nullptr);
+  gdp_status forward(const gdp_delta_product_forward_io *io) {
+    if (variant == CHUNK_SAVING) return gdp_cuda_delta_product_forward_ex(&p, io, nullptr, saved());
+    return gdp_cuda_delta_product_forward(&p, io, nullptr);
   }
-  gdp_status backward(const gdp_gdp_bwd_io *io) {
-    if (variant == CHUNK_SAVING) return gdp_cuda_gdp_backward_ex(&p, io, nullptr, saved_variant, saved());
-    return gdp_cuda_gdp_backward(&p, io, nullptr);
+  gdp_status backward(const gdp_delta_product_backward_io *io) {
+    if (variant == CHUNK_SAVING) return gdp_cuda_delta_product_backward_ex(&p, io, nullptr, saved_variant, saved());
+    return gdp_cuda_delta_product_backward(&p, io, nullptr);
   }
 };
 void *Runner::block = nullptr;
 size_t Runner::block_cap = 0;
 
 /* Forward then backward; false (the library's message printed) when a call fails. */
-static bool run_fwd_bwd(Runner &r, const gdp_gdp_fwd_io *f, const gdp_gdp_bwd_io *b, const char *label) {
+static bool run_fwd_bwd(Runner &r, const gdp_delta_product_forward_io *f, const gdp_delta_product_backward_io *b, const char *label) {
   gdp_status st = r.forward(f);
   if (st == GDP_OK) st = r.backward(b);
   if (st != GDP_OK) {
@@ -455,8 +455,8 @@ static void check_problem(const Prob &P, const char *shape, Rng &r, int dtype,
     dev_inputs(P, in, dtype, d);
     char label[160];
     snprintf(label, sizeof label, "%-12s %-4s %s", kVariantName[var], dtype_name(dtype), shape);
-    gdp_gdp_fwd_io f = fwd_io(P, d, true);
-    gdp_gdp_bwd_io b = bwd_io(P, d, true);
+    gdp_delta_product_forward_io f = fwd_io(P, d, true);
+    gdp_delta_product_backward_io b = bwd_io(P, d, true);
     t.runs[var]++;
     if (!run_fwd_bwd(run, &f, &b, label)) {
       t.errors++;
@@ -532,8 +532,8 @@ static int lab_bench(int64_t B, int64_t T, int64_t n, const vector<int> &variant
   make_inputs(P, r, true, in);
   DevProblem d;
   dev_inputs(P, in, GDP_DTYPE_BF16, d);
-  gdp_gdp_fwd_io f = fwd_io(P, d, false);
-  gdp_gdp_bwd_io b = bwd_io(P, d, false);
+  gdp_delta_product_forward_io f = fwd_io(P, d, false);
+  gdp_delta_product_backward_io b = bwd_io(P, d, false);
   const bool profiling = gdp_debug_profile_kernels() != 0;
   cudaEvent_t e0, e1, e2;
   CK(cudaEventCreate(&e0));

@@ -65,7 +65,7 @@ typedef struct ck_chunk {
   int64_t bos;   /* global token where the sequence starts */
 } ck_chunk;
 
-static ck_dims ck_dims_of(const gdp_gdp_problem *p) {
+static ck_dims ck_dims_of(const gdp_delta_product_problem *p) {
   ck_dims d;
   d.H = p->H;
   d.K = p->K;
@@ -291,7 +291,7 @@ static void ck_advance_state(const ck_dims *d, const ck_chunk *ch, const real *k
 
 /* ------------------------------------------------------------------ workspaces */
 
-static int64_t ck_max_chunks(const gdp_gdp_problem *p, int64_t C) {
+static int64_t ck_max_chunks(const gdp_delta_product_problem *p, int64_t C) {
   int64_t most = 0;
   for (int64_t s = 0; s < p->N; s++) {
     const int64_t L = (p->cu_seqlens[s + 1] - p->cu_seqlens[s]) * p->n;
@@ -301,7 +301,7 @@ static int64_t ck_max_chunks(const gdp_gdp_problem *p, int64_t C) {
   return most;
 }
 
-static int ck_threads(const gdp_gdp_problem *p, int64_t items) {
+static int ck_threads(const gdp_delta_product_problem *p, int64_t items) {
   int t = p->num_threads < 1 ? 1 : p->num_threads;
   if (items < t) t = items < 1 ? 1 : (int)items;
   return t;
@@ -310,7 +310,7 @@ static int ck_threads(const gdp_gdp_problem *p, int64_t items) {
 /* BLAS threads inside the workers: 1 when there are several workers (OpenBLAS's pthread
  * pool serialises concurrent multi-threaded calls), else all of num_threads.  Returns
  * the previous setting for ck_blas_threads_leave. */
-static int ck_blas_threads_enter(const gdp_gdp_problem *p, int workers) {
+static int ck_blas_threads_enter(const gdp_delta_product_problem *p, int workers) {
   const int prev = openblas_get_num_threads();
   const int want = workers > 1 || p->num_threads < 1 ? 1 : p->num_threads;
   if (want != prev) openblas_set_num_threads(want);
@@ -320,7 +320,7 @@ static void ck_blas_threads_leave(int prev) {
   if (openblas_get_num_threads() != prev) openblas_set_num_threads(prev);
 }
 
-static gdp_status ck_check(const gdp_gdp_problem *p, const char *fn) {
+static gdp_status ck_check(const gdp_delta_product_problem *p, const char *fn) {
   if (p->H < 1 || p->K < 1 || p->V < 1 || p->n < 1)
     return GDP_ERROR_IN(fn, GDP_ERR_INVALID_ARG,
                         "sizes must be positive, got H=%lld K=%lld V=%lld n=%lld",
@@ -358,7 +358,7 @@ static void ck_fwd_ws_carve(const ck_dims *d, real *base, ck_fwd_ws *w) {
   w->gam = w->eG + C;
 }
 
-static void ck_forward_pair(const ck_dims *d, const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io,
+static void ck_forward_pair(const ck_dims *d, const gdp_delta_product_problem *p, const gdp_delta_product_forward_io *io,
                             int64_t s, int64_t h, ck_fwd_ws *w) {
   const real *q = io->q, *k = io->k, *v = io->v, *g = io->g, *beta = io->beta;
   const real *h0 = io->h0;
@@ -413,8 +413,8 @@ static void ck_forward_pair(const ck_dims *d, const gdp_gdp_problem *p, const gd
   if (ht) memcpy(ht + item * KV, S, (size_t)KV * sizeof(real));
 }
 
-gdp_status CK_PUBLIC(gdp_cpu_gdp_fwd_chunk)(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io) {
-  static const char *const fn = "gdp_cpu_gdp_fwd_chunk_" CK_STR(CK_SFX);
+gdp_status CK_PUBLIC(gdp_cpu_delta_product_forward_chunk)(const gdp_delta_product_problem *p, const gdp_delta_product_forward_io *io) {
+  static const char *const fn = "gdp_cpu_delta_product_forward_chunk_" CK_STR(CK_SFX);
   GDP_TRY(ck_check(p, fn));
   const ck_dims d = ck_dims_of(p);
   const int64_t items = p->N * p->H;
@@ -500,7 +500,7 @@ static void ck_bwd_ws_carve(const ck_dims *d, int64_t max_chunks, real *base, ck
 /* Backward through one chunk.  On entry dS (in BV) is the gradient of the state after
  * the chunk; on exit, of the state before it.  Writes dq (query rows), dk, dv, dbeta of
  * the chunk's steps and dg of the tokens whose step 0 lies in it. */
-static void ck_backward_chunk(const ck_dims *d, const gdp_gdp_bwd_io *io, const ck_chunk *ch,
+static void ck_backward_chunk(const ck_dims *d, const gdp_delta_product_backward_io *io, const ck_chunk *ch,
                               int64_t h, const real *DSst, const real *KKG, ck_bwd_ws *w) {
   const real *q = io->q, *k = io->k, *v = io->v, *g = io->g, *beta = io->beta;
   const real *d_o = io->d_o;
@@ -686,7 +686,7 @@ static void ck_backward_chunk(const ck_dims *d, const gdp_gdp_bwd_io *io, const 
           (int)K, dR, (int)V, eGl, dS, (int)V);
 }
 
-static void ck_backward_pair(const ck_dims *d, const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io,
+static void ck_backward_pair(const ck_dims *d, const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io,
                              int64_t s, int64_t h, ck_bwd_ws *w) {
   const real *k = io->k, *v = io->v, *g = io->g, *beta = io->beta;
   const real *h0 = io->h0, *dht = io->dht;
@@ -735,8 +735,8 @@ static void ck_backward_pair(const ck_dims *d, const gdp_gdp_problem *p, const g
   if (dh0) memcpy(dh0 + item * KV, dS, (size_t)KV * sizeof(real));
 }
 
-gdp_status CK_PUBLIC(gdp_cpu_gdp_bwd_chunk)(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io) {
-  static const char *const fn = "gdp_cpu_gdp_bwd_chunk_" CK_STR(CK_SFX);
+gdp_status CK_PUBLIC(gdp_cpu_delta_product_backward_chunk)(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io) {
+  static const char *const fn = "gdp_cpu_delta_product_backward_chunk_" CK_STR(CK_SFX);
   GDP_TRY(ck_check(p, fn));
   const ck_dims d = ck_dims_of(p);
   const int64_t items = p->N * p->H;

@@ -1,9 +1,9 @@
 /*
  * gdp_cpu.h -- CPU kernels of the GDP operator (see ../gdp_problem.h for layouts).
  *
- *   gdp_cpu_gdp_*_recurrent_f64: the plain token-by-token float64 recurrence with its
+ *   gdp_cpu_delta_product_*_recurrent_f64: the plain token-by-token float64 recurrence with its
  *     hand-written backward (docs/design.md section 2).  The oracle: kept simple on purpose.
- *   gdp_cpu_gdp_*_chunk_{f64,f32}: the chunkwise WY algorithm over the expanded stream,
+ *   gdp_cpu_delta_product_*_chunk_{f64,f32}: the chunkwise WY algorithm over the expanded stream,
  *     OpenBLAS for the dense products, (sequence, head) pairs spread over threads.
  *
  * All return GDP_OK or GDP_ERR_OOM (with the message set).
@@ -18,13 +18,13 @@
  * own): 64 steps of the expanded stream. */
 #define GDP_DEFAULT_CHUNK 64
 
-gdp_status gdp_cpu_gdp_fwd_recurrent_f64(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io);
-gdp_status gdp_cpu_gdp_bwd_recurrent_f64(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io);
+gdp_status gdp_cpu_delta_product_forward_recurrent_f64(const gdp_delta_product_problem *p, const gdp_delta_product_forward_io *io);
+gdp_status gdp_cpu_delta_product_backward_recurrent_f64(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io);
 
-gdp_status gdp_cpu_gdp_fwd_chunk_f64(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io);
-gdp_status gdp_cpu_gdp_bwd_chunk_f64(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io);
-gdp_status gdp_cpu_gdp_fwd_chunk_f32(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io);
-gdp_status gdp_cpu_gdp_bwd_chunk_f32(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io);
+gdp_status gdp_cpu_delta_product_forward_chunk_f64(const gdp_delta_product_problem *p, const gdp_delta_product_forward_io *io);
+gdp_status gdp_cpu_delta_product_backward_chunk_f64(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io);
+gdp_status gdp_cpu_delta_product_forward_chunk_f32(const gdp_delta_product_problem *p, const gdp_delta_product_forward_io *io);
+gdp_status gdp_cpu_delta_product_backward_chunk_f32(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io);
 
 /* Row-wise L2 normalisation y = x / sqrt(sum x^2 + eps) over `dim` contiguous values
  * per row, and its backward dx = r (dy - y (y . dy)).  x and y may alias in forward.

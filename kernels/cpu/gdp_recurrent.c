@@ -19,11 +19,11 @@
 #include "../kernel_status.h"
 
 /* Row offsets into the packed buffers (gdp_problem.h). */
-static inline const double *row_q(const gdp_gdp_problem *p, const double *q, int64_t t,
+static inline const double *row_q(const gdp_delta_product_problem *p, const double *q, int64_t t,
                                   int64_t h) {
   return q + (t * p->H + h) * p->K;
 }
-static inline int64_t step_row(const gdp_gdp_problem *p, int64_t t, int64_t j, int64_t h) {
+static inline int64_t step_row(const gdp_delta_product_problem *p, int64_t t, int64_t j, int64_t h) {
   return (t * p->n + j) * p->H + h;
 }
 
@@ -34,7 +34,7 @@ static void decay_state(int64_t KV, double decay, double *S) {
 }
 
 /* Householder step j of token t:  S <- S + k (beta (v - S^T k))^T.  u: V scratch. */
-static void householder_step(const gdp_gdp_problem *p, const double *k, const double *v,
+static void householder_step(const gdp_delta_product_problem *p, const double *k, const double *v,
                              const double *beta, int64_t t, int64_t j, int64_t h, double *S,
                              double *u) {
   const int64_t K = p->K, V = p->V;
@@ -56,7 +56,7 @@ static void householder_step(const gdp_gdp_problem *p, const double *k, const do
 }
 
 /* S <- exp(g_t) S, then the n Householder steps of token t. */
-static void advance_token(const gdp_gdp_problem *p, const double *k, const double *v,
+static void advance_token(const gdp_delta_product_problem *p, const double *k, const double *v,
                           const double *g, const double *beta, int64_t t, int64_t h,
                           double *S, double *u) {
   if (g) decay_state(p->K * p->V, exp(g[t * p->H + h]), S);
@@ -74,7 +74,7 @@ static int clamp_threads(int num_threads) { return num_threads < 1 ? 1 : num_thr
 
 /* ------------------------------------------------------------------ forward */
 
-gdp_status gdp_cpu_gdp_fwd_recurrent_f64(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io) {
+gdp_status gdp_cpu_delta_product_forward_recurrent_f64(const gdp_delta_product_problem *p, const gdp_delta_product_forward_io *io) {
   const int64_t H = p->H, K = p->K, V = p->V, KV = p->K * p->V;
   const double *q = io->q, *k = io->k, *v = io->v, *g = io->g, *beta = io->beta;
   const double *h0 = io->h0;
@@ -125,7 +125,7 @@ static int64_t segment_tokens(int64_t L) {
 }
 
 /* Backward of one (sequence s, head h).  Returns 0, or -1 when out of memory. */
-static int backward_one(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io, int64_t s,
+static int backward_one(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io, int64_t s,
                         int64_t h) {
   const int64_t H = p->H, K = p->K, V = p->V, KV = p->K * p->V, n = p->n;
   const double *q = io->q, *k = io->k, *v = io->v, *g = io->g, *beta = io->beta;
@@ -251,7 +251,7 @@ static int backward_one(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io, int6
   return 0;
 }
 
-gdp_status gdp_cpu_gdp_bwd_recurrent_f64(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io) {
+gdp_status gdp_cpu_delta_product_backward_recurrent_f64(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io) {
   const int64_t items = p->N * p->H;
   int oom = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(clamp_threads(p->num_threads))

@@ -22,27 +22,27 @@ extern "C" {
  * (AUTO, CHUNK, RECURRENT; the table there).  A problem's chunk_size is 0 or the fast
  * path's own chunk (32, 64, 48 steps for n = 1, 2, 3), else GDP_ERR_INVALID_ARG; its
  * value_block 0 or 16, 32, 64. */
-gdp_status gdp_cuda_gdp_forward(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io,
+gdp_status gdp_cuda_delta_product_forward(const gdp_delta_product_problem *p, const gdp_delta_product_forward_io *io,
                                 void *stream);
-gdp_status gdp_cuda_gdp_backward(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io,
+gdp_status gdp_cuda_delta_product_backward(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io,
                                  void *stream);
 
-/* Save for backward.  gdp_cuda_gdp_save_plan: the path that runs p (a code: 1 recurrent,
+/* Save for backward.  gdp_cuda_delta_product_save_plan: the path that runs p (a code: 1 recurrent,
  * 3 fast; the same choice as the entry points above) and the device bytes its forward
  * keeps for the backward (0: that path keeps nothing and its backward recomputes).
- * gdp_cuda_gdp_forward_ex: the forward; saved non-NULL (a block of those bytes on the
+ * gdp_cuda_delta_product_forward_ex: the forward; saved non-NULL (a block of those bytes on the
  * stream's device, 128-byte aligned) keeps what the backward needs there.
- * gdp_cuda_gdp_backward_ex: the backward; saved_variant is the forward's path code
+ * gdp_cuda_delta_product_backward_ex: the backward; saved_variant is the forward's path code
  * (GDP_ERR_INVALID_ARG when this call would choose another path), saved its block or
  * NULL (recompute).  The block belongs to the very inputs of the forward (not checked). */
-gdp_status gdp_cuda_gdp_save_plan(const gdp_gdp_problem *p, int *variant, size_t *bytes);
-gdp_status gdp_cuda_gdp_forward_ex(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io, void *stream,
+gdp_status gdp_cuda_delta_product_save_plan(const gdp_delta_product_problem *p, int *variant, size_t *bytes);
+gdp_status gdp_cuda_delta_product_forward_ex(const gdp_delta_product_problem *p, const gdp_delta_product_forward_io *io, void *stream,
                                    void *saved);
-gdp_status gdp_cuda_gdp_backward_ex(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io, void *stream,
+gdp_status gdp_cuda_delta_product_backward_ex(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io, void *stream,
                                     int saved_variant, const void *saved);
 
 /* 1 when the CUDA kernels handle this problem (sizes, dtype), else 0 with no error. */
-int gdp_cuda_gdp_supported(const gdp_gdp_problem *p);
+int gdp_cuda_delta_product_supported(const gdp_delta_product_problem *p);
 
 #ifdef __cplusplus
 }

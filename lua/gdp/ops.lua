@@ -73,27 +73,27 @@ local common_keys = {
 local bwd_keys = common_keys
 
 local tensor_box = ffi.typeof("gdp_tensor *[1]")
-local saved_box = ffi.typeof("gdp_gdp_saved *[1]")
-local Saved_ptr = ffi.typeof("gdp_gdp_saved *")
+local saved_box = ffi.typeof("gdp_delta_product_saved *[1]")
+local Saved_ptr = ffi.typeof("gdp_delta_product_saved *")
 
--- gdp.GdpSaved: a saved forward (gdp_gdp_saved), owned through ffi.gc.
+-- gdp.GdpSaved: a saved forward (gdp_delta_product_saved), owned through ffi.gc.
 local saved_freed = setmetatable({}, { __mode = "k" })
 local saved_methods = {}
 function saved_methods.bytes(s)
   if saved_freed[s] then return 0 end
-  return tonumber(lib.gdp_gdp_saved_bytes(s))
+  return tonumber(lib.gdp_delta_product_saved_bytes(s))
 end
 function saved_methods.free(s)
   if saved_freed[s] then return end
   saved_freed[s] = true
-  lib.gdp_gdp_saved_free(ffi.gc(s, nil))
+  lib.gdp_delta_product_saved_free(ffi.gc(s, nil))
 end
 function saved_methods.is_freed(s) return saved_freed[s] == true end
-ffi.metatype("struct gdp_gdp_saved", {
+ffi.metatype("struct gdp_delta_product_saved", {
   __index = saved_methods,
   __tostring = function(s)
     if saved_freed[s] then return "gdp.GdpSaved<freed>" end
-    return string.format("gdp.GdpSaved<%d bytes>", tonumber(lib.gdp_gdp_saved_bytes(s)))
+    return string.format("gdp.GdpSaved<%d bytes>", tonumber(lib.gdp_delta_product_saved_bytes(s)))
   end,
 })
 
@@ -196,8 +196,8 @@ local function prepare(fn, args, allowed)
   end
   local cu = seqlens(fn, args.cu_seqlens)
 
-  local opts = ffi.new("gdp_gdp_options")
-  lib.gdp_gdp_options_init(opts)
+  local opts = ffi.new("gdp_delta_product_options")
+  lib.gdp_delta_product_options_init(opts)
   opts.num_householder = n
   if args.scale ~= nil then
     if type(args.scale) ~= "number" or not (args.scale > 0) or args.scale == math.huge then
@@ -205,7 +205,7 @@ local function prepare(fn, args, allowed)
     end
     opts.scale = args.scale
   end
-  -- nil keeps gdp_gdp_options_init's 0: the backend's own chunk
+  -- nil keeps gdp_delta_product_options_init's 0: the backend's own chunk
   local cs = int_option(fn, "chunk_size", args.chunk_size, 1)
   if cs then opts.chunk_size = cs end
   -- nil keeps 0: the context's (the library checks the value)
@@ -236,15 +236,15 @@ function M.chunk_gated_delta_product(a1, k, v, g, beta, opts)
   end
   local o, ht = tensor_box(), tensor_box()
   if not save then
-    call_alloc(FWD, "gdp_gdp_forward", q:ctx(), o_opts, q, kk, vv, gg, bb, h0, cu, o, ht)
+    call_alloc(FWD, "gdp_delta_product_forward", q:ctx(), o_opts, q, kk, vv, gg, bb, h0, cu, o, ht)
     return wrap(o[0]), wrap(ht[0])
   end
   local sv = saved_box()
-  call_alloc(FWD, "gdp_gdp_forward_ex", q:ctx(), o_opts, q, kk, vv, gg, bb, h0, cu, o, ht, sv)
+  call_alloc(FWD, "gdp_delta_product_forward_ex", q:ctx(), o_opts, q, kk, vv, gg, bb, h0, cu, o, ht, sv)
   -- own the handles before anything else can raise
-  local saved = ffi.gc(sv[0], lib.gdp_gdp_saved_free)
+  local saved = ffi.gc(sv[0], lib.gdp_delta_product_saved_free)
   local out_o, out_ht = wrap(o[0]), wrap(ht[0])
-  if lib.gdp_gdp_saved_bytes(saved) > 0 then
+  if lib.gdp_delta_product_saved_bytes(saved) > 0 then
     tensor.after_alloc(tonumber(lib.gdp_tensor_device_type(q)))
   end
   return out_o, out_ht, saved
@@ -273,10 +273,10 @@ function M.chunk_gated_delta_product_backward(a1, k, v, g, beta, opts)
   local dq, dk, dv, dbeta, dg, dh0 = tensor_box(), tensor_box(), tensor_box(), tensor_box(),
                                      tensor_box(), tensor_box()
   if saved == nil then
-    call_alloc(BWD, "gdp_gdp_backward", q:ctx(), o_opts, q, kk, vv, gg, bb, h0, cu, d_o, dht,
+    call_alloc(BWD, "gdp_delta_product_backward", q:ctx(), o_opts, q, kk, vv, gg, bb, h0, cu, d_o, dht,
                dq, dk, dv, dbeta, dg, dh0)
   else
-    call_alloc(BWD, "gdp_gdp_backward_ex", q:ctx(), o_opts, q, kk, vv, gg, bb, h0, cu, d_o, dht,
+    call_alloc(BWD, "gdp_delta_product_backward_ex", q:ctx(), o_opts, q, kk, vv, gg, bb, h0, cu, d_o, dht,
                dq, dk, dv, dbeta, dg, dh0, saved)
   end
   return {

@@ -440,7 +440,7 @@ namespace chunked_backward {
 /* With the blocks a saved forward kept: its plan (tables, panels), h^T (bf16) and D are
  * read from there, so the prep and the states pass are skipped; the state-gradient pass
  * and the two gradient kernels run as in the recompute. */
-static gdp_status backward_saved(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io, cudaStream_t stream,
+static gdp_status backward_saved(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io, cudaStream_t stream,
                                  const void *saved) {
   const chunked::SavedLayout sl = chunked::saved_layout(p);
   Plan plan;
@@ -491,7 +491,7 @@ static gdp_status backward_saved(const gdp_gdp_problem *p, const gdp_gdp_bwd_io 
 
 /* The recompute backward: the prep (also storing T^T), the states pass and the
  * state-gradient pass (forked where that pays), then the two gradient kernels. */
-static gdp_status backward_recompute(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io, cudaStream_t stream) {
+static gdp_status backward_recompute(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io, cudaStream_t stream) {
   GdpArgs a = bwd_args(p, io);
   Plan plan;
   prof_begin(stream);
@@ -552,7 +552,7 @@ static gdp_status backward_recompute(const gdp_gdp_problem *p, const gdp_gdp_bwd
 
 namespace chunked {
 /* The dispatch has validated p and io and checked that the fast path takes p. */
-gdp_status backward(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io, cudaStream_t stream, const void *saved) {
+gdp_status backward(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io, cudaStream_t stream, const void *saved) {
   if (p->N == 0) return GDP_OK;
   return saved ? chunked_backward::backward_saved(p, io, stream, saved) : chunked_backward::backward_recompute(p, io, stream);
 }

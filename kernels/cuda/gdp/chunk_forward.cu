@@ -256,7 +256,7 @@ gdp_status launch_chunk_prep(const Plan &plan, bf16 *Tt) {
   return n == 1 ? prep_k64n1(plan, Tt) : n == 2 ? prep_k64n2(plan, Tt) : prep_k64n3(plan, Tt);
 }
 
-SavedLayout saved_layout(const gdp_gdp_problem *p) {
+SavedLayout saved_layout(const gdp_delta_product_problem *p) {
   SavedLayout L;
   const int64_t TC = chunk_steps(p->n) / p->n;
   int64_t nchunks = 0;
@@ -270,19 +270,19 @@ SavedLayout saved_layout(const gdp_gdp_problem *p) {
   return L;
 }
 
-bool takes(const gdp_gdp_problem *p) {
+bool takes(const gdp_delta_product_problem *p) {
   return p && p->dtype == GDP_DTYPE_BF16 && (p->K == 64 || p->K == 128) && (p->V == 64 || p->V == 128) &&
          p->n >= 1 && p->n <= 3;
 }
 
-size_t saved_bytes(const gdp_gdp_problem *p) {
+size_t saved_bytes(const gdp_delta_product_problem *p) {
   if (!takes(p) || p->N == 0) return 0;
   return saved_layout(p).total;
 }
 
 /* The forward; saved non-NULL: the plan lives in the caller's block (saved_layout) and the
  * state pass also stores h^T (bf16) and D there.  The dispatch has validated p and io. */
-gdp_status forward(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io, cudaStream_t stream, void *saved) {
+gdp_status forward(const gdp_delta_product_problem *p, const gdp_delta_product_forward_io *io, cudaStream_t stream, void *saved) {
   if (p->N == 0) return GDP_OK;
   GdpArgs a = fwd_args(p, io);
   Plan plan;

@@ -26,7 +26,7 @@ enum Path { PATH_RECURRENT = 1, PATH_FAST = 3 };
 
 const char *path_name(int path) { return path == PATH_FAST ? "fast chunked" : "recurrent"; }
 
-gdp_status check_chunk_size(const gdp_gdp_problem *p, const char *what, int path) {
+gdp_status check_chunk_size(const gdp_delta_product_problem *p, const char *what, int path) {
   if (p->chunk_size == 0) return GDP_OK;
   if (path == PATH_FAST) {
     const int C = chunk_steps(p->n);
@@ -43,7 +43,7 @@ gdp_status check_chunk_size(const gdp_gdp_problem *p, const char *what, int path
 }
 
 /* The path for a validated problem, or an error naming what does not fit. */
-gdp_status choose_path(const gdp_gdp_problem *p, const char *what, int *path) {
+gdp_status choose_path(const gdp_delta_product_problem *p, const char *what, int *path) {
   *path = 0;
   const int vb = p->value_block;
   if (vb != 0 && vb != 16 && vb != 32 && vb != 64)
@@ -65,12 +65,12 @@ gdp_status choose_path(const gdp_gdp_problem *p, const char *what, int *path) {
 
 }  // namespace
 
-extern "C" gdp_status gdp_cuda_gdp_forward(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io,
+extern "C" gdp_status gdp_cuda_delta_product_forward(const gdp_delta_product_problem *p, const gdp_delta_product_forward_io *io,
                                            void *stream) {
-  return gdp_cuda_gdp_forward_ex(p, io, stream, nullptr);
+  return gdp_cuda_delta_product_forward_ex(p, io, stream, nullptr);
 }
 
-extern "C" gdp_status gdp_cuda_gdp_backward(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io,
+extern "C" gdp_status gdp_cuda_delta_product_backward(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io,
                                             void *stream) {
   GDP_TRY(validate_problem(p, "backward"));
   GDP_TRY(validate_bwd_io(p, io, "backward"));
@@ -80,7 +80,7 @@ extern "C" gdp_status gdp_cuda_gdp_backward(const gdp_gdp_problem *p, const gdp_
   return backward_recurrent(p, io, (cudaStream_t)stream);
 }
 
-extern "C" gdp_status gdp_cuda_gdp_save_plan(const gdp_gdp_problem *p, int *variant, size_t *bytes) {
+extern "C" gdp_status gdp_cuda_delta_product_save_plan(const gdp_delta_product_problem *p, int *variant, size_t *bytes) {
   *variant = 0;
   *bytes = 0;
   GDP_TRY(validate_problem(p, "save_plan"));
@@ -92,7 +92,7 @@ extern "C" gdp_status gdp_cuda_gdp_save_plan(const gdp_gdp_problem *p, int *vari
   return GDP_OK;
 }
 
-extern "C" gdp_status gdp_cuda_gdp_forward_ex(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io, void *stream,
+extern "C" gdp_status gdp_cuda_delta_product_forward_ex(const gdp_delta_product_problem *p, const gdp_delta_product_forward_io *io, void *stream,
                                               void *saved) {
   GDP_TRY(validate_problem(p, "forward"));
   GDP_TRY(validate_fwd_io(p, io, "forward"));
@@ -101,12 +101,12 @@ extern "C" gdp_status gdp_cuda_gdp_forward_ex(const gdp_gdp_problem *p, const gd
   if (path == PATH_FAST) return chunked::forward(p, io, (cudaStream_t)stream, saved);
   if (saved)
     return GDP_ERROR_IN("forward", GDP_ERR_INVALID_ARG,
-                        "saved: the recurrent kernels keep nothing for the backward (gdp_cuda_gdp_save_plan "
+                        "saved: the recurrent kernels keep nothing for the backward (gdp_cuda_delta_product_save_plan "
                         "gives 0 bytes), got a block");
   return forward_recurrent(p, io, (cudaStream_t)stream);
 }
 
-extern "C" gdp_status gdp_cuda_gdp_backward_ex(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io, void *stream,
+extern "C" gdp_status gdp_cuda_delta_product_backward_ex(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io, void *stream,
                                                int saved_variant, const void *saved) {
   GDP_TRY(validate_problem(p, "backward"));
   GDP_TRY(validate_bwd_io(p, io, "backward"));
@@ -123,7 +123,7 @@ extern "C" gdp_status gdp_cuda_gdp_backward_ex(const gdp_gdp_problem *p, const g
   return backward_recurrent(p, io, (cudaStream_t)stream);
 }
 
-extern "C" int gdp_cuda_gdp_supported(const gdp_gdp_problem *p) {
+extern "C" int gdp_cuda_delta_product_supported(const gdp_delta_product_problem *p) {
   if (!p) return 0;
   if (p->dtype != GDP_DTYPE_F32 && p->dtype != GDP_DTYPE_BF16) return 0;
   if (p->H < 1 || p->H > 65535 || p->K < 1 || p->K > 256 || p->V < 1 || p->n < 1) return 0;

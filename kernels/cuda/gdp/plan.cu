@@ -17,7 +17,7 @@ namespace gdpcu {
 
 /* ------------------------------------------------------------------ validation */
 
-gdp_status validate_problem(const gdp_gdp_problem *p, const char *what) {
+gdp_status validate_problem(const gdp_delta_product_problem *p, const char *what) {
   if (!p) return GDP_ERROR(GDP_ERR_INVALID_ARG, "%s: problem is NULL", what);
   if (p->dtype != GDP_DTYPE_F32 && p->dtype != GDP_DTYPE_BF16)
     return GDP_ERROR(GDP_ERR_DTYPE, "%s: dtype must be float32 or bfloat16 on CUDA, got %d", what,
@@ -53,7 +53,7 @@ gdp_status validate_problem(const gdp_gdp_problem *p, const char *what) {
   return GDP_OK;
 }
 
-gdp_status validate_fwd_io(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io, const char *what) {
+gdp_status validate_fwd_io(const gdp_delta_product_problem *p, const gdp_delta_product_forward_io *io, const char *what) {
   if (!io) return GDP_ERROR(GDP_ERR_INVALID_ARG, "%s: io is NULL", what);
   if (p->T_total > 0 && (!io->q || !io->k || !io->v || !io->beta || !io->o))
     return GDP_ERROR(GDP_ERR_INVALID_ARG, "%s: q, k, v, beta and o must be non-NULL", what);
@@ -120,13 +120,13 @@ gdp_status device_alloc(void **ptr, size_t bytes, cudaStream_t stream) {
   return GDP_OK;
 }
 
-gdp_status upload_cu_seqlens(const gdp_gdp_problem *p, long long *dst, cudaStream_t stream) {
+gdp_status upload_cu_seqlens(const gdp_delta_product_problem *p, long long *dst, cudaStream_t stream) {
   std::vector<long long> cu((size_t)p->N + 1, 0);
   for (int64_t s = 0; s <= p->N; s++) cu[s] = p->N > 0 ? (long long)p->cu_seqlens[s] : 0;
   return upload_async(dst, cu.data(), cu.size() * sizeof(long long), stream);
 }
 
-gdp_status validate_bwd_io(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io, const char *what) {
+gdp_status validate_bwd_io(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io, const char *what) {
   if (!io) return GDP_ERROR(GDP_ERR_INVALID_ARG, "%s: io is NULL", what);
   if (p->T_total > 0 && (!io->q || !io->k || !io->v || !io->beta || !io->d_o || !io->dq || !io->dk ||
                          !io->dv || !io->dbeta))
@@ -137,7 +137,7 @@ gdp_status validate_bwd_io(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io, c
   return GDP_OK;
 }
 
-GdpArgs bwd_args(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io) {
+GdpArgs bwd_args(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io) {
   GdpArgs a;
   memset(&a, 0, sizeof a);
   a.q = io->q;
@@ -164,7 +164,7 @@ GdpArgs bwd_args(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io) {
   return a;
 }
 
-GdpArgs fwd_args(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io) {
+GdpArgs fwd_args(const gdp_delta_product_problem *p, const gdp_delta_product_forward_io *io) {
   GdpArgs a;
   memset(&a, 0, sizeof a);
   a.q = io->q;
@@ -208,7 +208,7 @@ int num_sms() {
 }
 
 /* plan_make, or (plan_bytes_out) only the size of its device block. */
-static gdp_status plan_build(const gdp_gdp_problem *p, cudaStream_t stream, PlanBufs bufs, GdpArgs base,
+static gdp_status plan_build(const gdp_delta_product_problem *p, cudaStream_t stream, PlanBufs bufs, GdpArgs base,
                              Plan *plan, void *ext, bool upload_tables, size_t *plan_bytes_out) {
   memset(plan, 0, sizeof *plan);
   plan->stream = stream;
@@ -283,12 +283,12 @@ static gdp_status plan_build(const gdp_gdp_problem *p, cudaStream_t stream, Plan
   return GDP_OK;
 }
 
-gdp_status plan_make(const gdp_gdp_problem *p, cudaStream_t stream, PlanBufs bufs, GdpArgs base,
+gdp_status plan_make(const gdp_delta_product_problem *p, cudaStream_t stream, PlanBufs bufs, GdpArgs base,
                      Plan *plan, void *ext, bool upload_tables) {
   return plan_build(p, stream, bufs, base, plan, ext, upload_tables, nullptr);
 }
 
-size_t plan_bytes(const gdp_gdp_problem *p, PlanBufs bufs) {
+size_t plan_bytes(const gdp_delta_product_problem *p, PlanBufs bufs) {
   Plan scratch;
   size_t bytes = 0;
   GdpArgs none;

@@ -121,15 +121,15 @@ struct Plan {
 };
 
 /* Shared helpers (plan.cu). */
-gdp_status validate_problem(const gdp_gdp_problem *p, const char *what);
+gdp_status validate_problem(const gdp_delta_product_problem *p, const char *what);
 /* The io block's required buffers for the call named `what`. */
-gdp_status validate_fwd_io(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io, const char *what);
-gdp_status validate_bwd_io(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io, const char *what);
+gdp_status validate_fwd_io(const gdp_delta_product_problem *p, const gdp_delta_product_forward_io *io, const char *what);
+gdp_status validate_bwd_io(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io, const char *what);
 /* The kernels' argument block from a problem and its buffers (both paths). */
-GdpArgs fwd_args(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io);
-GdpArgs bwd_args(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io);
+GdpArgs fwd_args(const gdp_delta_product_problem *p, const gdp_delta_product_forward_io *io);
+GdpArgs bwd_args(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io);
 gdp_status device_alloc(void **ptr, size_t bytes, cudaStream_t stream);
-gdp_status upload_cu_seqlens(const gdp_gdp_problem *p, long long *dst, cudaStream_t stream);
+gdp_status upload_cu_seqlens(const gdp_delta_product_problem *p, long long *dst, cudaStream_t stream);
 int num_sms();
 
 /* Which per-chunk buffers a plan carries besides the forward's panels (W, U, Kd, Qd, Pm,
@@ -141,9 +141,9 @@ enum PlanBufs { PLAN_FORWARD, PLAN_BACKWARD };
  * caller's block of plan_bytes(p, bufs) bytes (a forward workspace kept for the
  * backward), which plan_free leaves alone, and upload_tables = false trusts the chunk
  * tables already there (written by an earlier plan of the same problem). */
-gdp_status plan_make(const gdp_gdp_problem *p, cudaStream_t stream, PlanBufs bufs, GdpArgs base,
+gdp_status plan_make(const gdp_delta_product_problem *p, cudaStream_t stream, PlanBufs bufs, GdpArgs base,
                      Plan *plan, void *ext = nullptr, bool upload_tables = true);
-size_t plan_bytes(const gdp_gdp_problem *p, PlanBufs bufs);
+size_t plan_bytes(const gdp_delta_product_problem *p, PlanBufs bufs);
 void plan_free(Plan *plan);
 
 /* Optional per-kernel timing (gdp_debug_profile_kernels(): GDP_CUDA_PROFILE=1): each
@@ -155,7 +155,7 @@ void prof_end(cudaStream_t stream);
 namespace chunked {
 
 /* Whether the fast path takes p: bf16, n = 1..3, K and V in {64, 128}. */
-bool takes(const gdp_gdp_problem *p);
+bool takes(const gdp_delta_product_problem *p);
 
 /* Layout of the block a saving forward keeps (bytes): the forward plan's block
  * (plan_bytes: chunk tables, W, U, Kd, Qd, Pm, elast) from 0, h^T bf16 [CH][V][K] from
@@ -168,15 +168,15 @@ bool takes(const gdp_gdp_problem *p);
 struct SavedLayout {
   size_t plan, o_hT, o_D, o_Tt, total;
 };
-SavedLayout saved_layout(const gdp_gdp_problem *p);
+SavedLayout saved_layout(const gdp_delta_product_problem *p);
 /* saved_layout(p).total; 0 where the path does not take p or there is no sequence. */
-size_t saved_bytes(const gdp_gdp_problem *p);
+size_t saved_bytes(const gdp_delta_product_problem *p);
 
 /* The forward and backward; p and io validated, takes(p).  forward: saved non-NULL keeps
  * the block above there.  backward: saved non-NULL reads a saving forward's block of the
  * same problem and inputs instead of recomputing (the prep and the states pass). */
-gdp_status forward(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io, cudaStream_t stream, void *saved);
-gdp_status backward(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io, cudaStream_t stream, const void *saved);
+gdp_status forward(const gdp_delta_product_problem *p, const gdp_delta_product_forward_io *io, cudaStream_t stream, void *saved);
+gdp_status backward(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io, cudaStream_t stream, const void *saved);
 
 /* The prep (chunk_prep.cuh, launched by chunk_forward.cu), also the backward's recompute:
  * Tt non-NULL also stores T^T there (and U's residual where plan.a.Ulo is set). */
@@ -186,8 +186,8 @@ gdp_status launch_chunk_prep(const Plan &plan, bf16 *Tt);
 
 /* The recurrent kernels (recurrent.cu): f32 and bf16, any shape the dispatch
  * validated.  p and io validated. */
-gdp_status forward_recurrent(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io, cudaStream_t stream);
-gdp_status backward_recurrent(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io, cudaStream_t stream);
+gdp_status forward_recurrent(const gdp_delta_product_problem *p, const gdp_delta_product_forward_io *io, cudaStream_t stream);
+gdp_status backward_recurrent(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io, cudaStream_t stream);
 
 }  // namespace gdpcu
 

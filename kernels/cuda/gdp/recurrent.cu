@@ -349,7 +349,7 @@ __global__ void rec_finalize_kernel(GdpArgs a, int64_t T_total, const float *acc
 }
 
 template <typename T>
-static gdp_status rec_backward(const gdp_gdp_problem *p, GdpArgs a, cudaStream_t stream) {
+static gdp_status rec_backward(const gdp_delta_product_problem *p, GdpArgs a, cudaStream_t stream) {
   int64_t Lmax = 0;
   for (int64_t s = 0; s < p->N; s++) Lmax = std::max<int64_t>(Lmax, p->cu_seqlens[s + 1] - p->cu_seqlens[s]);
   const int seg = std::max(1, (int)ceil(sqrt((double)std::max<int64_t>(Lmax, 1))));
@@ -396,7 +396,7 @@ static gdp_status rec_backward(const gdp_gdp_problem *p, GdpArgs a, cudaStream_t
 
 using namespace gdpcu;
 
-gdp_status gdpcu::forward_recurrent(const gdp_gdp_problem *p, const gdp_gdp_fwd_io *io, cudaStream_t stream) {
+gdp_status gdpcu::forward_recurrent(const gdp_delta_product_problem *p, const gdp_delta_product_forward_io *io, cudaStream_t stream) {
   if (p->N == 0) return GDP_OK;
   GdpArgs a = fwd_args(p, io);
   void *cu = nullptr;
@@ -410,7 +410,7 @@ gdp_status gdpcu::forward_recurrent(const gdp_gdp_problem *p, const gdp_gdp_fwd_
   return st;
 }
 
-gdp_status gdpcu::backward_recurrent(const gdp_gdp_problem *p, const gdp_gdp_bwd_io *io, cudaStream_t stream) {
+gdp_status gdpcu::backward_recurrent(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io, cudaStream_t stream) {
   if (p->N == 0) return GDP_OK;
   GdpArgs a = bwd_args(p, io);
   return p->dtype == GDP_DTYPE_BF16 ? rec_backward<bf16>(p, a, stream) : rec_backward<float>(p, a, stream);
