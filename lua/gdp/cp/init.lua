@@ -104,24 +104,37 @@ function M.layer_forward(module, x, cu_seqlens)
 end
 
 -- Sums the step's parameter gradients over the group with one all-reduce of a flat
--- buffer, then adds them into the module's accumulated gradients.
+-- buffer per gradient dtype (a bf16 layer keeps A_log's and dt_bias's in float32), then
+-- adds them into the module's accumulated gradients.
 local function reduce_into(m, scratch, target)
   local names = m:parameter_names()
-  local total = 0
-  for _, name in ipairs(names) do total = total + scratch[name]:numel() end
-  local flat = tensor.empty({ total }, { dtype = m.dtype, device = m.device })
-  local pos = 0
+  local groups, order = {}, {}
   for _, name in ipairs(names) do
-    local g = scratch[name]
-    flat:narrow(1, pos + 1, g:numel()):copy(g:reshape(g:numel()))
-    pos = pos + g:numel()
+    local dt = scratch[name]:dtype()
+    if groups[dt] == nil then
+      groups[dt] = { names = {}, total = 0 }
+      order[#order + 1] = dt
+    end
+    local grp = groups[dt]
+    grp.names[#grp.names + 1] = name
+    grp.total = grp.total + scratch[name]:numel()
   end
-  m.cp_group:all_reduce(flat, "sum")
-  pos = 0
-  for _, name in ipairs(names) do
-    local g = target[name]
-    g:add_(flat:narrow(1, pos + 1, g:numel()):view(g:shape()))
-    pos = pos + g:numel()
+  for _, dt in ipairs(order) do -- the same order on every rank: parameter_names' order
+    local grp = groups[dt]
+    local flat = tensor.empty({ grp.total }, { dtype = dt, device = m.device })
+    local pos = 0
+    for _, name in ipairs(grp.names) do
+      local g = scratch[name]
+      flat:narrow(1, pos + 1, g:numel()):copy(g:reshape(g:numel()))
+      pos = pos + g:numel()
+    end
+    m.cp_group:all_reduce(flat, "sum")
+    pos = 0
+    for _, name in ipairs(grp.names) do
+      local g = target[name]
+      g:add_(flat:narrow(1, pos + 1, g:numel()):view(g:shape()))
+      pos = pos + g:numel()
+    end
   end
 end
 
