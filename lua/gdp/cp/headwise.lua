@@ -518,14 +518,16 @@ local function local_module(m, hcp)
   view.num_heads, view.num_groups = hcp.nheads_local, hcp.ngroups_local
   view.sizes = cls.compute_sizes(view.num_heads, view.head_dim, view.num_groups, view.state_dim,
                                  view.num_householder)
-  local opts = { dtype = m.dtype, device = m.device }
   view.params = {
     ["conv1d.weight"] = hcp:get_conv1d_weight(), ["conv1d.bias"] = hcp:get_conv1d_bias(),
     dt_bias = hcp:get_dt_bias(), A_log = hcp:get_A_log(),
   }
   if m.D_mode then view.params.D = hcp:get_D() end
+  -- each gradient in its parameter's dtype: a bf16 layer keeps A_log and dt_bias in f32
   view.grads = {}
-  for name, t in pairs(view.params) do view.grads[name] = tensor.zeros(t:shape(), opts) end
+  for name, t in pairs(view.params) do
+    view.grads[name] = tensor.zeros(t:shape(), { dtype = t:dtype(), device = m.device })
+  end
   return view
 end
 

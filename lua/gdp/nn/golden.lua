@@ -10,18 +10,6 @@ local M = {}
 
 M.TOLERANCE = { f64 = 1e-10, f32 = 1e-4, bf16 = 1e-2 }
 
--- bf16 layers: the gradients of the decay gate's parameters (A_log, dt_bias: one value
--- per head, each a sum over every token of dg times a gate factor) are held to 5e-2.
--- The operator takes g in bf16, as its other token inputs, and dg carries the bf16
--- operator's ~5e-3 error (docs/kernels.md section 3.6); the per-head sums cancel, which
--- amplifies it: measured on the H200 up to 2.2e-2 (dt_bias) and 3.5e-2 (A_log, golden
--- mixer_m3).  Taking g in float32, as fla does, is the fix (not done yet).
-M.BF16_GATE_TOLERANCE = 5e-2
-function M.tolerance(dtype, name)
-  if dtype == "bf16" and (name == "grad.A_log" or name == "grad.dt_bias") then return M.BF16_GATE_TOLERANCE end
-  return M.TOLERANCE[dtype]
-end
-
 -- The module a golden file's metadata describes (Megatron's mixer: no D), of `dtype`
 -- on `device` (nil: cpu).
 function M.module_for(meta, dtype, device)
@@ -67,8 +55,7 @@ function M.check_case(t, meta, opts)
     if got ~= nil and ref ~= nil then
       err = gdp.rel_error(got:to({ dtype = "f64", device = "cpu" }), ref:to({ dtype = "f64", device = "cpu" }))
     end
-    local tol_n = opts.tol or M.tolerance(dtype, name)
-    rows[#rows + 1] = { name = name, err = err, tol = tol_n, ok = err <= tol_n }
+    rows[#rows + 1] = { name = name, err = err, tol = tol, ok = err <= tol }
   end
   row("out", out, t.out)
   row("grad.x", dx, t["grad.x"])
