@@ -1,7 +1,7 @@
 /*
  * gdp_problem.h -- the GDP operator as the kernels see it: plain sizes and raw
  * pointers to contiguous row-major buffers, no tensor objects.  Shared by the CPU
- * and CUDA kernels, the core's op layer and the kernel lab drivers in kernels/bench.
+ * and CUDA kernels, the core's op layer and the kernel lab drivers in dev/.
  *
  * Every problem is "packed": the token axis of all sequences is one axis of
  * T_total = B*T tokens (rows of q/g/o), T_total*n rows for k/v/beta, and sequence s

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """fla_bench.py -- times fla's chunk_gated_delta_product (the side-by-side anchor of
-kernels/bench/gdp_cuda_lab.cu and of experiments/bench_gdp.lua --against-fla) at the same
+dev/cuda/gdp_cuda_lab.cu and of experiments/bench_gdp.lua --against-fla) at the same
 shapes, on the GPU, and prints ONE JSON object on stdout (progress goes to stderr).
 
 Inputs as the lab and bench_gdp --against-fla draw them: bf16, use_qk_l2norm_in_kernel,

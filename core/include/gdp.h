@@ -374,21 +374,19 @@ gdp_status gdp_delta_product_backward(gdp_ctx *ctx, const gdp_delta_product_opti
                             gdp_tensor **dh0);
 
 /*
- * Save for backward (opt-in).  gdp_delta_product_forward_ex is gdp_delta_product_forward that, when saved
- * is not NULL, also returns in *saved (owned; free with gdp_delta_product_saved_free) what the
- * backward would otherwise recompute: on cuda variant 3 (bf16, n <= 3, K and V in
- * {64, 128}) the per-chunk panels, the chunk-start states h (bf16 for bf16 problems;
- * float32, 4KV instead of 2KV below, with GDP_CUDA_V3_STATE=f32 in the environment),
- * D (bf16) and the prep's T^T (bf16) -- 2(2C + TC)K + 4CV + 2 TC C + 2C^2 + 2KV + 4 bytes
- * per chunk of C steps (TC tokens) and head, C = 32, 64, 48 for n = 1, 2, 3, e.g. 0.97 GB
- * (1.24 GB with float32 states) at B x T = 4 x 4096, H = 16, K = V = 128,
- * n = 2 -- which gdp_delta_product_backward_ex then reads
- * instead of running the prep and the state pass again.  Backends and variants that
- * keep nothing (cpu; cuda variants 1 and 2) still return a saved object, of 0 bytes,
- * and their backward recomputes: results identical to the plain calls.
+ * Save for backward (opt-in).  gdp_delta_product_forward_ex is gdp_delta_product_forward
+ * that, when saved is not NULL, also returns in *saved (owned; free with
+ * gdp_delta_product_saved_free) what the backward would otherwise recompute: on cuda's fast
+ * path (bf16, n <= 3, K and V in {64, 128}) the per-chunk panels, the chunk-start states h
+ * (bf16), D (bf16) and the prep's T^T (bf16) -- 2(2C + TC)K + 4CV + 2 TC C + 2C^2 + 2KV + 4
+ * bytes per chunk of C steps (TC tokens) and head, C = 32, 64, 48 for n = 1, 2, 3, e.g.
+ * 0.97 GB at B x T = 4 x 4096, H = 16, K = V = 128, n = 2 -- which
+ * gdp_delta_product_backward_ex then reads instead of running the prep and the state pass
+ * again.  Paths that keep nothing (cpu; cuda's recurrent kernels) still return a saved
+ * object, of 0 bytes, and their backward recomputes: results identical to the plain calls.
  *
  * The object records the problem (dtype, device, B, T, H, K, V, n, gated, h0 present,
- * use_qk_l2norm, scale, algorithm, the backend's variant, the cu_seqlens values) and
+ * use_qk_l2norm, scale, algorithm, the backend's path, the cu_seqlens values) and
  * gdp_delta_product_backward_ex with a saved object refuses any mismatch (GDP_ERR_INVALID_ARG
  * naming the field, its expected and actual values).  It belongs to the very input
  * VALUES of its forward, which are not checked: a backward with other q, k, v, g, beta
