@@ -173,3 +173,24 @@ describe("experiment scripts", function()
     assert.truthy(out:find("FAIL", 1, true))
   end)
 end)
+
+describe("the experiment scripts' first-hour errors", function()
+  it("check_reference: a missing FILE is one line and exit 2", function()
+    local out, rc = sh(lua_cmd("experiments/check_reference.lua", "/nonexistent/case.safetensors"))
+    assert.are.equal(2, rc, out)
+    assert.truthy(out:find("check_reference: cannot read /nonexistent/case.safetensors: No such file", 1, true), out)
+    assert.is_nil(out:find("traceback", 1, true), out)
+    assert.are.equal(1, select(2, out:gsub("\n", "")), out)
+  end)
+
+  it("a CUDA device that is not there is one line and exit 2", function()
+    if require("gdp").has_cuda() then return pending("this machine has a GPU") end
+    for _, script in ipairs({ "experiments/bench_gdp.lua", "experiments/check_reference.lua" }) do
+      local out, rc = sh(lua_cmd(script, "--device cuda"))
+      assert.are.equal(2, rc, out)
+      assert.truthy(out:find("device cuda is not available", 1, true), out)
+      assert.is_nil(out:find("traceback", 1, true), out)
+      assert.are.equal(1, select(2, out:gsub("\n", "")), out)
+    end
+  end)
+end)
