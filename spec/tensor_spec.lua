@@ -260,6 +260,13 @@ describe("conversions", function()
                     gdp.tensor({ 2147483647.9, -2147483648.9, -2.7 }, { dtype = "f64" }):to("i32"):totable())
     assert.has_error(function() gdp.full({ 2 }, 0 / 0, { dtype = "i32" }) end)
     assert.has_error(function() gdp.full({ 2 }, 2 ^ 31, { dtype = "i32" }) end)
+    -- elementwise results stored into integer tensors follow the same rule
+    local big = gdp.tensor({ 1, 2 ^ 30 }, { dtype = "i32" })
+    local ok, err = pcall(function() return big + big end)
+    assert.is_false(ok)
+    assert.matches("element 2 (row-major, counting from 1) is 2147483648", tostring(err), 1, true)
+    assert.has_error(function() gdp.tensor({ 1, 2 }, { dtype = "i64" }):scale_(0 / 0) end)
+    assert.are.same({ 2, 2 ^ 31 - 2 }, (gdp.tensor({ 1, 2 ^ 30 - 1 }, { dtype = "i32" }) * 2):totable())
   end)
 
   it("rounds bf16 to nearest even", function()

@@ -585,7 +585,23 @@ typedef struct binary_job {
   double alpha;
   row_copy_fn load_a, load_b, store;
   int64_t es_out, es_a, es_b;
+  gdp_dtype out_dtype;
+  int int_out;       /* out is i32/i64: results without a value there are an error */
+  int64_t bad;       /* row-major index of the first such result, INT64_MAX while none */
+  double bad_value;
 } binary_job;
+
+/* Records a result that the integer out cannot hold; keeps the first in row-major
+ * order whatever the order the threads get there. */
+static void binary_note_bad(binary_job *job, int64_t index, double value) {
+#pragma omp critical(gdp_binary_bad)
+  {
+    if (index < job->bad) {
+      job->bad = index;
+      job->bad_value = value;
+    }
+  }
+}
 
 /* Through float64 buffers, CHUNK elements at a time: every dtype and stride takes
  * the same path, and out may alias a or b (each chunk is read before written). */
@@ -609,6 +625,14 @@ static void binary_segment(void *user, int64_t task, char *const p[3], const int
         for (int64_t j = 0; j < m; j++) x[j] *= job->alpha;
         break;
     }
+    if (job->int_out) {
+      for (int64_t j = 0; j < m; j++) {
+        if (!fits_int(x[j], job->out_dtype)) {
+          binary_note_bad((binary_job *)job, linear + c0 + j, x[j]);
+          break;
+        }
+      }
+    }
     job->store(p[0] + c0 * s[0] * job->es_out, s[0], x, 1, m);
   }
 }
@@ -629,10 +653,24 @@ static gdp_status cpu_binary(gdp_ctx *ctx, gdp_tensor *out, const gdp_tensor *a,
     job.load_b = row_copy[GDP_DTYPE_F64][b->dtype];
     job.es_b = (int64_t)gdp_dtype_size(b->dtype);
   }
+  job.out_dtype = out->dtype;
+  job.int_out = out->dtype == GDP_DTYPE_I32 || out->dtype == GDP_DTYPE_I64;
+  job.bad = INT64_MAX;
   const gdp_tensor *ops[3] = {out, a, b};
   iter it;
   iter_init(&it, has_b ? 3 : 2, ops);
   iter_run(&it, ctx->num_threads, binary_segment, &job);
+  if (job.bad != INT64_MAX) {
+    char shape_buf[160];
+    return GDP_ERROR_IN("tensor conversion", GDP_ERR_INVALID_ARG,
+                        "an elementwise result stored into a %s tensor of shape %s: element %lld "
+                        "(row-major, counting from 1) is %.17g, which %s has no value for (NaN, "
+                        "inf and values out of range are errors, not saturated; out holds "
+                        "saturated values)",
+                        gdp_dtype_name(out->dtype),
+                        gdp_shape_str(shape_buf, sizeof shape_buf, out->ndim, out->shape),
+                        (long long)job.bad + 1, job.bad_value, gdp_dtype_name(out->dtype));
+  }
   return GDP_OK;
 }
 
