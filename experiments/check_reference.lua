@@ -6,7 +6,8 @@
 --
 -- Without FILE, every *.safetensors in spec/fixtures/golden/.  Exits 1 when any error
 -- exceeds the dtype's tolerance (f64 1e-10, f32 1e-4, bf16 1e-2) or is NaN, or when a
--- case fails to run.  The case format is described in spec/fixtures/golden/README.md
+-- case fails to run; 2 on a usage error (a FILE that cannot be read, a device that is
+-- not there).  The case format is described in spec/fixtures/golden/README.md
 -- (operator cases: q, k, v, beta, g, h0, cu_seqlens, do, dht and the references).
 -- --save-for-backward: the forward saves for backward and the backward reads what it
 -- kept (cuda variant 3's saving path; elsewhere nothing is kept and it recomputes).
@@ -48,6 +49,16 @@ if #files == 0 then
     io.stderr:write("check_reference: no FILE given and no *.safetensors in ", opts.fixtures, "\n")
     os.exit(2)
   end
+end
+
+-- A FILE that cannot be read is a usage error (exit 2), not a failed case.
+for _, path in ipairs(files) do
+  local f, why = io.open(path, "rb")
+  if not f then
+    io.stderr:write("check_reference: cannot read ", path, ": ", (tostring(why):gsub("^.-: ", "")), "\n")
+    os.exit(2)
+  end
+  f:close()
 end
 
 local tol = opts.tol > 0 and opts.tol or gdp.ops.TOLERANCE[opts.dtype]
@@ -95,8 +106,10 @@ end
 
 local ctx_ok, ctx_err = pcall(gdp.device, opts.device)
 if not ctx_ok then
-  io.stderr:write("check_reference: device ", opts.device, ": ", tostring(ctx_err), "\n")
-  os.exit(1)
+  -- the core's message without the Lua position and the C source location
+  local why = tostring(ctx_err):gsub("^[^\n]-:%d+: ", ""):gsub(" %([%w_/.]+:%d+%)$", "")
+  io.stderr:write("check_reference: device ", opts.device, " is not available: ", why, "\n")
+  os.exit(2)
 end
 
 print(string.format("# gdp %s, device %s, dtype %s, algorithm %s, tolerance %.0e",

@@ -65,6 +65,18 @@ describe("safetensors", function()
     assert.are.equal(0.1767766952966369, tonumber(got.scale))
   end)
 
+  it("saves what it loads (an empty metadata key) and refuses NUL rather than cutting it", function()
+    gdp.save(tmp, { x = gdp.zeros(2) }, { [""] = "empty key" })
+    local _, got = gdp.load(tmp)
+    assert.are.same({ [""] = "empty key" }, got)
+    assert.has_error(function() gdp.save(tmp, { ["a\0b"] = gdp.zeros(2) }) end)
+    assert.has_error(function() gdp.save(tmp, { x = gdp.zeros(2) }, { k = "x\0y" }) end)
+    assert.has_error(function() gdp.save(tmp, { x = gdp.zeros(2) }, { ["k\0"] = "v" }) end)
+    local ok, err = pcall(gdp.save, tmp, { x = gdp.zeros(2) }, { k = "x\0y" })
+    assert.is_false(ok)
+    assert.matches("NUL", tostring(err))
+  end)
+
   it("writes the same bytes for the same tensors", function()
     local t = { q = gdp.randn({ 2, 3 }, { dtype = "f64" }), k = gdp.randn({ 4 }, { dtype = "f32" }) }
     gdp.save(tmp, t, { a = "1" })

@@ -1,16 +1,27 @@
--- The interactive REPL survives errors: a script of lines that fail (Lua-side
--- checks, C errors, a freed tensor) followed by a good line, piped into `luajit -i`
--- with gdp loaded, must print each error and then the good line's result.
+-- The interactive REPL of `./gdp` (no arguments, lua/gdp/repl.lua), driven by a
+-- scripted stdin through the launcher itself: it prints an expression's value, survives
+-- errors (Lua-side checks, C errors, a freed tensor) and keeps going.
 local H = gdp_test
+
+local root = os.getenv("GDP_ROOT") or "."
+-- the launcher must use this run's build (not build a default one): GDP_LIB's folder,
+-- configured as it is (a CPU-only build stays one)
+local build = (os.getenv("GDP_LIB") or ""):match("^(.*)/[^/]+$")
+local env = build and string.format("GDP_BUILD_DIR=%q ", build) or ""
+do
+  local f = build and io.open(build .. "/CMakeCache.txt", "r")
+  if f then
+    if f:read("*a"):find("GDP_CUDA:BOOL=OFF", 1, true) then env = env .. "GDP_NO_CUDA=1 " end
+    f:close()
+  end
+end
 
 local function run_repl(lines)
   local script = os.tmpname()
   local f = assert(io.open(script, "w"))
   f:write(table.concat(lines, "\n"), "\n")
   f:close()
-  -- the same package path as this busted run, so the REPL finds the same gdp
-  local cmd = string.format("LUA_PATH=%q luajit -i -e 'gdp = require(\"gdp\")' < %s 2>&1",
-                            package.path, script)
+  local cmd = string.format("%stimeout 120 %s/gdp < %s 2>&1", env, root, script)
   local p = assert(io.popen(cmd))
   local out = p:read("*a")
   p:close()
@@ -38,5 +49,30 @@ describe("REPL", function()
     assert.truthy(out:find("ALIVE\t6", 1, true), out)
     assert.truthy(out:find("gdp.Tensor<f32, cpu>[2x2]", 1, true), out)
     assert.is_nil(out:find("error object is not a string", 1, true), out)
+  end)
+
+  it("prints the value of an expression typed alone, and runs statements", function()
+    local out = run_repl({
+      "x = gdp.tensor({7, 8, 9})",
+      "x",
+      "1 + 2",
+      "'a', nil, 4",
+      "=10 * 10",
+      "for i = 1, 2 do",
+      "  io.write('loop', i, ' ')",
+      "end",
+      "local y = 5",
+      "error('boom')",
+      "print('END')",
+    })
+    assert.truthy(out:find("gdp.Tensor<f32, cpu>[3]", 1, true), out)
+    assert.truthy(out:find("> 3\n", 1, true), out)
+    assert.truthy(out:find("a\tnil\t4", 1, true), out)
+    assert.truthy(out:find("> 100\n", 1, true), out)
+    assert.truthy(out:find("loop1 loop2", 1, true), out)
+    assert.truthy(out:find("stdin:1: boom", 1, true), out)
+    assert.truthy(out:find("END", 1, true), out)
+    assert.is_nil(out:find("syntax error", 1, true), out)
+    assert.is_nil(out:find("unexpected symbol", 1, true), out)
   end)
 end)

@@ -235,6 +235,40 @@ describe("conversions", function()
     assert.are.same({ 2 ^ 40 }, gdp.tensor({ 2 ^ 40 }, { dtype = "i64" }):totable())
   end)
 
+  it("to an integer dtype: NaN, inf and out-of-range values are errors naming the value", function()
+    local function fails(t, dt, needle)
+      local ok, err = pcall(t.to, t, dt)
+      assert.is_false(ok, "converting to " .. dt .. " should fail")
+      assert.matches("convert", tostring(err))
+      assert.matches(needle, tostring(err), 1, true)
+    end
+    for _, src in ipairs({ "f64", "f32", "bf16" }) do
+      for _, dt in ipairs({ "i32", "i64" }) do
+        fails(gdp.tensor({ 1, 0 / 0, 2 }, { dtype = src }), dt, "element 2")
+        fails(gdp.tensor({ 1, 2, math.huge }, { dtype = src }), dt, "inf")
+        fails(gdp.tensor({ -math.huge }, { dtype = src }), dt, "-inf")
+      end
+    end
+    fails(gdp.tensor({ 0, 2 ^ 31 }, { dtype = "f64" }), "i32", "2147483648")
+    fails(gdp.tensor({ -2 ^ 31 - 1 }, { dtype = "f64" }), "i32", "-2147483649")
+    fails(gdp.tensor({ 2 ^ 63 }, { dtype = "f64" }), "i64", "9.2233720368547758e+18")
+    fails(gdp.tensor({ 2 ^ 40 }, { dtype = "i64" }), "i32", "1099511627776")
+    -- strided sources report the row-major position
+    fails(gdp.tensor({ { 1, 2 }, { 0 / 0, 4 } }, { dtype = "f32" }):transpose(1, 2), "i32", "element 2")
+    -- the edges that do have a value truncate toward zero
+    assert.are.same({ 2147483647, -2147483648, -2 },
+                    gdp.tensor({ 2147483647.9, -2147483648.9, -2.7 }, { dtype = "f64" }):to("i32"):totable())
+    assert.has_error(function() gdp.full({ 2 }, 0 / 0, { dtype = "i32" }) end)
+    assert.has_error(function() gdp.full({ 2 }, 2 ^ 31, { dtype = "i32" }) end)
+    -- elementwise results stored into integer tensors follow the same rule
+    local big = gdp.tensor({ 1, 2 ^ 30 }, { dtype = "i32" })
+    local ok, err = pcall(function() return big + big end)
+    assert.is_false(ok)
+    assert.matches("element 2 (row-major, counting from 1) is 2147483648", tostring(err), 1, true)
+    assert.has_error(function() gdp.tensor({ 1, 2 }, { dtype = "i64" }):scale_(0 / 0) end)
+    assert.are.same({ 2, 2 ^ 31 - 2 }, (gdp.tensor({ 1, 2 ^ 30 - 1 }, { dtype = "i32" }) * 2):totable())
+  end)
+
   it("rounds bf16 to nearest even", function()
     -- 1 + 2^-8 lies halfway between 1 and 1 + 2^-7: ties go to the even mantissa (1).
     local t = gdp.tensor({ 1 + 2 ^ -8, 1 + 3 * 2 ^ -8, 1 + 2 ^ -7 }, { dtype = "f64" })

@@ -80,8 +80,10 @@ static inline uint16_t i64_to_bf16(int64_t x) {
   return f64_to_bf16(x < 0 ? -d : d);
 }
 
-/* Float -> integer conversions saturate (C leaves out-of-range casts undefined);
- * NaN becomes 0. */
+/* Float -> integer conversions truncate toward zero.  Values that have no integer of
+ * the target type (NaN, +-inf, out of range) are rejected before any copy by
+ * check_int_conversion below; the saturation here only keeps the casts defined for
+ * the internal float64 -> integer stores of elementwise ops. */
 static inline int32_t sat_i32(double x) {
   if (x != x) return 0;
   if (x >= 2147483647.0) return INT32_MAX;
@@ -308,6 +310,79 @@ static gdp_status cpu_memcpy(gdp_ctx *ctx, void *dst, const void *src, size_t nb
   return GDP_OK;
 }
 
+/* ------------------------------------------------------------------ conversion checks */
+
+/* Whether x (a float, or an int64 going to int32) has a value of `dst` after the
+ * truncating cast: false for NaN, +-inf and anything outside the type's range. */
+static inline int fits_int(double x, gdp_dtype dst) {
+  if (dst == GDP_DTYPE_I32) return x > -2147483649.0 && x < 2147483648.0; /* NaN fails */
+  return x >= -9223372036854775808.0 && x < 9223372036854775808.0;
+}
+
+typedef struct int_check_job {
+  gdp_dtype src, dst;
+  int64_t bad;      /* row-major index of the first bad element, -1 while none */
+  double bad_value; /* for float sources */
+  int64_t bad_int;  /* for an int64 source */
+} int_check_job;
+
+static void int_check_segment(void *user, int64_t task, char *const p[3], const int64_t s[3],
+                              int64_t n, int64_t linear) {
+  int_check_job *job = user;
+  if (job->bad >= 0) return;
+  const char *b = p[0];
+  for (int64_t i = 0; i < n; i++) {
+    double x;
+    switch (job->src) {
+      case GDP_DTYPE_F64: x = ((const double *)b)[i * s[0]]; break;
+      case GDP_DTYPE_F32: x = ((const float *)b)[i * s[0]]; break;
+      case GDP_DTYPE_BF16: x = bf16_to_f32(((const uint16_t *)b)[i * s[0]]); break;
+      default: { /* int64 -> int32 */
+        int64_t v = ((const int64_t *)b)[i * s[0]];
+        if (v < INT32_MIN || v > INT32_MAX) {
+          job->bad = linear + i;
+          job->bad_int = v;
+          return;
+        }
+        continue;
+      }
+    }
+    if (!fits_int(x, job->dst)) {
+      job->bad = linear + i;
+      job->bad_value = x;
+      return;
+    }
+  }
+}
+
+/* A conversion to an integer dtype that would have to invent a value (NaN, +-inf,
+ * out of range) is an error naming the conversion and the first bad element, in
+ * row-major order.  One read-only pass over the source, run before the copy so that
+ * dst is untouched on failure; only conversions that can fail pay for it. */
+static gdp_status check_int_conversion(const gdp_tensor *src, gdp_dtype dst) {
+  if (dst != GDP_DTYPE_I32 && dst != GDP_DTYPE_I64) return GDP_OK;
+  if (src->dtype == GDP_DTYPE_I32 || src->dtype == dst) return GDP_OK;
+  if (dst == GDP_DTYPE_I64 && src->dtype == GDP_DTYPE_I64) return GDP_OK;
+  int_check_job job = {src->dtype, dst, -1, 0.0, 0};
+  const gdp_tensor *ops[1] = {src};
+  iter it;
+  iter_init(&it, 1, ops);
+  iter_run(&it, 1, int_check_segment, &job); /* in order: the first bad one is found */
+  if (job.bad < 0) return GDP_OK;
+  char shape_buf[160], val[64];
+  if (src->dtype == GDP_DTYPE_I64)
+    snprintf(val, sizeof val, "%lld", (long long)job.bad_int);
+  else
+    snprintf(val, sizeof val, "%.17g", job.bad_value);
+  return GDP_ERROR_IN("tensor conversion", GDP_ERR_INVALID_ARG,
+                      "converting a %s tensor of shape %s to %s: element %lld (row-major, "
+                      "counting from 1) is %s, which %s has no value for (NaN, inf and values "
+                      "out of range are errors, not saturated)",
+                      gdp_dtype_name(src->dtype),
+                      gdp_shape_str(shape_buf, sizeof shape_buf, src->ndim, src->shape),
+                      gdp_dtype_name(dst), (long long)job.bad + 1, val, gdp_dtype_name(dst));
+}
+
 /* ------------------------------------------------------------------ copy, fill */
 
 typedef struct copy_job {
@@ -390,6 +465,7 @@ static gdp_status cpu_copy(gdp_ctx *ctx, gdp_tensor *dst, const gdp_tensor *src)
     }
     return GDP_OK;
   }
+  GDP_TRY(check_int_conversion(src, dst->dtype));
   const gdp_tensor *ops[2] = {dst, src};
   iter it;
   iter_init(&it, 2, ops);
@@ -437,6 +513,11 @@ static gdp_status cpu_fill(gdp_ctx *ctx, gdp_tensor *t, double value) {
   fill_job job;
   memset(&job, 0, sizeof job);
   job.esize = (int64_t)gdp_dtype_size(t->dtype);
+  if ((t->dtype == GDP_DTYPE_I32 || t->dtype == GDP_DTYPE_I64) && !fits_int(value, t->dtype))
+    return GDP_ERROR_IN("tensor conversion", GDP_ERR_INVALID_ARG,
+                        "filling a %s tensor with %.17g, which %s has no value for (NaN, inf "
+                        "and values out of range are errors, not saturated)",
+                        gdp_dtype_name(t->dtype), value, gdp_dtype_name(t->dtype));
   row_copy[t->dtype][GDP_DTYPE_F64](job.value, 1, &value, 1, 1);
   const gdp_tensor *ops[1] = {t};
   iter it;
@@ -504,7 +585,23 @@ typedef struct binary_job {
   double alpha;
   row_copy_fn load_a, load_b, store;
   int64_t es_out, es_a, es_b;
+  gdp_dtype out_dtype;
+  int int_out;       /* out is i32/i64: results without a value there are an error */
+  int64_t bad;       /* row-major index of the first such result, INT64_MAX while none */
+  double bad_value;
 } binary_job;
+
+/* Records a result that the integer out cannot hold; keeps the first in row-major
+ * order whatever the order the threads get there. */
+static void binary_note_bad(binary_job *job, int64_t index, double value) {
+#pragma omp critical(gdp_binary_bad)
+  {
+    if (index < job->bad) {
+      job->bad = index;
+      job->bad_value = value;
+    }
+  }
+}
 
 /* Through float64 buffers, CHUNK elements at a time: every dtype and stride takes
  * the same path, and out may alias a or b (each chunk is read before written). */
@@ -528,6 +625,14 @@ static void binary_segment(void *user, int64_t task, char *const p[3], const int
         for (int64_t j = 0; j < m; j++) x[j] *= job->alpha;
         break;
     }
+    if (job->int_out) {
+      for (int64_t j = 0; j < m; j++) {
+        if (!fits_int(x[j], job->out_dtype)) {
+          binary_note_bad((binary_job *)job, linear + c0 + j, x[j]);
+          break;
+        }
+      }
+    }
     job->store(p[0] + c0 * s[0] * job->es_out, s[0], x, 1, m);
   }
 }
@@ -548,10 +653,24 @@ static gdp_status cpu_binary(gdp_ctx *ctx, gdp_tensor *out, const gdp_tensor *a,
     job.load_b = row_copy[GDP_DTYPE_F64][b->dtype];
     job.es_b = (int64_t)gdp_dtype_size(b->dtype);
   }
+  job.out_dtype = out->dtype;
+  job.int_out = out->dtype == GDP_DTYPE_I32 || out->dtype == GDP_DTYPE_I64;
+  job.bad = INT64_MAX;
   const gdp_tensor *ops[3] = {out, a, b};
   iter it;
   iter_init(&it, has_b ? 3 : 2, ops);
   iter_run(&it, ctx->num_threads, binary_segment, &job);
+  if (job.bad != INT64_MAX) {
+    char shape_buf[160];
+    return GDP_ERROR_IN("tensor conversion", GDP_ERR_INVALID_ARG,
+                        "an elementwise result stored into a %s tensor of shape %s: element %lld "
+                        "(row-major, counting from 1) is %.17g, which %s has no value for (NaN, "
+                        "inf and values out of range are errors, not saturated; out holds "
+                        "saturated values)",
+                        gdp_dtype_name(out->dtype),
+                        gdp_shape_str(shape_buf, sizeof shape_buf, out->ndim, out->shape),
+                        (long long)job.bad + 1, job.bad_value, gdp_dtype_name(out->dtype));
+  }
   return GDP_OK;
 }
 

@@ -9,6 +9,17 @@
  * hostile, so the loader checks every field before it allocates or reads anything
  * that a field sizes, and every failure is a GDP_ERR_IO naming the file, the tensor
  * and what is wrong.
+ *
+ * The loader takes what the reference reader (the `safetensors` Rust crate) takes and
+ * rejects what it rejects:
+ *   - the header is at most 100,000,000 bytes of JSON, which may be padded at its end
+ *     with whitespace (the writers pad with spaces to an 8-byte boundary);
+ *   - the tensors' data_offsets tile the data section exactly: sorted by offset, the
+ *     first begins at 0, each begins where the one before ends (no gap, no overlap),
+ *     and the last ends at the end of the file (no trailing bytes);
+ *   - an empty metadata key is legal, so the saver writes one too: what loads saves.
+ * One rule is stricter: a NUL (the JSON escape \u0000) inside a name, a metadata key
+ * or value is an error, since gdp's names are C strings and would be cut short.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -24,6 +35,9 @@
 #include <cjson/cJSON.h>
 
 #include "internal.h"
+
+/* The reference reader's limit on the header's size. */
+#define ST_MAX_HEADER 100000000ull
 
 /* The data of a file is raw little-endian; we copy it as is. */
 static int host_is_little_endian(void) {
@@ -323,6 +337,22 @@ static gdp_status parse_metadata(const char *path, const cJSON *meta, gdp_st_fil
   return GDP_OK;
 }
 
+/* The byte offset of the first \u0000 escape inside a JSON string of text[0..n), or -1.
+ * cJSON decodes it to a NUL that would silently end the C string.  Only needs to be
+ * right for text that parses; text that does not is rejected by the parser. */
+static long find_escaped_nul(const char *text, size_t n) {
+  int in_string = 0;
+  for (size_t i = 0; i < n; i++) {
+    if (text[i] == '"') {
+      in_string = !in_string;
+    } else if (in_string && text[i] == '\\' && i + 1 < n) {
+      if (text[i + 1] == 'u' && i + 5 < n && !memcmp(text + i + 2, "0000", 4)) return (long)i;
+      i++; /* the escaped character, so an escaped quote or backslash is skipped */
+    }
+  }
+  return -1;
+}
+
 /* Reads exactly n bytes at absolute offset `at`. */
 static int read_at(FILE *fp, uint64_t at, void *buf, size_t n) {
   if (fseeko(fp, (off_t)at, SEEK_SET) != 0) return 0;
@@ -372,14 +402,34 @@ static gdp_status parse_header(const char *path, const cJSON *root, uint64_t dat
     goto done;
   }
   qsort(entries, (size_t)n, sizeof *entries, entry_cmp_offset);
-  for (int64_t i = 1; i < n; i++) {
-    if (entries[i].begin < entries[i - 1].end) {
+  /* The tensors must tile the data section: [0, data_size) exactly, in offset order. */
+  uint64_t covered = 0;
+  for (int64_t i = 0; i < n; i++) {
+    if (entries[i].begin > covered) {
+      st = LOAD_ERR(GDP_ERR_IO,
+                    "gap of %llu bytes before tensor '%s' [%llu, %llu]: the tensors must cover "
+                    "the data section contiguously from offset 0",
+                    (unsigned long long)(entries[i].begin - covered), entries[i].name,
+                    (unsigned long long)entries[i].begin, (unsigned long long)entries[i].end);
+      goto done;
+    }
+    if (i > 0 && entries[i].begin < entries[i - 1].end) {
       st = LOAD_ERR(GDP_ERR_IO, "tensors '%s' [%llu, %llu] and '%s' [%llu, %llu] overlap",
                     entries[i - 1].name, (unsigned long long)entries[i - 1].begin,
                     (unsigned long long)entries[i - 1].end, entries[i].name,
                     (unsigned long long)entries[i].begin, (unsigned long long)entries[i].end);
       goto done;
     }
+    if (entries[i].end > covered) covered = entries[i].end;
+  }
+  if (covered != data_size) {
+    uint64_t extra = data_size - covered;
+    st = LOAD_ERR(GDP_ERR_IO,
+                  "%llu byte%s after the last tensor (data section of %llu bytes, tensors end at "
+                  "%llu): the tensors must cover it exactly",
+                  (unsigned long long)extra, extra == 1 ? "" : "s", (unsigned long long)data_size,
+                  (unsigned long long)covered);
+    goto done;
   }
   /* Only a well-formed file gets the (more specific) unsupported-dtype answer. */
   for (int64_t i = 0; i < n; i++) {
@@ -446,6 +496,11 @@ gdp_status gdp_safetensors_load(gdp_ctx *ctx, const char *path, gdp_st_file **ou
   }
   uint64_t header_len = 0;
   for (int i = 7; i >= 0; i--) header_len = (header_len << 8) | len_bytes[i];
+  if (header_len > ST_MAX_HEADER) {
+    st = LOAD_ERR(GDP_ERR_IO, "header length %llu is over the format's limit of %llu bytes",
+                  (unsigned long long)header_len, (unsigned long long)ST_MAX_HEADER);
+    goto fail;
+  }
   if (header_len < 2 || header_len > file_size - 8) {
     st = LOAD_ERR(GDP_ERR_IO,
                   "header length %llu does not fit a file of %llu bytes (must be 2..%llu)",
@@ -467,6 +522,12 @@ gdp_status gdp_safetensors_load(gdp_ctx *ctx, const char *path, gdp_st_file **ou
   header[header_len] = '\0';
   if (memchr(header, '\0', (size_t)header_len)) {
     st = LOAD_ERR(GDP_ERR_IO, "header contains a NUL byte");
+    goto fail;
+  }
+  long nul_at = find_escaped_nul(header, (size_t)header_len);
+  if (nul_at >= 0) {
+    st = LOAD_ERR(GDP_ERR_IO, "header has a NUL (\\u0000) inside a string at byte %ld; names "
+                  "and metadata cannot hold NUL", nul_at);
     goto fail;
   }
   const char *end = NULL;
@@ -592,9 +653,10 @@ static gdp_status check_save_args(const char *path, int64_t count, const char *c
                       (int)gdp_tensor_dtype(tensors[i]));
   }
   for (int64_t i = 0; i < meta_count; i++) {
-    if (!meta_keys[i] || !meta_keys[i][0] || !meta_values[i])
+    /* an empty key is legal (the loader takes it): only NULL is refused */
+    if (!meta_keys[i] || !meta_values[i])
       return SAVE_ERR(GDP_ERR_INVALID_ARG,
-                      "metadata entry %lld needs a non-empty key and a non-NULL value",
+                      "metadata entry %lld needs a non-NULL key and a non-NULL value",
                       (long long)i);
   }
   gdp_status oom;

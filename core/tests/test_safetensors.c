@@ -585,6 +585,7 @@ static void test_truncation(void) {
 static void test_malformed(void) {
   const char *p = tmp_path("bad.safetensors");
   const char *ok = "{\"a\":{\"dtype\":\"F32\",\"shape\":[2,2],\"data_offsets\":[0,16]}}";
+  gdp_st_file *unused_ok = NULL;
 
   EXPECT_FAIL(tmp_path("does_not_exist.safetensors"), GDP_ERR_IO, strerror(ENOENT));
   EXPECT_FAIL(tmpdir, GDP_ERR_IO, "regular file");
@@ -674,14 +675,71 @@ static void test_malformed(void) {
   EXPECT_FAIL(p, GDP_ERR_IO, "");
   free(deep);
 
+  /* The reference reader's layout rules: the tensors tile the data section exactly --
+   * no gap before the first, none between two, no bytes after the last. */
+  write_header(p, "{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[8,16]}}", 16);
+  EXPECT_FAIL(p, GDP_ERR_IO, "gap of 8 bytes before tensor 'a'");
+  write_header(p, "{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
+                  "\"b\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[12,20]}}", 20);
+  EXPECT_FAIL(p, GDP_ERR_IO, "gap of 4 bytes before tensor 'b'");
+  write_header(p, "{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", 9);
+  EXPECT_FAIL(p, GDP_ERR_IO, "1 byte after the last tensor");
+  write_header(p, "{}", 3);
+  EXPECT_FAIL(p, GDP_ERR_IO, "3 bytes after the last tensor");
+  write_header(p, "{\"__metadata__\":{\"k\":\"v\"}}", 0);
+  CHECK_OK(gdp_safetensors_load(ctx, p, &unused_ok));
+  gdp_st_free(unused_ok);
+  unused_ok = NULL;
+
+  /* NUL inside a name or a metadata string (as the JSON escape \u0000) would be cut
+   * short by C strings: an error, not a different name.  An escaped backslash before
+   * "u0000" is text, not a NUL. */
+  write_header(p, "{\"a\\u0000b\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", 8);
+  EXPECT_FAIL(p, GDP_ERR_IO, "NUL");
+  write_header(p, "{\"__metadata__\":{\"k\":\"x\\u0000y\"}}", 0);
+  EXPECT_FAIL(p, GDP_ERR_IO, "NUL");
+  write_header(p, "{\"__metadata__\":{\"k\\U0000\":\"x\"}}", 0);
+  EXPECT_FAIL(p, GDP_ERR_IO, "");
+  write_header(p, "{\"__metadata__\":{\"k\":\"x\\\\u0000y\"}}", 0);
+  CHECK_OK(gdp_safetensors_load(ctx, p, &unused_ok));
+  if (unused_ok) {
+    CHECK(gdp_st_meta_count(unused_ok) == 1 && !strcmp(gdp_st_meta_value(unused_ok, 0), "x\\u0000y"),
+          "escaped backslash: got '%s'", gdp_st_meta_count(unused_ok) ? gdp_st_meta_value(unused_ok, 0) : "");
+    gdp_st_free(unused_ok);
+    unused_ok = NULL;
+  }
+
+  /* What loads saves back: an empty metadata key is legal in the format (the reference
+   * reader takes it), so the loader keeps it and the saver writes it. */
+  write_header(p, "{\"__metadata__\":{\"\":\"empty key\"},"
+                  "\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", 8);
+  CHECK_OK(gdp_safetensors_load(ctx, p, &unused_ok));
+  if (unused_ok) {
+    const char *again = tmp_path("again.safetensors");
+    const char *key = gdp_st_meta_key(unused_ok, 0), *val = gdp_st_meta_value(unused_ok, 0);
+    const char *nm = gdp_st_name(unused_ok, 0);
+    gdp_tensor *ta = NULL;
+    CHECK_OK(gdp_st_tensor(unused_ok, 0, &ta));
+    const gdp_tensor *tl[1] = {ta};
+    CHECK_OK(gdp_safetensors_save(again, 1, &nm, tl, 1, &key, &val));
+    gdp_st_file *g = NULL;
+    CHECK_OK(gdp_safetensors_load(ctx, again, &g));
+    CHECK(g && gdp_st_meta_count(g) == 1 && !strcmp(gdp_st_meta_key(g, 0), "") &&
+              !strcmp(gdp_st_meta_value(g, 0), "empty key"),
+          "the empty metadata key did not survive a save");
+    gdp_st_free(g);
+    gdp_tensor_free(ta);
+    gdp_st_free(unused_ok);
+    unused_ok = NULL;
+  }
+
   /* Legal oddities: tensors listed out of offset order come back sorted by offset;
-   * a gap between tensors and spare bytes at the end are tolerated; whitespace
-   * padding of several kinds. */
+   * whitespace padding of several kinds. */
   write_header(p,
-               "{\"b\":{\"dtype\":\"I32\",\"shape\":[2],\"data_offsets\":[16,24]},"
+               "{\"b\":{\"dtype\":\"I32\",\"shape\":[2],\"data_offsets\":[8,16]},"
                "\"e\":{\"dtype\":\"F64\",\"shape\":[0,3],\"data_offsets\":[8,8]},"
                "\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}} \n\t ",
-               40);
+               16);
   gdp_st_file *f = NULL;
   CHECK_OK(gdp_safetensors_load(ctx, p, &f));
   if (f) {
@@ -692,7 +750,7 @@ static void test_malformed(void) {
     CHECK_OK(gdp_st_tensor(f, 2, &b));
     int32_t got[2] = {0, 0}, want[2];
     unsigned char filler[8];
-    for (int i = 0; i < 8; i++) filler[i] = (unsigned char)((16 + i) * 37 + 11);
+    for (int i = 0; i < 8; i++) filler[i] = (unsigned char)((8 + i) * 37 + 11);
     memcpy(want, filler, 8);
     if (b) CHECK_OK(gdp_tensor_to_host(b, GDP_DTYPE_I32, got, sizeof got));
     CHECK(memcmp(got, want, 8) == 0, "tensor 'b' read from the wrong offset");

@@ -522,29 +522,55 @@ static void test_transposed_copies(void) {
 }
 
 static void test_conversion_edges(void) {
-  /* float -> int saturates, NaN -> 0, truncation toward zero */
-  const double in[8] = {1e10, -1e10, NAN, INFINITY, -INFINITY, 2.9, -2.9, 1e30};
-  const int32_t want32[8] = {INT32_MAX, INT32_MIN, 0, INT32_MAX, INT32_MIN, 2, -2, INT32_MAX};
-  const int64_t want64[8] = {10000000000LL, -10000000000LL, 0, INT64_MAX, INT64_MIN, 2, -2, INT64_MAX};
-  int64_t s8[1] = {8};
-  gdp_tensor *t = tensor_f64(1, s8, in);
+  /* float -> int truncates toward zero; a value with no integer of the target type
+   * (NaN, +-inf, out of range) is an error naming the conversion and the value */
+  const double ok_in[4] = {2.9, -2.9, 2147483647.9, -2147483648.9};
+  const int32_t ok32[4] = {2, -2, INT32_MAX, INT32_MIN};
+  int64_t s4[1] = {4};
+  gdp_tensor *t = tensor_f64(1, s4, ok_in);
   int32_t g32[8];
   int64_t g64[8];
-  CHECK_OK(gdp_tensor_to_host(t, GDP_DTYPE_I32, g32, sizeof g32));
-  CHECK_OK(gdp_tensor_to_host(t, GDP_DTYPE_I64, g64, sizeof g64));
-  for (int i = 0; i < 8; i++) {
-    CHECK(g32[i] == want32[i], "f64 %g -> i32 = %d, want %d", in[i], g32[i], want32[i]);
-    CHECK(g64[i] == want64[i], "f64 %g -> i64 = %lld, want %lld", in[i], (long long)g64[i],
-          (long long)want64[i]);
+  CHECK_OK(gdp_tensor_to_host(t, GDP_DTYPE_I32, g32, 4 * sizeof *g32));
+  CHECK_OK(gdp_tensor_to_host(t, GDP_DTYPE_I64, g64, 4 * sizeof *g64));
+  for (int i = 0; i < 4; i++) {
+    CHECK(g32[i] == ok32[i], "f64 %.17g -> i32 = %d, want %d", ok_in[i], g32[i], ok32[i]);
+    CHECK(g64[i] == (int64_t)ok32[i], "f64 %.17g -> i64 = %lld", ok_in[i],
+          (long long)g64[i]);
   }
   gdp_tensor_free(t);
+  const struct { double v; int bad32, bad64; const char *text; } edge[] = {
+      {1e10, 1, 0, "10000000000"}, {-1e10, 1, 0, "-10000000000"}, {NAN, 1, 1, "nan"},
+      {INFINITY, 1, 1, "inf"},     {-INFINITY, 1, 1, "-inf"},     {1e30, 1, 1, "1e+30"},
+      {2147483648.0, 1, 0, "2147483648"}, {9223372036854775808.0, 1, 1, "9.2233720368547758e+18"},
+      {-9223372036854775808.0, 1, 0, ""},
+  };
+  for (size_t i = 0; i < sizeof edge / sizeof edge[0]; i++) {
+    const double two[2] = {0.0, edge[i].v};
+    int64_t s2[1] = {2};
+    t = tensor_f64(1, s2, two);
+    gdp_status s = gdp_tensor_to_host(t, GDP_DTYPE_I32, g32, 2 * sizeof *g32);
+    if (edge[i].bad32) {
+      CHECK_ERR(s, GDP_ERR_INVALID_ARG, "converting a f64 tensor of shape [2] to i32: element 2");
+      if (edge[i].text[0])
+        CHECK(strstr(gdp_last_error(), edge[i].text) != NULL, "message lacks %s: %s", edge[i].text,
+              gdp_last_error());
+    } else {
+      CHECK_OK(s);
+    }
+    s = gdp_tensor_to_host(t, GDP_DTYPE_I64, g64, 2 * sizeof *g64);
+    if (edge[i].bad64)
+      CHECK_ERR(s, GDP_ERR_INVALID_ARG, "to i64: element 2");
+    else
+      CHECK_OK(s);
+    gdp_tensor_free(t);
+  }
 
   /* int64 -> narrower types: saturation, and rounding done once */
   const int64_t big[5] = {INT64_MAX, INT64_MIN, (1LL << 53) + 1, (1LL << 40) + (1LL << 32) + 1,
                           (1LL << 40) + (1LL << 32)};
   CHECK_OK(gdp_tensor_from_host(ctx, GDP_DTYPE_I64, 1, (int64_t[]){5}, GDP_DTYPE_I64, big, sizeof big, &t));
-  CHECK_OK(gdp_tensor_to_host(t, GDP_DTYPE_I32, g32, 5 * 4));
-  CHECK(g32[0] == INT32_MAX && g32[1] == INT32_MIN && g32[2] == INT32_MAX, "i64 -> i32 saturates");
+  CHECK_ERR(gdp_tensor_to_host(t, GDP_DTYPE_I32, g32, 5 * 4), GDP_ERR_INVALID_ARG,
+            "element 1 (row-major, counting from 1) is 9223372036854775807");
   double gd[5];
   CHECK_OK(gdp_tensor_to_host(t, GDP_DTYPE_F64, gd, sizeof gd));
   CHECK(gd[2] == 9007199254740992.0, "2^53+1 -> f64 ties to even: %.17g", gd[2]);
@@ -699,12 +725,14 @@ static void test_get_set_fill(void) {
   gdp_tensor_free(tt);
   gdp_tensor_free(t);
 
-  /* fill of integers saturates */
+  /* a fill of integers with a value they cannot hold is an error, like a conversion */
   CHECK_OK(gdp_tensor_empty(ctx, GDP_DTYPE_I32, 1, (int64_t[]){3}, &t));
-  CHECK_OK(gdp_tensor_fill(t, 1e12));
+  CHECK_ERR(gdp_tensor_fill(t, 1e12), GDP_ERR_INVALID_ARG, "filling a i32 tensor with 1000000000000");
+  CHECK_ERR(gdp_tensor_fill(t, NAN), GDP_ERR_INVALID_ARG, "nan");
+  CHECK_OK(gdp_tensor_fill(t, -2147483648.0));
   int32_t iv[3];
   CHECK_OK(gdp_tensor_to_host(t, GDP_DTYPE_I32, iv, sizeof iv));
-  CHECK(iv[0] == INT32_MAX && iv[2] == INT32_MAX, "fill i32 saturates");
+  CHECK(iv[0] == INT32_MIN && iv[2] == INT32_MIN, "fill i32 with INT32_MIN");
   gdp_tensor_free(t);
 
   /* a large fill (threaded path) on a non-contiguous view */

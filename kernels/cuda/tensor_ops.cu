@@ -42,7 +42,10 @@ __host__ __device__ inline float bf16_to_float(bf16 x) {
 
 /* The conversions below repeat those of the CPU backend (core/src/backend_cpu.c), the
  * oracle, so that device copies match it bit for bit: every narrowing to a float type
- * rounds once to nearest even, and float -> integer saturates with NaN -> 0. */
+ * rounds once to nearest even.  One difference: a value with no integer of the target
+ * type (NaN, +-inf, out of range) is an error on the CPU, checked before the copy; the
+ * device does not check (it would need a reduction before every such copy) and
+ * saturates, NaN -> 0. */
 
 /* float -> bf16: round to nearest even; NaN stays a (quiet) NaN instead of rounding
  * into inf. */

@@ -52,6 +52,9 @@ function M.save(path, tensors, metadata)
     if type(name) ~= "string" or name == "" then
       argerror("save", "tensors: expected non-empty string names, got " .. tostring(name))
     end
+    if name:find("\0", 1, true) then -- C would cut the name short at the NUL
+      argerror("save", string.format("tensors: name %q holds a NUL byte, which names cannot hold", name))
+    end
     tensor.tensor_arg(t, "save", "tensors." .. name)
     names[#names + 1] = name
   end
@@ -91,6 +94,9 @@ function M.save(path, tensors, metadata)
         val = s
       end
       values[i] = tostring(val)
+      if key:find("\0", 1, true) or values[i]:find("\0", 1, true) then
+        argerror("save", string.format("metadata.%s: keys and values cannot hold a NUL byte", key))
+      end
     end
   end
   local mcount = #keys

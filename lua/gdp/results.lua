@@ -15,11 +15,41 @@
 -- flag, gdp_build_info(), the devices, the tuning (gdp.set_tuning: its default and each
 -- default context's, at the start and, under tuning_end, at the finish when it changed),
 -- selected environment variables, and start and end times (nccl-tests' JSON idea).
+--
+-- Where runs go: the repository's experiments/runs/ wherever the script is started
+-- from (GDP_ROOT, which ./gdp exports, else the checkout this file lies in); the
+-- environment variable GDP_RUNS_DIR overrides it, and new_run's opts.root overrides
+-- both.  run:finish() prints where the run went (on stderr: stdout stays the tool's).
+--
+-- Every meta.json has a status: "ok", or "failed" with a reason.  new_run writes
+-- "failed" ("did not finish") at once, so a script that dies before run:finish()
+-- leaves an honest record; finish() sets "ok", or "failed" when extra.status is not
+-- "ok" (reason: extra.reason or extra.error) or extra.exit_code is not 0.
 local util = require("gdp.util")
 
 local M = {}
 
-M.root = os.getenv("GDP_RUNS_DIR") or "experiments/runs"
+local function absolute(path)
+  if path:sub(1, 1) == "/" then return path end
+  local cwd = os.getenv("PWD") or util.capture("pwd")
+  if not cwd or cwd == "" then return path end
+  return cwd .. "/" .. (path:gsub("^%./", ""))
+end
+
+local function default_root()
+  local env = os.getenv("GDP_RUNS_DIR")
+  if env and env ~= "" then return env end
+  local repo = os.getenv("GDP_ROOT")
+  if not repo or repo == "" then
+    local src = debug.getinfo(1, "S").source
+    repo = src:sub(1, 1) == "@" and src:sub(2):match("^(.*)/lua/gdp/[^/]+$") or nil
+    if not repo and src:match("^@lua/gdp/") then repo = "." end
+  end
+  if not repo or repo == "" then return "experiments/runs" end
+  return absolute(repo) .. "/experiments/runs"
+end
+
+M.root = default_root()
 
 local function rank()
   return tonumber(os.getenv("OMPI_COMM_WORLD_RANK") or os.getenv("PMI_RANK") or "0") or 0
@@ -238,8 +268,22 @@ function Run:finish(extra)
       self.meta.gdp.tuning_end = now
     end
   end
-  for k, v in pairs(extra or {}) do self.meta[k] = v end
+  extra = extra or {}
+  for k, v in pairs(extra) do self.meta[k] = v end
+  if extra.status ~= nil and extra.status ~= "ok" then
+    self.meta.status = "failed"
+    self.meta.reason = tostring(extra.reason or extra.error or ("status " .. tostring(extra.status)))
+  elseif extra.exit_code ~= nil and extra.exit_code ~= 0 then
+    self.meta.status = "failed"
+    self.meta.reason = tostring(extra.reason or ("exit code " .. tostring(extra.exit_code)))
+  else
+    self.meta.status = "ok"
+    self.meta.reason = nil
+  end
   self:write_meta()
+  io.stderr:write(string.format("%s: run %s, saved in %s\n", self.study,
+                                self.meta.status == "ok" and "ok" or ("failed (" .. self.meta.reason .. ")"),
+                                self.dir))
 end
 
 -- opts: config, seed, args (the script's arg table), root (default experiments/runs),
@@ -274,6 +318,8 @@ function M.new_run(study, opts)
     host = util.capture("hostname"),
     luajit = jit and jit.version or _VERSION,
     start_time = utc_now(),
+    status = "failed", -- until finish() says otherwise
+    reason = "did not finish (the script stopped before run:finish)",
   }
   for k, v in pairs(opts.extra or {}) do run.meta[k] = v end
   run:write_meta()
