@@ -732,7 +732,6 @@ elseif #rows > 0 then
   end
 end
 for _, f in ipairs(failures) do say("# error: %s", f) end
-if run then say("# run folder: %s", run.dir) end
 
 if opts.record ~= "" then
   if not opts.record:match("^[%w%-_.]+$") then

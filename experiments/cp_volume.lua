@@ -156,5 +156,6 @@ run:plot({ x = "T", y = { "headwise_fwd_recv_bytes", "headwise_bwd_recv_bytes", 
                           "chunkwise_bwd_recv_bytes", "chunkwise_design_bytes" },
            csv = "largest_cp.csv", logx = true, logy = true, xlabel = "sequence length T (tokens)",
            ylabel = "bytes received per rank per layer", title = "cp_volume at cp = " .. largest })
-run:finish({ mismatches = mismatches })
+run:finish({ mismatches = mismatches, status = mismatches == 0 and "ok" or "failed",
+             reason = mismatches > 0 and (mismatches .. " volumes differ from the formula") or nil })
 os.exit(mismatches == 0 and 0 or 1, true)

@@ -171,7 +171,10 @@ sweep.plot(run, {
 local failures, inaccurate = summary.error, 0
 for _, r in ipairs(rows) do if r.within_tol == "no" then inaccurate = inaccurate + 1 end end
 run:finish({ configs = summary.total, ok = summary.ok, errors = summary.error, skipped = summary.skipped,
-             resumed = summary.resumed, inaccurate = inaccurate })
+             resumed = summary.resumed, inaccurate = inaccurate,
+             status = (failures == 0 and inaccurate == 0) and "ok" or "failed",
+             reason = (failures > 0 or inaccurate > 0) and
+               string.format("%d configs failed, %d outside the tolerance", failures, inaccurate) or nil })
 
 print(string.format("# householder_sweep: gdp %s on %s, B=%d T=%d H=%d K=%d V=%d, %s, %d threads, " ..
                     "median of %d; errors vs float64 recurrence at T=%d H=%d",
