@@ -112,6 +112,11 @@ if not ctx_ok then
   os.exit(2)
 end
 
+-- Every run is recorded like the other studies' (experiments/runs/check_reference/...):
+-- meta.json (the options, status) and results.csv, one row per checked tensor.
+local run = require("gdp.results").new_run("check_reference", { config = opts, args = arg })
+local csv = run:csv({ "file", "kind", "tensor", "rel_err", "tol", "status", "note" })
+
 print(string.format("# gdp %s, device %s, dtype %s, algorithm %s, tolerance %.0e",
                     gdp.version, opts.device, opts.dtype, opts.algorithm, tol))
 
@@ -141,4 +146,10 @@ end
 
 print(util.format_table({ "file", "kind", "tensor", "rel_err", "tol", "status", "note" }, table_rows, "%.2e"))
 print(string.format("# %d checked, %d failed, %d skipped", checked, failures, skipped))
+for _, r in ipairs(table_rows) do
+  csv:row({ file = r[1], kind = r[2], tensor = r[3], rel_err = r[4], tol = r[5], status = r[6], note = r[7] })
+end
+run:finish({ checked = checked, failed = failures, skipped = skipped,
+             status = failures == 0 and "ok" or "failed",
+             reason = failures > 0 and (failures .. " tensors out of tolerance or errors") or nil })
 os.exit(failures > 0 and 1 or 0)

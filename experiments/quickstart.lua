@@ -148,6 +148,21 @@ print(string.format("# timing, B=%d T=%d H=%d K=%d V=%d n=%d (median of %d; GFLO
                     config.B, config.T, config.H, config.K, config.V, config.n, config["repeat"]))
 print(util.format_table({ "device", "dtype", "pass", "time_ms", "GFLOP/s", "tokens/s" }, timing, "%.4g"))
 
+-- The run folder, as every study writes one (experiments/runs/quickstart/...): the
+-- checks and the timings as CSV, meta.json with the configuration and the status.
+local run = require("gdp.results").new_run("quickstart", { config = config, args = arg })
+local checks = run:csv({ "problem", "device", "dtype", "tensor", "rel_err", "tol", "result" })
+for _, r in ipairs(rows) do
+  checks:row({ problem = r[1], device = r[2], dtype = r[3], tensor = r[4], rel_err = r[5], tol = r[6],
+               result = r[7] })
+end
+local times = run:csv({ "device", "dtype", "pass", "time_ms", "gflops", "tokens_per_s" }, "timing.csv")
+for _, r in ipairs(timing) do
+  times:row({ device = r[1], dtype = r[2], pass = r[3], time_ms = r[4], gflops = r[5], tokens_per_s = r[6] })
+end
+run:finish({ failures = failures, status = failures == 0 and "ok" or "failed",
+             reason = failures > 0 and (failures .. " checks out of tolerance") or nil })
+
 print()
 if failures == 0 then
   print("# PASS: every output and gradient is within tolerance")
