@@ -517,7 +517,7 @@ static void ck_backward_chunk(const ck_dims *d, const gdp_delta_product_backward
    * precisions: a token's dg is their reverse cumulative sum, in which terms much larger
    * than the result cancel (e^(Gl-G_r) k_r.Z_r enters at r and again at the chunk's end,
    * dS.S0 at the end), and in float32 that cost dg up to ~1e-3 of its size on heads
-   * whose dg is small (the f32 mixer golden cases' grad.A_log, session 10). */
+   * whose dg is small, e.g. the f32 mixer golden cases' grad.A_log. */
   double *dGc = w->dGc;
   real *dS = w->BV + (C + d->mmax) * V;
   real *dO = dS - m * V, *dR = dO - c * V;
