@@ -10,28 +10,20 @@ local nn = require("gdp.nn")
 local cp = require("gdp.cp")
 local shard = cp.shard
 local H = gdp_test
+local cp_cases = require("cp_cases")
 
 local group = gdp.comm.world()
 local P, RANK = group:size(), group:rank()
+local cumsum = cp_cases.cumsum
+local function expect_rows(rows, tol, label)
+  assert.is_true(cp_cases.agree_rows(group, rows, tol, label, H.seed))
+end
+local function boundary_lengths(Lc) return cp_cases.boundary_lengths(P, Lc) end
+local function describe_case(c) return cp_cases.describe_case(c, "f32") end
 local TOL = { f32 = 1e-4, bf16 = 1e-2 }
 if P > 1 then gdp.device("cpu"):set_num_threads(1) end
 
-local function cumsum(lengths)
-  local cu = { 0 }
-  for _, l in ipairs(lengths) do cu[#cu + 1] = cu[#cu] + l end
-  return cu
-end
 
-local function expect_rows(rows, tol, label)
-  local bad = {}
-  for _, r in ipairs(rows) do
-    if not (r.err <= tol) then bad[#bad + 1] = string.format("%s %.3e", r.name, r.err) end
-  end
-  local ok = #bad == 0
-  group:check(ok, string.format("%s: rank %d: %s > %.0e (seed %d)", label, RANK,
-                                table.concat(bad, ", "), tol, H.seed))
-  assert.is_true(ok)
-end
 
 local function layer_rows(mode, c)
   local dtype = c.dtype or "f32"
@@ -67,28 +59,7 @@ local function layer_rows(mode, c)
   return rows
 end
 
-local function describe_case(c)
-  local parts = { c.dtype or "f32", "M=" .. (c.M or 2), "ng=" .. (c.ng or 1) }
-  if c.P then parts[#parts + 1] = string.format("K=%d V=%d", c.N or 4, c.P) end
-  if c.D then parts[#parts + 1] = "D " .. c.D end
-  if c.lengths then parts[#parts + 1] = "lengths [" .. table.concat(c.lengths, ",") .. "]"
-  else parts[#parts + 1] = string.format("T %d x B %d", c.T, c.B or 2) end
-  if c.layout then parts[#parts + 1] = c.layout end
-  return table.concat(parts, ", ")
-end
 
--- Sequences that start and end exactly on rank boundaries, one that crosses them, and
--- empty ones (local length Lc).
-local function boundary_lengths(Lc)
-  local out = { Lc, 0 }
-  if P >= 2 then
-    out[#out + 1] = Lc - 2
-    out[#out + 1] = 2
-  end
-  if P >= 3 then out[#out + 1] = Lc * (P - 2) end
-  out[#out + 1] = 0
-  return out
-end
 
 describe("nn.GatedDeltaProduct on cuda, cp_mode = \"chunkwise\", equals cp = 1 #gpu #mpi", function()
   local cases = {

@@ -11,34 +11,24 @@ local nn = require("gdp.nn")
 local cp = require("gdp.cp")
 local shard = cp.shard
 local H = gdp_test
+local cp_cases = require("cp_cases")
 
 local group = gdp.comm.world()
 local P, RANK = group:size(), group:rank()
+local cumsum = cp_cases.cumsum
+local function expect_rows(rows, tol, label)
+  assert.is_true(cp_cases.agree_rows(group, rows, tol, label, H.seed))
+end
+local function boundary_lengths(Lc) return cp_cases.boundary_lengths(P, Lc) end
+local function describe_case(c) return cp_cases.describe_case(c, "f64") end
 local TOL = { f64 = 1e-10, f32 = 1e-4 }
 -- Several ranks share few cores (CI: 4 ranks on 2): one thread per rank, or BLAS and
 -- OpenMP threads oversubscribe the cores and every collective waits (7x slower).
 if P > 1 then gdp.device("cpu"):set_num_threads(1) end
 
-local function cumsum(lengths)
-  local cu = { 0 }
-  for _, l in ipairs(lengths) do cu[#cu + 1] = cu[#cu] + l end
-  return cu
-end
 
 local function rel(a, b) return H.rel_error(a, b) end
 
--- Every rank checks its rows; the group agrees on the verdict (an error on all ranks
--- when any rank has a row above tol, naming the rows).
-local function expect_rows(rows, tol, label)
-  local bad = {}
-  for _, r in ipairs(rows) do
-    if not (r.err <= tol) then bad[#bad + 1] = string.format("%s %.3e", r.name, r.err) end
-  end
-  local ok = #bad == 0
-  group:check(ok, string.format("%s: rank %d: %s > %.0e (seed %d)", label, RANK,
-                                table.concat(bad, ", "), tol, H.seed))
-  assert.is_true(ok)
-end
 
 -- Runs fn on every rank, expects an error on every rank whose text has all needles,
 -- then checks that the group still works.
@@ -98,16 +88,6 @@ local function layer_rows(mode, c)
   return rows
 end
 
-local function describe_case(c)
-  local parts = { c.dtype or "f64", "M=" .. (c.M or 2), "ng=" .. (c.ng or 1) }
-  if c.D then parts[#parts + 1] = "D " .. c.D end
-  if c.lengths then parts[#parts + 1] = "lengths [" .. table.concat(c.lengths, ",") .. "]"
-  else parts[#parts + 1] = string.format("T %d x B %d", c.T, c.B or 2) end
-  if c.layout then parts[#parts + 1] = c.layout end
-  if c.conv_bias == false then parts[#parts + 1] = "no conv bias" end
-  if c.neg then parts[#parts + 1] = "negative eigenvalues" end
-  return table.concat(parts, ", ")
-end
 
 -- Random packings: n sequences (some empty) cutting T tokens at random points.
 local function random_lengths(T, n, multiple)
@@ -124,18 +104,6 @@ local function random_lengths(T, n, multiple)
   return lengths
 end
 
--- Sequences that start and end exactly on rank boundaries, one that crosses them, and
--- empty ones (local length Lc).
-local function boundary_lengths(Lc)
-  local out = { Lc, 0 }
-  if P >= 2 then
-    out[#out + 1] = Lc - 2
-    out[#out + 1] = 2
-  end
-  if P >= 3 then out[#out + 1] = Lc * (P - 2) end
-  out[#out + 1] = 0
-  return out
-end
 
 describe("cp metadata and sharding #mpi", function()
   it("packed_sequence_cp_metadata reproduces docs/design.md's example (lengths [5,4,7], cp 4)", function()
