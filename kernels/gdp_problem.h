@@ -19,7 +19,9 @@
  *
  * dtype: the dtype of q, k, v, g, beta, o and of their gradients.  CPU kernels take
  * GDP_DTYPE_F64 or GDP_DTYPE_F32; CUDA kernels GDP_DTYPE_F32 or GDP_DTYPE_BF16 (float32
- * accumulation).  States h0, ht, dh0, dht are float64 when dtype is F64, else float32.
+ * accumulation).  gate_f32 (CUDA, dtype BF16 only): g and dg are float32 instead, as fla
+ * and Megatron keep the gate.  States h0, ht, dh0, dht are float64 when dtype is F64,
+ * else float32.
  */
 #ifndef GDP_KERNELS_PROBLEM_H
 #define GDP_KERNELS_PROBLEM_H
@@ -41,6 +43,7 @@ typedef struct gdp_delta_product_problem {
   int l2norm_in_kernel;      /* 1: q, k raw, the kernel normalises (eps 1e-6) */
   int value_block;           /* CUDA fast path's value-block width: 0 = its own choice, or 16,
                               * 32, 64 (a tuning knob: the context's or the call's, never bits) */
+  int gate_f32;              /* 1: g and dg float32 beside BF16 token buffers (see above) */
 } gdp_delta_product_problem;
 
 /* Buffers of one dtype (the compute dtype: double or float), given as void*. */

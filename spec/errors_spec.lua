@@ -111,7 +111,10 @@ describe("operator argument errors", function()
     expect_op_error(with({ k = args.k:float() }), "GDP_ERR_DTYPE", "k: expected dtype f64", "got f32")
     expect_op_error(with({ q = args.q:to("i32") }), "GDP_ERR_DTYPE", "q: expected dtype f64, f32 or bf16, got i32")
     expect_op_error(with({ initial_state = args.initial_state:bf16() }), "GDP_ERR_DTYPE", "h0", "got bf16")
-    expect_op_error(with({ g = args.g:float() }), "GDP_ERR_DTYPE", "g: expected dtype f64", "got f32")
+    expect_op_error(with({ g = args.g:float() }), "GDP_ERR_DTYPE", "g: expected dtype f64 (q's), got f32")
+    -- beside bf16 tokens g may be f32 (the bf16 mixer's gate), nothing else
+    local b = with({ q = args.q:bf16(), k = args.k:bf16(), v = args.v:bf16(), beta = args.beta:bf16() })
+    expect_op_error(b, "GDP_ERR_DTYPE", "g: expected dtype bf16 (q's) or f32, got f64")
   end)
 
   it("bad options", function()

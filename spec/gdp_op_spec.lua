@@ -28,14 +28,16 @@ for _, dev in ipairs(H.DEVICES) do
           if not H.need_device(device) then return end
           H.reseed(case.salt)
           local args = cases.gdp_inputs(case)
-          local ref = cases.gdp_oracle(args, dtype)
+          local gate_dtype = cases.gate_dtype(case, dtype)
+          local ref = cases.gdp_oracle(args, dtype, gate_dtype)
           assert.is_true(ref.o:norm() > 0 and ref.grads.dk:norm() > 0, "the oracle's results are zero")
           local tol = TOL[dtype]
           local plain = {}
           for i, run in ipairs(runs) do
             local what = names[i] .. ": "
-            local o, ht, grads, bytes = cases.gdp_run(args, dtype, device, run)
+            local o, ht, grads, bytes = cases.gdp_run(args, dtype, device, run, gate_dtype)
             assert.are.equal(dtype, o:dtype(), what .. "o's dtype")
+            if grads.dg then assert.are.equal(gate_dtype, grads.dg:dtype(), what .. "dg's dtype") end
             assert.truthy(o:device():find("^" .. device), what .. "o on " .. o:device())
             assert.tensor_near(o, ref.o, tol, what .. "o")
             assert.tensor_near(ht, ref.ht, tol, what .. "ht")

@@ -10,13 +10,13 @@ local gdp = require("gdp")
 local nn = require("gdp.nn")
 local H = gdp_test
 
--- bf16: the layer is held to 5e-2, not the operator's 1e-2.  Measured on the H200
--- (2026-12-02) against the float64 layer: out <= 1e-2, but gradients up to 2.9e-2
--- (grad.x, T = 33, M = 1), 2.2e-2 (dt_bias), 3.5e-2 (A_log, golden mixer_m3): every
--- intermediate gradient is stored in bf16 between the stages, g reaches the operator
--- in bf16, and the parameter gradients are sums over all tokens that cancel.  Meeting
--- 1e-2 (g and the gate gradients in float32, as fla and Megatron keep them) is open work.
-local TOL = { f32 = 1e-4, bf16 = 5e-2 }
+-- bf16: the layer is held to 2e-2, not the operator's 1e-2.  g reaches the operator
+-- and dg comes back in float32 (as fla and Megatron keep them); measured on the H200
+-- (2026-12-02) against the float64 layer on the rounded inputs, every case here is
+-- within 1e-2 but grad.x at T = 33, M = 1 (1.08e-2, down from 2.9e-2 with a bf16 gate),
+-- and golden mixer_m3_packed_bias_neg's conv and gate-parameter gradients reach 2.3e-2:
+-- sums over all tokens of bf16-stored intermediate gradients (dq, dk, dv) that cancel.
+local TOL = { f32 = 1e-4, bf16 = 2e-2 }
 
 local function randomize(m, scale)
   for name, t in pairs(m:parameters()) do

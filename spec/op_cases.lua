@@ -71,6 +71,17 @@ M.gdp = {
     cu_seqlens = { 0, 20, 20, 50 }, dtypes = { cpu = { "bf16" } } },
   { name = "K=100 V=200 n=1", B = 1, T = 90, H = 2, K = 100, V = 200, n = 1, initial_state = true,
     dtypes = { cpu = { "f32" } } },
+
+  -- g (and so dg) in float32 beside bf16 tokens, as the bf16 mixer hands it over: the
+  -- fast path and the recurrent kernels
+  { name = "f32 gate, fast path K=V=64 n=2, packed", B = 1, T = 150, H = 2, K = 64, V = 64, n = 2,
+    gate_f32 = true, initial_state = true, cu_seqlens = { 0, 40, 40, 150 },
+    dtypes = { cpu = { "bf16" }, cuda = { "bf16" } } },
+  { name = "f32 gate, fast path K=V=128 n=3", B = 2, T = 70, H = 2, K = 128, V = 128, n = 3,
+    gate_f32 = true, dtypes = { cpu = { "bf16" }, cuda = { "bf16" } } },
+  { name = "f32 gate, K=32 n=4 (recurrent on cuda)", B = 1, T = 60, H = 2, K = 32, V = 32, n = 4,
+    gate_f32 = true, beta_max = 2, cu_seqlens = { 0, 25, 60 },
+    dtypes = { cpu = { "bf16" }, cuda = { "bf16" } } },
 }
 
 -- Each case's seed salt is its place in the table.
@@ -79,6 +90,12 @@ for i, case in ipairs(M.gdp) do case.salt = 1000 + i end
 function M.label(case)
   return string.format("%s [B=%d T=%d H=%d K=%d V=%d n=%d]", case.name, case.B, case.T, case.H,
                        case.K, case.V, case.n)
+end
+
+-- The dtype g (and dg) take in a run of `dtype`: float32 beside bf16 tokens where the
+-- case says gate_f32, else the tokens' dtype.
+function M.gate_dtype(case, dtype)
+  return (case.gate_f32 and dtype == "bf16") and "f32" or dtype
 end
 
 function M.dtypes(case, device)
@@ -141,18 +158,21 @@ end
 -- gradients.  Rounding first keeps the comparison about the kernels: dg is
 -- ill-conditioned under bf16 input rounding on some draws, so against the unrounded
 -- inputs a correct bf16 kernel can sit just over 1e-2.
-function M.gdp_oracle(args, dtype)
-  local ref = ops.convert_inputs(ops.convert_inputs(args, dtype, "cpu"), "f64", "cpu")
+function M.gdp_oracle(args, dtype, gate_dtype)
+  local rounded = ops.convert_inputs(args, dtype, "cpu")
+  if rounded.g and gate_dtype then rounded.g = args.g:to({ dtype = gate_dtype }) end
+  local ref = ops.convert_inputs(rounded, "f64", "cpu")
   ref.algorithm = "recurrent"
   local o, ht = ops.chunk_gated_delta_product(ref)
   return { o = o, ht = ht, grads = ops.chunk_gated_delta_product_backward(ref) }
 end
 
--- Runs the forward and the backward of `args` (float64 cpu inputs) in `dtype` on
--- `device` as `run` says; returns o, ht, grads and the saved block's size (nil when not
--- saving).
-function M.gdp_run(args, dtype, device, run)
+-- Runs the forward and the backward of `args` (float64 cpu inputs) in `dtype` (g in
+-- `gate_dtype`, default the same) on `device` as `run` says; returns o, ht, grads and
+-- the saved block's size (nil when not saving).
+function M.gdp_run(args, dtype, device, run, gate_dtype)
   local a = ops.convert_inputs(args, dtype, device)
+  if a.g and gate_dtype then a.g = args.g:to({ dtype = gate_dtype, device = device }) end
   a.algorithm, a.chunk_size = run.algorithm, run.chunk_size
   local o, ht, saved, bytes
   if run.save then

@@ -58,8 +58,10 @@ size_t gdp_delta_product_options_layout(size_t offsets[8]) {
 /* Everything the two entry points derive from their arguments. */
 typedef struct gdp_op_plan {
   int64_t B, T, H, K, V, n, N;
-  gdp_dtype in_dtype;    /* dtype of q, k, v, g, beta (and of their gradients) */
+  gdp_dtype in_dtype;    /* dtype of q, k, v, beta (and of their gradients) */
+  gdp_dtype gate_dtype;  /* dtype of g and dg: in_dtype, or f32 beside bf16 tokens */
   gdp_dtype compute;     /* dtype of the buffers handed to the backend */
+  gdp_dtype gate_compute; /* dtype of the g and dg buffers handed to the backend */
   gdp_dtype state_out;   /* dtype of ht / dh0 returned to the caller */
   int on_cpu;
   int l2norm;            /* opts->use_qk_l2norm */
@@ -208,12 +210,20 @@ static gdp_status plan_make(const char *func, gdp_ctx *ctx, const gdp_delta_prod
   if (d_o) GDP_TRY(check_device(func, "d_o", ctx, d_o));
   if (dht) GDP_TRY(check_device(func, "dht", ctx, dht));
 
-  /* Dtypes: the token inputs share one of f64/f32/bf16; states are f32/f64. */
+  /* Dtypes: the token inputs share one of f64/f32/bf16, except that g may be f32 beside
+   * bf16 ones (as fla and Megatron keep the gate: its gradient is then f32 too, and the
+   * sums over tokens that make the gate parameters' gradients keep their precision);
+   * states are f32/f64. */
   if (!is_token_dtype(q->dtype))
     return GDP_ERROR_IN(func, GDP_ERR_DTYPE, "q: expected dtype f64, f32 or bf16, got %s",
                         gdp_dtype_name(q->dtype));
+  const int gate_f32 = g && q->dtype == GDP_DTYPE_BF16 && g->dtype == GDP_DTYPE_F32;
+  if (g && !gate_f32 && g->dtype != q->dtype)
+    return GDP_ERROR_IN(func, GDP_ERR_DTYPE,
+                        "g: expected dtype %s (q's)%s, got %s", gdp_dtype_name(q->dtype),
+                        q->dtype == GDP_DTYPE_BF16 ? " or f32" : "", gdp_dtype_name(g->dtype));
   const struct { const char *name; const gdp_tensor *t; } same[] = {
-      {"k", k}, {"v", v}, {"beta", beta}, {"g", g}};
+      {"k", k}, {"v", v}, {"beta", beta}};
   for (size_t i = 0; i < sizeof same / sizeof same[0]; i++)
     if (same[i].t && same[i].t->dtype != q->dtype)
       return GDP_ERROR_IN(func, GDP_ERR_DTYPE,
@@ -278,6 +288,8 @@ static gdp_status plan_make(const char *func, gdp_ctx *ctx, const gdp_delta_prod
                         : GDP_DTYPE_F32;
   else
     plan->compute = q->dtype;
+  plan->gate_dtype = gate_f32 ? GDP_DTYPE_F32 : q->dtype;
+  plan->gate_compute = gate_f32 && plan->compute == GDP_DTYPE_BF16 ? GDP_DTYPE_F32 : plan->compute;
   plan->state_out = q->dtype == GDP_DTYPE_F64 ? GDP_DTYPE_F64 : GDP_DTYPE_F32;
   plan->l2norm = opts->use_qk_l2norm != 0;
   plan->l2norm_here = plan->l2norm && plan->on_cpu;
@@ -298,6 +310,7 @@ static gdp_status plan_make(const char *func, gdp_ctx *ctx, const gdp_delta_prod
   p->chunk_size = opts->chunk_size; /* 0: the backend resolves its own */
   p->num_threads = gdp_ctx_num_threads(ctx);
   p->dtype = plan->compute;
+  p->gate_f32 = plan->gate_compute != plan->compute;
   p->algorithm = opts->algorithm;
   p->l2norm_in_kernel = plan->l2norm && !plan->l2norm_here;
   p->value_block = opts->value_block != 0 ? opts->value_block : ctx->tuning.value_block;
@@ -374,7 +387,7 @@ static gdp_status inputs_make(gdp_ctx *ctx, const gdp_op_plan *plan, const gdp_t
   if ((s = as_compute(ctx, q, plan->compute, &in->qc)) != GDP_OK) goto fail;
   if ((s = as_compute(ctx, k, plan->compute, &in->kc)) != GDP_OK) goto fail;
   if ((s = as_compute(ctx, v, plan->compute, &in->vc)) != GDP_OK) goto fail;
-  if ((s = as_compute(ctx, g, plan->compute, &in->gc)) != GDP_OK) goto fail;
+  if ((s = as_compute(ctx, g, plan->gate_compute, &in->gc)) != GDP_OK) goto fail;
   if ((s = as_compute(ctx, beta, plan->compute, &in->bc)) != GDP_OK) goto fail;
   if ((s = as_compute(ctx, h0, state_compute(plan), &in->h0c)) != GDP_OK) goto fail;
   if (plan->l2norm_here) {
@@ -400,6 +413,7 @@ struct gdp_delta_product_saved {
   void *data;      /* device block from ctx->backend->alloc; NULL when nothing is kept */
   size_t bytes;
   gdp_dtype dtype; /* q's */
+  gdp_dtype gate_dtype; /* g's */
   gdp_device_type device;
   int device_index;
   int64_t B, T, H, K, V, n, N;
@@ -433,6 +447,7 @@ static gdp_status saved_new(const char *func, gdp_ctx *ctx, const gdp_op_plan *p
   memcpy(cu, plan->cu, (size_t)(plan->N + 1) * sizeof(int64_t));
   sv->ctx = gdp_ctx_retain(ctx);
   sv->dtype = plan->in_dtype;
+  sv->gate_dtype = plan->gate_dtype;
   sv->device = ctx->type;
   sv->device_index = ctx->index;
   sv->B = plan->B, sv->T = plan->T, sv->H = plan->H, sv->K = plan->K, sv->V = plan->V;
@@ -460,6 +475,10 @@ static gdp_status saved_check(const char *func, const gdp_delta_product_saved *s
     return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG,
                         "saved: dtype: expected %s (the saved forward's), got %s (this call's)",
                         gdp_dtype_name(sv->dtype), gdp_dtype_name(plan->in_dtype));
+  if (g && sv->gated && sv->gate_dtype != plan->gate_dtype)
+    return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG,
+                        "saved: g's dtype: expected %s (the saved forward's), got %s (this call's)",
+                        gdp_dtype_name(sv->gate_dtype), gdp_dtype_name(plan->gate_dtype));
   if (sv->device != ctx->type || sv->device_index != ctx->index)
     return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG,
                         "saved: device: expected %s:%d (the saved forward's), got %s:%d (this call's)",
@@ -610,7 +629,7 @@ static gdp_status backward_impl(const char *func, gdp_ctx *ctx, const gdp_delta_
   const gdp_tensor *like[6] = {q, k, v, beta, g, h0};
   for (int i = 0; i < 6; i++) {
     if (!like[i]) continue;
-    const gdp_dtype dt = i == 5 ? state_compute(&plan) : plan.compute;
+    const gdp_dtype dt = i == 5 ? state_compute(&plan) : i == 4 ? plan.gate_compute : plan.compute;
     if ((s = gdp_tensor_empty(ctx, dt, like[i]->ndim, like[i]->shape, &grads[i])) != GDP_OK)
       goto done;
   }
@@ -637,7 +656,7 @@ static gdp_status backward_impl(const char *func, gdp_ctx *ctx, const gdp_delta_
 
   for (int i = 0; i < 6; i++) {
     if (!grads[i]) continue;
-    const gdp_dtype dt = i == 5 ? plan.state_out : plan.in_dtype;
+    const gdp_dtype dt = i == 5 ? plan.state_out : i == 4 ? plan.gate_dtype : plan.in_dtype;
     if ((s = deliver(ctx, &grads[i], dt, outs[i])) != GDP_OK) goto done;
   }
 

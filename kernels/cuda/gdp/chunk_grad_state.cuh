@@ -120,7 +120,7 @@ __global__ void __launch_bounds__(256, 2) chunk_grad_state_kernel(GdpArgs a, Gra
      * bit-identical to the serial loop over shared memory it replaces (whose other terms
      * were exact zeros), without its 64 dependent shared loads.  Lane t ends with the
      * sum through token t. */
-    const float gt = (gg && lane < ci.ntok) ? __bfloat162float(gg[((int64_t)ci.t0 + lane) * H + h]) : 0.f;
+    const float gt = (gg && lane < ci.ntok) ? load_gate<bf16>(a.g, a.g_f32, ((int64_t)ci.t0 + lane) * H + h) : 0.f;
     float acc = 0.f;
 #pragma unroll
     for (int m = 0; m < TC; m++) {

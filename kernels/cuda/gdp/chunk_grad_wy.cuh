@@ -288,7 +288,7 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) chunk_grad_wy_ke
   cp_async_commit();
   if (tid < C) {
     const bool ok = tid < nv;
-    sGp[tid] = (gg && ok && tid % n == 0) ? __bfloat162float(gg[((int64_t)ci.t0 + tid / n) * H + h]) : 0.f;
+    sGp[tid] = (gg && ok && tid % n == 0) ? load_gate<bf16>(a.g, a.g_f32, ((int64_t)ci.t0 + tid / n) * H + h) : 0.f;
     sBeta[tid] = ok ? __bfloat162float(gbeta[(krow0 + tid) * H + h]) : 0.f;
     sDgc[tid] = go.dgcA[CHi * C + tid];
   }
@@ -746,7 +746,7 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) chunk_grad_wy_ke
       }
       __syncwarp();
       const int t = tid & 31; /* token t of the chunk: step row t n (C / n <= 32) */
-      if (t * n < C && t * n < nv) ((bf16 *)a.dg)[((int64_t)ci.t0 + t) * H + h] = __float2bfloat16(sDgc[t * n]);
+      if (t * n < C && t * n < nv) store_gate_grad<bf16>(a.dg, a.g_f32, ((int64_t)ci.t0 + t) * H + h, sDgc[t * n]);
     }
   }
 }

@@ -662,7 +662,7 @@ __global__ void __launch_bounds__(128, FIVE || C == 32 ? 5 : 4)
     /* gc of key row i = g summed over the tokens <= i/n, token by token from 0.f: the
      * same additions, in the same order, as a row-wise serial sum over the chunk's steps
      * (whose other terms are exact zeros).  Lane t ends with the sum through token t. */
-    const float gt = (gg && lane < ci.ntok) ? __bfloat162float(gg[((int64_t)ci.t0 + lane) * H + h]) : 0.f;
+    const float gt = (gg && lane < ci.ntok) ? load_gate<bf16>(a.g, a.g_f32, ((int64_t)ci.t0 + lane) * H + h) : 0.f;
     float acc = 0.f;
 #pragma unroll
     for (int m = 0; m < TC; m++) {

@@ -24,6 +24,20 @@ template <typename T> __device__ __forceinline__ T from_f(float x);
 template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
 template <> __device__ __forceinline__ bf16 from_f<bf16>(float x) { return __float2bfloat16(x); }
 
+/* g[i] and dg[i] in the gate's dtype: float32 where the problem's gate_f32 is set (beside
+ * bf16 tokens), else the tokens' T. */
+template <class T>
+__device__ __forceinline__ float load_gate(const void *g, int g_f32, int64_t i) {
+  return g_f32 ? ((const float *)g)[i] : to_f(((const T *)g)[i]);
+}
+template <class T>
+__device__ __forceinline__ void store_gate_grad(void *dg, int g_f32, int64_t i, float v) {
+  if (g_f32)
+    ((float *)dg)[i] = v;
+  else
+    ((T *)dg)[i] = from_f<T>(v);
+}
+
 /* ------------------------------------------------------------------ reductions */
 
 __device__ __forceinline__ float warp_sum(float x) {

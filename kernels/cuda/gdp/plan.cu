@@ -160,6 +160,7 @@ GdpArgs bwd_args(const gdp_delta_product_problem *p, const gdp_delta_product_bac
   a.n = (int)p->n;
   a.l2norm = p->l2norm_in_kernel;
   a.scale = (float)p->scale;
+  a.g_f32 = p->gate_f32 && p->dtype == GDP_DTYPE_BF16;
   a.N = (int)p->N;
   return a;
 }
@@ -181,6 +182,7 @@ GdpArgs fwd_args(const gdp_delta_product_problem *p, const gdp_delta_product_for
   a.n = (int)p->n;
   a.l2norm = p->l2norm_in_kernel;
   a.scale = (float)p->scale;
+  a.g_f32 = p->gate_f32 && p->dtype == GDP_DTYPE_BF16;
   a.N = (int)p->N;
   return a;
 }

@@ -76,6 +76,7 @@ struct GdpArgs {
   void *dq, *dk, *dv, *dbeta, *dg;
   float *dh0;
   int H, K, V, n, C, TC, l2norm;
+  int g_f32; /* g and dg float32 beside bf16 tokens (the problem's gate_f32) */
   float scale;
   /* sequences and chunks (device copies) */
   const long long *cu; /* N+1 token offsets */

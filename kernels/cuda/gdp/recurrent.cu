@@ -45,7 +45,7 @@ __global__ __launch_bounds__(128) void rec_fwd_kernel(GdpArgs a) {
   const long long bos = a.cu[s], eos = a.cu[s + 1];
   for (long long t = bos; t < eos; t++) {
     if (g) {
-      const float d = __expf(to_f(g[t * H + h]));
+      const float d = __expf(load_gate<T>(a.g, a.g_f32, t * H + h));
 #pragma unroll
       for (int i = 0; i < RPT; i++)
 #pragma unroll
@@ -210,7 +210,7 @@ __global__ __launch_bounds__(128) void rec_bwd_kernel(GdpArgs a, float *scratch,
   };
   auto decay = [&](float(&M)[RPT][8], long long t) {
     if (!g) return;
-    const float d = __expf(to_f(g[t * H + h]));
+    const float d = __expf(load_gate<T>(a.g, a.g_f32, t * H + h));
 #pragma unroll
     for (int i = 0; i < RPT; i++)
 #pragma unroll
@@ -345,7 +345,7 @@ __global__ void rec_finalize_kernel(GdpArgs a, int64_t T_total, const float *acc
                 nth = (int64_t)gridDim.x * blockDim.x;
   for (int64_t i = tid; i < krows; i += nth) ((T *)a.dbeta)[i] = from_f<T>(acc_db[i]);
   if (a.dg)
-    for (int64_t i = tid; i < qrows; i += nth) ((T *)a.dg)[i] = from_f<T>(acc_dg[i]);
+    for (int64_t i = tid; i < qrows; i += nth) store_gate_grad<T>(a.dg, a.g_f32, i, acc_dg[i]);
 }
 
 template <typename T>

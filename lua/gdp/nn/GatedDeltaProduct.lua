@@ -445,12 +445,13 @@ function GatedDeltaProduct:conv_backward(xBC, dxBC_c, cu_seqlens, halo, weight, 
   return r.dx, r.dhalo
 end
 
--- g [T,B,nh] of the layer's dtype from a [T,B,nh]: computed in A_log's dtype (float32
--- in a bf16 layer, as Megatron's -exp(A_log.float()) * softplus(a.float() + dt_bias)).
+-- g [T,B,nh] in A_log's dtype from a [T,B,nh] (float32 in a bf16 layer, as Megatron's
+-- -exp(A_log.float()) * softplus(a.float() + dt_bias)), and handed to the operator so:
+-- its gradient comes back in float32 too, and the sums over tokens that make the A_log
+-- and dt_bias gradients do not start from bf16-rounded terms.
 function GatedDeltaProduct:decay_forward(a)
   local A_log = self.params["A_log"]
-  local g = F.decay(a:to(A_log:dtype()), A_log, self.params["dt_bias"])
-  return g:to(self.dtype)
+  return F.decay(a:to(A_log:dtype()), A_log, self.params["dt_bias"])
 end
 
 -- Backward of decay_forward for d_g [T,B,nh]: returns da (a's dtype) and accumulates the
