@@ -23,6 +23,7 @@
 #include "backend_impl.h"
 #include "cpu/gdp_cpu.h"
 #include "cpu/mixer_cpu.h"
+#include "cpu/state_tracking_cpu.h"
 #include "philox.h"
 
 enum {
@@ -1030,6 +1031,16 @@ static gdp_status cpu_dskip_backward(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows
   return GDP_OK;
 }
 
+/* ------------------------------------------------------------------ synthetic data */
+
+static gdp_status cpu_state_tracking(gdp_ctx *ctx, const gdp_state_tracking_problem *p,
+                                     int32_t *tokens, int32_t *labels) {
+  gdp_state_tracking_problem q = *p;
+  q.num_threads = ctx->num_threads;
+  gdp_cpu_state_tracking(&q, tokens, labels);
+  return GDP_OK;
+}
+
 /* ------------------------------------------------------------------ capabilities */
 
 static int cpu_supports(gdp_op op, gdp_dtype dtype) {
@@ -1083,5 +1094,6 @@ const gdp_backend gdp_backend_cpu = {
     .gated_rmsnorm_backward = cpu_gated_rmsnorm_backward,
     .dskip_forward = cpu_dskip_forward,
     .dskip_backward = cpu_dskip_backward,
+    .state_tracking = cpu_state_tracking,
     .supports = cpu_supports,
 };
