@@ -479,6 +479,12 @@ gdp_status gdp_mixer_beta_forward(gdp_ctx *ctx, const gdp_tensor *b, double beta
 gdp_status gdp_mixer_beta_backward(gdp_ctx *ctx, const gdp_tensor *b, double beta_scale,
                                    const gdp_tensor *d_beta, gdp_tensor **db);
 
+/* SiLU, elementwise, any shape: out = x * sigmoid(x) (the q/k/v activation of a mixer
+ * without short conv); dx = d_out * s (1 + x (1 - s)), s = sigmoid(x). */
+gdp_status gdp_mixer_silu_forward(gdp_ctx *ctx, const gdp_tensor *x, gdp_tensor **out);
+gdp_status gdp_mixer_silu_backward(gdp_ctx *ctx, const gdp_tensor *x, const gdp_tensor *d_out,
+                                   gdp_tensor **dx);
+
 /* Log decays: g = -exp(A_log[h]) * softplus(a + dt_bias[h]) for a [..., H]; A_log and
  * dt_bias [H] (dt_bias may be NULL: zero).  softplus(x) = x for x > 20, else
  * log1p(exp(x)) (torch's threshold). */

@@ -964,6 +964,20 @@ static gdp_status cpu_beta_backward(gdp_ctx *ctx, gdp_dtype dtype, int64_t n, do
   return GDP_OK;
 }
 
+static gdp_status cpu_silu_forward(gdp_ctx *ctx, gdp_dtype dtype, int64_t n, const void *x,
+                                   void *out) {
+  CPU_FLOAT_DISPATCH(dtype, gdp_cpu_silu_fwd_f64(n, x, out, ctx->num_threads),
+                     gdp_cpu_silu_fwd_f32(n, x, out, ctx->num_threads));
+  return GDP_OK;
+}
+
+static gdp_status cpu_silu_backward(gdp_ctx *ctx, gdp_dtype dtype, int64_t n, const void *x,
+                                    const void *d_out, void *dx) {
+  CPU_FLOAT_DISPATCH(dtype, gdp_cpu_silu_bwd_f64(n, x, d_out, dx, ctx->num_threads),
+                     gdp_cpu_silu_bwd_f32(n, x, d_out, dx, ctx->num_threads));
+  return GDP_OK;
+}
+
 static gdp_status cpu_decay_forward(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows, int64_t H,
                                     const void *a, const void *A_log, const void *dt_bias,
                                     void *g) {
@@ -1088,6 +1102,8 @@ const gdp_backend gdp_backend_cpu = {
     .conv1d_backward = cpu_conv1d_backward,
     .beta_forward = cpu_beta_forward,
     .beta_backward = cpu_beta_backward,
+    .silu_forward = cpu_silu_forward,
+    .silu_backward = cpu_silu_backward,
     .decay_forward = cpu_decay_forward,
     .decay_backward = cpu_decay_backward,
     .gated_rmsnorm_forward = cpu_gated_rmsnorm_forward,

@@ -695,6 +695,20 @@ static gdp_status cuda_beta_backward(gdp_ctx *ctx, gdp_dtype dtype, int64_t n, d
   return op_end(ctx);
 }
 
+static gdp_status cuda_silu_forward(gdp_ctx *ctx, gdp_dtype dtype, int64_t n, const void *x,
+                                    void *out) {
+  GDP_TRY(mixer_begin(ctx, "silu_forward", dtype, n, 1));
+  GDP_TRY(gdp_cuda_silu_fwd((int)dtype, n, x, out, state_of(ctx)->stream));
+  return op_end(ctx);
+}
+
+static gdp_status cuda_silu_backward(gdp_ctx *ctx, gdp_dtype dtype, int64_t n, const void *x,
+                                     const void *d_out, void *dx) {
+  GDP_TRY(mixer_begin(ctx, "silu_backward", dtype, n, 1));
+  GDP_TRY(gdp_cuda_silu_bwd((int)dtype, n, x, d_out, dx, state_of(ctx)->stream));
+  return op_end(ctx);
+}
+
 static gdp_status cuda_decay_forward(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows, int64_t H,
                                      const void *a, const void *A_log, const void *dt_bias,
                                      void *g) {
@@ -870,6 +884,8 @@ const gdp_backend gdp_backend_cuda = {
     .conv1d_backward = cuda_conv1d_backward,
     .beta_forward = cuda_beta_forward,
     .beta_backward = cuda_beta_backward,
+    .silu_forward = cuda_silu_forward,
+    .silu_backward = cuda_silu_backward,
     .decay_forward = cuda_decay_forward,
     .decay_backward = cuda_decay_backward,
     .gated_rmsnorm_forward = cuda_gated_rmsnorm_forward,

@@ -92,6 +92,9 @@ struct gdp_backend {
                              const void *b, void *beta);
   gdp_status (*beta_backward)(gdp_ctx *ctx, gdp_dtype dtype, int64_t n, double scale,
                               const void *b, const void *d_beta, void *db);
+  gdp_status (*silu_forward)(gdp_ctx *ctx, gdp_dtype dtype, int64_t n, const void *x, void *out);
+  gdp_status (*silu_backward)(gdp_ctx *ctx, gdp_dtype dtype, int64_t n, const void *x,
+                              const void *d_out, void *dx);
   gdp_status (*decay_forward)(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows, int64_t H,
                               const void *a, const void *A_log, const void *dt_bias, void *g);
   gdp_status (*decay_backward)(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows, int64_t H,
