@@ -5,8 +5,9 @@
 --                                    [--tasks parity,modular_addition,S3,S4,A5,S5]
 --                                    [--modulus 10] [--repeat 5]
 --
--- Per task: the median wall time of --repeat draws of batch x length tokens and labels
--- (consecutive offsets of one seed, as a training loop draws them; on cuda each draw
+-- Per task: the median wall time of --repeat draws (after five untimed ones) of batch x
+-- length tokens and labels (consecutive offsets of one seed, each draw's tensors freed
+-- before the next, as a training loop draws them; on cuda each draw
 -- ends with a synchronisation, so the figure includes the kernel), and tokens/s =
 -- batch * length / that time.  Writes a run folder (experiments/runs/bench_data/...:
 -- meta.json, results.csv) and prints the table.
@@ -32,15 +33,18 @@ local failed = 0
 for task in tostring(opts.tasks):gmatch("[^,]+") do
   local ok, err = pcall(function()
     local times = {}
-    for r = 1, opts["repeat"] + 1 do -- the first draw warms up (threads, allocator)
+    local warmup = 5 -- threads, and the allocator settling on reusing its pages
+    for r = 1, opts["repeat"] + warmup do
       local t0 = gdp.time()
       local tok, lab = gdp.data.state_tracking{
         task = task, modulus = task == "modular_addition" and opts.modulus or nil,
         batch = opts.batch, length = opts.length, seed = 1, offset = (r - 1) * opts.batch,
         device = opts.device }
       gdp.sync(opts.device)
-      if r > 1 then times[#times + 1] = gdp.time() - t0 end
+      if r > warmup then times[#times + 1] = gdp.time() - t0 end
+      -- the last draw's buffers go back now, as a training loop's do batch after batch
       tok, lab = nil, nil
+      collectgarbage()
     end
     table.sort(times)
     local median = times[math.floor((#times + 1) / 2)]

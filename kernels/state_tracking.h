@@ -76,9 +76,9 @@ GDP_STATE_FN void gdp_state_tracking_row(const gdp_state_tracking_problem *p,
     const int32_t x = gdp_state_tracking_element(words[t & 3], n);
     if (mul) {
       state = mul[state * n + x];
-    } else {
+    } else { /* state, x < n: one conditional subtraction (a select, no branch) */
       state += x;
-      if (state >= n) state -= n;
+      state -= state >= n ? n : 0;
     }
     tokens[t] = x;
     labels[t] = (int32_t)state;
