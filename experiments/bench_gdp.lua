@@ -310,12 +310,7 @@ end
 
 local start_time = os.date("!%Y-%m-%dT%H:%M:%SZ")
 gdp.manual_seed(opts.seed)
-local ctx_ok, ctx = pcall(gdp.device, opts.device)
-if not ctx_ok then -- no GPU, or a CPU-only build: one line, exit 2 (a usage error)
-  local why = tostring(ctx):gsub("^[^\n]-:%d+: ", ""):gsub(" %([%w_/.]+:%d+%)$", "")
-  io.stderr:write("bench_gdp: device ", opts.device, " is not available: ", why, "\n")
-  os.exit(2)
-end
+local ctx = util.device_or_exit("bench_gdp", opts.device)
 if opts.threads > 0 then ctx:set_num_threads(opts.threads) end
 
 local git = results.git_info()

@@ -107,13 +107,7 @@ local function case_kind(path, t, meta)
   return "operator"
 end
 
-local ctx_ok, ctx_err = pcall(gdp.device, opts.device)
-if not ctx_ok then
-  -- the core's message without the Lua position and the C source location
-  local why = tostring(ctx_err):gsub("^[^\n]-:%d+: ", ""):gsub(" %([%w_/.]+:%d+%)$", "")
-  io.stderr:write("check_reference: device ", opts.device, " is not available: ", why, "\n")
-  os.exit(2)
-end
+util.device_or_exit("check_reference", opts.device)
 
 -- Every run is recorded like the other studies' (experiments/runs/check_reference/...):
 -- meta.json (the options, status) and results.csv, one row per checked tensor.

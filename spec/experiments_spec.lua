@@ -203,6 +203,18 @@ describe("experiment scripts", function()
     assert.truthy(csv:find(",ok,", 1, true), csv)
   end)
 
+  it("bench_data prints tokens/s per task and writes its rows", function()
+    local out, rc = sh(string.format("GDP_RUNS_DIR=%s %s 2>/dev/null", runs,
+      lua_cmd("experiments/bench_data.lua", "--batch 8 --length 16 --repeat 1 --tasks S3,parity")))
+    assert.are.equal(0, rc, out)
+    for _, task in ipairs({ "S3", "parity" }) do
+      local rate = tonumber(out:match("\n  " .. task .. "%s+[%d.]+%s+([%d.e+]+)"))
+      assert.truthy(rate and rate > 0, task .. " in\n" .. out)
+    end
+    local csv = read_all(runs .. "/bench_data/" .. util.capture("ls " .. runs .. "/bench_data") .. "/results.csv")
+    assert.truthy(csv:find(",ok,", 1, true), csv)
+  end)
+
   it("check_reference reports every tensor and fails on a tight tolerance", function()
     local files = H.list_files(H.golden_dir, "^gdp_n1_basic%.safetensors$")
     if #files == 0 then pending("no golden fixtures") return end
@@ -228,7 +240,8 @@ describe("the experiment scripts' first-hour errors", function()
 
   it("a CUDA device that is not there is one line and exit 2", function()
     if require("gdp").has_cuda() then return pending("this machine has a GPU") end
-    for _, script in ipairs({ "experiments/bench_gdp.lua", "experiments/check_reference.lua" }) do
+    for _, script in ipairs({ "experiments/bench_gdp.lua", "experiments/check_reference.lua",
+                              "experiments/bench_data.lua" }) do
       local out, rc = sh(lua_cmd(script, "--device cuda"))
       assert.are.equal(2, rc, out)
       assert.truthy(out:find("device cuda is not available", 1, true), out)

@@ -1,4 +1,4 @@
--- The mixer ops' case table (op_cases.lua: conv1d + SiLU, the beta and decay gates,
+-- The mixer ops' case table (op_cases.lua: conv1d + SiLU, SiLU, the beta and decay gates,
 -- gated RMSNorm, the D skip, repeat_heads) on every device: each result in each dtype
 -- against the float64 cpu run of the same case, within ops.TOLERANCE.  A device whose
 -- backend has no mixer kernels yet answers GDP_ERR_UNSUPPORTED: its cases are pending,
@@ -41,6 +41,9 @@ local tiled = {
   { name = "beta x2, 70000 elements",
     inputs = function() return { b = randn({ 7000, 2, 5 }), d = randn({ 7000, 2, 5 }) } end,
     run = function(a) return { beta = F.beta(a.b, 2), db = F.beta_backward(a.b, 2, a.d) } end },
+  { name = "SiLU, 70000 elements",
+    inputs = function() return { x = randn({ 7000, 2, 5 }), d = randn({ 7000, 2, 5 }) } end,
+    run = function(a) return { out = F.silu(a.x), dx = F.silu_backward(a.x, a.d) } end },
   { name = "decay, 600 rows (several chunks of the sums)",
     inputs = function()
       return { a = randn({ 300, 2, 5 }), A_log = uniform({ 5 }, -1, 1), dt_bias = uniform({ 5 }, -1, 1),
@@ -162,5 +165,29 @@ describe("bf16 mixer ops off cuda", function()
     local ok, err = pcall(F.beta, b, 2)
     assert.is_false(ok)
     assert.truthy(tostring(err):find("bf16 mixer kernels: cuda only", 1, true), tostring(err))
+  end)
+end)
+
+describe("nn.functional.silu (f64) against its formula", function()
+  it("forward x / (1 + exp(-x)), backward by central differences, odd shape", function()
+    H.reseed(3600)
+    local x = gdp.randn({ 7, 3, 5 }, { dtype = "f64" }) * 4
+    local d = gdp.randn({ 7, 3, 5 }, { dtype = "f64" })
+    local xs, out = x:flat(), F.silu(x):flat()
+    for i = 1, #xs do
+      local want = xs[i] / (1 + math.exp(-xs[i]))
+      assert.is_true(math.abs(out[i] - want) <= 1e-15 * (1 + math.abs(want)), "silu at " .. i)
+    end
+    local h = 1e-6
+    local fd = (F.silu(x + h) - F.silu(x - h)) * (1 / (2 * h))
+    assert.tensor_near(F.silu_backward(x, d), fd:mul(d), 1e-8, "dx")
+  end)
+  it("checks its arguments", function()
+    local ok, err = pcall(F.silu_backward, gdp.zeros({ 2, 3 }, { dtype = "f64" }), gdp.zeros({ 3, 2 }, { dtype = "f64" }))
+    assert.is_false(ok)
+    assert.is_truthy(tostring(err):find("d_out: expected the shape of x", 1, true), tostring(err))
+    ok, err = pcall(F.silu, gdp.zeros({ 2 }, { dtype = "i32" }))
+    assert.is_false(ok)
+    assert.is_truthy(tostring(err):find("x: expected dtype f64 or f32", 1, true), tostring(err))
   end)
 end)

@@ -87,6 +87,21 @@ describe("nn.GatedDeltaProduct finite differences (f64)", function()
     { label = "M=2, ng=nh=3, W=3, B=2", T = 5, B = 2,
       cfg = { hidden_size = 4, num_heads = 3, head_dim = 2, num_groups = 3, state_dim = 2,
               num_householder = 2, conv_width = 3 } },
+    -- fla's switches (the DeltaProduct state-tracking setup turns all three off)
+    { label = "no conv, no output gate, no forget gate, M=2, neg eigval, B=2", T = 7, B = 2,
+      cfg = { hidden_size = 6, num_heads = 2, head_dim = 3, num_groups = 2, state_dim = 3,
+              num_householder = 2, allow_neg_eigval = true, use_short_conv = false,
+              use_output_gate = false, use_forget_gate = false } },
+    { label = "no conv, M=1, D head, packed", T = 8, B = 1, cu = { 0, 3, 3, 8 },
+      cfg = { hidden_size = 5, num_heads = 2, head_dim = 2, num_groups = 1, state_dim = 3,
+              num_householder = 1, D = "head", use_short_conv = false } },
+    { label = "no output gate, M=3, ng<nh, D channel", T = 6, B = 1,
+      cfg = { hidden_size = 5, num_heads = 4, head_dim = 2, num_groups = 2, state_dim = 2,
+              num_householder = 3, D = "channel", use_output_gate = false } },
+    { label = "no forget gate, M=2, W=3, packed with an empty sequence", T = 7, B = 1,
+      cu = { 0, 4, 4, 7 },
+      cfg = { hidden_size = 4, num_heads = 2, head_dim = 2, num_groups = 2, state_dim = 3,
+              num_householder = 2, conv_width = 3, use_forget_gate = false } },
   }
   for ci, c in ipairs(configs) do
     it(c.label, function()
@@ -119,9 +134,100 @@ describe("nn.GatedDeltaProduct finite differences (f64)", function()
                                       worst, worst_name))
       end
       -- the gradients are not all zero (the check above would pass vacuously)
-      assert.is_true(m:gradients()["A_log"]:norm() > 0 and dx:norm() > 0)
+      local first_gate = m:gradients()["A_log"] or m:gradients()["in_proj.weight"]
+      assert.is_true(first_gate:norm() > 0 and dx:norm() > 0)
     end)
   end
+end)
+
+-- The layer with fla's three switches off, written out with plain float64 host loops
+-- (SiLU, sigmoid, RMSNorm) around matmuls and the operator's float64 recurrence:
+--   out = out_proj(RMSNorm_groups(GDP(q = silu(Q x), k = silu(K x), v = silu(V x),
+--                                     beta = s * sigmoid(b x), g = none)) * norm.weight)
+describe("nn.GatedDeltaProduct without short conv, output gate and forget gate", function()
+  local cfg = { hidden_size = 6, num_heads = 4, head_dim = 3, num_groups = 2, state_dim = 4,
+                num_householder = 2, allow_neg_eigval = true, use_short_conv = false,
+                use_output_gate = false, use_forget_gate = false, dtype = "f64", seed = 11 }
+
+  local function map(t, f)
+    local flat = t:flat()
+    for i = 1, #flat do flat[i] = f(flat[i]) end
+    return gdp.tensor(flat, t:shape(), { dtype = "f64" })
+  end
+  local function sigmoid(v) return 1 / (1 + math.exp(-v)) end
+
+  it("has only the parameters it uses", function()
+    local m = nn.GatedDeltaProduct(cfg)
+    assert.are.same({ "in_proj.weight", "norm.weight", "out_proj.weight" }, m:parameter_names())
+    -- in_proj: V (M d_inner) + K (M ng N) + Q (ng N) + b (M nh), no z, no a
+    assert.are.same({ 2 * 12 + 2 * 2 * 4 + 2 * 4 + 2 * 4, 6 }, m:parameters()["in_proj.weight"]:shape())
+    local g = m:gradients()
+    assert.is_nil(g["conv1d.weight"] or g["A_log"] or g["dt_bias"])
+    local m2 = nn.GatedDeltaProduct{ hidden_size = 6, num_heads = 2, head_dim = 3, state_dim = 4,
+                                     use_short_conv = false, conv_bias = true }
+    assert.are.same({ "in_proj.weight", "dt_bias", "A_log", "norm.weight", "out_proj.weight" },
+                    m2:parameter_names())
+    assert.is_truthy(tostring(m):find("no conv, no output gate, no forget gate", 1, true), tostring(m))
+  end)
+
+  it("computes fla's ungated, ungated-norm, conv-free layer", function()
+    H.reseed(140)
+    local m = nn.GatedDeltaProduct(cfg)
+    for _, t in pairs(m:parameters()) do t:normal_(0, 0.5) end
+    local T, B, nh, P, ng, N, M = 9, 2, 4, 3, 2, 4, 2
+    local x = gdp.randn({ T, B, 6 }, { dtype = "f64" })
+    local zx = gdp.matmul(x:reshape(T * B, 6), m:parameters()["in_proj.weight"], { trans_b = true })
+                  :view(T, B, -1)
+    local V = map(zx:narrow(3, 1, M * nh * P), function(v) return v * sigmoid(v) end):view(T, B, M, nh, P)
+    local K = map(zx:narrow(3, 1 + M * nh * P, M * ng * N), function(v) return v * sigmoid(v) end)
+                :view(T, B, M, ng, N)
+    local Q = map(zx:narrow(3, 1 + M * nh * P + M * ng * N, ng * N), function(v) return v * sigmoid(v) end)
+                :view(T, B, ng, N)
+    local beta = map(zx:narrow(3, 1 + M * nh * P + M * ng * N + ng * N, M * nh),
+                     function(v) return 2 * sigmoid(v) end):view(T, B, M, nh)
+    -- heads h = 2j, 2j+1 read group j
+    local function heads(t4) -- [..., ng, N] -> [..., nh, N]
+      local shape = t4:shape()
+      shape[#shape - 1] = nh
+      local out = gdp.empty(shape, { dtype = "f64" })
+      for h = 1, nh do out:select(#shape - 1, h):copy(t4:select(#shape - 1, math.floor((h - 1) / 2) + 1)) end
+      return out
+    end
+    local o = gdp.ops.chunk_gated_delta_product{
+      q = heads(Q):permute(2, 1, 3, 4):contiguous(),
+      k = heads(K):permute(2, 1, 3, 4, 5):reshape(B, T * M, nh, N),
+      v = V:permute(2, 1, 3, 4, 5):reshape(B, T * M, nh, P),
+      beta = beta:permute(2, 1, 3, 4):reshape(B, T * M, nh),
+      num_householder = M, scale = N ^ -0.5, use_qk_l2norm_in_kernel = true,
+      algorithm = "recurrent" }
+    -- RMSNorm over groups of d_inner / ng = 6 channels, then the weight
+    local y = o:permute(2, 1, 3, 4):reshape(T * B, nh * P):totable()
+    local w = m:parameters()["norm.weight"]:flat()
+    for r = 1, T * B do
+      for g0 = 0, nh * P - 1, 6 do
+        local ss = 0
+        for c = 1, 6 do ss = ss + y[r][g0 + c] ^ 2 end
+        local rstd = 1 / math.sqrt(ss / 6 + 1e-5)
+        for c = 1, 6 do y[r][g0 + c] = y[r][g0 + c] * rstd * w[g0 + c] end
+      end
+    end
+    local ref = gdp.matmul(gdp.tensor(y, { dtype = "f64" }), m:parameters()["out_proj.weight"],
+                           { trans_b = true }):view(T, B, 6)
+    assert.tensor_near(m:forward(x), ref, 1e-12, "out")
+  end)
+
+  it("refuses context parallelism and non-boolean switches", function()
+    local ok, err = pcall(nn.GatedDeltaProduct, { hidden_size = 4, num_heads = 2, head_dim = 2,
+                                                 state_dim = 2, use_output_gate = "no" })
+    assert.is_false(ok)
+    assert.is_truthy(tostring(err):find("use_output_gate: expected true or false, got no", 1, true), tostring(err))
+    local c = {}
+    for k, v in pairs(cfg) do c[k] = v end
+    c.cp_mode, c.cp_group = "chunkwise", gdp.comm.self()
+    ok, err = pcall(nn.GatedDeltaProduct, c)
+    assert.is_false(ok)
+    assert.is_truthy(tostring(err):find("context parallelism needs use_short_conv", 1, true), tostring(err))
+  end)
 end)
 
 describe("nn.GatedDeltaProduct packing", function()

@@ -479,6 +479,12 @@ gdp_status gdp_mixer_beta_forward(gdp_ctx *ctx, const gdp_tensor *b, double beta
 gdp_status gdp_mixer_beta_backward(gdp_ctx *ctx, const gdp_tensor *b, double beta_scale,
                                    const gdp_tensor *d_beta, gdp_tensor **db);
 
+/* SiLU, elementwise, any shape: out = x * sigmoid(x) (the q/k/v activation of a mixer
+ * without short conv); dx = d_out * s (1 + x (1 - s)), s = sigmoid(x). */
+gdp_status gdp_mixer_silu_forward(gdp_ctx *ctx, const gdp_tensor *x, gdp_tensor **out);
+gdp_status gdp_mixer_silu_backward(gdp_ctx *ctx, const gdp_tensor *x, const gdp_tensor *d_out,
+                                   gdp_tensor **dx);
+
 /* Log decays: g = -exp(A_log[h]) * softplus(a + dt_bias[h]) for a [..., H]; A_log and
  * dt_bias [H] (dt_bias may be NULL: zero).  softplus(x) = x for x > 20, else
  * log1p(exp(x)) (torch's threshold). */
@@ -521,6 +527,69 @@ gdp_status gdp_mixer_dskip_forward(gdp_ctx *ctx, const gdp_tensor *y, const gdp_
 gdp_status gdp_mixer_dskip_backward(gdp_ctx *ctx, const gdp_tensor *x_v, const gdp_tensor *D,
                                     const gdp_tensor *d_out, gdp_tensor **dx_v,
                                     gdp_tensor **dD);
+
+/* ------------------------------------------------------------------ synthetic data */
+
+/*
+ * State-tracking tasks (the word problems of the DeltaProduct and "illusion of state"
+ * studies; docs/design.md section 7).  A task is a finite group of n elements numbered
+ * 0..n-1 with the identity 0; a sequence's tokens x_t are drawn uniformly from it and its
+ * labels are the prefix products y_t = x_0 * x_1 * ... * x_t (y_0 = x_0):
+ *   parity            n = 2, tokens 0/1, y_t = x_0 + ... + x_t mod 2
+ *   modular_addition  n = modulus m, y_t = x_0 + ... + x_t mod m
+ *   S3, S4, S5        the symmetric groups (n = 6, 24, 120), A5 the alternating group
+ *                     (n = 60): the permutations of {0..k-1} in one-line notation
+ *                     (p = [p(0), ..., p(k-1)]), numbered in lexicographic order (the
+ *                     identity [0, 1, ..., k-1] first), A5 the even ones of S5 in that
+ *                     order; the product p * q is "p, then q": (p * q)(i) = q(p(i)), so
+ *                     y_t(i) = x_t(y_{t-1}(i)) tracks where each of the k objects went.
+ * Tokens come from the Philox 4x32-10 stream keyed by the seed (kernels/state_tracking.h
+ * gives the exact definition): sequence s of a set is a function of (seed, s) alone and
+ * its first T tokens do not depend on the length drawn, so a training set (seed,
+ * offsets 0, B, 2B, ...) and a test set (another seed, or a disjoint offset range) are
+ * independent and reproducible at any lengths, on every device.
+ */
+typedef enum gdp_state_task {
+  GDP_STATE_TASK_PARITY = 0,
+  GDP_STATE_TASK_MODULAR_ADDITION = 1,
+  GDP_STATE_TASK_S3 = 2,
+  GDP_STATE_TASK_S4 = 3,
+  GDP_STATE_TASK_A5 = 4,
+  GDP_STATE_TASK_S5 = 5,
+  GDP_STATE_TASK_COUNT = 6
+} gdp_state_task;
+
+/* "parity", "modular_addition", "S3", "S4", "A5", "S5"; "?" for other values. */
+const char *gdp_state_task_name(gdp_state_task task);
+/* The names above (exactly); GDP_ERR_INVALID_ARG listing them for any other. */
+gdp_status gdp_state_task_from_name(const char *name, gdp_state_task *out);
+/* The group's order n (token and label values are 0..n-1).  modulus: the m of
+ * modular_addition (2 <= m <= 2^31 - 1), 0 for every other task. */
+gdp_status gdp_state_task_size(gdp_state_task task, int64_t modulus, int64_t *out);
+/* Element `index` of a permutation-group task as its one-line notation: perm[i] = p(i)
+ * for i < *degree (3, 4 or 5); perm holds 5 entries.  GDP_ERR_INVALID_ARG for the
+ * cyclic tasks and for an index outside 0..n-1. */
+gdp_status gdp_state_task_permutation(gdp_state_task task, int64_t index, int32_t perm[5],
+                                      int32_t *degree);
+
+/* batch sequences of `length` tokens: sequences offset .. offset+batch-1 of the set of
+ * `seed` (offset + batch <= 2^63).  Results (owned): *tokens and *labels, int32
+ * [batch, length] contiguous on ctx's device. */
+gdp_status gdp_data_state_tracking(gdp_ctx *ctx, gdp_state_task task, int64_t modulus,
+                                   int64_t batch, int64_t length, uint64_t seed,
+                                   uint64_t offset, gdp_tensor **tokens,
+                                   gdp_tensor **labels);
+
+/* Accuracy of predictions against labels [B,T] (int32 or int64, any device):
+ * predictions are [B,T] int32/int64 classes, or [B,T,C] float scores whose argmax over
+ * C is the class (the first of equal maxima; NaN never wins).  For t = 0..T-1:
+ *   per_token[t]  = the fraction of the B sequences right at token t;
+ *   cumulative[t] = the fraction right at every token 0..t (the sequence accuracy at
+ *                   length t+1, the state-tracking studies' metric).
+ * Both are caller arrays of n = T doubles (either may be NULL); B = 0 gives NaN.
+ * Computed on the host (device tensors are copied). */
+gdp_status gdp_data_sequence_accuracy(const gdp_tensor *predictions, const gdp_tensor *labels,
+                                      int64_t n, double *cumulative, double *per_token);
 
 /* ------------------------------------------------------------------ collectives */
 

@@ -23,6 +23,7 @@
 #include "backend_impl.h"
 #include "cpu/gdp_cpu.h"
 #include "cpu/mixer_cpu.h"
+#include "cpu/state_tracking_cpu.h"
 #include "philox.h"
 
 enum {
@@ -963,6 +964,20 @@ static gdp_status cpu_beta_backward(gdp_ctx *ctx, gdp_dtype dtype, int64_t n, do
   return GDP_OK;
 }
 
+static gdp_status cpu_silu_forward(gdp_ctx *ctx, gdp_dtype dtype, int64_t n, const void *x,
+                                   void *out) {
+  CPU_FLOAT_DISPATCH(dtype, gdp_cpu_silu_fwd_f64(n, x, out, ctx->num_threads),
+                     gdp_cpu_silu_fwd_f32(n, x, out, ctx->num_threads));
+  return GDP_OK;
+}
+
+static gdp_status cpu_silu_backward(gdp_ctx *ctx, gdp_dtype dtype, int64_t n, const void *x,
+                                    const void *d_out, void *dx) {
+  CPU_FLOAT_DISPATCH(dtype, gdp_cpu_silu_bwd_f64(n, x, d_out, dx, ctx->num_threads),
+                     gdp_cpu_silu_bwd_f32(n, x, d_out, dx, ctx->num_threads));
+  return GDP_OK;
+}
+
 static gdp_status cpu_decay_forward(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows, int64_t H,
                                     const void *a, const void *A_log, const void *dt_bias,
                                     void *g) {
@@ -1030,6 +1045,16 @@ static gdp_status cpu_dskip_backward(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows
   return GDP_OK;
 }
 
+/* ------------------------------------------------------------------ synthetic data */
+
+static gdp_status cpu_state_tracking(gdp_ctx *ctx, const gdp_state_tracking_problem *p,
+                                     int32_t *tokens, int32_t *labels) {
+  gdp_state_tracking_problem q = *p;
+  q.num_threads = ctx->num_threads;
+  gdp_cpu_state_tracking(&q, tokens, labels);
+  return GDP_OK;
+}
+
 /* ------------------------------------------------------------------ capabilities */
 
 static int cpu_supports(gdp_op op, gdp_dtype dtype) {
@@ -1077,11 +1102,14 @@ const gdp_backend gdp_backend_cpu = {
     .conv1d_backward = cpu_conv1d_backward,
     .beta_forward = cpu_beta_forward,
     .beta_backward = cpu_beta_backward,
+    .silu_forward = cpu_silu_forward,
+    .silu_backward = cpu_silu_backward,
     .decay_forward = cpu_decay_forward,
     .decay_backward = cpu_decay_backward,
     .gated_rmsnorm_forward = cpu_gated_rmsnorm_forward,
     .gated_rmsnorm_backward = cpu_gated_rmsnorm_backward,
     .dskip_forward = cpu_dskip_forward,
     .dskip_backward = cpu_dskip_backward,
+    .state_tracking = cpu_state_tracking,
     .supports = cpu_supports,
 };

@@ -25,6 +25,7 @@
 #include "cuda_check.h"
 #include "cuda/gdp_cuda.h"
 #include "cuda/mixer/mixer_cuda.h"
+#include "cuda/data/state_tracking_cuda.h"
 #include "cuda/tensor_ops.h"
 
 /* tensor_ops.h repeats these enums for the .cu files, which cannot include this one. */
@@ -616,6 +617,25 @@ static gdp_status mixer_workspace(gdp_ctx *ctx, size_t nbytes, void **out) {
   return device_alloc("cuda mixer workspace", ctx, nbytes, out);
 }
 
+/* A new device copy of a small host array the op layer owns (a kernel's side table),
+ * queued on the ctx's stream; free it with device_free after the launch.  The copy is
+ * from pageable memory, so it returns once staged and the op layer may free its array. */
+static gdp_status host_array_to_device(gdp_ctx *ctx, const char *func, const char *what,
+                                       const void *src, size_t nbytes, void **out) {
+  *out = NULL;
+  void *d = NULL;
+  GDP_TRY(device_alloc(func, ctx, nbytes, &d));
+  cudaError_t e = cudaMemcpyAsync(d, src, nbytes, cudaMemcpyHostToDevice, state_of(ctx)->stream);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    device_free(ctx, d);
+    return GDP_ERROR_IN(func, GDP_ERR_CUDA, "copying %s to cuda:%d failed: %s (%s)", what,
+                        ctx->index, cudaGetErrorName(e), cudaGetErrorString(e));
+  }
+  *out = d;
+  return GDP_OK;
+}
+
 /* The conv's seq_start (a host array) on the device, or NULL when no token's sequence
  * starts after token 0 (no packing: the kernels read 0). */
 static gdp_status conv_seq_start(gdp_ctx *ctx, const gdp_conv1d_problem *p, int64_t **out) {
@@ -623,18 +643,9 @@ static gdp_status conv_seq_start(gdp_ctx *ctx, const gdp_conv1d_problem *p, int6
   int packed = 0;
   for (int64_t t = 0; t < p->T && !packed; t++) packed = p->seq_start[t] != 0;
   if (!packed) return GDP_OK;
-  const size_t nbytes = (size_t)p->T * sizeof(int64_t);
   void *d = NULL;
-  GDP_TRY(device_alloc("cuda_conv1d", ctx, nbytes, &d));
-  /* From pageable memory: returns once staged, so the op layer may free its array. */
-  cudaError_t e = cudaMemcpyAsync(d, p->seq_start, nbytes, cudaMemcpyHostToDevice,
-                                  state_of(ctx)->stream);
-  if (e != cudaSuccess) {
-    (void)cudaGetLastError();
-    device_free(ctx, d);
-    return GDP_ERROR(GDP_ERR_CUDA, "copying the conv's sequence starts to cuda:%d failed: %s (%s)",
-                     ctx->index, cudaGetErrorName(e), cudaGetErrorString(e));
-  }
+  GDP_TRY(host_array_to_device(ctx, "cuda_conv1d", "the conv's sequence starts", p->seq_start,
+                               (size_t)p->T * sizeof(int64_t), &d));
   *out = (int64_t *)d;
   return GDP_OK;
 }
@@ -681,6 +692,20 @@ static gdp_status cuda_beta_backward(gdp_ctx *ctx, gdp_dtype dtype, int64_t n, d
                                      const void *b, const void *d_beta, void *db) {
   GDP_TRY(mixer_begin(ctx, "beta_backward", dtype, n, 1));
   GDP_TRY(gdp_cuda_beta_bwd((int)dtype, n, scale, b, d_beta, db, state_of(ctx)->stream));
+  return op_end(ctx);
+}
+
+static gdp_status cuda_silu_forward(gdp_ctx *ctx, gdp_dtype dtype, int64_t n, const void *x,
+                                    void *out) {
+  GDP_TRY(mixer_begin(ctx, "silu_forward", dtype, n, 1));
+  GDP_TRY(gdp_cuda_silu_fwd((int)dtype, n, x, out, state_of(ctx)->stream));
+  return op_end(ctx);
+}
+
+static gdp_status cuda_silu_backward(gdp_ctx *ctx, gdp_dtype dtype, int64_t n, const void *x,
+                                     const void *d_out, void *dx) {
+  GDP_TRY(mixer_begin(ctx, "silu_backward", dtype, n, 1));
+  GDP_TRY(gdp_cuda_silu_bwd((int)dtype, n, x, d_out, dx, state_of(ctx)->stream));
   return op_end(ctx);
 }
 
@@ -766,6 +791,22 @@ static gdp_status cuda_l2norm_backward(gdp_ctx *ctx, gdp_dtype dtype, int64_t ro
   return op_end(ctx);
 }
 
+/* ------------------------------------------------------------------ synthetic data */
+
+static gdp_status cuda_state_tracking(gdp_ctx *ctx, const gdp_state_tracking_problem *p,
+                                      int32_t *tokens, int32_t *labels) {
+  GDP_TRY(mixer_begin(ctx, "state_tracking", GDP_DTYPE_I32, p->batch, p->length));
+  void *mul = NULL;
+  if (p->mul)
+    GDP_TRY(host_array_to_device(ctx, "cuda_state_tracking", "the product table", p->mul,
+                                 (size_t)(p->num_elements * p->num_elements), &mul));
+  gdp_status s = gdp_cuda_state_tracking(p, (const uint8_t *)mul, tokens, labels,
+                                         state_of(ctx)->stream);
+  if (mul) device_free(ctx, mul);
+  GDP_TRY(s);
+  return op_end(ctx);
+}
+
 /* ------------------------------------------------------------------ capabilities */
 
 static int cuda_supports(gdp_op op, gdp_dtype dtype) {
@@ -843,12 +884,15 @@ const gdp_backend gdp_backend_cuda = {
     .conv1d_backward = cuda_conv1d_backward,
     .beta_forward = cuda_beta_forward,
     .beta_backward = cuda_beta_backward,
+    .silu_forward = cuda_silu_forward,
+    .silu_backward = cuda_silu_backward,
     .decay_forward = cuda_decay_forward,
     .decay_backward = cuda_decay_backward,
     .gated_rmsnorm_forward = cuda_gated_rmsnorm_forward,
     .gated_rmsnorm_backward = cuda_gated_rmsnorm_backward,
     .dskip_forward = cuda_dskip_forward,
     .dskip_backward = cuda_dskip_backward,
+    .state_tracking = cuda_state_tracking,
     .mixer_bf16 = 1,
     .supports = cuda_supports,
     .timer_start = cuda_timer_start,

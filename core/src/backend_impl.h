@@ -12,6 +12,7 @@
 #include "internal.h"
 #include "../../kernels/gdp_problem.h"
 #include "../../kernels/mixer_problem.h"
+#include "../../kernels/state_tracking.h"
 
 typedef enum gdp_reduce_kind {
   GDP_REDUCE_SUM = 0,
@@ -91,6 +92,9 @@ struct gdp_backend {
                              const void *b, void *beta);
   gdp_status (*beta_backward)(gdp_ctx *ctx, gdp_dtype dtype, int64_t n, double scale,
                               const void *b, const void *d_beta, void *db);
+  gdp_status (*silu_forward)(gdp_ctx *ctx, gdp_dtype dtype, int64_t n, const void *x, void *out);
+  gdp_status (*silu_backward)(gdp_ctx *ctx, gdp_dtype dtype, int64_t n, const void *x,
+                              const void *d_out, void *dx);
   gdp_status (*decay_forward)(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows, int64_t H,
                               const void *a, const void *A_log, const void *dt_bias, void *g);
   gdp_status (*decay_backward)(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows, int64_t H,
@@ -109,6 +113,11 @@ struct gdp_backend {
   gdp_status (*dskip_backward)(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows, int64_t H,
                                int64_t P, int per_channel, const void *x_v, const void *D,
                                const void *d_out, void *dx_v, void *dD);
+  /* The state-tracking tasks (gdp_data_state_tracking; kernels/state_tracking.h):
+   * tokens and labels [p->batch, p->length] contiguous int32 on this device; p->mul
+   * (host memory) is the product table or NULL (a cyclic group). */
+  gdp_status (*state_tracking)(gdp_ctx *ctx, const gdp_state_tracking_problem *p,
+                               int32_t *tokens, int32_t *labels);
   /* 1: the mixer entries above also take bf16 buffers (float32 math inside); 0: the op
    * layer refuses bf16 mixer inputs on this device. */
   int mixer_bf16;

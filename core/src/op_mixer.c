@@ -342,7 +342,40 @@ gdp_status gdp_mixer_conv1d_backward(gdp_ctx *ctx, const gdp_tensor *x, const gd
   return s;
 }
 
-/* ------------------------------------------------------------------ beta */
+/* ------------------------------------------------------------------ beta, SiLU */
+
+/* The elementwise ops: out = f(x) and dx = f'(x) d_out over all elements of x. */
+typedef enum elementwise_kind { ELEMENTWISE_BETA, ELEMENTWISE_SILU } elementwise_kind;
+
+/* x, d_out (may be NULL) and out/dx checked and loaded, then the backend's entry of `kind`
+ * (beta: scale * sigmoid; SiLU: scale unused). */
+static gdp_status elementwise(const char *func, gdp_ctx *ctx, elementwise_kind kind,
+                              const char *x_name, const gdp_tensor *x, double scale,
+                              const char *d_name, const gdp_tensor *d_out, gdp_tensor **out) {
+  *out = NULL;
+  if (d_out) GDP_TRY(check_same_shape(func, d_name, d_out, x_name, x));
+  gdp_tensor *tmp[3] = {0}; /* x, d_out, out */
+  const gdp_dtype dt = x->dtype;
+  const int64_t n = gdp_tensor_numel(x);
+  gdp_status s = load(ctx, x, dt, &tmp[0]);
+  if (s == GDP_OK) s = load(ctx, d_out, dt, &tmp[1]);
+  if (s == GDP_OK) s = gdp_tensor_empty(ctx, dt, x->ndim, x->shape, &tmp[2]);
+  if (s == GDP_OK) {
+    const gdp_backend *be = ctx->backend;
+    if (kind == ELEMENTWISE_BETA)
+      s = d_out ? be->beta_backward(ctx, dt, n, scale, ptr(tmp[0]), ptr(tmp[1]), ptr(tmp[2]))
+                : be->beta_forward(ctx, dt, n, scale, ptr(tmp[0]), ptr(tmp[2]));
+    else
+      s = d_out ? be->silu_backward(ctx, dt, n, ptr(tmp[0]), ptr(tmp[1]), ptr(tmp[2]))
+                : be->silu_forward(ctx, dt, n, ptr(tmp[0]), ptr(tmp[2]));
+  }
+  if (s == GDP_OK) {
+    *out = tmp[2];
+    tmp[2] = NULL;
+  }
+  FREE_ALL(tmp);
+  return s;
+}
 
 static gdp_status beta_check(const char *func, gdp_ctx *ctx, const gdp_tensor *b,
                              double beta_scale, const gdp_tensor *d_beta) {
@@ -353,7 +386,7 @@ static gdp_status beta_check(const char *func, gdp_ctx *ctx, const gdp_tensor *b
     return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG,
                         "beta_scale: expected a finite value (1, or 2 for negative eigenvalues), got %g",
                         beta_scale);
-  return check_same_shape(func, "d_beta", d_beta, "b", b);
+  return GDP_OK;
 }
 
 gdp_status gdp_mixer_beta_forward(gdp_ctx *ctx, const gdp_tensor *b, double beta_scale,
@@ -363,20 +396,7 @@ gdp_status gdp_mixer_beta_forward(gdp_ctx *ctx, const gdp_tensor *b, double beta
   *beta = NULL;
   NEED_OP(func, ctx, beta_forward);
   GDP_TRY(beta_check(func, ctx, b, beta_scale, NULL));
-  gdp_tensor *tmp[2] = {0};
-  const gdp_dtype dt = b->dtype;
-  gdp_status s = load(ctx, b, dt, &tmp[0]);
-  if (s == GDP_OK) s = gdp_tensor_empty(ctx, dt, b->ndim, b->shape, &tmp[1]);
-  if (s == GDP_OK) {
-    s = ctx->backend->beta_forward(ctx, dt, gdp_tensor_numel(b), beta_scale, ptr(tmp[0]),
-                                   ptr(tmp[1]));
-  }
-  if (s == GDP_OK) {
-    *beta = tmp[1];
-    tmp[1] = NULL;
-  }
-  FREE_ALL(tmp);
-  return s;
+  return elementwise(func, ctx, ELEMENTWISE_BETA, "b", b, beta_scale, NULL, NULL, beta);
 }
 
 gdp_status gdp_mixer_beta_backward(gdp_ctx *ctx, const gdp_tensor *b, double beta_scale,
@@ -387,21 +407,30 @@ gdp_status gdp_mixer_beta_backward(gdp_ctx *ctx, const gdp_tensor *b, double bet
   NEED_OP(func, ctx, beta_backward);
   GDP_TRY(need_tensor(func, "d_beta", d_beta));
   GDP_TRY(beta_check(func, ctx, b, beta_scale, d_beta));
-  gdp_tensor *tmp[3] = {0};
-  const gdp_dtype dt = b->dtype;
-  gdp_status s = load(ctx, b, dt, &tmp[0]);
-  if (s == GDP_OK) s = load(ctx, d_beta, dt, &tmp[1]);
-  if (s == GDP_OK) s = gdp_tensor_empty(ctx, dt, b->ndim, b->shape, &tmp[2]);
-  if (s == GDP_OK) {
-    s = ctx->backend->beta_backward(ctx, dt, gdp_tensor_numel(b), beta_scale, ptr(tmp[0]),
-                                    ptr(tmp[1]), ptr(tmp[2]));
-  }
-  if (s == GDP_OK) {
-    *db = tmp[2];
-    tmp[2] = NULL;
-  }
-  FREE_ALL(tmp);
-  return s;
+  return elementwise(func, ctx, ELEMENTWISE_BETA, "b", b, beta_scale, "d_beta", d_beta, db);
+}
+
+gdp_status gdp_mixer_silu_forward(gdp_ctx *ctx, const gdp_tensor *x, gdp_tensor **out) {
+  static const char *func = "gdp_mixer_silu_forward";
+  GDP_TRY(need_out(func, "out", out));
+  *out = NULL;
+  NEED_OP(func, ctx, silu_forward);
+  GDP_TRY(need_tensor(func, "x", x));
+  GDP_TRY(check_float_on(func, "x", ctx, x));
+  return elementwise(func, ctx, ELEMENTWISE_SILU, "x", x, 1.0, NULL, NULL, out);
+}
+
+gdp_status gdp_mixer_silu_backward(gdp_ctx *ctx, const gdp_tensor *x, const gdp_tensor *d_out,
+                                   gdp_tensor **dx) {
+  static const char *func = "gdp_mixer_silu_backward";
+  GDP_TRY(need_out(func, "dx", dx));
+  *dx = NULL;
+  NEED_OP(func, ctx, silu_backward);
+  GDP_TRY(need_tensor(func, "x", x));
+  GDP_TRY(need_tensor(func, "d_out", d_out));
+  GDP_TRY(check_float_on(func, "x", ctx, x));
+  GDP_TRY(check_float_on(func, "d_out", ctx, d_out));
+  return elementwise(func, ctx, ELEMENTWISE_SILU, "x", x, 1.0, "d_out", d_out, dx);
 }
 
 /* ------------------------------------------------------------------ decay */

@@ -1,6 +1,6 @@
 /*
  * mixer_cpu.h -- CPU kernels of the mixer layer ops (gdp.h, "mixer layer ops"):
- * depthwise causal conv1d, the beta/decay gates, the gated grouped RMSNorm and the D
+ * depthwise causal conv1d, the beta/decay gates, SiLU, the gated grouped RMSNorm and the D
  * skip, each forward and backward, for float64 (_f64) and float32 (_f32).
  *
  * Kernels see contiguous row-major buffers of one dtype and plain sizes; the op layer
@@ -40,6 +40,14 @@ void gdp_cpu_beta_bwd_f64(int64_t n, double scale, const double *b, const double
                           double *db, int nthreads);
 void gdp_cpu_beta_bwd_f32(int64_t n, double scale, const float *b, const float *d_beta,
                           float *db, int nthreads);
+
+/* out = x * sigmoid(x) over n elements; dx = d_out * s (1 + x (1 - s)). */
+void gdp_cpu_silu_fwd_f64(int64_t n, const double *x, double *out, int nthreads);
+void gdp_cpu_silu_fwd_f32(int64_t n, const float *x, float *out, int nthreads);
+void gdp_cpu_silu_bwd_f64(int64_t n, const double *x, const double *d_out, double *dx,
+                          int nthreads);
+void gdp_cpu_silu_bwd_f32(int64_t n, const float *x, const float *d_out, float *dx,
+                          int nthreads);
 
 /* g[r,h] = -exp(A_log[h]) * softplus(a[r,h] + dt_bias[h]) over rows x H; dt_bias may be
  * NULL.  Backward: da [rows,H]; dA_log, ddt_bias [H] (double sums, any may be NULL). */

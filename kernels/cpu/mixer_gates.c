@@ -2,6 +2,7 @@
  * mixer_gates.c -- the mixer's per-head elementwise ops (see mixer_cpu.h):
  *
  *   beta = scale * sigmoid(b)                        db = d_beta * scale * s (1 - s)
+ *   out = x * sigmoid(x) (SiLU)                      dx = d_out * s (1 + x (1 - s))
  *   g = -exp(A_log[h]) * softplus(a + dt_bias[h])    da = d_g * (-exp(A_log[h])) * sigmoid(x)
  *                                                    dA_log[h] = sum d_g * g
  *                                                    ddt_bias[h] = sum da
@@ -53,6 +54,19 @@ static double *gates_partials(int nthreads, int64_t width) {
 #else /* GDP_GATES_GENERIC */
 
 static inline REAL FN(sigmoid)(REAL x) { return (REAL)1 / ((REAL)1 + exp(-x)); }
+
+void FN(gdp_cpu_silu_fwd)(int64_t n, const REAL *x, REAL *out, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(gates_threads(nthreads)) if (n > GATES_PAR_MIN)
+  for (int64_t i = 0; i < n; i++) out[i] = x[i] * FN(sigmoid)(x[i]);
+}
+
+void FN(gdp_cpu_silu_bwd)(int64_t n, const REAL *x, const REAL *d_out, REAL *dx, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(gates_threads(nthreads)) if (n > GATES_PAR_MIN)
+  for (int64_t i = 0; i < n; i++) {
+    const REAL s = FN(sigmoid)(x[i]);
+    dx[i] = d_out[i] * s * ((REAL)1 + x[i] * ((REAL)1 - s));
+  }
+}
 
 static inline REAL FN(softplus)(REAL x) {
   return x > (REAL)SOFTPLUS_THRESHOLD ? x : log1p(exp(x));

@@ -65,11 +65,11 @@ function gdp.sync(dev)
   tensor.get_ctx("sync", dev or "cpu"):sync()
 end
 
--- gdp.nn (layers) and gdp.cp (context parallelism) load on first use, so that
+-- gdp.nn (layers), gdp.cp (context parallelism), gdp.data (synthetic tasks) load on first use, so that
 -- `require "gdp"` stays light and a module's load error surfaces where it is used.
 setmetatable(gdp, {
   __index = function(t, key)
-    if key == "nn" or key == "cp" or key == "comm" or key == "sweep" then
+    if key == "nn" or key == "cp" or key == "comm" or key == "sweep" or key == "data" then
       local mod = require("gdp." .. key)
       rawset(t, key, mod)
       return mod

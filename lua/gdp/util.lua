@@ -421,4 +421,17 @@ function M.json_decode(text)
   return v
 end
 
+-- The default context of `device` for an experiment script; when the device is not
+-- there (no GPU, or a CPU-only build) one line on stderr, "<script>: device cuda is not
+-- available: <the core's reason>", and exit status 2 (a usage error), nothing run.
+function M.device_or_exit(script, device)
+  local gdp = require("gdp")
+  local ok, ctx = pcall(gdp.device, device)
+  if ok then return ctx end
+  -- the core's message without the Lua position and the C source location
+  local why = tostring(ctx):gsub("^[^\n]-:%d+: ", ""):gsub(" %([%w_/.]+:%d+%)$", "")
+  io.stderr:write(script, ": device ", tostring(device), " is not available: ", why, "\n")
+  os.exit(2)
+end
+
 return M

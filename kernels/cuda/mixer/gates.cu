@@ -3,6 +3,7 @@
  * kernels/cpu/mixer_gates.c:
  *
  *   beta = scale * sigmoid(b)                        db = d_beta * scale * s (1 - s)
+ *   out = x * sigmoid(x) (SiLU)                      dx = d_out * s (1 + x (1 - s))
  *   g = -exp(A_log[h]) * softplus(a + dt_bias[h])    da = d_g * (-exp(A_log[h])) * softplus'(x)
  *                                                    dA_log[h] = sum d_g * g, ddt_bias[h] = sum da
  *   out = y + D * x_v                                dx_v = D * d_out, dD = sum d_out * x_v
@@ -36,6 +37,22 @@ __global__ void beta_bwd_kernel(int64_t n, typename Math<IO>::type sc, const IO 
   GDP_MIXER_FOR(i, n) {
     const A s = sigmoid(ld(b, i));
     st(db, i, ld(d_beta, i) * sc * s * ((A)1 - s));
+  }
+}
+
+template <typename IO> __global__ void silu_fwd_kernel(int64_t n, const IO *x, IO *out) {
+  GDP_MIXER_FOR(i, n) {
+    const typename Math<IO>::type v = ld(x, i);
+    st(out, i, v * sigmoid(v));
+  }
+}
+
+template <typename IO>
+__global__ void silu_bwd_kernel(int64_t n, const IO *x, const IO *d_out, IO *dx) {
+  typedef typename Math<IO>::type A;
+  GDP_MIXER_FOR(i, n) {
+    const A v = ld(x, i), s = sigmoid(v);
+    st(dx, i, ld(d_out, i) * s * ((A)1 + v * ((A)1 - s)));
   }
 }
 
@@ -126,6 +143,26 @@ extern "C" gdp_status gdp_cuda_beta_bwd(int dtype, int64_t n, double scale, cons
                          n, (typename Math<IO>::type)scale, (const IO *)b, (const IO *)d_beta,
                          (IO *)db));
   return launched(func, "beta_bwd_kernel");
+}
+
+extern "C" gdp_status gdp_cuda_silu_fwd(int dtype, int64_t n, const void *x, void *out,
+                                        void *stream) {
+  static const char *func = "gdp_cuda_silu_fwd";
+  if (n == 0) return GDP_OK;
+  GDP_MIXER_DISPATCH(func, dtype,
+                     silu_fwd_kernel<IO><<<grid_for(n), THREADS, 0, (cudaStream_t)stream>>>(
+                         n, (const IO *)x, (IO *)out));
+  return launched(func, "silu_fwd_kernel");
+}
+
+extern "C" gdp_status gdp_cuda_silu_bwd(int dtype, int64_t n, const void *x, const void *d_out,
+                                        void *dx, void *stream) {
+  static const char *func = "gdp_cuda_silu_bwd";
+  if (n == 0) return GDP_OK;
+  GDP_MIXER_DISPATCH(func, dtype,
+                     silu_bwd_kernel<IO><<<grid_for(n), THREADS, 0, (cudaStream_t)stream>>>(
+                         n, (const IO *)x, (const IO *)d_out, (IO *)dx));
+  return launched(func, "silu_bwd_kernel");
 }
 
 extern "C" gdp_status gdp_cuda_decay_fwd(int dtype, int64_t rows, int64_t H, const void *a,

@@ -1,7 +1,7 @@
 /*
  * mixer_cuda.h -- C-callable launchers of the CUDA mixer layer kernels (conv1d + SiLU,
- * the beta and decay gates, the D skip, the gated grouped RMSNorm, the q/k L2 norm),
- * forward and backward.  Plain C, included by core/src/backend_cuda.c.
+ * SiLU alone, the beta and decay gates, the D skip, the gated grouped RMSNorm, the q/k
+ * L2 norm), forward and backward.  Plain C, included by core/src/backend_cuda.c.
  *
  * Buffers are contiguous, row-major, on the device, of one gdp_dtype `dtype`: f64
  * (float64 math), f32 or bf16 (float32 math: bf16 values are widened on load and
@@ -47,6 +47,11 @@ gdp_status gdp_cuda_beta_fwd(int dtype, int64_t n, double scale, const void *b, 
                              void *stream);
 gdp_status gdp_cuda_beta_bwd(int dtype, int64_t n, double scale, const void *b,
                              const void *d_beta, void *db, void *stream);
+
+/* out = x * sigmoid(x); dx = d_out * s (1 + x (1 - s)). */
+gdp_status gdp_cuda_silu_fwd(int dtype, int64_t n, const void *x, void *out, void *stream);
+gdp_status gdp_cuda_silu_bwd(int dtype, int64_t n, const void *x, const void *d_out, void *dx,
+                             void *stream);
 
 /* g[r,h] = -exp(A_log[h]) softplus(a[r,h] + dt_bias[h]) (dt_bias may be NULL). */
 gdp_status gdp_cuda_decay_fwd(int dtype, int64_t rows, int64_t H, const void *a,

@@ -512,7 +512,8 @@ local function local_module(m, hcp)
   local view = setmetatable({}, cls)
   for _, key in ipairs({ "hidden_size", "head_dim", "state_dim", "num_householder", "conv_width",
                          "norm_eps", "beta_scale", "allow_neg_eigval", "conv_bias", "D_mode",
-                         "dtype", "device", "algorithm", "scale" }) do
+                         "dtype", "device", "algorithm", "scale", "use_short_conv",
+                         "use_output_gate", "use_forget_gate" }) do
     view[key] = m[key]
   end
   view.num_heads, view.num_groups = hcp.nheads_local, hcp.ngroups_local

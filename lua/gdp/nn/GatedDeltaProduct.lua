@@ -19,6 +19,20 @@
 -- (nil: the device's current RNG stream), algorithm ("auto": the operator's),
 -- init_method_std (0.02), num_layers (1, for out_proj's scaled init).
 --
+-- Switches of fla's GatedDeltaProduct layer (all true by default: the layer above),
+-- for the DeltaProduct state-tracking setup, which turns all three off:
+--   use_short_conv = false   no conv1d.weight / conv1d.bias: q, k, v = SiLU of their
+--                            in_proj sections (fla: F.silu(q_proj(x)), ...).
+--   use_output_gate = false  no z section in in_proj: the norm is RMSNorm(y) * norm.weight
+--                            (fla's o_norm = RMSNorm without g_proj), in the same groups.
+--   use_forget_gate = false  no a section, no A_log / dt_bias: the operator runs ungated
+--                            (fla: g = None).
+-- fla normalises every value head alone with one [head_v_dim] weight shared by the
+-- heads; this layer normalises groups of d_inner / num_groups channels (Megatron), each
+-- channel with its own weight: with num_groups = num_heads (fla's layout when K and V
+-- heads pair one to one) the groups are fla's heads and, at the initial weights (ones),
+-- the two are the same function.  Context parallelism needs the three switches on.
+--
 -- Devices and dtypes.  Parameters, gradients and every intermediate live on the layer's
 -- device; each op runs where its tensors are.  A bf16 layer keeps float32 copies where
 -- Megatron does: A_log and dt_bias (and their gradients) are float32, the decay gate g
@@ -78,6 +92,7 @@ local option_keys = {
   conv_bias = true, dtype = true, device = true, seed = true, algorithm = true,
   init_method_std = true, num_layers = true,
   cp_mode = true, cp_group = true, cp_layout = true, cp_reduce_grads = true,
+  use_short_conv = true, use_output_gate = true, use_forget_gate = true,
 }
 
 -- Megatron's names, in the order of the layer.
@@ -123,18 +138,9 @@ local function host_tensor(self, n, dtype, fn)
   return tensor.tensor(vals, { n }, { dtype = dtype, device = self.device })
 end
 
-local function init_parameters(self)
-  local opts = { dtype = self.dtype, device = self.device }
-  local p = {}
-  local s = self.sizes
-  p["in_proj.weight"] = tensor.empty({ s.d_in_proj, self.hidden_size }, opts)
-                          :normal_(0, self.init_method_std)
-  local bound = 1 / math.sqrt(self.conv_width)
-  p["conv1d.weight"] = tensor.empty({ s.conv_dim, 1, self.conv_width }, opts):uniform_(-bound, bound)
-  if self.conv_bias then
-    p["conv1d.bias"] = tensor.empty({ s.conv_dim }, opts):uniform_(-bound, bound)
-  end
-  -- Gate parameters: drawn in float64 from the same RNG, transformed on the host.
+-- The decay gate's A_log and dt_bias: drawn in float64 from the same RNG, transformed on
+-- the host.
+local function init_gate_parameters(self, p)
   local nh = self.num_heads
   local dt_u = tensor.empty({ nh }, { dtype = "f64", device = self.device })
                  :uniform_(math.log(1e-3), math.log(1e-1)):flat()
@@ -147,6 +153,23 @@ local function init_parameters(self)
   end)
   local A_u = tensor.empty({ nh }, { dtype = "f64", device = self.device }):uniform_(0, 16):flat()
   p["A_log"] = host_tensor(self, nh, self:param_dtype("A_log"), function(i) return math.log(A_u[i]) end)
+end
+
+local function init_parameters(self)
+  local opts = { dtype = self.dtype, device = self.device }
+  local p = {}
+  local s = self.sizes
+  p["in_proj.weight"] = tensor.empty({ s.d_in_proj, self.hidden_size }, opts)
+                          :normal_(0, self.init_method_std)
+  local bound = 1 / math.sqrt(self.conv_width)
+  if self.use_short_conv then
+    p["conv1d.weight"] = tensor.empty({ s.conv_dim, 1, self.conv_width }, opts):uniform_(-bound, bound)
+    if self.conv_bias then
+      p["conv1d.bias"] = tensor.empty({ s.conv_dim }, opts):uniform_(-bound, bound)
+    end
+  end
+  local nh = self.num_heads
+  if self.use_forget_gate then init_gate_parameters(self, p) end
   if self.D_mode then
     p["D"] = tensor.ones({ self.D_mode == "channel" and s.d_inner or nh }, opts)
   end
@@ -175,6 +198,13 @@ local function construct(cfg)
   self.allow_neg_eigval = cfg.allow_neg_eigval == true
   self.beta_scale = self.allow_neg_eigval and 2 or 1
   self.conv_bias = cfg.conv_bias ~= false
+  for _, key in ipairs({ "use_short_conv", "use_output_gate", "use_forget_gate" }) do
+    local v = cfg[key]
+    if v ~= nil and type(v) ~= "boolean" then
+      argerror(FN, string.format("%s: expected true or false, got %s", key, tostring(v)))
+    end
+    self[key] = v ~= false
+  end
   if cfg.D ~= nil and cfg.D ~= false and cfg.D ~= "head" and cfg.D ~= "channel" then
     argerror(FN, "D: expected false, \"head\" or \"channel\" (D_has_hdim), got " .. tostring(cfg.D))
   end
@@ -199,7 +229,7 @@ local function construct(cfg)
   end
 
   self.sizes = GatedDeltaProduct.compute_sizes(self.num_heads, self.head_dim, self.num_groups,
-                                               self.state_dim, self.num_householder)
+                                               self.state_dim, self.num_householder, self)
   self.scale = self.state_dim ^ -0.5 -- as Megatron writes it (d_state ** -0.5)
 
   local cp_mode = cfg.cp_mode
@@ -209,6 +239,10 @@ local function construct(cfg)
   end
   self.cp_mode = cp_mode
   if cp_mode ~= nil then
+    if not (self.use_short_conv and self.use_output_gate and self.use_forget_gate) then
+      argerror(FN, "cp_mode: context parallelism needs use_short_conv, use_output_gate and " ..
+                   "use_forget_gate on (the CP stages exchange the conv halo and gate sections)")
+    end
     if cfg.cp_group == nil then
       argerror(FN, "cp_group: expected a gdp.comm communicator with cp_mode = \"" .. cp_mode .. "\", got nil")
     end
@@ -260,20 +294,22 @@ end
 
 -- Section sizes and offsets of a layer with nh heads of dim P, ng groups of state dim N
 -- and M Householder steps (context-parallel ranks use it with their local head and
--- group counts).
-function GatedDeltaProduct.compute_sizes(nh, P, ng, N, M)
+-- group counts); `switches` (optional) holds use_output_gate and use_forget_gate (false:
+-- no z, no a section).
+function GatedDeltaProduct.compute_sizes(nh, P, ng, N, M, switches)
   local s = {}
   s.d_inner = nh * P
+  s.z_dim = (switches == nil or switches.use_output_gate ~= false) and s.d_inner or 0
   s.v_dim = M * s.d_inner         -- V: (m, head, p)
   s.k_dim = M * ng * N            -- K: (m, group, n)
   s.q_dim = ng * N
   s.conv_dim = s.v_dim + s.k_dim + s.q_dim
   s.b_dim = M * nh                -- b: (m, head)
-  s.a_dim = nh
-  s.d_in_proj = s.d_inner + s.conv_dim + s.b_dim + s.a_dim
+  s.a_dim = (switches == nil or switches.use_forget_gate ~= false) and nh or 0
+  s.d_in_proj = s.z_dim + s.conv_dim + s.b_dim + s.a_dim
   -- 1-based offsets on the in_proj output's last dim and on the conv channels
   s.z_off = 1
-  s.xBC_off = 1 + s.d_inner
+  s.xBC_off = 1 + s.z_dim
   s.b_off = s.xBC_off + s.conv_dim
   s.a_off = s.b_off + s.b_dim
   s.v_off, s.k_off, s.q_off = 1, 1 + s.v_dim, 1 + s.v_dim + s.k_dim
@@ -287,9 +323,12 @@ setmetatable(GatedDeltaProduct, {
 
 function GatedDeltaProduct:__tostring()
   return string.format("nn.GatedDeltaProduct(hidden %d, heads %d x %d, groups %d x %d, " ..
-                       "householder %d, conv %d%s%s, %s, %s%s)",
+                       "householder %d, %s%s%s%s%s, %s, %s%s)",
                        self.hidden_size, self.num_heads, self.head_dim, self.num_groups,
-                       self.state_dim, self.num_householder, self.conv_width,
+                       self.state_dim, self.num_householder,
+                       self.use_short_conv and ("conv " .. self.conv_width) or "no conv",
+                       self.use_output_gate and "" or ", no output gate",
+                       self.use_forget_gate and "" or ", no forget gate",
                        self.allow_neg_eigval and ", neg eigval" or "",
                        self.D_mode and (", D " .. self.D_mode) or "", self.dtype, self.device,
                        self.cp_mode and string.format(", cp %s %s x %d", self.cp_mode,
@@ -355,7 +394,8 @@ function GatedDeltaProduct:save(path)
     head_dim = self.head_dim, num_groups = self.num_groups, state_dim = self.state_dim,
     num_householder = self.num_householder, conv_width = self.conv_width,
     allow_neg_eigval = self.allow_neg_eigval, D = self.D_mode or "false",
-    norm_eps = self.norm_eps, conv_bias = self.conv_bias,
+    norm_eps = self.norm_eps, conv_bias = self.conv_bias, use_short_conv = self.use_short_conv,
+    use_output_gate = self.use_output_gate, use_forget_gate = self.use_forget_gate,
   })
 end
 
@@ -401,32 +441,34 @@ function GatedDeltaProduct:in_proj_backward(x, dzx, weight, grad)
   return dx:view(T, B, self.hidden_size)
 end
 
--- Views of the in_proj output's sections: z [T,B,d_inner], xBC [T,B,conv_dim],
--- b [T,B,M*nh], a [T,B,nh].
+-- Views of the in_proj output's sections: z [T,B,d_inner] (nil without output gate),
+-- xBC [T,B,conv_dim], b [T,B,M*nh], a [T,B,nh] (nil without forget gate).
 function GatedDeltaProduct:split_in_proj(zx)
   local s = self.sizes
   return {
-    z = zx:narrow(3, s.z_off, s.d_inner),
+    z = s.z_dim > 0 and zx:narrow(3, s.z_off, s.z_dim) or nil,
     xBC = zx:narrow(3, s.xBC_off, s.conv_dim),
     b = zx:narrow(3, s.b_off, s.b_dim),
-    a = zx:narrow(3, s.a_off, s.a_dim),
+    a = s.a_dim > 0 and zx:narrow(3, s.a_off, s.a_dim) or nil,
   }
 end
 
 -- The inverse of split_in_proj for gradients: one [T, B, d_in_proj] tensor from the
--- gradients of its four sections (which cover it whole).
+-- gradients of its sections (which cover it whole; dz and da nil when absent).
 function GatedDeltaProduct:join_in_proj(dz, dxBC, db, da)
   local s = self.sizes
-  local dzx = tensor.empty({ dz:size(1), dz:size(2), s.d_in_proj }, { dtype = self.dtype, device = self.device })
-  dzx:narrow(3, s.z_off, s.d_inner):copy(dz)
+  local dzx = tensor.empty({ dxBC:size(1), dxBC:size(2), s.d_in_proj }, { dtype = self.dtype, device = self.device })
+  if s.z_dim > 0 then dzx:narrow(3, s.z_off, s.z_dim):copy(dz) end
   dzx:narrow(3, s.xBC_off, s.conv_dim):copy(dxBC)
   dzx:narrow(3, s.b_off, s.b_dim):copy(db)
-  dzx:narrow(3, s.a_off, s.a_dim):copy(da)
+  if s.a_dim > 0 then dzx:narrow(3, s.a_off, s.a_dim):copy(da) end
   return dzx
 end
 
 -- Depthwise causal conv + SiLU over [V, K, Q]; halo [L,B,C] optional (context parallel).
+-- Without short conv: SiLU alone.
 function GatedDeltaProduct:conv_forward(xBC, cu_seqlens, halo, weight, bias)
+  if not self.use_short_conv then return F.silu(xBC) end
   return F.conv1d(xBC, weight or self.params["conv1d.weight"],
                   bias or (weight == nil and self.params["conv1d.bias"] or nil),
                   { activation = "silu", cu_seqlens = cu_seqlens, halo = halo })
@@ -435,6 +477,7 @@ end
 -- Returns dxBC [T,B,C] and dhalo (nil without halo); accumulates the conv gradients
 -- into grads (default: the module's) when given.
 function GatedDeltaProduct:conv_backward(xBC, dxBC_c, cu_seqlens, halo, weight, bias, grads)
+  if not self.use_short_conv then return F.silu_backward(xBC, dxBC_c) end
   local w = weight or self.params["conv1d.weight"]
   local b = bias or (weight == nil and self.params["conv1d.bias"] or nil)
   local r = F.conv1d_backward(xBC, w, b, dxBC_c,
@@ -466,8 +509,8 @@ function GatedDeltaProduct:decay_backward(a, d_g)
 end
 
 -- The operator's inputs from the conv output and the gate sections:
--- {q [B,T,nh,N], k [B,T*M,nh,N], v [B,T*M,nh,P], beta [B,T*M,nh], g [B,T,nh],
---  x_v [T,B,nh,P] (value copy m = 0, for the D skip)}.
+-- {q [B,T,nh,N], k [B,T*M,nh,N], v [B,T*M,nh,P], beta [B,T*M,nh], g [B,T,nh] (nil
+--  without forget gate), x_v [T,B,nh,P] (value copy m = 0, for the D skip)}.
 function GatedDeltaProduct:ssm_inputs(xBC_c, b, a)
   local s = self.sizes
   local T, B = xBC_c:size(1), xBC_c:size(2)
@@ -482,12 +525,13 @@ function GatedDeltaProduct:ssm_inputs(xBC_c, b, a)
   inp.q = F.repeat_heads(Q4, nh):permute(2, 1, 3, 4)
   inp.x_v = V5:select(3, 1)
   inp.beta = F.beta(b, self.beta_scale):view(T, B, M, nh):permute(2, 1, 3, 4):reshape(B, T * M, nh)
-  inp.g = self:decay_forward(a):permute(2, 1, 3)
+  if a ~= nil then inp.g = self:decay_forward(a):permute(2, 1, 3) end
   return inp
 end
 
 -- Backward of ssm_inputs: from the operator's gradients (and dx_v of the D skip) to
--- dxBC_c [T,B,C], db [T,B,M*nh], da [T,B,nh]; accumulates A_log and dt_bias gradients.
+-- dxBC_c [T,B,C], db [T,B,M*nh], da [T,B,nh] (nil without forget gate); accumulates A_log
+-- and dt_bias gradients.
 function GatedDeltaProduct:ssm_inputs_backward(grads, b, a, dx_v)
   local s = self.sizes
   local B, T = grads.dq:size(1), grads.dq:size(2)
@@ -503,7 +547,7 @@ function GatedDeltaProduct:ssm_inputs_backward(grads, b, a, dx_v)
         :copy(F.repeat_heads_backward(grads.dq:permute(2, 1, 3, 4), ng))
   local dbeta = grads.dbeta:view(B, T, M, nh):permute(2, 1, 3, 4)
   local db = F.beta_backward(b:view(T, B, M, nh), self.beta_scale, dbeta):view(T, B, M * nh)
-  local da = self:decay_backward(a, grads.dg:permute(2, 1, 3))
+  local da = a ~= nil and self:decay_backward(a, grads.dg:permute(2, 1, 3)) or nil
   return dxBC_c, db, da
 end
 
@@ -528,7 +572,8 @@ function GatedDeltaProduct:ssm_backward(inp, cu_seqlens, d_o)
   return ops.chunk_gated_delta_product_backward(args)
 end
 
--- o [B,T,nh,P] -> out [T,B,D]: D skip, gated RMSNorm with z, out_proj.  Returns out and
+-- o [B,T,nh,P] -> out [T,B,D]: D skip, gated RMSNorm with z (z nil: plain RMSNorm),
+-- out_proj.  Returns out and
 -- the intermediates out_backward needs.
 function GatedDeltaProduct:out_forward(o, z, x_v)
   local T, B = o:size(2), o:size(1)
@@ -542,8 +587,8 @@ function GatedDeltaProduct:out_forward(o, z, x_v)
   return out:view(T, B, self.hidden_size), { y3 = y3, yn = yn }
 end
 
--- Backward of out_forward: returns d_o [B,T,nh,P] (a view), dz [T,B,d_inner] and dx_v
--- (nil without D); accumulates out_proj, norm and D gradients.
+-- Backward of out_forward: returns d_o [B,T,nh,P] (a view), dz [T,B,d_inner] (nil
+-- without z) and dx_v (nil without D); accumulates out_proj, norm and D gradients.
 function GatedDeltaProduct:out_backward(saved, z, x_v, dout)
   local s = self.sizes
   local T, B = dout:size(1), dout:size(2)

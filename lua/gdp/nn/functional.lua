@@ -107,6 +107,25 @@ function F.beta_backward(b, scale, d_beta)
   return wrap(out[0])
 end
 
+-- x * sigmoid(x), elementwise (q/k/v of a mixer without short conv).
+function F.silu(x)
+  local fn = "nn.functional.silu"
+  tensor_arg(x, fn, "x")
+  local out = tensor_box()
+  call_alloc(fn, "gdp_mixer_silu_forward", x:ctx(), x, out)
+  return wrap(out[0])
+end
+
+-- dx of sum(silu(x) * d_out).
+function F.silu_backward(x, d_out)
+  local fn = "nn.functional.silu_backward"
+  tensor_arg(x, fn, "x")
+  tensor_arg(d_out, fn, "d_out")
+  local out = tensor_box()
+  call_alloc(fn, "gdp_mixer_silu_backward", x:ctx(), x, d_out, out)
+  return wrap(out[0])
+end
+
 -- g = -exp(A_log[h]) * softplus(a + dt_bias[h]) for a [..., H]; dt_bias may be nil.
 function F.decay(a, A_log, dt_bias)
   local fn = "nn.functional.decay"
