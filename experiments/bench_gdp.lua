@@ -497,6 +497,7 @@ for i, s in ipairs(shapes) do
   rows[i] = row
   local shape_ok, shape_err = pcall(function()
     local t_fwd, t_fb, t_dev, dev_note = time_shape(s, opts.save_for_backward)
+    row.path = gdp.ops.last_path(opts.device) -- the kernels "auto" took (gdp.ops.last_path)
     figures(s, t_fwd, t_fb, "", row)
     row.fwdbwd_device_ms, row.device_note = t_dev and t_dev * 1e3, dev_note
     if opts.with_saving then
@@ -511,9 +512,9 @@ for i, s in ipairs(shapes) do
     failures[#failures + 1] = shape_text(s) .. ": " .. row.error
   end
   io.stderr:write(string.format("bench_gdp: %s %s\n", shape_text(s),
-    shape_ok and string.format("fwd %.4g ms, fwd+bwd %.4g ms%s", row.fwd_ms, row.fwdbwd_ms,
+    shape_ok and string.format("fwd %.4g ms, fwd+bwd %.4g ms%s (%s kernels)", row.fwd_ms, row.fwdbwd_ms,
       row.saving_fwd_ms and string.format("; saving: fwd %.4g ms, fwd+bwd %.4g ms", row.saving_fwd_ms,
-      row.saving_fwdbwd_ms) or "") or row.error))
+      row.saving_fwdbwd_ms) or "", row.path or "?") or row.error))
 end
 
 local fla, fla_err, fla_cmd

@@ -38,6 +38,9 @@ for _, dev in ipairs(H.DEVICES) do
             local o, ht, grads, bytes = cases.gdp_run(args, dtype, device, run, gate_dtype)
             assert.are.equal(dtype, o:dtype(), what .. "o's dtype")
             if grads.dg then assert.are.equal(gate_dtype, grads.dg:dtype(), what .. "dg's dtype") end
+            local fast = run.algorithm ~= "recurrent" and cases.fast_path(case, dtype)
+            local path = device == "cpu" and "chunked" or (fast and "fast chunked" or "recurrent")
+            assert.are.equal(path, ops.last_path(device), what .. "gdp.ops.last_path")
             assert.truthy(o:device():find("^" .. device), what .. "o on " .. o:device())
             assert.tensor_near(o, ref.o, tol, what .. "o")
             assert.tensor_near(ht, ref.ht, tol, what .. "ht")

@@ -149,6 +149,11 @@ typedef struct gdp_tuning {
   int32_t value_block;
 } gdp_tuning;
 
+/* The kernels the last GDP operator call on this context ran (forward or backward):
+   "chunked" or "recurrent" on the cpu, "fast chunked" or "recurrent" on cuda; NULL before
+   the first call.  A static string; the last call of any thread sharing the context. */
+const char *gdp_ctx_last_path(const gdp_ctx *ctx);
+
 void gdp_tuning_init(gdp_tuning *t); /* all zeros: the backends' own choices */
 gdp_status gdp_ctx_set_tuning(gdp_ctx *ctx, const gdp_tuning *t);
 gdp_status gdp_ctx_get_tuning(const gdp_ctx *ctx, gdp_tuning *out);

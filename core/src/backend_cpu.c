@@ -866,6 +866,11 @@ done:
 
 /* ------------------------------------------------------------------ GDP operator */
 
+/* float64 under "recurrent" is the oracle itself (op_gdp.c computes it in float64) */
+static const char *cpu_gdp_path(const gdp_delta_product_problem *p) {
+  return p->algorithm == GDP_ALGO_RECURRENT && p->dtype == GDP_DTYPE_F64 ? "recurrent" : "chunked";
+}
+
 static gdp_status cpu_gdp_forward(gdp_ctx *ctx, const gdp_delta_product_problem *p,
                                   const gdp_delta_product_forward_io *io) {
   if (p->l2norm_in_kernel)
@@ -1095,6 +1100,7 @@ const gdp_backend gdp_backend_cpu = {
     .reduce = cpu_reduce,
     .matmul = cpu_matmul,
     .gdp_forward = cpu_gdp_forward,
+    .gdp_path = cpu_gdp_path,
     .gdp_backward = cpu_gdp_backward,
     .l2norm_forward = cpu_l2norm_forward,
     .l2norm_backward = cpu_l2norm_backward,

@@ -874,6 +874,7 @@ const gdp_backend gdp_backend_cuda = {
     .reduce = cuda_reduce,
     .matmul = cuda_matmul,
     .gdp_forward = cuda_gdp_forward,
+    .gdp_path = gdp_cuda_delta_product_path,
     .gdp_backward = cuda_gdp_backward,
     .gdp_save_plan = cuda_gdp_save_plan,
     .gdp_forward_save = cuda_gdp_forward_save,

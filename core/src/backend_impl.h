@@ -71,6 +71,9 @@ struct gdp_backend {
                                  const gdp_delta_product_forward_io *io, void *saved);
   gdp_status (*gdp_backward_saved)(gdp_ctx *ctx, const gdp_delta_product_problem *p,
                                    const gdp_delta_product_backward_io *io, int variant, const void *saved);
+  /* The name of the kernels that run p (a static string: "chunked", "recurrent", "fast
+   * chunked"), recorded by the op layer after each call (gdp_ctx_last_path); NULL: unnamed. */
+  const char *(*gdp_path)(const gdp_delta_product_problem *p);
   /* Row-wise L2 norm over `dim` contiguous values (the GDP operator's q/k norm, when the
    * backend does not fuse it): y = x / sqrt(sum x^2 + eps), x and y may alias; backward
    * dx = r (dy - y (y . dy)), dx and dy may alias.  `dtype` is the buffers'. */

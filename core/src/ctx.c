@@ -169,6 +169,8 @@ void gdp_ctx_set_num_threads(gdp_ctx *ctx, int n) {
 
 int gdp_ctx_num_threads(const gdp_ctx *ctx) { return ctx ? ctx->num_threads : 0; }
 
+const char *gdp_ctx_last_path(const gdp_ctx *ctx) { return ctx ? ctx->last_path : NULL; }
+
 void gdp_ctx_manual_seed(gdp_ctx *ctx, uint64_t seed) {
   if (!ctx) return;
   /* torch's manual_seed also restarts the stream */

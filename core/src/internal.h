@@ -31,6 +31,7 @@ struct gdp_ctx {
   uint64_t seed;
   uint64_t rng_offset;
   gdp_tuning tuning; /* gdp_ctx_set_tuning; zeros: the backend's own choices */
+  const char *last_path; /* the GDP operator's kernels in the last call (gdp_ctx_last_path) */
 };
 
 /* A refcounted allocation on one device.  Holds a reference to its context so that

@@ -349,6 +349,11 @@ static gdp_status deliver(gdp_ctx *ctx, gdp_tensor **tmp, gdp_dtype dtype, gdp_t
 
 static void *data_or_null(const gdp_tensor *t) { return t ? gdp_tensor_data(t) : NULL; }
 
+/* gdp_ctx_last_path: the kernels this call ran, by the backend's own account. */
+static void record_path(gdp_ctx *ctx, const gdp_op_plan *plan) {
+  ctx->last_path = ctx->backend->gdp_path ? ctx->backend->gdp_path(&plan->p) : NULL;
+}
+
 /* The inputs in the compute dtype: q, k raw (qc, kc) and as the kernel sees them (qn, kn:
  * normalised here when the op layer owns the L2 norm, else the same tensors). */
 typedef struct gdp_op_inputs {
@@ -558,6 +563,7 @@ static gdp_status forward_impl(const char *func, gdp_ctx *ctx, const gdp_delta_p
   else
     s = ctx->backend->gdp_forward(ctx, &plan.p, &io);
   if (s != GDP_OK) goto done;
+  record_path(ctx, &plan);
 
   if ((s = deliver(ctx, &oc, plan.in_dtype, o)) != GDP_OK) goto done;
   if (htc && (s = deliver(ctx, &htc, plan.state_out, ht)) != GDP_OK) goto done;
@@ -647,6 +653,7 @@ static gdp_status backward_impl(const char *func, gdp_ctx *ctx, const gdp_delta_
   else
     s = ctx->backend->gdp_backward(ctx, &plan.p, &io);
   if (s != GDP_OK) goto done;
+  record_path(ctx, &plan);
 
   if (plan.l2norm_here) {
     /* The kernel's dq, dk are with respect to the normalised q, k. */

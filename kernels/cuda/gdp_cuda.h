@@ -41,6 +41,10 @@ gdp_status gdp_cuda_delta_product_forward_ex(const gdp_delta_product_problem *p,
 gdp_status gdp_cuda_delta_product_backward_ex(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io, void *stream,
                                     int saved_variant, const void *saved);
 
+/* The name of the path the entry points above run p on ("fast chunked" or "recurrent"),
+ * by the same choice, or NULL where they would refuse it; sets no error. */
+const char *gdp_cuda_delta_product_path(const gdp_delta_product_problem *p);
+
 /* 1 when the CUDA kernels handle this problem (sizes, dtype), else 0 with no error. */
 int gdp_cuda_delta_product_supported(const gdp_delta_product_problem *p);
 

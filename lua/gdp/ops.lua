@@ -516,6 +516,16 @@ function M.get_tuning(dev)
   return out
 end
 
+-- The kernels the last operator call (forward or backward) ran on a device's context (a
+-- name or a context): "chunked" or "recurrent" on the cpu, "fast chunked" or "recurrent"
+-- on cuda; nil before the first call.  algorithm = "auto" never falls to slower kernels
+-- unseen: this says which it took.
+function M.last_path(dev)
+  if dev == nil then argerror("last_path", "expected a device name or context, got nil") end
+  local name = lib.gdp_ctx_last_path(tensor.get_ctx("last_path", dev))
+  return name ~= nil and ffi.string(name) or nil
+end
+
 -- Default contexts created after a set_tuning without a device get its values.
 tensor.ctx_created_hooks[#tensor.ctx_created_hooks + 1] = function(c)
   local t = tuning_box()

@@ -123,6 +123,13 @@ extern "C" gdp_status gdp_cuda_delta_product_backward_ex(const gdp_delta_product
   return backward_recurrent(p, io, (cudaStream_t)stream);
 }
 
+extern "C" const char *gdp_cuda_delta_product_path(const gdp_delta_product_problem *p) {
+  if (!gdp_cuda_delta_product_supported(p)) return nullptr;
+  const bool fast = chunked::takes(p);
+  if (p->algorithm == GDP_ALGO_CHUNK && !fast) return nullptr;
+  return p->algorithm == GDP_ALGO_RECURRENT || !fast ? path_name(PATH_RECURRENT) : path_name(PATH_FAST);
+}
+
 extern "C" int gdp_cuda_delta_product_supported(const gdp_delta_product_problem *p) {
   if (!p) return 0;
   if (p->dtype != GDP_DTYPE_F32 && p->dtype != GDP_DTYPE_BF16) return 0;
