@@ -5,12 +5,14 @@
  *
  *   u[t,b,c] = bias[c] + sum_w wt[w,c] * x~[t-(W-1)+w, b, c],   out = act(u)
  *
- * Forward: one thread per output element, W taps (neighbouring threads read
- * neighbouring channels, so loads coalesce; the taps' rows are shared through L1/L2).
- * Backward: du = d_out * act'(u) is recomputed where it is needed (W multiply-adds and
- * an exp, cheaper than a [T,B,C] float buffer).  One thread owns a channel of one batch
- * row over a chunk of CONV_TCH tokens: it writes dx for those tokens (a gather over the
- * W outputs that read each token) and keeps the chunk's dweight/dbias sums in registers,
+ * Both directions: one thread owns a channel of one batch row over a chunk of CONV_TCH
+ * tokens and slides over them with the last WMAX inputs (and, backward, the last WMAX
+ * du = d_out * act'(u) and sequence starts) in registers, so that every element of x and
+ * d_out is read once per chunk (plus WMAX-1 tokens of overlap), neighbouring threads
+ * read neighbouring channels (coalesced), and no thread divides a 64-bit index.  Taps
+ * are padded to WMAX with zero weights (wk[k] multiplies the input k tokens back), so
+ * every register index is a constant.  Backward writes dx for the chunk (a gather over
+ * the WMAX outputs that read each token) and keeps its dweight/dbias sums in registers,
  * written as one partial per (chunk, batch) and added up by conv_final in double in a
  * fixed order.  dhalo (a few rows) has its own small kernel.
  */
@@ -73,21 +75,67 @@ __device__ __forceinline__ typename Math<IO>::type conv_du(const ConvArgs &a, co
   return dy * s * ((A)1 + u * ((A)1 - s));
 }
 
+/* Raw input at position pos as the first sequence reads it: x for pos >= 0, the halo
+ * for -L <= pos < 0, else zero.  Whether the token being computed may read it is its
+ * sequence's business (tap_ok). */
 template <typename IO>
+__device__ __forceinline__ typename Math<IO>::type raw_input(const ConvArgs &a, const IO *x,
+                                                            const IO *halo, int64_t pos, int64_t b,
+                                                            int64_t c) {
+  typedef typename Math<IO>::type A;
+  if (pos >= 0) return pos < a.T ? ld(x, (pos * a.B + b) * a.C + c) : (A)0;
+  if (pos >= -a.L) return ld(halo, ((a.L + pos) * a.B + b) * a.C + c);
+  return (A)0;
+}
+
+/* A token of the sequence starting at st0 reads position pos: within its sequence, or
+ * anywhere before (the halo) when that sequence is the first (tap_value's rule). */
+__device__ __forceinline__ bool tap_ok(int64_t pos, int64_t st0) { return pos >= st0 || st0 == 0; }
+
+/* The channel's taps by age: wk[k] multiplies the input k tokens back (wt[W-1-k]); zero
+ * for k >= W. */
+template <typename IO, int WMAX>
+__device__ __forceinline__ void taps_by_age(const ConvArgs &a, const IO *wt, int64_t c,
+                                            typename Math<IO>::type (&wk)[WMAX]) {
+  typedef typename Math<IO>::type A;
+#pragma unroll
+  for (int k = 0; k < WMAX; k++) wk[k] = k < a.W ? ld(wt, (a.W - 1 - k) * a.C + c) : (A)0;
+}
+
+/* grid (channel tiles, token chunks, B). */
+template <typename IO, int WMAX>
 __global__ void conv_fwd_kernel(ConvArgs a, const IO *x, const IO *wt, const IO *bias,
                                 const IO *halo, IO *out) {
   typedef typename Math<IO>::type A;
-  const int64_t n = a.T * a.B * a.C;
-  GDP_MIXER_FOR(i, n) {
-    const int64_t c = i % a.C, row = i / a.C;
-    A u = conv_u(a, x, wt, bias, halo, row / a.B, row % a.B, c);
+  const int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= a.C) return;
+  const int64_t b = blockIdx.z;
+  const int64_t t0 = (int64_t)blockIdx.y * CONV_TCH;
+  const int64_t t1 = t0 + CONV_TCH < a.T ? t0 + CONV_TCH : a.T;
+  A wk[WMAX], xs[WMAX]; /* xs[k]: the input at t - k */
+  taps_by_age<IO, WMAX>(a, wt, c, wk);
+  const A bs = bias ? ld(bias, c) : (A)0;
+#pragma unroll
+  for (int k = 0; k < WMAX; k++) xs[k] = (A)0;
+  for (int64_t t = t0 - (WMAX - 1); t < t1; t++) {
+#pragma unroll
+    for (int k = WMAX - 1; k > 0; k--) xs[k] = xs[k - 1];
+    xs[0] = raw_input(a, x, halo, t, b, c);
+    if (t < t0) continue;
+    const int64_t st0 = seq_start(a, t);
+    A u = bs;
+#pragma unroll
+    for (int k = 0; k < WMAX; k++)
+      if (tap_ok(t - k, st0)) u += wk[k] * xs[k];
     if (a.silu) u = u / ((A)1 + m_exp(-u));
-    st(out, i, u);
+    st(out, (t * a.B + b) * a.C + c, u);
   }
 }
 
 /* grid (channel tiles, token chunks, B).  partial [chunk*B + b][(W+1)*C]: columns w*C+c
- * hold dweight[c,w]'s partial sums, W*C+c dbias[c]'s (NULL: not wanted). */
+ * hold dweight[c,w]'s partial sums, W*C+c dbias[c]'s (NULL: not wanted).  Step t
+ * computes du(t) (t in [t0, t1 + WMAX - 1): the chunk's own tokens for the sums, and the
+ * WMAX-1 after it for dx) and dx(s) for s = t - (WMAX-1) in the chunk. */
 template <typename IO, int WMAX>
 __global__ void conv_bwd_kernel(ConvArgs a, const IO *x, const IO *wt, const IO *bias,
                                 const IO *halo, const IO *d_out, IO *dx, double *partial) {
@@ -97,27 +145,47 @@ __global__ void conv_bwd_kernel(ConvArgs a, const IO *x, const IO *wt, const IO 
   const int64_t b = blockIdx.z;
   const int64_t t0 = (int64_t)blockIdx.y * CONV_TCH;
   const int64_t t1 = t0 + CONV_TCH < a.T ? t0 + CONV_TCH : a.T;
-  const int W = (int)a.W;
-  A accw[WMAX];
+  A wk[WMAX], xs[WMAX], ds[WMAX]; /* ds[k]: du(t - k) (0 outside [t0, T)) */
+  int64_t sq[WMAX];               /* sq[k]: the sequence start of token t - k */
+  taps_by_age<IO, WMAX>(a, wt, c, wk);
+  const A bs = bias ? ld(bias, c) : (A)0;
+  A accw[WMAX], accb = (A)0;
 #pragma unroll
-  for (int w = 0; w < WMAX; w++) accw[w] = (A)0;
-  A accb = (A)0;
-  for (int64_t s = t0; s < t1; s++) {
-    if (partial) {
-      const A du = conv_du(a, x, wt, bias, halo, d_out, s, b, c);
-      accb += du;
-      const int64_t st0 = seq_start(a, s);
+  for (int k = 0; k < WMAX; k++) xs[k] = ds[k] = accw[k] = (A)0, sq[k] = 0;
+  const int64_t t_end = t1 + (WMAX - 1) < a.T ? t1 + (WMAX - 1) : a.T;
+  for (int64_t t = t0 - (WMAX - 1); t < t1 + (WMAX - 1); t++) {
 #pragma unroll
-      for (int w = 0; w < WMAX; w++)
-        if (w < W) accw[w] += du * tap_value(a, x, halo, st0, s - (W - 1) + w, b, c);
-    }
-    if (dx) {
-      A g = (A)0;
-      for (int w = 0; w < W; w++) {
-        const int64_t t = s + (W - 1) - w;
-        if (t >= a.T || seq_start(a, t) > s) continue;
-        g += ld(wt, (int64_t)w * a.C + c) * conv_du(a, x, wt, bias, halo, d_out, t, b, c);
+    for (int k = WMAX - 1; k > 0; k--) xs[k] = xs[k - 1], ds[k] = ds[k - 1], sq[k] = sq[k - 1];
+    xs[0] = raw_input(a, x, halo, t, b, c);
+    ds[0] = (A)0;
+    sq[0] = 0;
+    if (t >= t0 && t < t_end) {
+      const int64_t st0 = seq_start(a, t);
+      sq[0] = st0;
+      A u = bs;
+#pragma unroll
+      for (int k = 0; k < WMAX; k++)
+        if (tap_ok(t - k, st0)) u += wk[k] * xs[k];
+      A du = ld(d_out, (t * a.B + b) * a.C + c);
+      if (a.silu) {
+        const A sg = sigmoid(u);
+        du *= sg * ((A)1 + u * ((A)1 - sg));
       }
+      ds[0] = du;
+      if (partial && t < t1) {
+        accb += du;
+#pragma unroll
+        for (int k = 0; k < WMAX; k++)
+          if (tap_ok(t - k, st0)) accw[k] += du * xs[k];
+      }
+    }
+    const int64_t s = t - (WMAX - 1);
+    if (dx && s >= t0 && s < t1) {
+      /* tokens s + j (age WMAX-1-j) of s's own sequence read s through wk[j] */
+      A g = (A)0;
+#pragma unroll
+      for (int j = 0; j < WMAX; j++)
+        if (sq[WMAX - 1 - j] <= s) g += wk[j] * ds[WMAX - 1 - j];
       st(dx, (s * a.B + b) * a.C + c, g);
     }
   }
@@ -125,8 +193,8 @@ __global__ void conv_bwd_kernel(ConvArgs a, const IO *x, const IO *wt, const IO 
     const int64_t cols = (a.W + 1) * a.C;
     double *p = partial + ((int64_t)blockIdx.y * a.B + b) * cols;
 #pragma unroll
-    for (int w = 0; w < WMAX; w++)
-      if (w < W) p[(int64_t)w * a.C + c] = (double)accw[w];
+    for (int k = 0; k < WMAX; k++)
+      if (k < a.W) p[(int64_t)(a.W - 1 - k) * a.C + c] = (double)accw[k];
     p[a.W * a.C + c] = (double)accb;
   }
 }
@@ -180,17 +248,34 @@ ConvArgs conv_args(const gdp_conv1d_problem *p, const int64_t *seq) {
 
 int64_t conv_nchunks(int64_t T) { return (T + CONV_TCH - 1) / CONV_TCH; }
 
+/* (channel tiles, token chunks, B), as both directions' kernels take it. */
+gdp_status conv_grid_check(const char *func, const ConvArgs &a) {
+  if (conv_nchunks(a.T) > 65535 || a.B > 65535)
+    return GDP_ERROR_IN(func, GDP_ERR_UNSUPPORTED,
+                        "conv1d on cuda takes T <= %d and B <= 65535, got T = %lld, B = %lld",
+                        65535 * CONV_TCH, (long long)a.T, (long long)a.B);
+  return GDP_OK;
+}
+dim3 conv_grid(const ConvArgs &a) {
+  return dim3((unsigned)((a.C + CONV_THREADS - 1) / CONV_THREADS), (unsigned)conv_nchunks(a.T),
+              (unsigned)a.B);
+}
+
 template <typename IO>
 gdp_status conv_fwd(const gdp_conv1d_problem *p, const int64_t *seq, const void *x,
                     const void *wt, const void *bias, const void *halo, void *out,
                     cudaStream_t stream) {
+  static const char *func = "gdp_cuda_conv1d_fwd";
   const ConvArgs a = conv_args(p, seq);
-  const int64_t n = a.T * a.B * a.C;
-  if (n == 0) return GDP_OK;
-  conv_fwd_kernel<IO><<<grid_for(n), THREADS, 0, stream>>>(a, (const IO *)x, (const IO *)wt,
-                                                           (const IO *)bias, (const IO *)halo,
-                                                           (IO *)out);
-  return launched("gdp_cuda_conv1d_fwd", "conv_fwd_kernel");
+  if (a.T * a.B * a.C == 0) return GDP_OK;
+  GDP_TRY(conv_grid_check(func, a));
+  const dim3 grid = conv_grid(a);
+  const IO *xi = (const IO *)x, *wi = (const IO *)wt, *bi = (const IO *)bias, *hi = (const IO *)halo;
+  if (a.W <= 4)
+    conv_fwd_kernel<IO, 4><<<grid, CONV_THREADS, 0, stream>>>(a, xi, wi, bi, hi, (IO *)out);
+  else
+    conv_fwd_kernel<IO, CONV_WMAX><<<grid, CONV_THREADS, 0, stream>>>(a, xi, wi, bi, hi, (IO *)out);
+  return launched(func, "conv_fwd_kernel");
 }
 
 template <typename IO>
@@ -206,11 +291,8 @@ gdp_status conv_bwd(const gdp_conv1d_problem *p, const int64_t *seq, const void 
   double *partial = want_sums ? (double *)workspace : NULL;
   const int64_t nch = conv_nchunks(a.T);
   if ((dx || want_sums) && a.T * a.B * a.C > 0) {
-    if (nch > 65535 || a.B > 65535)
-      return GDP_ERROR_IN(func, GDP_ERR_UNSUPPORTED,
-                          "conv1d backward on cuda takes T <= %d and B <= 65535, got T = %lld, B = %lld",
-                          65535 * CONV_TCH, (long long)a.T, (long long)a.B);
-    dim3 grid((unsigned)((a.C + CONV_THREADS - 1) / CONV_THREADS), (unsigned)nch, (unsigned)a.B);
+    GDP_TRY(conv_grid_check(func, a));
+    const dim3 grid = conv_grid(a);
     if (a.W <= 4)
       conv_bwd_kernel<IO, 4><<<grid, CONV_THREADS, 0, stream>>>(a, xi, wi, bi, hi, di, (IO *)dx,
                                                                partial);
