@@ -644,7 +644,8 @@ int gdp_comm_size(const gdp_comm *c);
 int gdp_comm_is_mpi(const gdp_comm *c);
 /* How c moves tensors of a device type: "mpi" or "self" (size 1, no MPI) for cpu
  * tensors; for cuda tensors "nccl" (NCCL built in, every rank on its own GPU: device
- * UUIDs all different, and GDP_COMM_NCCL=0 on no rank), else "mpi-staged" (each buffer
+ * UUIDs all different, and GDP_COMM_NCCL=0 on no rank; one rank only with
+ * GDP_COMM_NCCL=2, which checks the NCCL path on one GPU), else "mpi-staged" (each buffer
  * copied to the host, moved over MPI, copied back; always the case when ranks share a
  * GPU) or "self-staged".  The cuda transport is chosen once per communicator, by the
  * first collective carrying cuda tensors or by this call with type cuda (index: this

@@ -513,18 +513,19 @@ static gdp_status nccl_sendrecv(const char *func, gdp_comm *c, gdp_ctx *nx, cons
 /* Chooses how c moves cuda tensors (device: the cuda device index of this rank's
  * tensors).  Collective when NCCL is built in: NCCL where every rank has its own GPU
  * (device UUIDs all different; GDP_COMM_NCCL=0 on any rank opts out), else host
- * staging; the same verdict on every rank.  A failed NCCL set-up falls back to host
+ * staging; the same verdict on every rank.  A single MPI rank stages too, unless
+ * GDP_COMM_NCCL=2 (a one-rank NCCL communicator: the NCCL path checked on one GPU).  A failed NCCL set-up falls back to host
  * staging on every rank (with one line on stderr). */
 static gdp_status choose_transport(const char *func, gdp_comm *c, int device) {
   c->transport = TRANSPORT_STAGED;
 #ifdef COMM_NCCL
-  if (!c->is_mpi || c->size == 1) return GDP_OK;
+  if (!c->is_mpi || (c->size == 1 && env_int("GDP_COMM_NCCL", 1, 0, 2) != 2)) return GDP_OK;
   struct {
     int64_t want;
     unsigned char uuid[16];
   } mine, *all;
   memset(&mine, 0, sizeof mine);
-  mine.want = env_int("GDP_COMM_NCCL", 1, 0, 1);
+  mine.want = env_int("GDP_COMM_NCCL", 1, 0, 2) != 0;
   struct cudaDeviceProp prop;
   if (mine.want && cudaGetDeviceProperties(&prop, device) == cudaSuccess) {
     memcpy(mine.uuid, prop.uuid.bytes, sizeof mine.uuid);
