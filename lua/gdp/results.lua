@@ -66,7 +66,15 @@ end
 M.mkdir_p = mkdir_p
 
 -- {sha = "abc123...", short = "abc1234", dirty = true/false} or {sha = "unknown"}.
+-- GDP_GIT_SHA (a full sha) names the revision of a tree copied without its own history
+-- (a GPU machine's copy, whose .git, if any, is not the source's): then dirty is what
+-- GDP_GIT_DIRTY says (1 or 0) and `from` says where the sha came from.
 function M.git_info()
+  local given = os.getenv("GDP_GIT_SHA")
+  if given and given:match("^%x+$") and #given == 40 then
+    return { sha = given, short = given:sub(1, 7), dirty = os.getenv("GDP_GIT_DIRTY") == "1",
+             from = "GDP_GIT_SHA" }
+  end
   -- (LuaJIT's popen gives no exit status: check the text, as outside a repository
   -- `git rev-parse` echoes its argument)
   local sha = util.capture("git rev-parse --verify -q HEAD")
