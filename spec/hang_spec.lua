@@ -2,28 +2,9 @@
 -- message, instead of hanging the others in their next collective.  These specs start
 -- `mpirun -np 2 ./gdp script.lua` themselves (not tagged #mpi: they must not run inside
 -- another mpirun), each under `timeout`, so a regression fails instead of hanging CI.
-local root = os.getenv("GDP_ROOT") or "."
--- the launcher must use this run's build (not build a default one): GDP_LIB's folder
-local build = (os.getenv("GDP_LIB") or ""):match("^(.*)/[^/]+$")
-local env = build and string.format("GDP_BUILD_DIR=%q ", build) or ""
-do -- and configure it as it is (a CPU-only build stays one: no reconfigure, no CUDA build)
-  local f = build and io.open(build .. "/CMakeCache.txt", "r")
-  if f then
-    if f:read("*a"):find("GDP_CUDA:BOOL=OFF", 1, true) then env = env .. "GDP_NO_CUDA=1 " end
-    f:close()
-  end
-end
+local H = gdp_test
+local root, env = H.root, H.launcher_env
 local LIMIT = 60 -- seconds; a healthy failing job ends in a few
-
-local function have_mpi()
-  local ok = os.execute("command -v mpirun >/dev/null 2>&1")
-  if not (ok == true or ok == 0) then return false end
-  local f = io.open((os.getenv("GDP_LIB") or ""):gsub("libgdp%.so$", "CMakeCache.txt"), "r")
-  if not f then return false end
-  local cache = f:read("*a")
-  f:close()
-  return cache:find("GDP_MPI:BOOL=ON", 1, true) ~= nil
-end
 
 -- Runs `body` as a script on 2 ranks; returns the exit status and the output.
 local function run_ranks(body)
@@ -31,11 +12,7 @@ local function run_ranks(body)
   local f = assert(io.open(script, "w"))
   f:write(body)
   f:close()
-  local version = io.popen("mpirun --version 2>&1"):read("*a")
-  local cmd = string.format(env .. "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 " ..
-                            "timeout -k 5 %d mpirun -np 2 %s %s/gdp %s 2>&1; echo \"rc=$?\"", LIMIT,
-                            version:find("Open MPI", 1, true) and "--oversubscribe" or "", root, script)
-  local p = assert(io.popen(cmd))
+  local p = assert(io.popen(H.launcher_cmd(2, script, "", LIMIT)))
   local out = p:read("*a")
   p:close()
   os.remove(script)
@@ -43,7 +20,7 @@ local function run_ranks(body)
 end
 
 describe("a failure on one rank ends every rank", function()
-  local mpi = have_mpi()
+  local mpi = H.can_mpirun
 
   it("an uncaught error before a collective", function()
     if not mpi then return pending("no mpirun or built without MPI") end

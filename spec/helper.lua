@@ -107,6 +107,40 @@ end
 -- Folder of the golden operator cases copied into the project.
 H.golden_dir = os.getenv("GDP_GOLDEN_DIR") or "spec/fixtures/golden"
 
+-- Running the launcher from a spec (`./gdp script.lua`, or `mpirun -np N ./gdp ...`):
+-- the environment prefix that makes it use this run's build (GDP_LIB's folder, not a
+-- default one) configured as it is (a CPU-only build stays one), and whether a
+-- multi-rank run can start here (mpirun and an MPI build).  Such specs are not tagged
+-- #mpi: they must not run inside another mpirun.
+H.root = os.getenv("GDP_ROOT") or "."
+do
+  local build = (os.getenv("GDP_LIB") or ""):match("^(.*)/[^/]+$")
+  local env = build and string.format("GDP_BUILD_DIR=%q ", build) or ""
+  local cache = ""
+  local f = build and io.open(build .. "/CMakeCache.txt", "r")
+  if f then
+    cache = f:read("*a")
+    f:close()
+  end
+  if cache:find("GDP_CUDA:BOOL=OFF", 1, true) then env = env .. "GDP_NO_CUDA=1 " end
+  H.launcher_env = env
+  local ok = os.execute("command -v mpirun >/dev/null 2>&1")
+  H.can_mpirun = (ok == true or ok == 0) and cache:find("GDP_MPI:BOOL=ON", 1, true) ~= nil
+end
+
+-- The command line of `./gdp script args` on np ranks (np nil: no mpirun), as root too,
+-- under `timeout` (limit seconds), stderr with stdout, ending in "rc=<exit status>".
+function H.launcher_cmd(np, script, args, limit)
+  local mpi = ""
+  if np then
+    local version = io.popen("mpirun --version 2>&1"):read("*a")
+    mpi = string.format("mpirun -np %d %s ", np, version:find("Open MPI", 1, true) and "--oversubscribe" or "")
+  end
+  return string.format(H.launcher_env .. "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 " ..
+                       "timeout -k 5 %d %s%s/gdp %s %s 2>&1; echo \"rc=$?\"", limit or 60, mpi, H.root,
+                       script, args or "")
+end
+
 function H.list_files(dir, pattern)
   local out = {}
   local p = io.popen("ls -1 " .. dir .. " 2>/dev/null")

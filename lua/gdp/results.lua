@@ -10,6 +10,9 @@
 -- A study-level file that gathers one row per run across runs:
 --   results.append_csv("experiments/runs/bench_gdp/results.csv", columns, row)
 --
+-- A benchmark's report where the README cites it (rank 0 only):
+--   local path = results.record("cp-h200x2", report)   -- results/<UTC date>-cp-h200x2.json
+--
 -- Only rank 0 writes (OMPI_COMM_WORLD_RANK / PMI_RANK); other ranks get a run whose
 -- methods do nothing.  meta.json holds the args, config, seed, git revision and dirty
 -- flag, gdp_build_info(), the devices, the tuning (gdp.set_tuning: its default and each
@@ -36,17 +39,25 @@ local function absolute(path)
   return cwd .. "/" .. (path:gsub("^%./", ""))
 end
 
-local function default_root()
-  local env = os.getenv("GDP_RUNS_DIR")
-  if env and env ~= "" then return env end
+-- The repository: GDP_ROOT (which ./gdp exports), else the checkout this file lies in;
+-- nil when neither is known.
+local function repo_root()
   local repo = os.getenv("GDP_ROOT")
   if not repo or repo == "" then
     local src = debug.getinfo(1, "S").source
     repo = src:sub(1, 1) == "@" and src:sub(2):match("^(.*)/lua/gdp/[^/]+$") or nil
     if not repo and src:match("^@lua/gdp/") then repo = "." end
   end
-  if not repo or repo == "" then return "experiments/runs" end
-  return absolute(repo) .. "/experiments/runs"
+  if not repo or repo == "" then return nil end
+  return absolute(repo)
+end
+
+local function default_root()
+  local env = os.getenv("GDP_RUNS_DIR")
+  if env and env ~= "" then return env end
+  local repo = repo_root()
+  if not repo then return "experiments/runs" end
+  return repo .. "/experiments/runs"
 end
 
 M.root = default_root()
@@ -215,6 +226,20 @@ local function write_file(path, text)
   if not f then error("gdp.results: cannot write " .. path .. ": " .. tostring(err), 3) end
   f:write(text)
   f:close()
+end
+
+-- Writes report (a table) as JSON to <repo>/results/<UTC date>-<name>.json and returns
+-- the path; rank 0 only (other ranks return nil).  name: letters, digits, '-', '_', '.'.
+function M.record(name, report)
+  if type(name) ~= "string" or not name:match("^[%w%-_.]+$") then
+    error("gdp.results.record: name: expected letters, digits, '-', '_' and '.', got " .. tostring(name), 2)
+  end
+  if rank() ~= 0 then return nil end
+  local dir = (repo_root() or ".") .. "/results"
+  mkdir_p(dir)
+  local path = string.format("%s/%s-%s.json", dir, os.date("!%Y-%m-%d"), name)
+  write_file(path, util.json_encode(report, 1) .. "\n")
+  return path
 end
 
 function Run:write_meta()

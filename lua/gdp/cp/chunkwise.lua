@@ -41,9 +41,13 @@
 --
 -- The conv halo (conv_halo_exchange and its backward) moves the previous rank's last
 -- W-1 tokens to the next rank, zeroed on rank 0 and cut where another sequence ends.
+--
+-- gdp.cp.timing (off by default) clocks the stages: summary_*, allgather_*, compose_*,
+-- local_* (the operator's own run) for _forward and _backward, and halo_*.
 local tensor = require("gdp.tensor")
 local ops = require("gdp.ops")
 local shard = require("gdp.cp.shard")
+local timing = require("gdp.cp.timing")
 
 local argerror = tensor.argerror
 local shape_str = tensor.shape_str
@@ -332,23 +336,23 @@ end
 function CpuBackend:forward_apply(local_ctx, preceding)
   local inputs = local_ctx.inputs
   local V, K = local_ctx.V, local_ctx.K
-  local S_in = compose_prefix(preceding, V, K)
-  local h0
-  if S_in ~= nil then
+  local h0 = timing.stage("compose_forward", inputs.q:device(), function()
+    local S_in = compose_prefix(preceding, V, K)
+    if S_in == nil then return nil end
     if inputs.cu_seqlens ~= nil then
       local cu = inputs.cu_seqlens
       local first = first_last(cu)
       local device = inputs.q:device()
       local hdtype = device:match("^cuda") and local_ctx.sdtype or "f64"
-      h0 = tensor.zeros({ #cu - 1, local_ctx.H, K, V }, { dtype = hdtype, device = device })
-      h0:select(1, first):copy(S_in:select(1, 1))
-    else
-      h0 = state_on(S_in, inputs.q:device(), local_ctx.sdtype)
+      local h = tensor.zeros({ #cu - 1, local_ctx.H, K, V }, { dtype = hdtype, device = device })
+      h:select(1, first):copy(S_in:select(1, 1))
+      return h
     end
-  end
+    return state_on(S_in, inputs.q:device(), local_ctx.sdtype)
+  end)
   local args = with_algorithm(self, op_args(inputs))
   args.initial_state = h0
-  local o = ops.chunk_gated_delta_product(args)
+  local o = timing.stage("local_forward", inputs.q:device(), ops.chunk_gated_delta_product, args)
   return o, { inputs = inputs, h0 = h0, Nb = local_ctx.Nb, H = local_ctx.H, K = K, V = V,
               sdtype = local_ctx.sdtype }
 end
@@ -409,25 +413,25 @@ function CpuBackend:backward_apply(bwd_ctx, following)
   local saved = bwd_ctx.saved
   local inputs = saved.inputs
   local V, K = saved.V, saved.K
-  local dS_out = compose_suffix(following, V, K)
-  local dht
-  if dS_out ~= nil then
+  local dht = timing.stage("compose_backward", inputs.q:device(), function()
+    local dS_out = compose_suffix(following, V, K)
+    if dS_out == nil then return nil end
     if inputs.cu_seqlens ~= nil then
       local cu = inputs.cu_seqlens
       local _, last = first_last(cu)
       local device = inputs.q:device()
       local hdtype = device:match("^cuda") and saved.sdtype or "f64"
-      dht = tensor.zeros({ #cu - 1, saved.H, K, V }, { dtype = hdtype, device = device })
-      dht:select(1, last):copy(dS_out:select(1, 1))
-    else
-      dht = state_on(dS_out, inputs.q:device(), saved.sdtype)
+      local h = tensor.zeros({ #cu - 1, saved.H, K, V }, { dtype = hdtype, device = device })
+      h:select(1, last):copy(dS_out:select(1, 1))
+      return h
     end
-  end
+    return state_on(dS_out, inputs.q:device(), saved.sdtype)
+  end)
   local args = with_algorithm(self, op_args(inputs))
   args.initial_state = saved.h0
   args["do"] = bwd_ctx.d_o
   args.dht = dht
-  local g = ops.chunk_gated_delta_product_backward(args)
+  local g = timing.stage("local_backward", inputs.q:device(), ops.chunk_gated_delta_product_backward, args)
   return { dq = g.dq, dk = g.dk, dv = g.dv, dg = g.dg, dbeta = g.dbeta }
 end
 
@@ -573,7 +577,7 @@ function M.gdp_chunkwise_context_parallel(...)
   local validate = args.validate ~= false
   local function prepare()
     local inp = local_inputs(args)
-    local s, c = backend:forward_prepare(inp)
+    local s, c = timing.stage("summary_forward", inp.q:device(), backend.forward_prepare, backend, inp)
     return inp, s, c
   end
   local inputs, summary, local_ctx
@@ -588,7 +592,9 @@ function M.gdp_chunkwise_context_parallel(...)
                 { Nb, H, K, V, inputs.num_householder, DTYPE_CODE[inputs.q:dtype()] or 0 })
     check_spans(group, inputs.p, inputs.f)
   end
-  local gathered = group:allgather(summary:contiguous())
+  local gathered = timing.stage("allgather_forward", summary:device(), function()
+    return group:allgather(summary:contiguous())
+  end)
   local r = group:rank()
   local preceding = gathered:narrow(1, inputs.p + 1, r - inputs.p)
   local o, saved = backend:forward_apply(local_ctx, preceding)
@@ -611,7 +617,8 @@ function M.gdp_chunkwise_context_parallel_backward(saved_ctx, d_o)
       argerror(FN_BWD, string.format("d_o: expected the shape of o %s, got %s", shape_str(want),
                                      shape_str(d_o:shape())))
     end
-    return backend:backward_prepare(d_o, saved_ctx.saved)
+    return timing.stage("summary_backward", d_o:device(), backend.backward_prepare, backend, d_o,
+                        saved_ctx.saved)
   end
   local summary, bwd_ctx
   if saved_ctx.validate then
@@ -619,7 +626,9 @@ function M.gdp_chunkwise_context_parallel_backward(saved_ctx, d_o)
   else
     summary, bwd_ctx = prepare()
   end
-  local gathered = group:allgather(summary:contiguous())
+  local gathered = timing.stage("allgather_backward", summary:device(), function()
+    return group:allgather(summary:contiguous())
+  end)
   local r = group:rank()
   local following = gathered:narrow(1, r + 2, inputs.f - r - 1)
   return backend:backward_apply(bwd_ctx, following)
@@ -784,7 +793,7 @@ function M.layer_forward(m, x, cu_in)
   local parts = m:split_in_proj(zx)
   local R = m.conv_width - 1
   local valid = math.min(R, meta.tokens_before)
-  local halo = M.conv_halo_exchange(group, parts.xBC, R, valid)
+  local halo = timing.stage("halo_forward", m.device, M.conv_halo_exchange, group, parts.xBC, R, valid)
   local lcu = meta.local_cu_seqlens
   local xBC_c = m:conv_forward(parts.xBC, lcu, halo)
   local inp = m:ssm_inputs(xBC_c, parts.b, parts.a)
@@ -820,7 +829,8 @@ function M.layer_backward(m, dy)
   local dxBC_c, db, da = m:ssm_inputs_backward(g, c.parts.b, c.parts.a, dx_v)
   local dxBC, dhalo = m:conv_backward(c.parts.xBC, dxBC_c, c.meta.local_cu_seqlens, c.halo)
   local R = m.conv_width - 1
-  local dtail = M.conv_halo_exchange_backward(group, dhalo, c.parts.xBC, R, c.valid)
+  local dtail = timing.stage("halo_backward", m.device, M.conv_halo_exchange_backward, group, dhalo,
+                             c.parts.xBC, R, c.valid)
   local Lc = x:size(1)
   local Lt = dtail:size(1)
   if Lt > 0 then dxBC:narrow(1, Lc - Lt + 1, Lt):add_(dtail) end

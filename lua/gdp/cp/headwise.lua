@@ -32,9 +32,12 @@
 --    all-to-all is [c_0, c_{2cp-1}, c_1, c_{2cp-2}, ...]; it is undone (per sequence for
 --    packed THD input, whose global cu_seqlens are then required) before the conv and
 --    redone before the reverse all-to-all.
+--  - gdp.cp.timing (off by default) clocks the layer's stages: all_to_all_in_*,
+--    local_* (the operator) and all_to_all_out_*, for _forward and _backward.
 local tensor = require("gdp.tensor")
 local F = require("gdp.nn.functional")
 local shard = require("gdp.cp.shard")
+local timing = require("gdp.cp.timing")
 
 local argerror = tensor.argerror
 local shape_str = tensor.shape_str
@@ -551,7 +554,7 @@ function M.layer_forward(m, x, cu_in)
   local zx = m:in_proj_forward(x)
   local z = zx:narrow(3, s.z_off, s.d_inner)
   -- z stays with its tokens: the gated norm runs after the reverse all-to-all.
-  local loc = hcp:_cp2hp(zx, false, cu)
+  local loc = timing.stage("all_to_all_in_forward", m.device, hcp._cp2hp, hcp, zx, false, cu)
   local view = local_module(m, hcp)
   local ls = view.sizes
   local xBC = loc:narrow(3, 1, ls.conv_dim)
@@ -559,11 +562,11 @@ function M.layer_forward(m, x, cu_in)
   local a = loc:narrow(3, ls.conv_dim + ls.b_dim + 1, ls.a_dim)
   local xBC_c = view:conv_forward(xBC, cu)
   local inp = view:ssm_inputs(xBC_c, b, a)
-  local o = view:ssm_forward(inp, cu)
+  local o = timing.stage("local_forward", m.device, view.ssm_forward, view, inp, cu)
   local y = o:permute(2, 1, 3, 4)
   if m.D_mode then y = F.dskip(y, inp.x_v, view.params.D) end
   local y3 = y:reshape(T, B, ls.d_inner)
-  local y_seq = hcp:_hp2cp(y3, cu)
+  local y_seq = timing.stage("all_to_all_out_forward", m.device, hcp._hp2cp, hcp, y3, cu)
   local Tl = x:size(1)
   local yn = F.gated_rmsnorm(y_seq, z, m.params["norm.weight"], s.norm_group, m.norm_eps)
   local out = tensor.matmul(yn:view(Tl * B, s.d_inner), m.params["out_proj.weight"], { trans_b = true })
@@ -600,7 +603,7 @@ function M.layer_backward(m, dy)
   local dy_seq, dz, dnw = F.gated_rmsnorm_backward(c.y_seq, c.z, m.params["norm.weight"],
                                                    s.norm_group, m.norm_eps, dyn)
   m.grads["norm.weight"]:add_(dnw)
-  local dy3 = hcp:_hp2cp_backward(dy_seq, c.cu)
+  local dy3 = timing.stage("all_to_all_out_backward", m.device, hcp._hp2cp_backward, hcp, dy_seq, c.cu)
   local dy4 = dy3:view(T, B, hcp.nheads_local, m.head_dim)
   local dx_v
   if m.D_mode then
@@ -608,7 +611,8 @@ function M.layer_backward(m, dy)
     dx_v, dD = F.dskip_backward(c.inp.x_v, view.params.D, dy4)
     hcp:get_D_backward(dD, m.grads["D"])
   end
-  local g = view:ssm_backward(c.inp, c.cu, dy4:permute(2, 1, 3, 4))
+  local g = timing.stage("local_backward", m.device, view.ssm_backward, view, c.inp, c.cu,
+                         dy4:permute(2, 1, 3, 4))
   local dxBC_c, db, da = view:ssm_inputs_backward(g, c.b, c.a, dx_v)
   local dxBC = view:conv_backward(c.xBC, dxBC_c, c.cu, nil, view.params["conv1d.weight"],
                                   view.params["conv1d.bias"],
@@ -623,7 +627,7 @@ function M.layer_backward(m, dy)
   dloc:narrow(3, 1, ls.conv_dim):copy(dxBC)
   dloc:narrow(3, ls.conv_dim + 1, ls.b_dim):copy(db)
   dloc:narrow(3, ls.conv_dim + ls.b_dim + 1, ls.a_dim):copy(da)
-  local dzx = hcp:_cp2hp_backward(dloc, false, c.cu)
+  local dzx = timing.stage("all_to_all_in_backward", m.device, hcp._cp2hp_backward, hcp, dloc, false, c.cu)
   dzx:narrow(3, s.z_off, s.d_inner):copy(dz)
   local dx = m:in_proj_backward(x, dzx)
   local b2 = group:bytes()

@@ -9,6 +9,7 @@
 --                                                          group, gdp.cp.cpu_backend(), p, f)
 --   -- or the whole layer: gdp.nn.GatedDeltaProduct{..., cp_mode = "chunkwise", cp_group = group}
 --   -- sharding helpers: gdp.cp.shard.split / gather
+--   -- where CP time goes: gdp.cp.timing.set({}) (stage name -> seconds; nil: off)
 --
 -- Which to choose: chunkwise moves a fixed 4*cp*H*K*(K+V) bytes per layer and direction
 -- (independent of the sequence length, any cp); headwise moves activations (grows with
@@ -18,12 +19,14 @@ local tensor = require("gdp.tensor")
 local shard = require("gdp.cp.shard")
 local chunkwise = require("gdp.cp.chunkwise")
 local headwise = require("gdp.cp.headwise")
+local timing = require("gdp.cp.timing")
 
 local M = {}
 
 M.shard = shard
 M.chunkwise = chunkwise
 M.headwise = headwise
+M.timing = timing -- the optional stage clock (off by default)
 
 M.GDPContextParallel = headwise.GDPContextParallel
 
