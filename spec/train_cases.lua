@@ -12,8 +12,11 @@ local Affine = {}
 Affine.__index = Affine
 
 -- cfg: in_dim, out_dim, dtype ("f64"), device ("cpu"), grad_dtype (default the dtype).
+-- A bf16 module computes in float32 from its bf16 parameters (inputs f32, gradients f32
+-- unless grad_dtype says otherwise).
 function C.Affine(cfg)
   local self = setmetatable({ dtype = cfg.dtype or "f64", device = cfg.device or "cpu" }, Affine)
+  self.compute_dtype = self.dtype == "bf16" and "f32" or self.dtype
   local opts = { dtype = self.dtype, device = self.device }
   self.in_dim, self.out_dim = cfg.in_dim, cfg.out_dim
   self.params = {
@@ -42,24 +45,27 @@ local function row_sum(x) -- [N, D] -> [D]
   return gdp.matmul(ones, x):view(x:size(2))
 end
 
--- x [N, in_dim] of the module's dtype.
+-- A parameter in the compute dtype.
+function Affine:param(name) return self.params[name]:to(self.compute_dtype) end
+
+-- x [N, in_dim] of the compute dtype.
 function Affine:forward(x)
-  local w = self.params["norm.weight"]:view(1, self.in_dim)
+  local w = self:param("norm.weight"):view(1, self.in_dim)
   local ones = gdp.ones({ x:size(1), 1 }, { dtype = x:dtype(), device = x:device() })
   self.xs = x:mul(gdp.matmul(ones, w))
-  local y = gdp.matmul(self.xs, self.params["proj.weight"], { trans_b = true })
-  local b = gdp.matmul(ones, self.params["proj.bias"]:view(1, self.out_dim))
+  local y = gdp.matmul(self.xs, self:param("proj.weight"), { trans_b = true })
+  local b = gdp.matmul(ones, self:param("proj.bias"):view(1, self.out_dim))
   return y:add(b)
 end
 
 function Affine:backward(x, dy)
-  local W = self.params["proj.weight"]
+  local W = self:param("proj.weight")
   local gw = gdp.matmul(dy, self.xs, { trans_a = true })
   self.grads["proj.weight"]:add_(gw:to(self.grads["proj.weight"]:dtype()))
   self.grads["proj.bias"]:add_(row_sum(dy):to(self.grads["proj.bias"]:dtype()))
   local dxs = gdp.matmul(dy, W)
   self.grads["norm.weight"]:add_(row_sum(dxs:mul(x)):to(self.grads["norm.weight"]:dtype()))
-  local w = self.params["norm.weight"]:view(1, self.in_dim)
+  local w = self:param("norm.weight"):view(1, self.in_dim)
   local ones = gdp.ones({ x:size(1), 1 }, { dtype = x:dtype(), device = x:device() })
   return dxs:mul(gdp.matmul(ones, w))
 end
