@@ -20,21 +20,23 @@ end
 
 -- A regression problem: targets from a fixed matrix plus noise, each batch drawn from
 -- gdp's RNG (so a resume must restore the RNG to see the same batches).
-local function problem(dtype)
+local function problem(dtype, device)
   local cdt = dtype == "bf16" and "f32" or dtype
+  local opts = { dtype = cdt, device = device }
   H.reseed(7)
-  local W_true = gdp.randn({ OUT, IN }, { dtype = cdt })
+  local W_true = gdp.randn({ OUT, IN }, opts)
   local function batch()
-    local x = gdp.randn({ ROWS, IN }, { dtype = cdt })
-    local y = gdp.matmul(x, W_true, { trans_b = true }):add(gdp.randn({ ROWS, OUT }, { dtype = cdt }):scale_(0.01))
+    local x = gdp.randn({ ROWS, IN }, opts)
+    local y = gdp.matmul(x, W_true, { trans_b = true }):add(gdp.randn({ ROWS, OUT }, opts):scale_(0.01))
     return { input = x, target = y, tokens = ROWS }
   end
   return batch
 end
 
-local function setup(dtype, seed)
+local function setup(dtype, seed, device)
   H.reseed(seed or 8)
-  local model = C.Affine({ in_dim = IN, out_dim = OUT, dtype = dtype, grad_dtype = dtype == "bf16" and "f32" or nil })
+  local model = C.Affine({ in_dim = IN, out_dim = OUT, dtype = dtype, device = device,
+                           grad_dtype = dtype == "bf16" and "f32" or nil })
   local opt = optim.AdamW(model, { lr = 0.05, weight_decay = 0.01, no_decay = { "bias" } })
   return model, opt
 end
@@ -122,20 +124,24 @@ describe("train.run", function()
     os.execute("rm -rf " .. root)
   end)
 
-  for _, dtype in ipairs({ "f64", "f32", "bf16" }) do
-    it(dtype .. ": 2N steps straight equal N steps, checkpoint, fresh objects, N more (bitwise)", function()
+  local resume_cases = { { "f64", "cpu" }, { "f32", "cpu" }, { "bf16", "cpu" }, { "f32", "cuda" }, { "bf16", "cuda" } }
+  for _, case in ipairs(resume_cases) do
+    local dtype, device = case[1], case[2]
+    it(dtype .. " on " .. device .. ": 2N steps straight equal N steps, checkpoint, fresh objects, N more (bitwise)" ..
+       (device == "cuda" and " #gpu" or ""), function()
+      if not H.need_device(device) then return end
       local N = 7
       local sched = optim.schedule.cosine({ lr = 0.05, total_steps = 2 * N, warmup_steps = 2 })
       local root = tmpdir()
       local path = root .. "/ckpt.safetensors"
 
-      local batch = problem(dtype)
-      local model_a, opt_a = setup(dtype)
+      local batch = problem(dtype, device)
+      local model_a, opt_a = setup(dtype, nil, device)
       local straight = train.run({ model = model_a, optimizer = opt_a, criterion = C.MSE(), batch = batch,
                                    steps = 2 * N, schedule = sched, max_grad_norm = 0.5, out = quiet() })
 
-      batch = problem(dtype)
-      local model_b, opt_b = setup(dtype)
+      batch = problem(dtype, device)
+      local model_b, opt_b = setup(dtype, nil, device)
       local first = train.run({ model = model_b, optimizer = opt_b, criterion = C.MSE(), batch = batch,
                                 steps = N, schedule = sched, max_grad_norm = 0.5, checkpoint = path,
                                 out = quiet() })
@@ -143,7 +149,7 @@ describe("train.run", function()
       -- fresh objects, other initial values, a scrambled RNG stream
       gdp.manual_seed(424242)
       gdp.randn({ 1000 })
-      local model_c, opt_c = setup(dtype, 99)
+      local model_c, opt_c = setup(dtype, 99, device)
       gdp.randn({ 37 })
       local second = train.run({ model = model_c, optimizer = opt_c, criterion = C.MSE(), batch = batch,
                                  steps = 2 * N, schedule = sched, max_grad_norm = 0.5, resume = path,

@@ -3,7 +3,7 @@
 -- in the safetensors metadata (docs/interchange.md has the mapping tables).
 --
 --   local X = require("gdp.interchange")
---   X.save("lm-fla.safetensors", model:parameters(), config, "fla")    -- or "megatron"
+--   X.save("lm-fla.safetensors", model, config, "fla")                 -- or "megatron"
 --   local params, config, format = X.load("lm-fla.safetensors")        -- back to our names
 --   model:set_parameters(params)
 --   local tensors, fla_config = X.to_fla(params, config)               -- the tables alone
@@ -431,10 +431,12 @@ end
 
 local FORMATS = { fla = { X.to_fla, X.from_fla }, megatron = { X.to_megatron, X.from_megatron } }
 
--- Writes params (our names) as `format` ("fla" | "megatron") with metadata format = "pt"
--- (what PyTorch's safetensors writers put there), gdp_interchange = format and config =
--- that format's config as JSON.
+-- Writes params (our names; a table name -> tensor or a module, whose parameters() are
+-- taken) as `format` ("fla" | "megatron") with metadata format = "pt" (what PyTorch's
+-- safetensors writers put there), gdp_interchange = format and config = that format's
+-- config as JSON.
 function X.save(path, params, config, format)
+  if type(params) == "table" and type(params.parameters) == "function" then params = params:parameters() end
   local conv = FORMATS[format]
   if not conv then argerror("interchange.save", "format: expected \"fla\" or \"megatron\", got " .. tostring(format)) end
   local tensors, cfg = conv[1](params, config)
