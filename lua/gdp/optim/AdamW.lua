@@ -29,9 +29,9 @@ function AdamW.new(model, cfg)
   if type(betas) ~= "table" then
     tensor.argerror(FN, "betas: expected a table {beta1, beta2}, got " .. type(betas))
   end
-  self.beta1 = Optimizer.check_number(FN, { beta1 = betas[1] }, "beta1", nil, 0, 1, true)
-  self.beta2 = Optimizer.check_number(FN, { beta2 = betas[2] }, "beta2", nil, 0, 1, true)
-  self.eps = Optimizer.check_number(FN, cfg, "eps", 1e-8, 0, math.huge, true)
+  self.beta1 = Optimizer.check_number(FN, "beta1", betas[1], nil, 0, 1, true)
+  self.beta2 = Optimizer.check_number(FN, "beta2", betas[2], nil, 0, 1, true)
+  self.eps = Optimizer.check_number(FN, "eps", cfg.eps, 1e-8, 0, math.huge, true)
   if self.eps == 0 then tensor.argerror(FN, "eps: expected a number > 0, got 0") end
   return self
 end

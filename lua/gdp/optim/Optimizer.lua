@@ -28,8 +28,8 @@ local function state_dtype(param_dtype)
   return param_dtype == "f64" and "f64" or "f32"
 end
 
-local function check_number(fn, cfg, key, default, lo, hi, hi_open)
-  local v = cfg[key]
+-- v (nil: default) as a number in [lo, hi] or [lo, hi); `key` names it in the error.
+local function check_number(fn, key, v, default, lo, hi, hi_open)
   if v == nil then v = default end
   local ok = type(v) == "number" and v == v and v >= lo and (hi_open and v < hi or (not hi_open and v <= hi))
   if not ok then
@@ -99,8 +99,8 @@ function Optimizer.init(self, fn, model, cfg, allowed)
   self.model = model
   self.names = model:parameter_names()
   if #self.names == 0 then argerror(fn, "model: the module has no parameters") end
-  self.lr = check_number(fn, cfg, "lr", nil, 0, math.huge, true)
-  self.weight_decay = check_number(fn, cfg, "weight_decay", 0, 0, math.huge, true)
+  self.lr = check_number(fn, "lr", cfg.lr, nil, 0, math.huge, true)
+  self.weight_decay = check_number(fn, "weight_decay", cfg.weight_decay, 0, 0, math.huge, true)
   local params = model:parameters()
   self.decay = decay_table(fn, self.names, params, cfg, self.weight_decay)
   self.step_count = 0

@@ -22,12 +22,12 @@ local keys = { lr = true, momentum = true, dampening = true, nesterov = true, we
 function SGD.new(model, cfg)
   cfg = cfg or {}
   local self = setmetatable({}, SGD)
-  local momentum = Optimizer.check_number(FN, type(cfg) == "table" and cfg or {}, "momentum", 0, 0,
-                                          math.huge, true)
+  local momentum = Optimizer.check_number(FN, "momentum", type(cfg) == "table" and cfg.momentum or nil, 0,
+                                          0, math.huge, true)
   self.state_names = momentum > 0 and { "momentum_buffer" } or {}
   cfg = Optimizer.init(self, FN, model, cfg, keys)
   self.momentum = momentum
-  self.dampening = Optimizer.check_number(FN, cfg, "dampening", 0, 0, 1, false)
+  self.dampening = Optimizer.check_number(FN, "dampening", cfg.dampening, 0, 0, 1, false)
   self.nesterov = cfg.nesterov == true
   if self.nesterov and (self.momentum <= 0 or self.dampening ~= 0) then
     tensor.argerror(FN, string.format("nesterov: needs momentum > 0 and dampening 0, got momentum %g, dampening %g",
