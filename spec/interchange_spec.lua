@@ -20,8 +20,8 @@ local function make_params(cfg, dtype)
   if not cfg.tie_embeddings then shapes["lm_head.weight"] = { V, D } end
   for i = 0, cfg.num_layers - 1 do
     local l = "layers." .. i .. "."
-    shapes[l .. "norm1.weight"] = { D }
-    shapes[l .. "norm2.weight"] = { D }
+    shapes[l .. "mixer_norm.weight"] = { D }
+    shapes[l .. "mlp_norm.weight"] = { D }
     shapes[l .. "mixer.in_proj.weight"] = { rows, D }
     if m.use_short_conv ~= false then
       shapes[l .. "mixer.conv1d.weight"] = { conv_dim, 1, m.conv_width or 4 }
@@ -150,6 +150,33 @@ describe("interchange: fla", function()
   end)
 end)
 
+describe("interchange: our modules and configs", function()
+  -- The real mixer's parameters fill a layer: the row sections here are the module's.
+  for _, sw in ipairs({ {}, { use_short_conv = false, use_output_gate = false, use_forget_gate = false } }) do
+    it("the mixer module's parameters convert both ways (switches " .. (sw.use_short_conv == false and "off" or "on") .. ")", function()
+      H.reseed(71)
+      local mixer = { num_heads = 2, head_dim = 4, num_groups = 2, state_dim = 4, num_householder = 2,
+                      conv_width = 4, conv_bias = false }
+      for k, v in pairs(sw) do mixer[k] = v end
+      local cfg = { vocab = 7, hidden = 8, layers = 1, mlp_ratio = 2, mixer = mixer }
+      local opts = { hidden_size = 8, dtype = "f64" }
+      for k, v in pairs(mixer) do opts[k] = v end
+      local m = gdp.nn.GatedDeltaProduct(opts)
+      local p = make_params({ vocab_size = 7, hidden_size = 8, num_layers = 1, intermediate_size = 16,
+                              mixer = mixer }, "f64")
+      for name, t in pairs(m:parameters()) do p["layers.0.mixer." .. name] = t end
+      for _, fmt in ipairs({ "fla", "megatron" }) do
+        local t, their_cfg = X["to_" .. fmt](p, cfg)
+        local back, ours = X["from_" .. fmt](t, their_cfg)
+        same_tables(p, back)
+        local lm = X.causal_lm_options(ours)
+        assert.are.same({ 7, 8, 1, 2 }, { lm.vocab, lm.hidden, lm.layers, lm.mlp_ratio })
+        assert.are.equal(sw.use_forget_gate ~= false, lm.mixer.use_forget_gate)
+      end
+    end)
+  end
+end)
+
 local MEG_CFG = { vocab_size = 9, hidden_size = 8, num_layers = 2, intermediate_size = 10, tie_embeddings = false,
                   mixer = { num_heads = 4, head_dim = 3, num_groups = 2, state_dim = 5, num_householder = 2,
                             conv_width = 4, conv_bias = true, D = "channel" } }
@@ -164,8 +191,8 @@ describe("interchange: Megatron", function()
     assert.is_true(mcfg.D_has_hdim)
     assert.is_true(C.bitwise_equal(t["decoder.layers.2.mixer.in_proj.weight"], p["layers.1.mixer.in_proj.weight"]))
     assert.is_true(C.bitwise_equal(t["decoder.layers.2.mixer.D"], p["layers.1.mixer.D"]))
-    assert.is_true(C.bitwise_equal(t["decoder.layers.2.mixer.in_proj.layer_norm_weight"], p["layers.1.norm1.weight"]))
-    assert.is_true(C.bitwise_equal(t["decoder.layers.3.mlp.linear_fc1.layer_norm_weight"], p["layers.1.norm2.weight"]))
+    assert.is_true(C.bitwise_equal(t["decoder.layers.2.mixer.in_proj.layer_norm_weight"], p["layers.1.mixer_norm.weight"]))
+    assert.is_true(C.bitwise_equal(t["decoder.layers.3.mlp.linear_fc1.layer_norm_weight"], p["layers.1.mlp_norm.weight"]))
     local fc1 = t["decoder.layers.1.mlp.linear_fc1.weight"]
     assert.are.same({ 20, 8 }, fc1:shape())
     assert.is_true(C.bitwise_equal(fc1:narrow(1, 1, 10), p["layers.0.mlp.w_gate"]))

@@ -9,12 +9,14 @@
 --   local tensors, fla_config = X.to_fla(params, config)               -- the tables alone
 --
 -- Our names (gdp.nn's causal LM): embed.weight; per layer i (0-based)
--- layers.i.norm1.weight (before the mixer), layers.i.mixer.<the mixer's Megatron names>,
--- layers.i.norm2.weight (before the MLP), layers.i.mlp.w_gate / w_up / w_down; norm.weight
--- (final); lm_head.weight (absent when tied).  NAMES below holds them in one place.
+-- layers.i.mixer_norm.weight (before the mixer), layers.i.mixer.<the mixer's Megatron
+-- names>, layers.i.mlp_norm.weight (before the MLP), layers.i.mlp.w_gate / w_up / w_down;
+-- norm.weight (final); lm_head.weight (absent when tied).  NAMES below holds them.
 --
 -- `config` (ours): vocab_size, hidden_size, num_layers, intermediate_size, norm_eps,
--- tie_embeddings, and mixer = {num_heads, head_dim, num_groups, state_dim,
+-- tie_embeddings (or gdp.nn.CausalLM's spelling: vocab, hidden, layers, mlp_ratio; and
+-- X.causal_lm_options(config) turns a loaded config into CausalLM's options), and
+-- mixer = {num_heads, head_dim, num_groups, state_dim,
 -- num_householder, conv_width, conv_bias, allow_neg_eigval, D, use_short_conv,
 -- use_output_gate, use_forget_gate} with gdp.nn.GatedDeltaProduct's meanings and
 -- defaults.  The mixer's in_proj rows are [z | V | K | Q | b | a] (z without an output
@@ -40,8 +42,8 @@ X.NAMES = {
   final_norm = "norm.weight",
   lm_head = "lm_head.weight",
   layer = "layers.%d.",
-  mixer_norm = "norm1.weight",
-  mlp_norm = "norm2.weight",
+  mixer_norm = "mixer_norm.weight",
+  mlp_norm = "mlp_norm.weight",
   mixer = "mixer.",
   w_gate = "mlp.w_gate",
   w_up = "mlp.w_up",
@@ -64,12 +66,18 @@ local function normalize(fn, config)
     argerror(fn, "config: expected {vocab_size, hidden_size, num_layers, intermediate_size, mixer = {...}}, got " ..
                  type(config))
   end
+  if config.vocab ~= nil or config.hidden ~= nil then -- gdp.nn.CausalLM's options
+    local hidden = config.hidden
+    config = { vocab_size = config.vocab, hidden_size = hidden, num_layers = config.layers or 1,
+               intermediate_size = type(hidden) == "number" and math.floor((config.mlp_ratio or 4) * hidden + 0.5),
+               norm_eps = config.norm_eps or 1e-5, tie_embeddings = config.tie_embeddings, mixer = config.mixer }
+  end
   local c = {
     vocab_size = need_int(fn, config, "vocab_size", "config."),
     hidden_size = need_int(fn, config, "hidden_size", "config."),
     num_layers = need_int(fn, config, "num_layers", "config.", 0),
     intermediate_size = need_int(fn, config, "intermediate_size", "config."),
-    norm_eps = config.norm_eps or 1e-6,
+    norm_eps = config.norm_eps or 1e-5,
     tie_embeddings = config.tie_embeddings == true,
   }
   local m = config.mixer
@@ -425,6 +433,17 @@ function X.from_megatron(tensors, mcfg)
   end
   no_leftovers(fn, tensors, used)
   return out, c
+end
+
+-- gdp.nn.CausalLM's options for a config as from_fla / from_megatron / load return it
+-- (mlp_ratio = intermediate_size / hidden_size).
+function X.causal_lm_options(config)
+  local c = normalize("interchange.causal_lm_options", config)
+  local mixer = {}
+  for k, v in pairs(c.mixer) do mixer[k] = v end
+  return { vocab = c.vocab_size, hidden = c.hidden_size, layers = c.num_layers,
+           mlp_ratio = c.intermediate_size / c.hidden_size, tie_embeddings = c.tie_embeddings,
+           norm_eps = c.norm_eps, mixer = mixer }
 end
 
 ------------------------------------------------------------------------------- files
