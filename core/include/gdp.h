@@ -596,6 +596,33 @@ gdp_status gdp_data_state_tracking(gdp_ctx *ctx, gdp_state_task task, int64_t mo
 gdp_status gdp_data_sequence_accuracy(const gdp_tensor *predictions, const gdp_tensor *labels,
                                       int64_t n, double *cumulative, double *per_token);
 
+/* ------------------------------------------------------------------ optimisers */
+
+/*
+ * Fused optimiser updates: one elementwise pass over a parameter, its gradient and its
+ * state, in place (the math: kernels/optim_problem.h).  All tensors contiguous, of
+ * param's shape and device, no two sharing memory.  Dtypes: param f64 (state f64), f32
+ * (state f32) or bf16 (state f32, and `master` -- its float32 master weights -- is
+ * required: the update runs on the master and writes param = the master rounded to
+ * bf16); grad has param's dtype, or f32 for a bf16 param.  master must be NULL for f64
+ * and f32 params.  step is the 1-based number of this update (bias correction; SGD's
+ * first step sets the momentum buffer to the gradient).  Hyperparameters out of range
+ * are GDP_ERR_INVALID_ARG naming them.
+ */
+/* AdamW (decoupled weight decay, bias-corrected): lr >= 0, 0 <= beta1, beta2 < 1,
+ * eps > 0, weight_decay >= 0; exp_avg and exp_avg_sq are the first and second moments. */
+gdp_status gdp_optim_adamw_step(gdp_tensor *param, const gdp_tensor *grad, gdp_tensor *exp_avg,
+                                gdp_tensor *exp_avg_sq, gdp_tensor *master, double lr,
+                                double beta1, double beta2, double eps, double weight_decay,
+                                int64_t step);
+/* SGD with momentum (torch's: weight decay added to the gradient; nesterov needs
+ * momentum > 0 and dampening 0).  momentum_buffer: required when momentum > 0, NULL when
+ * it is 0; 0 <= dampening <= 1. */
+gdp_status gdp_optim_sgd_step(gdp_tensor *param, const gdp_tensor *grad,
+                              gdp_tensor *momentum_buffer, gdp_tensor *master, double lr,
+                              double momentum, double dampening, double weight_decay,
+                              int nesterov, int64_t step);
+
 /* ------------------------------------------------------------------ collectives */
 
 /*

@@ -24,6 +24,7 @@
 #include "cpu/gdp_cpu.h"
 #include "cpu/mixer_cpu.h"
 #include "cpu/state_tracking_cpu.h"
+#include "cpu/optim_cpu.h"
 #include "philox.h"
 
 enum {
@@ -1060,6 +1061,13 @@ static gdp_status cpu_state_tracking(gdp_ctx *ctx, const gdp_state_tracking_prob
   return GDP_OK;
 }
 
+/* ------------------------------------------------------------------ optimisers */
+
+static gdp_status cpu_optim_update(gdp_ctx *ctx, const gdp_optim_update *u) {
+  gdp_cpu_optim_update(u);
+  return GDP_OK;
+}
+
 /* ------------------------------------------------------------------ capabilities */
 
 static int cpu_supports(gdp_op op, gdp_dtype dtype) {
@@ -1117,5 +1125,6 @@ const gdp_backend gdp_backend_cpu = {
     .dskip_forward = cpu_dskip_forward,
     .dskip_backward = cpu_dskip_backward,
     .state_tracking = cpu_state_tracking,
+    .optim_update = cpu_optim_update,
     .supports = cpu_supports,
 };

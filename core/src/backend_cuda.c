@@ -2,7 +2,7 @@
  * backend_cuda.c -- the cuda device: one non-blocking stream and a lazily created
  * cuBLAS handle per context, stream-ordered allocation from the device's default
  * memory pool, and dispatch to the kernels of kernels/cuda (tensor_ops.h, gdp_cuda.h,
- * mixer/mixer_cuda.h).
+ * mixer/mixer_cuda.h, optim/optim_cuda.h).
  *
  * Everything is queued on the context's stream; host-visible results (to_host,
  * reductions) synchronise it.  Asynchronous kernel faults therefore surface at the
@@ -26,6 +26,7 @@
 #include "cuda/gdp_cuda.h"
 #include "cuda/mixer/mixer_cuda.h"
 #include "cuda/data/state_tracking_cuda.h"
+#include "cuda/optim/optim_cuda.h"
 #include "cuda/tensor_ops.h"
 
 /* tensor_ops.h repeats these enums for the .cu files, which cannot include this one. */
@@ -681,6 +682,13 @@ static gdp_status cuda_conv1d_backward(gdp_ctx *ctx, const gdp_conv1d_problem *p
   return op_end(ctx);
 }
 
+static gdp_status cuda_optim_update(gdp_ctx *ctx, const gdp_optim_update *u) {
+  GDP_TRY(mixer_begin(ctx, u->kind == GDP_OPTIM_ADAMW ? "adamw_step" : "sgd_step",
+                      (gdp_dtype)u->param_dtype, u->n, 1));
+  GDP_TRY(gdp_cuda_optim_update(u, state_of(ctx)->stream));
+  return op_end(ctx);
+}
+
 static gdp_status cuda_beta_forward(gdp_ctx *ctx, gdp_dtype dtype, int64_t n, double scale,
                                     const void *b, void *beta) {
   GDP_TRY(mixer_begin(ctx, "beta_forward", dtype, n, 1));
@@ -894,6 +902,7 @@ const gdp_backend gdp_backend_cuda = {
     .dskip_forward = cuda_dskip_forward,
     .dskip_backward = cuda_dskip_backward,
     .state_tracking = cuda_state_tracking,
+    .optim_update = cuda_optim_update,
     .mixer_bf16 = 1,
     .supports = cuda_supports,
     .timer_start = cuda_timer_start,

@@ -13,6 +13,7 @@
 #include "../../kernels/gdp_problem.h"
 #include "../../kernels/mixer_problem.h"
 #include "../../kernels/state_tracking.h"
+#include "../../kernels/optim_problem.h"
 
 typedef enum gdp_reduce_kind {
   GDP_REDUCE_SUM = 0,
@@ -121,6 +122,9 @@ struct gdp_backend {
    * (host memory) is the product table or NULL (a cyclic group). */
   gdp_status (*state_tracking)(gdp_ctx *ctx, const gdp_state_tracking_problem *p,
                                int32_t *tokens, int32_t *labels);
+  /* The fused optimiser update (gdp.h, "optimisers"; kernels/optim_problem.h), on
+   * buffers the op layer has checked. */
+  gdp_status (*optim_update)(gdp_ctx *ctx, const gdp_optim_update *u);
   /* 1: the mixer entries above also take bf16 buffers (float32 math inside); 0: the op
    * layer refuses bf16 mixer inputs on this device. */
   int mixer_bf16;

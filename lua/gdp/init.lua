@@ -65,11 +65,13 @@ function gdp.sync(dev)
   tensor.get_ctx("sync", dev or "cpu"):sync()
 end
 
--- gdp.nn (layers), gdp.cp (context parallelism), gdp.data (synthetic tasks) load on first use, so that
--- `require "gdp"` stays light and a module's load error surfaces where it is used.
+-- gdp.nn (layers), gdp.cp (context parallelism), gdp.data (synthetic tasks), gdp.optim,
+-- gdp.train and gdp.interchange load on first use, so that `require "gdp"` stays light
+-- and a module's load error surfaces where it is used.
 setmetatable(gdp, {
   __index = function(t, key)
-    if key == "nn" or key == "cp" or key == "comm" or key == "sweep" or key == "data" then
+    if key == "nn" or key == "cp" or key == "comm" or key == "sweep" or key == "data"
+        or key == "optim" or key == "train" or key == "interchange" then
       local mod = require("gdp." .. key)
       rawset(t, key, mod)
       return mod
