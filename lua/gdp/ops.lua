@@ -106,12 +106,9 @@ local function typename(x)
   return type(x)
 end
 
+-- A tuning field (an int32 in C; 0: the backend's own; the library checks the value).
 local function tuning_int(fn, key, x)
-  if type(x) ~= "number" or x ~= math.floor(x) or x < -2 ^ 31 or x >= 2 ^ 31 then
-    argerror(fn, string.format("%s: expected an integer (0: the backend's own), got %s", key,
-                               tostring(x)))
-  end
-  return x
+  return util.int_arg(fn, key, x, util.INT_MIN, util.INT_MAX)
 end
 
 -- Accepts the table form or fla's positional form (q, k, v, g, beta, opts).
@@ -133,13 +130,6 @@ local function normalize(fn, a1, k, v, g, beta, opts)
   return a1
 end
 
-local function int_option(fn, name, x, min)
-  if x == nil then return nil end
-  if type(x) ~= "number" or x ~= math.floor(x) or x < min then
-    argerror(fn, string.format("%s: expected an integer >= %d, got %s", name, min, tostring(x)))
-  end
-  return x
-end
 
 -- A Lua table of sequence boundaries becomes an int64 cpu tensor (the library reads
 -- cu_seqlens on the host); the library checks the values.
@@ -148,12 +138,7 @@ local function seqlens(fn, cu)
   if type(cu) ~= "table" then
     argerror(fn, "cu_seqlens: expected a table of integers or an i32/i64 tensor, got " .. typename(cu))
   end
-  for i = 1, #cu do
-    local x = cu[i]
-    if type(x) ~= "number" or x ~= math.floor(x) then
-      argerror(fn, string.format("cu_seqlens[%d]: expected an integer, got %s", i, tostring(x)))
-    end
-  end
+  for i = 1, #cu do util.int_arg(fn, "cu_seqlens[" .. i .. "]", cu[i], 0, 2 ^ 53 - 1) end
   return tensor.tensor(cu, { #cu }, { dtype = "i64", device = "cpu" })
 end
 
@@ -177,7 +162,7 @@ local function prepare(fn, args, allowed)
   if k:dim() ~= 4 then
     argerror(fn, "k: expected 4 dims [B,T*n,H,K], got shape " .. shape_str(k:shape()))
   end
-  local n = int_option(fn, "num_householder", args.num_householder, 1)
+  local n = util.int_opt(fn, "num_householder", args.num_householder, 1)
   local krows = k:size(2)
   if n == nil then
     if T == 0 then
@@ -206,7 +191,7 @@ local function prepare(fn, args, allowed)
     opts.scale = args.scale
   end
   -- nil keeps gdp_delta_product_options_init's 0: the backend's own chunk
-  local cs = int_option(fn, "chunk_size", args.chunk_size, 1)
+  local cs = util.int_opt(fn, "chunk_size", args.chunk_size, 1)
   if cs then opts.chunk_size = cs end
   -- nil keeps 0: the context's (the library checks the value)
   if args.value_block ~= nil then

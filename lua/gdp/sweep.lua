@@ -375,7 +375,7 @@ function M.run(opts)
   end
   local study = opts.study or (type(opts.run) == "table" and opts.run.study) or "sweep"
   local repeats = opts.repeats or 1
-  if type(repeats) ~= "number" or repeats < 1 or repeats ~= math.floor(repeats) then
+  if not util.is_int(repeats) or repeats < 1 then
     fail("run", "repeats: expected an integer >= 1, got " .. tostring(repeats))
   end
   local base = opts.base or {}

@@ -15,6 +15,7 @@
 -- string errors "gdp.<fn>: <what>, got <value>" positioned at the caller's line.
 local ffi = require("ffi")
 local lib = require("gdp.lib")
+local util = require("gdp.util")
 
 local M = {}
 
@@ -32,46 +33,8 @@ local MAX_DIMS = lib.GDP_MAX_DIMS
 
 ------------------------------------------------------------------------------- errors
 
--- Frames of functions defined in this package (lua/gdp/*.lua) are skipped when an
--- error is positioned, so that it points at the user's line however deeply the
--- failing call was nested inside gdp (t:float() -> t:to() -> check()).
-local this_source = debug.getinfo(1, "S").source
-local package_prefix = this_source:match("^(@.*[/\\])tensor%.lua$") or "@lua/gdp/"
-
-local function is_internal(info)
-  return info.what == "C" or info.what == "tail"
-      or info.source:sub(1, #package_prefix) == package_prefix
-end
-
--- Level (for error()/debug.getinfo, counted from the function that calls this one's
--- caller) of the first stack frame outside gdp.
-local function user_level()
-  local level = 3
-  while true do
-    local info = debug.getinfo(level, "S")
-    if not info then return 3 end
-    if not is_internal(info) then return level - 1 end
-    level = level + 1
-  end
-end
-
-local function user_where()
-  local level = 3
-  while true do
-    local info = debug.getinfo(level, "Sl")
-    if not info then return "?" end
-    if not is_internal(info) then
-      return info.short_src .. ":" .. (info.currentline or 0)
-    end
-    level = level + 1
-  end
-end
-
--- Raises "gdp.<fn>: <msg>" at the user's line (error(msg, 2) in spirit, but robust to
--- calls nested inside gdp).
-local function argerror(fn, msg)
-  error("gdp." .. fn .. ": " .. msg, user_level())
-end
+-- Errors are positioned at the user's line, skipping gdp's own frames (gdp.util).
+local user_where, argerror, int_arg = util.user_where, util.argerror, util.int_arg
 M.argerror = argerror
 
 local Error = {}
@@ -281,12 +244,16 @@ function ctx_methods.timer_stop(c)
   check(lib.gdp_ctx_timer_stop(c, ms), "timer_stop")
   return ms[0]
 end
-function ctx_methods.manual_seed(c, seed) lib.gdp_ctx_manual_seed(c, seed) end
+function ctx_methods.manual_seed(c, seed) lib.gdp_ctx_manual_seed(c, int_arg("manual_seed", "seed", seed, 0)) end
 function ctx_methods.seed(c) return tonumber(lib.gdp_ctx_seed(c)) end
 function ctx_methods.rng_offset(c) return tonumber(lib.gdp_ctx_rng_offset(c)) end
-function ctx_methods.set_rng_offset(c, off) lib.gdp_ctx_set_rng_offset(c, off) end
+function ctx_methods.set_rng_offset(c, off)
+  lib.gdp_ctx_set_rng_offset(c, int_arg("set_rng_offset", "offset", off, 0))
+end
 function ctx_methods.num_threads(c) return lib.gdp_ctx_num_threads(c) end
-function ctx_methods.set_num_threads(c, n) lib.gdp_ctx_set_num_threads(c, n) end
+function ctx_methods.set_num_threads(c, n)
+  lib.gdp_ctx_set_num_threads(c, int_arg("set_num_threads", "threads", n, 1, util.INT_MAX))
+end
 -- op: "copy", "elementwise", "reduce", "rng", "gdp_forward", "gdp_backward", "matmul"
 -- (or the enum); dtype: a dtype name.
 function ctx_methods.supports(c, op, dtype)
@@ -370,9 +337,7 @@ end
 
 -- Seeds every default context, present and future, with the same seed.
 function M.manual_seed(seed)
-  if type(seed) ~= "number" or seed < 0 or seed ~= math.floor(seed) then
-    argerror("manual_seed", "seed: expected an integer >= 0, got " .. tostring(seed))
-  end
+  int_arg("manual_seed", "seed", seed, 0)
   global_seed = seed
   for _, c in pairs(ctx_cache) do lib.gdp_ctx_manual_seed(c, seed) end
 end
@@ -399,11 +364,8 @@ local function shape_array(fn, shape, allow_infer)
   local arr = i64_array(math.max(nd, 1))
   for i = 1, nd do
     local s = shape[i]
-    if type(s) ~= "number" or s ~= math.floor(s) or s >= 2 ^ 53 or
-       (s < 0 and not (allow_infer and s == -1)) then
-      argerror(fn, string.format("shape[%d]: expected an integer >= 0 and < 2^53%s, got %s", i,
-                                 allow_infer and " (or -1)" or "",
-                                 type(s) == "string" and string.format("the string %q", s) or tostring(s)))
+    if not (allow_infer and s == -1) then
+      int_arg(fn, "size of dim " .. i .. (allow_infer and " (or -1 to infer it)" or ""), s, 0)
     end
     arr[i - 1] = s
   end
@@ -447,13 +409,12 @@ end
 -- 1-based (negative: from the end) dim -> 0-based.
 local function dim0(t, d, fn, what)
   local nd = lib.gdp_tensor_ndim(t)
-  if type(d) ~= "number" or d ~= math.floor(d) then
-    argerror(fn, string.format("%s: expected an integer dim, got %s", what or "dim", typename(d)))
+  if type(d) == "number" and d == math.floor(d) then
+    if d >= 1 and d <= nd then return d - 1 end
+    if d <= -1 and d >= -nd then return nd + d end
   end
-  if d >= 1 and d <= nd then return d - 1 end
-  if d <= -1 and d >= -nd then return nd + d end
-  argerror(fn, string.format("%s: expected 1..%d (or -%d..-1) for a %d-dim tensor, got %d",
-                             what or "dim", nd, nd, nd, d))
+  argerror(fn, string.format("%s: expected an integer in 1..%d (or -%d..-1) for a %d-dim tensor, got %s",
+                             what or "dim", nd, nd, nd, util.describe(d)))
 end
 
 ------------------------------------------------------------------------------- creation
@@ -757,12 +718,8 @@ end
 function T.narrow(t, d, start, length)
   live(t, "narrow")
   local d0 = dim0(t, d, "narrow")
-  if type(start) ~= "number" or start ~= math.floor(start) then
-    argerror("narrow", "start: expected an integer (1-based), got " .. typename(start))
-  end
-  if type(length) ~= "number" or length ~= math.floor(length) or length < 0 then
-    argerror("narrow", "length: expected an integer >= 0, got " .. tostring(length))
-  end
+  int_arg("narrow", "start (1-based)", start, 1)
+  int_arg("narrow", "length", length, 0)
   local size = tonumber(lib.gdp_tensor_size(t, d0))
   if start < 1 or start - 1 + length > size then
     argerror("narrow", string.format("start %d, length %d: out of range for dim %d of size %d " ..
@@ -779,9 +736,7 @@ function T.select(t, d, i)
   live(t, "select")
   local d0 = dim0(t, d, "select")
   local size = tonumber(lib.gdp_tensor_size(t, d0))
-  if type(i) ~= "number" or i ~= math.floor(i) or i < 1 or i > size then
-    argerror("select", string.format("index: expected 1..%d for dim %d, got %s", size, d, tostring(i)))
-  end
+  int_arg("select", string.format("index into dim %d (of size %d)", d, size), i, 1, size)
   local box = tensor_box()
   call_alloc("select", "gdp_tensor_select", t, d0, i - 1, box)
   return wrap(box[0])
@@ -952,9 +907,7 @@ local function index_array(t, fn, first, ...)
   for d = 1, nd do
     local i = idx[d]
     local size = tonumber(lib.gdp_tensor_size(t, d - 1))
-    if type(i) ~= "number" or i ~= math.floor(i) or i < 1 or i > size then
-      argerror(fn, string.format("index %d: expected 1..%d, got %s", d, size, tostring(i)))
-    end
+    int_arg(fn, string.format("index %d (into dim %d, of size %d)", d, d, size), i, 1, size)
     arr[d - 1] = i - 1
   end
   return arr

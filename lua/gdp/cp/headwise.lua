@@ -33,6 +33,7 @@
 --    packed THD input, whose global cu_seqlens are then required) before the conv and
 --    redone before the reverse all-to-all.
 local tensor = require("gdp.tensor")
+local util = require("gdp.util")
 local F = require("gdp.nn.functional")
 local shard = require("gdp.cp.shard")
 
@@ -43,7 +44,6 @@ local M = {}
 
 local FN = "cp.GDPContextParallel"
 
-local function is_int(x) return type(x) == "number" and x == math.floor(x) end
 
 local GDPContextParallel = {}
 GDPContextParallel.__index = GDPContextParallel
@@ -75,10 +75,7 @@ local function construct(cfg)
   self.cp, self.rank = cp, r
   local function int(key, min)
     local v = cfg[key]
-    if not is_int(v) or v < min then
-      argerror(FN, string.format("%s: expected an integer >= %d, got %s", key, min, tostring(v)))
-    end
-    return v
+    return util.int_arg(FN, key, v, min)
   end
   local d_inner, nh, ng = int("d_inner_local_tp", 1), int("nheads_local_tp", 1), int("ngroups_local_tp", 1)
   local N, Mh, P = int("d_state", 1), int("num_householder", 1), int("headdim", 1)

@@ -13,6 +13,7 @@
 local ffi = require("ffi")
 local lib = require("gdp.lib")
 local tensor = require("gdp.tensor")
+local util = require("gdp.util")
 local ops = require("gdp.ops")
 
 local argerror, call_alloc, wrap = tensor.argerror, tensor.call_alloc, tensor.wrap
@@ -37,10 +38,7 @@ local function number_arg(x, fn, what)
 end
 
 local function int_arg(x, fn, what, min)
-  if type(x) ~= "number" or x ~= math.floor(x) or x < min then
-    argerror(fn, string.format("%s: expected an integer >= %d, got %s", what, min, tostring(x)))
-  end
-  return x
+  return util.int_arg(fn, what, x, min)
 end
 
 -- A Lua table of sequence boundaries becomes an int64 cpu tensor; tensors pass through
