@@ -815,6 +815,8 @@ static gdp_status cpu_matmul(gdp_ctx *ctx, gdp_tensor *out, const gdp_tensor *a,
   int64_t M = out->shape[0], N = out->shape[1];
   int64_t K = trans_a ? a->shape[0] : a->shape[1];
   if (M == 0 || N == 0) return GDP_OK;
+  if (gdp_interrupt_poll()) /* one poll per call: a BLAS call itself cannot be stopped */
+    return GDP_ERROR(GDP_ERR_INTERRUPTED, "interrupted (the interrupt flag was set: Ctrl-C)");
   if (M > INT_MAX || N > INT_MAX || K > INT_MAX)
     return GDP_ERROR(GDP_ERR_UNSUPPORTED, "sizes M=%lld N=%lld K=%lld exceed BLAS int range",
                      (long long)M, (long long)N, (long long)K);
