@@ -7,8 +7,14 @@
  * it replaced only outside a deferred window: inside one (a gdp call whose outputs
  * the caller does not own yet) an error raised by that handler -- LuaJIT's turns
  * SIGINT into a Lua error at the next instruction -- would lose the outputs.
+ *
+ * The kernels' OpenMP workers outlive their parallel regions, and the kernel may give
+ * a process-directed SIGINT to any thread: one that lands on another thread than the
+ * one that installed the handler is sent on to that thread (the REPL's: its blocking
+ * read must return EINTR, and LuaJIT's handler must run there).
  */
 #define _POSIX_C_SOURCE 200809L
+#include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <string.h>
@@ -21,6 +27,7 @@ static atomic_llong countdown; /* test hook: polls left before the flag is set; 
 
 static struct sigaction replaced; /* what the first install replaced */
 static atomic_int installed;
+static pthread_t owner; /* the thread of the latest install */
 
 void gdp_interrupt_request(void) { atomic_store(&requested, 1); }
 int gdp_interrupt_requested(void) { return atomic_load(&requested) != 0; }
@@ -42,6 +49,10 @@ int gdp_interrupt_poll(void) {
 
 static void on_sigint(int sig) {
   atomic_store(&requested, 1);
+  if (!pthread_equal(pthread_self(), owner)) {
+    pthread_kill(owner, sig);
+    return;
+  }
   if (atomic_load(&defer_depth) > 0) return;
   if (replaced.sa_flags & SA_SIGINFO) return; /* not a plain handler: nothing to chain to */
   if (replaced.sa_handler == SIG_IGN) return;
@@ -59,6 +70,7 @@ gdp_status gdp_interrupt_install(void) {
   sa.sa_handler = on_sigint;
   sigemptyset(&sa.sa_mask);
   sa.sa_flags = 0; /* no SA_RESTART: a prompt blocked in read() sees EINTR */
+  owner = pthread_self();
   if (sigaction(SIGINT, &sa, &old) != 0)
     return GDP_ERROR(GDP_ERR_INVALID_ARG, "sigaction(SIGINT) failed");
   if (!atomic_exchange(&installed, 1)) replaced = old;

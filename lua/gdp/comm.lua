@@ -36,7 +36,7 @@ local lib = require("gdp.lib")
 local tensor = require("gdp.tensor")
 local util = require("gdp.util")
 
-local argerror, check, call_alloc, wrap = tensor.argerror, tensor.check, tensor.call_alloc, tensor.wrap
+local argerror, check, call_outputs = tensor.argerror, tensor.check, tensor.call_outputs
 local tensor_arg = tensor.tensor_arg
 
 local M = {}
@@ -89,9 +89,8 @@ local function new_like(fn, t, shape)
   local arr = i64_array(math.max(nd, 1))
   for i = 1, nd do arr[i - 1] = shape[i] end
   local box = tensor_box()
-  call_alloc("comm." .. fn, "gdp_tensor_empty", lib.gdp_tensor_ctx(t), lib.gdp_tensor_dtype(t), nd,
+  return call_outputs("comm." .. fn, "gdp_tensor_empty", { box }, lib.gdp_tensor_ctx(t), lib.gdp_tensor_dtype(t), nd,
              arr, box)
-  return wrap(box[0])
 end
 
 ------------------------------------------------------------------------------- job abort

@@ -44,7 +44,7 @@ local lib = require("gdp.lib")
 local tensor = require("gdp.tensor")
 local util = require("gdp.util")
 
-local argerror, check, call_alloc, wrap = tensor.argerror, tensor.check, tensor.call_alloc, tensor.wrap
+local argerror, check, call_outputs = tensor.argerror, tensor.check, tensor.call_outputs
 local shape_str = tensor.shape_str
 
 local M = {}
@@ -221,14 +221,13 @@ function M.chunk_gated_delta_product(a1, k, v, g, beta, opts)
   end
   local o, ht = tensor_box(), tensor_box()
   if not save then
-    call_alloc(FWD, "gdp_delta_product_forward", q:ctx(), o_opts, q, kk, vv, gg, bb, h0, cu, o, ht)
-    return wrap(o[0]), wrap(ht[0])
+    return call_outputs(FWD, "gdp_delta_product_forward", { o, ht }, q:ctx(), o_opts, q, kk, vv, gg, bb, h0,
+                        cu, o, ht)
   end
   local sv = saved_box()
-  call_alloc(FWD, "gdp_delta_product_forward_ex", q:ctx(), o_opts, q, kk, vv, gg, bb, h0, cu, o, ht, sv)
-  -- own the handles before anything else can raise
-  local saved = ffi.gc(sv[0], lib.gdp_delta_product_saved_free)
-  local out_o, out_ht = wrap(o[0]), wrap(ht[0])
+  local out_o, out_ht, saved = call_outputs(FWD, "gdp_delta_product_forward_ex",
+                                            { o, ht, { sv, lib.gdp_delta_product_saved_free } },
+                                            q:ctx(), o_opts, q, kk, vv, gg, bb, h0, cu, o, ht, sv)
   if lib.gdp_delta_product_saved_bytes(saved) > 0 then
     tensor.after_alloc(tonumber(lib.gdp_tensor_device_type(q)))
   end
@@ -257,17 +256,16 @@ function M.chunk_gated_delta_product_backward(a1, k, v, g, beta, opts)
   end
   local dq, dk, dv, dbeta, dg, dh0 = tensor_box(), tensor_box(), tensor_box(), tensor_box(),
                                      tensor_box(), tensor_box()
+  local outs = { dq, dk, dv, dbeta, dg, dh0 }
+  local r
   if saved == nil then
-    call_alloc(BWD, "gdp_delta_product_backward", q:ctx(), o_opts, q, kk, vv, gg, bb, h0, cu, d_o, dht,
-               dq, dk, dv, dbeta, dg, dh0)
+    r = { call_outputs(BWD, "gdp_delta_product_backward", outs, q:ctx(), o_opts, q, kk, vv, gg, bb, h0, cu,
+                       d_o, dht, dq, dk, dv, dbeta, dg, dh0) }
   else
-    call_alloc(BWD, "gdp_delta_product_backward_ex", q:ctx(), o_opts, q, kk, vv, gg, bb, h0, cu, d_o, dht,
-               dq, dk, dv, dbeta, dg, dh0, saved)
+    r = { call_outputs(BWD, "gdp_delta_product_backward_ex", outs, q:ctx(), o_opts, q, kk, vv, gg, bb, h0,
+                       cu, d_o, dht, dq, dk, dv, dbeta, dg, dh0, saved) }
   end
-  return {
-    dq = wrap(dq[0]), dk = wrap(dk[0]), dv = wrap(dv[0]), dbeta = wrap(dbeta[0]),
-    dg = wrap(dg[0]), dh0 = wrap(dh0[0]),
-  }
+  return { dq = r[1], dk = r[2], dv = r[3], dbeta = r[4], dg = r[5], dh0 = r[6] }
 end
 
 local STATE_NAMES = { initial_state = true, h0 = true, dht = true }

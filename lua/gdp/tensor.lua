@@ -54,6 +54,7 @@ end
 -- (Enum results arrive as cdata: compare them with numbers, use tonumber() for keys.)
 local function check(rc, fn)
   if rc == 0 then return end
+  if rc == lib.GDP_ERR_INTERRUPTED then lib.gdp_interrupt_clear() end -- reported: consumed
   local e = setmetatable({
     code = tonumber(rc),
     name = ffi.string(lib.gdp_status_name(rc)),
@@ -172,30 +173,54 @@ function M.memory_live_bytes(devtype)
   return tonumber(lib.gdp_mem_live_bytes(ty))
 end
 
--- Calls lib[cname](...) once more after a full collection when it ran out of memory,
--- then checks the status.
-local function call_alloc(fn, cname, ...)
-  local rc = lib[cname](...)
-  if rc == lib.GDP_ERR_OOM then
-    full_collect()
-    rc = lib[cname](...)
-  end
-  check(rc, fn)
-end
-M.call_alloc = call_alloc
-
 ------------------------------------------------------------------------------- handles
 
 local freed = setmetatable({}, { __mode = "k" })
 
--- Takes ownership of a fresh C handle (owned reference) and gives it to the GC.
-local function wrap(handle)
-  if handle == nil then return nil end
-  local t = ffi.gc(handle, lib.gdp_tensor_free)
-  after_alloc(tonumber(lib.gdp_tensor_device_type(t)))
-  return t
+local function interrupted_error(fn)
+  lib.gdp_interrupt_clear()
+  return setmetatable({
+    code = tonumber(lib.GDP_ERR_INTERRUPTED), name = "GDP_ERR_INTERRUPTED",
+    msg = "interrupted (Ctrl-C)", fn = fn, where = user_where(),
+  }, Error)
 end
-M.wrap = wrap
+
+-- The owned handle in an output box: a tensor box (gdp_tensor *[1]) or {box, free_fn}.
+local function own(out)
+  if ffi.istype(tensor_box, out) then
+    local h = out[0]
+    return h ~= nil and ffi.gc(h, lib.gdp_tensor_free) or nil
+  end
+  local h = out[1][0]
+  return h ~= nil and ffi.gc(h, out[2]) or nil
+end
+
+-- The one way a C call's outputs reach Lua: calls lib[cname](...), whose outputs land
+-- in the boxes `outs` (passed among its arguments too), and returns every output as a
+-- GC-owned handle, in order (nil for an empty box).  Out of memory: once more after a
+-- full collection.  The outputs are owned before anything can raise: during the call
+-- and the wrapping a Ctrl-C (gdp.repl's handler, gdp_interrupt_install) only sets the
+-- library's interrupt flag, which the kernels poll and which is checked here once the
+-- outputs are owned, so an interrupt never leaks them.
+local function call_outputs(fn, cname, outs, ...)
+  lib.gdp_interrupt_defer(1)
+  local ok, rc = pcall(lib[cname], ...)
+  if ok and rc == lib.GDP_ERR_OOM then
+    full_collect()
+    ok, rc = pcall(lib[cname], ...)
+  end
+  local res, n = {}, #outs
+  for i = 1, n do res[i] = own(outs[i]) end
+  lib.gdp_interrupt_defer(-1)
+  if not ok then error(rc, 0) end
+  check(rc, fn)
+  if lib.gdp_interrupt_requested() ~= 0 then error(interrupted_error(fn), 0) end
+  for i = 1, n do
+    if ffi.istype(Tensor_ptr, res[i]) then after_alloc(tonumber(lib.gdp_tensor_device_type(res[i]))) end
+  end
+  return unpack(res, 1, n)
+end
+M.call_outputs = call_outputs
 
 local function is_tensor(x)
   return ffi.istype(Tensor_ptr, x) and not freed[x]
@@ -431,8 +456,7 @@ local function make(fn, cname, shape, opts)
   local c, dt = ctx_dtype(fn, opts)
   local nd, arr = shape_array(fn, shape)
   local box = tensor_box()
-  call_alloc(fn, cname, c, dt, nd, arr, box)
-  return wrap(box[0])
+  return call_outputs(fn, cname, { box }, c, dt, nd, arr, box)
 end
 
 function M.empty(...)
@@ -544,8 +568,7 @@ local function from_flat(fn, flat, shape, opts)
     buf[i - 1] = v
   end
   local box = tensor_box()
-  call_alloc(fn, "gdp_tensor_from_host", c, dt, nd, arr, lib.GDP_DTYPE_F64, buf, n * 8, box)
-  return wrap(box[0])
+  return call_outputs(fn, "gdp_tensor_from_host", { box }, c, dt, nd, arr, lib.GDP_DTYPE_F64, buf, n * 8, box)
 end
 
 -- gdp.tensor({{1, 2}, {3, 4}}), gdp.tensor({1, 2, 3, 4}, {2, 2}), gdp.tensor(3.5),
@@ -702,16 +725,14 @@ function T.view(t, ...)
   live(t, "view")
   local nd, arr = shape_array("view", vararg_shape("view", ...), true)
   local box = tensor_box()
-  call_alloc("view", "gdp_tensor_view", t, nd, arr, box)
-  return wrap(box[0])
+  return call_outputs("view", "gdp_tensor_view", { box }, t, nd, arr, box)
 end
 
 function T.reshape(t, ...)
   live(t, "reshape")
   local nd, arr = shape_array("reshape", vararg_shape("reshape", ...), true)
   local box = tensor_box()
-  call_alloc("reshape", "gdp_tensor_reshape", t, nd, arr, box)
-  return wrap(box[0])
+  return call_outputs("reshape", "gdp_tensor_reshape", { box }, t, nd, arr, box)
 end
 
 -- t:narrow(dim, start, length): `length` entries of dim from `start` (1-based).
@@ -727,8 +748,7 @@ function T.narrow(t, d, start, length)
                                      start, length, d, size, size))
   end
   local box = tensor_box()
-  call_alloc("narrow", "gdp_tensor_narrow", t, d0, start - 1, length, box)
-  return wrap(box[0])
+  return call_outputs("narrow", "gdp_tensor_narrow", { box }, t, d0, start - 1, length, box)
 end
 
 -- t:select(dim, i): the slice at index i (1-based) of dim, which is removed.
@@ -738,16 +758,14 @@ function T.select(t, d, i)
   local size = tonumber(lib.gdp_tensor_size(t, d0))
   int_arg("select", string.format("index into dim %d (of size %d)", d, size), i, 1, size)
   local box = tensor_box()
-  call_alloc("select", "gdp_tensor_select", t, d0, i - 1, box)
-  return wrap(box[0])
+  return call_outputs("select", "gdp_tensor_select", { box }, t, d0, i - 1, box)
 end
 
 function T.transpose(t, d1, d2)
   live(t, "transpose")
   local a, b = dim0(t, d1 or 1, "transpose", "dim1"), dim0(t, d2 or 2, "transpose", "dim2")
   local box = tensor_box()
-  call_alloc("transpose", "gdp_tensor_transpose", t, a, b, box)
-  return wrap(box[0])
+  return call_outputs("transpose", "gdp_tensor_transpose", { box }, t, a, b, box)
 end
 
 -- t:permute(3, 1, 2) or t:permute({3, 1, 2}): out:size(i) = t:size(perm[i]) (1-based).
@@ -761,22 +779,19 @@ function T.permute(t, ...)
   local arr = int_array(math.max(nd, 1))
   for i = 1, nd do arr[i - 1] = dim0(t, perm[i], "permute", "perm[" .. i .. "]") end
   local box = tensor_box()
-  call_alloc("permute", "gdp_tensor_permute", t, nd, arr, box)
-  return wrap(box[0])
+  return call_outputs("permute", "gdp_tensor_permute", { box }, t, nd, arr, box)
 end
 
 function T.contiguous(t)
   live(t, "contiguous")
   local box = tensor_box()
-  call_alloc("contiguous", "gdp_tensor_contiguous", t, box)
-  return wrap(box[0])
+  return call_outputs("contiguous", "gdp_tensor_contiguous", { box }, t, box)
 end
 
 function T.clone(t)
   live(t, "clone")
   local box = tensor_box()
-  call_alloc("clone", "gdp_tensor_clone", t, box)
-  return wrap(box[0])
+  return call_outputs("clone", "gdp_tensor_clone", { box }, t, box)
 end
 
 local function same_device(t, c)
@@ -810,8 +825,7 @@ function T.to(t, a, b)
     return t
   end
   local box = tensor_box()
-  call_alloc("to", "gdp_tensor_to", c, t, d, box)
-  return wrap(box[0])
+  return call_outputs("to", "gdp_tensor_to", { box }, c, t, d, box)
 end
 
 function T.float(t) return T.to(t, "f32") end
@@ -936,8 +950,7 @@ local function empty_like(t, fn)
   local arr = i64_array(math.max(nd, 1))
   for i = 0, nd - 1 do arr[i] = lib.gdp_tensor_size(t, i) end
   local box = tensor_box()
-  call_alloc(fn, "gdp_tensor_empty", tensor_ctx(t), lib.gdp_tensor_dtype(t), nd, arr, box)
-  return wrap(box[0])
+  return call_outputs(fn, "gdp_tensor_empty", { box }, tensor_ctx(t), lib.gdp_tensor_dtype(t), nd, arr, box)
 end
 M.empty_like = function(t) return empty_like(tensor_arg(t, "empty_like", "t"), "empty_like") end
 
@@ -1056,8 +1069,7 @@ function M.matmul(a, b, opts)
     local arr = i64_array(2)
     arr[0], arr[1] = m, n
     local box = tensor_box()
-    call_alloc("matmul", "gdp_tensor_empty", tensor_ctx(a), lib.gdp_tensor_dtype(a), 2, arr, box)
-    out = wrap(box[0])
+    out = call_outputs("matmul", "gdp_tensor_empty", { box }, tensor_ctx(a), lib.gdp_tensor_dtype(a), 2, arr, box)
   else
     tensor_arg(out, "matmul", "out")
   end
