@@ -427,8 +427,9 @@ end
 
 -- Median seconds of the forward and of forward+backward on `problem` (a random_inputs
 -- table, with grads), over `samples` runs after `warmup` untimed ones, each on fresh
--- random inputs drawn outside the timed region (never zeros, never the same buffers).
--- opts: warmup, samples, algorithm, chunk_size, value_block.
+-- random inputs drawn outside the timed region (never zeros, never the same buffers),
+-- and third {fwd = util.spread(...), fwdbwd = ...} (seconds: n, min, p10, median, p90,
+-- max).  opts: warmup, samples, algorithm, chunk_size, value_block.
 function M.time_forward_backward(problem, opts)
   local fwd, fwdbwd = {}, {}
   for r = 1, opts.warmup + opts.samples do
@@ -450,7 +451,7 @@ function M.time_forward_backward(problem, opts)
       fwd[#fwd + 1], fwdbwd[#fwdbwd + 1] = t_fwd, t_fb
     end
   end
-  return util.median(fwd), util.median(fwdbwd)
+  return util.median(fwd), util.median(fwdbwd), { fwd = util.spread(fwd), fwdbwd = util.spread(fwdbwd) }
 end
 
 ------------------------------------------------------------------ tuning (see the header)

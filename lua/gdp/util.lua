@@ -366,6 +366,28 @@ function M.median(xs)
   return 0.5 * (s[n / 2] + s[n / 2 + 1])
 end
 
+-- The spread of a sample: {n =, min =, p10 =, median =, p90 =, max =} (percentiles by
+-- the nearest rank), or {n = 0} for an empty one.  Timings record it beside medians.
+function M.spread(xs)
+  local s = {}
+  for i, x in ipairs(xs) do s[i] = x end
+  table.sort(s)
+  local n = #s
+  if n == 0 then return { n = 0 } end
+  local function rank(p) return s[math.max(1, math.ceil(p * n))] end
+  return { n = n, min = s[1], p10 = rank(0.1), median = M.median(s), p90 = rank(0.9), max = s[n] }
+end
+
+-- The spread's fields in a row: <prefix>_min, _p10, _p90, _max, each times `scale`.
+function M.spread_fields(into, prefix, xs, scale)
+  local sp = M.spread(xs)
+  scale = scale or 1
+  for _, k in ipairs({ "min", "p10", "p90", "max" }) do
+    into[prefix .. "_" .. k] = sp[k] and sp[k] * scale or nil
+  end
+  return into
+end
+
 function M.min(xs)
   local m = math.huge
   for _, x in ipairs(xs) do if x < m then m = x end end
