@@ -54,6 +54,10 @@ local ENTRIES = {
       return gdp.nn.functional.repeat_heads(gdp.zeros({ 1, 4 }), v) end },
   { "gdp.cp.shard.split", "cp", function(v) return gdp.cp.shard.split(gdp.zeros({ 4, 1 }), v, 0) end, util.INT_MAX },
   { "gdp.cp.shard.split", "rank", function(v) return gdp.cp.shard.split(gdp.zeros({ 4, 1 }), 2, v) end, 1 },
+  { "gdp.data.state_tracking", "length", function(v)
+      return gdp.data.state_tracking { task = "S3", batch = 1, length = v, seed = 1 } end },
+  { "gdp.data.state_tracking", "seed", function(v)
+      return gdp.data.state_tracking { task = "S3", batch = 1, length = 1, seed = v } end },
   { "gdp.comm.broadcast", "root", function(v) gdp.comm.self():broadcast(gdp.zeros({ 2 }), v) end, 0, 0 },
   { "gdp.comm.split", "color", function(v) gdp.comm.self():split(v) end, util.INT_MAX },
 }

@@ -107,8 +107,7 @@ function F.silu(x)
   local fn = "nn.functional.silu"
   tensor_arg(x, fn, "x")
   local out = tensor_box()
-  call_alloc(fn, "gdp_mixer_silu_forward", x:ctx(), x, out)
-  return wrap(out[0])
+  return call_outputs(fn, "gdp_mixer_silu_forward", { out }, x:ctx(), x, out)
 end
 
 -- dx of sum(silu(x) * d_out).
@@ -117,8 +116,7 @@ function F.silu_backward(x, d_out)
   tensor_arg(x, fn, "x")
   tensor_arg(d_out, fn, "d_out")
   local out = tensor_box()
-  call_alloc(fn, "gdp_mixer_silu_backward", x:ctx(), x, d_out, out)
-  return wrap(out[0])
+  return call_outputs(fn, "gdp_mixer_silu_backward", { out }, x:ctx(), x, d_out, out)
 end
 
 -- g = -exp(A_log[h]) * softplus(a + dt_bias[h]) for a [..., H]; dt_bias may be nil.
