@@ -179,9 +179,9 @@ else
   shapes = { { B = opts.B, T = opts.T, n = opts.n } }
 end
 local function shape_text(s) return string.format("%dx%dx%d", s.B, s.T, s.n) end
-local shape_list = {}
-for i, s in ipairs(shapes) do shape_list[i] = shape_text(s) end
-shape_list = table.concat(shape_list, ",")
+local shape_names = {}
+for i, s in ipairs(shapes) do shape_names[i] = shape_text(s) end
+local shape_list = table.concat(shape_names, ",")
 
 if opts.with_saving and opts.save_for_backward then
   refuse({ "--with-saving times the plain path and the saving path; --save-for-backward would make " ..
@@ -440,7 +440,7 @@ local function time_shape(s, save)
   end
   -- one repeat whose host outran the hold invalidates the figure (it would mix in host time)
   local dev = (device_timer and not dev_note and #fwdbwd_dev > 0) and util.median(fwdbwd_dev) or nil
-  return util.median(fwd), util.median(fwdbwd), dev, dev_note
+  return util.median(fwd), util.median(fwdbwd), dev, dev_note, { fwd = fwd, fwdbwd = fwdbwd }
 end
 
 -- Fields common to the run and to every CSV row.
@@ -493,12 +493,14 @@ end
 -- The shapes are timed even when a ceiling failed: their figures just lack the fractions.
 local rows = {}
 for i, s in ipairs(shapes) do
-  local row = { B = s.B, T = s.T, n = s.n, H = opts.H, K = opts.K, V = opts.V }
+  local row = { B = s.B, T = s.T, n = s.n, H = opts.H, K = opts.K, V = opts.V, shape = shape_text(s) }
   rows[i] = row
   local shape_ok, shape_err = pcall(function()
-    local t_fwd, t_fb, t_dev, dev_note = time_shape(s, opts.save_for_backward)
+    local t_fwd, t_fb, t_dev, dev_note, samples = time_shape(s, opts.save_for_backward)
     row.path = gdp.ops.last_path(opts.device) -- the kernels "auto" took (gdp.ops.last_path)
     figures(s, t_fwd, t_fb, "", row)
+    util.spread_fields(row, "fwd_ms", samples.fwd, 1e3)
+    util.spread_fields(row, "fwdbwd_ms", samples.fwdbwd, 1e3)
     row.fwdbwd_device_ms, row.device_note = t_dev and t_dev * 1e3, dev_note
     if opts.with_saving then
       local sv_fwd, sv_fb, sv_dev, sv_note = time_shape(s, true)
@@ -591,7 +593,9 @@ if #shapes == 1 and rows[1] then
 end
 
 local columns = { "start_time", "git_sha", "device", "dtype", "algorithm", "inputs", "final_state",
-                  "B", "T", "H", "K", "V", "n", "threads", "repeat", "fwd_ms", "fwdbwd_ms", "gflops_fwd",
+                  "shape", "B", "T", "H", "K", "V", "n", "threads", "repeat", "fwd_ms", "fwd_ms_min", "fwd_ms_p10",
+                  "fwd_ms_p90", "fwd_ms_max", "fwdbwd_ms", "fwdbwd_ms_min", "fwdbwd_ms_p10", "fwdbwd_ms_p90",
+                  "fwdbwd_ms_max", "gflops_fwd",
                   "gflops", "sgemm_gflops", "fraction_of_sgemm", "tokens_per_s", "tokens_per_s_fwd",
                   "bf16_matmul_tflops", "copy_tbps", "fraction_of_bf16_matmul", "fraction_of_bf16_matmul_fwd",
                   "fraction_of_copy", "fraction_of_copy_fwd", "floor_fwd_ms", "floor_fwdbwd_ms", "floor_bound",
@@ -617,8 +621,11 @@ if run then
     csv:row(line)
     study_csv = results.append_csv(results.root .. "/bench_gdp/results.csv", columns, line)
   end
-  run:plot({ x = nil, y = { "gflops", "sgemm_gflops" }, csv = study_csv and "../" .. study_csv:match("[^/]+$"),
-             title = "bench_gdp: GFLOP/s per shape and run (forward+backward)", ylabel = "GFLOP/s", style = "points" })
+  -- across the study's runs (row order), one line per shape of this run
+  run:plot({ x = nil, y = "gflops", by = "shape", values = shape_names,
+             csv = study_csv and "../" .. study_csv:match("[^/]+$"),
+             title = "bench_gdp: forward+backward GFLOP/s per shape, one point per run",
+             xlabel = "run (row of experiments/runs/bench_gdp/results.csv)", ylabel = "GFLOP/s" })
   local f = io.open(run.dir .. "/bench_gdp.json", "w")
   if f then f:write(util.json_encode(report, 1), "\n") f:close() end
   run:finish({ status = status, error = report.error })

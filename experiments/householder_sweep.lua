@@ -122,12 +122,15 @@ local function measure(cfg)
   if not ctx:supports("gdp_forward", cfg.dtype) then
     sweep.skip(string.format("%s has no gdp_forward for %s", ctx:name(), cfg.dtype))
   end
-  local t_fwd, t_fb = measure_time(cfg)
+  local t_fwd, t_fb, spread = measure_time(cfg)
   local fwd_err, bwd_err = measure_error(cfg)
   local flops = gdp.ops.gdp_flops(cfg.B, cfg.T, cfg.H, cfg.K, cfg.V, cfg.n, "forward")
   local tol = gdp.ops.TOLERANCE[cfg.dtype]
   return {
     fwd_ms = t_fwd * 1e3, fwdbwd_ms = t_fb * 1e3,
+    fwd_ms_min = spread.fwd.min * 1e3, fwd_ms_max = spread.fwd.max * 1e3,
+    fwdbwd_ms_min = spread.fwdbwd.min * 1e3, fwdbwd_ms_max = spread.fwdbwd.max * 1e3,
+    timed_runs = spread.fwd.n,
     gflops_fwd = flops / t_fwd / 1e9, gflops_fwdbwd = 3 * flops / t_fb / 1e9,
     tokens_per_s = cfg.B * cfg.T / t_fb,
     fwd_rel_err = fwd_err, bwd_rel_err = bwd_err, tol = tol,
@@ -135,7 +138,8 @@ local function measure(cfg)
   }
 end
 
-local columns = { "fwd_ms", "fwdbwd_ms", "gflops_fwd", "gflops_fwdbwd", "tokens_per_s",
+local columns = { "fwd_ms", "fwdbwd_ms", "fwd_ms_min", "fwd_ms_max", "fwdbwd_ms_min", "fwdbwd_ms_max",
+                  "timed_runs", "gflops_fwd", "gflops_fwdbwd", "tokens_per_s",
                   "fwd_rel_err", "bwd_rel_err", "tol", "within_tol" }
 local base = {
   device = ctx:name(), B = opts.B, T = opts.T, H = opts.H, K = opts.K, V = opts.V,

@@ -120,8 +120,31 @@ describe("results", function()
     local gp = read_all(run.dir .. "/plot.gp")
     assert.truthy(gp:find('set datafile separator ","', 1, true))
     assert.truthy(gp:find("set logscale x 2", 1, true))
-    assert.truthy(gp:find('using "T":"time_ms"', 1, true))
+    assert.truthy(gp:find('using "T":((strcol("status") eq "ok") ? column("time_ms") : NaN)', 1, true), gp)
+    assert.truthy(gp:find("noenhanced", 1, true), gp) -- '_' in names is no subscript
     assert.truthy(read_all(run.dir .. "/meta.json"):find('"end_time"', 1, true))
+    local has_gnuplot = os.execute("command -v gnuplot >/dev/null 2>&1")
+    if has_gnuplot == 0 or has_gnuplot == true then
+      assert.truthy(io.open(run.dir .. "/plot.png", "r"), "the PNG is made beside plot.gp")
+    end
+  end)
+
+  it("meta.json has the CPU model, thread counts and a sweep's axes", function()
+    local run = results.new_run("facts", { root = dir })
+    local sweep = require("gdp.sweep")
+    sweep.run { run = run, axes = { n = { 1, 2 } }, base = { T = 3 }, columns = { "y" },
+                fn = function(cfg) return { y = cfg.n * cfg.T } end }
+    run:finish()
+    local meta = util.json_decode(read_all(run.dir .. "/meta.json"))
+    assert.are.equal("ok", meta.status)
+    assert.are.same({ 1, 2 }, meta.sweep.axes.n)
+    assert.are.equal(2, meta.sweep.configs)
+    assert.truthy(meta.threads and meta.threads.gdp_cpu_context >= 1, read_all(run.dir .. "/meta.json"))
+    local f = io.open("/proc/cpuinfo", "r")
+    if f then
+      f:close()
+      assert.truthy(type(meta.cpu_model) == "string" and #meta.cpu_model > 0)
+    end
   end)
 
   it("every meta.json has a status: failed until finish, then ok or failed with a reason", function()

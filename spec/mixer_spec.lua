@@ -392,7 +392,7 @@ describe("nn.GatedDeltaProduct errors", function()
                                                     state_dim = 4, num_housholder = 2 } end,
                    "unknown option 'num_housholder'")
     H.expect_error(function() nn.GatedDeltaProduct{ num_heads = 2, head_dim = 2, state_dim = 4 } end,
-                   "hidden_size: expected an integer >= 1")
+                   "hidden_size must be an integer >= 1")
   end)
 
   it("checks x", function()

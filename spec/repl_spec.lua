@@ -75,4 +75,38 @@ describe("REPL", function()
     assert.is_nil(out:find("syntax error", 1, true), out)
     assert.is_nil(out:find("unexpected symbol", 1, true), out)
   end)
+
+  -- Real SIGINTs, sent by a child the session itself starts (its pid from getpid), while
+  -- stdin is held open by a writer that waits for the session's marks (files) before
+  -- each next step.
+  it("Ctrl-C stops a long op and, at the prompt, drops the line; the state stays", function()
+    local script, mark = os.tmpname(), os.tmpname()
+    os.remove(mark)
+    local f = assert(io.open(script, "w"))
+    f:write(string.format([=[
+wait_for() { for _ in $(seq 600); do [ -e "$1" ] && return; sleep 0.1; done; }
+{
+  echo 'ffi = require("ffi"); ffi.cdef("int getpid(void);"); pid = ffi.C.getpid(); x = 42; mark = "%s"'
+  echo 'a = gdp.ops.random_inputs{T = 300000, K = 64, V = 64, H = 2, n = 2, dtype = "f64"}; a.algorithm = "recurrent"; gdp.device("cpu"):set_num_threads(1)'
+  echo 'os.execute("(sleep 0.5; kill -INT " .. pid .. ") &"); t0 = gdp.time(); o = gdp.ops.chunk_gated_delta_product(a)'
+  echo 'print("OP", o, gdp.time() - t0); io.open(mark .. "1", "w"):close()'
+  wait_for "%s1"
+  echo 'os.execute("(sleep 0.5; kill -INT " .. pid .. ") &"); io.open(mark .. "2", "w"):close()'
+  wait_for "%s2"
+  sleep 2
+  echo 'print("AFTER", x)'
+}
+]=], mark, mark, mark))
+    f:close()
+    local p = assert(io.popen(string.format("bash %s | %stimeout 120 %s/gdp 2>&1", script, env, root)))
+    local out = p:read("*a")
+    p:close()
+    os.remove(script)
+    os.remove(mark .. "1")
+    os.remove(mark .. "2")
+    assert.truthy(out:find("GDP_ERR_INTERRUPTED: ", 1, true), out)
+    local elapsed = tonumber(out:match("OP\tnil\t([%d.e+-]+)"))
+    assert.truthy(elapsed and elapsed < 3, out) -- the whole op takes 4 s and more on one thread
+    assert.truthy(out:find("> \n> AFTER\t42", 1, true), out) -- a fresh prompt, then the old state
+  end)
 end)

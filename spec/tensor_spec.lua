@@ -269,6 +269,41 @@ describe("conversions", function()
     assert.are.same({ 2, 2 ^ 31 - 2 }, (gdp.tensor({ 1, 2 ^ 30 - 1 }, { dtype = "i32" }) * 2):totable())
   end)
 
+  it("to an integer dtype on cuda: NaN, inf and out-of-range values are errors, as on the cpu #gpu", function()
+    if not H.need_device("cuda") then return end
+    local function fails(values, src, dt, element)
+      local t = gdp.tensor(values, { dtype = src }):cuda()
+      local ok, err = pcall(t.to, t, dt)
+      assert.is_false(ok, "converting " .. src .. " to " .. dt .. " on cuda should fail")
+      assert.matches("no value in " .. dt, tostring(err), 1, true)
+      assert.matches(element, tostring(err), 1, true)
+    end
+    for _, src in ipairs({ "f64", "f32", "bf16" }) do
+      for _, dt in ipairs({ "i32", "i64" }) do
+        fails({ 1, 0 / 0, 2 }, src, dt, "element 2")
+        fails({ 1, 2, math.huge }, src, dt, "element 3")
+        fails({ -math.huge }, src, dt, "element 1")
+      end
+    end
+    fails({ 0, 2 ^ 31 }, "f64", "i32", "element 2")
+    fails({ 2 ^ 63 }, "f64", "i64", "element 1")
+    fails({ 2 ^ 40 }, "i64", "i32", "element 1")
+    -- strided sources report the row-major position; the lowest bad element wins
+    local t = gdp.tensor({ { 1, 0 / 0 }, { 0 / 0, 4 } }, { dtype = "f32" }):cuda():transpose(1, 2)
+    local ok, err = pcall(t.to, t, "i32")
+    assert.is_false(ok)
+    assert.matches("element 2", tostring(err), 1, true)
+    -- values that fit convert as on the cpu; the device is usable after an error
+    assert.are.same({ 2147483647, -2147483648, -2 },
+                    gdp.tensor({ 2147483647.9, -2147483648.9, -2.7 }, { dtype = "f64" }):cuda():to("i32"):totable())
+    assert.has_error(function() gdp.full({ 2 }, 0 / 0, { dtype = "i32", device = "cuda" }) end)
+    local big = gdp.tensor({ 1, 2 ^ 30 }, { dtype = "i32" }):cuda()
+    local ok2, err2 = pcall(function() return big + big end)
+    assert.is_false(ok2)
+    assert.matches("element 2 (row-major, counting from 1) has no value in i32", tostring(err2), 1, true)
+    assert.are.same({ 2, 2 ^ 31 - 2 }, (gdp.tensor({ 1, 2 ^ 30 - 1 }, { dtype = "i32" }):cuda() * 2):totable())
+  end)
+
   it("rounds bf16 to nearest even", function()
     -- 1 + 2^-8 lies halfway between 1 and 1 + 2^-7: ties go to the even mantissa (1).
     local t = gdp.tensor({ 1 + 2 ^ -8, 1 + 3 * 2 ^ -8, 1 + 2 ^ -7 }, { dtype = "f64" })
@@ -310,8 +345,8 @@ describe("table round trips", function()
     t:set(5, 2, 3)
     assert.are.equal(5, t:get(2, 3))
     assert.are.same({ { 0, 0, 0 }, { 0, 0, 5 } }, t:totable())
-    H.expect_error(function() return t:get(0, 1) end, "gdp.get", "index 1", "1..2", "got 0")
-    H.expect_error(function() return t:get(1, 4) end, "index 2", "1..3", "got 4")
+    H.expect_error(function() return t:get(0, 1) end, "gdp.get", "index 1", "[1, 2]", "got 0")
+    H.expect_error(function() return t:get(1, 4) end, "index 2", "[1, 3]", "got 4")
     H.expect_error(function() return t:get(1) end, "expected 2 indices")
   end)
 end)

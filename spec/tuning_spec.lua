@@ -55,9 +55,9 @@ describe("tuning", function()
     assert.are.same({ value_block = 16 }, gdp.get_tuning())
     assert.are.same({ value_block = 16 }, gdp.get_tuning("cpu"))
     H.expect_error(function() gdp.set_tuning { value_block = 2.5 } end,
-                   "gdp.set_tuning: value_block: expected an integer", "got 2.5")
+                   "gdp.set_tuning: value_block must be an integer", "got 2.5")
     H.expect_error(function() gdp.set_tuning { value_block = "32" } end,
-                   "value_block: expected an integer", "got 32")
+                   "value_block must be an integer", "got the string \"32\"")
     H.expect_error(function() gdp.set_tuning { value_blok = 32 } end,
                    "gdp.set_tuning: unknown option 'value_blok'", "value_block")
     H.expect_error(function() gdp.set_tuning(32) end,
@@ -97,7 +97,7 @@ describe("tuning", function()
                    "opts->value_block: expected 0 (the context's), 16, 32 or 64, got 24")
     args.value_block = 1.5
     H.expect_error(function() gdp.ops.chunk_gated_delta_product(args) end,
-                   "gdp.chunk_gated_delta_product: value_block: expected an integer")
+                   "gdp.chunk_gated_delta_product: value_block must be an integer")
     H.assert_alive()
   end)
 
@@ -113,7 +113,7 @@ describe("tuning", function()
     assert.is_false(same_bits(o_nil, o_16)) -- the option reaches the kernel
     args.chunk_size = 0
     H.expect_error(function() gdp.ops.chunk_gated_delta_product(args) end,
-                   "chunk_size: expected an integer >= 1")
+                   "chunk_size must be an integer >= 1")
   end)
 
   describe("in meta.json", function()

@@ -44,7 +44,8 @@ typedef enum gdp_status {
   GDP_ERR_MPI = -7,
   GDP_ERR_UNSUPPORTED = -8,
   GDP_ERR_IO = -9,
-  GDP_ERR_INTERNAL = -10
+  GDP_ERR_INTERNAL = -10,
+  GDP_ERR_INTERRUPTED = -11 /* the work was cancelled (gdp_interrupt_request, Ctrl-C) */
 } gdp_status;
 
 /* "GDP_OK", "GDP_ERR_SHAPE", ...; "GDP_ERR_UNKNOWN" for other values. */
@@ -53,6 +54,33 @@ const char *gdp_status_name(gdp_status status);
    the next failing call on this thread. */
 const char *gdp_last_error(void);
 void gdp_clear_error(void);
+
+/* ------------------------------------------------------------------ interrupts */
+
+/* Cancellation of long CPU work.  One process-wide flag: gdp_interrupt_request sets it
+   (async-signal-safe: the SIGINT handler below calls it), the CPU kernels poll it per
+   chunk of work (the operator's chunk and token loops, the mixer ops' row blocks; not
+   inside one BLAS call) and then return GDP_ERR_INTERRUPTED, freeing what they
+   allocated; the outputs of an interrupted call are not made.  The flag stays set
+   until gdp_interrupt_clear (gdp's Lua bindings clear it when they raise the error).
+
+   gdp_interrupt_install puts in a SIGINT handler (no SA_RESTART: a blocking read
+   returns EINTR) that sets the flag.  While gdp_interrupt_defer's count is above 0 it
+   does only that; otherwise it also passes the signal on to the handler it replaced
+   at the first install (a function is called, SIG_DFL ends the process as before,
+   SIG_IGN ignores it), so code outside gdp's calls is still interrupted the way it
+   was.  Installing again keeps that first handler.  GDP_ERR_INVALID_ARG when
+   sigaction fails. */
+gdp_status gdp_interrupt_install(void);
+void gdp_interrupt_request(void);
+int gdp_interrupt_requested(void); /* 1 when set */
+void gdp_interrupt_clear(void);
+void gdp_interrupt_defer(int delta); /* +1 before a call whose outputs are not yet owned, -1 after */
+/* Test hook: the flag gets set by the `polls`-th kernel poll from now (1: the next);
+   < 1 cancels a pending countdown. */
+void gdp_interrupt_request_after(int64_t polls);
+/* What the kernels call between chunks of work: 1 when the work must stop. */
+int gdp_interrupt_poll(void);
 
 /* ------------------------------------------------------------------ library */
 

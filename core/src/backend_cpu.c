@@ -314,13 +314,6 @@ static gdp_status cpu_memcpy(gdp_ctx *ctx, void *dst, const void *src, size_t nb
 
 /* ------------------------------------------------------------------ conversion checks */
 
-/* Whether x (a float, or an int64 going to int32) has a value of `dst` after the
- * truncating cast: false for NaN, +-inf and anything outside the type's range. */
-static inline int fits_int(double x, gdp_dtype dst) {
-  if (dst == GDP_DTYPE_I32) return x > -2147483649.0 && x < 2147483648.0; /* NaN fails */
-  return x >= -9223372036854775808.0 && x < 9223372036854775808.0;
-}
-
 typedef struct int_check_job {
   gdp_dtype src, dst;
   int64_t bad;      /* row-major index of the first bad element, -1 while none */
@@ -349,7 +342,7 @@ static void int_check_segment(void *user, int64_t task, char *const p[3], const 
         continue;
       }
     }
-    if (!fits_int(x, job->dst)) {
+    if (!gdp_fits_int(x, job->dst)) {
       job->bad = linear + i;
       job->bad_value = x;
       return;
@@ -515,7 +508,7 @@ static gdp_status cpu_fill(gdp_ctx *ctx, gdp_tensor *t, double value) {
   fill_job job;
   memset(&job, 0, sizeof job);
   job.esize = (int64_t)gdp_dtype_size(t->dtype);
-  if ((t->dtype == GDP_DTYPE_I32 || t->dtype == GDP_DTYPE_I64) && !fits_int(value, t->dtype))
+  if ((t->dtype == GDP_DTYPE_I32 || t->dtype == GDP_DTYPE_I64) && !gdp_fits_int(value, t->dtype))
     return GDP_ERROR_IN("tensor conversion", GDP_ERR_INVALID_ARG,
                         "filling a %s tensor with %.17g, which %s has no value for (NaN, inf "
                         "and values out of range are errors, not saturated)",
@@ -629,7 +622,7 @@ static void binary_segment(void *user, int64_t task, char *const p[3], const int
     }
     if (job->int_out) {
       for (int64_t j = 0; j < m; j++) {
-        if (!fits_int(x[j], job->out_dtype)) {
+        if (!gdp_fits_int(x[j], job->out_dtype)) {
           binary_note_bad((binary_job *)job, linear + c0 + j, x[j]);
           break;
         }
@@ -816,6 +809,8 @@ static gdp_status cpu_matmul(gdp_ctx *ctx, gdp_tensor *out, const gdp_tensor *a,
   int64_t M = out->shape[0], N = out->shape[1];
   int64_t K = trans_a ? a->shape[0] : a->shape[1];
   if (M == 0 || N == 0) return GDP_OK;
+  if (gdp_interrupt_poll()) /* one poll per call: a BLAS call itself cannot be stopped */
+    return GDP_ERROR(GDP_ERR_INTERRUPTED, "interrupted (the interrupt flag was set: Ctrl-C)");
   if (M > INT_MAX || N > INT_MAX || K > INT_MAX)
     return GDP_ERROR(GDP_ERR_UNSUPPORTED, "sizes M=%lld N=%lld K=%lld exceed BLAS int range",
                      (long long)M, (long long)N, (long long)K);

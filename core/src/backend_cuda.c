@@ -316,15 +316,44 @@ static gdp_status cuda_to_host(gdp_ctx *ctx, void *dst_host, const void *src_dev
 
 /* ------------------------------------------------------------------ elementwise */
 
+static int is_int_dtype(gdp_dtype d) { return d == GDP_DTYPE_I32 || d == GDP_DTYPE_I64; }
+
+/* A launch that stores into an integer dtype from values that may not fit: the device
+ * records the first element without a value, read back here (a sync), so that such a
+ * conversion is an error as on the CPU; `what` and the shape name it. */
+static gdp_status int_check_end(gdp_ctx *ctx, const char *what, const gdp_tensor *out) {
+  int64_t bad = -1;
+  GDP_CUDA_TRY(gdp_cuda_int_check_end(state_of(ctx)->stream, &bad));
+  if (bad < 0) return GDP_OK;
+  char shape_buf[160];
+  return GDP_ERROR_IN("tensor conversion", GDP_ERR_INVALID_ARG,
+                      "%s a %s tensor of shape %s on %s:%d: element %lld (row-major, counting "
+                      "from 1) has no value in %s (NaN, inf and values out of range are errors, "
+                      "not saturated; the tensor holds saturated values)",
+                      what, gdp_dtype_name(out->dtype),
+                      gdp_shape_str(shape_buf, sizeof shape_buf, out->ndim, out->shape),
+                      gdp_device_type_name(ctx->type), ctx->index, (long long)bad + 1,
+                      gdp_dtype_name(out->dtype));
+}
+
 static gdp_status cuda_copy(gdp_ctx *ctx, gdp_tensor *dst, const gdp_tensor *src) {
   GDP_TRY(op_begin(ctx, "copy", dst));
   gdp_cuda_operand d = operand_of(dst), s = operand_of(src);
+  const int checked = is_int_dtype(dst->dtype) && src->dtype != GDP_DTYPE_I32 &&
+                      !(dst->dtype == GDP_DTYPE_I64 && src->dtype == GDP_DTYPE_I64);
+  if (checked) GDP_CUDA_TRY(gdp_cuda_int_check_begin(state_of(ctx)->stream));
   GDP_CUDA_TRY(gdp_cuda_copy(dst->ndim, dst->shape, &d, &s, state_of(ctx)->stream));
+  if (checked) GDP_TRY(int_check_end(ctx, "converting into", dst));
   return op_end(ctx);
 }
 
 static gdp_status cuda_fill(gdp_ctx *ctx, gdp_tensor *t, double value) {
   GDP_TRY(op_begin(ctx, "fill", t));
+  if (is_int_dtype(t->dtype) && !gdp_fits_int(value, t->dtype))
+    return GDP_ERROR_IN("tensor conversion", GDP_ERR_INVALID_ARG,
+                        "filling a %s tensor with %.17g, which %s has no value for (NaN, inf "
+                        "and values out of range are errors, not saturated)",
+                        gdp_dtype_name(t->dtype), value, gdp_dtype_name(t->dtype));
   gdp_cuda_operand d = operand_of(t);
   GDP_CUDA_TRY(gdp_cuda_fill(t->ndim, t->shape, &d, value, state_of(ctx)->stream));
   return op_end(ctx);
@@ -350,8 +379,10 @@ static gdp_status cuda_binary(gdp_ctx *ctx, gdp_tensor *out, const gdp_tensor *a
   gdp_cuda_operand y = b ? operand_of(b) : x;
   if (kind != GDP_BINARY_SCALE && !b)
     return GDP_ERROR(GDP_ERR_INVALID_ARG, "b is NULL for a binary op that reads it");
+  if (is_int_dtype(out->dtype)) GDP_CUDA_TRY(gdp_cuda_int_check_begin(state_of(ctx)->stream));
   GDP_CUDA_TRY(gdp_cuda_binary(out->ndim, out->shape, &o, &x, &y, (int)kind, alpha,
                                state_of(ctx)->stream));
+  if (is_int_dtype(out->dtype)) GDP_TRY(int_check_end(ctx, "an elementwise result stored into", out));
   return op_end(ctx);
 }
 

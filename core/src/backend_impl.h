@@ -153,6 +153,15 @@ const gdp_backend *gdp_backend_for(gdp_device_type type);
 /* 1 when v is a value the value_block tuning field takes: 0, 16, 32 or 64 (ctx.c). */
 int gdp_value_block_valid(int v);
 
+/* Whether x (a float, or an int64 going to int32) has a value of the integer dtype
+ * `dst` after the truncating cast: false for NaN, +-inf and anything outside the
+ * type's range.  Both backends' rule for conversions to i32/i64 (the CUDA kernels
+ * repeat it as IntRange in kernels/cuda/tensor_ops.cu). */
+static inline int gdp_fits_int(double x, gdp_dtype dst) {
+  if (dst == GDP_DTYPE_I32) return x > -2147483649.0 && x < 2147483648.0; /* NaN fails */
+  return x >= -9223372036854775808.0 && x < 9223372036854775808.0;
+}
+
 /* Allocation bookkeeping for gdp_mem_live_bytes (atomic). */
 void gdp_mem_track(gdp_device_type type, int64_t delta_bytes);
 

@@ -27,6 +27,7 @@ const char *gdp_status_name(gdp_status status) {
     case GDP_ERR_UNSUPPORTED: return "GDP_ERR_UNSUPPORTED";
     case GDP_ERR_IO: return "GDP_ERR_IO";
     case GDP_ERR_INTERNAL: return "GDP_ERR_INTERNAL";
+    case GDP_ERR_INTERRUPTED: return "GDP_ERR_INTERRUPTED";
   }
   return "GDP_ERR_UNKNOWN";
 }

@@ -22,6 +22,7 @@
 #include <tgmath.h>
 
 #include "../kernel_status.h"
+#include "../size_check.h"
 #include "mixer_cpu.h"
 
 /* Below this many elements the OpenMP fork costs more than the loop. */
@@ -102,7 +103,8 @@ gdp_status FN(gdp_cpu_conv1d_bwd)(const gdp_conv1d_problem *a, const REAL *x,
   const REAL *du = d_out;
   REAL *du_buf = NULL;
   if (a->silu && rows * C > 0) {
-    du_buf = malloc((size_t)(rows * C) * sizeof(REAL));
+    size_t bytes;
+    du_buf = gdp_size_product(&bytes, rows, C, sizeof(REAL)) ? malloc(bytes) : NULL;
     if (!du_buf)
       return GDP_ERROR(GDP_ERR_OOM, "out of host memory for %lld conv gradients",
                        (long long)(rows * C));

@@ -34,6 +34,7 @@
 
 #include "gdp_cpu.h"
 #include "../kernel_status.h"
+#include "../size_check.h"
 
 #define CK_CAT2(a, b) a##_##b
 #define CK_CAT(a, b) CK_CAT2(a, b)
@@ -331,6 +332,47 @@ static gdp_status ck_check(const gdp_delta_product_problem *p, const char *fn) {
   return GDP_OK;
 }
 
+/* Every BLAS dimension and leading dimension of the kernels is at most C + mmax + K,
+ * H*K or H*V (ck_dims): all must fit an int. */
+static gdp_status ck_check_blas_dims(const ck_dims *d, const char *fn) {
+  if (!gdp_blas_int_ok(d->C + d->mmax + d->K) || !gdp_blas_int_ok(d->ldk) || !gdp_blas_int_ok(d->ldv))
+    return GDP_ERROR_IN(fn, GDP_ERR_INVALID_ARG,
+                        "sizes beyond BLAS's int (%d): chunk %lld + query rows %lld + K %lld, "
+                        "H*K = %lld and H*V = %lld must each be at most that", INT_MAX,
+                        (long long)d->C, (long long)d->mmax, (long long)d->K, (long long)d->ldk,
+                        (long long)d->ldv);
+  return GDP_OK;
+}
+
+/* No token at all: only the states pass through (dst = src, or zeros without src), and
+ * no workspace is allocated. */
+static void ck_states_only(const gdp_delta_product_problem *p, const real *src, real *dst) {
+  if (!dst) return;
+  const size_t bytes = (size_t)(p->N * p->H * p->K * p->V) * sizeof(real); /* dst exists */
+  if (src)
+    memcpy(dst, src, bytes);
+  else
+    memset(dst, 0, bytes);
+}
+
+/* ws = per-thread count * threads, in bytes, or an error naming the sizes. */
+static gdp_status ck_ws_bytes(const char *fn, size_t per, int nt, const ck_dims *d, size_t *bytes) {
+  *bytes = 0;
+  if (per == 0 || !gdp_size_mac(bytes, per, (size_t)nt, sizeof(real)))
+    return GDP_ERROR_IN(fn, GDP_ERR_INVALID_ARG,
+                        "the workspace size overflows size_t (chunk %lld steps, K=%lld, V=%lld, "
+                        "%d threads): use a smaller chunk_size", (long long)d->C, (long long)d->K,
+                        (long long)d->V, nt);
+  return GDP_OK;
+}
+
+/* After the workers: the status of a run the interrupt flag may have stopped. */
+static gdp_status ck_finish(const char *fn) {
+  if (gdp_interrupt_requested())
+    return GDP_ERROR_IN(fn, GDP_ERR_INTERRUPTED, "interrupted (the interrupt flag was set: Ctrl-C)");
+  return GDP_OK;
+}
+
 /* ------------------------------------------------------------------ forward */
 
 /* Per-thread forward workspace: [Delta ; S] stacked so that one GEMM reads both. */
@@ -342,9 +384,13 @@ typedef struct ck_fwd_ws {
   real *G, *eG, *gam; /* C each */
 } ck_fwd_ws;
 
+/* Elements of one forward workspace; 0 when the count overflows size_t. */
 static size_t ck_fwd_ws_count(const ck_dims *d) {
   const size_t C = (size_t)d->C, K = (size_t)d->K, V = (size_t)d->V, m = (size_t)d->mmax;
-  return (C + K) * V + C * C + m * (C + K) + C * K + 3 * C;
+  size_t n = 0;
+  const int ok = gdp_size_mac(&n, C + K, V, 1) && gdp_size_mac(&n, C, C, 1) &&
+                 gdp_size_mac(&n, m, C + K, 1) && gdp_size_mac(&n, C, K, 1) && gdp_size_mac(&n, 3, C, 1);
+  return ok ? n : 0;
 }
 
 static void ck_fwd_ws_carve(const ck_dims *d, real *base, ck_fwd_ws *w) {
@@ -374,6 +420,7 @@ static void ck_forward_pair(const ck_dims *d, const gdp_delta_product_problem *p
     memset(S, 0, (size_t)KV * sizeof(real));
 
   for (int64_t i0 = 0; i0 < L; i0 += C) {
+    if (gdp_interrupt_poll()) return; /* ck_finish reports it */
     const ck_chunk ch = ck_chunk_at(d, bos, L, i0);
     const int64_t c = ch.c, m = ch.m;
     const real *kc = k + ch.step0 * d->ldk + h * K;
@@ -416,12 +463,19 @@ static void ck_forward_pair(const ck_dims *d, const gdp_delta_product_problem *p
 gdp_status CK_PUBLIC(gdp_cpu_delta_product_forward_chunk)(const gdp_delta_product_problem *p, const gdp_delta_product_forward_io *io) {
   static const char *const fn = "gdp_cpu_delta_product_forward_chunk_" CK_STR(CK_SFX);
   GDP_TRY(ck_check(p, fn));
-  const ck_dims d = ck_dims_of(p);
   const int64_t items = p->N * p->H;
   if (items == 0) return GDP_OK;
+  if (p->cu_seqlens[p->N] == p->cu_seqlens[0]) {
+    ck_states_only(p, io->h0, io->ht);
+    return GDP_OK;
+  }
+  const ck_dims d = ck_dims_of(p);
+  GDP_TRY(ck_check_blas_dims(&d, fn));
   const int nt = ck_threads(p, items);
   const size_t per = ck_fwd_ws_count(&d);
-  real *ws = malloc(per * (size_t)nt * sizeof(real));
+  size_t bytes;
+  GDP_TRY(ck_ws_bytes(fn, per, nt, &d, &bytes));
+  real *ws = malloc(bytes);
   if (!ws)
     return GDP_ERROR_IN(fn, GDP_ERR_OOM, "out of host memory for %d workspaces of %zu bytes",
                         nt, per * sizeof(real));
@@ -440,7 +494,7 @@ gdp_status CK_PUBLIC(gdp_cpu_delta_product_forward_chunk)(const gdp_delta_produc
   }
   ck_blas_threads_leave(prev_blas);
   free(ws);
-  return GDP_OK;
+  return ck_finish(fn);
 }
 
 /* ------------------------------------------------------------------ backward */
@@ -466,12 +520,19 @@ typedef struct ck_bwd_ws {
   double *dGc;              /* C: the log-decay gradients, in double in both precisions */
 } ck_bwd_ws;
 
+/* Elements of one backward workspace; 0 when the count overflows size_t. */
 static size_t ck_bwd_ws_count(const ck_dims *d, int64_t max_chunks) {
   const size_t C = (size_t)d->C, K = (size_t)d->K, V = (size_t)d->V, m = (size_t)d->mmax;
   const size_t nb = (size_t)(max_chunks > 0 ? max_chunks : 1);
-  return nb * (C + K) * V + nb * C * C + (C + m + K) * V + 2 * C * C + (C + m) * (C + K) +
-         C * (m + K) + C * (C + m) + 2 * (C + m) * K + C * K + m * C + 4 * C +
-         (C + 1) * sizeof(double) / sizeof(real); /* dGc, and room to align it */
+  size_t n = 0;
+  const int ok = gdp_size_mac(&n, nb, C + K, V) && gdp_size_mac(&n, nb, C, C) &&
+                 gdp_size_mac(&n, C + m + K, V, 1) && gdp_size_mac(&n, 2, C, C) &&
+                 gdp_size_mac(&n, C + m, C + K, 1) && gdp_size_mac(&n, C, m + K, 1) &&
+                 gdp_size_mac(&n, C, C + m, 1) && gdp_size_mac(&n, 2, C + m, K) &&
+                 gdp_size_mac(&n, C, K, 1) && gdp_size_mac(&n, m, C, 1) && gdp_size_mac(&n, 4, C, 1) &&
+                 /* dGc, and room to align it */
+                 gdp_size_mac(&n, C + 1, sizeof(double) / sizeof(real), 1);
+  return ok ? n : 0;
 }
 
 static void ck_bwd_ws_carve(const ck_dims *d, int64_t max_chunks, real *base, ck_bwd_ws *w) {
@@ -707,6 +768,7 @@ static void ck_backward_pair(const ck_dims *d, const gdp_delta_product_problem *
       memset(S0, 0, (size_t)KV * sizeof(real));
   }
   for (int64_t b = 0; b < nchunks; b++) {
+    if (gdp_interrupt_poll()) return; /* ck_finish reports it */
     const ck_chunk ch = ck_chunk_at(d, bos, L, b * C);
     const real *kc = k + ch.step0 * d->ldk + h * K;
     const real *vc = v + ch.step0 * d->ldv + h * V;
@@ -729,6 +791,7 @@ static void ck_backward_pair(const ck_dims *d, const gdp_delta_product_problem *
   else
     memset(dS, 0, (size_t)KV * sizeof(real));
   for (int64_t b = nchunks - 1; b >= 0; b--) {
+    if (gdp_interrupt_poll()) return;
     const ck_chunk ch = ck_chunk_at(d, bos, L, b * C);
     ck_backward_chunk(d, io, &ch, h, w->store + b * blk, w->kstore + b * C * C, w);
   }
@@ -738,13 +801,20 @@ static void ck_backward_pair(const ck_dims *d, const gdp_delta_product_problem *
 gdp_status CK_PUBLIC(gdp_cpu_delta_product_backward_chunk)(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io) {
   static const char *const fn = "gdp_cpu_delta_product_backward_chunk_" CK_STR(CK_SFX);
   GDP_TRY(ck_check(p, fn));
-  const ck_dims d = ck_dims_of(p);
   const int64_t items = p->N * p->H;
   if (items == 0) return GDP_OK;
+  if (p->cu_seqlens[p->N] == p->cu_seqlens[0]) {
+    ck_states_only(p, io->dht, io->dh0);
+    return GDP_OK;
+  }
+  const ck_dims d = ck_dims_of(p);
+  GDP_TRY(ck_check_blas_dims(&d, fn));
   const int nt = ck_threads(p, items);
   const int64_t max_chunks = ck_max_chunks(p, d.C);
   const size_t per = ck_bwd_ws_count(&d, max_chunks);
-  real *ws = malloc(per * (size_t)nt * sizeof(real));
+  size_t bytes;
+  GDP_TRY(ck_ws_bytes(fn, per, nt, &d, &bytes));
+  real *ws = malloc(bytes);
   if (!ws)
     return GDP_ERROR_IN(fn, GDP_ERR_OOM,
                         "out of host memory for %d workspaces of %zu bytes (%lld chunks of "
@@ -763,5 +833,5 @@ gdp_status CK_PUBLIC(gdp_cpu_delta_product_backward_chunk)(const gdp_delta_produ
   }
   ck_blas_threads_leave(prev_blas);
   free(ws);
-  return GDP_OK;
+  return ck_finish(fn);
 }

@@ -17,6 +17,10 @@
 
 #include "gdp_cpu.h"
 #include "../kernel_status.h"
+#include "../size_check.h"
+
+/* Tokens between two polls of the interrupt flag (gdp_interrupt_poll). */
+enum { POLL_TOKENS = 64 };
 
 /* Row offsets into the packed buffers (gdp_problem.h). */
 static inline const double *row_q(const gdp_delta_product_problem *p, const double *q, int64_t t,
@@ -72,9 +76,29 @@ static void copy_or_zero(double *dst, const double *src, int64_t count) {
 
 static int clamp_threads(int num_threads) { return num_threads < 1 ? 1 : num_threads; }
 
+/* K*V states of doubles must be addressable before any K*V is formed. */
+static gdp_status check_state_size(const char *fn, const gdp_delta_product_problem *p) {
+  size_t bytes;
+  if (!gdp_size_product(&bytes, p->K, p->V, sizeof(double)))
+    return GDP_ERROR_IN(fn, GDP_ERR_INVALID_ARG, "a K x V state (K=%lld, V=%lld) overflows size_t",
+                        (long long)p->K, (long long)p->V);
+  return GDP_OK;
+}
+
+static gdp_status finish(const char *fn, int oom, const char *what, const gdp_delta_product_problem *p) {
+  if (oom)
+    return GDP_ERROR_IN(fn, GDP_ERR_OOM, "out of host memory (or its size overflows size_t) for %s "
+                        "(K=%lld, V=%lld, n=%lld)", what, (long long)p->K, (long long)p->V,
+                        (long long)p->n);
+  if (gdp_interrupt_requested())
+    return GDP_ERROR_IN(fn, GDP_ERR_INTERRUPTED, "interrupted (the interrupt flag was set: Ctrl-C)");
+  return GDP_OK;
+}
+
 /* ------------------------------------------------------------------ forward */
 
 gdp_status gdp_cpu_delta_product_forward_recurrent_f64(const gdp_delta_product_problem *p, const gdp_delta_product_forward_io *io) {
+  GDP_TRY(check_state_size("gdp_cpu_delta_product_forward_recurrent_f64", p));
   const int64_t H = p->H, K = p->K, V = p->V, KV = p->K * p->V;
   const double *q = io->q, *k = io->k, *v = io->v, *g = io->g, *beta = io->beta;
   const double *h0 = io->h0;
@@ -85,7 +109,8 @@ gdp_status gdp_cpu_delta_product_forward_recurrent_f64(const gdp_delta_product_p
 #pragma omp parallel for schedule(dynamic, 1) num_threads(clamp_threads(p->num_threads))
   for (int64_t item = 0; item < items; item++) {
     const int64_t s = item / H, h = item % H;
-    double *S = malloc((size_t)(KV + V) * sizeof(double));
+    size_t bytes;
+    double *S = gdp_size_product(&bytes, K + 1, V, sizeof(double)) ? malloc(bytes) : NULL;
     if (!S) {
 #pragma omp atomic write
       oom = 1;
@@ -94,6 +119,7 @@ gdp_status gdp_cpu_delta_product_forward_recurrent_f64(const gdp_delta_product_p
     double *u = S + KV;
     copy_or_zero(S, h0 ? h0 + item * KV : NULL, KV);
     for (int64_t t = p->cu_seqlens[s]; t < p->cu_seqlens[s + 1]; t++) {
+      if ((t - p->cu_seqlens[s]) % POLL_TOKENS == 0 && gdp_interrupt_poll()) break;
       advance_token(p, k, v, g, beta, t, h, S, u);
       /* o_t = scale S^T q_t */
       const double *qt = row_q(p, q, t, h);
@@ -109,10 +135,7 @@ gdp_status gdp_cpu_delta_product_forward_recurrent_f64(const gdp_delta_product_p
     if (ht) memcpy(ht + item * KV, S, (size_t)KV * sizeof(double));
     free(S);
   }
-  if (oom)
-    return GDP_ERROR(GDP_ERR_OOM, "out of host memory for a %lldx%lld state",
-                     (long long)K, (long long)V);
-  return GDP_OK;
+  return finish("gdp_cpu_delta_product_forward_recurrent_f64", oom, "a state", p);
 }
 
 /* ------------------------------------------------------------------ backward */
@@ -137,8 +160,10 @@ static int backward_one(const gdp_delta_product_problem *p, const gdp_delta_prod
   const int64_t nseg = (L + seg - 1) / seg;
 
   /* dS, S_{t,0} scratch, checkpoints, one segment's trajectory, two V vectors. */
-  const int64_t count = KV + KV + nseg * KV + (seg * n + 1) * KV + 2 * V;
-  double *buf = malloc((size_t)count * sizeof(double));
+  size_t count = 0, bytes = 0;
+  const int fits = gdp_size_mac(&count, (size_t)KV, (size_t)(2 + nseg + seg * n + 1), 1) &&
+                   gdp_size_mac(&count, 2, (size_t)V, 1) && gdp_size_mac(&bytes, count, sizeof(double), 1);
+  double *buf = fits ? malloc(bytes) : NULL;
   if (!buf) return -1;
   double *dS = buf, *S0 = dS + KV, *ckpt = S0 + KV, *traj = ckpt + nseg * KV;
   double *u = traj + (seg * n + 1) * KV, *dd = u + V;
@@ -155,6 +180,7 @@ static int backward_one(const gdp_delta_product_problem *p, const gdp_delta_prod
   copy_or_zero(dS, io->dht ? (const double *)io->dht + item * KV : NULL, KV);
 
   for (int64_t m = nseg - 1; m >= 0; m--) {
+    if (gdp_interrupt_poll()) break; /* per segment of ~sqrt(L) tokens; finish reports it */
     const int64_t t0 = m * seg, t1 = (m + 1) * seg < L ? (m + 1) * seg : L;
     /* traj[(t-t0)*n + j + 1] = state after step j of token t; traj[0] = S_{t0-1}. */
     memcpy(traj, ckpt + m * KV, (size_t)KV * sizeof(double));
@@ -252,6 +278,7 @@ static int backward_one(const gdp_delta_product_problem *p, const gdp_delta_prod
 }
 
 gdp_status gdp_cpu_delta_product_backward_recurrent_f64(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io) {
+  GDP_TRY(check_state_size("gdp_cpu_delta_product_backward_recurrent_f64", p));
   const int64_t items = p->N * p->H;
   int oom = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(clamp_threads(p->num_threads))
@@ -261,9 +288,5 @@ gdp_status gdp_cpu_delta_product_backward_recurrent_f64(const gdp_delta_product_
       oom = 1;
     }
   }
-  if (oom)
-    return GDP_ERROR(GDP_ERR_OOM,
-                     "out of host memory for the backward's checkpoints (K=%lld, V=%lld, n=%lld)",
-                     (long long)p->K, (long long)p->V, (long long)p->n);
-  return GDP_OK;
+  return finish("gdp_cpu_delta_product_backward_recurrent_f64", oom, "the backward's checkpoints", p);
 }

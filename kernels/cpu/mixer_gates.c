@@ -24,6 +24,7 @@
 #include <omp.h>
 
 #include "../kernel_status.h"
+#include "../size_check.h"
 #include "mixer_cpu.h"
 
 #define GATES_PAR_MIN (1 << 15)
@@ -35,7 +36,9 @@ static int gates_threads(int n) { return n < 1 ? 1 : n; }
  * thread order after the parallel region (no atomics, same result for a given thread
  * count). */
 static double *gates_partials(int nthreads, int64_t width) {
-  return calloc((size_t)nthreads * (size_t)(width > 0 ? width : 1), sizeof(double));
+  size_t count;
+  return gdp_size_product(&count, nthreads, width > 0 ? width : 1, 1) ? calloc(count, sizeof(double))
+                                                                      : NULL;
 }
 
 #define GDP_GATES_GENERIC

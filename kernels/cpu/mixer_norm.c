@@ -21,6 +21,7 @@
 #include <omp.h>
 
 #include "../kernel_status.h"
+#include "../size_check.h"
 #include "mixer_cpu.h"
 
 #define NORM_PAR_MIN (1 << 14)
@@ -65,7 +66,8 @@ gdp_status FN(gdp_cpu_gated_rmsnorm_fwd)(int64_t rows, int64_t d, int64_t gs, do
                                          REAL *out, int nthreads) {
   const int64_t ngroups = d / gs;
   const int nt = norm_threads(nthreads);
-  REAL *scratch = malloc((size_t)nt * (size_t)gs * sizeof(REAL));
+  size_t bytes;
+  REAL *scratch = gdp_size_product(&bytes, nt, gs, sizeof(REAL)) ? malloc(bytes) : NULL;
   if (!scratch) return GDP_ERROR(GDP_ERR_OOM, "out of host memory for norm scratch");
 #pragma omp parallel num_threads(nt) if (rows * d > NORM_PAR_MIN)
   {
@@ -89,8 +91,9 @@ gdp_status FN(gdp_cpu_gated_rmsnorm_bwd)(int64_t rows, int64_t d, int64_t gs, do
                                          int nthreads) {
   const int64_t ngroups = d / gs;
   const int nt = norm_threads(nthreads);
-  double *partial = calloc((size_t)nt * (size_t)(d > 0 ? d : 1), sizeof(double));
-  REAL *scratch = malloc((size_t)nt * (size_t)(2 * gs) * sizeof(REAL));
+  size_t count, bytes;
+  double *partial = gdp_size_product(&count, nt, d > 0 ? d : 1, 1) ? calloc(count, sizeof(double)) : NULL;
+  REAL *scratch = gdp_size_product(&bytes, nt, 2 * gs, sizeof(REAL)) ? malloc(bytes) : NULL;
   if (!partial || !scratch) {
     free(partial);
     free(scratch);

@@ -42,10 +42,10 @@ __host__ __device__ inline float bf16_to_float(bf16 x) {
 
 /* The conversions below repeat those of the CPU backend (core/src/backend_cpu.c), the
  * oracle, so that device copies match it bit for bit: every narrowing to a float type
- * rounds once to nearest even.  One difference: a value with no integer of the target
- * type (NaN, +-inf, out of range) is an error on the CPU, checked before the copy; the
- * device does not check (it would need a reduction before every such copy) and
- * saturates, NaN -> 0. */
+ * rounds once to nearest even.  A value with no integer of the target type (NaN, +-inf,
+ * out of range) is an error on both: the CPU checks before the copy, the device stores
+ * a saturated value (NaN -> 0) and records the element (IntRange, note_bad_int below),
+ * which the launcher's caller reads back after the kernel (gdp_cuda_int_check_end). */
 
 /* float -> bf16: round to nearest even; NaN stays a (quiet) NaN instead of rounding
  * into inf. */
@@ -106,6 +106,43 @@ __host__ __device__ inline int64_t sat_i64(double x) {
   if (x < -9223372036854775808.0) return INT64_MIN;
   return (int64_t)x;
 }
+
+/* ------------------------------------------------------------------ integer ranges */
+
+/* The lowest iteration index (row-major over the logical shape, 0-based) of an element
+ * whose conversion to an integer type had no value; ULLONG_MAX when none.  One per
+ * device: gdp_cuda_int_check_begin resets it on a stream, _end reads it. */
+__device__ unsigned long long g_first_bad_int = ULLONG_MAX;
+
+__device__ inline void note_bad_int(int64_t i) {
+  atomicMin(&g_first_bad_int, (unsigned long long)i);
+}
+
+/* IntRange<D>::fits(x): whether x has a value in D (the CPU's fits_int): only the
+ * integer targets can fail, and there NaN fails every comparison. */
+template <typename D>
+struct IntRange {
+  template <typename S>
+  __device__ static bool fits(S) { return true; }
+};
+template <>
+struct IntRange<int32_t> {
+  __device__ static bool fits(double x) { return x > -2147483649.0 && x < 2147483648.0; }
+  __device__ static bool fits(float x) { return fits((double)x); }
+  __device__ static bool fits(bf16 x) { return fits((double)bf16_to_float(x)); }
+  __device__ static bool fits(int32_t) { return true; }
+  __device__ static bool fits(int64_t x) { return x >= INT32_MIN && x <= INT32_MAX; }
+};
+template <>
+struct IntRange<int64_t> {
+  __device__ static bool fits(double x) {
+    return x >= -9223372036854775808.0 && x < 9223372036854775808.0;
+  }
+  __device__ static bool fits(float x) { return fits((double)x); }
+  __device__ static bool fits(bf16 x) { return fits((double)bf16_to_float(x)); }
+  __device__ static bool fits(int32_t) { return true; }
+  __device__ static bool fits(int64_t) { return true; }
+};
 
 /* Conv<D>::from(x): x converted to D, one overload per source type. */
 template <typename D>
@@ -183,7 +220,12 @@ __device__ inline double load_f64(const void *p, int dtype, int64_t off) {
   }
 }
 
-__device__ inline void store_f64(void *p, int dtype, int64_t off, double v) {
+/* Stores v at p[off] in p's dtype; element i (the iteration index) is recorded when an
+ * integer dtype has no value for v. */
+__device__ inline void store_f64(void *p, int dtype, int64_t off, double v, int64_t i) {
+  if ((dtype == GDP_DTYPE_I32 && !IntRange<int32_t>::fits(v)) ||
+      (dtype == GDP_DTYPE_I64 && !IntRange<int64_t>::fits(v)))
+    note_bad_int(i);
   switch (dtype) {
     case GDP_DTYPE_F64: ((double *)p)[off] = v; break;
     case GDP_DTYPE_F32: ((float *)p)[off] = Conv<float>::from(v); break;
@@ -273,7 +315,10 @@ __device__ inline int64_t grid_stride() { return (int64_t)gridDim.x * blockDim.x
 
 template <typename D, typename S>
 __global__ void copy_contiguous_kernel(D *dst, const S *src, int64_t n) {
-  for (int64_t i = thread_index(); i < n; i += grid_stride()) dst[i] = Conv<D>::from(src[i]);
+  for (int64_t i = thread_index(); i < n; i += grid_stride()) {
+    if (!IntRange<D>::fits(src[i])) note_bad_int(i);
+    dst[i] = Conv<D>::from(src[i]);
+  }
 }
 
 template <typename D, typename S, typename Index>
@@ -281,6 +326,7 @@ __global__ void copy_strided_kernel(D *dst, const S *src, const Iter it, Index n
   for (int64_t i = thread_index(); i < (int64_t)n; i += grid_stride()) {
     int64_t off[2];
     iter_offsets<2, Index>(it, (Index)i, off);
+    if (!IntRange<D>::fits(src[off[1]])) note_bad_int(i);
     dst[off[0]] = Conv<D>::from(src[off[1]]);
   }
 }
@@ -351,7 +397,9 @@ __global__ void binary_contiguous_kernel(T *out, const T *a, const T *b, int64_t
                                          double alpha) {
   for (int64_t i = thread_index(); i < n; i += grid_stride()) {
     double y = KIND == GDP_CUDA_BINARY_SCALE ? 0.0 : to_f64(b[i]);
-    out[i] = Conv<T>::from(binary_apply<KIND>(to_f64(a[i]), y, alpha));
+    const double v = binary_apply<KIND>(to_f64(a[i]), y, alpha);
+    if (!IntRange<T>::fits(v)) note_bad_int(i);
+    out[i] = Conv<T>::from(v);
   }
 }
 
@@ -369,7 +417,7 @@ __global__ void binary_strided_kernel(Operands3 ops, const Iter it, Index n, int
     iter_offsets<3, Index>(it, (Index)i, off);
     double x = load_f64(ops.data[1], ops.dtype[1], off[1]);
     double y = ops.data[2] ? load_f64(ops.data[2], ops.dtype[2], off[2]) : 0.0;
-    store_f64(ops.data[0], ops.dtype[0], off[0], binary_apply_rt(kind, x, y, alpha));
+    store_f64(ops.data[0], ops.dtype[0], off[0], binary_apply_rt(kind, x, y, alpha), i);
   }
 }
 
@@ -487,6 +535,21 @@ cudaError_t reduce_launch(const Iter &it, int64_t n, const gdp_cuda_operand *a,
 } /* namespace */
 
 /* ------------------------------------------------------------------ launchers */
+
+extern "C" cudaError_t gdp_cuda_int_check_begin(cudaStream_t stream) {
+  static const unsigned long long none = ULLONG_MAX;
+  return cudaMemcpyToSymbolAsync(g_first_bad_int, &none, sizeof none, 0, cudaMemcpyHostToDevice,
+                                 stream);
+}
+
+extern "C" cudaError_t gdp_cuda_int_check_end(cudaStream_t stream, int64_t *first_bad) {
+  unsigned long long got = ULLONG_MAX;
+  cudaError_t e = cudaMemcpyFromSymbolAsync(&got, g_first_bad_int, sizeof got, 0,
+                                            cudaMemcpyDeviceToHost, stream);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
+  *first_bad = got == ULLONG_MAX ? -1 : (int64_t)got;
+  return e;
+}
 
 extern "C" cudaError_t gdp_cuda_copy(int ndim, const int64_t *shape, const gdp_cuda_operand *dst,
                                      const gdp_cuda_operand *src, cudaStream_t stream) {

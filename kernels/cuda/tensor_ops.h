@@ -13,8 +13,11 @@
  *
  * Conversions are those of the CPU backend (the oracle), bit for bit: narrowing to a
  * float type rounds once to nearest even (float64 and int64 -> bfloat16 included, NaN
- * stays NaN), float -> integer truncates toward zero and saturates (NaN -> 0), int64 ->
- * int32 saturates.
+ * stays NaN), float -> integer truncates toward zero.  A value an integer dtype has no
+ * value for (NaN, +-inf, out of range, int64 -> int32 too) is stored saturated (NaN ->
+ * 0) and its element recorded on the device: a caller brackets copies and binary ops
+ * into i32/i64 with gdp_cuda_int_check_begin / _end and reports the error (the CPU
+ * backend's rule: such conversions are errors).
  */
 #ifndef GDP_KERNELS_CUDA_TENSOR_OPS_H
 #define GDP_KERNELS_CUDA_TENSOR_OPS_H
@@ -59,6 +62,12 @@ enum { GDP_CUDA_REDUCE_WORKSPACE = 1024 + 1 };
 /* One thread that spins for `ms` milliseconds of the device's global timer: it holds
  * `stream` while the host queues work behind it (gdp_ctx_timer_start). */
 cudaError_t gdp_cuda_spin(double ms, cudaStream_t stream);
+
+/* Resets the device's record of integer conversions without a value (queued on stream). */
+cudaError_t gdp_cuda_int_check_begin(cudaStream_t stream);
+/* Waits for stream and gives the first such element since the reset (row-major over the
+ * launch's logical shape, 0-based), or -1 for none. */
+cudaError_t gdp_cuda_int_check_end(cudaStream_t stream, int64_t *first_bad);
 
 /* dst = src converted to dst's dtype (same logical shape; must not overlap). */
 cudaError_t gdp_cuda_copy(int ndim, const int64_t *shape, const gdp_cuda_operand *dst,

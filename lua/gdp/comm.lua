@@ -34,8 +34,9 @@
 local ffi = require("ffi")
 local lib = require("gdp.lib")
 local tensor = require("gdp.tensor")
+local util = require("gdp.util")
 
-local argerror, check, call_alloc, wrap = tensor.argerror, tensor.check, tensor.call_alloc, tensor.wrap
+local argerror, check, call_outputs = tensor.argerror, tensor.check, tensor.call_outputs
 local tensor_arg = tensor.tensor_arg
 
 local M = {}
@@ -79,11 +80,7 @@ local function live(c, fn)
 end
 
 local function int_arg(fn, what, x, lo, hi)
-  if type(x) ~= "number" or x ~= math.floor(x) or x < lo or x > hi then
-    argerror("comm." .. fn, string.format("%s: expected an integer in [%d, %d], got %s", what, lo, hi,
-                                          type(x) == "number" and tostring(x) or typename(x)))
-  end
-  return x
+  return util.int_arg("comm." .. fn, what, x, lo, hi)
 end
 
 -- A new tensor of t's dtype and context with the given shape (a Lua table).
@@ -92,9 +89,8 @@ local function new_like(fn, t, shape)
   local arr = i64_array(math.max(nd, 1))
   for i = 1, nd do arr[i - 1] = shape[i] end
   local box = tensor_box()
-  call_alloc("comm." .. fn, "gdp_tensor_empty", lib.gdp_tensor_ctx(t), lib.gdp_tensor_dtype(t), nd,
+  return call_outputs("comm." .. fn, "gdp_tensor_empty", { box }, lib.gdp_tensor_ctx(t), lib.gdp_tensor_dtype(t), nd,
              arr, box)
-  return wrap(box[0])
 end
 
 ------------------------------------------------------------------------------- job abort
@@ -238,9 +234,7 @@ local function rows_array(fn, what, rows, n)
   local arr, sum = i64_array(n), 0
   for j = 1, n do
     local r = rows[j]
-    if type(r) ~= "number" or r ~= math.floor(r) or r < 0 then
-      argerror("comm." .. fn, string.format("%s[%d]: expected an integer >= 0, got %s", what, j, tostring(r)))
-    end
+    util.int_arg("comm." .. fn, string.format("%s[%d]", what, j), r, 0)
     arr[j - 1] = r
     sum = sum + r
   end

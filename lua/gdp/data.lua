@@ -21,8 +21,9 @@
 local ffi = require("ffi")
 local lib = require("gdp.lib")
 local tensor = require("gdp.tensor")
+local util = require("gdp.util")
 
-local argerror, check, call_alloc, wrap = tensor.argerror, tensor.check, tensor.call_alloc, tensor.wrap
+local argerror, check, call_outputs = tensor.argerror, tensor.check, tensor.call_outputs
 
 local M = {}
 
@@ -43,10 +44,7 @@ end
 
 local function int_arg(fn, what, v, min, default)
   if v == nil then v = default end
-  if type(v) ~= "number" or v ~= math.floor(v) or v < min or v >= 2 ^ 63 then
-    argerror(fn, string.format("%s: expected an integer >= %d, got %s", what, min, tostring(v)))
-  end
-  return v
+  return util.int_arg(fn, what, v, min)
 end
 
 -- The modulus the C API takes: m for modular_addition (required), 0 for the others.
@@ -99,9 +97,8 @@ function M.state_tracking(opts)
   local offset = int_arg(fn, "offset", opts.offset, 0, 0)
   local ctx = tensor.get_ctx(fn, opts.device)
   local tok, lab = tensor_box(), tensor_box()
-  call_alloc(fn, "gdp_data_state_tracking", ctx, task, modulus, batch, length,
-             ffi.cast("uint64_t", seed), ffi.cast("uint64_t", offset), tok, lab)
-  return wrap(tok[0]), wrap(lab[0])
+  return call_outputs(fn, "gdp_data_state_tracking", { tok, lab }, ctx, task, modulus, batch, length,
+                      ffi.cast("uint64_t", seed), ffi.cast("uint64_t", offset), tok, lab)
 end
 
 -- {cumulative = {T values}, per_token = {T values}, token = mean of per_token} for

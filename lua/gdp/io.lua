@@ -9,7 +9,7 @@ local ffi = require("ffi")
 local lib = require("gdp.lib")
 local tensor = require("gdp.tensor")
 
-local argerror, check, call_alloc, wrap = tensor.argerror, tensor.check, tensor.call_alloc, tensor.wrap
+local argerror, check, call_outputs = tensor.argerror, tensor.check, tensor.call_outputs
 
 local M = {}
 
@@ -22,15 +22,13 @@ function M.load(path, opts)
   opts = tensor.check_opts("load", opts, load_opts)
   local ctx = tensor.get_ctx("load", opts.device)
   local box = ffi.new("gdp_st_file *[1]")
-  call_alloc("load", "gdp_safetensors_load", ctx, path, box)
   -- Released by the GC if anything below fails, explicitly at the end otherwise.
-  local f = ffi.gc(box[0], lib.gdp_st_free)
+  local f = call_outputs("load", "gdp_safetensors_load", { { box, lib.gdp_st_free } }, ctx, path, box)
   local tensors, names, metadata = {}, {}, {}
   for i = 0, tonumber(lib.gdp_st_count(f)) - 1 do
     local name = ffi.string(lib.gdp_st_name(f, i))
     local tbox = ffi.new("gdp_tensor *[1]")
-    check(lib.gdp_st_tensor(f, i, tbox), "load")
-    tensors[name] = wrap(tbox[0])
+    tensors[name] = call_outputs("load", "gdp_st_tensor", { tbox }, f, i, tbox)
     names[#names + 1] = name
   end
   for i = 0, tonumber(lib.gdp_st_meta_count(f)) - 1 do

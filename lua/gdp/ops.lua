@@ -44,7 +44,7 @@ local lib = require("gdp.lib")
 local tensor = require("gdp.tensor")
 local util = require("gdp.util")
 
-local argerror, check, call_alloc, wrap = tensor.argerror, tensor.check, tensor.call_alloc, tensor.wrap
+local argerror, check, call_outputs = tensor.argerror, tensor.check, tensor.call_outputs
 local shape_str = tensor.shape_str
 
 local M = {}
@@ -106,12 +106,9 @@ local function typename(x)
   return type(x)
 end
 
+-- A tuning field (an int32 in C; 0: the backend's own; the library checks the value).
 local function tuning_int(fn, key, x)
-  if type(x) ~= "number" or x ~= math.floor(x) or x < -2 ^ 31 or x >= 2 ^ 31 then
-    argerror(fn, string.format("%s: expected an integer (0: the backend's own), got %s", key,
-                               tostring(x)))
-  end
-  return x
+  return util.int_arg(fn, key, x, util.INT_MIN, util.INT_MAX)
 end
 
 -- Accepts the table form or fla's positional form (q, k, v, g, beta, opts).
@@ -133,13 +130,6 @@ local function normalize(fn, a1, k, v, g, beta, opts)
   return a1
 end
 
-local function int_option(fn, name, x, min)
-  if x == nil then return nil end
-  if type(x) ~= "number" or x ~= math.floor(x) or x < min then
-    argerror(fn, string.format("%s: expected an integer >= %d, got %s", name, min, tostring(x)))
-  end
-  return x
-end
 
 -- A Lua table of sequence boundaries becomes an int64 cpu tensor (the library reads
 -- cu_seqlens on the host); the library checks the values.
@@ -148,12 +138,7 @@ local function seqlens(fn, cu)
   if type(cu) ~= "table" then
     argerror(fn, "cu_seqlens: expected a table of integers or an i32/i64 tensor, got " .. typename(cu))
   end
-  for i = 1, #cu do
-    local x = cu[i]
-    if type(x) ~= "number" or x ~= math.floor(x) then
-      argerror(fn, string.format("cu_seqlens[%d]: expected an integer, got %s", i, tostring(x)))
-    end
-  end
+  for i = 1, #cu do util.int_arg(fn, "cu_seqlens[" .. i .. "]", cu[i], 0, 2 ^ 53 - 1) end
   return tensor.tensor(cu, { #cu }, { dtype = "i64", device = "cpu" })
 end
 
@@ -177,7 +162,7 @@ local function prepare(fn, args, allowed)
   if k:dim() ~= 4 then
     argerror(fn, "k: expected 4 dims [B,T*n,H,K], got shape " .. shape_str(k:shape()))
   end
-  local n = int_option(fn, "num_householder", args.num_householder, 1)
+  local n = util.int_opt(fn, "num_householder", args.num_householder, 1)
   local krows = k:size(2)
   if n == nil then
     if T == 0 then
@@ -206,7 +191,7 @@ local function prepare(fn, args, allowed)
     opts.scale = args.scale
   end
   -- nil keeps gdp_delta_product_options_init's 0: the backend's own chunk
-  local cs = int_option(fn, "chunk_size", args.chunk_size, 1)
+  local cs = util.int_opt(fn, "chunk_size", args.chunk_size, 1)
   if cs then opts.chunk_size = cs end
   -- nil keeps 0: the context's (the library checks the value)
   if args.value_block ~= nil then
@@ -236,14 +221,13 @@ function M.chunk_gated_delta_product(a1, k, v, g, beta, opts)
   end
   local o, ht = tensor_box(), tensor_box()
   if not save then
-    call_alloc(FWD, "gdp_delta_product_forward", q:ctx(), o_opts, q, kk, vv, gg, bb, h0, cu, o, ht)
-    return wrap(o[0]), wrap(ht[0])
+    return call_outputs(FWD, "gdp_delta_product_forward", { o, ht }, q:ctx(), o_opts, q, kk, vv, gg, bb, h0,
+                        cu, o, ht)
   end
   local sv = saved_box()
-  call_alloc(FWD, "gdp_delta_product_forward_ex", q:ctx(), o_opts, q, kk, vv, gg, bb, h0, cu, o, ht, sv)
-  -- own the handles before anything else can raise
-  local saved = ffi.gc(sv[0], lib.gdp_delta_product_saved_free)
-  local out_o, out_ht = wrap(o[0]), wrap(ht[0])
+  local out_o, out_ht, saved = call_outputs(FWD, "gdp_delta_product_forward_ex",
+                                            { o, ht, { sv, lib.gdp_delta_product_saved_free } },
+                                            q:ctx(), o_opts, q, kk, vv, gg, bb, h0, cu, o, ht, sv)
   if lib.gdp_delta_product_saved_bytes(saved) > 0 then
     tensor.after_alloc(tonumber(lib.gdp_tensor_device_type(q)))
   end
@@ -272,17 +256,16 @@ function M.chunk_gated_delta_product_backward(a1, k, v, g, beta, opts)
   end
   local dq, dk, dv, dbeta, dg, dh0 = tensor_box(), tensor_box(), tensor_box(), tensor_box(),
                                      tensor_box(), tensor_box()
+  local outs = { dq, dk, dv, dbeta, dg, dh0 }
+  local r
   if saved == nil then
-    call_alloc(BWD, "gdp_delta_product_backward", q:ctx(), o_opts, q, kk, vv, gg, bb, h0, cu, d_o, dht,
-               dq, dk, dv, dbeta, dg, dh0)
+    r = { call_outputs(BWD, "gdp_delta_product_backward", outs, q:ctx(), o_opts, q, kk, vv, gg, bb, h0, cu,
+                       d_o, dht, dq, dk, dv, dbeta, dg, dh0) }
   else
-    call_alloc(BWD, "gdp_delta_product_backward_ex", q:ctx(), o_opts, q, kk, vv, gg, bb, h0, cu, d_o, dht,
-               dq, dk, dv, dbeta, dg, dh0, saved)
+    r = { call_outputs(BWD, "gdp_delta_product_backward_ex", outs, q:ctx(), o_opts, q, kk, vv, gg, bb, h0,
+                       cu, d_o, dht, dq, dk, dv, dbeta, dg, dh0, saved) }
   end
-  return {
-    dq = wrap(dq[0]), dk = wrap(dk[0]), dv = wrap(dv[0]), dbeta = wrap(dbeta[0]),
-    dg = wrap(dg[0]), dh0 = wrap(dh0[0]),
-  }
+  return { dq = r[1], dk = r[2], dv = r[3], dbeta = r[4], dg = r[5], dh0 = r[6] }
 end
 
 local STATE_NAMES = { initial_state = true, h0 = true, dht = true }
@@ -444,8 +427,9 @@ end
 
 -- Median seconds of the forward and of forward+backward on `problem` (a random_inputs
 -- table, with grads), over `samples` runs after `warmup` untimed ones, each on fresh
--- random inputs drawn outside the timed region (never zeros, never the same buffers).
--- opts: warmup, samples, algorithm, chunk_size, value_block.
+-- random inputs drawn outside the timed region (never zeros, never the same buffers),
+-- and third {fwd = util.spread(...), fwdbwd = ...} (seconds: n, min, p10, median, p90,
+-- max).  opts: warmup, samples, algorithm, chunk_size, value_block.
 function M.time_forward_backward(problem, opts)
   local fwd, fwdbwd = {}, {}
   for r = 1, opts.warmup + opts.samples do
@@ -467,7 +451,7 @@ function M.time_forward_backward(problem, opts)
       fwd[#fwd + 1], fwdbwd[#fwdbwd + 1] = t_fwd, t_fb
     end
   end
-  return util.median(fwd), util.median(fwdbwd)
+  return util.median(fwd), util.median(fwdbwd), { fwd = util.spread(fwd), fwdbwd = util.spread(fwdbwd) }
 end
 
 ------------------------------------------------------------------ tuning (see the header)

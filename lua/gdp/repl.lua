@@ -10,15 +10,28 @@
 --
 -- Ctrl-C: the launcher starts run() inside luajit's own protected call, whose SIGINT
 -- handler turns an interrupt into the error "interrupted!" at the next Lua step, and
--- then resets SIGINT to the default (end the process).  run() takes that handler's
--- address once and puts it back after each line, so every Ctrl-C interrupts the line
--- being run rather than the second one ending the session.
+-- then resets SIGINT to the default (end the process).  run() puts in libgdp's handler
+-- (gdp_interrupt_install), which sets the library's interrupt flag and passes the
+-- signal on to luajit's outside gdp's calls, and puts it back after each line:
+--   - during a long CPU op the kernels see the flag and stop; the op raises
+--     "GDP_ERR_INTERRUPTED: interrupted (Ctrl-C)", its outputs are not made (or are
+--     already owned by the collector: gdp.tensor's call_outputs), and the session
+--     keeps its state;
+--   - in plain Lua code luajit's handler raises "interrupted!" as before;
+--   - at the prompt the read returns (EINTR), the line typed so far is dropped and a
+--     fresh prompt is shown; the session keeps its state.
+-- Without libgdp (a broken build) luajit's handler is put back after each line instead.
 local M = {}
 
 local ffi = require("ffi")
 
+local ok_lib, lib = pcall(require, "gdp.lib")
+if not ok_lib then lib = nil end
+
 local restore_sigint = function() end
-do
+if lib then
+  restore_sigint = function() lib.gdp_interrupt_install() end
+else
   local ok = pcall(ffi.cdef, [[
     typedef void (*gdp_repl_sighandler_t)(int);
     gdp_repl_sighandler_t signal(int signum, gdp_repl_sighandler_t handler);
@@ -79,16 +92,41 @@ end
 
 -- One line (or several, for an unfinished chunk) read, run and shown.  Returns false
 -- at the end of input.
+-- A line from input; at the prompt a Ctrl-C only sets the flag (deferred), so that the
+-- read returns EINTR instead of luajit raising inside the prompt.  Returns the line,
+-- false for "interrupted at the prompt", or nil at the end of input.
+local function read_line(input)
+  if lib then lib.gdp_interrupt_defer(1) end
+  local line, err = input:read("*l")
+  if lib then
+    lib.gdp_interrupt_defer(-1)
+    if line == nil and err ~= nil and lib.gdp_interrupt_requested() ~= 0 then
+      lib.gdp_interrupt_clear()
+      return false
+    end
+  end
+  return line
+end
+
 local function step(input)
+  if lib then lib.gdp_interrupt_clear() end -- a Ctrl-C that landed outside gdp's calls
   io.write("> ")
   io.flush()
-  local src = input:read("*l")
+  local src = read_line(input)
+  if src == false then
+    io.write("\n") -- the line typed so far is dropped; a fresh prompt
+    return true
+  end
   if src == nil then return false end
   local fn, err = M.compile(src)
   while not fn and M.incomplete(err) do
     io.write(">> ")
     io.flush()
-    local more = input:read("*l")
+    local more = read_line(input)
+    if more == false then
+      io.write("\n")
+      return true
+    end
     if more == nil then break end
     src = src .. "\n" .. more
     fn, err = M.compile(src)
@@ -108,6 +146,7 @@ end
 
 function M.run(input)
   input = input or io.stdin
+  restore_sigint()
   while true do
     local ok, more = pcall(step, input)
     restore_sigint()

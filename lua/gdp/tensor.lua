@@ -15,6 +15,7 @@
 -- string errors "gdp.<fn>: <what>, got <value>" positioned at the caller's line.
 local ffi = require("ffi")
 local lib = require("gdp.lib")
+local util = require("gdp.util")
 
 local M = {}
 
@@ -32,46 +33,8 @@ local MAX_DIMS = lib.GDP_MAX_DIMS
 
 ------------------------------------------------------------------------------- errors
 
--- Frames of functions defined in this package (lua/gdp/*.lua) are skipped when an
--- error is positioned, so that it points at the user's line however deeply the
--- failing call was nested inside gdp (t:float() -> t:to() -> check()).
-local this_source = debug.getinfo(1, "S").source
-local package_prefix = this_source:match("^(@.*[/\\])tensor%.lua$") or "@lua/gdp/"
-
-local function is_internal(info)
-  return info.what == "C" or info.what == "tail"
-      or info.source:sub(1, #package_prefix) == package_prefix
-end
-
--- Level (for error()/debug.getinfo, counted from the function that calls this one's
--- caller) of the first stack frame outside gdp.
-local function user_level()
-  local level = 3
-  while true do
-    local info = debug.getinfo(level, "S")
-    if not info then return 3 end
-    if not is_internal(info) then return level - 1 end
-    level = level + 1
-  end
-end
-
-local function user_where()
-  local level = 3
-  while true do
-    local info = debug.getinfo(level, "Sl")
-    if not info then return "?" end
-    if not is_internal(info) then
-      return info.short_src .. ":" .. (info.currentline or 0)
-    end
-    level = level + 1
-  end
-end
-
--- Raises "gdp.<fn>: <msg>" at the user's line (error(msg, 2) in spirit, but robust to
--- calls nested inside gdp).
-local function argerror(fn, msg)
-  error("gdp." .. fn .. ": " .. msg, user_level())
-end
+-- Errors are positioned at the user's line, skipping gdp's own frames (gdp.util).
+local user_where, argerror, int_arg = util.user_where, util.argerror, util.int_arg
 M.argerror = argerror
 
 local Error = {}
@@ -91,6 +54,7 @@ end
 -- (Enum results arrive as cdata: compare them with numbers, use tonumber() for keys.)
 local function check(rc, fn)
   if rc == 0 then return end
+  if rc == lib.GDP_ERR_INTERRUPTED then lib.gdp_interrupt_clear() end -- reported: consumed
   local e = setmetatable({
     code = tonumber(rc),
     name = ffi.string(lib.gdp_status_name(rc)),
@@ -209,30 +173,54 @@ function M.memory_live_bytes(devtype)
   return tonumber(lib.gdp_mem_live_bytes(ty))
 end
 
--- Calls lib[cname](...) once more after a full collection when it ran out of memory,
--- then checks the status.
-local function call_alloc(fn, cname, ...)
-  local rc = lib[cname](...)
-  if rc == lib.GDP_ERR_OOM then
-    full_collect()
-    rc = lib[cname](...)
-  end
-  check(rc, fn)
-end
-M.call_alloc = call_alloc
-
 ------------------------------------------------------------------------------- handles
 
 local freed = setmetatable({}, { __mode = "k" })
 
--- Takes ownership of a fresh C handle (owned reference) and gives it to the GC.
-local function wrap(handle)
-  if handle == nil then return nil end
-  local t = ffi.gc(handle, lib.gdp_tensor_free)
-  after_alloc(tonumber(lib.gdp_tensor_device_type(t)))
-  return t
+local function interrupted_error(fn)
+  lib.gdp_interrupt_clear()
+  return setmetatable({
+    code = tonumber(lib.GDP_ERR_INTERRUPTED), name = "GDP_ERR_INTERRUPTED",
+    msg = "interrupted (Ctrl-C)", fn = fn, where = user_where(),
+  }, Error)
 end
-M.wrap = wrap
+
+-- The owned handle in an output box: a tensor box (gdp_tensor *[1]) or {box, free_fn}.
+local function own(out)
+  if ffi.istype(tensor_box, out) then
+    local h = out[0]
+    return h ~= nil and ffi.gc(h, lib.gdp_tensor_free) or nil
+  end
+  local h = out[1][0]
+  return h ~= nil and ffi.gc(h, out[2]) or nil
+end
+
+-- The one way a C call's outputs reach Lua: calls lib[cname](...), whose outputs land
+-- in the boxes `outs` (passed among its arguments too), and returns every output as a
+-- GC-owned handle, in order (nil for an empty box).  Out of memory: once more after a
+-- full collection.  The outputs are owned before anything can raise: during the call
+-- and the wrapping a Ctrl-C (gdp.repl's handler, gdp_interrupt_install) only sets the
+-- library's interrupt flag, which the kernels poll and which is checked here once the
+-- outputs are owned, so an interrupt never leaks them.
+local function call_outputs(fn, cname, outs, ...)
+  lib.gdp_interrupt_defer(1)
+  local ok, rc = pcall(lib[cname], ...)
+  if ok and rc == lib.GDP_ERR_OOM then
+    full_collect()
+    ok, rc = pcall(lib[cname], ...)
+  end
+  local res, n = {}, #outs
+  for i = 1, n do res[i] = own(outs[i]) end
+  lib.gdp_interrupt_defer(-1)
+  if not ok then error(rc, 0) end
+  check(rc, fn)
+  if lib.gdp_interrupt_requested() ~= 0 then error(interrupted_error(fn), 0) end
+  for i = 1, n do
+    if ffi.istype(Tensor_ptr, res[i]) then after_alloc(tonumber(lib.gdp_tensor_device_type(res[i]))) end
+  end
+  return unpack(res, 1, n)
+end
+M.call_outputs = call_outputs
 
 local function is_tensor(x)
   return ffi.istype(Tensor_ptr, x) and not freed[x]
@@ -281,12 +269,16 @@ function ctx_methods.timer_stop(c)
   check(lib.gdp_ctx_timer_stop(c, ms), "timer_stop")
   return ms[0]
 end
-function ctx_methods.manual_seed(c, seed) lib.gdp_ctx_manual_seed(c, seed) end
+function ctx_methods.manual_seed(c, seed) lib.gdp_ctx_manual_seed(c, int_arg("manual_seed", "seed", seed, 0)) end
 function ctx_methods.seed(c) return tonumber(lib.gdp_ctx_seed(c)) end
 function ctx_methods.rng_offset(c) return tonumber(lib.gdp_ctx_rng_offset(c)) end
-function ctx_methods.set_rng_offset(c, off) lib.gdp_ctx_set_rng_offset(c, off) end
+function ctx_methods.set_rng_offset(c, off)
+  lib.gdp_ctx_set_rng_offset(c, int_arg("set_rng_offset", "offset", off, 0))
+end
 function ctx_methods.num_threads(c) return lib.gdp_ctx_num_threads(c) end
-function ctx_methods.set_num_threads(c, n) lib.gdp_ctx_set_num_threads(c, n) end
+function ctx_methods.set_num_threads(c, n)
+  lib.gdp_ctx_set_num_threads(c, int_arg("set_num_threads", "threads", n, 1, util.INT_MAX))
+end
 -- op: "copy", "elementwise", "reduce", "rng", "gdp_forward", "gdp_backward", "matmul"
 -- (or the enum); dtype: a dtype name.
 function ctx_methods.supports(c, op, dtype)
@@ -370,9 +362,7 @@ end
 
 -- Seeds every default context, present and future, with the same seed.
 function M.manual_seed(seed)
-  if type(seed) ~= "number" or seed < 0 or seed ~= math.floor(seed) then
-    argerror("manual_seed", "seed: expected an integer >= 0, got " .. tostring(seed))
-  end
+  int_arg("manual_seed", "seed", seed, 0)
   global_seed = seed
   for _, c in pairs(ctx_cache) do lib.gdp_ctx_manual_seed(c, seed) end
 end
@@ -399,11 +389,8 @@ local function shape_array(fn, shape, allow_infer)
   local arr = i64_array(math.max(nd, 1))
   for i = 1, nd do
     local s = shape[i]
-    if type(s) ~= "number" or s ~= math.floor(s) or s >= 2 ^ 53 or
-       (s < 0 and not (allow_infer and s == -1)) then
-      argerror(fn, string.format("shape[%d]: expected an integer >= 0 and < 2^53%s, got %s", i,
-                                 allow_infer and " (or -1)" or "",
-                                 type(s) == "string" and string.format("the string %q", s) or tostring(s)))
+    if not (allow_infer and s == -1) then
+      int_arg(fn, "size of dim " .. i .. (allow_infer and " (or -1 to infer it)" or ""), s, 0)
     end
     arr[i - 1] = s
   end
@@ -447,13 +434,12 @@ end
 -- 1-based (negative: from the end) dim -> 0-based.
 local function dim0(t, d, fn, what)
   local nd = lib.gdp_tensor_ndim(t)
-  if type(d) ~= "number" or d ~= math.floor(d) then
-    argerror(fn, string.format("%s: expected an integer dim, got %s", what or "dim", typename(d)))
+  if type(d) == "number" and d == math.floor(d) then
+    if d >= 1 and d <= nd then return d - 1 end
+    if d <= -1 and d >= -nd then return nd + d end
   end
-  if d >= 1 and d <= nd then return d - 1 end
-  if d <= -1 and d >= -nd then return nd + d end
-  argerror(fn, string.format("%s: expected 1..%d (or -%d..-1) for a %d-dim tensor, got %d",
-                             what or "dim", nd, nd, nd, d))
+  argerror(fn, string.format("%s: expected an integer in 1..%d (or -%d..-1) for a %d-dim tensor, got %s",
+                             what or "dim", nd, nd, nd, util.describe(d)))
 end
 
 ------------------------------------------------------------------------------- creation
@@ -470,8 +456,7 @@ local function make(fn, cname, shape, opts)
   local c, dt = ctx_dtype(fn, opts)
   local nd, arr = shape_array(fn, shape)
   local box = tensor_box()
-  call_alloc(fn, cname, c, dt, nd, arr, box)
-  return wrap(box[0])
+  return call_outputs(fn, cname, { box }, c, dt, nd, arr, box)
 end
 
 function M.empty(...)
@@ -583,8 +568,7 @@ local function from_flat(fn, flat, shape, opts)
     buf[i - 1] = v
   end
   local box = tensor_box()
-  call_alloc(fn, "gdp_tensor_from_host", c, dt, nd, arr, lib.GDP_DTYPE_F64, buf, n * 8, box)
-  return wrap(box[0])
+  return call_outputs(fn, "gdp_tensor_from_host", { box }, c, dt, nd, arr, lib.GDP_DTYPE_F64, buf, n * 8, box)
 end
 
 -- gdp.tensor({{1, 2}, {3, 4}}), gdp.tensor({1, 2, 3, 4}, {2, 2}), gdp.tensor(3.5),
@@ -741,28 +725,22 @@ function T.view(t, ...)
   live(t, "view")
   local nd, arr = shape_array("view", vararg_shape("view", ...), true)
   local box = tensor_box()
-  call_alloc("view", "gdp_tensor_view", t, nd, arr, box)
-  return wrap(box[0])
+  return call_outputs("view", "gdp_tensor_view", { box }, t, nd, arr, box)
 end
 
 function T.reshape(t, ...)
   live(t, "reshape")
   local nd, arr = shape_array("reshape", vararg_shape("reshape", ...), true)
   local box = tensor_box()
-  call_alloc("reshape", "gdp_tensor_reshape", t, nd, arr, box)
-  return wrap(box[0])
+  return call_outputs("reshape", "gdp_tensor_reshape", { box }, t, nd, arr, box)
 end
 
 -- t:narrow(dim, start, length): `length` entries of dim from `start` (1-based).
 function T.narrow(t, d, start, length)
   live(t, "narrow")
   local d0 = dim0(t, d, "narrow")
-  if type(start) ~= "number" or start ~= math.floor(start) then
-    argerror("narrow", "start: expected an integer (1-based), got " .. typename(start))
-  end
-  if type(length) ~= "number" or length ~= math.floor(length) or length < 0 then
-    argerror("narrow", "length: expected an integer >= 0, got " .. tostring(length))
-  end
+  int_arg("narrow", "start (1-based)", start, 1)
+  int_arg("narrow", "length", length, 0)
   local size = tonumber(lib.gdp_tensor_size(t, d0))
   if start < 1 or start - 1 + length > size then
     argerror("narrow", string.format("start %d, length %d: out of range for dim %d of size %d " ..
@@ -770,8 +748,7 @@ function T.narrow(t, d, start, length)
                                      start, length, d, size, size))
   end
   local box = tensor_box()
-  call_alloc("narrow", "gdp_tensor_narrow", t, d0, start - 1, length, box)
-  return wrap(box[0])
+  return call_outputs("narrow", "gdp_tensor_narrow", { box }, t, d0, start - 1, length, box)
 end
 
 -- t:select(dim, i): the slice at index i (1-based) of dim, which is removed.
@@ -779,20 +756,16 @@ function T.select(t, d, i)
   live(t, "select")
   local d0 = dim0(t, d, "select")
   local size = tonumber(lib.gdp_tensor_size(t, d0))
-  if type(i) ~= "number" or i ~= math.floor(i) or i < 1 or i > size then
-    argerror("select", string.format("index: expected 1..%d for dim %d, got %s", size, d, tostring(i)))
-  end
+  int_arg("select", string.format("index into dim %d (of size %d)", d, size), i, 1, size)
   local box = tensor_box()
-  call_alloc("select", "gdp_tensor_select", t, d0, i - 1, box)
-  return wrap(box[0])
+  return call_outputs("select", "gdp_tensor_select", { box }, t, d0, i - 1, box)
 end
 
 function T.transpose(t, d1, d2)
   live(t, "transpose")
   local a, b = dim0(t, d1 or 1, "transpose", "dim1"), dim0(t, d2 or 2, "transpose", "dim2")
   local box = tensor_box()
-  call_alloc("transpose", "gdp_tensor_transpose", t, a, b, box)
-  return wrap(box[0])
+  return call_outputs("transpose", "gdp_tensor_transpose", { box }, t, a, b, box)
 end
 
 -- t:permute(3, 1, 2) or t:permute({3, 1, 2}): out:size(i) = t:size(perm[i]) (1-based).
@@ -806,22 +779,19 @@ function T.permute(t, ...)
   local arr = int_array(math.max(nd, 1))
   for i = 1, nd do arr[i - 1] = dim0(t, perm[i], "permute", "perm[" .. i .. "]") end
   local box = tensor_box()
-  call_alloc("permute", "gdp_tensor_permute", t, nd, arr, box)
-  return wrap(box[0])
+  return call_outputs("permute", "gdp_tensor_permute", { box }, t, nd, arr, box)
 end
 
 function T.contiguous(t)
   live(t, "contiguous")
   local box = tensor_box()
-  call_alloc("contiguous", "gdp_tensor_contiguous", t, box)
-  return wrap(box[0])
+  return call_outputs("contiguous", "gdp_tensor_contiguous", { box }, t, box)
 end
 
 function T.clone(t)
   live(t, "clone")
   local box = tensor_box()
-  call_alloc("clone", "gdp_tensor_clone", t, box)
-  return wrap(box[0])
+  return call_outputs("clone", "gdp_tensor_clone", { box }, t, box)
 end
 
 local function same_device(t, c)
@@ -855,8 +825,7 @@ function T.to(t, a, b)
     return t
   end
   local box = tensor_box()
-  call_alloc("to", "gdp_tensor_to", c, t, d, box)
-  return wrap(box[0])
+  return call_outputs("to", "gdp_tensor_to", { box }, c, t, d, box)
 end
 
 function T.float(t) return T.to(t, "f32") end
@@ -952,9 +921,7 @@ local function index_array(t, fn, first, ...)
   for d = 1, nd do
     local i = idx[d]
     local size = tonumber(lib.gdp_tensor_size(t, d - 1))
-    if type(i) ~= "number" or i ~= math.floor(i) or i < 1 or i > size then
-      argerror(fn, string.format("index %d: expected 1..%d, got %s", d, size, tostring(i)))
-    end
+    int_arg(fn, string.format("index %d (into dim %d, of size %d)", d, d, size), i, 1, size)
     arr[d - 1] = i - 1
   end
   return arr
@@ -983,8 +950,7 @@ local function empty_like(t, fn)
   local arr = i64_array(math.max(nd, 1))
   for i = 0, nd - 1 do arr[i] = lib.gdp_tensor_size(t, i) end
   local box = tensor_box()
-  call_alloc(fn, "gdp_tensor_empty", tensor_ctx(t), lib.gdp_tensor_dtype(t), nd, arr, box)
-  return wrap(box[0])
+  return call_outputs(fn, "gdp_tensor_empty", { box }, tensor_ctx(t), lib.gdp_tensor_dtype(t), nd, arr, box)
 end
 M.empty_like = function(t) return empty_like(tensor_arg(t, "empty_like", "t"), "empty_like") end
 
@@ -1103,8 +1069,7 @@ function M.matmul(a, b, opts)
     local arr = i64_array(2)
     arr[0], arr[1] = m, n
     local box = tensor_box()
-    call_alloc("matmul", "gdp_tensor_empty", tensor_ctx(a), lib.gdp_tensor_dtype(a), 2, arr, box)
-    out = wrap(box[0])
+    out = call_outputs("matmul", "gdp_tensor_empty", { box }, tensor_ctx(a), lib.gdp_tensor_dtype(a), 2, arr, box)
   else
     tensor_arg(out, "matmul", "out")
   end

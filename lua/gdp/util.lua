@@ -1,8 +1,106 @@
 -- gdp.util: helpers for experiment scripts: command-line options from a config
 -- table, JSON encoding, aligned console tables, simple statistics.
 --
--- Does not load libgdp, so it works before the library is built.
+-- Does not load libgdp, so it works before the library is built.  Also the one place
+-- of the Lua API's argument errors (argerror, int_arg), which every module uses.
 local M = {}
+
+------------------------------------------------------------------------------- arguments
+
+-- Frames of functions defined in this package (lua/gdp/**.lua) are skipped when an
+-- error is positioned, so that it points at the user's line however deeply the
+-- failing call was nested inside gdp (t:float() -> t:to() -> check()).
+local this_source = debug.getinfo(1, "S").source
+local package_prefix = this_source:match("^(@.*[/\\])util%.lua$") or "@lua/gdp/"
+
+local function is_internal(info)
+  return info.what == "C" or info.what == "tail"
+      or info.source:sub(1, #package_prefix) == package_prefix
+end
+
+-- Level (for error()/debug.getinfo, counted from the function that calls this one's
+-- caller) of the first stack frame outside gdp.
+local function user_level()
+  local level = 3
+  while true do
+    local info = debug.getinfo(level, "S")
+    if not info then return 3 end
+    if not is_internal(info) then return level - 1 end
+    level = level + 1
+  end
+end
+
+-- "file:line" of the first stack frame outside gdp ("?" when there is none).
+function M.user_where()
+  local level = 3
+  while true do
+    local info = debug.getinfo(level, "Sl")
+    if not info then return "?" end
+    if not is_internal(info) then
+      return info.short_src .. ":" .. (info.currentline or 0)
+    end
+    level = level + 1
+  end
+end
+
+-- Raises "gdp.<fn>: <msg>" at the user's line (error(msg, 2) in spirit, but robust to
+-- calls nested inside gdp).
+function M.argerror(fn, msg)
+  error("gdp." .. fn .. ": " .. msg, user_level())
+end
+
+-- A value as an argument message shows it: the string "2" (not 2), 2^63 in full
+-- (not 9.2233720368548e+18), inf, nan, or the type of anything else.
+function M.describe(x)
+  if type(x) == "string" then return string.format("the string %q", x) end
+  if type(x) == "number" then
+    if x ~= x then return "nan" end
+    if x == math.huge then return "inf" end
+    if x == -math.huge then return "-inf" end
+    if x == math.floor(x) then return string.format("%.0f", x) end
+    return tostring(x)
+  end
+  if type(x) == "cdata" then return tostring(require("ffi").typeof(x)) end
+  return type(x)
+end
+
+-- The ranges of the C types integer arguments end up in.
+M.INT_MAX = 2 ^ 31 - 1
+M.INT_MIN = -2 ^ 31
+M.INT64_MAX = 2 ^ 63 - 1 -- as a double this is 2^63, so the check is v < 2^63
+M.INT64_MIN = -2 ^ 63
+
+-- The one checker of integer arguments: v must be a number (the string "2" is an
+-- error, not 2), finite, integral and in [min, max] (defaults: C's int64_t range), so
+-- that nothing reaches C as INT64_MIN or wraps.  `name` says which argument, 1-based
+-- ("size of dim 1"); the message reads
+--   gdp.<fn>: <name> must be an integer >= 0, got inf
+-- Returns v.
+function M.int_arg(fn, name, v, min, max)
+  min = min or M.INT64_MIN
+  max = max or M.INT64_MAX
+  if type(v) == "number" and v == math.floor(v) and v >= min and v <= max and
+     v < 2 ^ 63 then
+    return v
+  end
+  local range
+  if max >= M.INT64_MAX and min <= M.INT64_MIN then range = "an integer"
+  elseif max >= M.INT64_MAX then range = "an integer >= " .. M.describe(min)
+  elseif min <= M.INT64_MIN then range = "an integer <= " .. M.describe(max)
+  else range = string.format("an integer in [%s, %s]", M.describe(min), M.describe(max)) end
+  M.argerror(fn, string.format("%s must be %s, got %s", name, range, M.describe(v)))
+end
+
+-- Whether x is a number int_arg accepts with its default range.
+function M.is_int(x)
+  return type(x) == "number" and x == math.floor(x) and x >= M.INT64_MIN and x < 2 ^ 63
+end
+
+-- int_arg for an optional argument: nil stays nil.
+function M.int_opt(fn, name, v, min, max)
+  if v == nil then return nil end
+  return M.int_arg(fn, name, v, min, max)
+end
 
 ------------------------------------------------------------------------------- options
 
@@ -266,6 +364,28 @@ function M.median(xs)
   if n == 0 then return nil end
   if n % 2 == 1 then return s[(n + 1) / 2] end
   return 0.5 * (s[n / 2] + s[n / 2 + 1])
+end
+
+-- The spread of a sample: {n =, min =, p10 =, median =, p90 =, max =} (percentiles by
+-- the nearest rank), or {n = 0} for an empty one.  Timings record it beside medians.
+function M.spread(xs)
+  local s = {}
+  for i, x in ipairs(xs) do s[i] = x end
+  table.sort(s)
+  local n = #s
+  if n == 0 then return { n = 0 } end
+  local function rank(p) return s[math.max(1, math.ceil(p * n))] end
+  return { n = n, min = s[1], p10 = rank(0.1), median = M.median(s), p90 = rank(0.9), max = s[n] }
+end
+
+-- The spread's fields in a row: <prefix>_min, _p10, _p90, _max, each times `scale`.
+function M.spread_fields(into, prefix, xs, scale)
+  local sp = M.spread(xs)
+  scale = scale or 1
+  for _, k in ipairs({ "min", "p10", "p90", "max" }) do
+    into[prefix .. "_" .. k] = sp[k] and sp[k] * scale or nil
+  end
+  return into
 end
 
 function M.min(xs)

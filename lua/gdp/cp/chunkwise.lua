@@ -45,6 +45,7 @@
 -- gdp.cp.timing (off by default) clocks the stages: summary_*, allgather_*, compose_*,
 -- local_* (the operator's own run) for _forward and _backward, and halo_*.
 local tensor = require("gdp.tensor")
+local util = require("gdp.util")
 local ops = require("gdp.ops")
 local shard = require("gdp.cp.shard")
 local timing = require("gdp.cp.timing")
@@ -59,7 +60,7 @@ local FN_BWD = "cp.gdp_chunkwise_context_parallel_backward"
 
 local DTYPE_CODE = { f64 = 1, f32 = 2, bf16 = 3 }
 
-local function is_int(x) return type(x) == "number" and x == math.floor(x) end
+local is_int = util.is_int
 
 local function state_dtype(dtype) return dtype == "f64" and "f64" or "f32" end
 
@@ -81,10 +82,8 @@ function M.packed_sequence_cp_metadata(cu_seqlens, cp, rank)
   local fn = "cp.packed_sequence_cp_metadata"
   local cu = shard.seqlens_table(cu_seqlens, fn)
   if cu == nil then argerror(fn, "cu_seqlens: expected the global sequence boundaries, got nil") end
-  if not is_int(cp) or cp < 1 then argerror(fn, "cp: expected an integer >= 1, got " .. tostring(cp)) end
-  if not is_int(rank) or rank < 0 or rank >= cp then
-    argerror(fn, string.format("rank: expected 0..%d, got %s", cp - 1, tostring(rank)))
-  end
+  util.int_arg(fn, "cp", cp, 1, util.INT_MAX)
+  util.int_arg(fn, "rank", rank, 0, cp - 1)
   local problem = shard.seqlens_problem(cu)
   if problem then argerror(fn, problem) end
   local T = cu[#cu]
@@ -467,9 +466,7 @@ local function local_inputs(args)
   if q:dim() ~= 4 then argerror(fn, "q: expected [B,T,H,K], got " .. shape_str(q:shape())) end
   if v:dim() ~= 4 then argerror(fn, "v: expected [B,T*n,H,V], got " .. shape_str(v:shape())) end
   local n = args.num_householder
-  if not is_int(n) or n < 1 then
-    argerror(fn, "num_householder: expected an integer >= 1, got " .. tostring(n))
-  end
+  util.int_arg(fn, "num_householder", n, 1)
   local B, T = q:size(1), q:size(2)
   if T < 1 then
     argerror(fn, "q: every rank must hold at least one token (shard the sequence so that T/cp >= 1), got T = " .. T)
@@ -682,13 +679,8 @@ local function agree_halo(group, fn, x, what, halo_rows, valid_rows, dhalo)
   shard.agreed(group, function()
     tensor.tensor_arg(x, fn, what)
     if x:dim() ~= 3 then argerror(fn, what .. ": expected [Lc,B,C], got " .. shape_str(x:shape())) end
-    if not is_int(halo_rows) or halo_rows < 0 then
-      argerror(fn, "halo_rows: expected an integer >= 0, got " .. tostring(halo_rows))
-    end
-    if not is_int(valid_rows) or valid_rows < 0 or valid_rows > halo_rows then
-      argerror(fn, string.format("valid_rows: expected an integer in [0, halo_rows = %s], got %s",
-                                 tostring(halo_rows), tostring(valid_rows)))
-    end
+    util.int_arg(fn, "halo_rows", halo_rows, 0)
+    util.int_arg(fn, "valid_rows (at most halo_rows = " .. halo_rows .. ")", valid_rows, 0, halo_rows)
     if dhalo ~= nil then
       tensor.tensor_arg(dhalo, fn, "dhalo")
       local want = { valid_rows, x:size(2), x:size(3) }

@@ -35,6 +35,7 @@
 --  - gdp.cp.timing (off by default) clocks the layer's stages: all_to_all_in_*,
 --    local_* (the operator) and all_to_all_out_*, for _forward and _backward.
 local tensor = require("gdp.tensor")
+local util = require("gdp.util")
 local F = require("gdp.nn.functional")
 local shard = require("gdp.cp.shard")
 local timing = require("gdp.cp.timing")
@@ -46,7 +47,6 @@ local M = {}
 
 local FN = "cp.GDPContextParallel"
 
-local function is_int(x) return type(x) == "number" and x == math.floor(x) end
 
 local GDPContextParallel = {}
 GDPContextParallel.__index = GDPContextParallel
@@ -78,10 +78,7 @@ local function construct(cfg)
   self.cp, self.rank = cp, r
   local function int(key, min)
     local v = cfg[key]
-    if not is_int(v) or v < min then
-      argerror(FN, string.format("%s: expected an integer >= %d, got %s", key, min, tostring(v)))
-    end
-    return v
+    return util.int_arg(FN, key, v, min)
   end
   local d_inner, nh, ng = int("d_inner_local_tp", 1), int("nheads_local_tp", 1), int("ngroups_local_tp", 1)
   local N, Mh, P = int("d_state", 1), int("num_householder", 1), int("headdim", 1)

@@ -20,6 +20,7 @@
 -- built on that one description, so the split, the gather and headwise CP's undo/redo
 -- of the gathered order cannot disagree.
 local tensor = require("gdp.tensor")
+local util = require("gdp.util")
 
 local argerror = tensor.argerror
 
@@ -27,7 +28,7 @@ local M = {}
 
 M.LAYOUTS = { zigzag = true, contiguous = true }
 
-local function is_int(x) return type(x) == "number" and x == math.floor(x) end
+local is_int = util.is_int
 
 -- Runs fn(...) locally under pcall, then agrees over `group` (collective, comm:pcall):
 -- a failure on any rank is raised on every rank, so that bad input cannot leave some
@@ -107,7 +108,7 @@ function M.seqlens_problem(cu, T, what)
   end
   for i = 1, #cu do
     if not is_int(cu[i]) then
-      return string.format("%s[%d]: expected an integer, got %s", what, i, tostring(cu[i]))
+      return string.format("%s[%d]: expected an integer, got %s", what, i, util.describe(cu[i]))
     end
   end
   if cu[1] ~= 0 then return string.format("%s[1]: expected 0, got %d", what, cu[1]) end
@@ -204,9 +205,7 @@ function M.moves(T, cp, layout, cu)
 end
 
 local function check_dim(fn, x, dim)
-  if not is_int(dim) or dim < 1 or dim > x:dim() then
-    argerror(fn, string.format("dim: expected 1..%d, got %s", x:dim(), tostring(dim)))
-  end
+  util.int_arg(fn, "dim", dim, 1, x:dim())
 end
 
 local function shape_with(x, dim, n)
@@ -254,10 +253,8 @@ function M.split(x, cp, rank, opts)
   check_dim(fn, x, dim)
   local layout = opts.layout or "contiguous"
   local cu = M.seqlens_table(opts.cu_seqlens, fn)
-  if not is_int(cp) or cp < 1 then argerror(fn, "cp: expected an integer >= 1, got " .. tostring(cp)) end
-  if not is_int(rank) or rank < 0 or rank >= cp then
-    argerror(fn, string.format("rank: expected 0..%d, got %s", cp - 1, tostring(rank)))
-  end
+  util.int_arg(fn, "cp", cp, 1, util.INT_MAX)
+  util.int_arg(fn, "rank", rank, 0, cp - 1)
   local T = x:size(dim)
   local problem = M.layout_problem(T, cp, layout, cu)
   if problem then argerror(fn, problem) end

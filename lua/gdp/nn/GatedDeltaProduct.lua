@@ -74,6 +74,7 @@
 -- exchanges between them, and parameter slices in place of the full parameters.
 local ffi = require("ffi")
 local tensor = require("gdp.tensor")
+local util = require("gdp.util")
 local ops = require("gdp.ops")
 local gio = require("gdp.io")
 local F = require("gdp.nn.functional")
@@ -104,10 +105,7 @@ local PARAM_ORDER = {
 local function int_opt(cfg, key, default, min)
   local v = cfg[key]
   if v == nil then v = default end
-  if type(v) ~= "number" or v ~= math.floor(v) or v < min then
-    argerror(FN, string.format("%s: expected an integer >= %d, got %s", key, min, tostring(v)))
-  end
-  return v
+  return util.int_arg(FN, key, v, min)
 end
 
 local function num_opt(cfg, key, default, min)
@@ -259,9 +257,7 @@ local function construct(cfg)
   self.device_name = ctx:name()
   local saved_seed, saved_offset
   if cfg.seed ~= nil then
-    if type(cfg.seed) ~= "number" or cfg.seed < 0 or cfg.seed ~= math.floor(cfg.seed) then
-      argerror(FN, "seed: expected an integer >= 0, got " .. tostring(cfg.seed))
-    end
+    util.int_arg(FN, "seed", cfg.seed, 0)
     saved_seed, saved_offset = ctx:seed(), ctx:rng_offset()
     ctx:manual_seed(cfg.seed)
   end

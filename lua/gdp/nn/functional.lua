@@ -13,9 +13,10 @@
 local ffi = require("ffi")
 local lib = require("gdp.lib")
 local tensor = require("gdp.tensor")
+local util = require("gdp.util")
 local ops = require("gdp.ops")
 
-local argerror, call_alloc, wrap = tensor.argerror, tensor.call_alloc, tensor.wrap
+local argerror, call_outputs = tensor.argerror, tensor.call_outputs
 local tensor_arg = tensor.tensor_arg
 
 local F = {}
@@ -37,10 +38,7 @@ local function number_arg(x, fn, what)
 end
 
 local function int_arg(x, fn, what, min)
-  if type(x) ~= "number" or x ~= math.floor(x) or x < min then
-    argerror(fn, string.format("%s: expected an integer >= %d, got %s", what, min, tostring(x)))
-  end
-  return x
+  return util.int_arg(fn, what, x, min)
 end
 
 -- A Lua table of sequence boundaries becomes an int64 cpu tensor; tensors pass through
@@ -70,8 +68,7 @@ function F.conv1d(x, weight, bias, opts)
   opt_tensor(bias, fn, "bias")
   local act, cu, halo = conv_opts(fn, opts)
   local out = tensor_box()
-  call_alloc(fn, "gdp_mixer_conv1d_forward", x:ctx(), x, weight, bias, halo, cu, act, out)
-  return wrap(out[0])
+  return call_outputs(fn, "gdp_mixer_conv1d_forward", { out }, x:ctx(), x, weight, bias, halo, cu, act, out)
 end
 
 -- Backward of sum(conv1d(...) * d_out): {dx, dweight, dbias, dhalo}.
@@ -83,9 +80,9 @@ function F.conv1d_backward(x, weight, bias, d_out, opts)
   tensor_arg(d_out, fn, "d_out")
   local act, cu, halo = conv_opts(fn, opts)
   local dx, dw, db, dh = tensor_box(), tensor_box(), tensor_box(), tensor_box()
-  call_alloc(fn, "gdp_mixer_conv1d_backward", x:ctx(), x, weight, bias, halo, cu, act, d_out,
-             dx, dw, db, dh)
-  return { dx = wrap(dx[0]), dweight = wrap(dw[0]), dbias = wrap(db[0]), dhalo = wrap(dh[0]) }
+  local gx, gw, gb, gh = call_outputs(fn, "gdp_mixer_conv1d_backward", { dx, dw, db, dh }, x:ctx(), x,
+                                      weight, bias, halo, cu, act, d_out, dx, dw, db, dh)
+  return { dx = gx, dweight = gw, dbias = gb, dhalo = gh }
 end
 
 -- beta = scale * sigmoid(b), elementwise.
@@ -93,8 +90,7 @@ function F.beta(b, scale)
   local fn = "nn.functional.beta"
   tensor_arg(b, fn, "b")
   local out = tensor_box()
-  call_alloc(fn, "gdp_mixer_beta_forward", b:ctx(), b, number_arg(scale or 1, fn, "scale"), out)
-  return wrap(out[0])
+  return call_outputs(fn, "gdp_mixer_beta_forward", { out }, b:ctx(), b, number_arg(scale or 1, fn, "scale"), out)
 end
 
 function F.beta_backward(b, scale, d_beta)
@@ -102,9 +98,8 @@ function F.beta_backward(b, scale, d_beta)
   tensor_arg(b, fn, "b")
   tensor_arg(d_beta, fn, "d_beta")
   local out = tensor_box()
-  call_alloc(fn, "gdp_mixer_beta_backward", b:ctx(), b, number_arg(scale or 1, fn, "scale"),
+  return call_outputs(fn, "gdp_mixer_beta_backward", { out }, b:ctx(), b, number_arg(scale or 1, fn, "scale"),
              d_beta, out)
-  return wrap(out[0])
 end
 
 -- x * sigmoid(x), elementwise (q/k/v of a mixer without short conv).
@@ -112,8 +107,7 @@ function F.silu(x)
   local fn = "nn.functional.silu"
   tensor_arg(x, fn, "x")
   local out = tensor_box()
-  call_alloc(fn, "gdp_mixer_silu_forward", x:ctx(), x, out)
-  return wrap(out[0])
+  return call_outputs(fn, "gdp_mixer_silu_forward", { out }, x:ctx(), x, out)
 end
 
 -- dx of sum(silu(x) * d_out).
@@ -122,8 +116,7 @@ function F.silu_backward(x, d_out)
   tensor_arg(x, fn, "x")
   tensor_arg(d_out, fn, "d_out")
   local out = tensor_box()
-  call_alloc(fn, "gdp_mixer_silu_backward", x:ctx(), x, d_out, out)
-  return wrap(out[0])
+  return call_outputs(fn, "gdp_mixer_silu_backward", { out }, x:ctx(), x, d_out, out)
 end
 
 -- g = -exp(A_log[h]) * softplus(a + dt_bias[h]) for a [..., H]; dt_bias may be nil.
@@ -133,8 +126,7 @@ function F.decay(a, A_log, dt_bias)
   tensor_arg(A_log, fn, "A_log")
   opt_tensor(dt_bias, fn, "dt_bias")
   local out = tensor_box()
-  call_alloc(fn, "gdp_mixer_decay_forward", a:ctx(), a, A_log, dt_bias, out)
-  return wrap(out[0])
+  return call_outputs(fn, "gdp_mixer_decay_forward", { out }, a:ctx(), a, A_log, dt_bias, out)
 end
 
 -- Returns da, dA_log, ddt_bias (nil without dt_bias).
@@ -145,8 +137,8 @@ function F.decay_backward(a, A_log, dt_bias, d_g)
   opt_tensor(dt_bias, fn, "dt_bias")
   tensor_arg(d_g, fn, "d_g")
   local da, dA, ddt = tensor_box(), tensor_box(), tensor_box()
-  call_alloc(fn, "gdp_mixer_decay_backward", a:ctx(), a, A_log, dt_bias, d_g, da, dA, ddt)
-  return wrap(da[0]), wrap(dA[0]), wrap(ddt[0])
+  return call_outputs(fn, "gdp_mixer_decay_backward", { da, dA, ddt }, a:ctx(), a, A_log, dt_bias, d_g,
+                      da, dA, ddt)
 end
 
 -- RMSNorm(y * silu(z)) * weight over the last dim in groups of group_size (z nil: no gate).
@@ -157,9 +149,8 @@ function F.gated_rmsnorm(y, z, weight, group_size, eps)
   tensor_arg(weight, fn, "weight")
   group_size = int_arg(group_size or y:size(-1), fn, "group_size", 1)
   local out = tensor_box()
-  call_alloc(fn, "gdp_mixer_gated_rmsnorm_forward", y:ctx(), y, z, weight, group_size,
+  return call_outputs(fn, "gdp_mixer_gated_rmsnorm_forward", { out }, y:ctx(), y, z, weight, group_size,
              number_arg(eps or 1e-5, fn, "eps"), out)
-  return wrap(out[0])
 end
 
 -- Returns dy, dz (nil without z), dweight.
@@ -171,9 +162,8 @@ function F.gated_rmsnorm_backward(y, z, weight, group_size, eps, d_out)
   tensor_arg(d_out, fn, "d_out")
   group_size = int_arg(group_size or y:size(-1), fn, "group_size", 1)
   local dy, dz, dw = tensor_box(), tensor_box(), tensor_box()
-  call_alloc(fn, "gdp_mixer_gated_rmsnorm_backward", y:ctx(), y, z, weight, group_size,
-             number_arg(eps or 1e-5, fn, "eps"), d_out, dy, dz, dw)
-  return wrap(dy[0]), wrap(dz[0]), wrap(dw[0])
+  return call_outputs(fn, "gdp_mixer_gated_rmsnorm_backward", { dy, dz, dw }, y:ctx(), y, z, weight,
+                      group_size, number_arg(eps or 1e-5, fn, "eps"), d_out, dy, dz, dw)
 end
 
 -- x [..., G, N] -> [..., num_heads, N]; head h reads group h / (num_heads / G).
@@ -181,9 +171,8 @@ function F.repeat_heads(x, num_heads)
   local fn = "nn.functional.repeat_heads"
   tensor_arg(x, fn, "x")
   local out = tensor_box()
-  call_alloc(fn, "gdp_mixer_repeat_heads_forward", x:ctx(), x,
+  return call_outputs(fn, "gdp_mixer_repeat_heads_forward", { out }, x:ctx(), x,
              int_arg(num_heads, fn, "num_heads", 1), out)
-  return wrap(out[0])
 end
 
 -- d_out [..., H, N] -> [..., num_groups, N] (sums over each group's heads).
@@ -191,9 +180,8 @@ function F.repeat_heads_backward(d_out, num_groups)
   local fn = "nn.functional.repeat_heads_backward"
   tensor_arg(d_out, fn, "d_out")
   local out = tensor_box()
-  call_alloc(fn, "gdp_mixer_repeat_heads_backward", d_out:ctx(), d_out,
+  return call_outputs(fn, "gdp_mixer_repeat_heads_backward", { out }, d_out:ctx(), d_out,
              int_arg(num_groups, fn, "num_groups", 1), out)
-  return wrap(out[0])
 end
 
 -- y + D * x_v for y, x_v [..., H, P]; D [H] or [H*P].
@@ -203,8 +191,7 @@ function F.dskip(y, x_v, D)
   tensor_arg(x_v, fn, "x_v")
   tensor_arg(D, fn, "D")
   local out = tensor_box()
-  call_alloc(fn, "gdp_mixer_dskip_forward", y:ctx(), y, x_v, D, out)
-  return wrap(out[0])
+  return call_outputs(fn, "gdp_mixer_dskip_forward", { out }, y:ctx(), y, x_v, D, out)
 end
 
 -- Returns dx_v, dD (dy is d_out itself).
@@ -214,8 +201,7 @@ function F.dskip_backward(x_v, D, d_out)
   tensor_arg(D, fn, "D")
   tensor_arg(d_out, fn, "d_out")
   local dx, dD = tensor_box(), tensor_box()
-  call_alloc(fn, "gdp_mixer_dskip_backward", x_v:ctx(), x_v, D, d_out, dx, dD)
-  return wrap(dx[0]), wrap(dD[0])
+  return call_outputs(fn, "gdp_mixer_dskip_backward", { dx, dD }, x_v:ctx(), x_v, D, d_out, dx, dD)
 end
 
 return F
