@@ -276,8 +276,10 @@ function ctx_methods.set_rng_offset(c, off)
   lib.gdp_ctx_set_rng_offset(c, int_arg("set_rng_offset", "offset", off, 0))
 end
 function ctx_methods.num_threads(c) return lib.gdp_ctx_num_threads(c) end
+-- n worker threads for this context's CPU ops; 0: the default again (GDP_NUM_THREADS,
+-- else the cores).
 function ctx_methods.set_num_threads(c, n)
-  lib.gdp_ctx_set_num_threads(c, int_arg("set_num_threads", "threads", n, 1, util.INT_MAX))
+  lib.gdp_ctx_set_num_threads(c, int_arg("set_num_threads", "threads", n, 0, util.INT_MAX))
 end
 -- op: "copy", "elementwise", "reduce", "rng", "gdp_forward", "gdp_backward", "matmul"
 -- (or the enum); dtype: a dtype name.
