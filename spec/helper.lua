@@ -97,6 +97,30 @@ function H.expect_error(fn, ...)
   return text, err
 end
 
+-- Relative error of central differences against the analytic gradient over `samples`
+-- random entries of a contiguous tensor p (modified in place and restored).
+function H.fd_error(loss, p, grad, samples)
+  local flat, gflat = p:view(p:numel()), grad:contiguous():view(grad:numel())
+  local n = p:numel()
+  local h = 1e-5
+  local num, den = 0, 0
+  for s = 1, math.min(samples, n) do
+    local i = samples >= n and s or math.random(n)
+    local keep = flat:get(i)
+    flat:set(keep + h, i)
+    local lp = loss()
+    flat:set(keep - h, i)
+    local lm = loss()
+    flat:set(keep, i)
+    local fd = (lp - lm) / (2 * h)
+    local g = gflat:get(i)
+    num = num + (fd - g) ^ 2
+    den = den + g * g
+  end
+  if den == 0 then return num == 0 and 0 or math.huge end
+  return math.sqrt(num / den)
+end
+
 -- A quick check that the library still works (after an error).
 function H.assert_alive()
   local t = gdp.tensor({ 1, 2, 3 }, { dtype = "f64" })

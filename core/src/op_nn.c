@@ -72,7 +72,7 @@ static gdp_status check_leading_shape(const char *func, const char *name, const 
   for (int i = 0; same && i < t->ndim; i++) same = t->shape[i] == ref->shape[i];
   if (same) return GDP_OK;
   char a[128], b[128];
-  return GDP_ERROR_IN(func, GDP_ERR_SHAPE, "%s: expected %s's leading dims %s, got %s", name,
+  return GDP_ERROR_IN(func, GDP_ERR_SHAPE, "%s: expected the leading dims of %s, %s, got %s", name,
                       ref_name, gdp_shape_str(b, sizeof b, ref->ndim - 1, ref->shape),
                       shape_of(a, sizeof a, t));
 }
