@@ -1,4 +1,4 @@
--- gdp.nn.Module: what the model modules share (docs/design.md section 5).
+-- gdp.nn.Module: what the model modules share (docs/design.md section 3.1).
 --
 -- The contract every module keeps (GatedDeltaProduct too):
 --   m:forward(x, ...)          -> output; caches what backward needs
