@@ -80,6 +80,21 @@ describe("model layer ops on cuda vs the f64 cpu oracle #gpu", function()
   end
 end)
 
+describe("gdp.matmul of bf16 operands into a float32 out #gpu", function()
+  it("accumulates in float32 (the bf16 models' weight gradients)", function()
+    if not H.need_device("cuda") then return end
+    H.reseed(55)
+    local a = on_cuda(gdp.randn({ 300, 40 }, { dtype = "f64" }), "bf16")
+    local b = on_cuda(gdp.randn({ 300, 24 }, { dtype = "f64" }), "bf16")
+    local c0 = gdp.randn({ 40, 24 }, { dtype = "f64" })
+    local c = on_cuda(c0, "f32")
+    gdp.matmul(a, b, { trans_a = true, out = c, beta = 1 })
+    local want = gdp.matmul(ref64(a), ref64(b), { trans_a = true }):add(ref64(c0:to("f32")))
+    assert.are.equal("f32", c:dtype())
+    assert.tensor_near(c, want, 1e-5)
+  end)
+end)
+
 describe("nn.CausalLM on cuda vs the f64 cpu model #gpu", function()
   for _, dtype in ipairs({ "f32", "bf16" }) do
     for _, tie in ipairs({ false, true }) do

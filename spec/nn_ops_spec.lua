@@ -266,3 +266,13 @@ describe("nn.functional.rms_norm", function()
     end)
   end
 end)
+
+describe("gdp.matmul of bf16 operands into a float32 out", function()
+  it("is refused on the cpu (no bf16 matmul there; spec/nn_cuda_spec.lua checks cuda)", function()
+    local a = gdp.zeros({ 2, 2 }, { dtype = "bf16" })
+    H.expect_error(function() gdp.matmul(a, a, { out = gdp.zeros({ 2, 2 }, { dtype = "f32" }) }) end,
+                   "matmul is not implemented for bf16 on cpu")
+    H.expect_error(function() gdp.matmul(a, a, { out = gdp.zeros({ 2, 2 }, { dtype = "f64" }) }) end,
+                   "out and a must have the same dtype, got f64 and bf16")
+  end)
+end)

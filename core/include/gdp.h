@@ -317,8 +317,8 @@ gdp_status gdp_tensor_count_nonfinite(const gdp_tensor *t, int64_t *out);
 gdp_status gdp_tensor_rel_error(const gdp_tensor *a, const gdp_tensor *ref, double *out);
 
 /* out = alpha * op(a) @ op(b) + beta * out for 2-D float32/float64 tensors (and bfloat16
-   with float32 accumulation on cuda), op(x) = x or x^T as trans_a/trans_b say; out is
-   [M,N] and must not alias a or b. */
+   with float32 accumulation on cuda, into a bf16 or a float32 out), op(x) = x or x^T as
+   trans_a/trans_b say; out is [M,N] and must not alias a or b. */
 gdp_status gdp_tensor_matmul(gdp_tensor *out, const gdp_tensor *a, const gdp_tensor *b,
                              int trans_a, int trans_b, double alpha, double beta);
 

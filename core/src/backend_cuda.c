@@ -477,10 +477,11 @@ static gdp_status ensure_blas(gdp_ctx *ctx) {
   return GDP_OK;
 }
 
-static gdp_status gemm(gdp_ctx *ctx, gdp_dtype dtype, int64_t m, int64_t n, int64_t k,
-                       const mat_view *x, int x_trans, int64_t ldx, const mat_view *y,
-                       int y_trans, int64_t ldy, void *c, int64_t ldc, double alpha,
-                       double beta) {
+/* `dtype` is the operands', `c_dtype` the result's (the same, or float32 for bf16). */
+static gdp_status gemm(gdp_ctx *ctx, gdp_dtype dtype, gdp_dtype c_dtype, int64_t m, int64_t n,
+                       int64_t k, const mat_view *x, int x_trans, int64_t ldx,
+                       const mat_view *y, int y_trans, int64_t ldy, void *c, int64_t ldc,
+                       double alpha, double beta) {
   cuda_state *st = state_of(ctx);
   cublasOperation_t opx = x_trans ? CUBLAS_OP_T : CUBLAS_OP_N;
   cublasOperation_t opy = y_trans ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -488,12 +489,13 @@ static gdp_status gemm(gdp_ctx *ctx, gdp_dtype dtype, int64_t m, int64_t n, int6
     GDP_CUBLAS_TRY(cublasDgemm(st->blas, opx, opy, (int)m, (int)n, (int)k, &alpha, x->ptr,
                                (int)ldx, y->ptr, (int)ldy, &beta, c, (int)ldc));
   } else {
-    /* float32, or bfloat16 operands and result with float32 accumulation (the tensor
-     * cores' rate: the ceiling the GDP kernels are measured against). */
+    /* float32, or bfloat16 operands with float32 accumulation (the tensor cores' rate:
+     * the ceiling the GDP kernels are measured against) and a bf16 or float32 result. */
     cudaDataType_t t = dtype == GDP_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_32F;
+    cudaDataType_t tc = c_dtype == GDP_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_32F;
     float alpha_f = (float)alpha, beta_f = (float)beta;
     GDP_CUBLAS_TRY(cublasGemmEx(st->blas, opx, opy, (int)m, (int)n, (int)k, &alpha_f, x->ptr, t,
-                                (int)ldx, y->ptr, t, (int)ldy, &beta_f, c, t, (int)ldc,
+                                (int)ldx, y->ptr, t, (int)ldy, &beta_f, c, tc, (int)ldc,
                                 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   }
   return GDP_OK;
@@ -503,9 +505,9 @@ static gdp_status gemm(gdp_ctx *ctx, gdp_dtype dtype, int64_t m, int64_t n, int6
  * column-major, and a row-major matrix is its transpose there, so for a row-major out
  * it computes out^T = op(b)^T op(a)^T (the usual swap); a column-major out (a
  * transposed view) takes the direct product. */
-static gdp_status matmul_planned(gdp_ctx *ctx, gdp_tensor *out, const mat_view *A,
-                                 const mat_view *B, double alpha, double beta, void *c_ptr,
-                                 int64_t c_rs, int64_t c_cs) {
+static gdp_status matmul_planned(gdp_ctx *ctx, gdp_tensor *out, gdp_dtype ab_dtype,
+                                 const mat_view *A, const mat_view *B, double alpha, double beta,
+                                 void *c_ptr, int64_t c_rs, int64_t c_cs) {
   int64_t M = out->shape[0], N = out->shape[1], K = A->cols;
   int a_row, b_row, c_row;
   int64_t lda, ldb, ldc;
@@ -514,9 +516,10 @@ static gdp_status matmul_planned(gdp_ctx *ctx, gdp_tensor *out, const mat_view *
       !blas_layout(M, N, c_rs, c_cs, &c_row, &ldc))
     return GDP_ERROR(GDP_ERR_INTERNAL, "matmul operand layout not expressible after copies");
   if (c_row)
-    return gemm(ctx, out->dtype, N, M, K, B, !b_row, ldb, A, !a_row, lda, c_ptr, ldc, alpha,
-                beta);
-  return gemm(ctx, out->dtype, M, N, K, A, a_row, lda, B, b_row, ldb, c_ptr, ldc, alpha, beta);
+    return gemm(ctx, ab_dtype, out->dtype, N, M, K, B, !b_row, ldb, A, !a_row, lda, c_ptr, ldc,
+                alpha, beta);
+  return gemm(ctx, ab_dtype, out->dtype, M, N, K, A, a_row, lda, B, b_row, ldb, c_ptr, ldc, alpha,
+              beta);
 }
 
 static gdp_status cuda_matmul(gdp_ctx *ctx, gdp_tensor *out, const gdp_tensor *a,
@@ -526,7 +529,9 @@ static gdp_status cuda_matmul(gdp_ctx *ctx, gdp_tensor *out, const gdp_tensor *a
   if (out->dtype != GDP_DTYPE_F32 && out->dtype != GDP_DTYPE_F64 && out->dtype != GDP_DTYPE_BF16)
     return GDP_ERROR(GDP_ERR_DTYPE, "matmul on cuda needs f32, f64 or bf16, got %s",
                      gdp_dtype_name(out->dtype));
-  if (a->dtype != out->dtype || b->dtype != out->dtype)
+  const int bf16_into_f32 = a->dtype == GDP_DTYPE_BF16 && b->dtype == GDP_DTYPE_BF16 &&
+                            out->dtype == GDP_DTYPE_F32;
+  if (!bf16_into_f32 && (a->dtype != out->dtype || b->dtype != out->dtype))
     return GDP_ERROR(GDP_ERR_DTYPE, "matmul dtypes differ: out %s, a %s, b %s",
                      gdp_dtype_name(out->dtype), gdp_dtype_name(a->dtype),
                      gdp_dtype_name(b->dtype));
@@ -575,7 +580,7 @@ static gdp_status cuda_matmul(gdp_ctx *ctx, gdp_tensor *out, const gdp_tensor *a
     c_rs = N;
     c_cs = 1;
   }
-  if (s == GDP_OK) s = matmul_planned(ctx, out, &A, &B, alpha, beta, c_ptr, c_rs, c_cs);
+  if (s == GDP_OK) s = matmul_planned(ctx, out, a->dtype, &A, &B, alpha, beta, c_ptr, c_rs, c_cs);
   if (s == GDP_OK && c_tmp) {
     gdp_cuda_operand d = operand_of(out), src = operand_of(out);
     src.data = c_tmp;

@@ -10,8 +10,8 @@
 -- stays the owner's, not listed here, and this layer's weight gradient is added into
 -- the owner's), init ("uniform": torch's U(-1/sqrt(in), 1/sqrt(in)) for weight and
 -- bias; or a number: N(0, init) for the weight and zero bias), dtype, device, seed.
--- bf16 (cuda): the products take bf16 operands with float32 accumulation; the float32
--- gradients get each call's bf16 product added.
+-- bf16 (cuda): the products take bf16 operands with float32 accumulation, and the
+-- weight and bias gradients are float32 results of them (never rounded to bf16).
 local tensor = require("gdp.tensor")
 local Module = require("gdp.nn.Module")
 
@@ -35,14 +35,11 @@ local function ones(self, n, dtype)
   return t
 end
 
--- grad += op(a) @ op(b), also when grad is float32 and a, b bf16 (matmul wants one dtype).
+-- grad += op(a) @ op(b): one product into the gradient, also a float32 gradient of
+-- bf16 operands (float32 accumulation and result on cuda).
 local function accumulate(grad, a, b, opts)
-  if grad:dtype() == a:dtype() then
-    opts.out, opts.beta = grad, 1
-    tensor.matmul(a, b, opts)
-  else
-    grad:add_(tensor.matmul(a, b, opts))
-  end
+  opts.out, opts.beta = grad, 1
+  tensor.matmul(a, b, opts)
 end
 
 -- Shared by the layers that hold their weights themselves (nn.MLP): y2 [N,out] from
