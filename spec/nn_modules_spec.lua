@@ -10,6 +10,16 @@ local F = nn.functional
 local H = gdp_test
 
 local FD_TOL = 1e-6
+-- The whole model through the loss is strongly curved and many of its gradients are
+-- O(1e-4): the fourth-order differences (spec/helper.lua) keep their error far below
+-- FD_TOL there.  A wrong backward is off by O(1), as the module checks show.
+
+-- Fixes the test's random inputs and which entries the finite differences sample, so
+-- that a test does not depend on the tests run before it.
+local function reseed(salt)
+  H.reseed(salt)
+  math.randomseed(H.seed + salt)
+end
 
 local fd_error = H.fd_error
 
@@ -66,26 +76,26 @@ end
 
 describe("gdp.nn modules: finite differences (f64)", function()
   it("Embedding", function()
-    H.reseed(21)
+    reseed(21)
     local m = nn.Embedding{ num_embeddings = 7, dim = 5, init_std = 1 }
     check_module(m, tokens({ 3, 4 }, 7), 35)
   end)
 
   it("Linear with and without bias, on [..., in] inputs of odd sizes", function()
-    H.reseed(22)
+    reseed(22)
     check_module(nn.Linear{ in_features = 5, out_features = 3 }, gdp.randn({ 2, 7, 5 }, { dtype = "f64" }), 15)
     check_module(nn.Linear{ ["in"] = 4, out = 6, bias = false, init = 0.5 }, gdp.randn({ 9, 4 }, { dtype = "f64" }), 24)
   end)
 
   it("RMSNorm", function()
-    H.reseed(23)
+    reseed(23)
     local m = nn.RMSNorm{ dim = 6 }
     m:parameters().weight:uniform_(0.5, 1.5)
     check_module(m, gdp.randn({ 5, 3, 6 }, { dtype = "f64" }), 18)
   end)
 
   it("MLP (SwiGLU) with the default x4 hidden and with biases", function()
-    H.reseed(24)
+    reseed(24)
     local m = nn.MLP{ dim = 4 }
     assert.are.equal(16, m.hidden)
     check_module(m, gdp.randn({ 3, 5, 4 }, { dtype = "f64" }), 12)
@@ -93,14 +103,14 @@ describe("gdp.nn modules: finite differences (f64)", function()
   end)
 
   it("Block with the GDP mixer and the MLP, packed with an empty sequence", function()
-    H.reseed(25)
+    reseed(25)
     local m = nn.Block{ mixer = nn.GatedDeltaProduct(mixer_cfg{ seed = 3 }), mlp = nn.MLP{ dim = 8, hidden = 12 } }
     randomize(m)
     check_module(m, gdp.randn({ 11, 1, 8 }, { dtype = "f64" }), 6, { 0, 4, 4, 11 })
   end)
 
   it("Block without an MLP, B = 2", function()
-    H.reseed(26)
+    reseed(26)
     local m = nn.Block{ mixer = nn.GatedDeltaProduct(mixer_cfg{ allow_neg_eigval = true }) }
     randomize(m)
     assert.are.same({ "mixer_norm.weight", "mixer.in_proj.weight", "mixer.conv1d.weight",
@@ -110,7 +120,7 @@ describe("gdp.nn modules: finite differences (f64)", function()
   end)
 
   it("Sequential of Linear, MLP and RMSNorm", function()
-    H.reseed(27)
+    reseed(27)
     local m = nn.Sequential{ nn.Linear{ ["in"] = 3, out = 4 }, nn.MLP{ dim = 4, hidden = 6 }, nn.RMSNorm{ dim = 4 } }
     assert.are.same({ "0.weight", "0.bias", "1.w_gate", "1.w_up", "1.w_down", "2.weight" }, m:parameter_names())
     check_module(m, gdp.randn({ 5, 3 }, { dtype = "f64" }), 10)
@@ -122,7 +132,7 @@ describe("gdp.nn modules: finite differences (f64)", function()
     { label = "tied, tokens [1,T] i32 with cu_seqlens", tie = true, shape = { 1, 7 }, cu = { 0, 5, 7 }, idx = "i32" },
   }) do
     it("a tiny CausalLM through the cross-entropy, " .. case.label, function()
-      H.reseed(28)
+      reseed(28)
       local V = 6
       local lm = nn.CausalLM{ vocab = V, hidden = 8, layers = 2, mixer = MIXER, mlp_ratio = 1.5,
                               tie_embeddings = case.tie, seed = 5 }
@@ -143,7 +153,7 @@ describe("gdp.nn modules: finite differences (f64)", function()
       assert.is_nil(lm:backward(tok, dlogits, case.cu))
       local params, grads = lm:parameters(), lm:gradients()
       for _, name in ipairs(lm:parameter_names()) do
-        local e = fd_error(loss, params[name], grads[name], 3)
+        local e = fd_error(loss, params[name], grads[name], 4, true)
         assert.is_true(e <= FD_TOL, string.format("%s: finite differences vs backward: %.3e", name, e))
       end
     end)
