@@ -336,6 +336,7 @@ describe("gdp.nn modules: bad input", function()
   it("constructors name the option, the expected and the actual value", function()
     H.expect_error(function() nn.Linear{ in_features = 0, out_features = 2 } end,
                    "nn.Linear", "in_features: expected an integer >= 1, got 0")
+    H.expect_error(function() nn.Linear{ out_features = 2 } end, "in_features: expected an integer >= 1, got nil")
     H.expect_error(function() nn.Linear{ tied_to = {} } end, "tied_to: expected a module with a parameter 'weight'")
     H.expect_error(function() nn.Linear{ tied_to = nn.Embedding{ num_embeddings = 3, dim = 2 }, out = 4 } end,
                    "out: expected 3 (the tied weight's [3x2]), got 4")

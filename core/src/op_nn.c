@@ -65,7 +65,7 @@ static const char *index_str(char *buf, size_t len, const gdp_tensor *t, int64_t
   return buf;
 }
 
-/* t's shape is `lead` (the leading dims of ref, which has one more), spelled in messages. */
+/* t's shape is ref's without its last dim (targets against logits, tokens against d_out). */
 static gdp_status check_leading_shape(const char *func, const char *name, const gdp_tensor *t,
                                       const char *ref_name, const gdp_tensor *ref) {
   int same = t->ndim == ref->ndim - 1;

@@ -92,8 +92,8 @@ function Linear.new(cfg)
       end
     end
   else
-    self.in_features = Module.int_opt(FN, cfg, cfg.in_features ~= nil and "in_features" or "in", nil, 1)
-    self.out_features = Module.int_opt(FN, cfg, cfg.out_features ~= nil and "out_features" or "out", nil, 1)
+    self.in_features = Module.int_opt(FN, cfg, cfg["in"] ~= nil and "in" or "in_features", nil, 1)
+    self.out_features = Module.int_opt(FN, cfg, cfg.out ~= nil and "out" or "out_features", nil, 1)
   end
   self.has_bias = cfg.bias ~= false
   local init = cfg.init or "uniform"
