@@ -207,6 +207,53 @@ describe("gdp.nn modules: learning", function()
   end)
 end)
 
+describe("gdp.nn modules: with gdp.interchange, gdp.optim and gdp.train", function()
+  local X, optim, train = require("gdp.interchange"), require("gdp.optim"), require("gdp.train")
+  -- what fla's model can hold: a group per head, no conv bias
+  local cfg = { vocab = 7, hidden = 8, layers = 2, mlp_ratio = 2, tie_embeddings = false,
+                mixer = { num_heads = 2, head_dim = 4, num_groups = 2, state_dim = 4,
+                          num_householder = 2, conv_bias = false } }
+
+  it("a CausalLM saved under fla's and Megatron's names loads back into the same model", function()
+    reseed(37)
+    local opts = { seed = 4 }
+    for k, v in pairs(cfg) do opts[k] = v end
+    local lm = nn.CausalLM(opts)
+    randomize(lm)
+    for name, t in pairs(lm:parameters()) do -- fla's o_norm: one weight shared by the heads
+      if name:match("mixer%.norm%.weight$") then t:fill(1.25) end
+    end
+    local tok = tokens({ 2, 6 }, 7)
+    local want = lm:forward(tok):clone()
+    for _, format in ipairs({ "fla", "megatron" }) do
+      local path = os.tmpname()
+      X.save(path, lm, cfg, format)
+      local params, config = X.load(path)
+      os.remove(path)
+      local back = nn.CausalLM(X.causal_lm_options(config))
+      assert.are.same(lm:parameter_names(), back:parameter_names())
+      back:set_parameters(params)
+      assert.are.equal(0, gdp.rel_error(back:forward(tok), want), format)
+    end
+  end)
+
+  it("gdp.train.step with AdamW and nn.CrossEntropy lowers the loss", function()
+    reseed(38)
+    local opts = { seed = 5 }
+    for k, v in pairs(cfg) do opts[k] = v end
+    local lm = nn.CausalLM(opts)
+    local opt, crit = optim.AdamW(lm, { lr = 1e-2 }), nn.CrossEntropy()
+    local tok = tokens({ 2, 9 }, 7)
+    local first, last
+    for _ = 1, 8 do
+      local r = train.step{ model = lm, optimizer = opt, criterion = crit,
+                            batch = { input = tok, target = tok } }
+      first, last = first or r.loss, r.loss
+    end
+    assert.is_true(last < first, string.format("loss %.4f after 8 steps, %.4f at the first", last, first))
+  end)
+end)
+
 describe("gdp.nn modules: parameters", function()
   it("names come in a stable order that does not depend on the seed or the run", function()
     local a = nn.CausalLM{ vocab = 5, hidden = 8, layers = 2, mixer = MIXER, seed = 1 }
