@@ -119,7 +119,7 @@ describe("nn.functional.embedding", function()
     H.expect_error(function() F.embedding_backward(tok, gdp.randn({ 2, 3 }, { dtype = "f64" }), 2) end,
                    "tokens: expected values in [0, 2) (num_embeddings), got 2 at [1]")
     H.expect_error(function() F.embedding_backward(tok, gdp.randn({ 2, 3 }, { dtype = "f64" }), 0) end,
-                   "num_embeddings: expected an integer >= 1, got 0")
+                   "num_embeddings must be an integer >= 1, got 0")
   end)
 end)
 
@@ -227,7 +227,7 @@ describe("nn.functional.cross_entropy", function()
     H.expect_error(function() F.cross_entropy(logits, ok_t, { mask = gdp.ones({ 3, 2 }) }) end,
                    "mask: expected the shape of targets, [2x3], got [3x2]")
     H.expect_error(function() F.cross_entropy(logits, ok_t, { ignore_index = 0.5 }) end,
-                   "ignore_index: expected an integer, got 0.5")
+                   "ignore_index must be an integer, got 0.5")
     H.expect_error(function() F.cross_entropy(logits, ok_t, { weights = 1 }) end, "unknown option 'weights'")
     H.expect_error(function() F.cross_entropy(gdp.randn({ 2, 0 }, { dtype = "f64" }), gdp.tensor({ 0, 0 }, { 2 }, { dtype = "i64" })) end,
                    "logits: expected [..., V] with V >= 1 classes, got [2x0]")

@@ -11,10 +11,10 @@
 -- (crit.count after forward); 0 when none counts.  forward computes the gradient too,
 -- and backward returns it when called with the same tensors (unwritten since).
 local tensor = require("gdp.tensor")
+local util = require("gdp.util")
 local Module = require("gdp.nn.Module")
 local F = require("gdp.nn.functional")
 
-local argerror = tensor.argerror
 
 local CrossEntropy = Module.class("CrossEntropy")
 local FN = CrossEntropy.FN
@@ -26,9 +26,7 @@ function CrossEntropy.new(cfg)
   local self = setmetatable({}, CrossEntropy)
   local ii = cfg.ignore_index
   if ii == nil then ii = -100 end
-  if type(ii) ~= "number" or ii ~= math.floor(ii) then
-    argerror(FN, "ignore_index: expected an integer, got " .. tostring(ii))
-  end
+  util.int_arg(FN, "ignore_index", ii)
   self.ignore_index = ii
   self.params, self.grads, self.param_order = {}, {}, {}
   return self

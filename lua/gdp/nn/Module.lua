@@ -16,6 +16,7 @@
 -- container keeps self.children, an ordered list of {name, module}.  Module.class
 -- makes a class that has these methods and is called as nn.Name{options}.
 local tensor = require("gdp.tensor")
+local util = require("gdp.util")
 
 local argerror = tensor.argerror
 
@@ -44,10 +45,7 @@ end
 function Module.int_opt(fn, cfg, key, default, min)
   local v = cfg[key]
   if v == nil then v = default end
-  if type(v) ~= "number" or v ~= math.floor(v) or v < min then
-    argerror(fn, string.format("%s: expected an integer >= %d, got %s", key, min, tostring(v)))
-  end
-  return v
+  return util.int_arg(fn, key, v, min)
 end
 
 function Module.num_opt(fn, cfg, key, default, min)

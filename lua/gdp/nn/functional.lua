@@ -222,8 +222,7 @@ function F.silu_mul(gate, up)
   tensor_arg(gate, fn, "gate")
   tensor_arg(up, fn, "up")
   local out = tensor_box()
-  call_alloc(fn, "gdp_nn_silu_mul_forward", gate:ctx(), gate, up, out)
-  return wrap(out[0])
+  return call_outputs(fn, "gdp_nn_silu_mul_forward", { out }, gate:ctx(), gate, up, out)
 end
 
 -- Returns d_gate, d_up.
@@ -233,8 +232,7 @@ function F.silu_mul_backward(gate, up, d_out)
   tensor_arg(up, fn, "up")
   tensor_arg(d_out, fn, "d_out")
   local dg, du = tensor_box(), tensor_box()
-  call_alloc(fn, "gdp_nn_silu_mul_backward", gate:ctx(), gate, up, d_out, dg, du)
-  return wrap(dg[0]), wrap(du[0])
+  return call_outputs(fn, "gdp_nn_silu_mul_backward", { dg, du }, gate:ctx(), gate, up, d_out, dg, du)
 end
 
 -- weight [V,D], tokens (i32/i64, any shape, on the cpu or weight's device) ->
@@ -244,8 +242,7 @@ function F.embedding(weight, tokens)
   tensor_arg(weight, fn, "weight")
   tensor_arg(tokens, fn, "tokens")
   local out = tensor_box()
-  call_alloc(fn, "gdp_nn_embedding_forward", weight:ctx(), weight, tokens, out)
-  return wrap(out[0])
+  return call_outputs(fn, "gdp_nn_embedding_forward", { out }, weight:ctx(), weight, tokens, out)
 end
 
 -- dweight [num_embeddings, D] (float32 for bf16 d_out), summed in token order.
@@ -254,9 +251,8 @@ function F.embedding_backward(tokens, d_out, num_embeddings)
   tensor_arg(tokens, fn, "tokens")
   tensor_arg(d_out, fn, "d_out")
   local out = tensor_box()
-  call_alloc(fn, "gdp_nn_embedding_backward", d_out:ctx(), tokens, d_out,
-             int_arg(num_embeddings, fn, "num_embeddings", 1), out)
-  return wrap(out[0])
+  return call_outputs(fn, "gdp_nn_embedding_backward", { out }, d_out:ctx(), tokens, d_out,
+                      int_arg(num_embeddings, fn, "num_embeddings", 1), out)
 end
 
 local xent_keys = { ignore_index = true, mask = true, grad = true }
@@ -272,15 +268,13 @@ function F.cross_entropy(logits, targets, opts)
   opts = tensor.check_opts(fn, opts, xent_keys)
   local ignore = opts.ignore_index
   if ignore == nil then ignore = -100 end
-  if type(ignore) ~= "number" or ignore ~= math.floor(ignore) then
-    argerror(fn, "ignore_index: expected an integer, got " .. tostring(ignore))
-  end
+  util.int_arg(fn, "ignore_index", ignore)
   local mask = opt_tensor(opts.mask, fn, "mask")
   local loss, count = ffi.new("double[1]"), ffi.new("int64_t[1]")
   local d = opts.grad ~= false and tensor_box() or nil
-  call_alloc(fn, "gdp_nn_cross_entropy", logits:ctx(), logits, targets, mask, ignore, loss,
-             count, d)
-  return loss[0], d and wrap(d[0]) or nil, tonumber(count[0])
+  local dlogits = call_outputs(fn, "gdp_nn_cross_entropy", { d }, logits:ctx(), logits, targets, mask,
+                               ignore, loss, count, d)
+  return loss[0], dlogits, tonumber(count[0])
 end
 
 return F
