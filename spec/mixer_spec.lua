@@ -37,29 +37,7 @@ describe("nn.GatedDeltaProduct golden cases", function()
   end
 end)
 
--- Relative error of central differences against the analytic gradient over `samples`
--- random entries of a contiguous tensor p (modified in place and restored).
-local function fd_error(loss, p, grad, samples)
-  local flat, gflat = p:view(p:numel()), grad:contiguous():view(grad:numel())
-  local n = p:numel()
-  local h = 1e-5
-  local num, den = 0, 0
-  for s = 1, math.min(samples, n) do
-    local i = samples >= n and s or math.random(n)
-    local keep = flat:get(i)
-    flat:set(keep + h, i)
-    local lp = loss()
-    flat:set(keep - h, i)
-    local lm = loss()
-    flat:set(keep, i)
-    local fd = (lp - lm) / (2 * h)
-    local g = gflat:get(i)
-    num = num + (fd - g) ^ 2
-    den = den + g * g
-  end
-  if den == 0 then return num == 0 and 0 or math.huge end
-  return math.sqrt(num / den)
-end
+local fd_error = H.fd_error
 
 local function randomize(m, scale)
   -- larger-than-init random parameters so that every path carries signal

@@ -317,8 +317,8 @@ gdp_status gdp_tensor_count_nonfinite(const gdp_tensor *t, int64_t *out);
 gdp_status gdp_tensor_rel_error(const gdp_tensor *a, const gdp_tensor *ref, double *out);
 
 /* out = alpha * op(a) @ op(b) + beta * out for 2-D float32/float64 tensors (and bfloat16
-   with float32 accumulation on cuda), op(x) = x or x^T as trans_a/trans_b say; out is
-   [M,N] and must not alias a or b. */
+   with float32 accumulation on cuda, into a bf16 or a float32 out), op(x) = x or x^T as
+   trans_a/trans_b say; out is [M,N] and must not alias a or b. */
 gdp_status gdp_tensor_matmul(gdp_tensor *out, const gdp_tensor *a, const gdp_tensor *b,
                              int trans_a, int trans_b, double alpha, double beta);
 
@@ -650,6 +650,50 @@ gdp_status gdp_optim_sgd_step(gdp_tensor *param, const gdp_tensor *grad,
                               gdp_tensor *momentum_buffer, gdp_tensor *master, double lr,
                               double momentum, double dampening, double weight_decay,
                               int nesterov, int64_t step);
+
+/* ------------------------------------------------------------------ model layer ops */
+
+/*
+ * Building blocks of the models around the mixer (gdp.nn: Embedding, the SwiGLU MLP,
+ * the loss), each with its backward.  The rules of the mixer layer ops above hold
+ * (any strides; the first float tensor's dtype is the compute dtype; new contiguous
+ * results; NULL backward results are not computed), and: f64 and f32 on the cpu, also
+ * bf16 on cuda (float32 math inside, bf16 rounded once on store); integer inputs
+ * (tokens, targets) are int32 or int64 and may live on the host or on ctx's device:
+ * they are read on the host, where every value is validated.
+ */
+
+/* SwiGLU's gate: out = silu(gate) * up, elementwise; gate and up of one shape. */
+gdp_status gdp_nn_silu_mul_forward(gdp_ctx *ctx, const gdp_tensor *gate, const gdp_tensor *up,
+                                   gdp_tensor **out);
+/* d_gate = d_out * up * s (1 + gate (1 - s)), s = sigmoid(gate); d_up = d_out * silu(gate). */
+gdp_status gdp_nn_silu_mul_backward(gdp_ctx *ctx, const gdp_tensor *gate, const gdp_tensor *up,
+                                    const gdp_tensor *d_out, gdp_tensor **d_gate,
+                                    gdp_tensor **d_up);
+
+/* Embedding lookup: out[..., :] = weight[tokens[...], :] for weight [V,D] and tokens of
+ * any shape (values in [0, V)); out [..., D] in weight's dtype. */
+gdp_status gdp_nn_embedding_forward(gdp_ctx *ctx, const gdp_tensor *weight,
+                                    const gdp_tensor *tokens, gdp_tensor **out);
+/* dweight [num_embeddings, D]: row v is the sum of d_out's rows at the tokens equal to v,
+ * in token order (deterministic: no atomics on any device); d_out [..., D] (tokens'
+ * shape, then D).  dweight takes d_out's dtype, float32 for bf16. */
+gdp_status gdp_nn_embedding_backward(gdp_ctx *ctx, const gdp_tensor *tokens,
+                                     const gdp_tensor *d_out, int64_t num_embeddings,
+                                     gdp_tensor **dweight);
+
+/* Cross-entropy of logits [..., V] against targets (logits' leading shape, values in
+ * [0, V) or ignore_index): the mean over the counted rows of logsumexp(row) -
+ * row[target], a row counting when its target is not ignore_index and mask (NULL, or
+ * any dtype of the targets' shape) is non-zero there.  The log-softmax is computed
+ * stably (max subtracted), in float32 for bf16 logits, and summed in float64.
+ * *loss gets the mean (0 when no row counts), *count the counted rows (either may be
+ * NULL); dlogits (NULL: not wanted) the gradient of the mean, (softmax - onehot) /
+ * count on counted rows and zero elsewhere, in logits' dtype. */
+gdp_status gdp_nn_cross_entropy(gdp_ctx *ctx, const gdp_tensor *logits,
+                                const gdp_tensor *targets, const gdp_tensor *mask,
+                                int64_t ignore_index, double *loss, int64_t *count,
+                                gdp_tensor **dlogits);
 
 /* ------------------------------------------------------------------ collectives */
 

@@ -25,6 +25,7 @@
 #include "cpu/mixer_cpu.h"
 #include "cpu/state_tracking_cpu.h"
 #include "cpu/optim_cpu.h"
+#include "cpu/nn_cpu.h"
 #include "philox.h"
 
 enum {
@@ -1063,6 +1064,45 @@ static gdp_status cpu_optim_update(gdp_ctx *ctx, const gdp_optim_update *u) {
   return GDP_OK;
 }
 
+/* ------------------------------------------------------------------ model layer ops */
+
+static gdp_status cpu_silu_mul_forward(gdp_ctx *ctx, gdp_dtype dtype, int64_t n,
+                                       const void *gate, const void *up, void *out) {
+  CPU_FLOAT_DISPATCH(dtype, gdp_cpu_silu_mul_fwd_f64(n, gate, up, out, ctx->num_threads),
+                     gdp_cpu_silu_mul_fwd_f32(n, gate, up, out, ctx->num_threads));
+  return GDP_OK;
+}
+
+static gdp_status cpu_silu_mul_backward(gdp_ctx *ctx, gdp_dtype dtype, int64_t n,
+                                        const void *gate, const void *up, const void *d_out,
+                                        void *d_gate, void *d_up) {
+  CPU_FLOAT_DISPATCH(
+      dtype, gdp_cpu_silu_mul_bwd_f64(n, gate, up, d_out, d_gate, d_up, ctx->num_threads),
+      gdp_cpu_silu_mul_bwd_f32(n, gate, up, d_out, d_gate, d_up, ctx->num_threads));
+  return GDP_OK;
+}
+
+static gdp_status cpu_embedding_forward(gdp_ctx *ctx, const gdp_embedding_problem *p,
+                                        const void *weight, void *out) {
+  CPU_FLOAT_DISPATCH(p->dtype, gdp_cpu_embedding_fwd_f64(p, weight, out),
+                     gdp_cpu_embedding_fwd_f32(p, weight, out));
+  return GDP_OK;
+}
+
+static gdp_status cpu_embedding_backward(gdp_ctx *ctx, const gdp_embedding_problem *p,
+                                         const void *d_out, void *dweight) {
+  CPU_FLOAT_DISPATCH(p->dtype, gdp_cpu_embedding_bwd_f64(p, d_out, dweight),
+                     gdp_cpu_embedding_bwd_f32(p, d_out, dweight));
+  return GDP_OK;
+}
+
+static gdp_status cpu_cross_entropy(gdp_ctx *ctx, const gdp_cross_entropy_problem *p,
+                                    const void *logits, double *loss_sum, void *dlogits) {
+  CPU_FLOAT_DISPATCH(p->dtype, gdp_cpu_cross_entropy_f64(p, logits, loss_sum, dlogits),
+                     gdp_cpu_cross_entropy_f32(p, logits, loss_sum, dlogits));
+  return GDP_OK;
+}
+
 /* ------------------------------------------------------------------ capabilities */
 
 static int cpu_supports(gdp_op op, gdp_dtype dtype) {
@@ -1121,5 +1161,10 @@ const gdp_backend gdp_backend_cpu = {
     .dskip_backward = cpu_dskip_backward,
     .state_tracking = cpu_state_tracking,
     .optim_update = cpu_optim_update,
+    .silu_mul_forward = cpu_silu_mul_forward,
+    .silu_mul_backward = cpu_silu_mul_backward,
+    .embedding_forward = cpu_embedding_forward,
+    .embedding_backward = cpu_embedding_backward,
+    .cross_entropy = cpu_cross_entropy,
     .supports = cpu_supports,
 };

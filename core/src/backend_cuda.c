@@ -27,6 +27,7 @@
 #include "cuda/mixer/mixer_cuda.h"
 #include "cuda/data/state_tracking_cuda.h"
 #include "cuda/optim/optim_cuda.h"
+#include "cuda/nn/nn_cuda.h"
 #include "cuda/tensor_ops.h"
 
 /* tensor_ops.h repeats these enums for the .cu files, which cannot include this one. */
@@ -476,10 +477,11 @@ static gdp_status ensure_blas(gdp_ctx *ctx) {
   return GDP_OK;
 }
 
-static gdp_status gemm(gdp_ctx *ctx, gdp_dtype dtype, int64_t m, int64_t n, int64_t k,
-                       const mat_view *x, int x_trans, int64_t ldx, const mat_view *y,
-                       int y_trans, int64_t ldy, void *c, int64_t ldc, double alpha,
-                       double beta) {
+/* `dtype` is the operands', `c_dtype` the result's (the same, or float32 for bf16). */
+static gdp_status gemm(gdp_ctx *ctx, gdp_dtype dtype, gdp_dtype c_dtype, int64_t m, int64_t n,
+                       int64_t k, const mat_view *x, int x_trans, int64_t ldx,
+                       const mat_view *y, int y_trans, int64_t ldy, void *c, int64_t ldc,
+                       double alpha, double beta) {
   cuda_state *st = state_of(ctx);
   cublasOperation_t opx = x_trans ? CUBLAS_OP_T : CUBLAS_OP_N;
   cublasOperation_t opy = y_trans ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -487,12 +489,13 @@ static gdp_status gemm(gdp_ctx *ctx, gdp_dtype dtype, int64_t m, int64_t n, int6
     GDP_CUBLAS_TRY(cublasDgemm(st->blas, opx, opy, (int)m, (int)n, (int)k, &alpha, x->ptr,
                                (int)ldx, y->ptr, (int)ldy, &beta, c, (int)ldc));
   } else {
-    /* float32, or bfloat16 operands and result with float32 accumulation (the tensor
-     * cores' rate: the ceiling the GDP kernels are measured against). */
+    /* float32, or bfloat16 operands with float32 accumulation (the tensor cores' rate:
+     * the ceiling the GDP kernels are measured against) and a bf16 or float32 result. */
     cudaDataType_t t = dtype == GDP_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_32F;
+    cudaDataType_t tc = c_dtype == GDP_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_32F;
     float alpha_f = (float)alpha, beta_f = (float)beta;
     GDP_CUBLAS_TRY(cublasGemmEx(st->blas, opx, opy, (int)m, (int)n, (int)k, &alpha_f, x->ptr, t,
-                                (int)ldx, y->ptr, t, (int)ldy, &beta_f, c, t, (int)ldc,
+                                (int)ldx, y->ptr, t, (int)ldy, &beta_f, c, tc, (int)ldc,
                                 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   }
   return GDP_OK;
@@ -502,9 +505,9 @@ static gdp_status gemm(gdp_ctx *ctx, gdp_dtype dtype, int64_t m, int64_t n, int6
  * column-major, and a row-major matrix is its transpose there, so for a row-major out
  * it computes out^T = op(b)^T op(a)^T (the usual swap); a column-major out (a
  * transposed view) takes the direct product. */
-static gdp_status matmul_planned(gdp_ctx *ctx, gdp_tensor *out, const mat_view *A,
-                                 const mat_view *B, double alpha, double beta, void *c_ptr,
-                                 int64_t c_rs, int64_t c_cs) {
+static gdp_status matmul_planned(gdp_ctx *ctx, gdp_tensor *out, gdp_dtype ab_dtype,
+                                 const mat_view *A, const mat_view *B, double alpha, double beta,
+                                 void *c_ptr, int64_t c_rs, int64_t c_cs) {
   int64_t M = out->shape[0], N = out->shape[1], K = A->cols;
   int a_row, b_row, c_row;
   int64_t lda, ldb, ldc;
@@ -513,9 +516,10 @@ static gdp_status matmul_planned(gdp_ctx *ctx, gdp_tensor *out, const mat_view *
       !blas_layout(M, N, c_rs, c_cs, &c_row, &ldc))
     return GDP_ERROR(GDP_ERR_INTERNAL, "matmul operand layout not expressible after copies");
   if (c_row)
-    return gemm(ctx, out->dtype, N, M, K, B, !b_row, ldb, A, !a_row, lda, c_ptr, ldc, alpha,
-                beta);
-  return gemm(ctx, out->dtype, M, N, K, A, a_row, lda, B, b_row, ldb, c_ptr, ldc, alpha, beta);
+    return gemm(ctx, ab_dtype, out->dtype, N, M, K, B, !b_row, ldb, A, !a_row, lda, c_ptr, ldc,
+                alpha, beta);
+  return gemm(ctx, ab_dtype, out->dtype, M, N, K, A, a_row, lda, B, b_row, ldb, c_ptr, ldc, alpha,
+              beta);
 }
 
 static gdp_status cuda_matmul(gdp_ctx *ctx, gdp_tensor *out, const gdp_tensor *a,
@@ -525,7 +529,9 @@ static gdp_status cuda_matmul(gdp_ctx *ctx, gdp_tensor *out, const gdp_tensor *a
   if (out->dtype != GDP_DTYPE_F32 && out->dtype != GDP_DTYPE_F64 && out->dtype != GDP_DTYPE_BF16)
     return GDP_ERROR(GDP_ERR_DTYPE, "matmul on cuda needs f32, f64 or bf16, got %s",
                      gdp_dtype_name(out->dtype));
-  if (a->dtype != out->dtype || b->dtype != out->dtype)
+  const int bf16_into_f32 = a->dtype == GDP_DTYPE_BF16 && b->dtype == GDP_DTYPE_BF16 &&
+                            out->dtype == GDP_DTYPE_F32;
+  if (!bf16_into_f32 && (a->dtype != out->dtype || b->dtype != out->dtype))
     return GDP_ERROR(GDP_ERR_DTYPE, "matmul dtypes differ: out %s, a %s, b %s",
                      gdp_dtype_name(out->dtype), gdp_dtype_name(a->dtype),
                      gdp_dtype_name(b->dtype));
@@ -574,7 +580,7 @@ static gdp_status cuda_matmul(gdp_ctx *ctx, gdp_tensor *out, const gdp_tensor *a
     c_rs = N;
     c_cs = 1;
   }
-  if (s == GDP_OK) s = matmul_planned(ctx, out, &A, &B, alpha, beta, c_ptr, c_rs, c_cs);
+  if (s == GDP_OK) s = matmul_planned(ctx, out, a->dtype, &A, &B, alpha, beta, c_ptr, c_rs, c_cs);
   if (s == GDP_OK && c_tmp) {
     gdp_cuda_operand d = operand_of(out), src = operand_of(out);
     src.data = c_tmp;
@@ -846,6 +852,105 @@ static gdp_status cuda_state_tracking(gdp_ctx *ctx, const gdp_state_tracking_pro
   return op_end(ctx);
 }
 
+/* ------------------------------------------------------------------ model layer ops */
+
+/* A device copy of n host int64 values (host_array_to_device); *out NULL when n == 0. */
+static gdp_status upload_indices(gdp_ctx *ctx, const char *what, const int64_t *host, int64_t n,
+                                 int64_t **out) {
+  *out = NULL;
+  if (n <= 0) return GDP_OK;
+  void *d = NULL;
+  GDP_TRY(host_array_to_device(ctx, "cuda model layer op", what, host,
+                               (size_t)n * sizeof(int64_t), &d));
+  *out = (int64_t *)d;
+  return GDP_OK;
+}
+
+static gdp_status cuda_silu_mul_forward(gdp_ctx *ctx, gdp_dtype dtype, int64_t n,
+                                        const void *gate, const void *up, void *out) {
+  GDP_TRY(mixer_begin(ctx, "silu_mul_forward", dtype, n, 1));
+  GDP_TRY(gdp_cuda_silu_mul_fwd((int)dtype, n, gate, up, out, state_of(ctx)->stream));
+  return op_end(ctx);
+}
+
+static gdp_status cuda_silu_mul_backward(gdp_ctx *ctx, gdp_dtype dtype, int64_t n,
+                                         const void *gate, const void *up, const void *d_out,
+                                         void *d_gate, void *d_up) {
+  GDP_TRY(mixer_begin(ctx, "silu_mul_backward", dtype, n, 1));
+  GDP_TRY(gdp_cuda_silu_mul_bwd((int)dtype, n, gate, up, d_out, d_gate, d_up,
+                                state_of(ctx)->stream));
+  return op_end(ctx);
+}
+
+static gdp_status cuda_embedding_forward(gdp_ctx *ctx, const gdp_embedding_problem *p,
+                                         const void *weight, void *out) {
+  GDP_TRY(mixer_begin(ctx, "embedding_forward", (gdp_dtype)p->dtype, p->n, p->D));
+  int64_t *tokens = NULL;
+  GDP_TRY(upload_indices(ctx, "the token ids", p->tokens, p->n, &tokens));
+  gdp_status s = gdp_cuda_embedding_fwd(p->dtype, p->n, p->D, tokens, weight, out,
+                                        state_of(ctx)->stream);
+  if (tokens) device_free(ctx, tokens);
+  GDP_TRY(s);
+  return op_end(ctx);
+}
+
+static gdp_status cuda_embedding_backward(gdp_ctx *ctx, const gdp_embedding_problem *p,
+                                          const void *d_out, void *dweight) {
+  GDP_TRY(mixer_begin(ctx, "embedding_backward", (gdp_dtype)p->dtype, p->n, p->D));
+  const int64_t segments = gdp_cuda_embedding_segment_count(p->V, p->row_start);
+  int64_t *seg_first = malloc((size_t)(p->V + 1) * sizeof(int64_t));
+  int64_t *seg_row = malloc((size_t)(segments > 0 ? segments : 1) * sizeof(int64_t));
+  int64_t *dev[4] = {0}; /* row_start, row_tokens, seg_first, seg_row */
+  void *ws = NULL;
+  gdp_status s = GDP_OK;
+  if (!seg_first || !seg_row) s = GDP_ERROR(GDP_ERR_OOM, "out of host memory for the embedding's segments");
+  if (s == GDP_OK) gdp_cuda_embedding_segments(p->V, p->row_start, seg_first, seg_row);
+  if (s == GDP_OK) s = upload_indices(ctx, "the token buckets", p->row_start, p->V + 1, &dev[0]);
+  if (s == GDP_OK) s = upload_indices(ctx, "the token buckets", p->row_tokens, p->n, &dev[1]);
+  if (s == GDP_OK) s = upload_indices(ctx, "the token segments", seg_first, p->V + 1, &dev[2]);
+  if (s == GDP_OK) s = upload_indices(ctx, "the token segments", seg_row, segments, &dev[3]);
+  if (s == GDP_OK)
+    s = mixer_workspace(ctx, gdp_cuda_embedding_bwd_workspace(p->dtype, segments, p->D), &ws);
+  if (s == GDP_OK)
+    s = gdp_cuda_embedding_bwd(p->dtype, p->V, p->D, dev[0], dev[1], dev[2], dev[3], segments,
+                               d_out, dweight, ws, state_of(ctx)->stream);
+  if (ws) device_free(ctx, ws);
+  for (int i = 0; i < 4; i++)
+    if (dev[i]) device_free(ctx, dev[i]);
+  free(seg_first);
+  free(seg_row);
+  GDP_TRY(s);
+  return op_end(ctx);
+}
+
+static gdp_status cuda_cross_entropy(gdp_ctx *ctx, const gdp_cross_entropy_problem *p,
+                                     const void *logits, double *loss_sum, void *dlogits) {
+  GDP_TRY(mixer_begin(ctx, "cross_entropy", (gdp_dtype)p->dtype, p->rows, p->V));
+  int64_t *target = NULL;
+  void *ws = NULL, *sum = NULL;
+  gdp_status s = upload_indices(ctx, "the targets", p->target, p->rows, &target);
+  if (s == GDP_OK) s = mixer_workspace(ctx, gdp_cuda_cross_entropy_workspace(p->rows), &ws);
+  if (s == GDP_OK) s = mixer_workspace(ctx, sizeof(double), &sum);
+  if (s == GDP_OK)
+    s = gdp_cuda_cross_entropy(p->dtype, p->rows, p->V, target, p->scale, logits, dlogits,
+                               (double *)sum, ws, state_of(ctx)->stream);
+  if (s == GDP_OK) {
+    cudaError_t e = cudaMemcpyAsync(loss_sum, sum, sizeof(double), cudaMemcpyDeviceToHost,
+                                    state_of(ctx)->stream);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      s = GDP_ERROR(GDP_ERR_CUDA, "copying the loss from cuda:%d failed: %s (%s)", ctx->index,
+                    cudaGetErrorName(e), cudaGetErrorString(e));
+    }
+  }
+  if (s == GDP_OK) s = stream_sync(ctx); /* the loss is a host value */
+  if (sum) device_free(ctx, sum);
+  if (ws) device_free(ctx, ws);
+  if (target) device_free(ctx, target);
+  GDP_TRY(s);
+  return op_end(ctx);
+}
+
 /* ------------------------------------------------------------------ capabilities */
 
 static int cuda_supports(gdp_op op, gdp_dtype dtype) {
@@ -934,6 +1039,11 @@ const gdp_backend gdp_backend_cuda = {
     .dskip_backward = cuda_dskip_backward,
     .state_tracking = cuda_state_tracking,
     .optim_update = cuda_optim_update,
+    .silu_mul_forward = cuda_silu_mul_forward,
+    .silu_mul_backward = cuda_silu_mul_backward,
+    .embedding_forward = cuda_embedding_forward,
+    .embedding_backward = cuda_embedding_backward,
+    .cross_entropy = cuda_cross_entropy,
     .mixer_bf16 = 1,
     .supports = cuda_supports,
     .timer_start = cuda_timer_start,

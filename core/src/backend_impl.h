@@ -14,6 +14,7 @@
 #include "../../kernels/mixer_problem.h"
 #include "../../kernels/state_tracking.h"
 #include "../../kernels/optim_problem.h"
+#include "../../kernels/nn_problem.h"
 
 typedef enum gdp_reduce_kind {
   GDP_REDUCE_SUM = 0,
@@ -125,8 +126,23 @@ struct gdp_backend {
   /* The fused optimiser update (gdp.h, "optimisers"; kernels/optim_problem.h), on
    * buffers the op layer has checked. */
   gdp_status (*optim_update)(gdp_ctx *ctx, const gdp_optim_update *u);
-  /* 1: the mixer entries above also take bf16 buffers (float32 math inside); 0: the op
-   * layer refuses bf16 mixer inputs on this device. */
+  /* The model layer ops (gdp.h, "model layer ops"; op_nn.c), on contiguous buffers of
+   * the compute dtype; index arrays are the host arrays of nn_problem.h.  silu_mul
+   * backward outputs may be NULL.  embedding_backward's dweight is float32 for bf16
+   * d_out.  cross_entropy writes the unscaled loss sum (a host double) and, when
+   * dlogits is not NULL, the gradient. */
+  gdp_status (*silu_mul_forward)(gdp_ctx *ctx, gdp_dtype dtype, int64_t n, const void *gate,
+                                 const void *up, void *out);
+  gdp_status (*silu_mul_backward)(gdp_ctx *ctx, gdp_dtype dtype, int64_t n, const void *gate,
+                                  const void *up, const void *d_out, void *d_gate, void *d_up);
+  gdp_status (*embedding_forward)(gdp_ctx *ctx, const gdp_embedding_problem *p,
+                                  const void *weight, void *out);
+  gdp_status (*embedding_backward)(gdp_ctx *ctx, const gdp_embedding_problem *p,
+                                   const void *d_out, void *dweight);
+  gdp_status (*cross_entropy)(gdp_ctx *ctx, const gdp_cross_entropy_problem *p,
+                              const void *logits, double *loss_sum, void *dlogits);
+  /* 1: the mixer and model layer entries above also take bf16 buffers (float32 math
+   * inside); 0: the op layer refuses bf16 inputs to them on this device. */
   int mixer_bf16;
   int (*supports)(gdp_op op, gdp_dtype dtype);
   /* Device timing of queued work (gdp_ctx_timer_start / _stop); NULL: the backend has

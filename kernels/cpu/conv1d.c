@@ -12,8 +12,8 @@
  * channels (one thread owns a block, no atomics) in double.
  *
  * The file is compiled twice, for double and float: the generic part below the #else
- * is included by this file itself with REAL and FN defined (TH's generic-file idea
- * without a second file); <tgmath.h> picks expf/exp for the type.
+ * is included by this file itself (real_instances.h) with REAL and FN defined (TH's
+ * generic-file idea without a second file); <tgmath.h> picks expf/exp for the type.
  */
 #ifndef GDP_CONV1D_GENERIC
 
@@ -48,16 +48,8 @@ static inline int64_t conv_tap(const gdp_conv1d_problem *a, int64_t t, int64_t b
 }
 
 #define GDP_CONV1D_GENERIC
-#define REAL double
-#define FN(name) name##_f64
-#include "conv1d.c"
-#undef REAL
-#undef FN
-#define REAL float
-#define FN(name) name##_f32
-#include "conv1d.c"
-#undef REAL
-#undef FN
+#define GDP_REAL_FILE "conv1d.c"
+#include "real_instances.h"
 #undef GDP_CONV1D_GENERIC
 
 #else /* GDP_CONV1D_GENERIC: the body, once per REAL */

@@ -13,7 +13,7 @@
  * runs in the buffers' type (float32 like Megatron's gate computation); per-head sums
  * over rows accumulate in double, one partial sum per thread.
  *
- * Compiled twice (double, float) by including itself, as conv1d.c.
+ * Compiled twice (double, float) through real_instances.h, as conv1d.c.
  */
 #ifndef GDP_GATES_GENERIC
 
@@ -42,16 +42,8 @@ static double *gates_partials(int nthreads, int64_t width) {
 }
 
 #define GDP_GATES_GENERIC
-#define REAL double
-#define FN(name) name##_f64
-#include "mixer_gates.c"
-#undef REAL
-#undef FN
-#define REAL float
-#define FN(name) name##_f32
-#include "mixer_gates.c"
-#undef REAL
-#undef FN
+#define GDP_REAL_FILE "mixer_gates.c"
+#include "real_instances.h"
 #undef GDP_GATES_GENERIC
 
 #else /* GDP_GATES_GENERIC */

@@ -11,7 +11,7 @@
  * (one partial dweight per thread); x and sigmoid(z) of the group being worked on sit
  * in a per-thread scratch row, so each exp is taken once.
  *
- * Compiled twice (double, float) by including itself, as conv1d.c.
+ * Compiled twice (double, float) through real_instances.h, as conv1d.c.
  */
 #ifndef GDP_NORM_GENERIC
 
@@ -29,16 +29,8 @@
 static int norm_threads(int n) { return n < 1 ? 1 : n; }
 
 #define GDP_NORM_GENERIC
-#define REAL double
-#define FN(name) name##_f64
-#include "mixer_norm.c"
-#undef REAL
-#undef FN
-#define REAL float
-#define FN(name) name##_f32
-#include "mixer_norm.c"
-#undef REAL
-#undef FN
+#define GDP_REAL_FILE "mixer_norm.c"
+#include "real_instances.h"
 #undef GDP_NORM_GENERIC
 
 #else /* GDP_NORM_GENERIC */

@@ -1,7 +1,7 @@
--- gdp.nn.functional: the mixer layer ops of libgdp (gdp.h, "mixer layer ops") as
--- plain functions on tensors, each forward with its backward.  The layers in gdp.nn
--- are built from these; context-parallel variants reuse them between their
--- communication steps.
+-- gdp.nn.functional: the mixer layer ops and the model layer ops of libgdp (gdp.h,
+-- "mixer layer ops", "model layer ops") as plain functions on tensors, each forward
+-- with its backward.  The layers in gdp.nn are built from these; context-parallel
+-- variants reuse them between their communication steps.
 --
 --   local F = require("gdp.nn.functional")
 --   local y = F.conv1d(x, w, b, {activation = "silu", cu_seqlens = {0, 5, 9}, halo = h})
@@ -202,6 +202,79 @@ function F.dskip_backward(x_v, D, d_out)
   tensor_arg(d_out, fn, "d_out")
   local dx, dD = tensor_box(), tensor_box()
   return call_outputs(fn, "gdp_mixer_dskip_backward", { dx, dD }, x_v:ctx(), x_v, D, d_out, dx, dD)
+end
+
+-- Plain RMSNorm over the last dim: x * (mean(x^2) + eps)^-1/2 * weight (the gated
+-- norm with no gate and one group).
+function F.rms_norm(x, weight, eps)
+  return F.gated_rmsnorm(x, nil, weight, nil, eps)
+end
+
+-- Returns dx, dweight.
+function F.rms_norm_backward(x, weight, eps, d_out)
+  local dx, _, dw = F.gated_rmsnorm_backward(x, nil, weight, nil, eps, d_out)
+  return dx, dw
+end
+
+-- SwiGLU's gate: silu(gate) * up, elementwise.
+function F.silu_mul(gate, up)
+  local fn = "nn.functional.silu_mul"
+  tensor_arg(gate, fn, "gate")
+  tensor_arg(up, fn, "up")
+  local out = tensor_box()
+  return call_outputs(fn, "gdp_nn_silu_mul_forward", { out }, gate:ctx(), gate, up, out)
+end
+
+-- Returns d_gate, d_up.
+function F.silu_mul_backward(gate, up, d_out)
+  local fn = "nn.functional.silu_mul_backward"
+  tensor_arg(gate, fn, "gate")
+  tensor_arg(up, fn, "up")
+  tensor_arg(d_out, fn, "d_out")
+  local dg, du = tensor_box(), tensor_box()
+  return call_outputs(fn, "gdp_nn_silu_mul_backward", { dg, du }, gate:ctx(), gate, up, d_out, dg, du)
+end
+
+-- weight [V,D], tokens (i32/i64, any shape, on the cpu or weight's device) ->
+-- [tokens' shape..., D].
+function F.embedding(weight, tokens)
+  local fn = "nn.functional.embedding"
+  tensor_arg(weight, fn, "weight")
+  tensor_arg(tokens, fn, "tokens")
+  local out = tensor_box()
+  return call_outputs(fn, "gdp_nn_embedding_forward", { out }, weight:ctx(), weight, tokens, out)
+end
+
+-- dweight [num_embeddings, D] (float32 for bf16 d_out), summed in token order.
+function F.embedding_backward(tokens, d_out, num_embeddings)
+  local fn = "nn.functional.embedding_backward"
+  tensor_arg(tokens, fn, "tokens")
+  tensor_arg(d_out, fn, "d_out")
+  local out = tensor_box()
+  return call_outputs(fn, "gdp_nn_embedding_backward", { out }, d_out:ctx(), tokens, d_out,
+                      int_arg(num_embeddings, fn, "num_embeddings", 1), out)
+end
+
+local xent_keys = { ignore_index = true, mask = true, grad = true }
+
+-- Mean cross-entropy of logits [..., V] against targets (i32/i64, logits' leading
+-- shape).  opts: ignore_index (-100), mask (a tensor like targets; rows where it is 0
+-- do not count), grad (true: also the gradient).  Returns loss (a number: 0 when no
+-- row counts), dlogits (like logits, or nil) and the counted rows.
+function F.cross_entropy(logits, targets, opts)
+  local fn = "nn.functional.cross_entropy"
+  tensor_arg(logits, fn, "logits")
+  tensor_arg(targets, fn, "targets")
+  opts = tensor.check_opts(fn, opts, xent_keys)
+  local ignore = opts.ignore_index
+  if ignore == nil then ignore = -100 end
+  util.int_arg(fn, "ignore_index", ignore)
+  local mask = opt_tensor(opts.mask, fn, "mask")
+  local loss, count = ffi.new("double[1]"), ffi.new("int64_t[1]")
+  local d = opts.grad ~= false and tensor_box() or nil
+  local dlogits = call_outputs(fn, "gdp_nn_cross_entropy", { d }, logits:ctx(), logits, targets, mask,
+                               ignore, loss, count, d)
+  return loss[0], dlogits, tonumber(count[0])
 end
 
 return F

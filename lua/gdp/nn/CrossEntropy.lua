@@ -1,0 +1,67 @@
+-- gdp.nn.CrossEntropy: the mean token cross-entropy as a module (the function is
+-- nn.functional.cross_entropy; gdp.h, gdp_nn_cross_entropy).
+--
+--   local crit = nn.CrossEntropy{ignore_index = -100}
+--   local loss, loss_t = crit:forward(logits, targets, mask)   -- a number and a [1] tensor
+--   local dlogits = crit:backward(logits, targets, mask)       -- d(mean loss)/d logits
+--
+-- logits [..., V] (f64/f32, bf16 on cuda: computed in float32); targets i32/i64 of the
+-- leading shape; mask (optional) of the targets' shape: rows where it is 0 do not
+-- count, nor rows whose target is ignore_index.  The mean is over the counted rows
+-- (crit.count after forward); 0 when none counts.  forward computes the gradient too,
+-- and backward returns it when called with the same tensors (unwritten since).
+local tensor = require("gdp.tensor")
+local util = require("gdp.util")
+local Module = require("gdp.nn.Module")
+local F = require("gdp.nn.functional")
+
+
+local CrossEntropy = Module.class("CrossEntropy")
+local FN = CrossEntropy.FN
+
+local keys = { ignore_index = true }
+
+function CrossEntropy.new(cfg)
+  cfg = Module.options(FN, cfg, keys)
+  local self = setmetatable({}, CrossEntropy)
+  local ii = cfg.ignore_index
+  if ii == nil then ii = -100 end
+  util.int_arg(FN, "ignore_index", ii)
+  self.ignore_index = ii
+  self.params, self.grads, self.param_order = {}, {}, {}
+  return self
+end
+
+local function key_of(targets, mask)
+  return tostring(targets) .. "@" .. targets:version() ..
+         (mask and (":" .. tostring(mask) .. "@" .. mask:version()) or "")
+end
+
+function CrossEntropy:forward(logits, targets, mask)
+  tensor.tensor_arg(logits, FN .. ":forward", "logits")
+  tensor.tensor_arg(targets, FN .. ":forward", "targets")
+  local loss, dlogits, count = F.cross_entropy(logits, targets,
+                                               { ignore_index = self.ignore_index, mask = mask })
+  self.count, self.loss = count, loss
+  Module.set_cache(self, logits, key_of(targets, mask), { dlogits = dlogits })
+  self.output = tensor.tensor({ loss }, { 1 }, { dtype = "f64", device = logits:device() })
+  return loss, self.output
+end
+
+function CrossEntropy:backward(logits, targets, mask)
+  tensor.tensor_arg(logits, FN .. ":backward", "logits")
+  tensor.tensor_arg(targets, FN .. ":backward", "targets")
+  local c = Module.cache_for(self, logits, key_of(targets, mask))
+  if c == nil then
+    self:forward(logits, targets, mask)
+    c = self.cache
+  end
+  self.grad_input = c.dlogits
+  return c.dlogits
+end
+
+function CrossEntropy:__tostring()
+  return string.format("nn.CrossEntropy(ignore_index %d)", self.ignore_index)
+end
+
+return CrossEntropy

@@ -1,0 +1,132 @@
+-- The model layer ops and modules on cuda (#gpu) against the float64 cpu oracle on the
+-- same (rounded) inputs and parameters: the SwiGLU gate, the embedding (a token
+-- repeated over several backward segments, vocabulary rows never seen), the
+-- cross-entropy (ignore_index, mask, large logits) and a tiny CausalLM's logits, loss
+-- and every gradient; f32 within 1e-4, bf16 within 1e-2 for the ops and 5e-2 for the
+-- model (the mixer's bf16 bound, spec/mixer_cuda_spec.lua); the embedding backward
+-- and the loss repeat bit for bit.  Without a GPU every case is pending with the reason.
+local gdp = require("gdp")
+local nn = require("gdp.nn")
+local F = nn.functional
+local H = gdp_test
+
+local OP_TOL = { f32 = 1e-4, bf16 = 1e-2 }
+local MODEL_TOL = { f32 = 1e-4, bf16 = 5e-2 }
+
+local function on_cuda(t, dtype) return t:to({ dtype = dtype, device = "cuda" }) end
+local function ref64(t) return t:to({ dtype = "f64", device = "cpu" }) end
+
+local function ids(n, V, salt)
+  local out = {}
+  for i = 1, n do out[i] = (i * 7 + salt) % V end
+  return out
+end
+
+describe("model layer ops on cuda vs the f64 cpu oracle #gpu", function()
+  for _, dtype in ipairs({ "f32", "bf16" }) do
+    it("silu_mul forward and backward, " .. dtype, function()
+      if not H.need_device("cuda") then return end
+      H.reseed(51)
+      local g = on_cuda(gdp.randn({ 37, 129 }, { dtype = "f64" }) * 3, dtype)
+      local u = on_cuda(gdp.randn({ 37, 129 }, { dtype = "f64" }), dtype)
+      local d = on_cuda(gdp.randn({ 37, 129 }, { dtype = "f64" }), dtype)
+      assert.tensor_near(F.silu_mul(g, u), F.silu_mul(ref64(g), ref64(u)), OP_TOL[dtype])
+      local dg, du = F.silu_mul_backward(g, u, d)
+      local rg, ru = F.silu_mul_backward(ref64(g), ref64(u), ref64(d))
+      assert.are.equal(dtype, dg:dtype())
+      assert.tensor_near(dg, rg, OP_TOL[dtype])
+      assert.tensor_near(du, ru, OP_TOL[dtype])
+    end)
+
+    it("embedding gather and segmented backward, " .. dtype, function()
+      if not H.need_device("cuda") then return end
+      H.reseed(52)
+      local V, D, n = 50, 33, 1500
+      local t = ids(n, V - 3, 1) -- rows V-3 .. V-1 never looked up
+      for i = 1, 700 do t[i] = 5 end -- one row over three segments of 256
+      local tokens = gdp.tensor(t, { 3, n / 3 }, { dtype = "i32" })
+      local w = on_cuda(gdp.randn({ V, D }, { dtype = "f64" }), dtype)
+      assert.tensor_near(F.embedding(w, tokens), F.embedding(ref64(w), tokens), 0)
+      -- tokens on the device as well
+      assert.tensor_near(F.embedding(w, tokens:to("cuda")), F.embedding(ref64(w), tokens), 0)
+      local dout = on_cuda(gdp.randn({ 3, n / 3, D }, { dtype = "f64" }), dtype)
+      local dw = F.embedding_backward(tokens, dout, V)
+      assert.are.equal(dtype == "bf16" and "f32" or dtype, dw:dtype())
+      assert.tensor_near(dw, F.embedding_backward(tokens, ref64(dout), V), OP_TOL[dtype])
+      assert.are.equal(0, gdp.rel_error(F.embedding_backward(tokens, dout, V), dw))
+      assert.are.equal(0, ref64(dw):narrow(1, V - 2, 3):max_abs())
+    end)
+
+    it("cross-entropy with ignore_index and a mask, " .. dtype, function()
+      if not H.need_device("cuda") then return end
+      H.reseed(53)
+      local R, V = 301, 517
+      local logits = on_cuda(gdp.randn({ R, V }, { dtype = "f64" }) * 20, dtype)
+      local t = ids(R, V, 3)
+      t[4], t[100] = -100, -100
+      local targets = gdp.tensor(t, { R }, { dtype = "i64" })
+      local mk = {}
+      for i = 1, R do mk[i] = i % 5 == 0 and 0 or 1 end
+      local mask = gdp.tensor(mk, { R }, { dtype = "f32" })
+      local loss, d, count = F.cross_entropy(logits, targets:to("cuda"), { mask = mask:to("cuda") })
+      local rloss, rd, rcount = F.cross_entropy(ref64(logits), targets, { mask = mask })
+      assert.are.equal(rcount, count)
+      assert.is_true(math.abs(loss - rloss) <= OP_TOL[dtype] * math.abs(rloss),
+                     string.format("loss %.10g, oracle %.10g", loss, rloss))
+      assert.are.equal(dtype, d:dtype())
+      assert.tensor_near(d, rd, OP_TOL[dtype])
+      assert.are.equal(loss, (F.cross_entropy(logits, targets, { mask = mask, grad = false })))
+    end)
+  end
+end)
+
+describe("gdp.matmul of bf16 operands into a float32 out #gpu", function()
+  it("accumulates in float32 (the bf16 models' weight gradients)", function()
+    if not H.need_device("cuda") then return end
+    H.reseed(55)
+    local a = on_cuda(gdp.randn({ 300, 40 }, { dtype = "f64" }), "bf16")
+    local b = on_cuda(gdp.randn({ 300, 24 }, { dtype = "f64" }), "bf16")
+    local c0 = gdp.randn({ 40, 24 }, { dtype = "f64" })
+    local c = on_cuda(c0, "f32")
+    gdp.matmul(a, b, { trans_a = true, out = c, beta = 1 })
+    local want = gdp.matmul(ref64(a), ref64(b), { trans_a = true }):add(ref64(c0:to("f32")))
+    assert.are.equal("f32", c:dtype())
+    assert.tensor_near(c, want, 1e-5)
+  end)
+end)
+
+describe("nn.CausalLM on cuda vs the f64 cpu model #gpu", function()
+  for _, dtype in ipairs({ "f32", "bf16" }) do
+    for _, tie in ipairs({ false, true }) do
+      it(dtype .. (tie and ", tied embeddings, packed" or ", B = 2"), function()
+        if not H.need_device("cuda") then return end
+        H.reseed(54)
+        local cfg = { vocab = 11, hidden = 32, layers = 2, tie_embeddings = tie, seed = 7,
+                      mixer = { num_heads = 2, head_dim = 16, state_dim = 16, num_householder = 2,
+                                allow_neg_eigval = true } }
+        local ref = nn.CausalLM(cfg)
+        cfg.dtype, cfg.device = dtype, "cuda"
+        local m = nn.CausalLM(cfg)
+        m:set_parameters(ref:parameters())
+        ref:set_parameters(m:parameters()) -- the reference sees the rounded values
+        local shape, cu = { 2, 19 }, nil
+        if tie then shape, cu = { 40 }, { 0, 17, 17, 40 } end
+        local n = shape[1] * (shape[2] or 1)
+        local tok = gdp.tensor(ids(n, 11, 2), shape, { dtype = "i64" })
+        local tg = gdp.tensor(ids(n, 11, 5), shape, { dtype = "i64" })
+        local logits = m:forward(tok, cu)
+        local rlogits = ref:forward(tok, cu)
+        assert.tensor_near(logits, rlogits, MODEL_TOL[dtype], "logits")
+        local loss, d = F.cross_entropy(logits, tg)
+        local rloss, rd = F.cross_entropy(rlogits, tg)
+        assert.is_true(math.abs(loss - rloss) <= MODEL_TOL[dtype] * rloss)
+        m:backward(tok, d, cu)
+        ref:backward(tok, rd, cu)
+        local g, rg = m:gradients(), ref:gradients()
+        for _, name in ipairs(ref:parameter_names()) do
+          assert.tensor_near(g[name], rg[name], MODEL_TOL[dtype], name)
+        end
+      end)
+    end
+  end
+end)
