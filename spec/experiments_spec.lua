@@ -226,6 +226,18 @@ describe("experiment scripts", function()
   end)
   after_each(function() os.execute("rm -rf " .. util.shell_quote(runs)) end)
 
+  -- issue 21's CI check: DeltaProduct's qualitative result at CPU size (parity needs
+  -- negative eigenvalues at n_h = 1); the script asserts it and says so on its last line.
+  it("state_tracking --quick learns parity with beta in (0,2) and not in (0,1)", function()
+    local out, rc = sh(string.format("GDP_RUNS_DIR=%s %s", runs, lua_cmd("experiments/state_tracking.lua", "--quick")))
+    assert.are.equal(0, rc, out)
+    assert.truthy(out:find("state_tracking quick: ok", 1, true), out)
+    local with, without = out:match("([%d.]+) with beta in %(0,2%), ([%d.]+) in %(0,1%)")
+    assert.truthy(tonumber(with) >= 0.99 and tonumber(without) < 0.8, out)
+    local run = out:match("saved in (%S+)")
+    assert.truthy(run and read_all(run .. "/curves.csv"):find("parity n_h=1 beta_max=2 seed 1", 1, true), out)
+  end)
+
   it("bench_gdp --json prints one JSON object and appends a results row", function()
     local out, rc = sh(string.format("GDP_RUNS_DIR=%s %s 2>/dev/null", runs,
       lua_cmd("experiments/bench_gdp.lua",

@@ -1,0 +1,234 @@
+-- state_tracking: DeltaProduct's state-tracking study (Siems et al. 2025): a one-layer
+-- GDP model learns group word problems (token = a group element, label = the prefix
+-- product) at one length and is evaluated at longer ones.  The paper's setup: hidden
+-- 128, 8 heads x 32 (K = V = 32), no short conv, no output gate, no forget gate, q/k/v
+-- through SiLU then the L2 norm, a x4 SwiGLU MLP; AdamW (lr 1e-3, betas 0.9/0.999, eps
+-- 1e-8, weight decay 1e-6) on a cosine schedule, batch 2048, 100 epochs over 99k
+-- training sequences of length 128, evaluation at length 512, early stop at 0.99.  The
+-- metric is the cumulative sequence accuracy: for each prefix length t, the fraction
+-- of test sequences with every token up to t right.
+--
+--   ./gdp experiments/state_tracking.lua --device cuda --dtype bf16   # the grid below
+--   ./gdp experiments/state_tracking.lua --quick                      # CPU-sized check
+--
+-- The grid (through gdp.sweep: a rerun with --resume RUN_DIR skips the rows done, and a
+-- failed config is a row with its error): task x n_h (Householder steps) x beta range
+-- ((0,1): beta_max 1; (0,2): beta_max 2, negative eigenvalues) x seed.  Output: a table
+-- of accuracy at lengths 128, 256, 512 per config, results.csv with the curve of every
+-- config (acc_at_<t> columns at --curve-step intervals), and a plot of accuracy
+-- against length per config.
+--
+-- --quick: parity (tokens 0/1, label the prefix parity) with a small model at n_h = 1,
+-- trained at length 32 and evaluated there, with beta in (0,2) and in (0,1).  It asserts
+-- the paper's qualitative result -- parity is learned with negative eigenvalues
+-- (>= 0.99) and not without (< 0.8) -- prints "state_tracking quick: ok" or what failed,
+-- and exits 1 on a failure.
+local gdp = require("gdp")
+local util = require("gdp.util")
+local results = require("gdp.results")
+local sweep = require("gdp.sweep")
+local nn = require("gdp.nn")
+local optim = require("gdp.optim")
+local train = require("gdp.train")
+local data = require("gdp.data")
+
+local opts = util.parse_args(arg, {
+    quick = false, device = "cpu", dtype = "f32",
+    tasks = "S3,S5", nh = "1,2,3,4", beta_max = "1,2", seeds = "1,2,3",
+    hidden = 128, heads = 8, head_dim = 32, mlp_ratio = 4,
+    train_len = 128, eval_len = 512, train_seqs = 99000, batch = 2048, epochs = 100,
+    eval_batch = 2048, eval_every = 100, early_stop = 0.99, curve_step = 32,
+    lr = 1e-3, weight_decay = 1e-6, warmup = 0, max_grad_norm = 1.0,
+    resume = "",
+  }, {
+  usage = "./gdp experiments/state_tracking.lua [--quick] [options]",
+  help = {
+    { "quick", "the CPU-sized parity check (see the header); overrides the grid options" },
+    { "device", "cpu or cuda" },
+    { "dtype", "f64/f32 on the cpu; f32/bf16 on cuda" },
+    { "tasks", "comma-separated: parity, S3, S4, A5, S5, modular_addition" },
+    { "nh", "Householder steps per token, comma-separated" },
+    { "beta_max", "1: beta in (0,1); 2: beta in (0,2) (negative eigenvalues); comma-separated" },
+    { "seeds", "model seeds, comma-separated (the data's seeds are fixed: train 1, test 2)" },
+    { "hidden", "model width" }, { "heads", "mixer heads" }, { "head_dim", "K = V per head" },
+    { "mlp_ratio", "SwiGLU hidden = ratio x hidden" },
+    { "train_len", "training sequence length" }, { "eval_len", "evaluation length" },
+    { "train_seqs", "training sequences per epoch (offsets cycle through them)" },
+    { "batch", "training batch" }, { "epochs", "epochs (steps = epochs x train_seqs / batch)" },
+    { "eval_batch", "test sequences" }, { "eval_every", "steps between evaluations" },
+    { "early_stop", "stop when the accuracy at eval_len reaches this (0: never)" },
+    { "curve_step", "the CSV records the accuracy every this many tokens" },
+    { "lr", "AdamW peak learning rate (cosine schedule)" }, { "weight_decay", "AdamW weight decay" },
+    { "warmup", "warmup steps" }, { "max_grad_norm", "global gradient-norm clip (0: none)" },
+    { "resume", "a previous run folder of this study: its ok rows are kept, the rest run" },
+  },
+})
+
+if opts.quick then
+  -- parity at length 32 on the cpu: learned in a few hundred steps with beta in (0,2)
+  opts.tasks, opts.nh, opts.beta_max, opts.seeds = "parity", "1", "2,1", "1"
+  opts.device, opts.dtype = "cpu", "f32"
+  opts.hidden, opts.heads, opts.head_dim, opts.mlp_ratio = 16, 2, 8, 2
+  opts.train_len, opts.eval_len, opts.batch, opts.eval_batch = 32, 32, 32, 128
+  opts.train_seqs, opts.epochs, opts.eval_every = 32 * 400, 1, 50
+  opts.lr, opts.warmup, opts.curve_step = 1e-2, 20, 8
+end
+
+local function list(s, conv)
+  local out = {}
+  for item in tostring(s):gmatch("[^,]+") do out[#out + 1] = conv and conv(item) or item end
+  return out
+end
+
+util.device_or_exit("state_tracking", opts.device)
+
+local TRAIN_SEED, TEST_SEED = 1, 2
+local LENGTHS = { 128, 256, 512 }
+
+-- The model of one config: the paper's layer (every switch off but the L2 norm).
+local function make_model(cfg)
+  return nn.CausalLM{
+    vocab = data.num_classes(cfg.task), hidden = cfg.hidden, layers = 1,
+    mixer = { num_heads = cfg.heads, head_dim = cfg.head_dim, state_dim = cfg.head_dim,
+              num_groups = cfg.heads, num_householder = cfg.nh,
+              allow_neg_eigval = cfg.beta_max == 2, use_short_conv = false,
+              use_output_gate = false, use_forget_gate = false },
+    mlp_ratio = cfg.mlp_ratio, dtype = cfg.dtype, device = cfg.device, seed = cfg.seed,
+  }
+end
+
+-- Cumulative sequence accuracy of the model on the test set at eval_len.
+local function evaluate(model, test)
+  local logits = model:forward(test.tokens)
+  local acc = data.sequence_accuracy(logits, test.labels)
+  model:clear_state()
+  return acc
+end
+
+local function run_config(cfg)
+  local model = make_model(cfg)
+  local steps = math.max(1, math.floor(cfg.epochs * cfg.train_seqs / cfg.batch))
+  local opt = optim.AdamW(model, { lr = cfg.lr, betas = { 0.9, 0.999 }, eps = 1e-8,
+                                   weight_decay = cfg.weight_decay })
+  local schedule = optim.schedule.cosine{ lr = cfg.lr, total_steps = steps,
+                                          warmup_steps = math.min(cfg.warmup, steps - 1) }
+  local crit = nn.CrossEntropy{}
+  local test = {}
+  test.tokens, test.labels = data.state_tracking{ task = cfg.task, batch = cfg.eval_batch,
+    length = cfg.eval_len, seed = TEST_SEED, offset = 0, device = cfg.device }
+  local per_epoch = math.max(1, math.floor(cfg.train_seqs / cfg.batch))
+  local t0, tokens, acc, last_loss, step = gdp.time(), 0, nil, nil, 0
+  while step < steps do
+    step = step + 1
+    local x, y = data.state_tracking{ task = cfg.task, batch = cfg.batch, length = cfg.train_len,
+      seed = TRAIN_SEED, offset = ((step - 1) % per_epoch) * cfg.batch, device = cfg.device }
+    local r = train.step{ model = model, optimizer = opt, criterion = crit, schedule = schedule,
+                          max_grad_norm = cfg.max_grad_norm > 0 and cfg.max_grad_norm or nil,
+                          batch = { input = x, target = y, tokens = cfg.batch * cfg.train_len } }
+    tokens, last_loss = tokens + cfg.batch * cfg.train_len, r.loss
+    x:free(); y:free()
+    if step % cfg.eval_every == 0 or step == steps then
+      acc = evaluate(model, test)
+      if cfg.early_stop > 0 and acc.cumulative[cfg.eval_len] >= cfg.early_stop then break end
+    end
+  end
+  local wall = gdp.time() - t0
+  local out = { steps = step, loss = last_loss, tokens_per_s = tokens / wall, train_s = wall,
+                acc_token = acc.token }
+  for _, L in ipairs(LENGTHS) do
+    if L <= cfg.eval_len then out["acc_" .. L] = acc.cumulative[L] end
+  end
+  out.acc_train_len = acc.cumulative[math.min(cfg.train_len, cfg.eval_len)]
+  for t = cfg.curve_step, cfg.eval_len, cfg.curve_step do out["acc_at_" .. t] = acc.cumulative[t] end
+  return out
+end
+
+local columns = { "steps", "loss", "tokens_per_s", "train_s", "acc_token", "acc_train_len" }
+for _, L in ipairs(LENGTHS) do
+  if L <= opts.eval_len then columns[#columns + 1] = "acc_" .. L end
+end
+for t = opts.curve_step, opts.eval_len, opts.curve_step do columns[#columns + 1] = "acc_at_" .. t end
+
+local run = results.new_run("state_tracking", { config = opts, args = arg })
+local function config_label(cfg)
+  return string.format("%s n_h=%d beta_max=%d seed %d", cfg.task, cfg.nh, cfg.beta_max, cfg.seed_model) -- no comma: one CSV field
+end
+-- accuracy against length, one line per config (the plot's data)
+local curves = run:csv({ "config", "length", "acc", "status" }, "curves.csv")
+local base = {}
+for _, k in ipairs({ "device", "dtype", "hidden", "heads", "head_dim", "mlp_ratio", "train_len",
+                     "eval_len", "train_seqs", "batch", "epochs", "eval_batch", "eval_every",
+                     "early_stop", "curve_step", "lr", "weight_decay", "warmup", "max_grad_norm" }) do
+  base[k] = opts[k]
+end
+local rows = sweep.run{
+  study = "state_tracking", run = run, base = base, columns = columns,
+  axes = { task = list(opts.tasks), nh = list(opts.nh, tonumber), beta_max = list(opts.beta_max, tonumber),
+           seed_model = list(opts.seeds, tonumber) },
+  order = { "task", "nh", "beta_max", "seed_model" },
+  resume = opts.resume ~= "" and opts.resume or true,
+  fn = function(cfg)
+    cfg.seed = cfg.seed_model
+    local out = run_config(cfg)
+    local label = config_label(cfg)
+    for t = cfg.curve_step, cfg.eval_len, cfg.curve_step do
+      curves:row({ config = label, length = t, acc = out["acc_at_" .. t], status = "ok" })
+    end
+    return out
+  end,
+}
+
+-- The table: accuracy at each length per config.
+local header = { "task", "n_h", "beta", "seed", "steps", "acc@train" }
+for _, L in ipairs(LENGTHS) do if L <= opts.eval_len then header[#header + 1] = "acc@" .. L end end
+header[#header + 1] = "tok/s"
+local lines = {}
+for _, r in ipairs(rows) do
+  local l = { r.task, r.nh, r.beta_max == 2 and "(0,2)" or "(0,1)", r.seed_model }
+  if r.status == "ok" then
+    l[#l + 1], l[#l + 2] = r.steps, r.acc_train_len
+    for _, L in ipairs(LENGTHS) do if L <= opts.eval_len then l[#l + 1] = r["acc_" .. L] end end
+    l[#l + 1] = r.tokens_per_s
+  else
+    l[#l + 1] = r.status .. ": " .. tostring(r.error)
+  end
+  lines[#lines + 1] = l
+end
+print(util.format_table(header, lines, "%.3f"))
+
+local labels = {}
+for _, r in ipairs(rows) do if r.status == "ok" then labels[#labels + 1] = config_label(r) end end
+sweep.plot(run, { x = "length", y = "acc", by = "config", values = labels, csv = "curves.csv",
+                  title = "state tracking: cumulative sequence accuracy against length",
+                  xlabel = "length (tokens)", ylabel = "cumulative sequence accuracy" })
+
+local failed = 0
+for _, r in ipairs(rows) do if r.status ~= "ok" then failed = failed + 1 end end
+
+if opts.quick then
+  local by_beta = {}
+  for _, r in ipairs(rows) do by_beta[r.beta_max] = r end
+  local with, without = by_beta[2], by_beta[1]
+  local problems = {}
+  if not with or with.status ~= "ok" then problems[#problems + 1] = "the (0,2) run failed"
+  elseif with.acc_train_len < 0.99 then
+    problems[#problems + 1] = string.format("parity with beta in (0,2): %.3f < 0.99", with.acc_train_len)
+  end
+  if not without or without.status ~= "ok" then problems[#problems + 1] = "the (0,1) run failed"
+  elseif without.acc_train_len >= 0.8 then
+    problems[#problems + 1] = string.format("parity with beta in (0,1): %.3f >= 0.8", without.acc_train_len)
+  end
+  run:finish({ status = #problems == 0 and "ok" or "failed",
+               reason = #problems > 0 and table.concat(problems, "; ") or nil })
+  if #problems > 0 then
+    print("state_tracking quick: FAILED: " .. table.concat(problems, "; "))
+    os.exit(1)
+  end
+  print(string.format("state_tracking quick: ok (parity at length %d: %.3f with beta in (0,2), %.3f in (0,1))",
+                      opts.train_len, with.acc_train_len, without.acc_train_len))
+  return
+end
+
+run:finish({ status = failed == 0 and "ok" or "failed",
+             reason = failed > 0 and (failed .. " configs failed") or nil })
+if failed > 0 then os.exit(1) end
