@@ -105,8 +105,11 @@ wait_for() { for _ in $(seq 600); do [ -e "$1" ] && return; sleep 0.1; done; }
     os.remove(mark .. "1")
     os.remove(mark .. "2")
     assert.truthy(out:find("GDP_ERR_INTERRUPTED: ", 1, true), out)
+    -- the kernel itself saw the flag (it stopped inside its token loop, not after it);
+    -- the time is only a loose bound (the signal's sender starts late on a busy machine)
+    assert.truthy(out:find("forward_recurrent_f64: interrupted", 1, true), out)
     local elapsed = tonumber(out:match("OP\tnil\t([%d.e+-]+)"))
-    assert.truthy(elapsed and elapsed < 3, out) -- the whole op takes 4 s and more on one thread
+    assert.truthy(elapsed and elapsed < 10, out)
     assert.truthy(out:find("> \n> AFTER\t42", 1, true), out) -- a fresh prompt, then the old state
   end)
 end)
