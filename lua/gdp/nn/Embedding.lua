@@ -57,7 +57,7 @@ function Embedding:backward(tokens, dy)
   local fn = FN .. ":backward"
   check_tokens(fn, tokens)
   Module.check_float_input(self, fn, dy, "dy", self.dim)
-  self.grads.weight:add_(F.embedding_backward(tokens, dy, self.num_embeddings))
+  Module.accumulate(self.grads.weight, F.embedding_backward(tokens, dy, self.num_embeddings))
   return nil
 end
 

@@ -78,6 +78,7 @@ local util = require("gdp.util")
 local ops = require("gdp.ops")
 local gio = require("gdp.io")
 local F = require("gdp.nn.functional")
+local Module = require("gdp.nn.Module")
 
 local argerror = tensor.argerror
 
@@ -479,8 +480,8 @@ function GatedDeltaProduct:conv_backward(xBC, dxBC_c, cu_seqlens, halo, weight, 
   local r = F.conv1d_backward(xBC, w, b, dxBC_c,
                               { activation = "silu", cu_seqlens = cu_seqlens, halo = halo })
   grads = grads or { weight = self.grads["conv1d.weight"], bias = self.grads["conv1d.bias"] }
-  grads.weight:add_(r.dweight)
-  if r.dbias ~= nil and grads.bias ~= nil then grads.bias:add_(r.dbias) end
+  Module.accumulate(grads.weight, r.dweight)
+  if r.dbias ~= nil and grads.bias ~= nil then Module.accumulate(grads.bias, r.dbias) end
   return r.dx, r.dhalo
 end
 
@@ -499,8 +500,8 @@ function GatedDeltaProduct:decay_backward(a, d_g)
   local A_log = self.params["A_log"]
   local dt = A_log:dtype()
   local da, dA_log, ddt = F.decay_backward(a:to(dt), A_log, self.params["dt_bias"], d_g:to(dt))
-  self.grads["A_log"]:add_(dA_log)
-  self.grads["dt_bias"]:add_(ddt)
+  Module.accumulate(self.grads["A_log"], dA_log)
+  Module.accumulate(self.grads["dt_bias"], ddt)
   return da:to(a:dtype())
 end
 
@@ -594,13 +595,13 @@ function GatedDeltaProduct:out_backward(saved, z, x_v, dout)
   local dyn = tensor.matmul(dout2, self.params["out_proj.weight"]):view(T, B, s.d_inner)
   local dy3, dz, dnw = F.gated_rmsnorm_backward(saved.y3, z, self.params["norm.weight"],
                                                 s.norm_group, self.norm_eps, dyn)
-  self.grads["norm.weight"]:add_(dnw)
+  Module.accumulate(self.grads["norm.weight"], dnw)
   local dy4 = dy3:view(T, B, self.num_heads, self.head_dim)
   local dx_v
   if self.D_mode then
     local dD
     dx_v, dD = F.dskip_backward(x_v, self.params["D"], dy4)
-    self.grads["D"]:add_(dD)
+    Module.accumulate(self.grads["D"], dD)
   end
   return dy4:permute(2, 1, 3, 4), dz, dx_v
 end

@@ -112,6 +112,13 @@ function Module.add_parameter(self, name, t)
   self.param_order[#self.param_order + 1] = name
 end
 
+-- Adds `delta` into gradient tensor `grad`, converted to its dtype first where a kernel
+-- gave another (a bf16 parameter's gradient is float32; some kernels return bf16).
+function Module.accumulate(grad, delta)
+  if delta:dtype() ~= grad:dtype() then delta = delta:to({ dtype = grad:dtype() }) end
+  grad:add_(delta)
+end
+
 ------------------------------------------------------------------------------- inputs
 
 -- Checks a float input x: a tensor of the module's dtype on its device whose last dim is

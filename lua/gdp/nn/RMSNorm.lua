@@ -39,7 +39,7 @@ function RMSNorm:backward(x, dy)
   Module.check_float_input(self, fn, x, "x", self.dim)
   Module.check_float_input(self, fn, dy, "dy", self.dim)
   local dx, dw = F.rms_norm_backward(x, self.params.weight, self.eps, dy)
-  self.grads.weight:add_(dw)
+  Module.accumulate(self.grads.weight, dw)
   self.grad_input = dx
   return dx
 end
