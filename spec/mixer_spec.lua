@@ -41,8 +41,11 @@ local fd_error = H.fd_error
 
 local function randomize(m, scale)
   -- larger-than-init random parameters so that every path carries signal
+  -- (in parameter_names() order: pairs() order, and with it the draws, changes between
+  -- processes)
   local p = m:parameters()
-  for name, t in pairs(p) do
+  for _, name in ipairs(m:parameter_names()) do
+    local t = p[name]
     if name == "A_log" then t:uniform_(-1, 1)
     elseif name == "dt_bias" then t:uniform_(-1, 1)
     elseif name == "norm.weight" or name == "D" then t:uniform_(0.5, 1.5)
@@ -151,7 +154,7 @@ describe("nn.GatedDeltaProduct without short conv, output gate and forget gate",
   it("computes fla's ungated, ungated-norm, conv-free layer", function()
     H.reseed(140)
     local m = nn.GatedDeltaProduct(cfg)
-    for _, t in pairs(m:parameters()) do t:normal_(0, 0.5) end
+    for _, name in ipairs(m:parameter_names()) do m:parameters()[name]:normal_(0, 0.5) end
     local T, B, nh, P, ng, N, M = 9, 2, 4, 3, 2, 4, 2
     local x = gdp.randn({ T, B, 6 }, { dtype = "f64" })
     local zx = gdp.matmul(x:reshape(T * B, 6), m:parameters()["in_proj.weight"], { trans_b = true })
