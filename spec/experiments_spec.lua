@@ -238,6 +238,15 @@ describe("experiment scripts", function()
     assert.truthy(run and read_all(run .. "/curves.csv"):find("parity n_h=1 beta_max=2 seed 1", 1, true), out)
   end)
 
+  it("train_lm --quick lowers the validation loss of a byte-level GDP model", function()
+    local out, rc = sh(string.format("GDP_RUNS_DIR=%s %s", runs, lua_cmd("experiments/train_lm.lua", "--quick")))
+    assert.are.equal(0, rc, out)
+    local first, last = out:match("train_lm quick: ok %(validation loss ([%d.]+) %-> ([%d.]+)%)")
+    assert.truthy(first and tonumber(last) < 0.9 * tonumber(first), out)
+    local run = out:match("saved in (%S+)")
+    assert.truthy(run and read_all(run .. "/eval.csv"):find("val_loss", 1, true), out)
+  end)
+
   it("bench_gdp --json prints one JSON object and appends a results row", function()
     local out, rc = sh(string.format("GDP_RUNS_DIR=%s %s 2>/dev/null", runs,
       lua_cmd("experiments/bench_gdp.lua",

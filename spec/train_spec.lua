@@ -107,7 +107,7 @@ describe("train.run", function()
       return t
     end
     local csv = lines(run.dir .. "/results.csv")
-    assert.are.equal("step,loss,lr,grad_norm,tokens_per_s,elapsed_s", csv[1])
+    assert.are.equal("step,loss,lr,grad_norm,tokens_per_s,elapsed_s,status", csv[1])
     assert.are.equal(5, #csv) -- header + steps 5, 10, 15, 20
     assert.are.equal("20", csv[5]:match("^(%d+),"))
     local ev = lines(run.dir .. "/eval.csv")

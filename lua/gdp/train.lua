@@ -232,7 +232,8 @@ local function fmt_rate(x)
   return string.format("%.0f", x)
 end
 
-local LOG_COLUMNS = { "step", "loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s" }
+-- status: the plot draws only rows whose status is ok (gdp.results.plot)
+local LOG_COLUMNS = { "step", "loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s", "status" }
 
 -- Runs steps opt:steps() + 1 .. a.steps (after a resume: from the checkpoint's step).
 function M.run(a)
@@ -268,7 +269,6 @@ function M.run(a)
   local log_csv, eval_csv
   if run then
     log_csv = run:csv(LOG_COLUMNS)
-    run:plot({ x = "step", y = { "loss" }, logy = true, title = (run.study or "train") .. ": training loss" })
   end
   local bar = progress.new(math.max(total - opt:steps(), 0), { title = "train", out = a.out })
   local t_start = gdp_time()
@@ -319,7 +319,7 @@ function M.run(a)
       end
       if log_csv then
         log_csv:row({ step = step, loss = r.loss, lr = r.lr, grad_norm = r.grad_norm, tokens_per_s = rate,
-                      elapsed_s = now - t_start })
+                      elapsed_s = now - t_start, status = "ok" })
       end
       t_window, tokens_window = now, 0
     end
@@ -328,6 +328,8 @@ function M.run(a)
     if ckpt_every and step % ckpt_every == 0 and step ~= total then save(step) end
   end
   bar:finish()
+  -- after the rows: the plot renders its PNG when written
+  if run then run:plot({ x = "step", y = { "loss" }, logy = true, title = (run.study or "train") .. ": training loss" }) end
   local last = math.max(opt:steps(), 0)
   if a.eval and result.evals[last] == nil then evaluate(last) end
   if ckpt_path then save(last) end
