@@ -39,7 +39,8 @@ local opts = util.parse_args(arg, {
     train_len = 128, eval_len = 512, train_seqs = 99000, batch = 2048, epochs = 100,
     eval_batch = 2048, eval_every = 100, early_stop = 0.99, curve_step = 32,
     lr = 1e-3, weight_decay = 1e-6, warmup = 0, max_grad_norm = 1.0,
-    resume = "",
+    resume = "", speed = false, speed_steps = 20, against_fla = false,
+    fla_cmd = "python3 tools/fla_state_tracking.py",
   }, {
   usage = "./gdp experiments/state_tracking.lua [--quick] [options]",
   help = {
@@ -61,6 +62,10 @@ local opts = util.parse_args(arg, {
     { "lr", "AdamW peak learning rate (cosine schedule)" }, { "weight_decay", "AdamW weight decay" },
     { "warmup", "warmup steps" }, { "max_grad_norm", "global gradient-norm clip (0: none)" },
     { "resume", "a previous run folder of this study: its ok rows are kept, the rest run" },
+    { "speed", "instead of training to the end: tokens/s of --speed-steps training steps per n_h" },
+    { "speed_steps", "timed steps per n_h with --speed (after 3 untimed)" },
+    { "against_fla", "with --speed: fla's GatedDeltaProductForCausalLM at the same config, same call" },
+    { "fla_cmd", "the fla side's command (PYTHONPATH with fla's source is the caller's)" },
   },
 })
 
@@ -81,6 +86,10 @@ local function list(s, conv)
 end
 
 util.device_or_exit("state_tracking", opts.device)
+if opts.against_fla and not opts.speed then
+  io.stderr:write("state_tracking: --against-fla times training steps: use it with --speed\n")
+  os.exit(2)
+end
 
 local TRAIN_SEED, TEST_SEED = 1, 2
 local LENGTHS = { 128, 256, 512 }
@@ -141,6 +150,73 @@ local function run_config(cfg)
   out.acc_train_len = acc.cumulative[math.min(cfg.train_len, cfg.eval_len)]
   for t = cfg.curve_step, cfg.eval_len, cfg.curve_step do out["acc_at_" .. t] = acc.cumulative[t] end
   return out
+end
+
+-- --speed: whole training steps (zero_grad, forward, loss, backward, clip, AdamW) of the
+-- first task at each n_h, on the training batches; the median step.
+local function speed_of(cfg)
+  local model = make_model(cfg)
+  local opt = optim.AdamW(model, { lr = cfg.lr, betas = { 0.9, 0.999 }, eps = 1e-8, weight_decay = cfg.weight_decay })
+  local crit = nn.CrossEntropy{}
+  local ctx = gdp.device(cfg.device)
+  local times = {}
+  for i = 1, 3 + cfg.speed_steps do
+    local x, y = data.state_tracking{ task = cfg.task, batch = cfg.batch, length = cfg.train_len,
+                                      seed = TRAIN_SEED, offset = (i - 1) * cfg.batch, device = cfg.device }
+    ctx:sync()
+    local t0 = gdp.time()
+    train.step{ model = model, optimizer = opt, criterion = crit,
+                max_grad_norm = cfg.max_grad_norm > 0 and cfg.max_grad_norm or nil,
+                batch = { input = x, target = y, tokens = cfg.batch * cfg.train_len } }
+    ctx:sync()
+    if i > 3 then times[#times + 1] = gdp.time() - t0 end
+    x:free(); y:free()
+  end
+  local step_s = util.median(times)
+  return { step_ms = step_s * 1e3, tokens_per_s = cfg.batch * cfg.train_len / step_s }
+end
+
+if opts.speed then
+  local task = list(opts.tasks)[1]
+  local nhs = list(opts.nh, tonumber)
+  local beta = list(opts.beta_max, tonumber)[1]
+  local run = results.new_run("state_tracking_speed", { config = opts, args = arg })
+  local csv = run:csv({ "task", "nh", "beta_max", "batch", "length", "step_ms", "tokens_per_s",
+                        "fla_step_ms", "fla_tokens_per_s", "speedup", "status" })
+  local fla = {}
+  if opts.against_fla then
+    local cmd = string.format("%s --nh %s --beta-max %d --vocab %d --batch %d --length %d --steps %d",
+                              opts.fla_cmd, opts.nh, beta, data.num_classes(task), opts.batch,
+                              opts.train_len, opts.speed_steps)
+    local p = io.popen(cmd)
+    local out = p:read("*a")
+    p:close()
+    local ok, rep = pcall(util.json_decode, out:match("(%b{})%s*$") or "")
+    if not ok or type(rep) ~= "table" or type(rep.rows) ~= "table" then
+      io.stderr:write("state_tracking: the fla side gave no report (", cmd, "):\n", out, "\n")
+      run:finish({ status = "failed", reason = "fla side failed" })
+      os.exit(1)
+    end
+    for _, r in ipairs(rep.rows) do fla[tonumber(r.nh)] = r end
+  end
+  local lines = {}
+  for _, nh in ipairs(nhs) do
+    local cfg = {}
+    for k, v in pairs(opts) do cfg[k] = v end
+    cfg.task, cfg.nh, cfg.beta_max, cfg.seed = task, nh, beta, 1
+    local r = speed_of(cfg)
+    local f = fla[nh]
+    local row = { task = task, nh = nh, beta_max = beta, batch = opts.batch, length = opts.train_len,
+                  step_ms = r.step_ms, tokens_per_s = r.tokens_per_s, status = "ok",
+                  fla_step_ms = f and f.step_ms, fla_tokens_per_s = f and f.tokens_per_s,
+                  speedup = f and r.tokens_per_s / f.tokens_per_s }
+    csv:row(row)
+    lines[#lines + 1] = { task, nh, row.step_ms, row.tokens_per_s, row.fla_step_ms or "-",
+                          row.fla_tokens_per_s or "-", row.speedup or "-" }
+  end
+  print(util.format_table({ "task", "n_h", "step_ms", "tok/s", "fla_step_ms", "fla_tok/s", "speedup" }, lines, "%.4g"))
+  run:finish({ status = "ok" })
+  return
 end
 
 local columns = { "steps", "loss", "tokens_per_s", "train_s", "acc_token", "acc_train_len" }

@@ -238,6 +238,19 @@ describe("experiment scripts", function()
     assert.truthy(run and read_all(run .. "/curves.csv"):find("parity n_h=1 beta_max=2 seed 1", 1, true), out)
   end)
 
+  it("state_tracking --speed --against-fla times both stacks per n_h (fla stubbed)", function()
+    local stub = [[echo '{"rows":[{"nh":1,"step_ms":2,"tokens_per_s":100}]}' #]]
+    local out, rc = sh(string.format("GDP_RUNS_DIR=%s %s", runs, lua_cmd("experiments/state_tracking.lua",
+      "--speed --against-fla --tasks S3 --nh 1 --batch 4 --train-len 8 --hidden 16 --heads 2 --head-dim 8 " ..
+      "--speed-steps 2 --fla-cmd " .. util.shell_quote(stub))))
+    assert.are.equal(0, rc, out)
+    local step_ms, tok_s, speedup = out:match("\n  S3%s+1%s+([%d.e+]+)%s+([%d.e+]+)%s+2%s+100%s+([%d.e+]+)")
+    assert.truthy(step_ms and tonumber(step_ms) > 0, out)
+    assert.truthy(math.abs(tonumber(speedup) - tonumber(tok_s) / 100) <= 2e-3 * tonumber(speedup), out) -- both printed to 4 digits
+    local _, rc2 = sh(lua_cmd("experiments/state_tracking.lua", "--against-fla"))
+    assert.are.equal(2, rc2)
+  end)
+
   it("train_lm --quick lowers the validation loss of a byte-level GDP model", function()
     local out, rc = sh(string.format("GDP_RUNS_DIR=%s %s", runs, lua_cmd("experiments/train_lm.lua", "--quick")))
     assert.are.equal(0, rc, out)
