@@ -228,14 +228,7 @@ if r == 0 then
       io.stderr:write("bench_comm: --record: expected letters, digits, '-', '_' and '.'\n")
       os.exit(2)
     end
-    local root = (arg[0]:match("^(.*)/[^/]*$") or ".") .. "/.."
-    local repo = os.getenv("GDP_ROOT") or root
-    local path = string.format("%s/results/%s-%s.json", repo, os.date("!%Y-%m-%d"), opts.record)
-    os.execute("mkdir -p " .. util.shell_quote(repo .. "/results"))
-    local f = assert(io.open(path, "w"))
-    f:write(util.json_encode(report, 1), "\n")
-    f:close()
-    say("# recorded: %s", path)
+    say("# recorded: %s", require("gdp.results").record(opts.record, report))
   end
 end
 say("# %s", all_ok and "all bytes checked: ok" or "some results were WRONG")

@@ -742,16 +742,11 @@ if opts.record ~= "" then
                     opts.record, "\n")
     os.exit(2)
   end
-  local repo = os.getenv("GDP_ROOT") or root
-  local path = string.format("%s/results/%s-%s.json", repo, os.date("!%Y-%m-%d"), opts.record)
-  os.execute("mkdir -p " .. util.shell_quote(repo .. "/results"))
-  local f = io.open(path, "w")
-  if f then
-    f:write(util.json_encode(report, 1), "\n")
-    f:close()
+  local ok, path = pcall(require("gdp.results").record, opts.record, report)
+  if ok then
     say("# recorded: %s", path)
   else
-    say("# error: cannot write %s", path)
+    say("# error: %s", tostring(path))
     status = "error"
   end
 end

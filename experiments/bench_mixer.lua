@@ -362,16 +362,11 @@ local report = {
   megatron = opts.against_megatron and { command = megatron_cmd, error = megatron_err } or nil,
 }
 if opts.record ~= "" then
-  local repo = os.getenv("GDP_ROOT") or root
-  local path = string.format("%s/results/%s-%s.json", repo, os.date("!%Y-%m-%d"), opts.record)
-  os.execute("mkdir -p " .. util.shell_quote(repo .. "/results"))
-  local f = io.open(path, "w")
-  if f then
-    f:write(util.json_encode(report, 1), "\n")
-    f:close()
+  local ok, path = pcall(require("gdp.results").record, opts.record, report)
+  if ok then
     put("# recorded: %s", path)
   else
-    put("# error: cannot write %s", path)
+    put("# error: %s", tostring(path))
     report.status = "error"
   end
 end
