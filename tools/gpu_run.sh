@@ -6,7 +6,8 @@
 #
 #   check    ./gdp build, ./gdp test --quick (every suite; on a GPU the cuda ctests, the
 #            lab check dev.lab_check and the #gpu specs among them; the sanitizer pass is
-#            CPU-only and left to CI), check_reference --device cuda in bf16, f32 and
+#            CPU-only and left to CI), the cuda comm and CP specs over a one-rank NCCL
+#            communicator (GDP_COMM_NCCL=2), check_reference --device cuda in bf16, f32 and
 #            bf16 --save-for-backward, then compute-sanitizer memcheck and racecheck on
 #            the lab's small problems.                                      ~6 minutes
 #   bench    ./gdp build, then bench_gdp --against-fla at the README's shapes, plain and
@@ -72,6 +73,13 @@ if [[ $MODE == check ]]; then
   if left 240 "./gdp test --quick"; then
     run test 300 ./gdp test --quick
     grep -E "dev\.|c\.test_cuda|tests passed|^  .* (ok|FAILED)$|passed, [0-9]+ failed" "$DIR/test.log" | tee -a "$LOG"
+  fi
+  # NCCL on one GPU: a one-rank NCCL communicator (GDP_COMM_NCCL=2) through the cuda comm
+  # and CP specs (ranks sharing the GPU above use host staging)
+  if left 60 "the NCCL path (one rank)"; then
+    run nccl 90 env GDP_COMM_NCCL=2 GDP_NUM_THREADS=1 LUA_PATH="$PWD/lua/?.lua;$PWD/lua/?/init.lua;$BUILD/lua/?.lua;${LUA_PATH:-;}" \
+      GDP_LIB="$BUILD/libgdp.so" mpirun -np 1 busted --lua=luajit --tags=mpi spec/comm_cuda_spec.lua spec/cp_cuda_spec.lua
+    grep -E "PASSED|FAILED|nccl" "$DIR/nccl.log" | tail -3 | tee -a "$LOG"
   fi
   for args in "bf16" "f32" "bf16 --save-for-backward"; do
     left 40 "check_reference $args" || break
