@@ -518,8 +518,10 @@ function GatedDeltaProduct:ssm_inputs(xBC_c, b, a)
   local Q4 = xBC_c:narrow(3, s.q_off, s.q_dim):view(T, B, ng, N)
   local inp = {}
   inp.v = V5:permute(2, 1, 3, 4, 5):reshape(B, T * M, nh, P)
-  inp.k = F.repeat_heads(K5, nh):permute(2, 1, 3, 4, 5):reshape(B, T * M, nh, N)
-  inp.q = F.repeat_heads(Q4, nh):permute(2, 1, 3, 4)
+  -- repeated from the batch-major views, so the repeat's output is already the
+  -- operator's layout (one pass, not a repeat and then a transposing copy)
+  inp.k = F.repeat_heads(K5:permute(2, 1, 3, 4, 5), nh):view(B, T * M, nh, N)
+  inp.q = F.repeat_heads(Q4:permute(2, 1, 3, 4), nh)
   inp.x_v = V5:select(3, 1)
   inp.beta = F.beta(b, self.beta_scale):view(T, B, M, nh):permute(2, 1, 3, 4):reshape(B, T * M, nh)
   if a ~= nil then inp.g = self:decay_forward(a):permute(2, 1, 3) end
