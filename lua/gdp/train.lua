@@ -217,13 +217,11 @@ local run_keys = {
   study = true, config = true, out = true, on_step = true,
 }
 
+-- Option `key` of a, or default; nil (absent, no default) stays nil.
 local function opt_int(fn, a, key, default, min)
   local v = a[key]
   if v == nil then v = default end
-  if v ~= nil and (type(v) ~= "number" or v ~= math.floor(v) or v < min) then
-    argerror(fn, string.format("%s: expected an integer >= %d, got %s", key, min, tostring(v)))
-  end
-  return v
+  return util.int_opt(fn, key, v, min)
 end
 
 local function fmt_rate(x)

@@ -102,6 +102,24 @@ function M.int_opt(fn, name, v, min, max)
   return M.int_arg(fn, name, v, min, max)
 end
 
+-- Option `key` of a config table: cfg[key], or `default` when absent, checked by
+-- int_arg (absent with no default is an error naming it).
+function M.int_option(fn, cfg, key, default, min, max)
+  local v = cfg[key]
+  if v == nil then v = default end
+  return M.int_arg(fn, key, v, min, max)
+end
+
+-- The same for a finite number >= min.
+function M.num_option(fn, cfg, key, default, min)
+  local v = cfg[key]
+  if v == nil then v = default end
+  if type(v) ~= "number" or not (v >= min) or v == math.huge then
+    M.argerror(fn, string.format("%s: expected a finite number >= %g, got %s", key, min, tostring(v)))
+  end
+  return v
+end
+
 ------------------------------------------------------------------------------- options
 
 -- Parses `--key value`, `--key=value`, `--flag`, `--no-flag` and positional arguments

@@ -103,20 +103,8 @@ local PARAM_ORDER = {
   "out_proj.weight",
 }
 
-local function int_opt(cfg, key, default, min)
-  local v = cfg[key]
-  if v == nil then v = default end
-  return util.int_arg(FN, key, v, min)
-end
-
-local function num_opt(cfg, key, default, min)
-  local v = cfg[key]
-  if v == nil then v = default end
-  if type(v) ~= "number" or not (v >= min) or v == math.huge then
-    argerror(FN, string.format("%s: expected a finite number >= %g, got %s", key, min, tostring(v)))
-  end
-  return v
-end
+local function int_opt(cfg, key, default, min) return util.int_option(FN, cfg, key, default, min) end
+local function num_opt(cfg, key, default, min) return util.num_option(FN, cfg, key, default, min) end
 
 ------------------------------------------------------------------------------- construction
 

@@ -42,20 +42,7 @@ function Module.options(fn, cfg, keys)
   return tensor.check_opts(fn, cfg, keys)
 end
 
-function Module.int_opt(fn, cfg, key, default, min)
-  local v = cfg[key]
-  if v == nil then v = default end
-  return util.int_arg(fn, key, v, min)
-end
-
-function Module.num_opt(fn, cfg, key, default, min)
-  local v = cfg[key]
-  if v == nil then v = default end
-  if type(v) ~= "number" or not (v >= min) or v == math.huge then
-    argerror(fn, string.format("%s: expected a finite number >= %g, got %s", key, min, tostring(v)))
-  end
-  return v
-end
+Module.int_opt, Module.num_opt = util.int_option, util.num_option
 
 -- The module's dtype and device from cfg: f64 (default) or f32 on the cpu, f32
 -- (default) or bf16 on cuda.

@@ -10,27 +10,13 @@
 --   -- p = (step - warmup) / (total - warmup) clamped to [0, 1]: lr right after the
 --   -- warmup, min_lr at total_steps and after.
 local tensor = require("gdp.tensor")
+local util = require("gdp.util")
 
 local argerror = tensor.argerror
 
 local M = {}
 
-local function number(fn, cfg, key, default, min)
-  local v = cfg[key]
-  if v == nil then v = default end
-  if type(v) ~= "number" or not (v >= min) or v == math.huge then
-    argerror(fn, string.format("%s: expected a finite number >= %g, got %s", key, min, tostring(v)))
-  end
-  return v
-end
-
-local function integer(fn, cfg, key, default, min)
-  local v = number(fn, cfg, key, default, min)
-  if v ~= math.floor(v) then
-    argerror(fn, string.format("%s: expected an integer >= %d, got %s", key, min, tostring(v)))
-  end
-  return v
-end
+local number, integer = util.num_option, util.int_option
 
 local function check_step(fn, step)
   if type(step) ~= "number" or step < 1 or step ~= math.floor(step) then
