@@ -4,7 +4,7 @@
  * float otherwise) and written once; the bf16 compute copy of a master-weight update is
  * the float32 master rounded to nearest even.
  *
- * Compiled twice (double, float) by including itself, as mixer_gates.c.
+ * Compiled twice (double, float) through real_instances.h.
  */
 #ifndef GDP_OPTIM_GENERIC
 
@@ -27,17 +27,8 @@ static inline double optim_load(const void *p, int dtype, int64_t i) {
 }
 
 #define GDP_OPTIM_GENERIC
-#define REAL double
-#define FN(name) name##_f64
-#include "optim.c"
-#undef REAL
-#undef FN
-#define REAL float
-#define FN(name) name##_f32
-#include "optim.c"
-#undef REAL
-#undef FN
-#undef GDP_OPTIM_GENERIC
+#define GDP_REAL_FILE "optim.c"
+#include "real_instances.h"
 
 void gdp_cpu_optim_update(const gdp_optim_update *u) {
   if (u->state_dtype == GDP_DTYPE_F64)
