@@ -23,6 +23,16 @@ static inline gdp_status need_tensor(const char *func, const char *name, const g
   return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG, "%s: expected a tensor, got NULL", name);
 }
 
+/* t is read on the host, so it may live on the cpu, or on ctx's device. */
+static inline gdp_status check_host_readable(const char *func, const char *name, const gdp_ctx *ctx,
+                                             const gdp_tensor *t) {
+  const gdp_ctx *tc = t->storage->ctx;
+  if (tc->type == GDP_DEVICE_CPU || (tc->type == ctx->type && tc->index == ctx->index)) return GDP_OK;
+  return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG, "%s: expected a tensor on cpu or on %s:%d (ctx), got %s:%d",
+                      name, gdp_device_type_name(ctx->type), ctx->index, gdp_device_type_name(tc->type),
+                      tc->index);
+}
+
 static inline gdp_status need_out(const char *func, const char *name, gdp_tensor **out) {
   if (out) return GDP_OK;
   return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG, "%s: expected an output pointer, got NULL",

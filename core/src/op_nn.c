@@ -28,13 +28,7 @@ static gdp_status check_index_tensor(const char *func, const char *name, const g
   if (t->dtype != GDP_DTYPE_I32 && t->dtype != GDP_DTYPE_I64)
     return GDP_ERROR_IN(func, GDP_ERR_DTYPE, "%s: expected dtype i32 or i64, got %s", name,
                         gdp_dtype_name(t->dtype));
-  const gdp_ctx *tc = t->storage->ctx;
-  if (tc->type != GDP_DEVICE_CPU && (tc->type != ctx->type || tc->index != ctx->index))
-    return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG,
-                        "%s: expected a tensor on cpu or on %s:%d (ctx), got %s:%d", name,
-                        gdp_device_type_name(ctx->type), ctx->index,
-                        gdp_device_type_name(tc->type), tc->index);
-  return GDP_OK;
+  return check_host_readable(func, name, ctx, t);
 }
 
 /* A host int64 copy of t's values (freed by the caller), *n its element count. */
@@ -333,12 +327,7 @@ gdp_status gdp_nn_cross_entropy(gdp_ctx *ctx, const gdp_tensor *logits,
                         shape_of(a, sizeof a, logits));
   GDP_TRY(check_leading_shape(func, "targets", targets, "logits", logits));
   if (mask) {
-    const gdp_ctx *mc = mask->storage->ctx;
-    if (mc->type != GDP_DEVICE_CPU && (mc->type != ctx->type || mc->index != ctx->index))
-      return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG,
-                          "mask: expected a tensor on cpu or on %s:%d (ctx), got %s:%d",
-                          gdp_device_type_name(ctx->type), ctx->index,
-                          gdp_device_type_name(mc->type), mc->index);
+    GDP_TRY(check_host_readable(func, "mask", ctx, mask));
     GDP_TRY(check_same_shape(func, "mask", mask, "targets", targets));
   }
   const int64_t V = logits->shape[logits->ndim - 1];
