@@ -446,3 +446,33 @@ describe("nn.functional", function()
                    "D: expected H = 3 values (per head) or H*P = 15 (per channel)")
   end)
 end)
+
+-- spec/helper.lua's check of A_log and dt_bias against their summed per-token terms
+-- (the bf16 cuda specs use it): it passes a correct float32 layer and fails a gradient
+-- off by 1% of the terms of one head.
+describe("the gate-parameter gradients against their summed terms", function()
+  it("pass a float32 layer against float64 and catch a wrong one", function()
+    gdp_test.reseed(5)
+    local function cfg(dtype)
+      return { hidden_size = 32, num_heads = 4, head_dim = 8, num_groups = 2, state_dim = 16,
+               num_householder = 2, dtype = dtype, seed = 3 }
+    end
+    local ref, m = nn.GatedDeltaProduct(cfg("f64")), nn.GatedDeltaProduct(cfg("f32"))
+    m:set_parameters(ref:parameters())
+    ref:set_parameters(m:parameters())
+    local cu = { 0, 11, 40 }
+    local x = gdp.randn({ 40, 1, 32 }, { dtype = "f64" }):to("f32")
+    local dy = gdp.randn({ 40, 1, 32 }, { dtype = "f64" }):to("f32")
+    local rec = gdp_test.record_mixer_grads(ref)
+    m:backward(x, dy, cu)
+    ref:backward(x:to("f64"), dy:to("f64"), cu)
+    gdp_test.assert_model_grads_near(m:gradients(), ref:gradients(), m:parameter_names(), 1e-4, rec, true)
+    local S = gdp_test.gate_term_scales(ref, rec[""].dy)
+    local v = m:gradients()["dt_bias"]:flat()
+    v[2] = v[2] + 0.01 * S.dt_bias[2]
+    local bad = gdp.tensor(v, { #v }, { dtype = "f32" })
+    assert.has_error(function()
+      gdp_test.assert_gate_sum_near(bad, ref:gradients()["dt_bias"], S.dt_bias, 1e-3, "dt_bias")
+    end)
+  end)
+end)
