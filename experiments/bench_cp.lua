@@ -471,7 +471,7 @@ local function timed(fn)
 end
 
 local STAGES = {
-  chunkwise = { "summary_forward", "allgather_forward", "compose_forward", "local_forward",
+  chunkwise = { "summary_forward", "allgather_forward", "compose_forward", "correct_forward", "local_forward",
                 "summary_backward", "allgather_backward", "compose_backward", "local_backward" },
   headwise = { "all_to_all_in_forward", "local_forward", "all_to_all_out_forward",
                "all_to_all_out_backward", "local_backward", "all_to_all_in_backward" },

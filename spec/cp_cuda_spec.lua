@@ -111,32 +111,3 @@ describe("nn.GatedDeltaProduct on cuda, cp_mode = \"headwise\", equals cp = 1 #g
     end)
   end
 end)
-
-describe("gdp_chunkwise_context_parallel: the split-column summaries #mpi", function()
-  -- On the cpu, the cuda backend's two-run summaries must equal the one-run [v | 0]
-  -- summaries (the state's columns evolve independently): same layer, both backends.
-  it("chunkwise layer with split_columns equals the default cpu backend (f64)", function()
-    local chunkwise = require("gdp.cp.chunkwise")
-    local cfg = { hidden_size = 8, num_heads = 2, head_dim = 3, num_groups = 1, state_dim = 4,
-                  num_householder = 2, dtype = "f64", seed = 9, cp_mode = "chunkwise", cp_group = group }
-    local lengths = boundary_lengths(6)
-    local cu = cumsum(lengths)
-    local T = cu[#cu]
-    if T % P ~= 0 then pending("token count not divisible by " .. P) return end
-    H.reseed(77)
-    local x = gdp.randn({ T, 1, 8 }, { dtype = "f64" })
-    local dy = gdp.randn({ T, 1, 8 }, { dtype = "f64" })
-    local sopts = { layout = "contiguous", cu_seqlens = cu }
-    local xl, dyl = shard.split(x, P, RANK, sopts), shard.split(dy, P, RANK, sopts)
-    local a = nn.GatedDeltaProduct(cfg)
-    local b = nn.GatedDeltaProduct(cfg)
-    b.cp_backend = chunkwise.cpu_backend({ split_columns = true })
-    local oa, ob = a:forward(xl, cu), b:forward(xl, cu)
-    local da, db = a:backward(xl, dyl, cu), b:backward(xl, dyl, cu)
-    local rows = { { name = "out", err = H.rel_error(ob, oa) }, { name = "dx", err = H.rel_error(db, da) } }
-    for _, name in ipairs(a:parameter_names()) do
-      rows[#rows + 1] = { name = "grad " .. name, err = H.rel_error(b:gradients()[name], a:gradients()[name]) }
-    end
-    expect_rows(rows, 1e-12, "split columns")
-  end)
-end)

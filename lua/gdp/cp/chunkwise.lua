@@ -20,7 +20,9 @@
 --
 -- Summaries are float32 for float32/bf16 inputs (the operator's state dtype) and
 -- float64 for float64 inputs, so that float64 runs match cp = 1 to ~1e-15; the
--- prefix/suffix compositions run in float64 on the CPU backend.
+-- prefix/suffix compositions run in the summaries' dtype on their device.  (The
+-- backend below never runs V + K columns at once: the same linearity splits the
+-- summary into runs the local work needs anyway -- see cpu_backend.)
 --
 -- Packed input (B = 1, local cu_seqlens): the summary of the forward is that of the
 -- rank's LAST local sequence and S_in is the initial state of its FIRST one; the
@@ -43,7 +45,9 @@
 -- W-1 tokens to the next rank, zeroed on rank 0 and cut where another sequence ends.
 --
 -- gdp.cp.timing (off by default) clocks the stages: summary_*, allgather_*, compose_*,
--- local_* (the operator's own run) for _forward and _backward, and halo_*.
+-- local_* (the operator's own runs, also where a backend runs them inside its summary
+-- stage) for _forward and _backward, correct_forward (the start's outputs added to a
+-- local run from zero) and halo_*.
 local tensor = require("gdp.tensor")
 local util = require("gdp.util")
 local ops = require("gdp.ops")
@@ -121,16 +125,6 @@ end
 
 ------------------------------------------------------------------------------- helpers
 
--- [..., V] -> [..., V + extra], zeros in the new columns.
-local function pad_columns(x, extra)
-  local shape = x:shape()
-  local V = shape[#shape]
-  shape[#shape] = V + extra
-  local out = tensor.zeros(shape, { dtype = x:dtype(), device = x:device() })
-  out:narrow(#shape, 1, V):copy(x)
-  return out
-end
-
 -- First and last non-empty local sequences (1-based) of a local cu_seqlens table.
 local function first_last(cu)
   local first, last
@@ -179,25 +173,29 @@ CpuBackend.__name = "gdp.cp.CpuBackend"
 
 -- The CPU backend: the local work is gdp.ops' operator (opts.algorithm overrides the
 -- inputs' algorithm when given).
--- opts.split_columns: compute the [V + K]-column summaries as two operator runs, one
--- on the V value columns and one on K columns (the state's columns evolve
--- independently, so the result is the same); nil: on for cuda inputs, where V and K
--- each take the fast path (K, V in {64, 128}) but V + K does not.
+--
+-- What it runs, by linearity of the recurrence in (S_in, v) (the state's columns evolve
+-- independently): a rank whose forward summary someone reads runs the local operator
+-- from zero at once (its outputs o0, and dS, the last sequence's final state) and the
+-- transition of its last sequence -- the operator on K zero value columns from I_K,
+-- whose final state is M and whose outputs O satisfy o(S_in) = o0 + O S_in.  Once S_in
+-- is composed, forward_apply adds O S_in to the first sequence's outputs (one
+-- [T, K] x [K, V] product per head) instead of running the operator again.  A rank whose
+-- summary nobody reads runs the operator once, from S_in, after the all-gather.  The
+-- backward summary's M^T is the transpose of the first sequence's forward transition
+-- (kept from the forward when it ran, else one forward run on K columns -- cheaper than
+-- a backward one), so the backward runs the operator's backward for gamma (dO on the
+-- first sequence, dht = 0) and for the local gradients: two runs, not three.
 function M.cpu_backend(opts)
   opts = opts or {}
-  return setmetatable({ name = "cpu", algorithm = opts.algorithm, split_columns = opts.split_columns,
-                        eye_cache = {} }, CpuBackend)
+  return setmetatable({ name = "cpu", algorithm = opts.algorithm, eye_cache = {} }, CpuBackend)
 end
 
--- The backend for cuda inputs: the same four stages (the local operator runs on the
--- device, the float64 compositions on the host: each rank copies the gathered
--- [n, Nb, H, K, V + K] float32 summaries to the host, composes, and copies [Nb, H, K, V]
--- back), with the summaries computed by two fast-path runs (split_columns).
+-- The backend for cuda inputs: the same stages and runs on the device, the compositions
+-- too (in the float32 state dtype).
 function M.cuda_backend(opts)
-  opts = opts or {}
   local b = M.cpu_backend(opts)
   b.name = "cuda"
-  if opts.split_columns == nil then b.split_columns = true end
   return b
 end
 
@@ -205,11 +203,6 @@ end
 function M.backend_for(device)
   if type(device) == "string" and device:match("^cuda") then return M.cuda_backend() end
   return M.cpu_backend()
-end
-
-local function split_columns(self, device)
-  if self.split_columns ~= nil then return self.split_columns end
-  return type(device) == "string" and device:match("^cuda") ~= nil
 end
 
 -- The initial state handed to the operator: float64 stays float64 on the cpu; on cuda
@@ -221,18 +214,18 @@ local function state_on(S, device, sdtype)
   return S:to({ device = device })
 end
 
--- [Nb, H, K, V+K] of `dtype`: zeros, then I_K in the last K columns of every (b, h).
-function CpuBackend:identity_state(Nb, H, K, V, dtype, device)
-  local key = table.concat({ Nb, H, K, V, dtype, device }, ":")
+-- [Nb, H, K, K] of `dtype`: I_K for every (b, h).
+function CpuBackend:identity_state(Nb, H, K, dtype, device)
+  local key = table.concat({ Nb, H, K, dtype, device }, ":")
   local cached = self.eye_cache[key]
   if cached then return cached end
   local vals = {}
   for i = 1, K * K do vals[i] = 0 end
   for i = 0, K - 1 do vals[i * K + i + 1] = 1 end
   local eye = tensor.tensor(vals, { K, K }, { dtype = dtype, device = device })
-  local out = tensor.zeros({ Nb, H, K, V + K }, { dtype = dtype, device = device })
+  local out = tensor.empty({ Nb, H, K, K }, { dtype = dtype, device = device })
   for b = 1, Nb do
-    for h = 1, H do out:select(1, b):select(1, h):narrow(2, V + 1, K):copy(eye) end
+    for h = 1, H do out:select(1, b):select(1, h):copy(eye) end
   end
   self.eye_cache[key] = out
   return out
@@ -244,15 +237,15 @@ local function with_algorithm(self, args)
 end
 
 -- Composition of the preceding ranks' [dS | M] (in rank order): S <- M_j S + dS_j from
--- S = 0.  Returns [Nb, H, K, V] float64, or nil when there are none.
+-- S = 0, in the summaries' dtype on their device.  Returns [Nb, H, K, V], or nil when
+-- there are none.
 local function compose_prefix(preceding, V, K)
   local np = preceding:size(1)
   if np == 0 then return nil end
-  local all = preceding:to({ dtype = "f64", device = "cpu" })
-  local S = all:select(1, 1):narrow(4, 1, V):clone()
+  local S = preceding:select(1, 1):narrow(4, 1, V):clone()
   local Nb, H = S:size(1), S:size(2)
   for j = 2, np do
-    local sj = all:select(1, j)
+    local sj = preceding:select(1, j)
     local S_new = sj:narrow(4, 1, V):clone()
     for b = 1, Nb do
       for h = 1, H do
@@ -271,11 +264,10 @@ end
 local function compose_suffix(following, V, K)
   local nf = following:size(1)
   if nf == 0 then return nil end
-  local all = following:to({ dtype = "f64", device = "cpu" })
-  local dS = all:select(1, nf):narrow(4, 1, V):clone()
+  local dS = following:select(1, nf):narrow(4, 1, V):clone()
   local Nb, H = dS:size(1), dS:size(2)
   for j = nf - 1, 1, -1 do
-    local sj = all:select(1, j)
+    local sj = following:select(1, j)
     local dS_new = sj:narrow(4, 1, V):clone()
     for b = 1, Nb do
       for h = 1, H do
@@ -290,70 +282,107 @@ local function compose_suffix(following, V, K)
 end
 M.compose_prefix, M.compose_suffix = compose_prefix, compose_suffix
 
+-- Token span {t0, t1} of local sequence s of a packed input; nil (all tokens) unpacked.
+local function span_of(inputs, s)
+  local cu = inputs.cu_seqlens
+  if cu == nil then return nil end
+  return { cu[s], cu[s + 1] }
+end
+
+-- The transition of a span (nil: every token, each batch column its own): the operator
+-- from h0 = I_K on K zero value columns.  Returns its outputs O [B', T', H, K] and final
+-- states M [Nb', H, K, K]: S_out = M S_in + dS, and the outputs of a start S_in are O S_in.
+function CpuBackend:transition(ctx, span)
+  local inputs = ctx.inputs
+  local args = with_algorithm(self, span and op_args(inputs, span[1], span[2]) or op_args(inputs))
+  local vshape = args.v:shape()
+  vshape[#vshape] = ctx.K
+  args.v = tensor.zeros(vshape, { dtype = args.v:dtype(), device = args.v:device() })
+  args.initial_state = self:identity_state(span and 1 or ctx.Nb, ctx.H, ctx.K, ctx.sdtype, args.v:device())
+  args.output_final_state = true
+  return ops.chunk_gated_delta_product(args)
+end
+
+-- o[:, span] += O S_in per batch column and head (o [B,T,H,V], O [B,T',H,K] over the
+-- span, S_in [B,H,K,V]).  bf16: the products accumulate in float32 onto o's values.
+local function add_start_outputs(o, O, S_in, span)
+  local target = span and o:narrow(2, span[1] + 1, span[2] - span[1]) or o
+  local bf16 = o:dtype() == "bf16"
+  local acc = bf16 and target:to("f32") or target
+  local S = S_in:to({ dtype = o:dtype(), device = o:device() })
+  for b = 1, target:size(1) do
+    for h = 1, target:size(3) do
+      tensor.matmul(O:select(1, b):select(2, h), S:select(1, b):select(1, h),
+                    { out = acc:select(1, b):select(2, h), beta = 1 })
+    end
+  end
+  if bf16 then target:copy(acc) end
+end
+
 -- Local summary [dS | M] of the last local sequence (zero start).
 function CpuBackend:forward_prepare(inputs)
   local Nb, H, K, V = dims(inputs)
   local sdtype = state_dtype(inputs.q:dtype())
   local device = inputs.q:device()
-  local summary
+  local ctx = { inputs = inputs, Nb = Nb, H = H, K = K, V = V, sdtype = sdtype }
   if inputs.need_forward_summary == false then
-    summary = tensor.zeros({ Nb, H, K, V + K }, { dtype = sdtype, device = device })
-  else
-    local args
-    if inputs.cu_seqlens ~= nil then
-      local cu = inputs.cu_seqlens
-      local _, last = first_last(cu)
-      args = op_args(inputs, cu[last], cu[last + 1])
+    return tensor.zeros({ Nb, H, K, V + K }, { dtype = sdtype, device = device }), ctx
+  end
+  local cu = inputs.cu_seqlens
+  local first, last
+  if cu ~= nil then first, last = first_last(cu) end
+  ctx.first, ctx.last = first, last
+  local args = with_algorithm(self, op_args(inputs))
+  args.output_final_state = true
+  local o0, ht = timing.stage("local_forward", device, ops.chunk_gated_delta_product, args)
+  ctx.o0 = o0
+  local O_last, M_last = self:transition(ctx, span_of(inputs, last))
+  -- the first sequence's transition, where a start reaches it (its outputs correct o0)
+  if inputs.need_backward_summary ~= false then
+    if first == last then
+      ctx.O_first, ctx.M_first = O_last, M_last
     else
-      args = op_args(inputs)
-    end
-    args = with_algorithm(self, args)
-    args.output_final_state = true
-    if split_columns(self, device) then
-      -- dS: the value columns from zero; M: K zero columns from I
-      local _, dS = ops.chunk_gated_delta_product(args)
-      local eye = self:identity_state(Nb, H, K, 0, sdtype, device)
-      local vshape = args.v:shape()
-      vshape[#vshape] = K
-      args.v = tensor.zeros(vshape, { dtype = args.v:dtype(), device = device })
-      args.initial_state = eye
-      local _, Mt = ops.chunk_gated_delta_product(args)
-      summary = tensor.empty({ Nb, H, K, V + K }, { dtype = sdtype, device = device })
-      summary:narrow(4, 1, V):copy(dS)
-      summary:narrow(4, V + 1, K):copy(Mt)
-    else
-      args.v = pad_columns(args.v, K)
-      args.initial_state = self:identity_state(Nb, H, K, V, sdtype, device)
-      local _, ht = ops.chunk_gated_delta_product(args)
-      summary = ht
+      ctx.O_first, ctx.M_first = self:transition(ctx, span_of(inputs, first))
     end
   end
-  return summary, { inputs = inputs, Nb = Nb, H = H, K = K, V = V, sdtype = sdtype }
+  local summary = tensor.empty({ Nb, H, K, V + K }, { dtype = sdtype, device = device })
+  summary:narrow(4, 1, V):copy(cu and ht:narrow(1, last, 1) or ht)
+  summary:narrow(4, V + 1, K):copy(M_last)
+  return summary, ctx
 end
 
--- Composes S_in from the preceding summaries and runs the local forward.
-function CpuBackend:forward_apply(local_ctx, preceding)
-  local inputs = local_ctx.inputs
-  local V, K = local_ctx.V, local_ctx.K
-  local h0 = timing.stage("compose_forward", inputs.q:device(), function()
-    local S_in = compose_prefix(preceding, V, K)
-    if S_in == nil then return nil end
+-- Composes S_in from the preceding summaries and runs (or completes) the local forward.
+function CpuBackend:forward_apply(ctx, preceding)
+  local inputs = ctx.inputs
+  local V, K = ctx.V, ctx.K
+  local device = inputs.q:device()
+  local S_in = timing.stage("compose_forward", device, compose_prefix, preceding, V, K)
+  local h0
+  if S_in ~= nil then
     if inputs.cu_seqlens ~= nil then
       local cu = inputs.cu_seqlens
-      local first = first_last(cu)
-      local device = inputs.q:device()
-      local hdtype = device:match("^cuda") and local_ctx.sdtype or "f64"
-      local h = tensor.zeros({ #cu - 1, local_ctx.H, K, V }, { dtype = hdtype, device = device })
-      h:select(1, first):copy(S_in:select(1, 1))
-      return h
+      local hdtype = device:match("^cuda") and ctx.sdtype or "f64"
+      h0 = tensor.zeros({ #cu - 1, ctx.H, K, V }, { dtype = hdtype, device = device })
+      h0:select(1, (first_last(cu))):copy(S_in:select(1, 1))
+    else
+      h0 = state_on(S_in, device, ctx.sdtype)
     end
-    return state_on(S_in, inputs.q:device(), local_ctx.sdtype)
-  end)
-  local args = with_algorithm(self, op_args(inputs))
-  args.initial_state = h0
-  local o = timing.stage("local_forward", inputs.q:device(), ops.chunk_gated_delta_product, args)
-  return o, { inputs = inputs, h0 = h0, Nb = local_ctx.Nb, H = local_ctx.H, K = K, V = V,
-              sdtype = local_ctx.sdtype }
+  end
+  local o
+  if ctx.o0 ~= nil then
+    o = ctx.o0
+    if S_in ~= nil then
+      assert(ctx.O_first, "chunkwise CP: a start reached a rank that kept no first-sequence transition")
+      timing.stage("correct_forward", device, add_start_outputs, o, ctx.O_first, S_in,
+                   span_of(inputs, ctx.first))
+    end
+  else
+    local args = with_algorithm(self, op_args(inputs))
+    args.initial_state = h0
+    o = timing.stage("local_forward", device, ops.chunk_gated_delta_product, args)
+  end
+  return o, { inputs = inputs, h0 = h0, Nb = ctx.Nb, H = ctx.H, K = K, V = V, sdtype = ctx.sdtype,
+              M_first = ctx.M_first, first = ctx.first }
 end
 
 -- Local backward summary [gamma | M^T] of the first local sequence.
@@ -361,49 +390,25 @@ function CpuBackend:backward_prepare(d_o, saved)
   local inputs = saved.inputs
   local Nb, H, K, V = saved.Nb, saved.H, saved.K, saved.V
   local device = inputs.q:device()
-  local summary
   if inputs.need_backward_summary == false then
-    summary = tensor.zeros({ Nb, H, K, V + K }, { dtype = saved.sdtype, device = device })
-  else
-    local args, dO
-    if inputs.cu_seqlens ~= nil then
-      local cu = inputs.cu_seqlens
-      local first = first_last(cu)
-      args = op_args(inputs, cu[first], cu[first + 1])
-      dO = d_o:narrow(2, cu[first] + 1, cu[first + 1] - cu[first])
-    else
-      args = op_args(inputs)
-      dO = d_o
-    end
-    args = with_algorithm(self, args)
-    if split_columns(self, device) then
-      -- gamma: dO on the value columns with dht = 0; M^T: K zero columns with dht = I
-      -- (dh0 is only returned for a given h0; the adjoint does not depend on its value)
-      args["do"] = dO
-      args.initial_state = tensor.zeros({ Nb, H, K, V }, { dtype = saved.sdtype, device = device })
-      local gamma = ops.chunk_gated_delta_product_backward(args).dh0
-      local vshape = args.v:shape()
-      vshape[#vshape] = K
-      args.v = tensor.zeros(vshape, { dtype = args.v:dtype(), device = device })
-      local dshape = dO:shape()
-      dshape[#dshape] = K
-      args["do"] = tensor.zeros(dshape, { dtype = dO:dtype(), device = device })
-      args.initial_state = tensor.zeros({ Nb, H, K, K }, { dtype = saved.sdtype, device = device })
-      args.dht = self:identity_state(Nb, H, K, 0, saved.sdtype, device)
-      local MT = ops.chunk_gated_delta_product_backward(args).dh0
-      summary = tensor.empty({ Nb, H, K, V + K }, { dtype = saved.sdtype, device = device })
-      summary:narrow(4, 1, V):copy(gamma)
-      summary:narrow(4, V + 1, K):copy(MT)
-    else
-      args.v = pad_columns(args.v, K)
-      args["do"] = pad_columns(dO, K)
-      -- dh0 is only returned for a given h0; the adjoint does not depend on its value.
-      args.initial_state = tensor.zeros({ Nb, H, K, V + K }, { dtype = saved.sdtype, device = device })
-      args.dht = self:identity_state(Nb, H, K, V, saved.sdtype, device)
-      local g = ops.chunk_gated_delta_product_backward(args)
-      summary = g.dh0
-    end
+    return tensor.zeros({ Nb, H, K, V + K }, { dtype = saved.sdtype, device = device }), { saved = saved, d_o = d_o }
   end
+  local summary = tensor.empty({ Nb, H, K, V + K }, { dtype = saved.sdtype, device = device })
+  local cu = inputs.cu_seqlens
+  local first = cu and first_last(cu)
+  local span = span_of(inputs, first)
+  local args = with_algorithm(self, span and op_args(inputs, span[1], span[2]) or op_args(inputs))
+  -- gamma: dO on the value columns with dht = 0 (dh0 is only returned for a given h0;
+  -- the adjoint does not depend on its value)
+  args["do"] = span and d_o:narrow(2, span[1] + 1, span[2] - span[1]) or d_o
+  args.initial_state = tensor.zeros({ Nb, H, K, V }, { dtype = saved.sdtype, device = device })
+  summary:narrow(4, 1, V):copy(ops.chunk_gated_delta_product_backward(args).dh0)
+  local M_first = saved.M_first
+  if M_first == nil then
+    local _
+    _, M_first = self:transition(saved, span)
+  end
+  summary:narrow(4, V + 1, K):copy(M_first:transpose(3, 4))
   return summary, { saved = saved, d_o = d_o }
 end
 
@@ -412,25 +417,25 @@ function CpuBackend:backward_apply(bwd_ctx, following)
   local saved = bwd_ctx.saved
   local inputs = saved.inputs
   local V, K = saved.V, saved.K
-  local dht = timing.stage("compose_backward", inputs.q:device(), function()
+  local device = inputs.q:device()
+  local dht = timing.stage("compose_backward", device, function()
     local dS_out = compose_suffix(following, V, K)
     if dS_out == nil then return nil end
     if inputs.cu_seqlens ~= nil then
       local cu = inputs.cu_seqlens
       local _, last = first_last(cu)
-      local device = inputs.q:device()
       local hdtype = device:match("^cuda") and saved.sdtype or "f64"
       local h = tensor.zeros({ #cu - 1, saved.H, K, V }, { dtype = hdtype, device = device })
       h:select(1, last):copy(dS_out:select(1, 1))
       return h
     end
-    return state_on(dS_out, inputs.q:device(), saved.sdtype)
+    return state_on(dS_out, device, saved.sdtype)
   end)
   local args = with_algorithm(self, op_args(inputs))
   args.initial_state = saved.h0
   args["do"] = bwd_ctx.d_o
   args.dht = dht
-  local g = timing.stage("local_backward", inputs.q:device(), ops.chunk_gated_delta_product_backward, args)
+  local g = timing.stage("local_backward", device, ops.chunk_gated_delta_product_backward, args)
   return { dq = g.dq, dk = g.dk, dv = g.dv, dg = g.dg, dbeta = g.dbeta }
 end
 

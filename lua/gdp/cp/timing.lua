@@ -11,7 +11,7 @@
 -- timed between synchronisations of its device, so its queued device work counts where
 -- it ran; the synchronisations slow the whole run, so time the plain path with it off.
 -- Stages (their names are the keys): chunkwise summary_forward, allgather_forward,
--- compose_forward, local_forward and the same four _backward, halo_forward,
+-- compose_forward, local_forward and the same four _backward, correct_forward, halo_forward,
 -- halo_backward (the layer's conv halo); headwise all_to_all_in_forward, local_forward,
 -- all_to_all_out_forward, all_to_all_out_backward, local_backward, all_to_all_in_backward.
 -- local_* are the operator's own runs; every other stage is CP work around them.
@@ -35,17 +35,27 @@ end
 -- The table the clock adds to, or nil when it is off.
 function M.get() return acc end
 
+-- Seconds of the stages nested inside the running one (nil at the top level): a stage
+-- counts its own time only, so stages never count twice.
+local nested = nil
+
 -- fn(...)'s results; with the clock on, fn's seconds (device work included: `device` is
--- the device name its work runs on) are added to the table under `name`.
+-- the device name its work runs on), less those of stages nested inside it, are added
+-- to the table under `name`.
 function M.stage(name, device, fn, ...)
   if acc == nil then return fn(...) end
   local ctx = tensor.get_ctx("cp.timing", device)
   ctx:sync()
+  local outer = nested
+  nested = 0
   local t0 = lib.gdp_time_now()
-  local r = pack(fn(...))
+  local r = pack(pcall(fn, ...))
   ctx:sync()
-  acc[name] = (acc[name] or 0) + (lib.gdp_time_now() - t0)
-  return unpack(r, 1, r.n)
+  local dt = lib.gdp_time_now() - t0
+  acc[name] = (acc[name] or 0) + dt - nested
+  nested = outer and outer + dt or nil
+  if not r[1] then error(r[2], 0) end
+  return unpack(r, 2, r.n)
 end
 
 return M
