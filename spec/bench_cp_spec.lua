@@ -105,7 +105,7 @@ describe("bench_cp", function()
       end
       local names = table.concat(bd.stage_order, ",")
       if r.mode == "chunkwise" then
-        assert.truthy(names:find("summary_forward,allgather_forward,compose_forward,local_forward", 1, true), names)
+        assert.truthy(names:find("summary_forward,allgather_forward,compose_forward,correct_forward,local_forward", 1, true), names)
         assert.are.equal(r.target == "layer", names:find("halo_backward", 1, true) ~= nil, names)
       else
         assert.truthy(names:find("all_to_all_in_forward,local_forward,all_to_all_out_forward", 1, true), names)
