@@ -31,6 +31,7 @@ local nn = require("gdp.nn")
 local optim = require("gdp.optim")
 local train = require("gdp.train")
 local data = require("gdp.data")
+local profile = require("gdp.nn.profile")
 
 local opts = util.parse_args(arg, {
     quick = false, device = "cpu", dtype = "f32",
@@ -39,7 +40,7 @@ local opts = util.parse_args(arg, {
     train_len = 128, eval_len = 512, train_seqs = 99000, batch = 2048, epochs = 100,
     eval_batch = 2048, eval_every = 100, early_stop = 0.99, curve_step = 32,
     lr = 1e-3, weight_decay = 1e-6, warmup = 0, max_grad_norm = 1.0,
-    resume = "", speed = false, speed_steps = 20, against_fla = false,
+    resume = "", speed = false, speed_steps = 20, against_fla = false, profile = false,
     fla_cmd = "python3 tools/fla_state_tracking.py",
   }, {
   usage = "./gdp experiments/state_tracking.lua [--quick] [options]",
@@ -65,6 +66,7 @@ local opts = util.parse_args(arg, {
     { "speed", "instead of training to the end: tokens/s of --speed-steps training steps per n_h" },
     { "speed_steps", "timed steps per n_h with --speed (after 3 untimed)" },
     { "against_fla", "with --speed: fla's GatedDeltaProductForCausalLM at the same config, same call" },
+    { "profile", "with --speed: two more steps with gdp.nn.profile attached; prints where a step's time goes" },
     { "fla_cmd", "the fla side's command (PYTHONPATH with fla's source is the caller's)" },
   },
 })
@@ -173,6 +175,23 @@ local function speed_of(cfg)
     x:free(); y:free()
   end
   local step_s = util.median(times)
+  if cfg.profile then
+    local prof = profile.attach(model)
+    prof:add(crit, "forward", "criterion forward"):add(crit, "backward", "criterion backward")
+    prof:add(opt, "step", "optimizer step"):add(optim, "clip_grad_norm", "clip_grad_norm")
+    for i = 1, 2 do
+      local x, y = data.state_tracking{ task = cfg.task, batch = cfg.batch, length = cfg.train_len,
+                                        seed = TRAIN_SEED, offset = (i - 1) * cfg.batch, device = cfg.device }
+      prof:stage("the rest of the step", cfg.device, train.step, { model = model, optimizer = opt, criterion = crit,
+                 max_grad_norm = cfg.max_grad_norm > 0 and cfg.max_grad_norm or nil,
+                 batch = { input = x, target = y, tokens = cfg.batch * cfg.train_len } })
+      x:free(); y:free()
+    end
+    prof:detach()
+    print(string.format("# profile of %s at n_h = %d (2 synchronised steps; unprofiled step %.2f ms):",
+                        cfg.task, cfg.nh, step_s * 1e3))
+    print(prof:format())
+  end
   return { step_ms = step_s * 1e3, tokens_per_s = cfg.batch * cfg.train_len / step_s }
 end
 
