@@ -8,11 +8,12 @@
  * of up to 1024) owns one (token, group); each thread loads K vectors of V elements
  * (16 bytes when every operand allows it, else V = 1) of o, x_v, z and d_out into
  * registers, so each element is read once and the backward needs no second pass.
- * The group sums are float32 team reductions (shuffles, or shared memory across warps).
- * The backward walks a fixed chunk of tokens per block for one group, keeps per-thread
- * float32 sums of d_out * xh and d_o * x_v for its channels, adds its teams' sums in
- * team order into one float32 partial row per (chunk, group), and a second kernel sums
- * the chunks in double: the same sizes give the same bits, no atomics.
+ * The group sums are team reductions in the math type (float32 for f32 and bf16:
+ * shuffles, or shared memory when a team spans warps).  The backward walks a fixed
+ * chunk of tokens per block for one group, keeps per-thread sums of d_out * xh and
+ * d_o * x_v for its channels, adds its teams' sums in team order into one partial row
+ * per (chunk, group), and a second kernel sums the rows in double: the same sizes give
+ * the same bits, no atomics.
  *
  * L2 norm: one warp per row.
  */
@@ -30,7 +31,7 @@ enum {
   NORM_MAX_ELEMS = 16,     /* register elements per thread and operand before teams widen */
   NORM_MAX_K = 8,          /* vectors per thread at the widest team */
   NORM_TARGET_BLOCKS = 1024, /* backward: chunks x groups aimed at (a few waves) */
-  NORM_SMEM_FLOATS = 12288 /* backward: the teams' sums in shared memory (48 KB) */
+  NORM_SMEM_BYTES = 49152  /* backward: the teams' sums in shared memory */
 };
 
 /* The element offset of channel c of token (t, b) in an operand with strides s. */
@@ -75,7 +76,7 @@ template <typename IO> struct NormArgs {
   gdp_out_norm_problem p;
   const IO *o, *x_v, *D, *z, *weight, *d_out;
   IO *out, *d_o, *dz, *dx_v;
-  float *partial;         /* [chunks][2][d]: dweight, then dD per channel */
+  typename Math<IO>::type *partial; /* [chunks][2][d]: dweight, then dD per channel */
   int tpg;                /* team size */
   int64_t rows_per_chunk; /* backward: tokens per block */
 };
@@ -153,11 +154,45 @@ __global__ void out_norm_fwd_kernel(NormArgs<IO> a) {
   }
 }
 
+/* The block's partial row `pass` of its chunk and group: the teams' sums acc, added in
+ * team order through shared memory ([teams][gs] of the math type). */
+template <typename IO, int V, int K, typename A>
+__device__ __forceinline__ void stash_partial(const NormArgs<IO> &a, const Slots<V, K> &sl,
+                                              int team, int teams, const A (&acc)[K * V],
+                                              int pass) {
+  extern __shared__ __align__(16) unsigned char norm_smem[];
+  A *team_acc = (A *)norm_smem;
+  const int gs = (int)a.p.group_size, d = (int)(a.p.H * a.p.P);
+  A *row = a.partial + ((int64_t)blockIdx.x * 2 + pass) * d + sl.c0;
+  if (teams == 1) { /* uniform: a lone team writes its sums straight out */
+#pragma unroll
+    for (int k = 0; k < K; k++) {
+      if (!sl.has(k)) continue;
+#pragma unroll
+      for (int i = 0; i < V; i++) row[(sl.lane + k * sl.tpg) * V + i] = acc[k * V + i];
+    }
+    return;
+  }
+#pragma unroll
+  for (int k = 0; k < K; k++) {
+    if (!sl.has(k)) continue;
+    const int j = (sl.lane + k * sl.tpg) * V;
+#pragma unroll
+    for (int i = 0; i < V; i++) team_acc[team * gs + j + i] = acc[k * V + i];
+  }
+  __syncthreads();
+  for (int j = threadIdx.x; j < gs; j += blockDim.x) {
+    A s = (A)0;
+    for (int tm = 0; tm < teams; tm++) s += team_acc[tm * gs + j];
+    row[j] = s;
+  }
+  __syncthreads();
+}
+
 template <typename IO, int V, int K>
 __global__ void out_norm_bwd_kernel(NormArgs<IO> a) {
   typedef typename Math<IO>::type A;
   __shared__ A red[32];
-  extern __shared__ float team_acc[]; /* [teams][gs] */
   const gdp_out_norm_problem &p = a.p;
   const int tpg = a.tpg, team = threadIdx.x / tpg, teams = blockDim.x / tpg;
   const int gs = (int)p.group_size, P = (int)p.P, d = (int)(p.H * p.P);
@@ -217,30 +252,15 @@ __global__ void out_norm_bwd_kernel(NormArgs<IO> a) {
     }
   }
   if (!a.partial) return; /* uniform */
-  for (int pass = 0; pass < (has_D ? 2 : 1); pass++) {
-    const A *acc = pass == 0 ? acc_w : acc_D;
-#pragma unroll
-    for (int k = 0; k < K; k++) {
-      if (!sl.has(k)) continue;
-      const int j = (sl.lane + k * tpg) * V;
-#pragma unroll
-      for (int i = 0; i < V; i++) team_acc[team * gs + j + i] = (float)acc[k * V + i];
-    }
-    __syncthreads();
-    for (int j = threadIdx.x; j < gs; j += blockDim.x) {
-      float s = 0.0f;
-      for (int tm = 0; tm < teams; tm++) s += team_acc[tm * gs + j];
-      a.partial[((int64_t)blockIdx.x * 2 + pass) * d + sl.c0 + j] = s;
-    }
-    __syncthreads();
-  }
+  stash_partial(a, sl, team, teams, acc_w, 0);
+  if (has_D) stash_partial(a, sl, team, teams, acc_D, 1);
 }
 
 /* out[j] = the sum over chunks, then over the G channels j*G .. j*G+G-1, of partial row
  * `pass`, in double in a fixed order (one block per output). */
 template <typename T>
-__global__ void out_norm_final_kernel(const float *partial, int pass, int64_t nch, int64_t d,
-                                      int64_t G, T *out) {
+__global__ void out_norm_final_kernel(const typename Math<T>::type *partial, int pass,
+                                      int64_t nch, int64_t d, int64_t G, T *out) {
   __shared__ double red[32];
   const int64_t j = blockIdx.x;
   double s = 0.0;
@@ -354,17 +374,18 @@ static gdp_status norm_plan(const char *func, const gdp_out_norm_problem *p, int
                         (long long)gs, (long long)NORM_MAX_TEAM * NORM_MAX_K * V);
   pl->V = V, pl->tpg = (int)tpg;
   pl->K = K <= 1 ? 1 : K <= 2 ? 2 : K <= 4 ? 4 : 8;
-  pl->teams = tpg >= NORM_BLOCK ? 1 : (int)(NORM_BLOCK / tpg);
+  pl->teams = tpg > 32 ? 1 : (int)(NORM_BLOCK / tpg); /* a wider team is its block */
   if ((R + pl->teams - 1) / pl->teams > 0x7fffffffLL)
     return GDP_ERROR_IN(func, GDP_ERR_UNSUPPORTED, "too many tokens (%lld)", (long long)R);
   norm_chunks(p, &pl->chunks, &pl->rows_per_chunk);
   return GDP_OK;
 }
 
-/* The backward's teams per block: its shared sums must fit NORM_SMEM_FLOATS. */
-static int bwd_teams(const NormPlan &pl, int64_t gs) {
+/* The backward's teams per block: their sums (elem bytes each) must fit NORM_SMEM_BYTES. */
+static int bwd_teams(const NormPlan &pl, int64_t gs, size_t elem) {
   int teams = pl.teams;
-  while (teams > 1 && (int64_t)teams * gs > NORM_SMEM_FLOATS && teams * pl.tpg > 32) teams >>= 1;
+  while (teams > 1 && (size_t)teams * (size_t)gs * elem > NORM_SMEM_BYTES && teams * pl.tpg > 32)
+    teams >>= 1;
   return teams;
 }
 
@@ -435,18 +456,18 @@ static gdp_status out_norm_bwd(const gdp_out_norm_problem *p, const void *o, con
   NormPlan pl;
   GDP_TRY(norm_plan(func, p, V, &pl));
   const int64_t d = p->H * p->P, ng = d / p->group_size;
-  pl.teams = bwd_teams(pl, p->group_size);
+  pl.teams = bwd_teams(pl, p->group_size, sizeof(typename Math<IO>::type));
   NormArgs<IO> a = norm_args<IO>(p, o, x_v, D, z, weight, d_out, NULL, d_o, dz, dx_v);
   a.tpg = pl.tpg;
   a.rows_per_chunk = pl.rows_per_chunk;
-  a.partial = (dweight || dD) ? (float *)workspace : NULL;
+  a.partial = (dweight || dD) ? (typename Math<IO>::type *)workspace : NULL;
   if (pl.chunks > 0 && ng > 0) {
     if (pl.chunks > 0x7fffffffLL)
       return GDP_ERROR_IN(func, GDP_ERR_UNSUPPORTED, "too many token chunks (%lld)",
                           (long long)pl.chunks);
     dim3 grid((unsigned)pl.chunks, (unsigned)ng);
     const unsigned threads = (unsigned)(pl.teams * pl.tpg);
-    const size_t smem = a.partial ? (size_t)pl.teams * (size_t)p->group_size * sizeof(float) : 0;
+    const size_t smem = a.partial && pl.teams > 1 ? (size_t)pl.teams * (size_t)p->group_size * sizeof(typename Math<IO>::type) : 0;
     if (V == 1) {
       GDP_NORM_K_DISPATCH(pl.K, 1,
                           out_norm_bwd_kernel<IO, V, K><<<grid, threads, smem, stream>>>(a));
@@ -490,7 +511,7 @@ extern "C" size_t gdp_cuda_out_norm_bwd_workspace(const gdp_out_norm_problem *p)
   int64_t chunks, rows_per_chunk;
   norm_chunks(p, &chunks, &rows_per_chunk);
   const int64_t d = p->H * p->P;
-  return (size_t)(chunks > 0 ? chunks : 1) * 2 * (size_t)(d > 0 ? d : 1) * sizeof(float);
+  return (size_t)(chunks > 0 ? chunks : 1) * 2 * (size_t)(d > 0 ? d : 1) * sizeof(double);
 }
 
 extern "C" gdp_status gdp_cuda_out_norm_bwd(const gdp_out_norm_problem *p, const void *o,
