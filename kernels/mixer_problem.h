@@ -1,9 +1,11 @@
 /*
- * mixer_problem.h -- the mixer layer's conv1d as the kernels see it: plain sizes and
- * raw pointers to contiguous row-major buffers of one dtype, no tensor objects.  Shared
- * by the op layer (core/src/op_mixer.c), the backend table and the kernels of every
+ * mixer_problem.h -- the mixer layer's conv1d and output norm as the kernels see them:
+ * plain sizes and raw pointers to buffers of one dtype, no tensor objects.  Shared by
+ * the op layer (core/src/op_mixer.c), the backend table and the kernels of every
  * device.  (The other mixer ops need only a few sizes, passed as arguments; see
  * core/src/backend_impl.h.)
+ *
+ * conv1d, on contiguous row-major buffers:
  *
  *   x, out, dx [T,B,C]; wt [W,C] (tap-major: the transpose of Megatron's [C,1,W] weight,
  *   so that inner loops run over contiguous channels); dweight [C,W]; bias, dbias [C] or
@@ -25,5 +27,41 @@ typedef struct gdp_conv1d_problem {
   int num_threads;          /* CPU worker threads */
   int dtype;                /* gdp_dtype of every buffer: the compute dtype */
 } gdp_conv1d_problem;
+
+/*
+ * The output norm (gdp_mixer_out_norm_*, gdp_mixer_gated_rmsnorm_*): the D skip fused
+ * into the gated grouped RMSNorm,
+ *
+ *   y = o + D * x_v,  x = y * silu(z),  out = x * rstd * weight,
+ *   rstd = (mean over the group of x^2 + eps)^-1/2   (per token and group of gs channels)
+ *
+ * over tokens (t, b) and channels c = h*P + p.  Every token operand is addressed as
+ * [T,B,H,P] through its own element strides -- element (t,b,h,p) at t*st + b*sb + h*sh + p,
+ * p always contiguous -- so the operator's [B,T,H,P] output, x_v inside the conv output
+ * and z inside in_proj's output are read where they lie.  D [H] or [H*P] and weight [H*P]
+ * are contiguous.  The skip (D_mode 0) and the gate (z NULL) are optional.
+ *
+ * Backward, with dxh = d_out * weight, xh = x * rstd and c = mean over the group of dxh * xh:
+ *   dx = rstd (dxh - xh c),  d_o = dx * silu(z) (the gradient of y),
+ *   dz = dx * y * s (1 + z (1 - s)) with s = sigmoid(z),  dx_v = D * d_o,
+ *   dweight = sum over tokens of d_out * xh,  dD = sum over tokens of d_o * x_v (per head:
+ *   and over its P channels).
+ */
+typedef struct gdp_tbhp_strides {
+  int64_t t, b, h; /* elements; p has stride 1 */
+} gdp_tbhp_strides;
+
+enum { GDP_OUT_NORM_NO_D = 0, GDP_OUT_NORM_D_HEAD = 1, GDP_OUT_NORM_D_CHANNEL = 2 };
+
+typedef struct gdp_out_norm_problem {
+  int64_t T, B, H, P;
+  int64_t group_size; /* divides H*P */
+  double eps;
+  int D_mode;      /* GDP_OUT_NORM_NO_D, _D_HEAD (D [H]) or _D_CHANNEL (D [H*P]) */
+  int num_threads; /* CPU worker threads */
+  int dtype;       /* gdp_dtype of every buffer: the compute dtype */
+  /* forward operands and result; backward's d_out and results (unused ones ignored) */
+  gdp_tbhp_strides o, x_v, z, out, d_out, d_o, dz, dx_v;
+} gdp_out_norm_problem;
 
 #endif /* GDP_KERNELS_MIXER_PROBLEM_H */

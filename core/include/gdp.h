@@ -544,6 +544,27 @@ gdp_status gdp_mixer_gated_rmsnorm_backward(gdp_ctx *ctx, const gdp_tensor *y,
                                             const gdp_tensor *d_out, gdp_tensor **dy,
                                             gdp_tensor **dz, gdp_tensor **dweight);
 
+/* The mixer's output norm: the D skip fused into the gated grouped RMSNorm above,
+ *   y = o + D * x_v;  x = y * silu(z);  out = x * rstd * weight
+ * with o [B,T,H,P] (the operator's output layout), x_v [T,B,H,P] and D [H] (per head)
+ * or [H*P] (per channel; x_v and D both NULL: no skip), z [T,B,H*P] or NULL (no gate),
+ * weight [H*P], group_size dividing H*P; out [T,B,H*P].  Operands whose last dim is
+ * contiguous are read in place, whatever their other strides (views into larger
+ * buffers cost no copy); the math is float32 or better whatever the dtype. */
+gdp_status gdp_mixer_out_norm_forward(gdp_ctx *ctx, const gdp_tensor *o, const gdp_tensor *x_v,
+                                      const gdp_tensor *D, const gdp_tensor *z,
+                                      const gdp_tensor *weight, int64_t group_size, double eps,
+                                      gdp_tensor **out);
+/* d_out [T,B,H*P]; results (each pointer may be NULL: not wanted) d_o [B,T,H,P] (the
+ * gradient of y, in o's layout), dz like z, dx_v [T,B,H,P] (= D * d_o), dD like D,
+ * dweight like weight.  One pass over the operands; dD and dweight are summed in a
+ * fixed order (a run repeats bit for bit). */
+gdp_status gdp_mixer_out_norm_backward(gdp_ctx *ctx, const gdp_tensor *o, const gdp_tensor *x_v,
+                                       const gdp_tensor *D, const gdp_tensor *z,
+                                       const gdp_tensor *weight, int64_t group_size, double eps,
+                                       const gdp_tensor *d_out, gdp_tensor **d_o, gdp_tensor **dz,
+                                       gdp_tensor **dx_v, gdp_tensor **dD, gdp_tensor **dweight);
+
 /* Groups to heads: x [..., G, N] -> out [..., num_heads, N], head h reads group
  * h / (num_heads / G) (num_heads % G == 0).  Any dtype and device. */
 gdp_status gdp_mixer_repeat_heads_forward(gdp_ctx *ctx, const gdp_tensor *x, int64_t num_heads,

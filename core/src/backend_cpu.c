@@ -1000,30 +1000,25 @@ static gdp_status cpu_decay_backward(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows
   return GDP_OK;
 }
 
-static gdp_status cpu_gated_rmsnorm_forward(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows,
-                                            int64_t d, int64_t group_size, double eps,
-                                            const void *y, const void *z, const void *weight,
-                                            void *out) {
-  CPU_FLOAT_DISPATCH(dtype,
-                     return gdp_cpu_gated_rmsnorm_fwd_f64(rows, d, group_size, eps, y, z, weight,
-                                                          out, ctx->num_threads),
-                     return gdp_cpu_gated_rmsnorm_fwd_f32(rows, d, group_size, eps, y, z, weight,
-                                                          out, ctx->num_threads));
+static gdp_status cpu_out_norm_forward(gdp_ctx *ctx, const gdp_out_norm_problem *p,
+                                      const void *o, const void *x_v, const void *D,
+                                      const void *z, const void *weight, void *out) {
+  (void)ctx;
+  CPU_FLOAT_DISPATCH(p->dtype, return gdp_cpu_out_norm_fwd_f64(p, o, x_v, D, z, weight, out),
+                     return gdp_cpu_out_norm_fwd_f32(p, o, x_v, D, z, weight, out));
   return GDP_OK;
 }
 
-static gdp_status cpu_gated_rmsnorm_backward(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows,
-                                             int64_t d, int64_t group_size, double eps,
-                                             const void *y, const void *z, const void *weight,
-                                             const void *d_out, void *dy, void *dz,
-                                             void *dweight) {
-  CPU_FLOAT_DISPATCH(dtype,
-                     return gdp_cpu_gated_rmsnorm_bwd_f64(rows, d, group_size, eps, y, z, weight,
-                                                          d_out, dy, dz, dweight,
-                                                          ctx->num_threads),
-                     return gdp_cpu_gated_rmsnorm_bwd_f32(rows, d, group_size, eps, y, z, weight,
-                                                          d_out, dy, dz, dweight,
-                                                          ctx->num_threads));
+static gdp_status cpu_out_norm_backward(gdp_ctx *ctx, const gdp_out_norm_problem *p,
+                                       const void *o, const void *x_v, const void *D,
+                                       const void *z, const void *weight, const void *d_out,
+                                       void *d_o, void *dz, void *dx_v, void *dD, void *dweight) {
+  (void)ctx;
+  CPU_FLOAT_DISPATCH(p->dtype,
+                     return gdp_cpu_out_norm_bwd_f64(p, o, x_v, D, z, weight, d_out, d_o, dz,
+                                                     dx_v, dD, dweight),
+                     return gdp_cpu_out_norm_bwd_f32(p, o, x_v, D, z, weight, d_out, d_o, dz,
+                                                     dx_v, dD, dweight));
   return GDP_OK;
 }
 
@@ -1155,8 +1150,8 @@ const gdp_backend gdp_backend_cpu = {
     .silu_backward = cpu_silu_backward,
     .decay_forward = cpu_decay_forward,
     .decay_backward = cpu_decay_backward,
-    .gated_rmsnorm_forward = cpu_gated_rmsnorm_forward,
-    .gated_rmsnorm_backward = cpu_gated_rmsnorm_backward,
+    .out_norm_forward = cpu_out_norm_forward,
+    .out_norm_backward = cpu_out_norm_backward,
     .dskip_forward = cpu_dskip_forward,
     .dskip_backward = cpu_dskip_backward,
     .state_tracking = cpu_state_tracking,

@@ -775,27 +775,24 @@ static gdp_status cuda_decay_backward(gdp_ctx *ctx, gdp_dtype dtype, int64_t row
   return op_end(ctx);
 }
 
-static gdp_status cuda_gated_rmsnorm_forward(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows,
-                                             int64_t d, int64_t group_size, double eps,
-                                             const void *y, const void *z, const void *weight,
-                                             void *out) {
-  GDP_TRY(mixer_begin(ctx, "gated_rmsnorm_forward", dtype, rows, d));
-  GDP_TRY(gdp_cuda_gated_rmsnorm_fwd((int)dtype, rows, d, group_size, eps, y, z, weight, out,
-                                     state_of(ctx)->stream));
+static gdp_status cuda_out_norm_forward(gdp_ctx *ctx, const gdp_out_norm_problem *p,
+                                       const void *o, const void *x_v, const void *D,
+                                       const void *z, const void *weight, void *out) {
+  GDP_TRY(mixer_begin(ctx, "out_norm_forward", (gdp_dtype)p->dtype, p->T * p->B, p->H * p->P));
+  GDP_TRY(gdp_cuda_out_norm_fwd(p, o, x_v, D, z, weight, out, state_of(ctx)->stream));
   return op_end(ctx);
 }
 
-static gdp_status cuda_gated_rmsnorm_backward(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows,
-                                              int64_t d, int64_t group_size, double eps,
-                                              const void *y, const void *z, const void *weight,
-                                              const void *d_out, void *dy, void *dz,
-                                              void *dweight) {
-  GDP_TRY(mixer_begin(ctx, "gated_rmsnorm_backward", dtype, rows, d));
+static gdp_status cuda_out_norm_backward(gdp_ctx *ctx, const gdp_out_norm_problem *p,
+                                        const void *o, const void *x_v, const void *D,
+                                        const void *z, const void *weight, const void *d_out,
+                                        void *d_o, void *dz, void *dx_v, void *dD, void *dweight) {
+  GDP_TRY(mixer_begin(ctx, "out_norm_backward", (gdp_dtype)p->dtype, p->T * p->B, p->H * p->P));
   void *ws = NULL;
-  GDP_TRY(mixer_workspace(ctx, gdp_cuda_gated_rmsnorm_bwd_workspace(rows, d, group_size), &ws));
-  gdp_status s = gdp_cuda_gated_rmsnorm_bwd((int)dtype, rows, d, group_size, eps, y, z, weight,
-                                            d_out, dy, dz, dweight, ws, state_of(ctx)->stream);
-  device_free(ctx, ws);
+  if (dD || dweight) GDP_TRY(mixer_workspace(ctx, gdp_cuda_out_norm_bwd_workspace(p), &ws));
+  gdp_status s = gdp_cuda_out_norm_bwd(p, o, x_v, D, z, weight, d_out, d_o, dz, dx_v, dD, dweight,
+                                       ws, state_of(ctx)->stream);
+  if (ws) device_free(ctx, ws);
   GDP_TRY(s);
   return op_end(ctx);
 }
@@ -1033,8 +1030,8 @@ const gdp_backend gdp_backend_cuda = {
     .silu_backward = cuda_silu_backward,
     .decay_forward = cuda_decay_forward,
     .decay_backward = cuda_decay_backward,
-    .gated_rmsnorm_forward = cuda_gated_rmsnorm_forward,
-    .gated_rmsnorm_backward = cuda_gated_rmsnorm_backward,
+    .out_norm_forward = cuda_out_norm_forward,
+    .out_norm_backward = cuda_out_norm_backward,
     .dskip_forward = cuda_dskip_forward,
     .dskip_backward = cuda_dskip_backward,
     .state_tracking = cuda_state_tracking,

@@ -105,13 +105,16 @@ struct gdp_backend {
   gdp_status (*decay_backward)(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows, int64_t H,
                                const void *a, const void *A_log, const void *dt_bias,
                                const void *d_g, void *da, void *dA_log, void *ddt_bias);
-  gdp_status (*gated_rmsnorm_forward)(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows, int64_t d,
-                                      int64_t group_size, double eps, const void *y,
-                                      const void *z, const void *weight, void *out);
-  gdp_status (*gated_rmsnorm_backward)(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows, int64_t d,
-                                       int64_t group_size, double eps, const void *y,
-                                       const void *z, const void *weight, const void *d_out,
-                                       void *dy, void *dz, void *dweight);
+  /* The output norm and the plain gated RMSNorm (gdp_mixer_out_norm_*,
+   * gdp_mixer_gated_rmsnorm_*): strided token operands as kernels/mixer_problem.h says;
+   * x_v and D are read only with p->D_mode; z, and any backward result, may be NULL. */
+  gdp_status (*out_norm_forward)(gdp_ctx *ctx, const gdp_out_norm_problem *p, const void *o,
+                                 const void *x_v, const void *D, const void *z,
+                                 const void *weight, void *out);
+  gdp_status (*out_norm_backward)(gdp_ctx *ctx, const gdp_out_norm_problem *p, const void *o,
+                                  const void *x_v, const void *D, const void *z,
+                                  const void *weight, const void *d_out, void *d_o, void *dz,
+                                  void *dx_v, void *dD, void *dweight);
   gdp_status (*dskip_forward)(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows, int64_t H, int64_t P,
                               int per_channel, const void *y, const void *x_v, const void *D,
                               void *out);

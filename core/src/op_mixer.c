@@ -403,12 +403,198 @@ gdp_status gdp_mixer_decay_backward(gdp_ctx *ctx, const gdp_tensor *a, const gdp
   return s;
 }
 
-/* ------------------------------------------------------------------ gated RMSNorm */
+/* ------------------------------------------------------------------ output norm */
 
-static gdp_status norm_check(const char *func, gdp_ctx *ctx, const gdp_tensor *y,
-                             const gdp_tensor *z, const gdp_tensor *weight, int64_t group_size,
-                             double eps, const gdp_tensor *d_out, int64_t *d) {
+/* The output norm (gdp_mixer_out_norm_*) and the plain gated RMSNorm (one head of d
+ * channels per row, no skip) share the backend entries: one kernel per device. */
+
+static gdp_status norm_group_check(const char *func, int64_t d, const char *d_is,
+                                   int64_t group_size, double eps) {
+  if (group_size < 1 || d % group_size != 0)
+    return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG,
+                        "group_size: expected a divisor of d = %lld (%s), got %lld", (long long)d,
+                        d_is, (long long)group_size);
+  if (!(eps >= 0.0) || !isfinite(eps))
+    return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG, "eps: expected a finite value >= 0, got %g", eps);
+  return GDP_OK;
+}
+
+/* t as the kernels read it in place: a new reference when it has `dtype` and a
+ * contiguous last dim, else a contiguous copy.  NULL stays NULL. */
+static gdp_status load_rows(gdp_ctx *ctx, const gdp_tensor *t, gdp_dtype dtype, gdp_tensor **out) {
+  *out = NULL;
+  if (!t) return GDP_OK;
+  const int last = t->ndim - 1;
+  if (t->dtype == dtype && (last < 0 || t->shape[last] <= 1 || t->stride[last] == 1)) {
+    *out = gdp_tensor_retain((gdp_tensor *)t);
+    return GDP_OK;
+  }
+  return load(ctx, t, dtype, out);
+}
+
+/* The [T,B,H,P] strides (kernels/mixer_problem.h) of a [T,B,H,P] tensor, of a [B,T,H,P]
+ * one and of a [T,B,H*P] one (last dim contiguous or of size <= 1). */
+static gdp_tbhp_strides tbhp_of(const gdp_tensor *t) {
+  return (gdp_tbhp_strides){t->stride[0], t->stride[1], t->stride[2]};
+}
+static gdp_tbhp_strides bthp_of(const gdp_tensor *t) {
+  return (gdp_tbhp_strides){t->stride[1], t->stride[0], t->stride[2]};
+}
+static gdp_tbhp_strides tbd_of(const gdp_tensor *t, int64_t P) {
+  return (gdp_tbhp_strides){t->stride[0], t->stride[1], P};
+}
+
+static gdp_status out_norm_check(const char *func, gdp_ctx *ctx, const gdp_tensor *o,
+                                 const gdp_tensor *x_v, const gdp_tensor *D, const gdp_tensor *z,
+                                 const gdp_tensor *weight, int64_t group_size, double eps,
+                                 const gdp_tensor *d_out, gdp_out_norm_problem *p) {
+  char s1[128], s2[128];
+  memset(p, 0, sizeof *p);
+  GDP_TRY(need_tensor(func, "o", o));
+  GDP_TRY(need_tensor(func, "weight", weight));
+  GDP_TRY(check_float_on(func, "o", ctx, o));
+  GDP_TRY(check_float_on(func, "x_v", ctx, x_v));
+  GDP_TRY(check_float_on(func, "D", ctx, D));
+  GDP_TRY(check_float_on(func, "z", ctx, z));
+  GDP_TRY(check_float_on(func, "weight", ctx, weight));
+  GDP_TRY(check_float_on(func, "d_out", ctx, d_out));
+  if (o->ndim != 4)
+    return GDP_ERROR_IN(func, GDP_ERR_SHAPE, "o: expected 4 dims [B,T,H,P], got %s",
+                        shape_of(s1, sizeof s1, o));
+  p->B = o->shape[0], p->T = o->shape[1], p->H = o->shape[2], p->P = o->shape[3];
+  const int64_t d = p->H * p->P;
+  const int64_t tbhp[4] = {p->T, p->B, p->H, p->P}, tbd[3] = {p->T, p->B, d};
+  if (!x_v != !D)
+    return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG,
+                        "%s: expected a tensor with %s (the D skip needs both), got NULL",
+                        x_v ? "D" : "x_v", x_v ? "x_v" : "D");
+  if (x_v) {
+    GDP_TRY(check_shape(func, "x_v", x_v, 4, tbhp, "[T,B,H,P] (o's sizes)"));
+    const int64_t nD = D->ndim == 1 ? D->shape[0] : -1;
+    if (nD != p->H && nD != d)
+      return GDP_ERROR_IN(func, GDP_ERR_SHAPE,
+                          "D: expected [H] = [%lld] (per head) or [H*P] = [%lld] (per channel) "
+                          "for o %s, got %s",
+                          (long long)p->H, (long long)d, shape_of(s2, sizeof s2, o),
+                          shape_of(s1, sizeof s1, D));
+    p->D_mode = nD == p->H ? GDP_OUT_NORM_D_HEAD : GDP_OUT_NORM_D_CHANNEL;
+  }
+  if (z) GDP_TRY(check_shape(func, "z", z, 3, tbd, "[T,B,H*P]"));
+  if (d_out) GDP_TRY(check_shape(func, "d_out", d_out, 3, tbd, "[T,B,H*P]"));
+  GDP_TRY(check_shape(func, "weight", weight, 1, &d, "[H*P]"));
+  GDP_TRY(norm_group_check(func, d, "H*P", group_size, eps));
+  p->group_size = group_size;
+  p->eps = eps;
+  p->num_threads = ctx->num_threads;
+  p->dtype = (int)o->dtype;
+  return GDP_OK;
+}
+
+/* Hands each tmp[i] to outs[i] (NULL: not wanted) in dtypes[i]; on failure none is kept. */
+static gdp_status deliver_all(gdp_ctx *ctx, gdp_tensor **tmp, const gdp_dtype *dtypes,
+                              gdp_tensor ***outs, int n) {
+  gdp_status s = GDP_OK;
+  for (int i = 0; i < n && s == GDP_OK; i++)
+    if (outs[i]) s = deliver(ctx, &tmp[i], dtypes[i], outs[i]);
+  if (s != GDP_OK)
+    for (int i = 0; i < n; i++)
+      if (outs[i]) {
+        gdp_tensor_free(*outs[i]);
+        *outs[i] = NULL;
+      }
+  return s;
+}
+
+gdp_status gdp_mixer_out_norm_forward(gdp_ctx *ctx, const gdp_tensor *o, const gdp_tensor *x_v,
+                                      const gdp_tensor *D, const gdp_tensor *z,
+                                      const gdp_tensor *weight, int64_t group_size, double eps,
+                                      gdp_tensor **out) {
+  static const char *func = "gdp_mixer_out_norm_forward";
+  GDP_TRY(need_out(func, "out", out));
+  *out = NULL;
+  NEED_OP(func, ctx, out_norm_forward);
+  gdp_out_norm_problem p;
+  GDP_TRY(out_norm_check(func, ctx, o, x_v, D, z, weight, group_size, eps, NULL, &p));
+  gdp_tensor *tmp[6] = {0}; /* o, x_v, D, z, weight, out */
+  const gdp_dtype dt = o->dtype;
+  gdp_status s = load_rows(ctx, o, dt, &tmp[0]);
+  if (s == GDP_OK) s = load_rows(ctx, x_v, dt, &tmp[1]);
+  if (s == GDP_OK) s = load(ctx, D, dt, &tmp[2]);
+  if (s == GDP_OK) s = load_rows(ctx, z, dt, &tmp[3]);
+  if (s == GDP_OK) s = load(ctx, weight, dt, &tmp[4]);
+  if (s == GDP_OK) s = gdp_tensor_empty(ctx, dt, 3, (const int64_t[]){p.T, p.B, p.H * p.P}, &tmp[5]);
+  if (s == GDP_OK) {
+    p.o = bthp_of(tmp[0]);
+    if (x_v) p.x_v = tbhp_of(tmp[1]);
+    if (z) p.z = tbd_of(tmp[3], p.P);
+    p.out = tbd_of(tmp[5], p.P);
+    s = ctx->backend->out_norm_forward(ctx, &p, ptr(tmp[0]), ptr(tmp[1]), ptr(tmp[2]),
+                                       ptr(tmp[3]), ptr(tmp[4]), ptr(tmp[5]));
+  }
+  if (s == GDP_OK) {
+    *out = tmp[5];
+    tmp[5] = NULL;
+  }
+  FREE_ALL(tmp);
+  return s;
+}
+
+gdp_status gdp_mixer_out_norm_backward(gdp_ctx *ctx, const gdp_tensor *o, const gdp_tensor *x_v,
+                                       const gdp_tensor *D, const gdp_tensor *z,
+                                       const gdp_tensor *weight, int64_t group_size, double eps,
+                                       const gdp_tensor *d_out, gdp_tensor **d_o, gdp_tensor **dz,
+                                       gdp_tensor **dx_v, gdp_tensor **dD, gdp_tensor **dweight) {
+  static const char *func = "gdp_mixer_out_norm_backward";
+  clear_outs(d_o, dz, dx_v, dD);
+  clear_outs(dweight, NULL, NULL, NULL);
+  NEED_OP(func, ctx, out_norm_backward);
+  GDP_TRY(need_tensor(func, "d_out", d_out));
+  gdp_out_norm_problem p;
+  GDP_TRY(out_norm_check(func, ctx, o, x_v, D, z, weight, group_size, eps, d_out, &p));
+  const int64_t d = p.H * p.P;
+  const int64_t bthp[4] = {p.B, p.T, p.H, p.P}, tbhp[4] = {p.T, p.B, p.H, p.P}, tbd[3] = {p.T, p.B, d};
+  /* results d_o, dz, dx_v, dD, dweight; then o, x_v, D, z, weight, d_out */
+  gdp_tensor *tmp[11] = {0};
+  const gdp_dtype dt = o->dtype;
+  gdp_status s = GDP_OK;
+  if (d_o) s = gdp_tensor_empty(ctx, dt, 4, bthp, &tmp[0]);
+  if (s == GDP_OK && dz && z) s = gdp_tensor_empty(ctx, dt, 3, tbd, &tmp[1]);
+  if (s == GDP_OK && dx_v && x_v) s = gdp_tensor_empty(ctx, dt, 4, tbhp, &tmp[2]);
+  if (s == GDP_OK) s = buffer_like(ctx, dD && D, dt, D, &tmp[3]);
+  if (s == GDP_OK) s = buffer_like(ctx, dweight != NULL, dt, weight, &tmp[4]);
+  if (s == GDP_OK) s = load_rows(ctx, o, dt, &tmp[5]);
+  if (s == GDP_OK) s = load_rows(ctx, x_v, dt, &tmp[6]);
+  if (s == GDP_OK) s = load(ctx, D, dt, &tmp[7]);
+  if (s == GDP_OK) s = load_rows(ctx, z, dt, &tmp[8]);
+  if (s == GDP_OK) s = load(ctx, weight, dt, &tmp[9]);
+  if (s == GDP_OK) s = load_rows(ctx, d_out, dt, &tmp[10]);
+  if (s == GDP_OK) {
+    p.o = bthp_of(tmp[5]);
+    if (x_v) p.x_v = tbhp_of(tmp[6]);
+    if (z) p.z = tbd_of(tmp[8], p.P);
+    p.d_out = tbd_of(tmp[10], p.P);
+    if (tmp[0]) p.d_o = bthp_of(tmp[0]);
+    if (tmp[1]) p.dz = tbd_of(tmp[1], p.P);
+    if (tmp[2]) p.dx_v = tbhp_of(tmp[2]);
+    s = ctx->backend->out_norm_backward(ctx, &p, ptr(tmp[5]), ptr(tmp[6]), ptr(tmp[7]),
+                                        ptr(tmp[8]), ptr(tmp[9]), ptr(tmp[10]), ptr(tmp[0]),
+                                        ptr(tmp[1]), ptr(tmp[2]), ptr(tmp[3]), ptr(tmp[4]));
+  }
+  if (s == GDP_OK) {
+    gdp_tensor **outs[5] = {d_o, z ? dz : NULL, x_v ? dx_v : NULL, D ? dD : NULL, dweight};
+    const gdp_dtype dtypes[5] = {dt, dt, dt, D ? D->dtype : dt, weight->dtype};
+    s = deliver_all(ctx, tmp, dtypes, outs, 5);
+  }
+  FREE_ALL(tmp);
+  return s;
+}
+
+/* y [..., d] as the output norm's operands: rows x one head of d channels. */
+static gdp_status rows_problem(const char *func, gdp_ctx *ctx, const gdp_tensor *y,
+                               const gdp_tensor *z, const gdp_tensor *weight, int64_t group_size,
+                               double eps, const gdp_tensor *d_out, gdp_out_norm_problem *p) {
   char s1[128];
+  memset(p, 0, sizeof *p);
   GDP_TRY(need_tensor(func, "y", y));
   GDP_TRY(need_tensor(func, "weight", weight));
   GDP_TRY(check_float_on(func, "y", ctx, y));
@@ -418,16 +604,19 @@ static gdp_status norm_check(const char *func, gdp_ctx *ctx, const gdp_tensor *y
   if (y->ndim < 1)
     return GDP_ERROR_IN(func, GDP_ERR_SHAPE, "y: expected at least 1 dim [...,d], got %s",
                         shape_of(s1, sizeof s1, y));
-  *d = y->shape[y->ndim - 1];
+  const int64_t d = y->shape[y->ndim - 1];
   GDP_TRY(check_same_shape(func, "z", z, "y", y));
   GDP_TRY(check_same_shape(func, "d_out", d_out, "y", y));
-  GDP_TRY(check_shape(func, "weight", weight, 1, d, "[d] (y's last dim)"));
-  if (group_size < 1 || *d % group_size != 0)
-    return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG,
-                        "group_size: expected a divisor of d = %lld (y's last dim), got %lld",
-                        (long long)*d, (long long)group_size);
-  if (!(eps >= 0.0) || !isfinite(eps))
-    return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG, "eps: expected a finite value >= 0, got %g", eps);
+  GDP_TRY(check_shape(func, "weight", weight, 1, &d, "[d] (y's last dim)"));
+  GDP_TRY(norm_group_check(func, d, "y's last dim", group_size, eps));
+  const gdp_tbhp_strides rows = {d, 0, 0};
+  p->T = d > 0 ? gdp_tensor_numel(y) / d : 0, p->B = 1, p->H = 1, p->P = d;
+  p->group_size = group_size;
+  p->eps = eps;
+  p->D_mode = GDP_OUT_NORM_NO_D;
+  p->num_threads = ctx->num_threads;
+  p->dtype = (int)y->dtype;
+  p->o = p->z = p->out = p->d_out = p->d_o = p->dz = rows;
   return GDP_OK;
 }
 
@@ -437,20 +626,18 @@ gdp_status gdp_mixer_gated_rmsnorm_forward(gdp_ctx *ctx, const gdp_tensor *y, co
   static const char *func = "gdp_mixer_gated_rmsnorm_forward";
   GDP_TRY(need_out(func, "out", out));
   *out = NULL;
-  NEED_OP(func, ctx, gated_rmsnorm_forward);
-  int64_t d = 0;
-  GDP_TRY(norm_check(func, ctx, y, z, weight, group_size, eps, NULL, &d));
+  NEED_OP(func, ctx, out_norm_forward);
+  gdp_out_norm_problem p;
+  GDP_TRY(rows_problem(func, ctx, y, z, weight, group_size, eps, NULL, &p));
   gdp_tensor *tmp[4] = {0}; /* y, z, weight, out */
   const gdp_dtype dt = y->dtype;
   gdp_status s = load(ctx, y, dt, &tmp[0]);
   if (s == GDP_OK) s = load(ctx, z, dt, &tmp[1]);
   if (s == GDP_OK) s = load(ctx, weight, dt, &tmp[2]);
   if (s == GDP_OK) s = gdp_tensor_empty(ctx, dt, y->ndim, y->shape, &tmp[3]);
-  if (s == GDP_OK) {
-    const int64_t rows = d > 0 ? gdp_tensor_numel(y) / d : 0;
-    s = ctx->backend->gated_rmsnorm_forward(ctx, dt, rows, d, group_size, eps, ptr(tmp[0]),
-                                            ptr(tmp[1]), ptr(tmp[2]), ptr(tmp[3]));
-  }
+  if (s == GDP_OK)
+    s = ctx->backend->out_norm_forward(ctx, &p, ptr(tmp[0]), NULL, NULL, ptr(tmp[1]),
+                                       ptr(tmp[2]), ptr(tmp[3]));
   if (s == GDP_OK) {
     *out = tmp[3];
     tmp[3] = NULL;
@@ -466,36 +653,28 @@ gdp_status gdp_mixer_gated_rmsnorm_backward(gdp_ctx *ctx, const gdp_tensor *y,
                                             gdp_tensor **dz, gdp_tensor **dweight) {
   static const char *func = "gdp_mixer_gated_rmsnorm_backward";
   clear_outs(dy, dz, dweight, NULL);
-  NEED_OP(func, ctx, gated_rmsnorm_backward);
+  NEED_OP(func, ctx, out_norm_backward);
   GDP_TRY(need_tensor(func, "d_out", d_out));
-  int64_t d = 0;
-  GDP_TRY(norm_check(func, ctx, y, z, weight, group_size, eps, d_out, &d));
-  /* y, z, weight, d_out, then dy, dz, dweight */
+  gdp_out_norm_problem p;
+  GDP_TRY(rows_problem(func, ctx, y, z, weight, group_size, eps, d_out, &p));
+  /* dy, dz, dweight, then y, z, weight, d_out */
   gdp_tensor *tmp[7] = {0};
   const gdp_dtype dt = y->dtype;
-  gdp_status s = load(ctx, y, dt, &tmp[0]);
-  if (s == GDP_OK) s = load(ctx, z, dt, &tmp[1]);
-  if (s == GDP_OK) s = load(ctx, weight, dt, &tmp[2]);
-  if (s == GDP_OK) s = load(ctx, d_out, dt, &tmp[3]);
-  if (s == GDP_OK) s = buffer_like(ctx, dy != NULL, dt, y, &tmp[4]);
-  if (s == GDP_OK) s = buffer_like(ctx, dz && z, dt, y, &tmp[5]);
-  if (s == GDP_OK) s = buffer_like(ctx, dweight != NULL, dt, weight, &tmp[6]);
+  gdp_status s = buffer_like(ctx, dy != NULL, dt, y, &tmp[0]);
+  if (s == GDP_OK) s = buffer_like(ctx, dz && z, dt, y, &tmp[1]);
+  if (s == GDP_OK) s = buffer_like(ctx, dweight != NULL, dt, weight, &tmp[2]);
+  if (s == GDP_OK) s = load(ctx, y, dt, &tmp[3]);
+  if (s == GDP_OK) s = load(ctx, z, dt, &tmp[4]);
+  if (s == GDP_OK) s = load(ctx, weight, dt, &tmp[5]);
+  if (s == GDP_OK) s = load(ctx, d_out, dt, &tmp[6]);
+  if (s == GDP_OK)
+    s = ctx->backend->out_norm_backward(ctx, &p, ptr(tmp[3]), NULL, NULL, ptr(tmp[4]),
+                                        ptr(tmp[5]), ptr(tmp[6]), ptr(tmp[0]), ptr(tmp[1]),
+                                        NULL, NULL, ptr(tmp[2]));
   if (s == GDP_OK) {
-    const int64_t rows = d > 0 ? gdp_tensor_numel(y) / d : 0;
-    s = ctx->backend->gated_rmsnorm_backward(ctx, dt, rows, d, group_size, eps, ptr(tmp[0]),
-                                             ptr(tmp[1]), ptr(tmp[2]), ptr(tmp[3]),
-                                             ptr(tmp[4]), ptr(tmp[5]), ptr(tmp[6]));
-  }
-  if (s == GDP_OK) s = deliver(ctx, &tmp[4], dt, dy);
-  if (s == GDP_OK && z) s = deliver(ctx, &tmp[5], dt, dz);
-  if (s == GDP_OK) s = deliver(ctx, &tmp[6], weight->dtype, dweight);
-  if (s != GDP_OK) {
-    gdp_tensor **outs[3] = {dy, dz, dweight};
-    for (int i = 0; i < 3; i++)
-      if (outs[i]) {
-        gdp_tensor_free(*outs[i]);
-        *outs[i] = NULL;
-      }
+    gdp_tensor **outs[3] = {dy, z ? dz : NULL, dweight};
+    const gdp_dtype dtypes[3] = {dt, dt, weight->dtype};
+    s = deliver_all(ctx, tmp, dtypes, outs, 3);
   }
   FREE_ALL(tmp);
   return s;

@@ -1,9 +1,11 @@
 /*
  * mixer_cpu.h -- CPU kernels of the mixer layer ops (gdp.h, "mixer layer ops"):
- * depthwise causal conv1d, the beta/decay gates, SiLU, the gated grouped RMSNorm and the D
- * skip, each forward and backward, for float64 (_f64) and float32 (_f32).
+ * depthwise causal conv1d, the beta/decay gates, SiLU, the output norm (D skip fused into
+ * the gated grouped RMSNorm), the D skip alone, each forward and backward, for float64
+ * (_f64) and float32 (_f32).
  *
- * Kernels see contiguous row-major buffers of one dtype and plain sizes; the op layer
+ * Kernels see contiguous row-major buffers of one dtype and plain sizes (the output
+ * norm: strided operands, ../mixer_problem.h); the op layer
  * (core/src/op_mixer.c) validates, converts and allocates.  Backward outputs may be
  * NULL (not wanted).  float32 elementwise math is float32; sums over tokens and norm
  * groups accumulate in double.  Kernels that need scratch memory return GDP_ERR_OOM
@@ -62,22 +64,24 @@ gdp_status gdp_cpu_decay_bwd_f32(int64_t rows, int64_t H, const float *a, const 
                                  const float *dt_bias, const float *d_g, float *da,
                                  float *dA_log, float *ddt_bias, int nthreads);
 
-/* Gated grouped RMSNorm over rows x d, groups of gs channels: x = y * silu(z) (z NULL: x = y),
- * out = x * rstd * weight.  Backward: dy, dz [rows,d] (dz NULL without z), dweight [d]. */
-gdp_status gdp_cpu_gated_rmsnorm_fwd_f64(int64_t rows, int64_t d, int64_t gs, double eps,
-                                         const double *y, const double *z, const double *weight,
-                                         double *out, int nthreads);
-gdp_status gdp_cpu_gated_rmsnorm_fwd_f32(int64_t rows, int64_t d, int64_t gs, double eps,
-                                         const float *y, const float *z, const float *weight,
-                                         float *out, int nthreads);
-gdp_status gdp_cpu_gated_rmsnorm_bwd_f64(int64_t rows, int64_t d, int64_t gs, double eps,
-                                         const double *y, const double *z, const double *weight,
-                                         const double *d_out, double *dy, double *dz,
-                                         double *dweight, int nthreads);
-gdp_status gdp_cpu_gated_rmsnorm_bwd_f32(int64_t rows, int64_t d, int64_t gs, double eps,
-                                         const float *y, const float *z, const float *weight,
-                                         const float *d_out, float *dy, float *dz,
-                                         float *dweight, int nthreads);
+/* The output norm: the D skip fused into the gated grouped RMSNorm, on the strided
+ * operands of ../mixer_problem.h (p->dtype is not read: the suffix says it).  x_v and D
+ * are read only with p->D_mode, z may be NULL.  Backward results may be NULL; dD [H] or
+ * [H*P] as D, dweight [H*P]. */
+gdp_status gdp_cpu_out_norm_fwd_f64(const gdp_out_norm_problem *p, const double *o,
+                                    const double *x_v, const double *D, const double *z,
+                                    const double *weight, double *out);
+gdp_status gdp_cpu_out_norm_fwd_f32(const gdp_out_norm_problem *p, const float *o,
+                                    const float *x_v, const float *D, const float *z,
+                                    const float *weight, float *out);
+gdp_status gdp_cpu_out_norm_bwd_f64(const gdp_out_norm_problem *p, const double *o,
+                                    const double *x_v, const double *D, const double *z,
+                                    const double *weight, const double *d_out, double *d_o,
+                                    double *dz, double *dx_v, double *dD, double *dweight);
+gdp_status gdp_cpu_out_norm_bwd_f32(const gdp_out_norm_problem *p, const float *o,
+                                    const float *x_v, const float *D, const float *z,
+                                    const float *weight, const float *d_out, float *d_o,
+                                    float *dz, float *dx_v, float *dD, float *dweight);
 
 /* D skip over rows x H x P: out = y + D * x_v with D [H] (per_channel 0) or [H*P] (1).
  * Backward: dx_v = D * d_out; dD = sum over rows of d_out * x_v (and over P per head). */

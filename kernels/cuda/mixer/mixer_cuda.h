@@ -1,9 +1,10 @@
 /*
  * mixer_cuda.h -- C-callable launchers of the CUDA mixer layer kernels (conv1d + SiLU,
- * SiLU alone, the beta and decay gates, the D skip, the gated grouped RMSNorm, the q/k
- * L2 norm), forward and backward.  Plain C, included by core/src/backend_cuda.c.
+ * SiLU alone, the beta and decay gates, the D skip, the output norm (D skip + gated
+ * grouped RMSNorm), the q/k L2 norm), forward and backward.  Plain C, included by
+ * core/src/backend_cuda.c.
  *
- * Buffers are contiguous, row-major, on the device, of one gdp_dtype `dtype`: f64
+ * Buffers are contiguous, row-major (the output norm: strided as its problem says), on the device, of one gdp_dtype `dtype`: f64
  * (float64 math), f32 or bf16 (float32 math: bf16 values are widened on load and
  * rounded once on store).  Shapes and semantics are those of the CPU kernels
  * (kernels/cpu/mixer_cpu.h, ../../mixer_problem.h).  Backward outputs may be NULL.
@@ -70,15 +71,17 @@ gdp_status gdp_cuda_dskip_bwd(int dtype, int64_t rows, int64_t H, int64_t P, int
                               const void *x_v, const void *D, const void *d_out, void *dx_v,
                               void *dD, void *workspace, void *stream);
 
-/* Gated grouped RMSNorm over rows x d in groups of gs (z may be NULL: no gate). */
-gdp_status gdp_cuda_gated_rmsnorm_fwd(int dtype, int64_t rows, int64_t d, int64_t gs,
-                                      double eps, const void *y, const void *z,
-                                      const void *weight, void *out, void *stream);
-size_t gdp_cuda_gated_rmsnorm_bwd_workspace(int64_t rows, int64_t d, int64_t gs);
-gdp_status gdp_cuda_gated_rmsnorm_bwd(int dtype, int64_t rows, int64_t d, int64_t gs,
-                                      double eps, const void *y, const void *z,
-                                      const void *weight, const void *d_out, void *dy, void *dz,
-                                      void *dweight, void *workspace, void *stream);
+/* The output norm (D skip fused into the gated grouped RMSNorm) on the strided operands
+ * of ../../mixer_problem.h; x_v and D are read only with p->D_mode, z may be NULL.  The
+ * workspace holds the dweight and dD partial sums (float32, one row per token chunk). */
+gdp_status gdp_cuda_out_norm_fwd(const gdp_out_norm_problem *p, const void *o, const void *x_v,
+                                 const void *D, const void *z, const void *weight, void *out,
+                                 void *stream);
+size_t gdp_cuda_out_norm_bwd_workspace(const gdp_out_norm_problem *p);
+gdp_status gdp_cuda_out_norm_bwd(const gdp_out_norm_problem *p, const void *o, const void *x_v,
+                                 const void *D, const void *z, const void *weight,
+                                 const void *d_out, void *d_o, void *dz, void *dx_v, void *dD,
+                                 void *dweight, void *workspace, void *stream);
 
 /* Row-wise L2 norm y = x / sqrt(sum x^2 + eps) (y may alias x); backward
  * dx = r (dy - y (y . dy)) (dx may alias dy). */

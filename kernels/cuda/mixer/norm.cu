@@ -1,98 +1,274 @@
 /*
- * norm.cu -- the gated grouped RMSNorm of the mixer output and the row-wise L2 norm of
- * q and k on cuda, with the semantics of kernels/cpu/mixer_norm.c and l2norm.c:
+ * norm.cu -- the mixer's output norm (the D skip fused into the gated grouped RMSNorm)
+ * and the row-wise L2 norm of q and k on cuda, with the semantics of
+ * kernels/cpu/mixer_norm.c and l2norm.c (the output norm's formulas and strided
+ * operands: ../../mixer_problem.h).
  *
- *   x = y * silu(z),  xh = x * rstd,  out = xh * weight,  rstd = (mean_group x^2 + eps)^-1/2
- *   dx = rstd (dxh - xh c), dxh = d_out * weight, c = mean_group dxh * xh,
- *   dy = dx * silu(z), dz = dx * y * s (1 + z (1 - s)),  dweight = sum_rows d_out * xh
+ * Output norm: a team of tpg threads (a power of two: part of a warp, a warp, or a block
+ * of up to 1024) owns one (token, group); each thread loads K vectors of V elements
+ * (16 bytes when every operand allows it, else V = 1) of o, x_v, z and d_out into
+ * registers, so each element is read once and the backward needs no second pass.
+ * The group sums are team reductions in the math type (float32 for f32 and bf16:
+ * shuffles, or shared memory when a team spans warps).  The backward walks a fixed
+ * chunk of tokens per block for one group, keeps per-thread sums of d_out * xh and
+ * d_o * x_v for its channels, adds its teams' sums in team order into one partial row
+ * per (chunk, group), and a second kernel sums the rows in double: the same sizes give
+ * the same bits, no atomics.
  *
- * One block per (row, group): the group's sums are block reductions in the math type
- * (float32 for f32 and bf16: the statistics stay float32 whatever the I/O dtype).  The
- * backward stores rstd per (row, group) in the workspace; dweight is then a two-pass
- * column sum (common.cuh) that recomputes xh from it.  The L2 norm takes one warp per row.
+ * L2 norm: one warp per row.
  */
+#include <string.h>
+
 #include "common.cuh"
 
 namespace gdp_mixer {
 namespace {
 
-enum { NORM_THREADS = 128, L2_ROWS_PER_BLOCK = 4 };
-
-template <typename IO>
-__device__ __forceinline__ typename Math<IO>::type gated(const IO *y, const IO *z, int64_t i) {
-  typedef typename Math<IO>::type A;
-  A x = ld(y, i);
-  if (z) {
-    const A zz = ld(z, i);
-    x *= zz * sigmoid(zz);
-  }
-  return x;
-}
-
-template <typename IO>
-__global__ void rmsnorm_fwd_kernel(int64_t d, int64_t gs, typename Math<IO>::type eps,
-                                   const IO *y, const IO *z, const IO *weight, IO *out) {
-  typedef typename Math<IO>::type A;
-  __shared__ A red[32];
-  const int64_t ng = d / gs, rg = blockIdx.x;
-  const int64_t i0 = (rg / ng) * d + (rg % ng) * gs, c0 = (rg % ng) * gs;
-  A sum = (A)0;
-  for (int64_t j = threadIdx.x; j < gs; j += blockDim.x) {
-    const A x = gated(y, z, i0 + j);
-    sum += x * x;
-  }
-  sum = block_sum(sum, red);
-  const A rstd = m_rsqrt(sum / (A)gs + eps);
-  for (int64_t j = threadIdx.x; j < gs; j += blockDim.x)
-    st(out, i0 + j, gated(y, z, i0 + j) * rstd * ld(weight, c0 + j));
-}
-
-template <typename IO>
-__global__ void rmsnorm_bwd_kernel(int64_t d, int64_t gs, typename Math<IO>::type eps,
-                                   const IO *y, const IO *z, const IO *weight, const IO *d_out,
-                                   IO *dy, IO *dz, float *rstd_out) {
-  typedef typename Math<IO>::type A;
-  __shared__ A red[32];
-  const int64_t ng = d / gs, rg = blockIdx.x;
-  const int64_t i0 = (rg / ng) * d + (rg % ng) * gs, c0 = (rg % ng) * gs;
-  A sum = (A)0;
-  for (int64_t j = threadIdx.x; j < gs; j += blockDim.x) {
-    const A x = gated(y, z, i0 + j);
-    sum += x * x;
-  }
-  sum = block_sum(sum, red);
-  const A rstd = m_rsqrt(sum / (A)gs + eps);
-  if (rstd_out && threadIdx.x == 0) rstd_out[rg] = (float)rstd;
-  if (!dy && !dz) return; /* uniform over the block: no barrier follows */
-  A c = (A)0;
-  for (int64_t j = threadIdx.x; j < gs; j += blockDim.x)
-    c += ld(d_out, i0 + j) * ld(weight, c0 + j) * gated(y, z, i0 + j) * rstd;
-  c = block_sum(c, red) / (A)gs;
-  for (int64_t j = threadIdx.x; j < gs; j += blockDim.x) {
-    const int64_t i = i0 + j;
-    const A dx = rstd * (ld(d_out, i) * ld(weight, c0 + j) - gated(y, z, i) * rstd * c);
-    if (!z) {
-      if (dy) st(dy, i, dx);
-      continue;
-    }
-    const A zz = ld(z, i), s = sigmoid(zz);
-    if (dy) st(dy, i, dx * zz * s);
-    if (dz) st(dz, i, dx * ld(y, i) * s * ((A)1 + zz * ((A)1 - s)));
-  }
-}
-
-/* dweight column sums: sum over rows of d_out * xh, xh from the stored rstd. */
-template <typename IO> struct NormWeightSum {
-  const IO *y, *z, *d_out;
-  const float *rstd;
-  int64_t d, gs;
-  __device__ void operator()(int64_t r, int64_t col, typename Math<IO>::type *acc) const {
-    typedef typename Math<IO>::type A;
-    const int64_t i = r * d + col;
-    const A rs = (A)rstd[r * (d / gs) + col / gs];
-    acc[0] += ld(d_out, i) * gated(y, z, i) * rs;
-  }
+enum {
+  L2_ROWS_PER_BLOCK = 4,
+  NORM_BLOCK = 256,        /* threads of a block of small teams */
+  NORM_MAX_TEAM = 1024,    /* the widest team: one block */
+  NORM_MAX_ELEMS = 16,     /* register elements per thread and operand before teams widen */
+  NORM_MAX_K = 8,          /* vectors per thread at the widest team */
+  NORM_TARGET_BLOCKS = 1024, /* backward: chunks x groups aimed at (a few waves) */
+  NORM_SMEM_BYTES = 49152  /* backward: the teams' sums in shared memory */
 };
+
+/* The element offset of channel c of token (t, b) in an operand with strides s. */
+__device__ __forceinline__ int64_t at(const gdp_tbhp_strides &s, int64_t t, int64_t b, int c,
+                                      int P) {
+  return t * s.t + b * s.b + (int64_t)(c / P) * s.h + c % P;
+}
+
+/* V consecutive elements widened to the math type (one 16-byte access when V > 1). */
+template <int V, typename IO, typename A>
+__device__ __forceinline__ void ldv(const IO *p, A *v) {
+  if (V == 1) {
+    v[0] = ld(p, 0);
+  } else {
+    const uint4 u = __ldg((const uint4 *)p);
+    const IO *e = (const IO *)&u;
+#pragma unroll
+    for (int i = 0; i < V; i++) v[i] = ld(e, i);
+  }
+}
+template <int V, typename IO, typename A>
+__device__ __forceinline__ void stv(IO *p, const A *v) {
+  if (V == 1) {
+    st(p, 0, v[0]);
+  } else {
+    uint4 u;
+    IO *e = (IO *)&u;
+#pragma unroll
+    for (int i = 0; i < V; i++) st(e, i, v[i]);
+    *(uint4 *)p = u;
+  }
+}
+
+/* Sum over a team of tpg threads; a team wider than a warp is the whole block. */
+template <typename A> __device__ __forceinline__ A team_sum(A v, int tpg, A *shared) {
+  if (tpg > 32) return block_sum(v, shared);
+  for (int o = tpg >> 1; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+template <typename IO> struct NormArgs {
+  gdp_out_norm_problem p;
+  const IO *o, *x_v, *D, *z, *weight, *d_out;
+  IO *out, *d_o, *dz, *dx_v;
+  typename Math<IO>::type *partial; /* [chunks][2][d]: dweight, then dD per channel */
+  int tpg;                /* team size */
+  int64_t rows_per_chunk; /* backward: tokens per block */
+};
+
+/* A thread's share of its team's group: vector k covers channels c0 + (lane + k tpg) V. */
+template <int V, int K> struct Slots {
+  int lane, tpg, nv, c0;
+  __device__ bool has(int k) const { return lane + k * tpg < nv; }
+  __device__ int channel(int k) const { return c0 + (lane + k * tpg) * V; }
+};
+
+/* y = o + D x_v (xv keeps x_v), s = sigmoid(z), x = y z s into the arrays; returns the
+ * thread's sum of x^2.  Slots not held (or tokens past the end) read as zeros. */
+template <typename IO, int V, int K, typename A>
+__device__ __forceinline__ A load_group(const NormArgs<IO> &a, const Slots<V, K> &sl, bool ok,
+                                        int64_t t, int64_t b, A *y, A *xv, A *zz, A *sg, A *x) {
+  const gdp_out_norm_problem &p = a.p;
+  const int P = (int)p.P;
+  A sum = (A)0;
+#pragma unroll
+  for (int k = 0; k < K; k++) {
+    A *yk = y + k * V, *xk = x + k * V, *vk = xv + k * V, *zk = zz + k * V, *sk = sg + k * V;
+#pragma unroll
+    for (int i = 0; i < V; i++) yk[i] = vk[i] = zk[i] = (A)0, sk[i] = (A)0, xk[i] = (A)0;
+    if (!ok || !sl.has(k)) continue;
+    const int c = sl.channel(k);
+    ldv<V>(a.o + at(p.o, t, b, c, P), yk);
+    if (p.D_mode != GDP_OUT_NORM_NO_D) {
+      ldv<V>(a.x_v + at(p.x_v, t, b, c, P), vk);
+      A dv[V];
+      if (p.D_mode == GDP_OUT_NORM_D_CHANNEL) ldv<V>(a.D + c, dv);
+#pragma unroll
+      for (int i = 0; i < V; i++)
+        yk[i] += (p.D_mode == GDP_OUT_NORM_D_CHANNEL ? dv[i] : ld(a.D, c / P)) * vk[i];
+    }
+    if (a.z) ldv<V>(a.z + at(p.z, t, b, c, P), zk);
+#pragma unroll
+    for (int i = 0; i < V; i++) {
+      if (a.z) {
+        sk[i] = sigmoid(zk[i]);
+        xk[i] = yk[i] * zk[i] * sk[i];
+      } else {
+        xk[i] = yk[i];
+      }
+      sum += xk[i] * xk[i];
+    }
+  }
+  return sum;
+}
+
+template <typename IO, int V, int K>
+__global__ void out_norm_fwd_kernel(NormArgs<IO> a) {
+  typedef typename Math<IO>::type A;
+  __shared__ A red[32];
+  const gdp_out_norm_problem &p = a.p;
+  const int tpg = a.tpg, team = threadIdx.x / tpg, teams = blockDim.x / tpg;
+  const int gs = (int)p.group_size, P = (int)p.P;
+  const Slots<V, K> sl = {(int)threadIdx.x % tpg, tpg, gs / V, (int)blockIdx.y * gs};
+  const int64_t r = (int64_t)blockIdx.x * teams + team;
+  const bool ok = r < p.T * p.B; /* no early exit: the team's reductions need every lane */
+  const int64_t t = ok ? r / p.B : 0, b = ok ? r % p.B : 0;
+  A y[K * V], xv[K * V], zz[K * V], sg[K * V], x[K * V];
+  A sum = load_group<IO, V, K>(a, sl, ok, t, b, y, xv, zz, sg, x);
+  sum = team_sum(sum, tpg, red);
+  const A rstd = m_rsqrt(sum / (A)gs + (A)p.eps);
+#pragma unroll
+  for (int k = 0; k < K; k++) {
+    if (!ok || !sl.has(k)) continue;
+    const int c = sl.channel(k);
+    A w[V], res[V];
+    ldv<V>(a.weight + c, w);
+#pragma unroll
+    for (int i = 0; i < V; i++) res[i] = x[k * V + i] * rstd * w[i];
+    stv<V>(a.out + at(p.out, t, b, c, P), res);
+  }
+}
+
+/* The block's partial row `pass` of its chunk and group: the teams' sums acc, added in
+ * team order through shared memory ([teams][gs] of the math type). */
+template <typename IO, int V, int K, typename A>
+__device__ __forceinline__ void stash_partial(const NormArgs<IO> &a, const Slots<V, K> &sl,
+                                              int team, int teams, const A (&acc)[K * V],
+                                              int pass) {
+  extern __shared__ __align__(16) unsigned char norm_smem[];
+  A *team_acc = (A *)norm_smem;
+  const int gs = (int)a.p.group_size, d = (int)(a.p.H * a.p.P);
+  A *row = a.partial + ((int64_t)blockIdx.x * 2 + pass) * d + sl.c0;
+  if (teams == 1) { /* uniform: a lone team writes its sums straight out */
+#pragma unroll
+    for (int k = 0; k < K; k++) {
+      if (!sl.has(k)) continue;
+#pragma unroll
+      for (int i = 0; i < V; i++) row[(sl.lane + k * sl.tpg) * V + i] = acc[k * V + i];
+    }
+    return;
+  }
+#pragma unroll
+  for (int k = 0; k < K; k++) {
+    if (!sl.has(k)) continue;
+    const int j = (sl.lane + k * sl.tpg) * V;
+#pragma unroll
+    for (int i = 0; i < V; i++) team_acc[team * gs + j + i] = acc[k * V + i];
+  }
+  __syncthreads();
+  for (int j = threadIdx.x; j < gs; j += blockDim.x) {
+    A s = (A)0;
+    for (int tm = 0; tm < teams; tm++) s += team_acc[tm * gs + j];
+    row[j] = s;
+  }
+  __syncthreads();
+}
+
+template <typename IO, int V, int K>
+__global__ void out_norm_bwd_kernel(NormArgs<IO> a) {
+  typedef typename Math<IO>::type A;
+  __shared__ A red[32];
+  const gdp_out_norm_problem &p = a.p;
+  const int tpg = a.tpg, team = threadIdx.x / tpg, teams = blockDim.x / tpg;
+  const int gs = (int)p.group_size, P = (int)p.P, d = (int)(p.H * p.P);
+  const Slots<V, K> sl = {(int)threadIdx.x % tpg, tpg, gs / V, (int)blockIdx.y * gs};
+  const bool has_D = p.D_mode != GDP_OUT_NORM_NO_D;
+  const int64_t R = p.T * p.B, r0 = (int64_t)blockIdx.x * a.rows_per_chunk;
+  const int64_t r1 = r0 + a.rows_per_chunk < R ? r0 + a.rows_per_chunk : R;
+  A acc_w[K * V], acc_D[K * V];
+#pragma unroll
+  for (int i = 0; i < K * V; i++) acc_w[i] = acc_D[i] = (A)0;
+  for (int64_t base = r0; base < r1; base += teams) { /* uniform over the block */
+    const int64_t r = base + team;
+    const bool ok = r < r1;
+    const int64_t t = ok ? r / p.B : 0, b = ok ? r % p.B : 0;
+    A y[K * V], xv[K * V], zz[K * V], sg[K * V], x[K * V], go[K * V], w[K * V];
+    A sum = load_group<IO, V, K>(a, sl, ok, t, b, y, xv, zz, sg, x);
+    A dot = (A)0; /* sum of d_out * weight * x */
+#pragma unroll
+    for (int k = 0; k < K; k++) {
+#pragma unroll
+      for (int i = 0; i < V; i++) go[k * V + i] = w[k * V + i] = (A)0;
+      if (!ok || !sl.has(k)) continue;
+      const int c = sl.channel(k);
+      ldv<V>(a.d_out + at(p.d_out, t, b, c, P), go + k * V);
+      ldv<V>(a.weight + c, w + k * V);
+#pragma unroll
+      for (int i = 0; i < V; i++) dot += go[k * V + i] * w[k * V + i] * x[k * V + i];
+    }
+    sum = team_sum(sum, tpg, red);
+    dot = team_sum(dot, tpg, red);
+    const A rstd = m_rsqrt(sum / (A)gs + (A)p.eps);
+    const A cm = dot * rstd * rstd / (A)gs; /* mean of dxh * xh, over rstd */
+#pragma unroll
+    for (int k = 0; k < K; k++) {
+      if (!ok || !sl.has(k)) continue;
+      const int c = sl.channel(k);
+      A dy[V], dzv[V], dxv[V];
+#pragma unroll
+      for (int i = 0; i < V; i++) {
+        const int e = k * V + i;
+        const A dx = rstd * (go[e] * w[e] - x[e] * cm);
+        acc_w[e] += go[e] * x[e] * rstd;
+        dy[i] = dx;
+        if (a.z) {
+          dy[i] = dx * zz[e] * sg[e];
+          dzv[i] = dx * y[e] * sg[e] * ((A)1 + zz[e] * ((A)1 - sg[e]));
+        }
+        if (has_D) {
+          acc_D[e] += dy[i] * xv[e];
+          const A dv = ld(a.D, p.D_mode == GDP_OUT_NORM_D_CHANNEL ? c + i : c / P);
+          dxv[i] = dv * dy[i];
+        }
+      }
+      if (a.d_o) stv<V>(a.d_o + at(p.d_o, t, b, c, P), dy);
+      if (a.dz && a.z) stv<V>(a.dz + at(p.dz, t, b, c, P), dzv);
+      if (a.dx_v && has_D) stv<V>(a.dx_v + at(p.dx_v, t, b, c, P), dxv);
+    }
+  }
+  if (!a.partial) return; /* uniform */
+  stash_partial(a, sl, team, teams, acc_w, 0);
+  if (has_D) stash_partial(a, sl, team, teams, acc_D, 1);
+}
+
+/* out[j] = the sum over chunks, then over the G channels j*G .. j*G+G-1, of partial row
+ * `pass`, in double in a fixed order (one block per output). */
+template <typename T>
+__global__ void out_norm_final_kernel(const typename Math<T>::type *partial, int pass,
+                                      int64_t nch, int64_t d, int64_t G, T *out) {
+  __shared__ double red[32];
+  const int64_t j = blockIdx.x;
+  double s = 0.0;
+  for (int64_t i = threadIdx.x; i < nch * G; i += blockDim.x)
+    s += (double)partial[((i / G) * 2 + pass) * d + j * G + i % G];
+  s = block_sum(s, red);
+  if (threadIdx.x == 0) st(out, j, (typename Math<T>::type)s);
+}
 
 template <typename IO>
 __global__ void l2norm_fwd_kernel(int64_t rows, int64_t dim, typename Math<IO>::type eps,
@@ -135,27 +311,186 @@ __global__ void l2norm_bwd_kernel(int64_t rows, int64_t dim, typename Math<IO>::
   for (int64_t k = lane; k < dim; k += 32) st(dxi, k, r * (ld(dyi, k) - ld(xi, k) * r * ydy));
 }
 
+/* How a problem is laid over threads. */
+struct NormPlan {
+  int V, K, tpg, teams;
+  int64_t chunks, rows_per_chunk; /* backward */
+};
+
+static bool aligned16(const void *ptr) {
+  return ptr == NULL || ((uintptr_t)ptr & 15u) == 0;
+}
+
+static bool strides_ok(const gdp_tbhp_strides &s, int V) {
+  return s.t % V == 0 && s.b % V == 0 && s.h % V == 0;
+}
+
+/* 16-byte vectors when every channel vector stays inside a head and every operand the
+ * call touches starts on a 16-byte boundary; else one element at a time. */
 template <typename IO>
-gdp_status rmsnorm_bwd(int64_t rows, int64_t d, int64_t gs, double eps, const void *y,
-                       const void *z, const void *weight, const void *d_out, void *dy, void *dz,
-                       void *dweight, void *workspace, cudaStream_t stream) {
-  static const char *func = "gdp_cuda_gated_rmsnorm_bwd";
-  typedef typename Math<IO>::type A;
-  const int64_t ng = d / gs, nrg = rows * ng;
-  float *rstd = (float *)workspace;
-  double *partial = (double *)((char *)workspace + gdp_mixer_rstd_bytes(nrg));
-  if (nrg > 0) {
-    rmsnorm_bwd_kernel<IO><<<(unsigned)nrg, NORM_THREADS, 0, stream>>>(
-        d, gs, (A)eps, (const IO *)y, (const IO *)z, (const IO *)weight, (const IO *)d_out,
-        (IO *)dy, (IO *)dz, dweight ? rstd : NULL);
-    GDP_TRY(launched(func, "rmsnorm_bwd_kernel"));
+static int vector_width(const gdp_out_norm_problem *p, const void *const *ptrs, int n,
+                        const gdp_tbhp_strides *const *strides, int ns) {
+  const int V = (int)(16 / sizeof(IO));
+  if (p->P % V != 0 || p->group_size % V != 0) return 1;
+  for (int i = 0; i < n; i++)
+    if (!aligned16(ptrs[i])) return 1;
+  for (int i = 0; i < ns; i++)
+    if (!strides_ok(*strides[i], V)) return 1;
+  return V;
+}
+
+/* The backward's token chunks: from the sizes alone (not the plan), so the workspace
+ * and the order of the sums depend on nothing else. */
+static void norm_chunks(const gdp_out_norm_problem *p, int64_t *chunks, int64_t *rows_per_chunk) {
+  const int64_t R = p->T * p->B, ng = p->group_size > 0 ? p->H * p->P / p->group_size : 0;
+  int64_t want = NORM_TARGET_BLOCKS / (ng > 0 ? ng : 1);
+  if (want < 1) want = 1;
+  if (want > R) want = R > 0 ? R : 1;
+  *rows_per_chunk = R > 0 ? (R + want - 1) / want : 1;
+  *chunks = (R + *rows_per_chunk - 1) / *rows_per_chunk;
+}
+
+static gdp_status norm_plan(const char *func, const gdp_out_norm_problem *p, int V,
+                            NormPlan *pl) {
+  const int64_t gs = p->group_size, d = p->H * p->P, R = p->T * p->B;
+  if (gs < 1 || d % gs != 0)
+    return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG, "group size %lld does not divide d = %lld",
+                        (long long)gs, (long long)d);
+  if (d > 0x7fffffffLL || d / gs > 65535)
+    return GDP_ERROR_IN(func, GDP_ERR_UNSUPPORTED,
+                        "d = %lld channels in %lld groups: at most 2^31-1 and 65535", (long long)d,
+                        (long long)(d / gs));
+  const int64_t nv = gs / V;
+  int64_t tpg = 1;
+  while (tpg < 32 && tpg < nv) tpg <<= 1;
+  int64_t K = (nv + tpg - 1) / tpg;
+  while ((K * V > NORM_MAX_ELEMS || K > NORM_MAX_K) && tpg < NORM_MAX_TEAM) {
+    tpg <<= 1;
+    K = (nv + tpg - 1) / tpg;
   }
-  if (!dweight) return GDP_OK;
-  NormWeightSum<IO> fn;
-  fn.y = (const IO *)y, fn.z = (const IO *)z, fn.d_out = (const IO *)d_out;
-  fn.rstd = rstd, fn.d = d, fn.gs = gs;
-  IO *outs[1] = {(IO *)dweight};
-  return colsum_run<1, IO>(func, "rmsnorm_dweight", fn, rows, d, 1, outs, partial, stream);
+  if (K > NORM_MAX_K)
+    return GDP_ERROR_IN(func, GDP_ERR_UNSUPPORTED,
+                        "norm groups of %lld channels: at most %lld at this dtype and alignment",
+                        (long long)gs, (long long)NORM_MAX_TEAM * NORM_MAX_K * V);
+  pl->V = V, pl->tpg = (int)tpg;
+  pl->K = K <= 1 ? 1 : K <= 2 ? 2 : K <= 4 ? 4 : 8;
+  pl->teams = tpg > 32 ? 1 : (int)(NORM_BLOCK / tpg); /* a wider team is its block */
+  if ((R + pl->teams - 1) / pl->teams > 0x7fffffffLL)
+    return GDP_ERROR_IN(func, GDP_ERR_UNSUPPORTED, "too many tokens (%lld)", (long long)R);
+  norm_chunks(p, &pl->chunks, &pl->rows_per_chunk);
+  return GDP_OK;
+}
+
+/* The backward's teams per block: their sums (elem bytes each) must fit NORM_SMEM_BYTES. */
+static int bwd_teams(const NormPlan &pl, int64_t gs, size_t elem) {
+  int teams = pl.teams;
+  while (teams > 1 && (size_t)teams * (size_t)gs * elem > NORM_SMEM_BYTES && teams * pl.tpg > 32)
+    teams >>= 1;
+  return teams;
+}
+
+#define GDP_NORM_K_DISPATCH(K_, V_, ...)                         \
+  switch (K_) {                                                  \
+    case 1: { enum { K = 1, V = V_ }; __VA_ARGS__; } break;      \
+    case 2: { enum { K = 2, V = V_ }; __VA_ARGS__; } break;      \
+    case 4: { enum { K = 4, V = V_ }; __VA_ARGS__; } break;      \
+    default: { enum { K = 8, V = V_ }; __VA_ARGS__; } break;     \
+  }
+
+template <typename IO>
+static NormArgs<IO> norm_args(const gdp_out_norm_problem *p, const void *o, const void *x_v,
+                              const void *D, const void *z, const void *weight,
+                              const void *d_out, void *out, void *d_o, void *dz, void *dx_v) {
+  NormArgs<IO> a;
+  memset(&a, 0, sizeof a);
+  a.p = *p;
+  a.o = (const IO *)o, a.x_v = (const IO *)x_v, a.D = (const IO *)D, a.z = (const IO *)z;
+  a.weight = (const IO *)weight, a.d_out = (const IO *)d_out;
+  a.out = (IO *)out, a.d_o = (IO *)d_o, a.dz = (IO *)dz, a.dx_v = (IO *)dx_v;
+  return a;
+}
+
+template <typename IO>
+static gdp_status out_norm_fwd(const gdp_out_norm_problem *p, const void *o, const void *x_v,
+                               const void *D, const void *z, const void *weight, void *out,
+                               cudaStream_t stream) {
+  static const char *func = "gdp_cuda_out_norm_fwd";
+  const int has_D = p->D_mode != GDP_OUT_NORM_NO_D;
+  const void *ptrs[5] = {o, has_D ? x_v : NULL, p->D_mode == GDP_OUT_NORM_D_CHANNEL ? D : NULL, z, out};
+  const gdp_tbhp_strides *strides[4] = {&p->o, has_D ? &p->x_v : &p->o, z ? &p->z : &p->o, &p->out};
+  int V = vector_width<IO>(p, ptrs, 5, strides, 4);
+  if (V > 1 && !aligned16(weight)) V = 1;
+  NormPlan pl;
+  GDP_TRY(norm_plan(func, p, V, &pl));
+  const int64_t R = p->T * p->B, ng = p->H * p->P / p->group_size;
+  if (R == 0 || ng == 0) return GDP_OK;
+  NormArgs<IO> a = norm_args<IO>(p, o, x_v, D, z, weight, NULL, out, NULL, NULL, NULL);
+  a.tpg = pl.tpg;
+  dim3 grid((unsigned)((R + pl.teams - 1) / pl.teams), (unsigned)ng);
+  const unsigned threads = (unsigned)(pl.teams * pl.tpg);
+  if (V == 1) {
+    GDP_NORM_K_DISPATCH(pl.K, 1, out_norm_fwd_kernel<IO, V, K><<<grid, threads, 0, stream>>>(a));
+  } else {
+    GDP_NORM_K_DISPATCH(pl.K, (int)(16 / sizeof(IO)),
+                        out_norm_fwd_kernel<IO, V, K><<<grid, threads, 0, stream>>>(a));
+  }
+  return launched(func, "out_norm_fwd_kernel");
+}
+
+template <typename IO>
+static gdp_status out_norm_bwd(const gdp_out_norm_problem *p, const void *o, const void *x_v,
+                               const void *D, const void *z, const void *weight,
+                               const void *d_out, void *d_o, void *dz, void *dx_v, void *dD,
+                               void *dweight, void *workspace, cudaStream_t stream) {
+  static const char *func = "gdp_cuda_out_norm_bwd";
+  const int has_D = p->D_mode != GDP_OUT_NORM_NO_D;
+  if (!has_D) dx_v = dD = NULL;
+  if (!z) dz = NULL;
+  const void *ptrs[8] = {o, has_D ? x_v : NULL, p->D_mode == GDP_OUT_NORM_D_CHANNEL ? D : NULL,
+                         z, weight, d_out, d_o, dz};
+  const gdp_tbhp_strides *strides[7] = {&p->o, has_D ? &p->x_v : &p->o, z ? &p->z : &p->o,
+                                        &p->d_out, d_o ? &p->d_o : &p->o, dz ? &p->dz : &p->o,
+                                        dx_v ? &p->dx_v : &p->o};
+  int V = vector_width<IO>(p, ptrs, 8, strides, 7);
+  if (V > 1 && !aligned16(dx_v)) V = 1;
+  NormPlan pl;
+  GDP_TRY(norm_plan(func, p, V, &pl));
+  const int64_t d = p->H * p->P, ng = d / p->group_size;
+  pl.teams = bwd_teams(pl, p->group_size, sizeof(typename Math<IO>::type));
+  NormArgs<IO> a = norm_args<IO>(p, o, x_v, D, z, weight, d_out, NULL, d_o, dz, dx_v);
+  a.tpg = pl.tpg;
+  a.rows_per_chunk = pl.rows_per_chunk;
+  a.partial = (dweight || dD) ? (typename Math<IO>::type *)workspace : NULL;
+  if (pl.chunks > 0 && ng > 0) {
+    if (pl.chunks > 0x7fffffffLL)
+      return GDP_ERROR_IN(func, GDP_ERR_UNSUPPORTED, "too many token chunks (%lld)",
+                          (long long)pl.chunks);
+    dim3 grid((unsigned)pl.chunks, (unsigned)ng);
+    const unsigned threads = (unsigned)(pl.teams * pl.tpg);
+    const size_t smem = a.partial && pl.teams > 1 ? (size_t)pl.teams * (size_t)p->group_size * sizeof(typename Math<IO>::type) : 0;
+    if (V == 1) {
+      GDP_NORM_K_DISPATCH(pl.K, 1,
+                          out_norm_bwd_kernel<IO, V, K><<<grid, threads, smem, stream>>>(a));
+    } else {
+      GDP_NORM_K_DISPATCH(pl.K, (int)(16 / sizeof(IO)),
+                          out_norm_bwd_kernel<IO, V, K><<<grid, threads, smem, stream>>>(a));
+    }
+    GDP_TRY(launched(func, "out_norm_bwd_kernel"));
+  }
+  if (dweight && d > 0) {
+    out_norm_final_kernel<IO><<<(unsigned)d, THREADS, 0, stream>>>(a.partial, 0, pl.chunks, d, 1,
+                                                                  (IO *)dweight);
+    GDP_TRY(launched(func, "out_norm_final_kernel (dweight)"));
+  }
+  if (dD) {
+    const int64_t nD = p->D_mode == GDP_OUT_NORM_D_CHANNEL ? d : p->H;
+    if (nD > 0) {
+      out_norm_final_kernel<IO><<<(unsigned)nD, THREADS, 0, stream>>>(
+          a.partial, 1, pl.chunks, d, d / nD, (IO *)dD);
+      GDP_TRY(launched(func, "out_norm_final_kernel (dD)"));
+    }
+  }
+  return GDP_OK;
 }
 
 } // namespace
@@ -163,45 +498,31 @@ gdp_status rmsnorm_bwd(int64_t rows, int64_t d, int64_t gs, double eps, const vo
 
 using namespace gdp_mixer;
 
-static gdp_status norm_grid_check(const char *func, int64_t rows, int64_t d, int64_t gs) {
-  if (gs < 1 || d % gs != 0)
-    return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG, "group size %lld does not divide d = %lld",
-                        (long long)gs, (long long)d);
-  if (rows * (d / gs) > 0x7fffffffLL)
-    return GDP_ERROR_IN(func, GDP_ERR_UNSUPPORTED, "more than 2^31-1 norm groups (%lld rows x %lld)",
-                        (long long)rows, (long long)(d / gs));
+extern "C" gdp_status gdp_cuda_out_norm_fwd(const gdp_out_norm_problem *p, const void *o,
+                                            const void *x_v, const void *D, const void *z,
+                                            const void *weight, void *out, void *stream) {
+  static const char *func = "gdp_cuda_out_norm_fwd";
+  GDP_MIXER_DISPATCH(func, p->dtype,
+                     return out_norm_fwd<IO>(p, o, x_v, D, z, weight, out, (cudaStream_t)stream));
   return GDP_OK;
 }
 
-extern "C" gdp_status gdp_cuda_gated_rmsnorm_fwd(int dtype, int64_t rows, int64_t d, int64_t gs,
-                                                 double eps, const void *y, const void *z,
-                                                 const void *weight, void *out, void *stream) {
-  static const char *func = "gdp_cuda_gated_rmsnorm_fwd";
-  GDP_TRY(norm_grid_check(func, rows, d, gs));
-  const int64_t nrg = rows * (d / gs);
-  if (nrg == 0) return GDP_OK;
-  GDP_MIXER_DISPATCH(func, dtype,
-                     rmsnorm_fwd_kernel<IO><<<(unsigned)nrg, NORM_THREADS, 0, (cudaStream_t)stream>>>(
-                         d, gs, (typename Math<IO>::type)eps, (const IO *)y, (const IO *)z,
-                         (const IO *)weight, (IO *)out));
-  return launched(func, "rmsnorm_fwd_kernel");
+extern "C" size_t gdp_cuda_out_norm_bwd_workspace(const gdp_out_norm_problem *p) {
+  int64_t chunks, rows_per_chunk;
+  norm_chunks(p, &chunks, &rows_per_chunk);
+  const int64_t d = p->H * p->P;
+  return (size_t)(chunks > 0 ? chunks : 1) * 2 * (size_t)(d > 0 ? d : 1) * sizeof(double);
 }
 
-extern "C" size_t gdp_cuda_gated_rmsnorm_bwd_workspace(int64_t rows, int64_t d, int64_t gs) {
-  const int64_t nrg = gs > 0 ? rows * (d / gs) : 0;
-  return gdp_mixer_rstd_bytes(nrg) + colsum_bytes(1, rows, d);
-}
-
-extern "C" gdp_status gdp_cuda_gated_rmsnorm_bwd(int dtype, int64_t rows, int64_t d, int64_t gs,
-                                                 double eps, const void *y, const void *z,
-                                                 const void *weight, const void *d_out, void *dy,
-                                                 void *dz, void *dweight, void *workspace,
-                                                 void *stream) {
-  static const char *func = "gdp_cuda_gated_rmsnorm_bwd";
-  GDP_TRY(norm_grid_check(func, rows, d, gs));
-  GDP_MIXER_DISPATCH(func, dtype,
-                     return rmsnorm_bwd<IO>(rows, d, gs, eps, y, z, weight, d_out, dy, dz, dweight,
-                                            workspace, (cudaStream_t)stream));
+extern "C" gdp_status gdp_cuda_out_norm_bwd(const gdp_out_norm_problem *p, const void *o,
+                                            const void *x_v, const void *D, const void *z,
+                                            const void *weight, const void *d_out, void *d_o,
+                                            void *dz, void *dx_v, void *dD, void *dweight,
+                                            void *workspace, void *stream) {
+  static const char *func = "gdp_cuda_out_norm_bwd";
+  GDP_MIXER_DISPATCH(func, p->dtype,
+                     return out_norm_bwd<IO>(p, o, x_v, D, z, weight, d_out, d_o, dz, dx_v, dD,
+                                             dweight, workspace, (cudaStream_t)stream));
   return GDP_OK;
 }
 

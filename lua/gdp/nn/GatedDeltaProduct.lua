@@ -559,23 +559,22 @@ function GatedDeltaProduct:ssm_backward(inp, cu_seqlens, d_o)
   return ops.chunk_gated_delta_product_backward(args)
 end
 
--- o [B,T,nh,P] -> out [T,B,D]: D skip, gated RMSNorm with z (z nil: plain RMSNorm),
--- out_proj.  Returns out and
--- the intermediates out_backward needs.
+-- o [B,T,nh,P] -> out [T,B,D]: the output norm (the D skip fused into the gated RMSNorm
+-- with z, z nil: plain RMSNorm; F.out_norm reads o, x_v and z where they lie), then
+-- out_proj.  Returns out and the intermediates out_backward needs.
 function GatedDeltaProduct:out_forward(o, z, x_v)
   local T, B = o:size(2), o:size(1)
   local s = self.sizes
-  local y = o:permute(2, 1, 3, 4)
-  if self.D_mode then y = F.dskip(y, x_v, self.params["D"]) end
-  local y3 = y:reshape(T, B, s.d_inner)
-  local yn = F.gated_rmsnorm(y3, z, self.params["norm.weight"], s.norm_group, self.norm_eps)
+  local D = self.D_mode and self.params["D"] or nil
+  local yn = F.out_norm(o, D and x_v or nil, D, z, self.params["norm.weight"], s.norm_group,
+                        self.norm_eps)
   local out = tensor.matmul(yn:view(T * B, s.d_inner), self.params["out_proj.weight"],
                             { trans_b = true })
-  return out:view(T, B, self.hidden_size), { y3 = y3, yn = yn }
+  return out:view(T, B, self.hidden_size), { o = o, yn = yn }
 end
 
--- Backward of out_forward: returns d_o [B,T,nh,P] (a view), dz [T,B,d_inner] (nil
--- without z) and dx_v (nil without D); accumulates out_proj, norm and D gradients.
+-- Backward of out_forward: returns d_o [B,T,nh,P], dz [T,B,d_inner] (nil without z)
+-- and dx_v (nil without D); accumulates out_proj, norm and D gradients.
 function GatedDeltaProduct:out_backward(saved, z, x_v, dout)
   local s = self.sizes
   local T, B = dout:size(1), dout:size(2)
@@ -583,17 +582,12 @@ function GatedDeltaProduct:out_backward(saved, z, x_v, dout)
   tensor.matmul(dout2, saved.yn:view(T * B, s.d_inner),
                 { trans_a = true, out = self.grads["out_proj.weight"], beta = 1 })
   local dyn = tensor.matmul(dout2, self.params["out_proj.weight"]):view(T, B, s.d_inner)
-  local dy3, dz, dnw = F.gated_rmsnorm_backward(saved.y3, z, self.params["norm.weight"],
-                                                s.norm_group, self.norm_eps, dyn)
-  Module.accumulate(self.grads["norm.weight"], dnw)
-  local dy4 = dy3:view(T, B, self.num_heads, self.head_dim)
-  local dx_v
-  if self.D_mode then
-    local dD
-    dx_v, dD = F.dskip_backward(x_v, self.params["D"], dy4)
-    Module.accumulate(self.grads["D"], dD)
-  end
-  return dy4:permute(2, 1, 3, 4), dz, dx_v
+  local D = self.D_mode and self.params["D"] or nil
+  local g = F.out_norm_backward(saved.o, D and x_v or nil, D, z, self.params["norm.weight"],
+                                s.norm_group, self.norm_eps, dyn)
+  Module.accumulate(self.grads["norm.weight"], g.dweight)
+  if D then Module.accumulate(self.grads["D"], g.dD) end
+  return g.d_o, g.dz, g.dx_v
 end
 
 ------------------------------------------------------------------------------- nn interface

@@ -166,6 +166,39 @@ function F.gated_rmsnorm_backward(y, z, weight, group_size, eps, d_out)
                       group_size, number_arg(eps or 1e-5, fn, "eps"), d_out, dy, dz, dw)
 end
 
+local function out_norm_args(fn, o, x_v, D, z, weight, group_size, eps)
+  tensor_arg(o, fn, "o")
+  opt_tensor(x_v, fn, "x_v")
+  opt_tensor(D, fn, "D")
+  opt_tensor(z, fn, "z")
+  tensor_arg(weight, fn, "weight")
+  return int_arg(group_size or weight:numel(), fn, "group_size", 1), number_arg(eps or 1e-5, fn, "eps")
+end
+
+-- The mixer's output norm: the D skip fused into the gated RMSNorm (gdp.h,
+-- gdp_mixer_out_norm_*): gated_rmsnorm(o' + D * x_v, z, weight, group_size, eps) where o'
+-- is the operator's output o [B,T,H,P] read as [T,B,H,P]; out [T,B,H*P].  x_v [T,B,H,P]
+-- and D [H] | [H*P] both nil: no skip; z [T,B,H*P] or nil: no gate.  Views whose last
+-- dim is contiguous are read in place.
+function F.out_norm(o, x_v, D, z, weight, group_size, eps)
+  local fn = "nn.functional.out_norm"
+  local gs, e = out_norm_args(fn, o, x_v, D, z, weight, group_size, eps)
+  local out = tensor_box()
+  return call_outputs(fn, "gdp_mixer_out_norm_forward", { out }, o:ctx(), o, x_v, D, z, weight, gs, e, out)
+end
+
+-- Backward of sum(out_norm(...) * d_out): {d_o [B,T,H,P] (o's layout), dz (nil without
+-- z), dx_v, dD (nil without the skip), dweight}, in one pass.
+function F.out_norm_backward(o, x_v, D, z, weight, group_size, eps, d_out)
+  local fn = "nn.functional.out_norm_backward"
+  local gs, e = out_norm_args(fn, o, x_v, D, z, weight, group_size, eps)
+  tensor_arg(d_out, fn, "d_out")
+  local b = { tensor_box(), tensor_box(), tensor_box(), tensor_box(), tensor_box() }
+  local d_o, dz, dx_v, dD, dw = call_outputs(fn, "gdp_mixer_out_norm_backward", b, o:ctx(), o, x_v, D,
+                                             z, weight, gs, e, d_out, b[1], b[2], b[3], b[4], b[5])
+  return { d_o = d_o, dz = dz, dx_v = dx_v, dD = dD, dweight = dw }
+end
+
 -- x [..., G, N] -> [..., num_heads, N]; head h reads group h / (num_heads / G).
 function F.repeat_heads(x, num_heads)
   local fn = "nn.functional.repeat_heads"
