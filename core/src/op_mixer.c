@@ -877,3 +877,257 @@ gdp_status gdp_mixer_dskip_backward(gdp_ctx *ctx, const gdp_tensor *x_v, const g
   FREE_ALL(tmp);
   return s;
 }
+
+/* ------------------------------------------------------------------ input stage */
+
+/* The rows r = t*B + b of t [T,B,C] lie *ld >= C elements apart, each C contiguous
+ * elements (a channel slice of a contiguous tensor is such a view). */
+static int as_rows(const gdp_tensor *t, int64_t *ld) {
+  if (t->ndim != 3 || (t->shape[2] > 1 && t->stride[2] != 1)) return 0;
+  if (t->shape[1] == 1) *ld = t->stride[0];
+  else if (t->shape[0] == 1 || t->stride[0] == t->shape[1] * t->stride[1]) *ld = t->stride[1];
+  else return 0;
+  return *ld >= t->shape[2] || t->shape[0] * t->shape[1] <= 1;
+}
+
+/* t [T,B,C] for the kernels: itself when its rows are (a new reference), else a
+ * contiguous copy in `dtype`; *ld is the row stride.  NULL stays NULL. */
+static gdp_status load_rows(gdp_ctx *ctx, const gdp_tensor *t, gdp_dtype dtype, gdp_tensor **out,
+                            int64_t *ld) {
+  *out = NULL;
+  *ld = 0;
+  if (!t) return GDP_OK;
+  if (t->dtype == dtype && as_rows(t, ld)) {
+    *out = gdp_tensor_retain((gdp_tensor *)t);
+    return GDP_OK;
+  }
+  *ld = t->shape[2];
+  return load(ctx, t, dtype, out);
+}
+
+/* A destination `dst` [T,B,C] for the kernels: itself when it has the compute dtype and
+ * rows (*buf = a new reference), else a contiguous buffer whose values the caller
+ * copies into dst afterwards (*staged = 1). */
+static gdp_status rows_target(gdp_ctx *ctx, gdp_tensor *dst, gdp_dtype dtype, gdp_tensor **buf,
+                              int64_t *ld, int *staged) {
+  *buf = NULL;
+  *ld = 0;
+  *staged = 0;
+  if (!dst) return GDP_OK;
+  if (dst->dtype == dtype && as_rows(dst, ld)) {
+    *buf = gdp_tensor_retain(dst);
+    return GDP_OK;
+  }
+  *ld = dst->shape[2];
+  *staged = 1;
+  return gdp_tensor_empty(ctx, dtype, 3, dst->shape, buf);
+}
+
+typedef struct inputs_plan {
+  gdp_ssm_inputs_problem p;
+  gdp_dtype gate_dtype; /* A_log, dt_bias, g, dg: float32 for bf16, else the compute dtype */
+  int64_t conv_dim;
+} inputs_plan;
+
+/* The checks both directions share; `first` (xBC or b) sets the compute dtype. */
+static gdp_status inputs_check(const char *func, gdp_ctx *ctx, const gdp_tensor *first,
+                               const gdp_tensor *b, const gdp_tensor *a, const gdp_tensor *A_log,
+                               const gdp_tensor *dt_bias, int64_t nh, int64_t P, int64_t ng,
+                               int64_t N, int64_t M, double beta_scale, inputs_plan *pl) {
+  char s1[128];
+  memset(pl, 0, sizeof *pl);
+  GDP_TRY(need_tensor(func, "b", b));
+  GDP_TRY(check_float_on(func, "b", ctx, b));
+  GDP_TRY(check_float_on(func, "a", ctx, a));
+  GDP_TRY(check_float_on(func, "A_log", ctx, A_log));
+  GDP_TRY(check_float_on(func, "dt_bias", ctx, dt_bias));
+  const struct { const char *name; int64_t v; } sizes[5] = {
+      {"num_heads", nh}, {"head_dim", P}, {"num_groups", ng}, {"state_dim", N},
+      {"num_householder", M}};
+  for (int i = 0; i < 5; i++)
+    if (sizes[i].v < 1)
+      return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG, "%s: expected >= 1, got %lld", sizes[i].name,
+                          (long long)sizes[i].v);
+  if (nh % ng != 0)
+    return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG,
+                        "num_groups: expected a divisor of num_heads = %lld, got %lld",
+                        (long long)nh, (long long)ng);
+  if (!isfinite(beta_scale))
+    return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG,
+                        "beta_scale: expected a finite value (1, or 2 for negative eigenvalues), got %g",
+                        beta_scale);
+  if (b->ndim != 3 || b->shape[2] != M * nh)
+    return GDP_ERROR_IN(func, GDP_ERR_SHAPE, "b: expected [T,B,M*nh] with M*nh = %lld, got %s",
+                        (long long)(M * nh), shape_of(s1, sizeof s1, b));
+  const int64_t T = b->shape[0], B = b->shape[1];
+  if (a) {
+    GDP_TRY(check_shape(func, "a", a, 3, (const int64_t[]){T, B, nh}, "[T,B,nh] (b's T, B)"));
+    GDP_TRY(need_tensor(func, "A_log", A_log));
+    GDP_TRY(check_shape(func, "A_log", A_log, 1, &nh, "[nh]"));
+    if (dt_bias) GDP_TRY(check_shape(func, "dt_bias", dt_bias, 1, &nh, "[nh]"));
+  } else if (A_log || dt_bias) {
+    return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG,
+                        "%s: expected NULL without a (no forget gate), got a tensor",
+                        A_log ? "A_log" : "dt_bias");
+  }
+  pl->conv_dim = M * nh * P + M * ng * N + ng * N;
+  const gdp_dtype dt = first->dtype;
+  pl->gate_dtype = dt == GDP_DTYPE_BF16 ? GDP_DTYPE_F32 : dt;
+  gdp_ssm_inputs_problem p = {.T = T, .B = B, .nh = nh, .P = P, .ng = ng, .N = N, .M = M,
+                              .beta_scale = beta_scale, .gate = a != NULL,
+                              .num_threads = ctx->num_threads, .dtype = dt};
+  pl->p = p;
+  return GDP_OK;
+}
+
+gdp_status gdp_mixer_ssm_inputs_forward(gdp_ctx *ctx, const gdp_tensor *xBC, const gdp_tensor *b,
+                                        const gdp_tensor *a, const gdp_tensor *A_log,
+                                        const gdp_tensor *dt_bias, int64_t num_heads,
+                                        int64_t head_dim, int64_t num_groups, int64_t state_dim,
+                                        int64_t num_householder, double beta_scale,
+                                        gdp_tensor **q, gdp_tensor **k, gdp_tensor **v,
+                                        gdp_tensor **beta, gdp_tensor **g) {
+  static const char *func = "gdp_mixer_ssm_inputs_forward";
+  GDP_TRY(need_out(func, "q", q));
+  GDP_TRY(need_out(func, "k", k));
+  GDP_TRY(need_out(func, "v", v));
+  GDP_TRY(need_out(func, "beta", beta));
+  clear_outs(q, k, v, beta);
+  if (g) *g = NULL;
+  NEED_OP(func, ctx, ssm_inputs_forward);
+  GDP_TRY(need_tensor(func, "xBC", xBC));
+  GDP_TRY(check_float_on(func, "xBC", ctx, xBC));
+  inputs_plan pl;
+  GDP_TRY(inputs_check(func, ctx, xBC, b, a, A_log, dt_bias, num_heads, head_dim, num_groups,
+                       state_dim, num_householder, beta_scale, &pl));
+  gdp_ssm_inputs_problem *p = &pl.p;
+  GDP_TRY(check_shape(func, "xBC", xBC, 3, (const int64_t[]){p->T, p->B, pl.conv_dim},
+                      "[T,B,M*nh*P + M*ng*N + ng*N] (b's T, B)"));
+  /* xBC, b, a, A_log, dt_bias, then q, k, v, beta, g */
+  gdp_tensor *tmp[10] = {0};
+  const gdp_dtype dt = p->dtype;
+  const int64_t nh = p->nh, TM = p->T * p->M;
+  gdp_status s = load_rows(ctx, xBC, dt, &tmp[0], &p->ld_xBC);
+  if (s == GDP_OK) s = load_rows(ctx, b, dt, &tmp[1], &p->ld_b);
+  if (s == GDP_OK) s = load_rows(ctx, a, dt, &tmp[2], &p->ld_a);
+  if (s == GDP_OK) s = load(ctx, A_log, pl.gate_dtype, &tmp[3]);
+  if (s == GDP_OK) s = load(ctx, dt_bias, pl.gate_dtype, &tmp[4]);
+  if (s == GDP_OK)
+    s = gdp_tensor_empty(ctx, dt, 4, (const int64_t[]){p->B, p->T, nh, p->N}, &tmp[5]);
+  if (s == GDP_OK) s = gdp_tensor_empty(ctx, dt, 4, (const int64_t[]){p->B, TM, nh, p->N}, &tmp[6]);
+  if (s == GDP_OK) s = gdp_tensor_empty(ctx, dt, 4, (const int64_t[]){p->B, TM, nh, p->P}, &tmp[7]);
+  if (s == GDP_OK) s = gdp_tensor_empty(ctx, dt, 3, (const int64_t[]){p->B, TM, nh}, &tmp[8]);
+  if (s == GDP_OK && a)
+    s = gdp_tensor_empty(ctx, pl.gate_dtype, 3, (const int64_t[]){p->B, p->T, nh}, &tmp[9]);
+  if (s == GDP_OK) {
+    const gdp_ssm_inputs_fwd_io io = {.xBC = ptr(tmp[0]), .b = ptr(tmp[1]), .a = ptr(tmp[2]),
+                                      .A_log = ptr(tmp[3]), .dt_bias = ptr(tmp[4]),
+                                      .q = ptr(tmp[5]), .k = ptr(tmp[6]), .v = ptr(tmp[7]),
+                                      .beta = ptr(tmp[8]), .g = ptr(tmp[9])};
+    s = ctx->backend->ssm_inputs_forward(ctx, p, &io);
+  }
+  if (s == GDP_OK && a) s = deliver(ctx, &tmp[9], A_log->dtype, g);
+  if (s == GDP_OK) {
+    gdp_tensor **outs[4] = {q, k, v, beta};
+    for (int i = 0; i < 4; i++) {
+      *outs[i] = tmp[5 + i];
+      tmp[5 + i] = NULL;
+    }
+  } else if (g) {
+    gdp_tensor_free(*g);
+    *g = NULL;
+  }
+  FREE_ALL(tmp);
+  return s;
+}
+
+gdp_status gdp_mixer_ssm_inputs_backward(gdp_ctx *ctx, const gdp_tensor *b, const gdp_tensor *a,
+                                         const gdp_tensor *A_log, const gdp_tensor *dt_bias,
+                                         int64_t num_heads, int64_t head_dim, int64_t num_groups,
+                                         int64_t state_dim, int64_t num_householder,
+                                         double beta_scale, const gdp_tensor *dq,
+                                         const gdp_tensor *dk, const gdp_tensor *dv,
+                                         const gdp_tensor *dbeta, const gdp_tensor *dg,
+                                         const gdp_tensor *dx_v, gdp_tensor *dxBC,
+                                         gdp_tensor *db, gdp_tensor *da, gdp_tensor **dA_log,
+                                         gdp_tensor **ddt_bias) {
+  static const char *func = "gdp_mixer_ssm_inputs_backward";
+  clear_outs(dA_log, ddt_bias, NULL, NULL);
+  NEED_OP(func, ctx, ssm_inputs_backward);
+  GDP_TRY(need_tensor(func, "b", b));
+  inputs_plan pl;
+  GDP_TRY(inputs_check(func, ctx, b, b, a, A_log, dt_bias, num_heads, head_dim, num_groups,
+                       state_dim, num_householder, beta_scale, &pl));
+  gdp_ssm_inputs_problem *p = &pl.p;
+  const int64_t T = p->T, B = p->B, nh = p->nh, TM = T * p->M;
+  const struct { const char *name; const gdp_tensor *t; int ndim; int64_t shape[4]; const char *dims; } want[] = {
+      {"dq", dq, 4, {B, T, nh, p->N}, "[B,T,nh,N]"},
+      {"dk", dk, 4, {B, TM, nh, p->N}, "[B,T*M,nh,N]"},
+      {"dv", dv, 4, {B, TM, nh, p->P}, "[B,T*M,nh,P]"},
+      {"dbeta", dbeta, 3, {B, TM, nh}, "[B,T*M,nh]"},
+      {"dg", dg, 3, {B, T, nh}, "[B,T,nh]"},
+      {"dx_v", dx_v, 4, {T, B, nh, p->P}, "[T,B,nh,P]"},
+      {"dxBC", dxBC, 3, {T, B, pl.conv_dim}, "[T,B,M*nh*P + M*ng*N + ng*N]"},
+      {"db", db, 3, {T, B, p->M * nh}, "[T,B,M*nh] (b's shape)"},
+      {"da", da, 3, {T, B, nh}, "[T,B,nh] (a's shape)"}};
+  for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
+    const int optional = !strcmp(want[i].name, "dx_v");
+    const int gated = !strcmp(want[i].name, "dg") || !strcmp(want[i].name, "da");
+    if (gated && !a) {
+      if (want[i].t)
+        return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG,
+                            "%s: expected NULL without a (no forget gate), got a tensor", want[i].name);
+      continue;
+    }
+    if (!want[i].t) {
+      if (optional) continue;
+      GDP_TRY(need_tensor(func, want[i].name, want[i].t));
+    }
+    GDP_TRY(check_float_on(func, want[i].name, ctx, want[i].t));
+    GDP_TRY(check_shape(func, want[i].name, want[i].t, want[i].ndim, want[i].shape, want[i].dims));
+  }
+  /* b, a, A_log, dt_bias, dq, dk, dv, dbeta, dg, dx_v, then dxBC, db, da, dA_log, ddt_bias */
+  gdp_tensor *tmp[15] = {0};
+  int staged[3] = {0};
+  const gdp_dtype dt = p->dtype, gt = pl.gate_dtype;
+  gdp_status s = load_rows(ctx, b, dt, &tmp[0], &p->ld_b);
+  if (s == GDP_OK) s = load_rows(ctx, a, dt, &tmp[1], &p->ld_a);
+  if (s == GDP_OK) s = load(ctx, A_log, gt, &tmp[2]);
+  if (s == GDP_OK) s = load(ctx, dt_bias, gt, &tmp[3]);
+  if (s == GDP_OK) s = load(ctx, dq, dt, &tmp[4]);
+  if (s == GDP_OK) s = load(ctx, dk, dt, &tmp[5]);
+  if (s == GDP_OK) s = load(ctx, dv, dt, &tmp[6]);
+  if (s == GDP_OK) s = load(ctx, dbeta, dt, &tmp[7]);
+  if (s == GDP_OK) s = load(ctx, a ? dg : NULL, gt, &tmp[8]);
+  if (s == GDP_OK) s = load(ctx, dx_v, dt, &tmp[9]);
+  if (s == GDP_OK) s = rows_target(ctx, dxBC, dt, &tmp[10], &p->ld_dxBC, &staged[0]);
+  if (s == GDP_OK) s = rows_target(ctx, db, dt, &tmp[11], &p->ld_db, &staged[1]);
+  if (s == GDP_OK) s = rows_target(ctx, a ? da : NULL, dt, &tmp[12], &p->ld_da, &staged[2]);
+  if (s == GDP_OK) s = buffer_like(ctx, a && dA_log, gt, A_log, &tmp[13]);
+  if (s == GDP_OK) s = buffer_like(ctx, a && dt_bias && ddt_bias, gt, dt_bias, &tmp[14]);
+  gdp_tensor *dsts[3] = {dxBC, db, a ? da : NULL};
+  for (int i = 0; s == GDP_OK && i < 3; i++)
+    if (dsts[i] && !staged[i]) gdp_tensor_mark_written(dsts[i]);
+  if (s == GDP_OK) {
+    const gdp_ssm_inputs_bwd_io io = {
+        .b = ptr(tmp[0]), .a = ptr(tmp[1]), .A_log = ptr(tmp[2]), .dt_bias = ptr(tmp[3]),
+        .dq = ptr(tmp[4]), .dk = ptr(tmp[5]), .dv = ptr(tmp[6]), .dbeta = ptr(tmp[7]),
+        .dg = ptr(tmp[8]), .dx_v = ptr(tmp[9]), .dxBC = ptr(tmp[10]), .db = ptr(tmp[11]),
+        .da = ptr(tmp[12]), .dA_log = ptr(tmp[13]), .ddt_bias = ptr(tmp[14])};
+    s = ctx->backend->ssm_inputs_backward(ctx, p, &io);
+  }
+  for (int i = 0; s == GDP_OK && i < 3; i++)
+    if (staged[i]) s = gdp_tensor_copy(ctx, dsts[i], tmp[10 + i]);
+  if (s == GDP_OK && a) s = deliver(ctx, &tmp[13], A_log->dtype, dA_log);
+  if (s == GDP_OK && a && dt_bias) s = deliver(ctx, &tmp[14], dt_bias->dtype, ddt_bias);
+  if (s != GDP_OK) {
+    gdp_tensor **outs[2] = {dA_log, ddt_bias};
+    for (int i = 0; i < 2; i++)
+      if (outs[i]) {
+        gdp_tensor_free(*outs[i]);
+        *outs[i] = NULL;
+      }
+  }
+  FREE_ALL(tmp);
+  return s;
+}
