@@ -5,9 +5,11 @@
  * every device.  (The other mixer ops need only a few sizes, passed as arguments; see
  * core/src/backend_impl.h.)
  *
- * conv1d, on contiguous row-major buffers:
+ * conv1d, on row-major buffers:
  *
- *   x, out, dx [T,B,C]; wt [W,C] (tap-major: the transpose of Megatron's [C,1,W] weight,
+ *   x [T,B,C] as rows of C contiguous channels x_ld elements apart (row t*B+b: a channel
+ *   slice of the in_proj output is read in place); out, dx [T,B,C]; wt [W,C] (tap-major:
+ *   the transpose of Megatron's [C,1,W] weight,
  *   so that inner loops run over contiguous channels); dweight [C,W]; bias, dbias [C] or
  *   NULL; halo, dhalo [halo_len,B,C] or NULL.
  *
@@ -23,6 +25,7 @@ typedef struct gdp_conv1d_problem {
   int64_t T, B, C, W;
   const int64_t *seq_start; /* host array, T entries */
   int64_t halo_len;         /* 0 without a halo */
+  int64_t x_ld;             /* x's row stride in elements (C when contiguous) */
   int silu;                 /* fused SiLU after the bias */
   int num_threads;          /* CPU worker threads */
   int dtype;                /* gdp_dtype of every buffer: the compute dtype */

@@ -1,7 +1,9 @@
 /*
  * op_mixer.c -- the public mixer layer ops (gdp.h, "mixer layer ops"): argument
- * validation, contiguous compute-dtype copies, dispatch through ctx->backend
- * (backend_impl.h), and delivery of the results in the documented dtypes.
+ * validation, contiguous compute-dtype copies (token rows [T,B,C] evenly spaced with
+ * contiguous channels are read in place: the conv's x and the input stage's sections),
+ * dispatch through ctx->backend (backend_impl.h), and delivery of the results in the
+ * documented dtypes.
  *
  * A backend without an op's entry answers GDP_ERR_UNSUPPORTED naming the op and the
  * device.  bf16 inputs compute in bf16 buffers where the backend's mixer kernels take
@@ -29,10 +31,38 @@ const char *gdp_activation_name(gdp_activation act) {
   return "?";
 }
 
+/* ------------------------------------------------------------------ token rows */
+
+/* The rows r = t*B + b of t [T,B,C] lie *ld >= C elements apart, each C contiguous
+ * elements (a channel slice of a contiguous tensor is such a view). */
+static int as_rows(const gdp_tensor *t, int64_t *ld) {
+  if (t->ndim != 3 || (t->shape[2] > 1 && t->stride[2] != 1)) return 0;
+  if (t->shape[1] == 1) *ld = t->stride[0];
+  else if (t->shape[0] == 1 || t->stride[0] == t->shape[1] * t->stride[1]) *ld = t->stride[1];
+  else return 0;
+  return *ld >= t->shape[2] || t->shape[0] * t->shape[1] <= 1;
+}
+
+/* t [T,B,C] for the kernels: itself when its rows are (a new reference), else a
+ * contiguous copy in `dtype`; *ld is the row stride.  NULL stays NULL. */
+static gdp_status load_rows(gdp_ctx *ctx, const gdp_tensor *t, gdp_dtype dtype, gdp_tensor **out,
+                            int64_t *ld) {
+  *out = NULL;
+  *ld = 0;
+  if (!t) return GDP_OK;
+  if (t->dtype == dtype && as_rows(t, ld)) {
+    *out = gdp_tensor_retain((gdp_tensor *)t);
+    return GDP_OK;
+  }
+  *ld = t->shape[2];
+  return load(ctx, t, dtype, out);
+}
+
 /* ------------------------------------------------------------------ conv1d */
 
 typedef struct conv_plan {
   int64_t T, B, C, W, L;
+  int64_t x_ld; /* the row stride of the x the kernels read */
   gdp_dtype compute;
   int64_t *seq_start; /* [T], owned */
 } conv_plan;
@@ -142,7 +172,7 @@ static gdp_status load_weight_tap_major(gdp_ctx *ctx, const conv_plan *p, const 
 
 static gdp_conv1d_problem conv_problem(const conv_plan *p, gdp_ctx *ctx, gdp_activation act) {
   gdp_conv1d_problem a = {.T = p->T, .B = p->B, .C = p->C, .W = p->W,
-                          .seq_start = p->seq_start, .halo_len = p->L,
+                          .seq_start = p->seq_start, .halo_len = p->L, .x_ld = p->x_ld,
                           .silu = act == GDP_ACT_SILU, .num_threads = ctx->num_threads,
                           .dtype = p->compute};
   return a;
@@ -159,7 +189,7 @@ gdp_status gdp_mixer_conv1d_forward(gdp_ctx *ctx, const gdp_tensor *x, const gdp
   conv_plan p;
   gdp_tensor *tmp[5] = {0}; /* x, weight [W,C], bias, halo, out */
   gdp_status s = conv_plan_make(func, ctx, x, weight, bias, halo, cu_seqlens, activation, NULL, &p);
-  if (s == GDP_OK) s = load(ctx, x, p.compute, &tmp[0]);
+  if (s == GDP_OK) s = load_rows(ctx, x, p.compute, &tmp[0], &p.x_ld);
   if (s == GDP_OK) s = load_weight_tap_major(ctx, &p, weight, p.compute, &tmp[1]);
   if (s == GDP_OK) s = load(ctx, bias, p.compute, &tmp[2]);
   if (s == GDP_OK) s = load(ctx, halo, p.compute, &tmp[3]);
@@ -192,7 +222,7 @@ gdp_status gdp_mixer_conv1d_backward(gdp_ctx *ctx, const gdp_tensor *x, const gd
   /* x, weight [W,C], bias, halo, d_out, then the results dx, dweight, dbias, dhalo */
   gdp_tensor *tmp[9] = {0};
   gdp_status s = conv_plan_make(func, ctx, x, weight, bias, halo, cu_seqlens, activation, d_out, &p);
-  if (s == GDP_OK) s = load(ctx, x, p.compute, &tmp[0]);
+  if (s == GDP_OK) s = load_rows(ctx, x, p.compute, &tmp[0], &p.x_ld);
   if (s == GDP_OK) s = load_weight_tap_major(ctx, &p, weight, p.compute, &tmp[1]);
   if (s == GDP_OK) s = load(ctx, bias, p.compute, &tmp[2]);
   if (s == GDP_OK) s = load(ctx, halo, p.compute, &tmp[3]);
@@ -879,31 +909,6 @@ gdp_status gdp_mixer_dskip_backward(gdp_ctx *ctx, const gdp_tensor *x_v, const g
 }
 
 /* ------------------------------------------------------------------ input stage */
-
-/* The rows r = t*B + b of t [T,B,C] lie *ld >= C elements apart, each C contiguous
- * elements (a channel slice of a contiguous tensor is such a view). */
-static int as_rows(const gdp_tensor *t, int64_t *ld) {
-  if (t->ndim != 3 || (t->shape[2] > 1 && t->stride[2] != 1)) return 0;
-  if (t->shape[1] == 1) *ld = t->stride[0];
-  else if (t->shape[0] == 1 || t->stride[0] == t->shape[1] * t->stride[1]) *ld = t->stride[1];
-  else return 0;
-  return *ld >= t->shape[2] || t->shape[0] * t->shape[1] <= 1;
-}
-
-/* t [T,B,C] for the kernels: itself when its rows are (a new reference), else a
- * contiguous copy in `dtype`; *ld is the row stride.  NULL stays NULL. */
-static gdp_status load_rows(gdp_ctx *ctx, const gdp_tensor *t, gdp_dtype dtype, gdp_tensor **out,
-                            int64_t *ld) {
-  *out = NULL;
-  *ld = 0;
-  if (!t) return GDP_OK;
-  if (t->dtype == dtype && as_rows(t, ld)) {
-    *out = gdp_tensor_retain((gdp_tensor *)t);
-    return GDP_OK;
-  }
-  *ld = t->shape[2];
-  return load(ctx, t, dtype, out);
-}
 
 /* A destination `dst` [T,B,C] for the kernels: itself when it has the compute dtype and
  * rows (*buf = a new reference), else a contiguous buffer whose values the caller

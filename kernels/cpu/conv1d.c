@@ -39,7 +39,7 @@ static int conv_threads(const gdp_conv1d_problem *a) {
 static inline int64_t conv_tap(const gdp_conv1d_problem *a, int64_t t, int64_t b, int64_t s,
                                int *from_halo) {
   *from_halo = 0;
-  if (s >= a->seq_start[t]) return (s * a->B + b) * a->C;
+  if (s >= a->seq_start[t]) return (s * a->B + b) * a->x_ld;
   if (a->seq_start[t] == 0 && s >= -a->halo_len) {
     *from_halo = 1;
     return ((a->halo_len + s) * a->B + b) * a->C;

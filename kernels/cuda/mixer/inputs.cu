@@ -34,18 +34,6 @@ template <typename A> __device__ __forceinline__ A softplus_grad(A x) {
   return x > (A)SOFTPLUS_THRESHOLD ? (A)1 : sigmoid(x);
 }
 
-/* VEC elements of IO moved as one load / store. */
-template <typename IO, int VEC> struct alignas(sizeof(IO) * VEC) Pack { IO e[VEC]; };
-
-template <typename IO, int VEC>
-__device__ __forceinline__ Pack<IO, VEC> ld_pack(const IO *p) {
-  return *reinterpret_cast<const Pack<IO, VEC> *>(p);
-}
-template <typename IO, int VEC>
-__device__ __forceinline__ void st_pack(IO *p, const Pack<IO, VEC> &v) {
-  *reinterpret_cast<Pack<IO, VEC> *>(p) = v;
-}
-
 /* The sizes as the kernels use them: in-row offsets fit in 32 bits (a row is one token). */
 struct Dims {
   int64_t T, B, rows;
@@ -109,13 +97,12 @@ __global__ void __launch_bounds__(INPUTS_THREADS)
       int dst;
       if (u < nv) {
         const int e = u * VEC;
-        const Pack<IO, VEC> p = ld_pack<IO, VEC>(dv + bt * d.M * hP + e);
-#pragma unroll
-        for (int i = 0; i < VEC; i++) acc[i] = ld(p.e, i);
+        ld_lanes<IO, VEC>(dv + bt * d.M * hP + e, acc);
         if (dx_v && e < hP) {
-          const Pack<IO, VEC> s = ld_pack<IO, VEC>(dx_v + r * hP + e);
+          A s[VEC];
+          ld_lanes<IO, VEC>(dx_v + r * hP + e, s);
 #pragma unroll
-          for (int i = 0; i < VEC; i++) acc[i] += ld(s.e, i);
+          for (int i = 0; i < VEC; i++) acc[i] += s[i];
         }
         dst = e;
       } else {
@@ -127,16 +114,14 @@ __global__ void __launch_bounds__(INPUTS_THREADS)
 #pragma unroll
         for (int i = 0; i < VEC; i++) acc[i] = (A)0;
         for (int j = 0; j < d.rep; j++) {
-          const Pack<IO, VEC> p = ld_pack<IO, VEC>(src + (gi * d.rep + j) * d.N + n);
+          A s[VEC];
+          ld_lanes<IO, VEC>(src + (gi * d.rep + j) * d.N + n, s);
 #pragma unroll
-          for (int i = 0; i < VEC; i++) acc[i] += ld(p.e, i);
+          for (int i = 0; i < VEC; i++) acc[i] += s[i];
         }
         dst = (in_k ? k_off : q_off) + e;
       }
-      Pack<IO, VEC> o;
-#pragma unroll
-      for (int i = 0; i < VEC; i++) st(o.e, i, acc[i]);
-      st_pack<IO, VEC>(x + dst, o);
+      st_lanes<IO, VEC>(x + dst, acc);
     }
   }
 }
@@ -183,14 +168,12 @@ static unsigned row_blocks(int64_t rows) {
   return (unsigned)(rows < INPUTS_MAX_BLOCKS ? (rows > 0 ? rows : 1) : INPUTS_MAX_BLOCKS);
 }
 
-static int aligned16(const void *p) { return p == NULL || ((uintptr_t)p & 15) == 0; }
-
 /* 16-byte packs fit: P, N and the row strides are multiples of the pack, the buffers
  * 16-byte aligned. */
 template <typename IO>
 static int packs_fit(const gdp_ssm_inputs_problem *p, int64_t ld_rows, const void *const *ptrs,
                      int n) {
-  const int64_t vec = 16 / (int64_t)sizeof(IO);
+  const int64_t vec = Vec16<IO>::n;
   if (p->P % vec || p->N % vec || ld_rows % vec) return 0;
   for (int i = 0; i < n; i++)
     if (!aligned16(ptrs[i])) return 0;
@@ -208,7 +191,7 @@ static gdp_status inputs_fwd(const gdp_ssm_inputs_problem *p, const gdp_ssm_inpu
   IO *q = (IO *)io->q, *k = (IO *)io->k, *v = (IO *)io->v, *beta = (IO *)io->beta;
   A *g = (A *)io->g;
   if (packs_fit<IO>(p, p->ld_xBC, ptrs, 4))
-    inputs_fwd_kernel<IO, 16 / sizeof(IO)><<<row_blocks(d.rows), INPUTS_THREADS, 0, stream>>>(
+    inputs_fwd_kernel<IO, Vec16<IO>::n><<<row_blocks(d.rows), INPUTS_THREADS, 0, stream>>>(
         d, x, b, a, A_log, dt, q, k, v, beta, g);
   else
     inputs_fwd_kernel<IO, 1><<<row_blocks(d.rows), INPUTS_THREADS, 0, stream>>>(
@@ -227,7 +210,7 @@ static gdp_status inputs_bwd(const gdp_ssm_inputs_problem *p, const gdp_ssm_inpu
   const IO *dx_v = (const IO *)io->dx_v;
   IO *dx = (IO *)io->dxBC;
   if (packs_fit<IO>(p, p->ld_dxBC, ptrs, 5))
-    inputs_bwd_kernel<IO, 16 / sizeof(IO)><<<row_blocks(d.rows), INPUTS_THREADS, 0, stream>>>(
+    inputs_bwd_kernel<IO, Vec16<IO>::n><<<row_blocks(d.rows), INPUTS_THREADS, 0, stream>>>(
         d, dq, dk, dv, dx_v, dx);
   else
     inputs_bwd_kernel<IO, 1><<<row_blocks(d.rows), INPUTS_THREADS, 0, stream>>>(d, dq, dk, dv,
