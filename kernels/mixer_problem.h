@@ -8,8 +8,9 @@
  * conv1d, on row-major buffers:
  *
  *   x [T,B,C] as rows of C contiguous channels x_ld elements apart (row t*B+b: a channel
- *   slice of the in_proj output is read in place); out, dx [T,B,C]; wt [W,C] (tap-major:
- *   the transpose of Megatron's [C,1,W] weight,
+ *   slice of the in_proj output is read in place); dx likewise, rows dx_ld apart (written
+ *   in place into the in_proj gradient); out [T,B,C]; wt [W,C] (tap-major: the transpose
+ *   of Megatron's [C,1,W] weight,
  *   so that inner loops run over contiguous channels); dweight [C,W]; bias, dbias [C] or
  *   NULL; halo, dhalo [halo_len,B,C] or NULL.
  *
@@ -26,6 +27,7 @@ typedef struct gdp_conv1d_problem {
   const int64_t *seq_start; /* host array, T entries */
   int64_t halo_len;         /* 0 without a halo */
   int64_t x_ld;             /* x's row stride in elements (C when contiguous) */
+  int64_t dx_ld;            /* dx's row stride (backward) */
   int silu;                 /* fused SiLU after the bias */
   int num_threads;          /* CPU worker threads */
   int dtype;                /* gdp_dtype of every buffer: the compute dtype */

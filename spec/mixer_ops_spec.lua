@@ -15,7 +15,8 @@ local function randn(shape) return gdp.randn(shape, { dtype = "f64" }) end
 local function uniform(shape, lo, hi) return gdp.empty(shape, { dtype = "f64" }):uniform_(lo, hi) end
 
 -- o.pad = {before, after}: x is a channel slice of wider rows (the layer's xBC inside the
--- in_proj output), read in place.
+-- in_proj output), read in place, and dx is written into the same slice of a new tensor
+-- of x's shape (the in_proj gradient).
 local function conv_case(name, T, B, C, W, o)
   local pad = o.pad or { 0, 0 }
   return {
@@ -28,9 +29,13 @@ local function conv_case(name, T, B, C, W, o)
     run = function(a)
       local x = a.x:narrow(3, pad[1] + 1, C)
       local opts = { activation = o.activation, cu_seqlens = o.cu, halo = a.halo }
+      local out = F.conv1d(x, a.weight, a.bias, opts)
+      if o.pad then
+        opts.dx = gdp.empty(a.x:shape(), { dtype = a.x:dtype(), device = a.x:device() }):narrow(3, pad[1] + 1, C)
+      end
       local g = F.conv1d_backward(x, a.weight, a.bias, a.d_out, opts)
-      return { out = F.conv1d(x, a.weight, a.bias, opts), dx = g.dx, dweight = g.dweight,
-               dbias = g.dbias, dhalo = g.dhalo }
+      if o.pad then assert.are.equal(opts.dx, g.dx) end
+      return { out = out, dx = g.dx, dweight = g.dweight, dbias = g.dbias, dhalo = g.dhalo }
     end,
   }
 end

@@ -464,11 +464,13 @@ void gdp_delta_product_saved_free(gdp_delta_product_saved *saved);
  *     arguments are converted to it.  float32 elementwise math runs in float32;
  *     reductions (sums over tokens and over norm groups) accumulate in float64.
  *   - Results are new contiguous tensors (owned) in the compute dtype, except the
- *     gradients of parameters, which take the parameter's dtype and shape.
+ *     gradients of parameters, which take the parameter's dtype and shape, and the
+ *     token gradients of the conv and of the input stage, which are written into
+ *     caller tensors (any strides: the in_proj gradient's sections).
  *   - Backward result pointers may be NULL: that gradient is not computed.  A
  *     gradient of an absent optional input is set to NULL.
- *   - cpu only for now (a cuda ctx gives GDP_ERR_UNSUPPORTED), except the
- *     repeat_heads pair, which is built from tensor views and copies.
+ *   - cpu and cuda (where bf16 is a compute dtype too); repeat_heads is built from
+ *     tensor views and copies and runs on every device.
  */
 
 typedef enum gdp_activation {
@@ -496,12 +498,14 @@ gdp_status gdp_mixer_conv1d_forward(gdp_ctx *ctx, const gdp_tensor *x, const gdp
                                     const gdp_tensor *bias, const gdp_tensor *halo,
                                     const gdp_tensor *cu_seqlens, gdp_activation activation,
                                     gdp_tensor **out);
-/* Backward of sum(out * d_out), d_out [T,B,C]: dx [T,B,C], dweight (weight's shape),
- * dbias [C] (NULL without bias), dhalo [L,B,C] (NULL without halo). */
+/* Backward of sum(out * d_out), d_out [T,B,C]: dx is written into the caller's tensor dx
+ * [T,B,C] (borrowed; any strides, e.g. the in_proj gradient's channel slice; it must not
+ * overlap the inputs; NULL: not wanted); results dweight (weight's shape), dbias [C]
+ * (NULL without bias), dhalo [L,B,C] (NULL without halo). */
 gdp_status gdp_mixer_conv1d_backward(gdp_ctx *ctx, const gdp_tensor *x, const gdp_tensor *weight,
                                      const gdp_tensor *bias, const gdp_tensor *halo,
                                      const gdp_tensor *cu_seqlens, gdp_activation activation,
-                                     const gdp_tensor *d_out, gdp_tensor **dx,
+                                     const gdp_tensor *d_out, gdp_tensor *dx,
                                      gdp_tensor **dweight, gdp_tensor **dbias,
                                      gdp_tensor **dhalo);
 

@@ -58,11 +58,29 @@ static gdp_status load_rows(gdp_ctx *ctx, const gdp_tensor *t, gdp_dtype dtype, 
   return load(ctx, t, dtype, out);
 }
 
+/* A destination `dst` [T,B,C] for the kernels: itself when it has the compute dtype and
+ * rows (*buf = a new reference), else a contiguous buffer whose values the caller
+ * copies into dst afterwards (*staged = 1). */
+static gdp_status rows_target(gdp_ctx *ctx, gdp_tensor *dst, gdp_dtype dtype, gdp_tensor **buf,
+                              int64_t *ld, int *staged) {
+  *buf = NULL;
+  *ld = 0;
+  *staged = 0;
+  if (!dst) return GDP_OK;
+  if (dst->dtype == dtype && as_rows(dst, ld)) {
+    *buf = gdp_tensor_retain(dst);
+    return GDP_OK;
+  }
+  *ld = dst->shape[2];
+  *staged = 1;
+  return gdp_tensor_empty(ctx, dtype, 3, dst->shape, buf);
+}
+
 /* ------------------------------------------------------------------ conv1d */
 
 typedef struct conv_plan {
   int64_t T, B, C, W, L;
-  int64_t x_ld; /* the row stride of the x the kernels read */
+  int64_t x_ld, dx_ld; /* the row strides of the x and dx the kernels read and write */
   gdp_dtype compute;
   int64_t *seq_start; /* [T], owned */
 } conv_plan;
@@ -173,6 +191,7 @@ static gdp_status load_weight_tap_major(gdp_ctx *ctx, const conv_plan *p, const 
 static gdp_conv1d_problem conv_problem(const conv_plan *p, gdp_ctx *ctx, gdp_activation act) {
   gdp_conv1d_problem a = {.T = p->T, .B = p->B, .C = p->C, .W = p->W,
                           .seq_start = p->seq_start, .halo_len = p->L, .x_ld = p->x_ld,
+                          .dx_ld = p->dx_ld,
                           .silu = act == GDP_ACT_SILU, .num_threads = ctx->num_threads,
                           .dtype = p->compute};
   return a;
@@ -211,39 +230,43 @@ gdp_status gdp_mixer_conv1d_forward(gdp_ctx *ctx, const gdp_tensor *x, const gdp
 gdp_status gdp_mixer_conv1d_backward(gdp_ctx *ctx, const gdp_tensor *x, const gdp_tensor *weight,
                                      const gdp_tensor *bias, const gdp_tensor *halo,
                                      const gdp_tensor *cu_seqlens, gdp_activation activation,
-                                     const gdp_tensor *d_out, gdp_tensor **dx,
+                                     const gdp_tensor *d_out, gdp_tensor *dx,
                                      gdp_tensor **dweight, gdp_tensor **dbias,
                                      gdp_tensor **dhalo) {
   static const char *func = "gdp_mixer_conv1d_backward";
-  clear_outs(dx, dweight, dbias, dhalo);
+  clear_outs(dweight, dbias, dhalo, NULL);
   NEED_OP(func, ctx, conv1d_backward);
   GDP_TRY(need_tensor(func, "d_out", d_out));
   conv_plan p;
   /* x, weight [W,C], bias, halo, d_out, then the results dx, dweight, dbias, dhalo */
   gdp_tensor *tmp[9] = {0};
+  int staged = 0;
   gdp_status s = conv_plan_make(func, ctx, x, weight, bias, halo, cu_seqlens, activation, d_out, &p);
+  if (s == GDP_OK) s = check_float_on(func, "dx", ctx, dx);
+  if (s == GDP_OK) s = check_same_shape(func, "dx", dx, "x [T,B,C]", x);
   if (s == GDP_OK) s = load_rows(ctx, x, p.compute, &tmp[0], &p.x_ld);
   if (s == GDP_OK) s = load_weight_tap_major(ctx, &p, weight, p.compute, &tmp[1]);
   if (s == GDP_OK) s = load(ctx, bias, p.compute, &tmp[2]);
   if (s == GDP_OK) s = load(ctx, halo, p.compute, &tmp[3]);
   if (s == GDP_OK) s = load(ctx, d_out, p.compute, &tmp[4]);
-  if (s == GDP_OK) s = buffer_like(ctx, dx != NULL, p.compute, x, &tmp[5]);
+  if (s == GDP_OK) s = rows_target(ctx, dx, p.compute, &tmp[5], &p.dx_ld, &staged);
   if (s == GDP_OK) s = buffer_like(ctx, dweight != NULL, p.compute, weight, &tmp[6]);
   if (s == GDP_OK) s = buffer_like(ctx, dbias && bias, p.compute, bias, &tmp[7]);
   if (s == GDP_OK) s = buffer_like(ctx, dhalo && halo, p.compute, halo, &tmp[8]);
+  if (s == GDP_OK && dx && !staged) gdp_tensor_mark_written(dx);
   if (s == GDP_OK) {
     const gdp_conv1d_problem a = conv_problem(&p, ctx, activation);
     s = ctx->backend->conv1d_backward(ctx, &a, ptr(tmp[0]), ptr(tmp[1]), ptr(tmp[2]),
                                       ptr(tmp[3]), ptr(tmp[4]), ptr(tmp[5]), ptr(tmp[6]),
                                       ptr(tmp[7]), ptr(tmp[8]));
   }
-  if (s == GDP_OK) s = deliver(ctx, &tmp[5], p.compute, dx);
+  if (s == GDP_OK && staged) s = gdp_tensor_copy(ctx, dx, tmp[5]);
   if (s == GDP_OK) s = deliver(ctx, &tmp[6], weight->dtype, dweight);
   if (s == GDP_OK && bias) s = deliver(ctx, &tmp[7], bias->dtype, dbias);
   if (s == GDP_OK && halo) s = deliver(ctx, &tmp[8], p.compute, dhalo);
   if (s != GDP_OK) {
-    gdp_tensor **outs[4] = {dx, dweight, dbias, dhalo};
-    for (int i = 0; i < 4; i++)
+    gdp_tensor **outs[3] = {dweight, dbias, dhalo};
+    for (int i = 0; i < 3; i++)
       if (outs[i]) {
         gdp_tensor_free(*outs[i]);
         *outs[i] = NULL;
@@ -909,24 +932,6 @@ gdp_status gdp_mixer_dskip_backward(gdp_ctx *ctx, const gdp_tensor *x_v, const g
 }
 
 /* ------------------------------------------------------------------ input stage */
-
-/* A destination `dst` [T,B,C] for the kernels: itself when it has the compute dtype and
- * rows (*buf = a new reference), else a contiguous buffer whose values the caller
- * copies into dst afterwards (*staged = 1). */
-static gdp_status rows_target(gdp_ctx *ctx, gdp_tensor *dst, gdp_dtype dtype, gdp_tensor **buf,
-                              int64_t *ld, int *staged) {
-  *buf = NULL;
-  *ld = 0;
-  *staged = 0;
-  if (!dst) return GDP_OK;
-  if (dst->dtype == dtype && as_rows(dst, ld)) {
-    *buf = gdp_tensor_retain(dst);
-    return GDP_OK;
-  }
-  *ld = dst->shape[2];
-  *staged = 1;
-  return gdp_tensor_empty(ctx, dtype, 3, dst->shape, buf);
-}
 
 typedef struct inputs_plan {
   gdp_ssm_inputs_problem p;

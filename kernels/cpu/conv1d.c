@@ -118,7 +118,7 @@ gdp_status FN(gdp_cpu_conv1d_bwd)(const gdp_conv1d_problem *a, const REAL *x,
 #pragma omp parallel for schedule(static) num_threads(nt) if (par)
     for (int64_t row = 0; row < rows; row++) {
       const int64_t s = row / B, b = row % B;
-      REAL *g = dx + row * C;
+      REAL *g = dx + row * a->dx_ld;
       for (int64_t c = 0; c < C; c++) g[c] = 0;
       for (int64_t w = 0; w < W; w++) {
         const int64_t t = s + (W - 1) - w;

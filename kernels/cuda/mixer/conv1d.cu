@@ -14,7 +14,7 @@
  * allow it (the narrow conv, W <= 4, whose registers hold VEC lanes of every tap), else
  * as single elements: a warp then reads 32 consecutive channels, with 8x fewer bytes
  * in flight per load.  x is read in place as rows x_ld apart (the in_proj output's
- * channel slice).  Taps are padded to WMAX with zero weights (wk[k] multiplies the
+ * channel slice), dx written in place as rows dx_ld apart.  Taps are padded to WMAX with zero weights (wk[k] multiplies the
  * input k tokens back), so every register index is a constant.  Backward writes dx for
  * the chunk (a gather over the WMAX outputs that read each token) and keeps its
  * dweight/dbias sums in registers, written as one partial per (chunk, batch) and added
@@ -30,7 +30,7 @@ enum { CONV_THREADS = 128, CONV_TCH = 64, CONV_WMAX = 16 };
 
 struct ConvArgs {
   int64_t T, B, C, W, L;
-  int64_t x_ld; /* x's row stride */
+  int64_t x_ld, dx_ld; /* x's and dx's row strides */
   const int64_t *seq; /* device [T] or NULL (all sequences start at 0) */
   int silu;
 };
@@ -260,7 +260,7 @@ __global__ void __launch_bounds__(CONV_THREADS)
         if (sq[WMAX - 1 - j] <= s)
 #pragma unroll
           for (int i = 0; i < VEC; i++) g[i] += wk[j][i] * ds[WMAX - 1 - j][i];
-      st_lanes<IO, VEC>(dx + (s * a.B + b) * a.C + c, g);
+      st_lanes<IO, VEC>(dx + (s * a.B + b) * a.dx_ld + c, g);
     }
   }
   if (partial) {
@@ -317,7 +317,7 @@ __global__ void conv_final_kernel(const double *partial, int64_t nslots, int64_t
 
 ConvArgs conv_args(const gdp_conv1d_problem *p, const int64_t *seq) {
   ConvArgs a;
-  a.T = p->T, a.B = p->B, a.C = p->C, a.W = p->W, a.L = p->halo_len, a.x_ld = p->x_ld;
+  a.T = p->T, a.B = p->B, a.C = p->C, a.W = p->W, a.L = p->halo_len, a.x_ld = p->x_ld, a.dx_ld = p->dx_ld;
   a.seq = seq;
   a.silu = p->silu;
   return a;
@@ -339,12 +339,12 @@ dim3 conv_grid(const ConvArgs &a, int vec) {
               (unsigned)a.B);
 }
 
-/* The narrow conv's 16-byte packs fit: the channel count and x's row stride are
- * multiples of the pack, every buffer 16-byte aligned. */
+/* The narrow conv's 16-byte packs fit: the channel count and the row strides of x and
+ * dx are multiples of the pack, every buffer 16-byte aligned. */
 template <typename IO>
 int conv_packs_fit(const ConvArgs &a, const void *const *ptrs, int n) {
   const int64_t vec = Vec16<IO>::n;
-  if (a.W > 4 || a.C % vec || a.x_ld % vec) return 0;
+  if (a.W > 4 || a.C % vec || a.x_ld % vec || a.dx_ld % vec) return 0;
   for (int i = 0; i < n; i++)
     if (!aligned16(ptrs[i])) return 0;
   return 1;

@@ -826,8 +826,8 @@ function M.layer_backward(m, dy)
   dparts.z:copy(dz)
   local g = M.gdp_chunkwise_context_parallel_backward(c.saved, d_o)
   local dxBC_c = m:ssm_inputs_backward(g, c.parts.b, c.parts.a, dx_v, { db = dparts.b, da = dparts.a })
-  local dxBC, dhalo = m:conv_backward(c.parts.xBC, dxBC_c, c.meta.local_cu_seqlens, c.halo)
-  dparts.xBC:copy(dxBC)
+  local _, dhalo = m:conv_backward(c.parts.xBC, dxBC_c, c.meta.local_cu_seqlens, c.halo, nil, nil,
+                                   nil, dparts.xBC)
   local R = m.conv_width - 1
   local dtail = timing.stage("halo_backward", m.device, M.conv_halo_exchange_backward, group, dhalo,
                              c.parts.xBC, R, c.valid)

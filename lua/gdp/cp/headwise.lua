@@ -614,16 +614,15 @@ function M.layer_backward(m, dy)
   local dxBC_c = view:ssm_inputs_backward(g, c.b, c.a, dx_v,
                                           { db = dloc:narrow(3, ls.conv_dim + 1, ls.b_dim),
                                             da = dloc:narrow(3, ls.conv_dim + ls.b_dim + 1, ls.a_dim) })
-  local dxBC = view:conv_backward(c.xBC, dxBC_c, c.cu, nil, view.params["conv1d.weight"],
-                                  view.params["conv1d.bias"],
-                                  { weight = view.grads["conv1d.weight"], bias = view.grads["conv1d.bias"] })
+  view:conv_backward(c.xBC, dxBC_c, c.cu, nil, view.params["conv1d.weight"], view.params["conv1d.bias"],
+                     { weight = view.grads["conv1d.weight"], bias = view.grads["conv1d.bias"] },
+                     dloc:narrow(3, 1, ls.conv_dim))
   hcp:get_conv1d_weight_backward(view.grads["conv1d.weight"], m.grads["conv1d.weight"])
   if m.grads["conv1d.bias"] ~= nil then
     hcp:get_conv1d_bias_backward(view.grads["conv1d.bias"], m.grads["conv1d.bias"])
   end
   hcp:get_A_log_backward(view.grads["A_log"], m.grads["A_log"])
   hcp:get_dt_bias_backward(view.grads["dt_bias"], m.grads["dt_bias"])
-  dloc:narrow(3, 1, ls.conv_dim):copy(dxBC)
   local dzx = timing.stage("all_to_all_in_backward", m.device, hcp._cp2hp_backward, hcp, dloc, false, c.cu)
   dzx:narrow(3, s.z_off, s.d_inner):copy(dz)
   local dx = m:in_proj_backward(x, dzx)

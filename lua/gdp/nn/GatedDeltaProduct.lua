@@ -439,9 +439,9 @@ function GatedDeltaProduct:split_in_proj(zx)
 end
 
 -- The in_proj output's gradient [T,B,d_in_proj], allocated before the backward stages
--- so that they fill its sections in place (the fused input stage writes db and da
--- there); returns it and its section views (split_in_proj's).  The conv's dx and the
--- norm's dz are new tensors of their ops, copied into their sections.
+-- so that they fill its sections in place (the conv backward writes dxBC there, the
+-- fused input stage db and da); returns it and its section views (split_in_proj's).
+-- The norm's dz is a new tensor of its op, copied into its section.
 function GatedDeltaProduct:in_proj_grad(T, B)
   local dzx = tensor.empty({ T, B, self.sizes.d_in_proj }, { dtype = self.dtype, device = self.device })
   return dzx, self:split_in_proj(dzx)
@@ -456,14 +456,19 @@ function GatedDeltaProduct:conv_forward(xBC, cu_seqlens, halo, weight, bias)
                   { activation = "silu", cu_seqlens = cu_seqlens, halo = halo })
 end
 
--- Returns dxBC [T,B,C] and dhalo (nil without halo); accumulates the conv gradients
--- into grads (default: the module's) when given.
-function GatedDeltaProduct:conv_backward(xBC, dxBC_c, cu_seqlens, halo, weight, bias, grads)
-  if not self.use_short_conv then return F.silu_backward(xBC, dxBC_c) end
+-- Returns dxBC [T,B,C] (written into `out` when given: a view into the in_proj
+-- gradient) and dhalo (nil without halo); accumulates the conv gradients into grads
+-- (default: the module's) when given.
+function GatedDeltaProduct:conv_backward(xBC, dxBC_c, cu_seqlens, halo, weight, bias, grads, out)
+  if not self.use_short_conv then
+    local dxBC = F.silu_backward(xBC, dxBC_c)
+    if out == nil then return dxBC end
+    return out:copy(dxBC)
+  end
   local w = weight or self.params["conv1d.weight"]
   local b = bias or (weight == nil and self.params["conv1d.bias"] or nil)
   local r = F.conv1d_backward(xBC, w, b, dxBC_c,
-                              { activation = "silu", cu_seqlens = cu_seqlens, halo = halo })
+                              { activation = "silu", cu_seqlens = cu_seqlens, halo = halo, dx = out })
   grads = grads or { weight = self.grads["conv1d.weight"], bias = self.grads["conv1d.bias"] }
   Module.accumulate(grads.weight, r.dweight)
   if r.dbias ~= nil and grads.bias ~= nil then Module.accumulate(grads.bias, r.dbias) end
@@ -658,7 +663,7 @@ function GatedDeltaProduct:backward(x, dy, cu_seqlens)
   if dz ~= nil then dparts.z:copy(dz) end
   local g = self:ssm_backward(c.inp, c.cu, d_o)
   local dxBC_c = self:ssm_inputs_backward(g, c.parts.b, c.parts.a, dx_v, { db = dparts.b, da = dparts.a })
-  dparts.xBC:copy(self:conv_backward(c.parts.xBC, dxBC_c, c.cu))
+  self:conv_backward(c.parts.xBC, dxBC_c, c.cu, nil, nil, nil, nil, dparts.xBC)
   local dx = self:in_proj_backward(x, dzx)
   self.grad_input = dx
   return dx

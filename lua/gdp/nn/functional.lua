@@ -48,9 +48,10 @@ function F.seqlens(cu, fn)
 end
 
 local conv_keys = { activation = true, cu_seqlens = true, halo = true }
+local conv_backward_keys = { activation = true, cu_seqlens = true, halo = true, dx = true }
 
-local function conv_opts(fn, opts)
-  opts = tensor.check_opts(fn, opts, conv_keys)
+local function conv_opts(fn, opts, keys)
+  opts = tensor.check_opts(fn, opts, keys or conv_keys)
   local act = ACTIVATIONS[opts.activation or "none"]
   if act == nil then
     argerror(fn, "activation: expected \"none\" or \"silu\", got " .. tostring(opts.activation))
@@ -71,17 +72,20 @@ function F.conv1d(x, weight, bias, opts)
   return call_outputs(fn, "gdp_mixer_conv1d_forward", { out }, x:ctx(), x, weight, bias, halo, cu, act, out)
 end
 
--- Backward of sum(conv1d(...) * d_out): {dx, dweight, dbias, dhalo}.
+-- Backward of sum(conv1d(...) * d_out): {dx, dweight, dbias, dhalo}.  opts as conv1d's,
+-- plus dx: a [T,B,C] tensor to write dx into (any strides, e.g. the in_proj gradient's
+-- channel slice; it must not overlap the inputs), returned as dx.
 function F.conv1d_backward(x, weight, bias, d_out, opts)
   local fn = "nn.functional.conv1d_backward"
   tensor_arg(x, fn, "x")
   tensor_arg(weight, fn, "weight")
   opt_tensor(bias, fn, "bias")
   tensor_arg(d_out, fn, "d_out")
-  local act, cu, halo = conv_opts(fn, opts)
-  local dx, dw, db, dh = tensor_box(), tensor_box(), tensor_box(), tensor_box()
-  local gx, gw, gb, gh = call_outputs(fn, "gdp_mixer_conv1d_backward", { dx, dw, db, dh }, x:ctx(), x,
-                                      weight, bias, halo, cu, act, d_out, dx, dw, db, dh)
+  local act, cu, halo = conv_opts(fn, opts, conv_backward_keys)
+  local gx = opt_tensor(opts and opts.dx, fn, "dx") or tensor.empty(x:shape(), { dtype = x:dtype(), device = x:device() })
+  local dw, db, dh = tensor_box(), tensor_box(), tensor_box()
+  local gw, gb, gh = call_outputs(fn, "gdp_mixer_conv1d_backward", { dw, db, dh }, x:ctx(), x,
+                                  weight, bias, halo, cu, act, d_out, gx, dw, db, dh)
   return { dx = gx, dweight = gw, dbias = gb, dhalo = gh }
 end
 
