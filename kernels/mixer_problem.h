@@ -10,9 +10,8 @@
  *   x [T,B,C] as rows of C contiguous channels x_ld elements apart (row t*B+b: a channel
  *   slice of the in_proj output is read in place); dx likewise, rows dx_ld apart (written
  *   in place into the in_proj gradient); out [T,B,C]; wt [W,C] (tap-major: the transpose
- *   of Megatron's [C,1,W] weight,
- *   so that inner loops run over contiguous channels); dweight [C,W]; bias, dbias [C] or
- *   NULL; halo, dhalo [halo_len,B,C] or NULL.
+ *   of Megatron's [C,1,W] weight, so that inner loops run over contiguous channels);
+ *   dweight [C,W]; bias, dbias [C] or NULL; halo, dhalo [halo_len,B,C] or NULL.
  *
  * seq_start[t] is the first token of the sequence holding token t; a tap at s < seq_start[t]
  * reads the halo row halo_len+s when seq_start[t] == 0 and s >= -halo_len, else zero.
