@@ -35,7 +35,7 @@ const char *gdp_activation_name(gdp_activation act) {
 
 /* The rows r = t*B + b of t [T,B,C] lie *ld >= C elements apart, each C contiguous
  * elements (a channel slice of a contiguous tensor is such a view). */
-static int as_rows(const gdp_tensor *t, int64_t *ld) {
+static int token_rows(const gdp_tensor *t, int64_t *ld) {
   if (t->ndim != 3 || (t->shape[2] > 1 && t->stride[2] != 1)) return 0;
   if (t->shape[1] == 1) *ld = t->stride[0];
   else if (t->shape[0] == 1 || t->stride[0] == t->shape[1] * t->stride[1]) *ld = t->stride[1];
@@ -45,12 +45,12 @@ static int as_rows(const gdp_tensor *t, int64_t *ld) {
 
 /* t [T,B,C] for the kernels: itself when its rows are (a new reference), else a
  * contiguous copy in `dtype`; *ld is the row stride.  NULL stays NULL. */
-static gdp_status load_rows(gdp_ctx *ctx, const gdp_tensor *t, gdp_dtype dtype, gdp_tensor **out,
-                            int64_t *ld) {
+static gdp_status load_token_rows(gdp_ctx *ctx, const gdp_tensor *t, gdp_dtype dtype,
+                                  gdp_tensor **out, int64_t *ld) {
   *out = NULL;
   *ld = 0;
   if (!t) return GDP_OK;
-  if (t->dtype == dtype && as_rows(t, ld)) {
+  if (t->dtype == dtype && token_rows(t, ld)) {
     *out = gdp_tensor_retain((gdp_tensor *)t);
     return GDP_OK;
   }
@@ -61,13 +61,13 @@ static gdp_status load_rows(gdp_ctx *ctx, const gdp_tensor *t, gdp_dtype dtype, 
 /* A destination `dst` [T,B,C] for the kernels: itself when it has the compute dtype and
  * rows (*buf = a new reference), else a contiguous buffer whose values the caller
  * copies into dst afterwards (*staged = 1). */
-static gdp_status rows_target(gdp_ctx *ctx, gdp_tensor *dst, gdp_dtype dtype, gdp_tensor **buf,
-                              int64_t *ld, int *staged) {
+static gdp_status token_rows_target(gdp_ctx *ctx, gdp_tensor *dst, gdp_dtype dtype,
+                                    gdp_tensor **buf, int64_t *ld, int *staged) {
   *buf = NULL;
   *ld = 0;
   *staged = 0;
   if (!dst) return GDP_OK;
-  if (dst->dtype == dtype && as_rows(dst, ld)) {
+  if (dst->dtype == dtype && token_rows(dst, ld)) {
     *buf = gdp_tensor_retain(dst);
     return GDP_OK;
   }
@@ -208,7 +208,7 @@ gdp_status gdp_mixer_conv1d_forward(gdp_ctx *ctx, const gdp_tensor *x, const gdp
   conv_plan p;
   gdp_tensor *tmp[5] = {0}; /* x, weight [W,C], bias, halo, out */
   gdp_status s = conv_plan_make(func, ctx, x, weight, bias, halo, cu_seqlens, activation, NULL, &p);
-  if (s == GDP_OK) s = load_rows(ctx, x, p.compute, &tmp[0], &p.x_ld);
+  if (s == GDP_OK) s = load_token_rows(ctx, x, p.compute, &tmp[0], &p.x_ld);
   if (s == GDP_OK) s = load_weight_tap_major(ctx, &p, weight, p.compute, &tmp[1]);
   if (s == GDP_OK) s = load(ctx, bias, p.compute, &tmp[2]);
   if (s == GDP_OK) s = load(ctx, halo, p.compute, &tmp[3]);
@@ -244,12 +244,12 @@ gdp_status gdp_mixer_conv1d_backward(gdp_ctx *ctx, const gdp_tensor *x, const gd
   gdp_status s = conv_plan_make(func, ctx, x, weight, bias, halo, cu_seqlens, activation, d_out, &p);
   if (s == GDP_OK) s = check_float_on(func, "dx", ctx, dx);
   if (s == GDP_OK) s = check_same_shape(func, "dx", dx, "x [T,B,C]", x);
-  if (s == GDP_OK) s = load_rows(ctx, x, p.compute, &tmp[0], &p.x_ld);
+  if (s == GDP_OK) s = load_token_rows(ctx, x, p.compute, &tmp[0], &p.x_ld);
   if (s == GDP_OK) s = load_weight_tap_major(ctx, &p, weight, p.compute, &tmp[1]);
   if (s == GDP_OK) s = load(ctx, bias, p.compute, &tmp[2]);
   if (s == GDP_OK) s = load(ctx, halo, p.compute, &tmp[3]);
   if (s == GDP_OK) s = load(ctx, d_out, p.compute, &tmp[4]);
-  if (s == GDP_OK) s = rows_target(ctx, dx, p.compute, &tmp[5], &p.dx_ld, &staged);
+  if (s == GDP_OK) s = token_rows_target(ctx, dx, p.compute, &tmp[5], &p.dx_ld, &staged);
   if (s == GDP_OK) s = buffer_like(ctx, dweight != NULL, p.compute, weight, &tmp[6]);
   if (s == GDP_OK) s = buffer_like(ctx, dbias && bias, p.compute, bias, &tmp[7]);
   if (s == GDP_OK) s = buffer_like(ctx, dhalo && halo, p.compute, halo, &tmp[8]);
@@ -1017,9 +1017,9 @@ gdp_status gdp_mixer_ssm_inputs_forward(gdp_ctx *ctx, const gdp_tensor *xBC, con
   gdp_tensor *tmp[10] = {0};
   const gdp_dtype dt = p->dtype;
   const int64_t nh = p->nh, TM = p->T * p->M;
-  gdp_status s = load_rows(ctx, xBC, dt, &tmp[0], &p->ld_xBC);
-  if (s == GDP_OK) s = load_rows(ctx, b, dt, &tmp[1], &p->ld_b);
-  if (s == GDP_OK) s = load_rows(ctx, a, dt, &tmp[2], &p->ld_a);
+  gdp_status s = load_token_rows(ctx, xBC, dt, &tmp[0], &p->ld_xBC);
+  if (s == GDP_OK) s = load_token_rows(ctx, b, dt, &tmp[1], &p->ld_b);
+  if (s == GDP_OK) s = load_token_rows(ctx, a, dt, &tmp[2], &p->ld_a);
   if (s == GDP_OK) s = load(ctx, A_log, pl.gate_dtype, &tmp[3]);
   if (s == GDP_OK) s = load(ctx, dt_bias, pl.gate_dtype, &tmp[4]);
   if (s == GDP_OK)
@@ -1100,8 +1100,8 @@ gdp_status gdp_mixer_ssm_inputs_backward(gdp_ctx *ctx, const gdp_tensor *b, cons
   gdp_tensor *tmp[15] = {0};
   int staged[3] = {0};
   const gdp_dtype dt = p->dtype, gt = pl.gate_dtype;
-  gdp_status s = load_rows(ctx, b, dt, &tmp[0], &p->ld_b);
-  if (s == GDP_OK) s = load_rows(ctx, a, dt, &tmp[1], &p->ld_a);
+  gdp_status s = load_token_rows(ctx, b, dt, &tmp[0], &p->ld_b);
+  if (s == GDP_OK) s = load_token_rows(ctx, a, dt, &tmp[1], &p->ld_a);
   if (s == GDP_OK) s = load(ctx, A_log, gt, &tmp[2]);
   if (s == GDP_OK) s = load(ctx, dt_bias, gt, &tmp[3]);
   if (s == GDP_OK) s = load(ctx, dq, dt, &tmp[4]);
@@ -1110,9 +1110,9 @@ gdp_status gdp_mixer_ssm_inputs_backward(gdp_ctx *ctx, const gdp_tensor *b, cons
   if (s == GDP_OK) s = load(ctx, dbeta, dt, &tmp[7]);
   if (s == GDP_OK) s = load(ctx, a ? dg : NULL, gt, &tmp[8]);
   if (s == GDP_OK) s = load(ctx, dx_v, dt, &tmp[9]);
-  if (s == GDP_OK) s = rows_target(ctx, dxBC, dt, &tmp[10], &p->ld_dxBC, &staged[0]);
-  if (s == GDP_OK) s = rows_target(ctx, db, dt, &tmp[11], &p->ld_db, &staged[1]);
-  if (s == GDP_OK) s = rows_target(ctx, a ? da : NULL, dt, &tmp[12], &p->ld_da, &staged[2]);
+  if (s == GDP_OK) s = token_rows_target(ctx, dxBC, dt, &tmp[10], &p->ld_dxBC, &staged[0]);
+  if (s == GDP_OK) s = token_rows_target(ctx, db, dt, &tmp[11], &p->ld_db, &staged[1]);
+  if (s == GDP_OK) s = token_rows_target(ctx, a ? da : NULL, dt, &tmp[12], &p->ld_da, &staged[2]);
   if (s == GDP_OK) s = buffer_like(ctx, a && dA_log, gt, A_log, &tmp[13]);
   if (s == GDP_OK) s = buffer_like(ctx, a && dt_bias && ddt_bias, gt, dt_bias, &tmp[14]);
   gdp_tensor *dsts[3] = {dxBC, db, a ? da : NULL};
