@@ -203,13 +203,19 @@ local function profiled_step(m, x, dy, base)
   local inp = stage("ssm_inputs", function() return m:ssm_inputs(xBC_c, parts.b, parts.a) end)
   local o = stage("ssm", function() return m:ssm_forward(inp, nil) end)
   local _, saved = stage("out", function() return m:out_forward(o, parts.z, inp.x_v) end)
-  local d_o, dz, dx_v = stage("out_backward", function() return m:out_backward(saved, parts.z, inp.x_v, dy) end)
-  local g = stage("ssm_backward", function() return m:ssm_backward(inp, nil, d_o) end)
-  local dxBC_c, db, da = stage("ssm_inputs_backward", function()
-    return m:ssm_inputs_backward(g, parts.b, parts.a, dx_v)
+  local dzx, dparts = m:in_proj_grad(x:size(1), x:size(2))
+  -- as GatedDeltaProduct:backward: the stages fill dzx's sections (dz copied in)
+  local d_o, dx_v = stage("out_backward", function()
+    local o_grad, dz, x_v_grad = m:out_backward(saved, parts.z, inp.x_v, dy)
+    if dz ~= nil then dparts.z:copy(dz) end
+    return o_grad, x_v_grad
   end)
-  local dxBC = stage("conv_backward", function() return m:conv_backward(parts.xBC, dxBC_c, nil) end)
-  stage("in_proj_backward", function() return m:in_proj_backward(x, m:join_in_proj(dz, dxBC, db, da)) end)
+  local g = stage("ssm_backward", function() return m:ssm_backward(inp, nil, d_o) end)
+  local dxBC_c = stage("ssm_inputs_backward", function()
+    return m:ssm_inputs_backward(g, parts.b, parts.a, dx_v, { db = dparts.b, da = dparts.a })
+  end)
+  stage("conv_backward", function() m:conv_backward(parts.xBC, dxBC_c, nil, nil, nil, nil, nil, dparts.xBC) end)
+  stage("in_proj_backward", function() return m:in_proj_backward(x, dzx) end)
   return t, peak
 end
 

@@ -52,6 +52,11 @@ local ENTRIES = {
   { "gdp.nn.GatedDeltaProduct", "seed", function(v) return mixer { seed = v } end },
   { "gdp.nn.functional.repeat_heads", "num_heads", function(v)
       return gdp.nn.functional.repeat_heads(gdp.zeros({ 1, 4 }), v) end },
+  { "gdp.nn.functional.ssm_inputs", "num_householder", function(v)
+      -- xBC [1,1,M+2]: one head of dim 1, one group of state dim 1, M = v copies
+      local M = v == 1 and 1 or 0
+      return gdp.nn.functional.ssm_inputs(gdp.zeros({ 1, 1, M + 2 }), gdp.zeros({ 1, 1, M }), nil, nil, nil,
+        { num_heads = 1, head_dim = 1, num_groups = 1, state_dim = 1, num_householder = v }) end },
   { "gdp.cp.shard.split", "cp", function(v) return gdp.cp.shard.split(gdp.zeros({ 4, 1 }), v, 0) end, util.INT_MAX },
   { "gdp.cp.shard.split", "rank", function(v) return gdp.cp.shard.split(gdp.zeros({ 4, 1 }), 2, v) end, 1 },
   { "gdp.data.state_tracking", "length", function(v)

@@ -14,18 +14,28 @@ local cases = require("op_cases")
 local function randn(shape) return gdp.randn(shape, { dtype = "f64" }) end
 local function uniform(shape, lo, hi) return gdp.empty(shape, { dtype = "f64" }):uniform_(lo, hi) end
 
+-- o.pad = {before, after}: x is a channel slice of wider rows (the layer's xBC inside the
+-- in_proj output), read in place, and dx is written into the same slice of a new tensor
+-- of x's shape (the in_proj gradient).
 local function conv_case(name, T, B, C, W, o)
+  local pad = o.pad or { 0, 0 }
   return {
     name = string.format("conv1d %s [T=%d B=%d C=%d W=%d]", name, T, B, C, W),
     inputs = function()
-      return { x = randn({ T, B, C }), weight = randn({ C, 1, W }), bias = o.bias and randn({ C }) or nil,
-               halo = o.halo and randn({ o.halo, B, C }) or nil, d_out = randn({ T, B, C }) }
+      return { x = randn({ T, B, pad[1] + C + pad[2] }), weight = randn({ C, 1, W }),
+               bias = o.bias and randn({ C }) or nil, halo = o.halo and randn({ o.halo, B, C }) or nil,
+               d_out = randn({ T, B, C }) }
     end,
     run = function(a)
+      local x = a.x:narrow(3, pad[1] + 1, C)
       local opts = { activation = o.activation, cu_seqlens = o.cu, halo = a.halo }
-      local g = F.conv1d_backward(a.x, a.weight, a.bias, a.d_out, opts)
-      return { out = F.conv1d(a.x, a.weight, a.bias, opts), dx = g.dx, dweight = g.dweight,
-               dbias = g.dbias, dhalo = g.dhalo }
+      local out = F.conv1d(x, a.weight, a.bias, opts)
+      if o.pad then
+        opts.dx = gdp.empty(a.x:shape(), { dtype = a.x:dtype(), device = a.x:device() }):narrow(3, pad[1] + 1, C)
+      end
+      local g = F.conv1d_backward(x, a.weight, a.bias, a.d_out, opts)
+      if o.pad then assert.are.equal(opts.dx, g.dx) end
+      return { out = out, dx = g.dx, dweight = g.dweight, dbias = g.dbias, dhalo = g.dhalo }
     end,
   }
 end
@@ -38,6 +48,11 @@ local tiled = {
             { bias = true, activation = "silu", cu = { 0, 0, 100, 101, 101, 129, 300, 300 }, halo = 3 }),
   conv_case("tiles: W = 6 (the wide kernel), packed, halo 5", 140, 1, 40, 6,
             { bias = true, activation = "silu", cu = { 0, 2, 2, 140 }, halo = 5 }),
+  -- cuda: rows 16 wide packs apart (bf16 and f32 take 16-byte packs), then misaligned ones
+  conv_case("strided x: a slice of rows 136 wide, packed, halo 3", 150, 1, 96, 4,
+            { bias = true, activation = "silu", cu = { 0, 70, 150 }, halo = 3, pad = { 16, 24 } }),
+  conv_case("strided x: a slice at channel 3 of rows 101 wide, B = 2", 90, 2, 96, 4,
+            { bias = true, activation = "silu", pad = { 3, 2 } }),
   { name = "beta x2, 70000 elements",
     inputs = function() return { b = randn({ 7000, 2, 5 }), d = randn({ 7000, 2, 5 }) } end,
     run = function(a) return { beta = F.beta(a.b, 2), db = F.beta_backward(a.b, 2, a.d) } end },

@@ -414,6 +414,27 @@ describe("nn.functional", function()
     assert.are.same({ 3, 1, 3 }, g.dhalo:shape())
     assert.are.same({ 3, 1, 4 }, g.dweight:shape())
     assert.is_nil(g.dbias)
+    -- dx into a destination whose rows are not evenly spaced (staged), and into f32
+    local d_out = gdp.randn({ 7, 2, 3 }, { dtype = "f64" })
+    local x2 = gdp.randn({ 7, 2, 3 }, { dtype = "f64" })
+    local plain = F.conv1d_backward(x2, w, nil, d_out, { activation = "silu" }).dx
+    local odd = gdp.empty({ 2, 7, 3 }, { dtype = "f64" }):permute(2, 1, 3)
+    assert.are.equal(odd, F.conv1d_backward(x2, w, nil, d_out, { activation = "silu", dx = odd }).dx)
+    assert.tensor_near(odd, plain, 1e-15)
+    local low = gdp.empty({ 7, 2, 3 }, { dtype = "f32" })
+    F.conv1d_backward(x2, w, nil, d_out, { activation = "silu", dx = low })
+    assert.tensor_near(low, plain, 1e-6)
+    -- x read in place from wider rows, dx written into a slice: as the contiguous ones
+    local wide = gdp.randn({ 7, 2, 8 }, { dtype = "f64" })
+    wide:narrow(3, 4, 3):copy(x2)
+    local xs, dxs = wide:narrow(3, 4, 3), gdp.zeros({ 7, 2, 8 }, { dtype = "f64" }):narrow(3, 2, 3)
+    local gs = F.conv1d_backward(xs, w, nil, d_out, { activation = "silu", dx = dxs, cu_seqlens = nil })
+    local gc = F.conv1d_backward(x2, w, nil, d_out, { activation = "silu" })
+    assert.tensor_near(F.conv1d(xs, w, nil, { activation = "silu" }), F.conv1d(x2, w, nil, { activation = "silu" }), 1e-15)
+    assert.tensor_near(dxs, gc.dx, 1e-15)
+    assert.tensor_near(gs.dweight, gc.dweight, 1e-15)
+    H.expect_error(function() F.conv1d_backward(x2, w, nil, d_out, { dx = gdp.empty({ 7, 2, 4 }, { dtype = "f64" }) }) end,
+                   "dx: expected the shape of x [T,B,C], [7x2x3], got [7x2x4]")
     H.expect_error(function() F.conv1d(x, gdp.zeros({ 4, 4 }, { dtype = "f64" })) end,
                    "GDP_ERR_SHAPE", "weight: expected [C,W] or [C,1,W] with C = 3")
     H.expect_error(function() F.conv1d(x, w, nil, { activation = "relu" }) end,

@@ -464,11 +464,13 @@ void gdp_delta_product_saved_free(gdp_delta_product_saved *saved);
  *     arguments are converted to it.  float32 elementwise math runs in float32;
  *     reductions (sums over tokens and over norm groups) accumulate in float64.
  *   - Results are new contiguous tensors (owned) in the compute dtype, except the
- *     gradients of parameters, which take the parameter's dtype and shape.
+ *     gradients of parameters, which take the parameter's dtype and shape, and the
+ *     token gradients of the conv and of the input stage, which are written into
+ *     caller tensors (any strides: the in_proj gradient's sections).
  *   - Backward result pointers may be NULL: that gradient is not computed.  A
  *     gradient of an absent optional input is set to NULL.
- *   - cpu only for now (a cuda ctx gives GDP_ERR_UNSUPPORTED), except the
- *     repeat_heads pair, which is built from tensor views and copies.
+ *   - cpu and cuda (where bf16 is a compute dtype too); repeat_heads is built from
+ *     tensor views and copies and runs on every device.
  */
 
 typedef enum gdp_activation {
@@ -496,12 +498,14 @@ gdp_status gdp_mixer_conv1d_forward(gdp_ctx *ctx, const gdp_tensor *x, const gdp
                                     const gdp_tensor *bias, const gdp_tensor *halo,
                                     const gdp_tensor *cu_seqlens, gdp_activation activation,
                                     gdp_tensor **out);
-/* Backward of sum(out * d_out), d_out [T,B,C]: dx [T,B,C], dweight (weight's shape),
- * dbias [C] (NULL without bias), dhalo [L,B,C] (NULL without halo). */
+/* Backward of sum(out * d_out), d_out [T,B,C]: dx is written into the caller's tensor dx
+ * [T,B,C] (borrowed; any strides, e.g. the in_proj gradient's channel slice; it must not
+ * overlap the inputs; NULL: not wanted); results dweight (weight's shape), dbias [C]
+ * (NULL without bias), dhalo [L,B,C] (NULL without halo). */
 gdp_status gdp_mixer_conv1d_backward(gdp_ctx *ctx, const gdp_tensor *x, const gdp_tensor *weight,
                                      const gdp_tensor *bias, const gdp_tensor *halo,
                                      const gdp_tensor *cu_seqlens, gdp_activation activation,
-                                     const gdp_tensor *d_out, gdp_tensor **dx,
+                                     const gdp_tensor *d_out, gdp_tensor *dx,
                                      gdp_tensor **dweight, gdp_tensor **dbias,
                                      gdp_tensor **dhalo);
 
@@ -572,6 +576,44 @@ gdp_status gdp_mixer_repeat_heads_forward(gdp_ctx *ctx, const gdp_tensor *x, int
 /* dx [..., num_groups, N]: the sum of d_out [..., H, N] over each group's heads. */
 gdp_status gdp_mixer_repeat_heads_backward(gdp_ctx *ctx, const gdp_tensor *d_out,
                                            int64_t num_groups, gdp_tensor **dx);
+
+/*
+ * The input stage of the mixer, fused: from the conv output and the gate sections
+ * (sequence-major, as the in_proj output holds them) to the operator's batch-major
+ * inputs, in one pass.  Sizes: num_heads nh of head_dim P, num_groups ng (a divisor of
+ * nh) of state_dim N, num_householder M.
+ *   xBC [T,B,M*nh*P + M*ng*N + ng*N]: the sections V (m,h,p), K (m,g,n), Q (g,n);
+ *   b [T,B,M*nh] (m,h); a [T,B,nh] or NULL (no forget gate: A_log, dt_bias NULL too);
+ *   A_log [nh], dt_bias [nh] or NULL, float32 when xBC is bf16 (else xBC's dtype).
+ * Results (new, contiguous): q [B,T,nh,N], k [B,T*M,nh,N] (row t*M+m), v [B,T*M,nh,P],
+ * with head h reading group h / (nh/ng); beta [B,T*M,nh] = beta_scale * sigmoid(b);
+ * g [B,T,nh] = -exp(A_log) * softplus(a + dt_bias) in A_log's dtype (NULL without a).
+ * xBC, b and a may be strided views (rows of contiguous elements read in place).
+ */
+gdp_status gdp_mixer_ssm_inputs_forward(gdp_ctx *ctx, const gdp_tensor *xBC, const gdp_tensor *b,
+                                        const gdp_tensor *a, const gdp_tensor *A_log,
+                                        const gdp_tensor *dt_bias, int64_t num_heads,
+                                        int64_t head_dim, int64_t num_groups, int64_t state_dim,
+                                        int64_t num_householder, double beta_scale,
+                                        gdp_tensor **q, gdp_tensor **k, gdp_tensor **v,
+                                        gdp_tensor **beta, gdp_tensor **g);
+/* Backward: dq, dk, dv, dbeta like q, k, v, beta; dg like g (NULL without a); dx_v
+ * [T,B,nh,P] or NULL (a gradient added to value copy m = 0: the D skip's).  The token
+ * gradients are written into caller tensors (borrowed; any strides, e.g. views into
+ * the in_proj gradient; they must not overlap the inputs): dxBC like xBC (written
+ * whole: the group sums of dk and dq, dv plus dx_v), db like b, da like a (NULL
+ * without a).  dA_log and ddt_bias (new, in their parameter's dtype; may be NULL) are
+ * the sums over tokens. */
+gdp_status gdp_mixer_ssm_inputs_backward(gdp_ctx *ctx, const gdp_tensor *b, const gdp_tensor *a,
+                                         const gdp_tensor *A_log, const gdp_tensor *dt_bias,
+                                         int64_t num_heads, int64_t head_dim, int64_t num_groups,
+                                         int64_t state_dim, int64_t num_householder,
+                                         double beta_scale, const gdp_tensor *dq,
+                                         const gdp_tensor *dk, const gdp_tensor *dv,
+                                         const gdp_tensor *dbeta, const gdp_tensor *dg,
+                                         const gdp_tensor *dx_v, gdp_tensor *dxBC,
+                                         gdp_tensor *db, gdp_tensor *da, gdp_tensor **dA_log,
+                                         gdp_tensor **ddt_bias);
 
 /* D skip: out = y + D * x_v for y, x_v [..., H, P]; D [H] (per head) or [H*P] (per
  * channel: Megatron's D_has_hdim). */

@@ -952,6 +952,21 @@ static gdp_status cpu_conv1d_backward(gdp_ctx *ctx, const gdp_conv1d_problem *p,
   return GDP_OK;
 }
 
+static gdp_status cpu_ssm_inputs_forward(gdp_ctx *ctx, const gdp_ssm_inputs_problem *p,
+                                         const gdp_ssm_inputs_fwd_io *io) {
+  (void)ctx;
+  CPU_FLOAT_DISPATCH(p->dtype, gdp_cpu_ssm_inputs_fwd_f64(p, io), gdp_cpu_ssm_inputs_fwd_f32(p, io));
+  return GDP_OK;
+}
+
+static gdp_status cpu_ssm_inputs_backward(gdp_ctx *ctx, const gdp_ssm_inputs_problem *p,
+                                          const gdp_ssm_inputs_bwd_io *io) {
+  (void)ctx;
+  CPU_FLOAT_DISPATCH(p->dtype, return gdp_cpu_ssm_inputs_bwd_f64(p, io),
+                     return gdp_cpu_ssm_inputs_bwd_f32(p, io));
+  return GDP_OK;
+}
+
 static gdp_status cpu_beta_forward(gdp_ctx *ctx, gdp_dtype dtype, int64_t n, double scale,
                                    const void *b, void *beta) {
   CPU_FLOAT_DISPATCH(dtype, gdp_cpu_beta_fwd_f64(n, scale, b, beta, ctx->num_threads),
@@ -1154,6 +1169,8 @@ const gdp_backend gdp_backend_cpu = {
     .out_norm_backward = cpu_out_norm_backward,
     .dskip_forward = cpu_dskip_forward,
     .dskip_backward = cpu_dskip_backward,
+    .ssm_inputs_forward = cpu_ssm_inputs_forward,
+    .ssm_inputs_backward = cpu_ssm_inputs_backward,
     .state_tracking = cpu_state_tracking,
     .optim_update = cpu_optim_update,
     .silu_mul_forward = cpu_silu_mul_forward,

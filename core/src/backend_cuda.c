@@ -775,6 +775,26 @@ static gdp_status cuda_decay_backward(gdp_ctx *ctx, gdp_dtype dtype, int64_t row
   return op_end(ctx);
 }
 
+static gdp_status cuda_ssm_inputs_forward(gdp_ctx *ctx, const gdp_ssm_inputs_problem *p,
+                                          const gdp_ssm_inputs_fwd_io *io) {
+  GDP_TRY(mixer_begin(ctx, "ssm_inputs_forward", (gdp_dtype)p->dtype, p->T * p->B,
+                      p->M * p->nh * p->P + (p->M + 1) * p->ng * p->N));
+  GDP_TRY(gdp_cuda_ssm_inputs_fwd(p, io, state_of(ctx)->stream));
+  return op_end(ctx);
+}
+
+static gdp_status cuda_ssm_inputs_backward(gdp_ctx *ctx, const gdp_ssm_inputs_problem *p,
+                                           const gdp_ssm_inputs_bwd_io *io) {
+  GDP_TRY(mixer_begin(ctx, "ssm_inputs_backward", (gdp_dtype)p->dtype, p->T * p->B,
+                      p->M * p->nh * p->P + (p->M + 1) * p->ng * p->N));
+  void *ws = NULL;
+  GDP_TRY(mixer_workspace(ctx, gdp_cuda_ssm_inputs_bwd_workspace(p), &ws));
+  gdp_status s = gdp_cuda_ssm_inputs_bwd(p, io, ws, state_of(ctx)->stream);
+  device_free(ctx, ws);
+  GDP_TRY(s);
+  return op_end(ctx);
+}
+
 static gdp_status cuda_out_norm_forward(gdp_ctx *ctx, const gdp_out_norm_problem *p,
                                        const void *o, const void *x_v, const void *D,
                                        const void *z, const void *weight, void *out) {
@@ -1034,6 +1054,8 @@ const gdp_backend gdp_backend_cuda = {
     .out_norm_backward = cuda_out_norm_backward,
     .dskip_forward = cuda_dskip_forward,
     .dskip_backward = cuda_dskip_backward,
+    .ssm_inputs_forward = cuda_ssm_inputs_forward,
+    .ssm_inputs_backward = cuda_ssm_inputs_backward,
     .state_tracking = cuda_state_tracking,
     .optim_update = cuda_optim_update,
     .silu_mul_forward = cuda_silu_mul_forward,

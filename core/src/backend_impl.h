@@ -121,6 +121,12 @@ struct gdp_backend {
   gdp_status (*dskip_backward)(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows, int64_t H,
                                int64_t P, int per_channel, const void *x_v, const void *D,
                                const void *d_out, void *dx_v, void *dD);
+  /* The fused input stage (gdp_mixer_ssm_inputs_forward / _backward) on the buffers and
+   * row strides of ../../kernels/mixer_problem.h. */
+  gdp_status (*ssm_inputs_forward)(gdp_ctx *ctx, const gdp_ssm_inputs_problem *p,
+                                   const gdp_ssm_inputs_fwd_io *io);
+  gdp_status (*ssm_inputs_backward)(gdp_ctx *ctx, const gdp_ssm_inputs_problem *p,
+                                    const gdp_ssm_inputs_bwd_io *io);
   /* The state-tracking tasks (gdp_data_state_tracking; kernels/state_tracking.h):
    * tokens and labels [p->batch, p->length] contiguous int32 on this device; p->mul
    * (host memory) is the product table or NULL (a cyclic group). */

@@ -1,7 +1,9 @@
 /*
  * op_mixer.c -- the public mixer layer ops (gdp.h, "mixer layer ops"): argument
- * validation, contiguous compute-dtype copies, dispatch through ctx->backend
- * (backend_impl.h), and delivery of the results in the documented dtypes.
+ * validation, contiguous compute-dtype copies (token rows [T,B,C] evenly spaced with
+ * contiguous channels are read in place: the conv's x and the input stage's sections),
+ * dispatch through ctx->backend (backend_impl.h), and delivery of the results in the
+ * documented dtypes.
  *
  * A backend without an op's entry answers GDP_ERR_UNSUPPORTED naming the op and the
  * device.  bf16 inputs compute in bf16 buffers where the backend's mixer kernels take
@@ -29,10 +31,56 @@ const char *gdp_activation_name(gdp_activation act) {
   return "?";
 }
 
+/* ------------------------------------------------------------------ token rows */
+
+/* The rows r = t*B + b of t [T,B,C] lie *ld >= C elements apart, each C contiguous
+ * elements (a channel slice of a contiguous tensor is such a view). */
+static int token_rows(const gdp_tensor *t, int64_t *ld) {
+  if (t->ndim != 3 || (t->shape[2] > 1 && t->stride[2] != 1)) return 0;
+  if (t->shape[1] == 1) *ld = t->stride[0];
+  else if (t->shape[0] == 1 || t->stride[0] == t->shape[1] * t->stride[1]) *ld = t->stride[1];
+  else return 0;
+  return *ld >= t->shape[2] || t->shape[0] * t->shape[1] <= 1;
+}
+
+/* t [T,B,C] for the kernels: itself when its rows are (a new reference), else a
+ * contiguous copy in `dtype`; *ld is the row stride.  NULL stays NULL. */
+static gdp_status load_token_rows(gdp_ctx *ctx, const gdp_tensor *t, gdp_dtype dtype,
+                                  gdp_tensor **out, int64_t *ld) {
+  *out = NULL;
+  *ld = 0;
+  if (!t) return GDP_OK;
+  if (t->dtype == dtype && token_rows(t, ld)) {
+    *out = gdp_tensor_retain((gdp_tensor *)t);
+    return GDP_OK;
+  }
+  *ld = t->shape[2];
+  return load(ctx, t, dtype, out);
+}
+
+/* A destination `dst` [T,B,C] for the kernels: itself when it has the compute dtype and
+ * rows (*buf = a new reference), else a contiguous buffer whose values the caller
+ * copies into dst afterwards (*staged = 1). */
+static gdp_status token_rows_target(gdp_ctx *ctx, gdp_tensor *dst, gdp_dtype dtype,
+                                    gdp_tensor **buf, int64_t *ld, int *staged) {
+  *buf = NULL;
+  *ld = 0;
+  *staged = 0;
+  if (!dst) return GDP_OK;
+  if (dst->dtype == dtype && token_rows(dst, ld)) {
+    *buf = gdp_tensor_retain(dst);
+    return GDP_OK;
+  }
+  *ld = dst->shape[2];
+  *staged = 1;
+  return gdp_tensor_empty(ctx, dtype, 3, dst->shape, buf);
+}
+
 /* ------------------------------------------------------------------ conv1d */
 
 typedef struct conv_plan {
   int64_t T, B, C, W, L;
+  int64_t x_ld, dx_ld; /* the row strides of the x and dx the kernels read and write */
   gdp_dtype compute;
   int64_t *seq_start; /* [T], owned */
 } conv_plan;
@@ -142,7 +190,8 @@ static gdp_status load_weight_tap_major(gdp_ctx *ctx, const conv_plan *p, const 
 
 static gdp_conv1d_problem conv_problem(const conv_plan *p, gdp_ctx *ctx, gdp_activation act) {
   gdp_conv1d_problem a = {.T = p->T, .B = p->B, .C = p->C, .W = p->W,
-                          .seq_start = p->seq_start, .halo_len = p->L,
+                          .seq_start = p->seq_start, .halo_len = p->L, .x_ld = p->x_ld,
+                          .dx_ld = p->dx_ld,
                           .silu = act == GDP_ACT_SILU, .num_threads = ctx->num_threads,
                           .dtype = p->compute};
   return a;
@@ -159,7 +208,7 @@ gdp_status gdp_mixer_conv1d_forward(gdp_ctx *ctx, const gdp_tensor *x, const gdp
   conv_plan p;
   gdp_tensor *tmp[5] = {0}; /* x, weight [W,C], bias, halo, out */
   gdp_status s = conv_plan_make(func, ctx, x, weight, bias, halo, cu_seqlens, activation, NULL, &p);
-  if (s == GDP_OK) s = load(ctx, x, p.compute, &tmp[0]);
+  if (s == GDP_OK) s = load_token_rows(ctx, x, p.compute, &tmp[0], &p.x_ld);
   if (s == GDP_OK) s = load_weight_tap_major(ctx, &p, weight, p.compute, &tmp[1]);
   if (s == GDP_OK) s = load(ctx, bias, p.compute, &tmp[2]);
   if (s == GDP_OK) s = load(ctx, halo, p.compute, &tmp[3]);
@@ -181,39 +230,43 @@ gdp_status gdp_mixer_conv1d_forward(gdp_ctx *ctx, const gdp_tensor *x, const gdp
 gdp_status gdp_mixer_conv1d_backward(gdp_ctx *ctx, const gdp_tensor *x, const gdp_tensor *weight,
                                      const gdp_tensor *bias, const gdp_tensor *halo,
                                      const gdp_tensor *cu_seqlens, gdp_activation activation,
-                                     const gdp_tensor *d_out, gdp_tensor **dx,
+                                     const gdp_tensor *d_out, gdp_tensor *dx,
                                      gdp_tensor **dweight, gdp_tensor **dbias,
                                      gdp_tensor **dhalo) {
   static const char *func = "gdp_mixer_conv1d_backward";
-  clear_outs(dx, dweight, dbias, dhalo);
+  clear_outs(dweight, dbias, dhalo, NULL);
   NEED_OP(func, ctx, conv1d_backward);
   GDP_TRY(need_tensor(func, "d_out", d_out));
   conv_plan p;
   /* x, weight [W,C], bias, halo, d_out, then the results dx, dweight, dbias, dhalo */
   gdp_tensor *tmp[9] = {0};
+  int staged = 0;
   gdp_status s = conv_plan_make(func, ctx, x, weight, bias, halo, cu_seqlens, activation, d_out, &p);
-  if (s == GDP_OK) s = load(ctx, x, p.compute, &tmp[0]);
+  if (s == GDP_OK) s = check_float_on(func, "dx", ctx, dx);
+  if (s == GDP_OK) s = check_same_shape(func, "dx", dx, "x [T,B,C]", x);
+  if (s == GDP_OK) s = load_token_rows(ctx, x, p.compute, &tmp[0], &p.x_ld);
   if (s == GDP_OK) s = load_weight_tap_major(ctx, &p, weight, p.compute, &tmp[1]);
   if (s == GDP_OK) s = load(ctx, bias, p.compute, &tmp[2]);
   if (s == GDP_OK) s = load(ctx, halo, p.compute, &tmp[3]);
   if (s == GDP_OK) s = load(ctx, d_out, p.compute, &tmp[4]);
-  if (s == GDP_OK) s = buffer_like(ctx, dx != NULL, p.compute, x, &tmp[5]);
+  if (s == GDP_OK) s = token_rows_target(ctx, dx, p.compute, &tmp[5], &p.dx_ld, &staged);
   if (s == GDP_OK) s = buffer_like(ctx, dweight != NULL, p.compute, weight, &tmp[6]);
   if (s == GDP_OK) s = buffer_like(ctx, dbias && bias, p.compute, bias, &tmp[7]);
   if (s == GDP_OK) s = buffer_like(ctx, dhalo && halo, p.compute, halo, &tmp[8]);
+  if (s == GDP_OK && dx && !staged) gdp_tensor_mark_written(dx);
   if (s == GDP_OK) {
     const gdp_conv1d_problem a = conv_problem(&p, ctx, activation);
     s = ctx->backend->conv1d_backward(ctx, &a, ptr(tmp[0]), ptr(tmp[1]), ptr(tmp[2]),
                                       ptr(tmp[3]), ptr(tmp[4]), ptr(tmp[5]), ptr(tmp[6]),
                                       ptr(tmp[7]), ptr(tmp[8]));
   }
-  if (s == GDP_OK) s = deliver(ctx, &tmp[5], p.compute, dx);
+  if (s == GDP_OK && staged) s = gdp_tensor_copy(ctx, dx, tmp[5]);
   if (s == GDP_OK) s = deliver(ctx, &tmp[6], weight->dtype, dweight);
   if (s == GDP_OK && bias) s = deliver(ctx, &tmp[7], bias->dtype, dbias);
   if (s == GDP_OK && halo) s = deliver(ctx, &tmp[8], p.compute, dhalo);
   if (s != GDP_OK) {
-    gdp_tensor **outs[4] = {dx, dweight, dbias, dhalo};
-    for (int i = 0; i < 4; i++)
+    gdp_tensor **outs[3] = {dweight, dbias, dhalo};
+    for (int i = 0; i < 3; i++)
       if (outs[i]) {
         gdp_tensor_free(*outs[i]);
         *outs[i] = NULL;
@@ -873,6 +926,217 @@ gdp_status gdp_mixer_dskip_backward(gdp_ctx *ctx, const gdp_tensor *x_v, const g
       gdp_tensor_free(*dD);
       *dD = NULL;
     }
+  }
+  FREE_ALL(tmp);
+  return s;
+}
+
+/* ------------------------------------------------------------------ input stage */
+
+typedef struct inputs_plan {
+  gdp_ssm_inputs_problem p;
+  gdp_dtype gate_dtype; /* A_log, dt_bias, g, dg: float32 for bf16, else the compute dtype */
+  int64_t conv_dim;
+} inputs_plan;
+
+/* The checks both directions share; `first` (xBC or b) sets the compute dtype. */
+static gdp_status inputs_check(const char *func, gdp_ctx *ctx, const gdp_tensor *first,
+                               const gdp_tensor *b, const gdp_tensor *a, const gdp_tensor *A_log,
+                               const gdp_tensor *dt_bias, int64_t nh, int64_t P, int64_t ng,
+                               int64_t N, int64_t M, double beta_scale, inputs_plan *pl) {
+  char s1[128];
+  memset(pl, 0, sizeof *pl);
+  GDP_TRY(need_tensor(func, "b", b));
+  GDP_TRY(check_float_on(func, "b", ctx, b));
+  GDP_TRY(check_float_on(func, "a", ctx, a));
+  GDP_TRY(check_float_on(func, "A_log", ctx, A_log));
+  GDP_TRY(check_float_on(func, "dt_bias", ctx, dt_bias));
+  const struct { const char *name; int64_t v; } sizes[5] = {
+      {"num_heads", nh}, {"head_dim", P}, {"num_groups", ng}, {"state_dim", N},
+      {"num_householder", M}};
+  for (int i = 0; i < 5; i++)
+    if (sizes[i].v < 1)
+      return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG, "%s: expected >= 1, got %lld", sizes[i].name,
+                          (long long)sizes[i].v);
+  if (nh % ng != 0)
+    return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG,
+                        "num_groups: expected a divisor of num_heads = %lld, got %lld",
+                        (long long)nh, (long long)ng);
+  if (!isfinite(beta_scale))
+    return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG,
+                        "beta_scale: expected a finite value (1, or 2 for negative eigenvalues), got %g",
+                        beta_scale);
+  if (b->ndim != 3 || b->shape[2] != M * nh)
+    return GDP_ERROR_IN(func, GDP_ERR_SHAPE, "b: expected [T,B,M*nh] with M*nh = %lld, got %s",
+                        (long long)(M * nh), shape_of(s1, sizeof s1, b));
+  const int64_t T = b->shape[0], B = b->shape[1];
+  if (a) {
+    GDP_TRY(check_shape(func, "a", a, 3, (const int64_t[]){T, B, nh}, "[T,B,nh] (b's T, B)"));
+    GDP_TRY(need_tensor(func, "A_log", A_log));
+    GDP_TRY(check_shape(func, "A_log", A_log, 1, &nh, "[nh]"));
+    if (dt_bias) GDP_TRY(check_shape(func, "dt_bias", dt_bias, 1, &nh, "[nh]"));
+  } else if (A_log || dt_bias) {
+    return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG,
+                        "%s: expected NULL without a (no forget gate), got a tensor",
+                        A_log ? "A_log" : "dt_bias");
+  }
+  pl->conv_dim = M * nh * P + M * ng * N + ng * N;
+  const gdp_dtype dt = first->dtype;
+  pl->gate_dtype = dt == GDP_DTYPE_BF16 ? GDP_DTYPE_F32 : dt;
+  gdp_ssm_inputs_problem p = {.T = T, .B = B, .nh = nh, .P = P, .ng = ng, .N = N, .M = M,
+                              .beta_scale = beta_scale, .gate = a != NULL,
+                              .num_threads = ctx->num_threads, .dtype = dt};
+  pl->p = p;
+  return GDP_OK;
+}
+
+gdp_status gdp_mixer_ssm_inputs_forward(gdp_ctx *ctx, const gdp_tensor *xBC, const gdp_tensor *b,
+                                        const gdp_tensor *a, const gdp_tensor *A_log,
+                                        const gdp_tensor *dt_bias, int64_t num_heads,
+                                        int64_t head_dim, int64_t num_groups, int64_t state_dim,
+                                        int64_t num_householder, double beta_scale,
+                                        gdp_tensor **q, gdp_tensor **k, gdp_tensor **v,
+                                        gdp_tensor **beta, gdp_tensor **g) {
+  static const char *func = "gdp_mixer_ssm_inputs_forward";
+  GDP_TRY(need_out(func, "q", q));
+  GDP_TRY(need_out(func, "k", k));
+  GDP_TRY(need_out(func, "v", v));
+  GDP_TRY(need_out(func, "beta", beta));
+  clear_outs(q, k, v, beta);
+  if (g) *g = NULL;
+  NEED_OP(func, ctx, ssm_inputs_forward);
+  GDP_TRY(need_tensor(func, "xBC", xBC));
+  GDP_TRY(check_float_on(func, "xBC", ctx, xBC));
+  inputs_plan pl;
+  GDP_TRY(inputs_check(func, ctx, xBC, b, a, A_log, dt_bias, num_heads, head_dim, num_groups,
+                       state_dim, num_householder, beta_scale, &pl));
+  gdp_ssm_inputs_problem *p = &pl.p;
+  GDP_TRY(check_shape(func, "xBC", xBC, 3, (const int64_t[]){p->T, p->B, pl.conv_dim},
+                      "[T,B,M*nh*P + M*ng*N + ng*N] (b's T, B)"));
+  /* xBC, b, a, A_log, dt_bias, then q, k, v, beta, g */
+  gdp_tensor *tmp[10] = {0};
+  const gdp_dtype dt = p->dtype;
+  const int64_t nh = p->nh, TM = p->T * p->M;
+  gdp_status s = load_token_rows(ctx, xBC, dt, &tmp[0], &p->ld_xBC);
+  if (s == GDP_OK) s = load_token_rows(ctx, b, dt, &tmp[1], &p->ld_b);
+  if (s == GDP_OK) s = load_token_rows(ctx, a, dt, &tmp[2], &p->ld_a);
+  if (s == GDP_OK) s = load(ctx, A_log, pl.gate_dtype, &tmp[3]);
+  if (s == GDP_OK) s = load(ctx, dt_bias, pl.gate_dtype, &tmp[4]);
+  if (s == GDP_OK)
+    s = gdp_tensor_empty(ctx, dt, 4, (const int64_t[]){p->B, p->T, nh, p->N}, &tmp[5]);
+  if (s == GDP_OK) s = gdp_tensor_empty(ctx, dt, 4, (const int64_t[]){p->B, TM, nh, p->N}, &tmp[6]);
+  if (s == GDP_OK) s = gdp_tensor_empty(ctx, dt, 4, (const int64_t[]){p->B, TM, nh, p->P}, &tmp[7]);
+  if (s == GDP_OK) s = gdp_tensor_empty(ctx, dt, 3, (const int64_t[]){p->B, TM, nh}, &tmp[8]);
+  if (s == GDP_OK && a)
+    s = gdp_tensor_empty(ctx, pl.gate_dtype, 3, (const int64_t[]){p->B, p->T, nh}, &tmp[9]);
+  if (s == GDP_OK) {
+    const gdp_ssm_inputs_fwd_io io = {.xBC = ptr(tmp[0]), .b = ptr(tmp[1]), .a = ptr(tmp[2]),
+                                      .A_log = ptr(tmp[3]), .dt_bias = ptr(tmp[4]),
+                                      .q = ptr(tmp[5]), .k = ptr(tmp[6]), .v = ptr(tmp[7]),
+                                      .beta = ptr(tmp[8]), .g = ptr(tmp[9])};
+    s = ctx->backend->ssm_inputs_forward(ctx, p, &io);
+  }
+  if (s == GDP_OK && a) s = deliver(ctx, &tmp[9], A_log->dtype, g);
+  if (s == GDP_OK) {
+    gdp_tensor **outs[4] = {q, k, v, beta};
+    for (int i = 0; i < 4; i++) {
+      *outs[i] = tmp[5 + i];
+      tmp[5 + i] = NULL;
+    }
+  } else if (g) {
+    gdp_tensor_free(*g);
+    *g = NULL;
+  }
+  FREE_ALL(tmp);
+  return s;
+}
+
+gdp_status gdp_mixer_ssm_inputs_backward(gdp_ctx *ctx, const gdp_tensor *b, const gdp_tensor *a,
+                                         const gdp_tensor *A_log, const gdp_tensor *dt_bias,
+                                         int64_t num_heads, int64_t head_dim, int64_t num_groups,
+                                         int64_t state_dim, int64_t num_householder,
+                                         double beta_scale, const gdp_tensor *dq,
+                                         const gdp_tensor *dk, const gdp_tensor *dv,
+                                         const gdp_tensor *dbeta, const gdp_tensor *dg,
+                                         const gdp_tensor *dx_v, gdp_tensor *dxBC,
+                                         gdp_tensor *db, gdp_tensor *da, gdp_tensor **dA_log,
+                                         gdp_tensor **ddt_bias) {
+  static const char *func = "gdp_mixer_ssm_inputs_backward";
+  clear_outs(dA_log, ddt_bias, NULL, NULL);
+  NEED_OP(func, ctx, ssm_inputs_backward);
+  GDP_TRY(need_tensor(func, "b", b));
+  inputs_plan pl;
+  GDP_TRY(inputs_check(func, ctx, b, b, a, A_log, dt_bias, num_heads, head_dim, num_groups,
+                       state_dim, num_householder, beta_scale, &pl));
+  gdp_ssm_inputs_problem *p = &pl.p;
+  const int64_t T = p->T, B = p->B, nh = p->nh, TM = T * p->M;
+  const struct { const char *name; const gdp_tensor *t; int ndim; int64_t shape[4]; const char *dims; } want[] = {
+      {"dq", dq, 4, {B, T, nh, p->N}, "[B,T,nh,N]"},
+      {"dk", dk, 4, {B, TM, nh, p->N}, "[B,T*M,nh,N]"},
+      {"dv", dv, 4, {B, TM, nh, p->P}, "[B,T*M,nh,P]"},
+      {"dbeta", dbeta, 3, {B, TM, nh}, "[B,T*M,nh]"},
+      {"dg", dg, 3, {B, T, nh}, "[B,T,nh]"},
+      {"dx_v", dx_v, 4, {T, B, nh, p->P}, "[T,B,nh,P]"},
+      {"dxBC", dxBC, 3, {T, B, pl.conv_dim}, "[T,B,M*nh*P + M*ng*N + ng*N]"},
+      {"db", db, 3, {T, B, p->M * nh}, "[T,B,M*nh] (b's shape)"},
+      {"da", da, 3, {T, B, nh}, "[T,B,nh] (a's shape)"}};
+  for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
+    const int optional = !strcmp(want[i].name, "dx_v");
+    const int gated = !strcmp(want[i].name, "dg") || !strcmp(want[i].name, "da");
+    if (gated && !a) {
+      if (want[i].t)
+        return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG,
+                            "%s: expected NULL without a (no forget gate), got a tensor", want[i].name);
+      continue;
+    }
+    if (!want[i].t) {
+      if (optional) continue;
+      GDP_TRY(need_tensor(func, want[i].name, want[i].t));
+    }
+    GDP_TRY(check_float_on(func, want[i].name, ctx, want[i].t));
+    GDP_TRY(check_shape(func, want[i].name, want[i].t, want[i].ndim, want[i].shape, want[i].dims));
+  }
+  /* b, a, A_log, dt_bias, dq, dk, dv, dbeta, dg, dx_v, then dxBC, db, da, dA_log, ddt_bias */
+  gdp_tensor *tmp[15] = {0};
+  int staged[3] = {0};
+  const gdp_dtype dt = p->dtype, gt = pl.gate_dtype;
+  gdp_status s = load_token_rows(ctx, b, dt, &tmp[0], &p->ld_b);
+  if (s == GDP_OK) s = load_token_rows(ctx, a, dt, &tmp[1], &p->ld_a);
+  if (s == GDP_OK) s = load(ctx, A_log, gt, &tmp[2]);
+  if (s == GDP_OK) s = load(ctx, dt_bias, gt, &tmp[3]);
+  if (s == GDP_OK) s = load(ctx, dq, dt, &tmp[4]);
+  if (s == GDP_OK) s = load(ctx, dk, dt, &tmp[5]);
+  if (s == GDP_OK) s = load(ctx, dv, dt, &tmp[6]);
+  if (s == GDP_OK) s = load(ctx, dbeta, dt, &tmp[7]);
+  if (s == GDP_OK) s = load(ctx, a ? dg : NULL, gt, &tmp[8]);
+  if (s == GDP_OK) s = load(ctx, dx_v, dt, &tmp[9]);
+  if (s == GDP_OK) s = token_rows_target(ctx, dxBC, dt, &tmp[10], &p->ld_dxBC, &staged[0]);
+  if (s == GDP_OK) s = token_rows_target(ctx, db, dt, &tmp[11], &p->ld_db, &staged[1]);
+  if (s == GDP_OK) s = token_rows_target(ctx, a ? da : NULL, dt, &tmp[12], &p->ld_da, &staged[2]);
+  if (s == GDP_OK) s = buffer_like(ctx, a && dA_log, gt, A_log, &tmp[13]);
+  if (s == GDP_OK) s = buffer_like(ctx, a && dt_bias && ddt_bias, gt, dt_bias, &tmp[14]);
+  gdp_tensor *dsts[3] = {dxBC, db, a ? da : NULL};
+  for (int i = 0; s == GDP_OK && i < 3; i++)
+    if (dsts[i] && !staged[i]) gdp_tensor_mark_written(dsts[i]);
+  if (s == GDP_OK) {
+    const gdp_ssm_inputs_bwd_io io = {
+        .b = ptr(tmp[0]), .a = ptr(tmp[1]), .A_log = ptr(tmp[2]), .dt_bias = ptr(tmp[3]),
+        .dq = ptr(tmp[4]), .dk = ptr(tmp[5]), .dv = ptr(tmp[6]), .dbeta = ptr(tmp[7]),
+        .dg = ptr(tmp[8]), .dx_v = ptr(tmp[9]), .dxBC = ptr(tmp[10]), .db = ptr(tmp[11]),
+        .da = ptr(tmp[12]), .dA_log = ptr(tmp[13]), .ddt_bias = ptr(tmp[14])};
+    s = ctx->backend->ssm_inputs_backward(ctx, p, &io);
+  }
+  for (int i = 0; s == GDP_OK && i < 3; i++)
+    if (staged[i]) s = gdp_tensor_copy(ctx, dsts[i], tmp[10 + i]);
+  if (s == GDP_OK && a) s = deliver(ctx, &tmp[13], A_log->dtype, dA_log);
+  if (s == GDP_OK && a && dt_bias) s = deliver(ctx, &tmp[14], dt_bias->dtype, ddt_bias);
+  if (s != GDP_OK) {
+    gdp_tensor **outs[2] = {dA_log, ddt_bias};
+    for (int i = 0; i < 2; i++)
+      if (outs[i]) {
+        gdp_tensor_free(*outs[i]);
+        *outs[i] = NULL;
+      }
   }
   FREE_ALL(tmp);
   return s;

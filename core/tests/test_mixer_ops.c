@@ -292,8 +292,9 @@ static void conv_run(const conv_case *k) {
     gdp_tensor *dout = mk_any(k->strided, dt, 3, xs, d.dout);
     gdp_tensor *cu = conv_cu(k);
     gdp_tensor *out = NULL, *dx = NULL, *dw = NULL, *db = NULL, *dh = NULL;
+    CHECK_OK(gdp_tensor_empty(ctx, dt, 3, xs, &dx));
     CHECK_OK(gdp_mixer_conv1d_forward(ctx, x, w, bias, halo, cu, conv_act(k), &out));
-    CHECK_OK(gdp_mixer_conv1d_backward(ctx, x, w, bias, halo, cu, conv_act(k), dout, &dx, &dw,
+    CHECK_OK(gdp_mixer_conv1d_backward(ctx, x, w, bias, halo, cu, conv_act(k), dout, dx, &dw,
                                        &db, &dh));
     snprintf(what, sizeof what, "conv %s %s out", k->label, gdp_dtype_name(dt));
     check_err(what, rel_t(out, ref.out, nx), tol);
@@ -329,7 +330,8 @@ static void conv_run(const conv_case *k) {
     gdp_tensor *bias = k->has_bias ? mk(GDP_DTYPE_F64, 1, &k->C, d.bias) : NULL;
     gdp_tensor *halo = k->has_halo ? mk(GDP_DTYPE_F64, 3, hs, d.halo) : NULL;
     gdp_tensor *dout = mk(GDP_DTYPE_F64, 3, xs, d.dout), *cu = conv_cu(k), *dx = NULL;
-    CHECK_OK(gdp_mixer_conv1d_backward(ctx, x, w, bias, halo, cu, conv_act(k), dout, &dx, NULL,
+    CHECK_OK(gdp_tensor_empty(ctx, GDP_DTYPE_F64, 3, xs, &dx));
+    CHECK_OK(gdp_mixer_conv1d_backward(ctx, x, w, bias, halo, cu, conv_act(k), dout, dx, NULL,
                                        NULL, NULL));
     check_err("conv dx alone", rel_t(dx, ref.dx, nx), TOL_F64);
     gdp_tensor *all[] = {x, w, bias, halo, dout, cu, dx};
@@ -752,7 +754,7 @@ static void test_validation(void) {
   const int64_t xs[3] = {6, 2, 5}, ws[2] = {5, 4}, w3[3] = {5, 1, 4}, bad_w3[3] = {5, 2, 4};
   const int64_t b5[1] = {5}, b4[1] = {4}, hs[3] = {3, 2, 5}, hs_bad[3] = {3, 1, 5};
   gdp_tensor *x = NULL, *w = NULL, *wb = NULL, *wc = NULL, *bias = NULL, *bias4 = NULL;
-  gdp_tensor *halo = NULL, *halo_bad = NULL, *xi = NULL, *out = NULL, *dx = NULL, *wide = NULL;
+  gdp_tensor *halo = NULL, *halo_bad = NULL, *xi = NULL, *out = NULL, *wide = NULL;
   gdp_tensor *x1 = NULL, *cu = NULL, *cu_bad = NULL, *cu_f = NULL, *d_bad = NULL;
   CHECK_OK(gdp_tensor_zeros(ctx, GDP_DTYPE_F64, 3, xs, &x));
   CHECK_OK(gdp_tensor_fill(x, 0.5));
@@ -813,13 +815,17 @@ static void test_validation(void) {
               GDP_ERR_INVALID_ARG, "expected the last entry = T = 6 (x's token count), got 5");
     gdp_tensor_free(cs);
   }
-  CHECK_ERR(gdp_mixer_conv1d_backward(ctx, x, w, bias, halo, NULL, GDP_ACT_SILU, NULL, &dx, NULL,
-                                      NULL, NULL),
+  gdp_tensor *dw_fail = NULL;
+  CHECK_ERR(gdp_mixer_conv1d_backward(ctx, x, w, bias, halo, NULL, GDP_ACT_SILU, NULL, NULL,
+                                      &dw_fail, NULL, NULL),
             GDP_ERR_INVALID_ARG, "d_out: expected a tensor");
-  CHECK_ERR(gdp_mixer_conv1d_backward(ctx, x, w, bias, halo, NULL, GDP_ACT_SILU, d_bad, &dx, NULL,
-                                      NULL, NULL),
+  CHECK_ERR(gdp_mixer_conv1d_backward(ctx, x, w, bias, halo, NULL, GDP_ACT_SILU, d_bad, NULL,
+                                      &dw_fail, NULL, NULL),
             GDP_ERR_SHAPE, "d_out: expected the shape of x [T,B,C], [6x2x5], got [6x2x4]");
-  CHECK(dx == NULL, "a failed backward leaves its outputs NULL");
+  CHECK(dw_fail == NULL, "a failed backward leaves its outputs NULL");
+  CHECK_ERR(gdp_mixer_conv1d_backward(ctx, x, w, bias, halo, NULL, GDP_ACT_SILU, x, d_bad,
+                                      NULL, NULL, NULL),
+            GDP_ERR_SHAPE, "dx: expected the shape of x [T,B,C], [6x2x5], got [6x2x4]");
   /* [C,1,W] and [C,W] weights give the same result */
   {
     gdp_tensor *o2 = NULL, *o3 = NULL;

@@ -39,7 +39,7 @@ static int conv_threads(const gdp_conv1d_problem *a) {
 static inline int64_t conv_tap(const gdp_conv1d_problem *a, int64_t t, int64_t b, int64_t s,
                                int *from_halo) {
   *from_halo = 0;
-  if (s >= a->seq_start[t]) return (s * a->B + b) * a->C;
+  if (s >= a->seq_start[t]) return (s * a->B + b) * a->x_ld;
   if (a->seq_start[t] == 0 && s >= -a->halo_len) {
     *from_halo = 1;
     return ((a->halo_len + s) * a->B + b) * a->C;
@@ -118,7 +118,7 @@ gdp_status FN(gdp_cpu_conv1d_bwd)(const gdp_conv1d_problem *a, const REAL *x,
 #pragma omp parallel for schedule(static) num_threads(nt) if (par)
     for (int64_t row = 0; row < rows; row++) {
       const int64_t s = row / B, b = row % B;
-      REAL *g = dx + row * C;
+      REAL *g = dx + row * a->dx_ld;
       for (int64_t c = 0; c < C; c++) g[c] = 0;
       for (int64_t w = 0; w < W; w++) {
         const int64_t t = s + (W - 1) - w;

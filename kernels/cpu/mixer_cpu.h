@@ -1,8 +1,8 @@
 /*
  * mixer_cpu.h -- CPU kernels of the mixer layer ops (gdp.h, "mixer layer ops"):
  * depthwise causal conv1d, the beta/decay gates, SiLU, the output norm (D skip fused into
- * the gated grouped RMSNorm), the D skip alone, each forward and backward, for float64
- * (_f64) and float32 (_f32).
+ * the gated grouped RMSNorm), the D skip alone and the fused input stage, each forward
+ * and backward, for float64 (_f64) and float32 (_f32).
  *
  * Kernels see contiguous row-major buffers of one dtype and plain sizes (the output
  * norm: strided operands, ../mixer_problem.h); the op layer
@@ -95,5 +95,14 @@ gdp_status gdp_cpu_dskip_bwd_f64(int64_t rows, int64_t H, int64_t P, int per_cha
 gdp_status gdp_cpu_dskip_bwd_f32(int64_t rows, int64_t H, int64_t P, int per_channel,
                                  const float *x_v, const float *D, const float *d_out,
                                  float *dx_v, float *dD, int nthreads);
+
+/* The input stage (mixer_inputs.c; layouts in ../mixer_problem.h).  The backward
+ * returns GDP_ERR_OOM when its per-thread sums find no host memory. */
+void gdp_cpu_ssm_inputs_fwd_f64(const gdp_ssm_inputs_problem *p, const gdp_ssm_inputs_fwd_io *io);
+void gdp_cpu_ssm_inputs_fwd_f32(const gdp_ssm_inputs_problem *p, const gdp_ssm_inputs_fwd_io *io);
+gdp_status gdp_cpu_ssm_inputs_bwd_f64(const gdp_ssm_inputs_problem *p,
+                                      const gdp_ssm_inputs_bwd_io *io);
+gdp_status gdp_cpu_ssm_inputs_bwd_f32(const gdp_ssm_inputs_problem *p,
+                                      const gdp_ssm_inputs_bwd_io *io);
 
 #endif /* GDP_KERNELS_CPU_MIXER_H */

@@ -8,8 +8,7 @@
  *                                                    ddt_bias[h] = sum da
  *   out = y + D * x_v                                dx_v = D * d_out, dD = sum d_out * x_v
  *
- * softplus follows torch (threshold 20): x for x > 20, else log1p(exp(x)), whose
- * derivative is 1 above the threshold and sigmoid(x) below.  The elementwise math
+ * softplus follows torch (threshold 20; mixer_gate_math.h).  The elementwise math
  * runs in the buffers' type (float32 like Megatron's gate computation); per-head sums
  * over rows accumulate in double, one partial sum per thread.
  *
@@ -28,7 +27,6 @@
 #include "mixer_cpu.h"
 
 #define GATES_PAR_MIN (1 << 15)
-#define SOFTPLUS_THRESHOLD 20
 
 static int gates_threads(int n) { return n < 1 ? 1 : n; }
 
@@ -48,7 +46,7 @@ static double *gates_partials(int nthreads, int64_t width) {
 
 #else /* GDP_GATES_GENERIC */
 
-static inline REAL FN(sigmoid)(REAL x) { return (REAL)1 / ((REAL)1 + exp(-x)); }
+#include "mixer_gate_math.h"
 
 void FN(gdp_cpu_silu_fwd)(int64_t n, const REAL *x, REAL *out, int nthreads) {
 #pragma omp parallel for schedule(static) num_threads(gates_threads(nthreads)) if (n > GATES_PAR_MIN)
@@ -61,15 +59,6 @@ void FN(gdp_cpu_silu_bwd)(int64_t n, const REAL *x, const REAL *d_out, REAL *dx,
     const REAL s = FN(sigmoid)(x[i]);
     dx[i] = d_out[i] * s * ((REAL)1 + x[i] * ((REAL)1 - s));
   }
-}
-
-static inline REAL FN(softplus)(REAL x) {
-  return x > (REAL)SOFTPLUS_THRESHOLD ? x : log1p(exp(x));
-}
-
-/* d softplus / dx with the same threshold. */
-static inline REAL FN(softplus_grad)(REAL x) {
-  return x > (REAL)SOFTPLUS_THRESHOLD ? (REAL)1 : FN(sigmoid)(x);
 }
 
 void FN(gdp_cpu_beta_fwd)(int64_t n, double scale, const REAL *b, REAL *beta, int nthreads) {

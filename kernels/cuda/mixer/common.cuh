@@ -41,6 +41,35 @@ __device__ __forceinline__ double m_log1p(double x) { return log1p(x); }
 __device__ __forceinline__ float m_rsqrt(float x) { return 1.0f / sqrtf(x); }
 __device__ __forceinline__ double m_rsqrt(double x) { return 1.0 / sqrt(x); }
 
+/* VEC elements of IO moved as one load / store (16 bytes: 8 bf16, 4 f32, 2 f64). */
+template <typename IO, int VEC> struct alignas(sizeof(IO) * VEC) Pack { IO e[VEC]; };
+
+template <typename IO, int VEC> __device__ __forceinline__ Pack<IO, VEC> ld_pack(const IO *p) {
+  return *reinterpret_cast<const Pack<IO, VEC> *>(p);
+}
+template <typename IO, int VEC>
+__device__ __forceinline__ void st_pack(IO *p, const Pack<IO, VEC> &v) {
+  *reinterpret_cast<Pack<IO, VEC> *>(p) = v;
+}
+/* A pack widened to the math type, and rounded back once. */
+template <typename IO, int VEC>
+__device__ __forceinline__ void ld_lanes(const IO *p, typename Math<IO>::type (&v)[VEC]) {
+  const Pack<IO, VEC> q = ld_pack<IO, VEC>(p);
+#pragma unroll
+  for (int i = 0; i < VEC; i++) v[i] = ld(q.e, i);
+}
+template <typename IO, int VEC>
+__device__ __forceinline__ void st_lanes(IO *p, const typename Math<IO>::type (&v)[VEC]) {
+  Pack<IO, VEC> q;
+#pragma unroll
+  for (int i = 0; i < VEC; i++) st(q.e, i, v[i]);
+  st_pack<IO, VEC>(p, q);
+}
+/* The pack of 16 bytes for IO. */
+template <typename IO> struct Vec16 { enum { n = 16 / sizeof(IO) }; };
+
+static inline int aligned16(const void *p) { return p == NULL || ((uintptr_t)p & 15) == 0; }
+
 template <typename A> __device__ __forceinline__ A sigmoid(A x) { return (A)1 / ((A)1 + m_exp(-x)); }
 
 enum { THREADS = 256, MAX_BLOCKS = 1 << 20 };

@@ -5,26 +5,32 @@
  *
  *   u[t,b,c] = bias[c] + sum_w wt[w,c] * x~[t-(W-1)+w, b, c],   out = act(u)
  *
- * Both directions: one thread owns a channel of one batch row over a chunk of CONV_TCH
- * tokens and slides over them with the last WMAX inputs (and, backward, the last WMAX
- * du = d_out * act'(u) and sequence starts) in registers, so that every element of x and
- * d_out is read once per chunk (plus WMAX-1 tokens of overlap), neighbouring threads
- * read neighbouring channels (coalesced), and no thread divides a 64-bit index.  Taps
- * are padded to WMAX with zero weights (wk[k] multiplies the input k tokens back), so
- * every register index is a constant.  Backward writes dx for the chunk (a gather over
- * the WMAX outputs that read each token) and keeps its dweight/dbias sums in registers,
- * written as one partial per (chunk, batch) and added up by conv_final in double in a
- * fixed order.  dhalo (a few rows) has its own small kernel.
+ * Both directions: one thread owns VEC neighbouring channels of one batch row over a
+ * chunk of CONV_TCH tokens and slides over them with the last WMAX inputs (and,
+ * backward, the last WMAX du = d_out * act'(u) and sequence starts) in registers, so
+ * that every element of x and d_out is read once per chunk (plus WMAX-1 tokens of
+ * overlap) and no thread divides a 64-bit index.  The VEC channels move as one 16-byte
+ * pack (8 bf16, 4 f32, 2 f64) when the channel count, x's row stride and the buffers
+ * allow it (the narrow conv, W <= 4, whose registers hold VEC lanes of every tap), else
+ * as single elements: a warp then reads 32 consecutive channels, with 8x fewer bytes
+ * in flight per load.  x is read in place as rows x_ld apart (the in_proj output's
+ * channel slice), dx written in place as rows dx_ld apart.  Taps are padded to WMAX with zero weights (wk[k] multiplies the
+ * input k tokens back), so every register index is a constant.  Backward writes dx for
+ * the chunk (a gather over the WMAX outputs that read each token) and keeps its
+ * dweight/dbias sums in registers, written as one partial per (chunk, batch) and added
+ * up by conv_final in double in a fixed order.  dhalo (a few rows) has its own small
+ * kernel.
  */
 #include "common.cuh"
 
 namespace gdp_mixer {
 namespace {
 
-enum { CONV_THREADS = 128, CONV_TCH = 128, CONV_WMAX = 16 };
+enum { CONV_THREADS = 128, CONV_TCH = 64, CONV_WMAX = 16 };
 
 struct ConvArgs {
   int64_t T, B, C, W, L;
+  int64_t x_ld, dx_ld; /* x's and dx's row strides */
   const int64_t *seq; /* device [T] or NULL (all sequences start at 0) */
   int silu;
 };
@@ -40,7 +46,7 @@ __device__ __forceinline__ typename Math<IO>::type tap_value(const ConvArgs &a, 
                                                             const IO *halo, int64_t st0,
                                                             int64_t s, int64_t b, int64_t c) {
   typedef typename Math<IO>::type A;
-  if (s >= st0) return ld(x, (s * a.B + b) * a.C + c);
+  if (s >= st0) return ld(x, (s * a.B + b) * a.x_ld + c);
   if (st0 == 0 && s >= -a.L) return ld(halo, ((a.L + s) * a.B + b) * a.C + c);
   return (A)0;
 }
@@ -75,118 +81,186 @@ __device__ __forceinline__ typename Math<IO>::type conv_du(const ConvArgs &a, co
   return dy * s * ((A)1 + u * ((A)1 - s));
 }
 
-/* Raw input at position pos as the first sequence reads it: x for pos >= 0, the halo
- * for -L <= pos < 0, else zero.  Whether the token being computed may read it is its
- * sequence's business (tap_ok). */
-template <typename IO>
-__device__ __forceinline__ typename Math<IO>::type raw_input(const ConvArgs &a, const IO *x,
-                                                            const IO *halo, int64_t pos, int64_t b,
-                                                            int64_t c) {
+/* Raw inputs at position pos as the first sequence reads them, channels c..c+VEC: x
+ * for pos >= 0, the halo for -L <= pos < 0, else zero.  Whether the token being
+ * computed may read them is its sequence's business (tap_ok). */
+template <typename IO, int VEC>
+__device__ __forceinline__ void raw_input(const ConvArgs &a, const IO *__restrict__ x,
+                                          const IO *__restrict__ halo, int64_t pos, int64_t b,
+                                          int64_t c, typename Math<IO>::type (&v)[VEC]) {
   typedef typename Math<IO>::type A;
-  if (pos >= 0) return pos < a.T ? ld(x, (pos * a.B + b) * a.C + c) : (A)0;
-  if (pos >= -a.L) return ld(halo, ((a.L + pos) * a.B + b) * a.C + c);
-  return (A)0;
+  if (pos >= 0 && pos < a.T) {
+    ld_lanes<IO, VEC>(x + (pos * a.B + b) * a.x_ld + c, v);
+  } else if (pos < 0 && pos >= -a.L) {
+    ld_lanes<IO, VEC>(halo + ((a.L + pos) * a.B + b) * a.C + c, v);
+  } else {
+#pragma unroll
+    for (int i = 0; i < VEC; i++) v[i] = (A)0;
+  }
 }
 
 /* A token of the sequence starting at st0 reads position pos: within its sequence, or
  * anywhere before (the halo) when that sequence is the first (tap_value's rule). */
 __device__ __forceinline__ bool tap_ok(int64_t pos, int64_t st0) { return pos >= st0 || st0 == 0; }
 
-/* The channel's taps by age: wk[k] multiplies the input k tokens back (wt[W-1-k]); zero
- * for k >= W. */
-template <typename IO, int WMAX>
-__device__ __forceinline__ void taps_by_age(const ConvArgs &a, const IO *wt, int64_t c,
-                                            typename Math<IO>::type (&wk)[WMAX]) {
+/* The taps of channels c..c+VEC by age: wk[k][i] multiplies the input k tokens back
+ * (wt[W-1-k]); zero for k >= W.  Also the bias (zero without). */
+template <typename IO, int WMAX, int VEC>
+__device__ __forceinline__ void taps_by_age(const ConvArgs &a, const IO *wt, const IO *bias,
+                                            int64_t c, typename Math<IO>::type (&wk)[WMAX][VEC],
+                                            typename Math<IO>::type (&bs)[VEC]) {
   typedef typename Math<IO>::type A;
 #pragma unroll
-  for (int k = 0; k < WMAX; k++) wk[k] = k < a.W ? ld(wt, (a.W - 1 - k) * a.C + c) : (A)0;
-}
-
-/* grid (channel tiles, token chunks, B). */
-template <typename IO, int WMAX>
-__global__ void conv_fwd_kernel(ConvArgs a, const IO *x, const IO *wt, const IO *bias,
-                                const IO *halo, IO *out) {
-  typedef typename Math<IO>::type A;
-  const int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= a.C) return;
-  const int64_t b = blockIdx.z;
-  const int64_t t0 = (int64_t)blockIdx.y * CONV_TCH;
-  const int64_t t1 = t0 + CONV_TCH < a.T ? t0 + CONV_TCH : a.T;
-  A wk[WMAX], xs[WMAX]; /* xs[k]: the input at t - k */
-  taps_by_age<IO, WMAX>(a, wt, c, wk);
-  const A bs = bias ? ld(bias, c) : (A)0;
+  for (int k = 0; k < WMAX; k++) {
+    if (k < a.W) {
+      ld_lanes<IO, VEC>(wt + (a.W - 1 - k) * a.C + c, wk[k]);
+    } else {
 #pragma unroll
-  for (int k = 0; k < WMAX; k++) xs[k] = (A)0;
-  for (int64_t t = t0 - (WMAX - 1); t < t1; t++) {
+      for (int i = 0; i < VEC; i++) wk[k][i] = (A)0;
+    }
+  }
+  if (bias) {
+    ld_lanes<IO, VEC>(bias + c, bs);
+  } else {
 #pragma unroll
-    for (int k = WMAX - 1; k > 0; k--) xs[k] = xs[k - 1];
-    xs[0] = raw_input(a, x, halo, t, b, c);
-    if (t < t0) continue;
-    const int64_t st0 = seq_start(a, t);
-    A u = bs;
-#pragma unroll
-    for (int k = 0; k < WMAX; k++)
-      if (tap_ok(t - k, st0)) u += wk[k] * xs[k];
-    if (a.silu) u = u / ((A)1 + m_exp(-u));
-    st(out, (t * a.B + b) * a.C + c, u);
+    for (int i = 0; i < VEC; i++) bs[i] = (A)0;
   }
 }
 
-/* grid (channel tiles, token chunks, B).  partial [chunk*B + b][(W+1)*C]: columns w*C+c
- * hold dweight[c,w]'s partial sums, W*C+c dbias[c]'s (NULL: not wanted).  Step t
- * computes du(t) (t in [t0, t1 + WMAX - 1): the chunk's own tokens for the sums, and the
- * WMAX-1 after it for dx) and dx(s) for s = t - (WMAX-1) in the chunk. */
-template <typename IO, int WMAX>
-__global__ void conv_bwd_kernel(ConvArgs a, const IO *x, const IO *wt, const IO *bias,
-                                const IO *halo, const IO *d_out, IO *dx, double *partial) {
+/* Shifts the registers one token older: r[k] = r[k-1]. */
+template <typename A, int WMAX, int VEC>
+__device__ __forceinline__ void age(A (&r)[WMAX][VEC]) {
+#pragma unroll
+  for (int k = WMAX - 1; k > 0; k--)
+#pragma unroll
+    for (int i = 0; i < VEC; i++) r[k][i] = r[k - 1][i];
+}
+
+/* u of token t (sequence start st0) from the inputs by age. */
+template <typename A, int WMAX, int VEC>
+__device__ __forceinline__ void pre_activation(int64_t t, int64_t st0, const A (&wk)[WMAX][VEC],
+                                               const A (&xs)[WMAX][VEC], const A (&bs)[VEC],
+                                               A (&u)[VEC]) {
+#pragma unroll
+  for (int i = 0; i < VEC; i++) u[i] = bs[i];
+#pragma unroll
+  for (int k = 0; k < WMAX; k++)
+    if (tap_ok(t - k, st0))
+#pragma unroll
+      for (int i = 0; i < VEC; i++) u[i] += wk[k][i] * xs[k][i];
+}
+
+/* grid (channel tiles of CONV_THREADS * VEC, token chunks, B). */
+template <typename IO, int WMAX, int VEC>
+__global__ void __launch_bounds__(CONV_THREADS)
+    conv_fwd_kernel(ConvArgs a, const IO *__restrict__ x, const IO *__restrict__ wt,
+                    const IO *__restrict__ bias, const IO *__restrict__ halo,
+                    IO *__restrict__ out) {
   typedef typename Math<IO>::type A;
-  const int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  const int64_t c = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
   if (c >= a.C) return;
   const int64_t b = blockIdx.z;
   const int64_t t0 = (int64_t)blockIdx.y * CONV_TCH;
   const int64_t t1 = t0 + CONV_TCH < a.T ? t0 + CONV_TCH : a.T;
-  A wk[WMAX], xs[WMAX], ds[WMAX]; /* ds[k]: du(t - k) (0 outside [t0, T)) */
-  int64_t sq[WMAX];               /* sq[k]: the sequence start of token t - k */
-  taps_by_age<IO, WMAX>(a, wt, c, wk);
-  const A bs = bias ? ld(bias, c) : (A)0;
-  A accw[WMAX], accb = (A)0;
+  A wk[WMAX][VEC], xs[WMAX][VEC], bs[VEC]; /* xs[k]: the inputs at t - k */
+  taps_by_age<IO, WMAX, VEC>(a, wt, bias, c, wk, bs);
 #pragma unroll
-  for (int k = 0; k < WMAX; k++) xs[k] = ds[k] = accw[k] = (A)0, sq[k] = 0;
+  for (int k = 0; k < WMAX; k++)
+#pragma unroll
+    for (int i = 0; i < VEC; i++) xs[k][i] = (A)0;
+  for (int64_t t = t0 - (WMAX - 1); t < t0; t++) {
+    age<A, WMAX, VEC>(xs);
+    raw_input<IO, VEC>(a, x, halo, t, b, c, xs[0]);
+  }
+  /* unrolled so that several tokens' loads are in flight at once */
+#pragma unroll 4
+  for (int64_t t = t0; t < t1; t++) {
+    age<A, WMAX, VEC>(xs);
+    ld_lanes<IO, VEC>(x + (t * a.B + b) * a.x_ld + c, xs[0]);
+    A u[VEC];
+    pre_activation<A, WMAX, VEC>(t, seq_start(a, t), wk, xs, bs, u);
+    if (a.silu)
+#pragma unroll
+      for (int i = 0; i < VEC; i++) u[i] = u[i] / ((A)1 + m_exp(-u[i]));
+    st_lanes<IO, VEC>(out + (t * a.B + b) * a.C + c, u);
+  }
+}
+
+/* grid (channel tiles of CONV_THREADS * VEC, token chunks, B).  partial [chunk*B +
+ * b][(W+1)*C]: columns w*C+c hold dweight[c,w]'s partial sums, W*C+c dbias[c]'s (NULL:
+ * not wanted).  Step t computes du(t) (t in [t0, t1 + WMAX - 1): the chunk's own tokens
+ * for the sums, and the WMAX-1 after it for dx) and dx(s) for s = t - (WMAX-1) in the
+ * chunk. */
+template <typename IO, int WMAX, int VEC>
+__global__ void __launch_bounds__(CONV_THREADS)
+    conv_bwd_kernel(ConvArgs a, const IO *__restrict__ x, const IO *__restrict__ wt,
+                    const IO *__restrict__ bias, const IO *__restrict__ halo,
+                    const IO *__restrict__ d_out, IO *__restrict__ dx,
+                    double *__restrict__ partial) {
+  typedef typename Math<IO>::type A;
+  const int64_t c = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
+  if (c >= a.C) return;
+  const int64_t b = blockIdx.z;
+  const int64_t t0 = (int64_t)blockIdx.y * CONV_TCH;
+  const int64_t t1 = t0 + CONV_TCH < a.T ? t0 + CONV_TCH : a.T;
+  A wk[WMAX][VEC], xs[WMAX][VEC], ds[WMAX][VEC], bs[VEC]; /* ds[k]: du(t - k) (0 outside [t0, T)) */
+  int64_t sq[WMAX];                                       /* sq[k]: the sequence start of token t - k */
+  taps_by_age<IO, WMAX, VEC>(a, wt, bias, c, wk, bs);
+  A accw[WMAX][VEC], accb[VEC];
+#pragma unroll
+  for (int k = 0; k < WMAX; k++) {
+    sq[k] = 0;
+#pragma unroll
+    for (int i = 0; i < VEC; i++) xs[k][i] = ds[k][i] = accw[k][i] = (A)0;
+  }
+#pragma unroll
+  for (int i = 0; i < VEC; i++) accb[i] = (A)0;
   const int64_t t_end = t1 + (WMAX - 1) < a.T ? t1 + (WMAX - 1) : a.T;
   for (int64_t t = t0 - (WMAX - 1); t < t1 + (WMAX - 1); t++) {
+    age<A, WMAX, VEC>(xs);
+    age<A, WMAX, VEC>(ds);
 #pragma unroll
-    for (int k = WMAX - 1; k > 0; k--) xs[k] = xs[k - 1], ds[k] = ds[k - 1], sq[k] = sq[k - 1];
-    xs[0] = raw_input(a, x, halo, t, b, c);
-    ds[0] = (A)0;
+    for (int k = WMAX - 1; k > 0; k--) sq[k] = sq[k - 1];
+    raw_input<IO, VEC>(a, x, halo, t, b, c, xs[0]);
+#pragma unroll
+    for (int i = 0; i < VEC; i++) ds[0][i] = (A)0;
     sq[0] = 0;
     if (t >= t0 && t < t_end) {
       const int64_t st0 = seq_start(a, t);
       sq[0] = st0;
-      A u = bs;
+      A u[VEC], du[VEC];
+      pre_activation<A, WMAX, VEC>(t, st0, wk, xs, bs, u);
+      ld_lanes<IO, VEC>(d_out + (t * a.B + b) * a.C + c, du);
+      if (a.silu)
 #pragma unroll
-      for (int k = 0; k < WMAX; k++)
-        if (tap_ok(t - k, st0)) u += wk[k] * xs[k];
-      A du = ld(d_out, (t * a.B + b) * a.C + c);
-      if (a.silu) {
-        const A sg = sigmoid(u);
-        du *= sg * ((A)1 + u * ((A)1 - sg));
-      }
-      ds[0] = du;
+        for (int i = 0; i < VEC; i++) {
+          const A sg = sigmoid(u[i]);
+          du[i] *= sg * ((A)1 + u[i] * ((A)1 - sg));
+        }
+#pragma unroll
+      for (int i = 0; i < VEC; i++) ds[0][i] = du[i];
       if (partial && t < t1) {
-        accb += du;
+#pragma unroll
+        for (int i = 0; i < VEC; i++) accb[i] += du[i];
 #pragma unroll
         for (int k = 0; k < WMAX; k++)
-          if (tap_ok(t - k, st0)) accw[k] += du * xs[k];
+          if (tap_ok(t - k, st0))
+#pragma unroll
+            for (int i = 0; i < VEC; i++) accw[k][i] += du[i] * xs[k][i];
       }
     }
     const int64_t s = t - (WMAX - 1);
     if (dx && s >= t0 && s < t1) {
       /* tokens s + j (age WMAX-1-j) of s's own sequence read s through wk[j] */
-      A g = (A)0;
+      A g[VEC];
+#pragma unroll
+      for (int i = 0; i < VEC; i++) g[i] = (A)0;
 #pragma unroll
       for (int j = 0; j < WMAX; j++)
-        if (sq[WMAX - 1 - j] <= s) g += wk[j] * ds[WMAX - 1 - j];
-      st(dx, (s * a.B + b) * a.C + c, g);
+        if (sq[WMAX - 1 - j] <= s)
+#pragma unroll
+          for (int i = 0; i < VEC; i++) g[i] += wk[j][i] * ds[WMAX - 1 - j][i];
+      st_lanes<IO, VEC>(dx + (s * a.B + b) * a.dx_ld + c, g);
     }
   }
   if (partial) {
@@ -194,8 +268,11 @@ __global__ void conv_bwd_kernel(ConvArgs a, const IO *x, const IO *wt, const IO 
     double *p = partial + ((int64_t)blockIdx.y * a.B + b) * cols;
 #pragma unroll
     for (int k = 0; k < WMAX; k++)
-      if (k < a.W) p[(int64_t)(a.W - 1 - k) * a.C + c] = (double)accw[k];
-    p[a.W * a.C + c] = (double)accb;
+      if (k < a.W)
+#pragma unroll
+        for (int i = 0; i < VEC; i++) p[(int64_t)(a.W - 1 - k) * a.C + c + i] = (double)accw[k][i];
+#pragma unroll
+    for (int i = 0; i < VEC; i++) p[a.W * a.C + c + i] = (double)accb[i];
   }
 }
 
@@ -240,7 +317,7 @@ __global__ void conv_final_kernel(const double *partial, int64_t nslots, int64_t
 
 ConvArgs conv_args(const gdp_conv1d_problem *p, const int64_t *seq) {
   ConvArgs a;
-  a.T = p->T, a.B = p->B, a.C = p->C, a.W = p->W, a.L = p->halo_len;
+  a.T = p->T, a.B = p->B, a.C = p->C, a.W = p->W, a.L = p->halo_len, a.x_ld = p->x_ld, a.dx_ld = p->dx_ld;
   a.seq = seq;
   a.silu = p->silu;
   return a;
@@ -256,9 +333,21 @@ gdp_status conv_grid_check(const char *func, const ConvArgs &a) {
                         65535 * CONV_TCH, (long long)a.T, (long long)a.B);
   return GDP_OK;
 }
-dim3 conv_grid(const ConvArgs &a) {
-  return dim3((unsigned)((a.C + CONV_THREADS - 1) / CONV_THREADS), (unsigned)conv_nchunks(a.T),
+dim3 conv_grid(const ConvArgs &a, int vec) {
+  const int64_t per_block = (int64_t)CONV_THREADS * vec;
+  return dim3((unsigned)((a.C + per_block - 1) / per_block), (unsigned)conv_nchunks(a.T),
               (unsigned)a.B);
+}
+
+/* The narrow conv's 16-byte packs fit: the channel count and the row strides of x and
+ * dx are multiples of the pack, every buffer 16-byte aligned. */
+template <typename IO>
+int conv_packs_fit(const ConvArgs &a, const void *const *ptrs, int n) {
+  const int64_t vec = Vec16<IO>::n;
+  if (a.W > 4 || a.C % vec || a.x_ld % vec || a.dx_ld % vec) return 0;
+  for (int i = 0; i < n; i++)
+    if (!aligned16(ptrs[i])) return 0;
+  return 1;
 }
 
 template <typename IO>
@@ -269,12 +358,17 @@ gdp_status conv_fwd(const gdp_conv1d_problem *p, const int64_t *seq, const void 
   const ConvArgs a = conv_args(p, seq);
   if (a.T * a.B * a.C == 0) return GDP_OK;
   GDP_TRY(conv_grid_check(func, a));
-  const dim3 grid = conv_grid(a);
   const IO *xi = (const IO *)x, *wi = (const IO *)wt, *bi = (const IO *)bias, *hi = (const IO *)halo;
-  if (a.W <= 4)
-    conv_fwd_kernel<IO, 4><<<grid, CONV_THREADS, 0, stream>>>(a, xi, wi, bi, hi, (IO *)out);
+  IO *o = (IO *)out;
+  const void *ptrs[5] = {x, wt, bias, halo, out};
+  enum { V = Vec16<IO>::n };
+  if (conv_packs_fit<IO>(a, ptrs, 5))
+    conv_fwd_kernel<IO, 4, V><<<conv_grid(a, V), CONV_THREADS, 0, stream>>>(a, xi, wi, bi, hi, o);
+  else if (a.W <= 4)
+    conv_fwd_kernel<IO, 4, 1><<<conv_grid(a, 1), CONV_THREADS, 0, stream>>>(a, xi, wi, bi, hi, o);
   else
-    conv_fwd_kernel<IO, CONV_WMAX><<<grid, CONV_THREADS, 0, stream>>>(a, xi, wi, bi, hi, (IO *)out);
+    conv_fwd_kernel<IO, CONV_WMAX, 1><<<conv_grid(a, 1), CONV_THREADS, 0, stream>>>(a, xi, wi, bi,
+                                                                                 hi, o);
   return launched(func, "conv_fwd_kernel");
 }
 
@@ -292,13 +386,18 @@ gdp_status conv_bwd(const gdp_conv1d_problem *p, const int64_t *seq, const void 
   const int64_t nch = conv_nchunks(a.T);
   if ((dx || want_sums) && a.T * a.B * a.C > 0) {
     GDP_TRY(conv_grid_check(func, a));
-    const dim3 grid = conv_grid(a);
-    if (a.W <= 4)
-      conv_bwd_kernel<IO, 4><<<grid, CONV_THREADS, 0, stream>>>(a, xi, wi, bi, hi, di, (IO *)dx,
-                                                               partial);
+    IO *dxo = (IO *)dx;
+    const void *ptrs[6] = {x, wt, bias, halo, d_out, dx};
+    enum { V = Vec16<IO>::n };
+    if (conv_packs_fit<IO>(a, ptrs, 6))
+      conv_bwd_kernel<IO, 4, V><<<conv_grid(a, V), CONV_THREADS, 0, stream>>>(a, xi, wi, bi, hi, di,
+                                                                             dxo, partial);
+    else if (a.W <= 4)
+      conv_bwd_kernel<IO, 4, 1><<<conv_grid(a, 1), CONV_THREADS, 0, stream>>>(a, xi, wi, bi, hi, di,
+                                                                             dxo, partial);
     else
-      conv_bwd_kernel<IO, CONV_WMAX><<<grid, CONV_THREADS, 0, stream>>>(a, xi, wi, bi, hi, di,
-                                                                       (IO *)dx, partial);
+      conv_bwd_kernel<IO, CONV_WMAX, 1><<<conv_grid(a, 1), CONV_THREADS, 0, stream>>>(
+          a, xi, wi, bi, hi, di, dxo, partial);
     GDP_TRY(launched(func, "conv_bwd_kernel"));
   }
   if (want_sums && a.C > 0) {

@@ -1,8 +1,8 @@
 /*
  * mixer_cuda.h -- C-callable launchers of the CUDA mixer layer kernels (conv1d + SiLU,
  * SiLU alone, the beta and decay gates, the D skip, the output norm (D skip + gated
- * grouped RMSNorm), the q/k L2 norm), forward and backward.  Plain C, included by
- * core/src/backend_cuda.c.
+ * grouped RMSNorm), the q/k L2 norm, the fused input stage), forward and backward.  Plain
+ * C, included by core/src/backend_cuda.c.
  *
  * Buffers are contiguous, row-major (the output norm: strided as its problem says), on the device, of one gdp_dtype `dtype`: f64
  * (float64 math), f32 or bf16 (float32 math: bf16 values are widened on load and
@@ -82,6 +82,16 @@ gdp_status gdp_cuda_out_norm_bwd(const gdp_out_norm_problem *p, const void *o, c
                                  const void *D, const void *z, const void *weight,
                                  const void *d_out, void *d_o, void *dz, void *dx_v, void *dD,
                                  void *dweight, void *workspace, void *stream);
+
+/* The fused input stage (inputs.cu; buffers and row strides as ../../mixer_problem.h
+ * says; the gate buffers in float32 for bf16).  The backward's workspace holds the
+ * partial sums of dA_log and ddt_bias (needed also without the gate: pass 1 writes db). */
+gdp_status gdp_cuda_ssm_inputs_fwd(const gdp_ssm_inputs_problem *p,
+                                   const gdp_ssm_inputs_fwd_io *io, void *stream);
+size_t gdp_cuda_ssm_inputs_bwd_workspace(const gdp_ssm_inputs_problem *p);
+gdp_status gdp_cuda_ssm_inputs_bwd(const gdp_ssm_inputs_problem *p,
+                                   const gdp_ssm_inputs_bwd_io *io, void *workspace,
+                                   void *stream);
 
 /* Row-wise L2 norm y = x / sqrt(sum x^2 + eps) (y may alias x); backward
  * dx = r (dy - y (y . dy)) (dx may alias dy). */

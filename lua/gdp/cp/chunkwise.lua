@@ -821,17 +821,20 @@ function M.layer_backward(m, dy)
   local x = c.x
   shard.agree_dy(group, fn, dy, x)
   local b1 = group:bytes()
+  local dzx, dparts = m:in_proj_grad(x:size(1), x:size(2))
   local d_o, dz, dx_v = m:out_backward(c.saved_out, c.parts.z, c.inp.x_v, dy)
+  dparts.z:copy(dz)
   local g = M.gdp_chunkwise_context_parallel_backward(c.saved, d_o)
-  local dxBC_c, db, da = m:ssm_inputs_backward(g, c.parts.b, c.parts.a, dx_v)
-  local dxBC, dhalo = m:conv_backward(c.parts.xBC, dxBC_c, c.meta.local_cu_seqlens, c.halo)
+  local dxBC_c = m:ssm_inputs_backward(g, c.parts.b, c.parts.a, dx_v, { db = dparts.b, da = dparts.a })
+  local _, dhalo = m:conv_backward(c.parts.xBC, dxBC_c, c.meta.local_cu_seqlens, c.halo, nil, nil,
+                                   nil, dparts.xBC)
   local R = m.conv_width - 1
   local dtail = timing.stage("halo_backward", m.device, M.conv_halo_exchange_backward, group, dhalo,
                              c.parts.xBC, R, c.valid)
   local Lc = x:size(1)
   local Lt = dtail:size(1)
-  if Lt > 0 then dxBC:narrow(1, Lc - Lt + 1, Lt):add_(dtail) end
-  local dx = m:in_proj_backward(x, m:join_in_proj(dz, dxBC, db, da))
+  if Lt > 0 then dparts.xBC:narrow(1, Lc - Lt + 1, Lt):add_(dtail) end
+  local dx = m:in_proj_backward(x, dzx)
   local b2 = group:bytes()
   m.cp_bytes = m.cp_bytes or {}
   m.cp_bytes.backward_sent, m.cp_bytes.backward_received = b2.sent - b1.sent, b2.received - b1.received

@@ -610,20 +610,19 @@ function M.layer_backward(m, dy)
   end
   local g = timing.stage("local_backward", m.device, view.ssm_backward, view, c.inp, c.cu,
                          dy4:permute(2, 1, 3, 4))
-  local dxBC_c, db, da = view:ssm_inputs_backward(g, c.b, c.a, dx_v)
-  local dxBC = view:conv_backward(c.xBC, dxBC_c, c.cu, nil, view.params["conv1d.weight"],
-                                  view.params["conv1d.bias"],
-                                  { weight = view.grads["conv1d.weight"], bias = view.grads["conv1d.bias"] })
+  local dloc = tensor.empty({ T, B, hcp:local_width(false) }, { dtype = m.dtype, device = m.device })
+  local dxBC_c = view:ssm_inputs_backward(g, c.b, c.a, dx_v,
+                                          { db = dloc:narrow(3, ls.conv_dim + 1, ls.b_dim),
+                                            da = dloc:narrow(3, ls.conv_dim + ls.b_dim + 1, ls.a_dim) })
+  view:conv_backward(c.xBC, dxBC_c, c.cu, nil, view.params["conv1d.weight"], view.params["conv1d.bias"],
+                     { weight = view.grads["conv1d.weight"], bias = view.grads["conv1d.bias"] },
+                     dloc:narrow(3, 1, ls.conv_dim))
   hcp:get_conv1d_weight_backward(view.grads["conv1d.weight"], m.grads["conv1d.weight"])
   if m.grads["conv1d.bias"] ~= nil then
     hcp:get_conv1d_bias_backward(view.grads["conv1d.bias"], m.grads["conv1d.bias"])
   end
   hcp:get_A_log_backward(view.grads["A_log"], m.grads["A_log"])
   hcp:get_dt_bias_backward(view.grads["dt_bias"], m.grads["dt_bias"])
-  local dloc = tensor.empty({ T, B, hcp:local_width(false) }, { dtype = m.dtype, device = m.device })
-  dloc:narrow(3, 1, ls.conv_dim):copy(dxBC)
-  dloc:narrow(3, ls.conv_dim + 1, ls.b_dim):copy(db)
-  dloc:narrow(3, ls.conv_dim + ls.b_dim + 1, ls.a_dim):copy(da)
   local dzx = timing.stage("all_to_all_in_backward", m.device, hcp._cp2hp_backward, hcp, dloc, false, c.cu)
   dzx:narrow(3, s.z_off, s.d_inner):copy(dz)
   local dx = m:in_proj_backward(x, dzx)

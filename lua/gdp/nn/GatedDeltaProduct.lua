@@ -438,16 +438,13 @@ function GatedDeltaProduct:split_in_proj(zx)
   }
 end
 
--- The inverse of split_in_proj for gradients: one [T, B, d_in_proj] tensor from the
--- gradients of its sections (which cover it whole; dz and da nil when absent).
-function GatedDeltaProduct:join_in_proj(dz, dxBC, db, da)
-  local s = self.sizes
-  local dzx = tensor.empty({ dxBC:size(1), dxBC:size(2), s.d_in_proj }, { dtype = self.dtype, device = self.device })
-  if s.z_dim > 0 then dzx:narrow(3, s.z_off, s.z_dim):copy(dz) end
-  dzx:narrow(3, s.xBC_off, s.conv_dim):copy(dxBC)
-  dzx:narrow(3, s.b_off, s.b_dim):copy(db)
-  if s.a_dim > 0 then dzx:narrow(3, s.a_off, s.a_dim):copy(da) end
-  return dzx
+-- The in_proj output's gradient [T,B,d_in_proj], allocated before the backward stages
+-- so that they fill its sections in place (the conv backward writes dxBC there, the
+-- fused input stage db and da); returns it and its section views (split_in_proj's).
+-- The norm's dz is a new tensor of its op, copied into its section.
+function GatedDeltaProduct:in_proj_grad(T, B)
+  local dzx = tensor.empty({ T, B, self.sizes.d_in_proj }, { dtype = self.dtype, device = self.device })
+  return dzx, self:split_in_proj(dzx)
 end
 
 -- Depthwise causal conv + SiLU over [V, K, Q]; halo [L,B,C] optional (context parallel).
@@ -459,83 +456,64 @@ function GatedDeltaProduct:conv_forward(xBC, cu_seqlens, halo, weight, bias)
                   { activation = "silu", cu_seqlens = cu_seqlens, halo = halo })
 end
 
--- Returns dxBC [T,B,C] and dhalo (nil without halo); accumulates the conv gradients
--- into grads (default: the module's) when given.
-function GatedDeltaProduct:conv_backward(xBC, dxBC_c, cu_seqlens, halo, weight, bias, grads)
-  if not self.use_short_conv then return F.silu_backward(xBC, dxBC_c) end
+-- Returns dxBC [T,B,C] (written into `out` when given: a view into the in_proj
+-- gradient) and dhalo (nil without halo); accumulates the conv gradients into grads
+-- (default: the module's) when given.
+function GatedDeltaProduct:conv_backward(xBC, dxBC_c, cu_seqlens, halo, weight, bias, grads, out)
+  if not self.use_short_conv then
+    local dxBC = F.silu_backward(xBC, dxBC_c)
+    if out == nil then return dxBC end
+    return out:copy(dxBC)
+  end
   local w = weight or self.params["conv1d.weight"]
   local b = bias or (weight == nil and self.params["conv1d.bias"] or nil)
   local r = F.conv1d_backward(xBC, w, b, dxBC_c,
-                              { activation = "silu", cu_seqlens = cu_seqlens, halo = halo })
+                              { activation = "silu", cu_seqlens = cu_seqlens, halo = halo, dx = out })
   grads = grads or { weight = self.grads["conv1d.weight"], bias = self.grads["conv1d.bias"] }
   Module.accumulate(grads.weight, r.dweight)
   if r.dbias ~= nil and grads.bias ~= nil then Module.accumulate(grads.bias, r.dbias) end
   return r.dx, r.dhalo
 end
 
--- g [T,B,nh] in A_log's dtype from a [T,B,nh] (float32 in a bf16 layer, as Megatron's
+-- The sizes of the fused input stage (F.ssm_inputs) of this layer, or of a context-
+-- parallel rank's view of it (its local head and group counts).
+function GatedDeltaProduct:input_dims()
+  return { num_heads = self.num_heads, head_dim = self.head_dim, num_groups = self.num_groups,
+           state_dim = self.state_dim, num_householder = self.num_householder,
+           beta_scale = self.beta_scale }
+end
+
+-- The operator's inputs from the conv output and the gate sections, in one fused op:
+-- {q [B,T,nh,N], k [B,T*M,nh,N], v [B,T*M,nh,P], beta [B,T*M,nh], g [B,T,nh] (nil
+--  without forget gate), x_v [T,B,nh,P] (value copy m = 0, for the D skip: a view)}.
+-- g is in A_log's dtype (float32 in a bf16 layer, as Megatron's
 -- -exp(A_log.float()) * softplus(a.float() + dt_bias)), and handed to the operator so:
 -- its gradient comes back in float32 too, and the sums over tokens that make the A_log
 -- and dt_bias gradients do not start from bf16-rounded terms.
-function GatedDeltaProduct:decay_forward(a)
-  local A_log = self.params["A_log"]
-  return F.decay(a:to(A_log:dtype()), A_log, self.params["dt_bias"])
-end
-
--- Backward of decay_forward for d_g [T,B,nh]: returns da (a's dtype) and accumulates the
--- A_log and dt_bias gradients (in their float32 in a bf16 layer).
-function GatedDeltaProduct:decay_backward(a, d_g)
-  local A_log = self.params["A_log"]
-  local dt = A_log:dtype()
-  local da, dA_log, ddt = F.decay_backward(a:to(dt), A_log, self.params["dt_bias"], d_g:to(dt))
-  Module.accumulate(self.grads["A_log"], dA_log)
-  Module.accumulate(self.grads["dt_bias"], ddt)
-  return da:to(a:dtype())
-end
-
--- The operator's inputs from the conv output and the gate sections:
--- {q [B,T,nh,N], k [B,T*M,nh,N], v [B,T*M,nh,P], beta [B,T*M,nh], g [B,T,nh] (nil
---  without forget gate), x_v [T,B,nh,P] (value copy m = 0, for the D skip)}.
 function GatedDeltaProduct:ssm_inputs(xBC_c, b, a)
   local s = self.sizes
   local T, B = xBC_c:size(1), xBC_c:size(2)
-  local nh, P, ng, N, M = self.num_heads, self.head_dim, self.num_groups, self.state_dim,
-                          self.num_householder
-  local V5 = xBC_c:narrow(3, s.v_off, s.v_dim):view(T, B, M, nh, P)
-  local K5 = xBC_c:narrow(3, s.k_off, s.k_dim):view(T, B, M, ng, N)
-  local Q4 = xBC_c:narrow(3, s.q_off, s.q_dim):view(T, B, ng, N)
-  local inp = {}
-  inp.v = V5:permute(2, 1, 3, 4, 5):reshape(B, T * M, nh, P)
-  -- repeated from the batch-major views, so the repeat's output is already the
-  -- operator's layout (one pass, not a repeat and then a transposing copy)
-  inp.k = F.repeat_heads(K5:permute(2, 1, 3, 4, 5), nh):view(B, T * M, nh, N)
-  inp.q = F.repeat_heads(Q4:permute(2, 1, 3, 4), nh)
-  inp.x_v = V5:select(3, 1)
-  inp.beta = F.beta(b, self.beta_scale):view(T, B, M, nh):permute(2, 1, 3, 4):reshape(B, T * M, nh)
-  if a ~= nil then inp.g = self:decay_forward(a):permute(2, 1, 3) end
+  local p = self.params
+  local inp = F.ssm_inputs(xBC_c, b, a, a and p["A_log"], a and p["dt_bias"], self:input_dims())
+  inp.x_v = xBC_c:narrow(3, s.v_off, s.d_inner):view(T, B, self.num_heads, self.head_dim)
   return inp
 end
 
 -- Backward of ssm_inputs: from the operator's gradients (and dx_v of the D skip) to
--- dxBC_c [T,B,C], db [T,B,M*nh], da [T,B,nh] (nil without forget gate); accumulates A_log
--- and dt_bias gradients.
-function GatedDeltaProduct:ssm_inputs_backward(grads, b, a, dx_v)
-  local s = self.sizes
-  local B, T = grads.dq:size(1), grads.dq:size(2)
-  local nh, P, ng, N, M = self.num_heads, self.head_dim, self.num_groups, self.state_dim,
-                          self.num_householder
-  local dxBC_c = tensor.zeros({ T, B, s.conv_dim }, { dtype = self.dtype, device = self.device })
-  local dV5 = dxBC_c:narrow(3, s.v_off, s.v_dim):view(T, B, M, nh, P)
-  dV5:copy(grads.dv:view(B, T, M, nh, P):permute(2, 1, 3, 4, 5))
-  if dx_v ~= nil then dV5:select(3, 1):add_(dx_v) end
-  dxBC_c:narrow(3, s.k_off, s.k_dim):view(T, B, M, ng, N)
-        :copy(F.repeat_heads_backward(grads.dk:view(B, T, M, nh, N):permute(2, 1, 3, 4, 5), ng))
-  dxBC_c:narrow(3, s.q_off, s.q_dim):view(T, B, ng, N)
-        :copy(F.repeat_heads_backward(grads.dq:permute(2, 1, 3, 4), ng))
-  local dbeta = grads.dbeta:view(B, T, M, nh):permute(2, 1, 3, 4)
-  local db = F.beta_backward(b:view(T, B, M, nh), self.beta_scale, dbeta):view(T, B, M * nh)
-  local da = a ~= nil and self:decay_backward(a, grads.dg:permute(2, 1, 3)) or nil
-  return dxBC_c, db, da
+-- dxBC_c [T,B,C], db [T,B,M*nh], da [T,B,nh] (nil without forget gate); accumulates the
+-- A_log and dt_bias gradients.  out (optional) {db =, da =}: views to write db and da
+-- into (the in_proj gradient's sections), returned as db and da.
+function GatedDeltaProduct:ssm_inputs_backward(grads, b, a, dx_v, out)
+  local p = self.params
+  local r = F.ssm_inputs_backward(b, a, a and p["A_log"], a and p["dt_bias"], self:input_dims(),
+                                  { dq = grads.dq, dk = grads.dk, dv = grads.dv, dbeta = grads.dbeta,
+                                    dg = a and grads.dg or nil, dx_v = dx_v },
+                                  out and { db = out.db, da = out.da })
+  if a ~= nil then
+    Module.accumulate(self.grads["A_log"], r.dA_log)
+    if r.ddt_bias ~= nil then Module.accumulate(self.grads["dt_bias"], r.ddt_bias) end
+  end
+  return r.dxBC, r.db, r.da
 end
 
 local function op_args(self, inp, cu_seqlens)
@@ -680,11 +658,13 @@ function GatedDeltaProduct:backward(x, dy, cu_seqlens)
     self.grad_input = dx
     return dx
   end
+  local dzx, dparts = self:in_proj_grad(x:size(1), x:size(2))
   local d_o, dz, dx_v = self:out_backward(c.saved, c.parts.z, c.inp.x_v, dy)
+  if dz ~= nil then dparts.z:copy(dz) end
   local g = self:ssm_backward(c.inp, c.cu, d_o)
-  local dxBC_c, db, da = self:ssm_inputs_backward(g, c.parts.b, c.parts.a, dx_v)
-  local dxBC = self:conv_backward(c.parts.xBC, dxBC_c, c.cu)
-  local dx = self:in_proj_backward(x, self:join_in_proj(dz, dxBC, db, da))
+  local dxBC_c = self:ssm_inputs_backward(g, c.parts.b, c.parts.a, dx_v, { db = dparts.b, da = dparts.a })
+  self:conv_backward(c.parts.xBC, dxBC_c, c.cu, nil, nil, nil, nil, dparts.xBC)
+  local dx = self:in_proj_backward(x, dzx)
   self.grad_input = dx
   return dx
 end

@@ -48,9 +48,10 @@ function F.seqlens(cu, fn)
 end
 
 local conv_keys = { activation = true, cu_seqlens = true, halo = true }
+local conv_backward_keys = { activation = true, cu_seqlens = true, halo = true, dx = true }
 
-local function conv_opts(fn, opts)
-  opts = tensor.check_opts(fn, opts, conv_keys)
+local function conv_opts(fn, opts, keys)
+  opts = tensor.check_opts(fn, opts, keys or conv_keys)
   local act = ACTIVATIONS[opts.activation or "none"]
   if act == nil then
     argerror(fn, "activation: expected \"none\" or \"silu\", got " .. tostring(opts.activation))
@@ -71,17 +72,20 @@ function F.conv1d(x, weight, bias, opts)
   return call_outputs(fn, "gdp_mixer_conv1d_forward", { out }, x:ctx(), x, weight, bias, halo, cu, act, out)
 end
 
--- Backward of sum(conv1d(...) * d_out): {dx, dweight, dbias, dhalo}.
+-- Backward of sum(conv1d(...) * d_out): {dx, dweight, dbias, dhalo}.  opts as conv1d's,
+-- plus dx: a [T,B,C] tensor to write dx into (any strides, e.g. the in_proj gradient's
+-- channel slice; it must not overlap the inputs), returned as dx.
 function F.conv1d_backward(x, weight, bias, d_out, opts)
   local fn = "nn.functional.conv1d_backward"
   tensor_arg(x, fn, "x")
   tensor_arg(weight, fn, "weight")
   opt_tensor(bias, fn, "bias")
   tensor_arg(d_out, fn, "d_out")
-  local act, cu, halo = conv_opts(fn, opts)
-  local dx, dw, db, dh = tensor_box(), tensor_box(), tensor_box(), tensor_box()
-  local gx, gw, gb, gh = call_outputs(fn, "gdp_mixer_conv1d_backward", { dx, dw, db, dh }, x:ctx(), x,
-                                      weight, bias, halo, cu, act, d_out, dx, dw, db, dh)
+  local act, cu, halo = conv_opts(fn, opts, conv_backward_keys)
+  local gx = opt_tensor(opts and opts.dx, fn, "dx") or tensor.empty(x:shape(), { dtype = x:dtype(), device = x:device() })
+  local dw, db, dh = tensor_box(), tensor_box(), tensor_box()
+  local gw, gb, gh = call_outputs(fn, "gdp_mixer_conv1d_backward", { dw, db, dh }, x:ctx(), x,
+                                  weight, bias, halo, cu, act, d_out, gx, dw, db, dh)
   return { dx = gx, dweight = gw, dbias = gb, dhalo = gh }
 end
 
@@ -215,6 +219,73 @@ function F.repeat_heads_backward(d_out, num_groups)
   local out = tensor_box()
   return call_outputs(fn, "gdp_mixer_repeat_heads_backward", { out }, d_out:ctx(), d_out,
              int_arg(num_groups, fn, "num_groups", 1), out)
+end
+
+local inputs_dims_keys = { num_heads = true, head_dim = true, num_groups = true, state_dim = true,
+                          num_householder = true, beta_scale = true }
+
+-- The sizes table of ssm_inputs: num_heads, head_dim, num_groups, state_dim,
+-- num_householder (all required), beta_scale (1).
+local function inputs_dims(fn, dims)
+  if type(dims) ~= "table" then
+    argerror(fn, "dims: expected a table {num_heads =, head_dim =, num_groups =, state_dim =, " ..
+                 "num_householder =, beta_scale =}, got " .. type(dims))
+  end
+  tensor.check_opts(fn, dims, inputs_dims_keys)
+  return int_arg(dims.num_heads, fn, "num_heads", 1), int_arg(dims.head_dim, fn, "head_dim", 1),
+         int_arg(dims.num_groups, fn, "num_groups", 1), int_arg(dims.state_dim, fn, "state_dim", 1),
+         int_arg(dims.num_householder, fn, "num_householder", 1),
+         number_arg(dims.beta_scale or 1, fn, "beta_scale")
+end
+
+-- The mixer's input stage in one op: xBC [T,B,conv_dim] (the conv output: V (m,h,p),
+-- K (m,g,n), Q (g,n)), b [T,B,M*nh], a [T,B,nh] or nil (then A_log, dt_bias nil) ->
+-- {q [B,T,nh,N], k [B,T*M,nh,N], v [B,T*M,nh,P], beta [B,T*M,nh], g [B,T,nh] in
+-- A_log's dtype (nil without a)}; head h reads group h / (nh/ng).  dims: see inputs_dims.
+function F.ssm_inputs(xBC, b, a, A_log, dt_bias, dims)
+  local fn = "nn.functional.ssm_inputs"
+  tensor_arg(xBC, fn, "xBC")
+  tensor_arg(b, fn, "b")
+  opt_tensor(a, fn, "a")
+  opt_tensor(A_log, fn, "A_log")
+  opt_tensor(dt_bias, fn, "dt_bias")
+  local nh, P, ng, N, M, scale = inputs_dims(fn, dims)
+  local q, k, v, beta, g = tensor_box(), tensor_box(), tensor_box(), tensor_box(), tensor_box()
+  local rq, rk, rv, rbeta, rg = call_outputs(fn, "gdp_mixer_ssm_inputs_forward", { q, k, v, beta, g },
+                                             xBC:ctx(), xBC, b, a, A_log, dt_bias, nh, P, ng, N, M,
+                                             scale, q, k, v, beta, g)
+  return { q = rq, k = rk, v = rv, beta = rbeta, g = rg }
+end
+
+local inputs_grad_keys = { dq = true, dk = true, dv = true, dbeta = true, dg = true, dx_v = true }
+local inputs_out_keys = { dxBC = true, db = true, da = true }
+
+-- Backward of ssm_inputs for grads {dq, dk, dv, dbeta, dg (with a), dx_v (optional: added
+-- to value copy m = 0)}: {dxBC, db, da (nil without a), dA_log, ddt_bias (nil without
+-- dt_bias)}.  out (optional) {dxBC =, db =, da =}: tensors to write those into (any
+-- strides, e.g. views into the in_proj gradient; they must not overlap the inputs).
+function F.ssm_inputs_backward(b, a, A_log, dt_bias, dims, grads, out)
+  local fn = "nn.functional.ssm_inputs_backward"
+  tensor_arg(b, fn, "b")
+  opt_tensor(a, fn, "a")
+  opt_tensor(A_log, fn, "A_log")
+  opt_tensor(dt_bias, fn, "dt_bias")
+  local nh, P, ng, N, M, scale = inputs_dims(fn, dims)
+  grads = tensor.check_opts(fn, grads, inputs_grad_keys)
+  out = tensor.check_opts(fn, out, inputs_out_keys)
+  for name in pairs(inputs_grad_keys) do opt_tensor(grads[name], fn, name) end
+  for name in pairs(inputs_out_keys) do opt_tensor(out[name], fn, "out." .. name) end
+  local T, B = b:size(1), b:size(2)
+  local opts = { dtype = b:dtype(), device = b:device() }
+  local conv_dim = M * nh * P + (M + 1) * ng * N
+  local dxBC = out.dxBC or tensor.empty({ T, B, conv_dim }, opts)
+  local db = out.db or tensor.empty({ T, B, M * nh }, opts)
+  local da = a ~= nil and (out.da or tensor.empty({ T, B, nh }, opts)) or nil
+  local dA, ddt = tensor_box(), tensor_box()
+  local rA, rdt = call_outputs(fn, "gdp_mixer_ssm_inputs_backward", { dA, ddt }, b:ctx(), b, a, A_log,
+                               dt_bias, nh, P, ng, N, M, scale, grads.dq, grads.dk,
+                               grads.dv, grads.dbeta, grads.dg, grads.dx_v, dxBC, db, da, dA, ddt)
+  return { dxBC = dxBC, db = db, da = da, dA_log = rA, ddt_bias = rdt }
 end
 
 -- y + D * x_v for y, x_v [..., H, P]; D [H] or [H*P].
