@@ -3,11 +3,12 @@
  *
  *   path       | takes                                  | algorithm
  *   -----------+----------------------------------------+------------------------------------
- *   fast       | bf16, n = 1..3, K and V in {64, 128}   | AUTO, CHUNK (an error elsewhere)
- *   recurrent  | f32 and bf16, K <= 256, any V          | RECURRENT; AUTO where fast does not
+ *   fast       | bf16, n = 1..4, K and V in {32, 64, 128} | AUTO, CHUNK (an error elsewhere)
+ *   recurrent  | f32 and bf16, K <= 256, any V            | RECURRENT; AUTO where fast does not
  *
- * The fast path is chunked, with its chunk fixed by n (chunk_steps: C = 32, 64, 48 steps
- * of the expanded stream for n = 1, 2, 3); a problem's chunk_size is 0 (the path's own)
+ * (K or V = 32 runs in the width-64 kernels on zero-padded copies: chunk_pad.cu.)
+ * The fast path is chunked, with its chunk fixed by n (chunk_steps: C = 32, 64, 48, 64
+ * steps of the expanded stream for n = 1..4); a problem's chunk_size is 0 (the path's own)
  * or that C, anything else is an error that names the size.  The recurrent kernels have
  * no chunks: a nonzero chunk_size with them is an error too, also where AUTO falls back
  * to them (a chunk size asked for and silently not used would mislead a measurement).
@@ -21,6 +22,9 @@ using namespace gdpcu;
 
 namespace {
 
+/* What the fast path takes (chunked::takes), for the messages that name it. */
+#define GDP_FAST_SHAPES "bf16, n = 1..4, K and V in {32, 64, 128}"
+
 /* The saved object's path code (op_gdp.c keeps it and hands it back to the backward). */
 enum Path { PATH_RECURRENT = 1, PATH_FAST = 3 };
 
@@ -33,12 +37,12 @@ gdp_status check_chunk_size(const gdp_delta_product_problem *p, const char *what
     if (p->chunk_size == C) return GDP_OK;
     return GDP_ERROR_IN(what, GDP_ERR_INVALID_ARG,
                         "chunk_size: the CUDA chunked path takes %d steps at n = %lld (or 0 for it; "
-                        "32, 64, 48 for n = 1, 2, 3), got %lld",
+                        "32, 64, 48, 64 for n = 1, 2, 3, 4), got %lld",
                         C, (long long)p->n, (long long)p->chunk_size);
   }
   return GDP_ERROR_IN(what, GDP_ERR_INVALID_ARG,
                       "chunk_size: this problem runs the CUDA recurrent kernels, which have no chunks "
-                      "(the chunked path takes bf16, n = 1..3, K and V in {64, 128}); expected 0, got %lld",
+                      "(the chunked path takes " GDP_FAST_SHAPES "); expected 0, got %lld",
                       (long long)p->chunk_size);
 }
 
@@ -51,7 +55,7 @@ gdp_status choose_path(const gdp_delta_product_problem *p, const char *what, int
   const bool fast = chunked::takes(p);
   if (p->algorithm == GDP_ALGO_CHUNK && !fast)
     return GDP_ERROR_IN(what, GDP_ERR_UNSUPPORTED,
-                        "algorithm chunk: the CUDA chunked path takes bf16, n = 1..3, K and V in {64, 128}; "
+                        "algorithm chunk: the CUDA chunked path takes " GDP_FAST_SHAPES "; "
                         "got %s, n = %lld, K = %lld, V = %lld",
                         p->dtype == GDP_DTYPE_BF16 ? "bf16" : "float32", (long long)p->n, (long long)p->K,
                         (long long)p->V);
