@@ -118,7 +118,7 @@ end
 describe("cuda dispatch: algorithm and chunk_size #gpu", function()
   local outside = {
     { name = "bf16 K=48 V=96 n=2", dtype = "bf16", K = 48, V = 96, n = 2 },
-    { name = "bf16 K=V=64 n=5", dtype = "bf16", K = 64, V = 64, n = 5 },
+    { name = "bf16 K=V=64 n=9", dtype = "bf16", K = 64, V = 64, n = 9 },
     { name = "bf16 K=32 V=16 n=2", dtype = "bf16", K = 32, V = 16, n = 2 },
     { name = "f32 K=V=64 n=2", dtype = "f32", K = 64, V = 64, n = 2 },
   }
@@ -190,7 +190,7 @@ describe("GDP operator behaviour (cpu)", function()
   end)
 
   -- The CUDA fast path runs K or V = 32 in its width-64 kernels on zero-padded copies
-  -- (kernels/cuda/gdp/chunk_pad.cu); that rests on this: the float64 operator on the
+  -- (kernels/cuda/gdp/chunk_shapes.cu); that rests on this: the float64 operator on the
   -- padded problem gives the unpadded one's outputs and gradients in the real columns.
   it("zero-padding K and V from 32 to 64 changes no output or gradient of the real columns", function()
     H.reseed(124)
@@ -228,6 +228,54 @@ describe("GDP operator behaviour (cpu)", function()
     assert.tensor_near(pg.dbeta, g.dbeta, tol)
     assert.tensor_near(pg.dg, g.dg, tol)
     assert.tensor_near(pg.dh0:narrow(3, 1, K):narrow(4, 1, V), g.dh0, tol)
+    assert.is_true(g.dg:norm() > 0 and g.dk:norm() > 0)
+  end)
+
+  -- ... and it runs n = 5..8 (chunk_shapes.cu) as tokens of fewer steps: n = 5 padded with
+  -- an identity step (beta 0, k 0, v 0) to 6, split into 2 tokens of 3 steps, the gate on
+  -- the first, the query (and dO) on the second.  The float64 operator on that rewritten
+  -- problem gives the problem's outputs and gradients back.
+  it("n = 5 as 2 tokens of 3 steps (one identity step added) gives the same outputs and gradients", function()
+    H.reseed(125)
+    local n, np, m, T, Hh, K, V = 5, 6, 2, 13, 2, 8, 6
+    local cu = { 0, 5, 5, 13 }
+    local args = ops.random_inputs({ B = 1, T = T, H = Hh, K = K, V = V, n = n, initial_state = true,
+                                     grads = true, beta_max = 2, cu_seqlens = cu })
+    args.algorithm, args.scale = "recurrent", 1 / math.sqrt(K)
+    local split = { num_householder = np / m, use_qk_l2norm_in_kernel = true, output_final_state = true,
+                    algorithm = "recurrent", scale = args.scale, initial_state = args.initial_state,
+                    dht = args.dht, cu_seqlens = {} }
+    for i, c in ipairs(cu) do split.cu_seqlens[i] = c * m end
+    local function zeros_like(t, rows) -- t [1, R, ...] -> zeros [1, rows, ...]
+      local shape = t:shape()
+      shape[2] = rows
+      return gdp.zeros(shape, { dtype = t:dtype() })
+    end
+    split.q, split["do"], split.g = zeros_like(args.q, T * m), zeros_like(args["do"], T * m), zeros_like(args.g, T * m)
+    split.k, split.v, split.beta = zeros_like(args.k, T * np), zeros_like(args.v, T * np), zeros_like(args.beta, T * np)
+    for t = 0, T - 1 do
+      split.q:narrow(2, t * m + m, 1):copy(args.q:narrow(2, t + 1, 1))
+      split["do"]:narrow(2, t * m + m, 1):copy(args["do"]:narrow(2, t + 1, 1))
+      split.g:narrow(2, t * m + 1, 1):copy(args.g:narrow(2, t + 1, 1))
+      for _, key in ipairs({ "k", "v", "beta" }) do
+        split[key]:narrow(2, t * np + 1, n):copy(args[key]:narrow(2, t * n + 1, n))
+      end
+    end
+    local o, ht = ops.chunk_gated_delta_product(args)
+    local so, sht = ops.chunk_gated_delta_product(split)
+    local g = ops.chunk_gated_delta_product_backward(args)
+    local sg = ops.chunk_gated_delta_product_backward(split)
+    local tol = 1e-12
+    assert.tensor_near(sht, ht, tol)
+    assert.tensor_near(sg.dh0, g.dh0, tol)
+    for t = 0, T - 1 do
+      assert.tensor_near(so:narrow(2, t * m + m, 1), o:narrow(2, t + 1, 1), tol)
+      assert.tensor_near(sg.dq:narrow(2, t * m + m, 1), g.dq:narrow(2, t + 1, 1), tol)
+      assert.tensor_near(sg.dg:narrow(2, t * m + 1, 1), g.dg:narrow(2, t + 1, 1), tol)
+      for _, key in ipairs({ "dk", "dv", "dbeta" }) do
+        assert.tensor_near(sg[key]:narrow(2, t * np + 1, n), g[key]:narrow(2, t * n + 1, n), tol)
+      end
+    end
     assert.is_true(g.dg:norm() > 0 and g.dk:norm() > 0)
   end)
 

@@ -14,11 +14,11 @@ M.GRADS = { "dq", "dk", "dv", "dbeta", "dg", "dh0" }
 M.DTYPES = { cpu = { "f64", "f32", "bf16" }, cuda = { "f32", "bf16" } }
 
 -- The shapes the CUDA fast path takes (kernels/cuda; README's support matrix): bf16,
--- n = 1..4, K and V in {32, 64, 128} (32 runs zero-padded to 64).  Elsewhere cuda runs
--- the recurrent kernels.
+-- n = 1..8, K and V in {32, 64, 128} (32 runs zero-padded to 64, n = 5..8 as tokens of
+-- 3 or 4 steps).  Elsewhere cuda runs the recurrent kernels.
 function M.fast_path(case, dtype)
   local function kv(x) return x == 32 or x == 64 or x == 128 end
-  return dtype == "bf16" and case.n >= 1 and case.n <= 4 and kv(case.K) and kv(case.V)
+  return dtype == "bf16" and case.n >= 1 and case.n <= 8 and kv(case.K) and kv(case.V)
 end
 
 -- The GDP operator.  Fields: B, T, H, K, V, n; gated (true), initial_state (false),
@@ -46,7 +46,7 @@ M.gdp = {
     beta_max = 2, cu_seqlens = { 0, 5, 5, 45 }, chunk_sizes = { 1, 16, 32, 64, 100000, 2 ^ 40 },
     dtypes = { cpu = { "f64" }, cuda = { "f32", "bf16" } } },
 
-  -- the CUDA fast path's shapes (bf16, n = 1..4, K, V in {32, 64, 128}), packed with an
+  -- the CUDA fast path's shapes (bf16, n = 1..8, K, V in {32, 64, 128}), packed with an
   -- empty sequence and odd lengths; f32 on cuda and every dtype on the cpu run them too
   { name = "fast path K=V=64 n=1", B = 1, T = 150, H = 2, K = 64, V = 64, n = 1, initial_state = true,
     cu_seqlens = { 0, 40, 40, 150 }, dtypes = { cpu = { "f32" } } },
@@ -75,6 +75,15 @@ M.gdp = {
     gated = false, beta_max = 2, cu_seqlens = { 0, 41, 70 }, dtypes = { cpu = { "f32" } } },
   { name = "fast path K=V=64 n=4, about 200 tokens", B = 1, T = 200, H = 2, K = 64, V = 64, n = 4,
     initial_state = true, cu_seqlens = { 0, 131, 131, 200 }, dtypes = { cpu = { "bf16" } } },
+  -- n = 5..8: padded to 6 or 8 steps, run as 2 tokens of 3 or 4 (8 tokens a chunk)
+  { name = "fast path K=V=64 n=5, packed, with h0", B = 1, T = 61, H = 2, K = 64, V = 64, n = 5,
+    initial_state = true, cu_seqlens = { 0, 23, 23, 61 }, dtypes = { cpu = { "f32" } } },
+  { name = "fast path K=V=32 n=6 H=8, ungated, beta in (0,2)", B = 1, T = 45, H = 8, K = 32, V = 32, n = 6,
+    gated = false, beta_max = 2, cu_seqlens = { 0, 0, 19, 45 }, dtypes = { cpu = { "f32" } } },
+  { name = "fast path K=128 V=64 n=7, B=2", B = 2, T = 29, H = 2, K = 128, V = 64, n = 7,
+    initial_state = true, dtypes = { cpu = { "bf16" } } },
+  { name = "fast path K=V=32 n=8, packed, no L2 norm", B = 1, T = 50, H = 2, K = 32, V = 32, n = 8,
+    l2norm = false, initial_state = true, cu_seqlens = { 0, 17, 17, 50 }, dtypes = { cpu = { "f32" } } },
 
   -- near the fast path but outside it: the recurrent kernels on cuda
   { name = "K=48 V=96 n=2 (K, V not 64/128)", B = 1, T = 150, H = 2, K = 48, V = 96, n = 2,
@@ -87,7 +96,7 @@ M.gdp = {
     cu_seqlens = { 0, 20, 20, 50 }, dtypes = { cpu = { "bf16" } } },
   { name = "K=100 V=200 n=1", B = 1, T = 90, H = 2, K = 100, V = 200, n = 1, initial_state = true,
     dtypes = { cpu = { "f32" } } },
-  { name = "K=V=64 n=5 (n > 4)", B = 1, T = 60, H = 2, K = 64, V = 64, n = 5, initial_state = true,
+  { name = "K=V=64 n=9 (n > 8)", B = 1, T = 60, H = 2, K = 64, V = 64, n = 9, initial_state = true,
     cu_seqlens = { 0, 23, 23, 60 }, dtypes = { cpu = { "f32" } } },
 
   -- g (and so dg) in float32 beside bf16 tokens, as the bf16 mixer hands it over: the

@@ -192,7 +192,7 @@ static gdp_status launch_chunk_grad(const Plan &plan, const GradStateOut &go, bo
 static int seq_blocks_per_sm(const Plan &plan, int bv) {
   const GdpArgs &a = plan.a;
   /* depends only on (K, V, n, bv); benign race.  K, V are 64 or 128 here (32 arrives
-   * padded to 64: chunk_pad.cu) */
+   * padded to 64: chunk_shapes.cu) */
   static int occ_cache[2][2][kMaxChunkN][3] = {};
   int &occ = occ_cache[a.K == 128][a.V == 128][a.n - 1][bv == 16 ? 0 : bv == 32 ? 1 : 2];
   if (occ == 0 && launch_seq(plan, bv, false, true, &occ) != GDP_OK) occ = -1;
@@ -568,6 +568,7 @@ namespace chunked {
 /* The dispatch has validated p and io and checked that the fast path takes p. */
 gdp_status backward(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io, cudaStream_t stream, const void *saved) {
   if (p->N == 0) return GDP_OK;
+  if (needs_split(p)) return backward_split(p, io, stream, saved);
   if (needs_padding(p)) return backward_padded(p, io, stream, saved);
   return saved ? chunked_backward::backward_saved(p, io, stream, saved) : chunked_backward::backward_recompute(p, io, stream);
 }

@@ -5,7 +5,7 @@
  *
  * Compiled in parts, in parallel: the kernels are instantiated through a few "root"
  * functions, one per (K, n) here (state_k64n2, prep_k64n2, ...; K in {64, 128}, n = 1..4:
- * K = 32 runs padded to 64, chunk_pad.cu), and the rest of the file
+ * K = 32 runs padded to 64, chunk_shapes.cu), and the rest of the file
  * calls the roots by name.  CMake generates one unit per (K, n) that defines
  * GDP_CHUNK_PARTS, GDP_PART_K and GDP_PART_N and includes this file (only that part's
  * roots: its kernels), and a main unit with GDP_CHUNK_PARTS alone (every root declared,
@@ -139,7 +139,7 @@ static int choose_bv(const Plan &plan, bool save, bool tu = false) {
   for (int bv : {16, 32, 64}) {
     if (a.V % bv) continue;
     /* occupancy depends only on (save, K, n, bv): asked once, then cached (benign race);
-     * K is 64 or 128 here (32 arrives padded to 64: chunk_pad.cu) */
+     * K is 64 or 128 here (32 arrives padded to 64: chunk_shapes.cu) */
     static int occ_cache[2][2][2][kMaxChunkN][3] = {};
     int &occ = occ_cache[save][tu][a.K == 128][a.n - 1][bv == 16 ? 0 : bv == 32 ? 1 : 2];
     if (occ == 0 && launch_chunk_state(plan, bv, true, &occ, save, nullptr, false, tu) != GDP_OK) occ = -1;
@@ -281,19 +281,21 @@ SavedLayout saved_layout(const gdp_delta_product_problem *p) {
 
 bool takes(const gdp_delta_product_problem *p) {
   return p && p->dtype == GDP_DTYPE_BF16 && (p->K == 32 || p->K == 64 || p->K == 128) &&
-         (p->V == 32 || p->V == 64 || p->V == 128) && p->n >= 1 && p->n <= kMaxChunkN;
+         (p->V == 32 || p->V == 64 || p->V == 128) && p->n >= 1 && p->n <= kMaxFastN;
 }
 
 size_t saved_bytes(const gdp_delta_product_problem *p) {
   if (!takes(p) || p->N == 0) return 0;
-  const gdp_delta_product_problem pp = padded_problem(p); /* K or V = 32: the padded run's block */
-  return saved_layout(&pp).total;
+  std::vector<int64_t> cu;
+  const gdp_delta_product_problem kp = kernel_problem(p, cu); /* the block of the run the kernels make */
+  return saved_layout(&kp).total;
 }
 
 /* The forward; saved non-NULL: the plan lives in the caller's block (saved_layout) and the
  * state pass also stores h^T (bf16) and D there.  The dispatch has validated p and io. */
 gdp_status forward(const gdp_delta_product_problem *p, const gdp_delta_product_forward_io *io, cudaStream_t stream, void *saved) {
   if (p->N == 0) return GDP_OK;
+  if (needs_split(p)) return forward_split(p, io, stream, saved);
   if (needs_padding(p)) return forward_padded(p, io, stream, saved);
   GdpArgs a = fwd_args(p, io);
   Plan plan;

@@ -26,6 +26,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include <vector>
+
 #include "gdp.h"
 #include "kernel_status.h"
 #include "../gdp_cuda.h"
@@ -105,7 +107,8 @@ struct GdpArgs {
  * 64, 48, 64 for n = 1..4, i.e. TC = C / n = 32, 32, 16, 16 whole tokens per chunk, so
  * every sequence starts a chunk.  The kernels take C <= 64 (the prep's solve holds a
  * column of T in registers) and TC a multiple of 16 (query rows in whole mma tiles): n = 4
- * is the last n with both (n = 5..8 would need 8-token chunks, i.e. half query tiles).
+ * is the last n with both (n = 5..8 would need 8-token chunks, i.e. half query tiles:
+ * chunk_shapes.cu runs them as tokens of 3 or 4 steps instead).
  * The launchers instantiate their kernels at <chunk_steps_of(n), chunk_tokens_of(n)>. */
 __host__ __device__ constexpr int chunk_steps_of(int n) {
   return n == 1 ? 32 : n == 2 ? 64 : n == 3 ? 48 : n == 4 ? 64 : 0;
@@ -117,6 +120,19 @@ static_assert(chunk_tokens_of(3) * 3 == chunk_steps_of(3) && chunk_tokens_of(4) 
                   chunk_tokens_of(4) % 16 == 0,
               "whole tokens per chunk, whole query tiles");
 inline int chunk_steps(int64_t n) { return n >= 1 && n <= kMaxChunkN ? chunk_steps_of((int)n) : 0; }
+
+/* n = 5..8 (chunk_shapes.cu): a token's n steps padded with identity steps to 6 (n = 5,
+ * 6) or 8 (n = 7, 8), run as 2 tokens of 3 or 4 steps; n <= 4 as it is.  So a chunk
+ * holds 32, 32, 16, 16, 8, 8, 8, 8 whole tokens for n = 1..8: fast_chunk_steps(n) steps
+ * of the problem's own stream (0 past 8). */
+constexpr int kMaxFastN = 8;
+inline int64_t padded_steps(int64_t n) { return n <= kMaxChunkN ? n : n <= 6 ? 6 : 8; }
+inline int64_t split_tokens(int64_t n) { return n <= kMaxChunkN ? 1 : 2; }
+inline int fast_chunk_steps(int64_t n) {
+  if (n < 1 || n > kMaxFastN) return 0;
+  const int64_t ns = padded_steps(n) / split_tokens(n);
+  return (int)(chunk_tokens_of((int)ns) / split_tokens(n) * n);
+}
 
 /* Host-side plan of one call: device copies of the tables and the workspace, all in
  * one stream-ordered allocation released by plan_free. */
@@ -161,19 +177,28 @@ void prof_end(cudaStream_t stream);
 
 namespace chunked {
 
-/* Whether the fast path takes p: bf16, n = 1..4, K and V in {32, 64, 128} (32 run
- * padded to 64: chunk_pad.cu). */
+/* Whether the fast path takes p: bf16, n = 1..8, K and V in {32, 64, 128} (32 padded to
+ * 64, n = 5..8 split into tokens of 3 or 4 steps: chunk_shapes.cu). */
 bool takes(const gdp_delta_product_problem *p);
 
-/* K or V = 32 (chunk_pad.cu): the problem with 32 widened to 64, and the forward and
- * backward of p through it (zero-padded copies in, cropped results out).  forward and
- * backward below call these for such a p; saved blocks are the padded problem's. */
+/* The rewrites of chunk_shapes.cu, which forward and backward below apply first: n = 5..8
+ * (needs_split) as 2 tokens of 3 or 4 steps, then K or V = 32 (needs_padding) as 64 with
+ * zero columns; each rewrite's forward and backward copy the inputs into the rewritten
+ * problem's layout, run it and copy the results back.  kernel_problem: the problem the
+ * kernels run for p (both rewrites applied; cu receives its cu_seqlens), whose saved
+ * block a saving forward keeps. */
 bool needs_padding(const gdp_delta_product_problem *p);
+bool needs_split(const gdp_delta_product_problem *p);
 gdp_delta_product_problem padded_problem(const gdp_delta_product_problem *p);
+gdp_delta_product_problem kernel_problem(const gdp_delta_product_problem *p, std::vector<int64_t> &cu);
 gdp_status forward_padded(const gdp_delta_product_problem *p, const gdp_delta_product_forward_io *io,
                           cudaStream_t stream, void *saved);
 gdp_status backward_padded(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io,
                            cudaStream_t stream, const void *saved);
+gdp_status forward_split(const gdp_delta_product_problem *p, const gdp_delta_product_forward_io *io,
+                         cudaStream_t stream, void *saved);
+gdp_status backward_split(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io,
+                          cudaStream_t stream, const void *saved);
 
 /* Layout of the block a saving forward keeps (bytes): the forward plan's block
  * (plan_bytes: chunk tables, W, U, Kd, Qd, Pm, elast) from 0, h^T bf16 [CH][V][K] from
