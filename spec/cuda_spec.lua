@@ -110,7 +110,7 @@ describe("cuda #gpu", function()
   local saved_cases = {
     { "bf16", 64, 64, 1 }, { "bf16", 128, 128, 2 }, { "bf16", 64, 128, 3 }, { "bf16", 128, 64, 2 },
     { "bf16", 64, 128, 4 }, { "bf16", 32, 32, 4 }, { "bf16", 32, 64, 2 }, { "bf16", 32, 32, 8 },
-    { "bf16", 64, 64, 5 }, { "f32", 64, 64, 2 },
+    { "bf16", 64, 64, 5 }, { "bf16", 64, 256, 2 }, { "f32", 64, 64, 2 },
   }
   for _, case in ipairs(saved_cases) do
     local dtype, K, V, n = case[1], case[2], case[3], case[4]

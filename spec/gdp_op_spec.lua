@@ -120,6 +120,7 @@ describe("cuda dispatch: algorithm and chunk_size #gpu", function()
     { name = "bf16 K=48 V=96 n=2", dtype = "bf16", K = 48, V = 96, n = 2 },
     { name = "bf16 K=V=64 n=9", dtype = "bf16", K = 64, V = 64, n = 9 },
     { name = "bf16 K=32 V=16 n=2", dtype = "bf16", K = 32, V = 16, n = 2 },
+    { name = "bf16 K=256 V=64 n=2", dtype = "bf16", K = 256, V = 64, n = 2 },
     { name = "f32 K=V=64 n=2", dtype = "f32", K = 64, V = 64, n = 2 },
   }
   for i, s in ipairs(outside) do
@@ -277,6 +278,38 @@ describe("GDP operator behaviour (cpu)", function()
       end
     end
     assert.is_true(g.dg:norm() > 0 and g.dk:norm() > 0)
+  end)
+
+  -- ... and V = 256 as two problems on the value columns' halves: the state's columns
+  -- evolve independently, so o, ht, dv, dh0 are the halves' and dq, dk, dbeta, dg their
+  -- sums.
+  it("a problem on two halves of its value columns gives its outputs and gradients", function()
+    H.reseed(126)
+    local V, VH = 12, 6
+    local args = ops.random_inputs({ B = 1, T = 21, H = 2, K = 5, V = V, n = 3, initial_state = true,
+                                     grads = true, cu_seqlens = { 0, 8, 8, 21 } })
+    args.algorithm = "recurrent"
+    local o, ht = ops.chunk_gated_delta_product(args)
+    local g = ops.chunk_gated_delta_product_backward(args)
+    local sums = {}
+    for part = 0, 1 do
+      local half = {}
+      for key, val in pairs(args) do half[key] = val end
+      half.v = args.v:narrow(4, part * VH + 1, VH):contiguous()
+      half["do"] = args["do"]:narrow(4, part * VH + 1, VH):contiguous()
+      half.initial_state = args.initial_state:narrow(4, part * VH + 1, VH):contiguous()
+      half.dht = args.dht:narrow(4, part * VH + 1, VH):contiguous()
+      local ho, hht = ops.chunk_gated_delta_product(half)
+      local hg = ops.chunk_gated_delta_product_backward(half)
+      assert.tensor_near(ho, o:narrow(4, part * VH + 1, VH), 1e-12)
+      assert.tensor_near(hht, ht:narrow(4, part * VH + 1, VH), 1e-12)
+      assert.tensor_near(hg.dv, g.dv:narrow(4, part * VH + 1, VH), 1e-12)
+      assert.tensor_near(hg.dh0, g.dh0:narrow(4, part * VH + 1, VH), 1e-12)
+      for _, name in ipairs({ "dq", "dk", "dbeta", "dg" }) do
+        sums[name] = sums[name] and sums[name] + hg[name] or hg[name]
+      end
+    end
+    for _, name in ipairs({ "dq", "dk", "dbeta", "dg" }) do assert.tensor_near(sums[name], g[name], 1e-12) end
   end)
 
   it("positional arguments like fla's", function()

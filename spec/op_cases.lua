@@ -14,11 +14,12 @@ M.GRADS = { "dq", "dk", "dv", "dbeta", "dg", "dh0" }
 M.DTYPES = { cpu = { "f64", "f32", "bf16" }, cuda = { "f32", "bf16" } }
 
 -- The shapes the CUDA fast path takes (kernels/cuda; README's support matrix): bf16,
--- n = 1..8, K and V in {32, 64, 128} (32 runs zero-padded to 64, n = 5..8 as tokens of
--- 3 or 4 steps).  Elsewhere cuda runs the recurrent kernels.
+-- n = 1..8, K in {32, 64, 128}, V in {32, 64, 128, 256} (32 runs zero-padded to 64,
+-- n = 5..8 as tokens of 3 or 4 steps, V = 256 as two halves).  Elsewhere cuda runs the
+-- recurrent kernels.
 function M.fast_path(case, dtype)
   local function kv(x) return x == 32 or x == 64 or x == 128 end
-  return dtype == "bf16" and case.n >= 1 and case.n <= 8 and kv(case.K) and kv(case.V)
+  return dtype == "bf16" and case.n >= 1 and case.n <= 8 and kv(case.K) and (kv(case.V) or case.V == 256)
 end
 
 -- The GDP operator.  Fields: B, T, H, K, V, n; gated (true), initial_state (false),
@@ -84,6 +85,11 @@ M.gdp = {
     initial_state = true, dtypes = { cpu = { "bf16" } } },
   { name = "fast path K=V=32 n=8, packed, no L2 norm", B = 1, T = 50, H = 2, K = 32, V = 32, n = 8,
     l2norm = false, initial_state = true, cu_seqlens = { 0, 17, 17, 50 }, dtypes = { cpu = { "f32" } } },
+  -- V = 256: two problems of V = 128 on the column halves
+  { name = "fast path K=64 V=256 n=2, packed, with h0", B = 1, T = 70, H = 2, K = 64, V = 256, n = 2,
+    initial_state = true, cu_seqlens = { 0, 29, 29, 70 }, dtypes = { cpu = { "f32" } } },
+  { name = "fast path K=32 V=256 n=6, ungated", B = 1, T = 40, H = 2, K = 32, V = 256, n = 6, gated = false,
+    initial_state = true, dtypes = { cpu = { "f32" } } },
 
   -- near the fast path but outside it: the recurrent kernels on cuda
   { name = "K=48 V=96 n=2 (K, V not 64/128)", B = 1, T = 150, H = 2, K = 48, V = 96, n = 2,

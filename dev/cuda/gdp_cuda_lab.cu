@@ -5,7 +5,7 @@
  *
  *   gdp_cuda_lab check [VARIANT...] [--seed S] [--quick] [--value-block W]
  *       The table below (packed sequences with empty ones, n = 1..8, gated and ungated,
- *       K x V in {64x64, 128x128, 32x32, 32x64, 128x32, 48x96, 96x48}, with and without h0
+ *       K x V in {64x64, 128x128, 32x32, 32x64, 128x32, 64x256, 48x96, 96x48}, with and without h0
  *       and dht, a 2600-token pair of sequences at K = V = 128 and a 1000-token pair at
  *       H = 8, K = V = 32, n = 4) in f32 and bf16; per run one line of relative
  *       errors (o, ht and every gradient) against the oracle, a "!" past the dtype's
@@ -489,9 +489,9 @@ static int lab_check(const vector<int> &variants, uint64_t seed, bool quick) {
   Tally t;
   printf("== check: relative error vs the float64 oracle (seed %llu); tolerance f32 %.0e, bf16 %.0e\n",
          (unsigned long long)seed, tolerance(GDP_DTYPE_F32), tolerance(GDP_DTYPE_BF16));
-  /* 32 x 32, 32 x 64, 128 x 32: the fast path's padded widths; n = 5..8 its split tokens
-   * (chunk_shapes.cu) */
-  const int64_t shapes[][2] = {{64, 64}, {128, 128}, {32, 32}, {32, 64}, {128, 32}, {48, 96}, {96, 48}};
+  /* 32 x 32, 32 x 64, 128 x 32: the fast path's padded widths; 64 x 256 its value halves;
+   * n = 5..8 its split tokens (chunk_shapes.cu) */
+  const int64_t shapes[][2] = {{64, 64}, {128, 128}, {32, 32}, {32, 64}, {128, 32}, {64, 256}, {48, 96}, {96, 48}};
   for (int n = 1; n <= 8; n++)
     for (int gated = 0; gated < 2; gated++)
       for (auto &sh : shapes) {

@@ -569,6 +569,7 @@ namespace chunked {
 gdp_status backward(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io, cudaStream_t stream, const void *saved) {
   if (p->N == 0) return GDP_OK;
   if (needs_split(p)) return backward_split(p, io, stream, saved);
+  if (needs_value_split(p)) return backward_value_split(p, io, stream, saved);
   if (needs_padding(p)) return backward_padded(p, io, stream, saved);
   return saved ? chunked_backward::backward_saved(p, io, stream, saved) : chunked_backward::backward_recompute(p, io, stream);
 }

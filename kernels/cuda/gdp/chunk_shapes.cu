@@ -1,7 +1,14 @@
 /*
  * chunk_shapes.cu -- fast-path shapes outside the kernels' instances, run as an equal
- * problem inside them: K or V = 32 zero-padded to 64, and n = 5..8 split into tokens of
- * fewer Householder steps.  Both are exact rewrites of the problem, not approximations.
+ * problem inside them: n = 5..8 split into tokens of fewer Householder steps, V = 256
+ * as two problems on the halves of the value columns, K or V = 32 zero-padded to 64
+ * (applied in that order by chunked::forward and backward).  All are exact rewrites of
+ * the problem, not approximations; each costs one copy in and out of what it rewrites.
+ *
+ * V = 256.  The recurrence mixes the state's rows, never its value columns, so each half
+ * of the columns is a V = 128 problem of its own: v, d_o, h0, dht split, o, ht, dv, dh0
+ * joined, and the gradients of the shared q, k, beta, g summed (float32, rounded to bf16
+ * once more).  The prep and the key-side gradient work run twice.
  *
  * K or V = 32.  The chunk kernels tile K and V by 64 columns (the prep's W/U items,
  * grad_wy's and grad_state's key and value panels: K % 64 == 0 and V % 64 == 0
@@ -103,6 +110,38 @@ struct ScratchBlock {
   }
   void *at(size_t o) const { return o == (size_t)-1 ? nullptr : (char *)block + o; }
 };
+
+/* rows x cols elements from src (row stride lds) to dst (row stride ldd); add: dst +=
+ * src, in float32, rounded once to T. */
+template <class T>
+__global__ void rect_kernel(T *dst, int64_t ldd, const T *src, int64_t lds, int64_t rows, int cols, int add) {
+  const int64_t total = rows * cols;
+  for (int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; e < total; e += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t r = e / cols;
+    const int j = (int)(e % cols);
+    const T x = src[r * lds + j];
+    if (add)
+      dst[r * ldd + j] = (T)((float)dst[r * ldd + j] + (float)x);
+    else
+      dst[r * ldd + j] = x;
+  }
+}
+
+/* One rect_kernel launch: bytes 2 (bf16) or 4 (float32). */
+gdp_status rect(void *dst, int64_t ldd, const void *src, int64_t lds, int64_t rows, int cols, bool add, int bytes,
+                cudaStream_t s) {
+  const int64_t total = rows * cols;
+  if (total == 0) return GDP_OK;
+  const int64_t blocks = (total + 255) / 256;
+  const unsigned grid = (unsigned)(blocks > 65536 ? 65536 : blocks);
+  if (bytes == 4)
+    rect_kernel<float><<<grid, 256, 0, s>>>((float *)dst, ldd, (const float *)src, lds, rows, cols, add);
+  else
+    rect_kernel<__nv_bfloat16><<<grid, 256, 0, s>>>((__nv_bfloat16 *)dst, ldd, (const __nv_bfloat16 *)src, lds,
+                                                   rows, cols, add);
+  GDP_CUDA_LAUNCHED("rect_kernel");
+  return GDP_OK;
+}
 
 /* ------------------------------------------------------------------ K or V = 32 */
 
@@ -320,7 +359,110 @@ gdp_status backward_split(const gdp_delta_product_problem *p, const gdp_delta_pr
   return s;
 }
 
-gdp_delta_product_problem kernel_problem(const gdp_delta_product_problem *p, std::vector<int64_t> &cu) {
+/* ------------------------------------------------------------------ V = 256 */
+
+bool needs_value_split(const gdp_delta_product_problem *p) { return p->V == 256; }
+
+namespace {
+
+/* The half problem (V / 2): the state's value columns evolve independently, so V = 256
+ * is two V = 128 problems on the two column halves of v, d_o and the states (o, ht, dv,
+ * dh0 their halves), with q, k, beta and g shared (their gradients the halves' sums). */
+gdp_delta_product_problem value_half(const gdp_delta_product_problem *p) {
+  gdp_delta_product_problem q = *p;
+  q.V = p->V / 2;
+  return q;
+}
+
+/* Half `part` of rows x V elements (`bytes` each) into / out of a rows x V/2 buffer. */
+struct Halves {
+  int64_t V, VH;
+  int part;
+  gdp_status in(void *dst, const void *src, int64_t rows, int bytes, cudaStream_t s) const {
+    return rect(dst, VH, (const char *)src + part * VH * bytes, V, rows, (int)VH, false, bytes, s);
+  }
+  gdp_status out(void *dst, const void *src, int64_t rows, int bytes, cudaStream_t s) const {
+    return rect((char *)dst + part * VH * bytes, V, src, VH, rows, (int)VH, false, bytes, s);
+  }
+};
+
+}  // namespace
+
+gdp_status forward_value_split(const gdp_delta_product_problem *p, const gdp_delta_product_forward_io *io,
+                               cudaStream_t stream, void *saved) {
+  const gdp_delta_product_problem ph = value_half(p);
+  const int64_t V = p->V, VH = ph.V, rows_v = p->T_total * p->n * p->H, rows_o = p->T_total * p->H,
+                rows_s = p->N * p->H * p->K;
+  const size_t half_saved = saved ? saved_bytes(&ph) : 0;
+  ScratchBlock blk;
+  const size_t o_v = blk.take((size_t)rows_v * VH * 2), o_o = blk.take((size_t)rows_o * VH * 2),
+               o_h0 = blk.take(io->h0 ? (size_t)rows_s * VH * 4 : 0), o_ht = blk.take(io->ht ? (size_t)rows_s * VH * 4 : 0);
+  GDP_TRY(device_alloc(&blk.block, blk.off, stream));
+  gdp_delta_product_forward_io hio = *io;
+  hio.v = blk.at(o_v);
+  hio.o = blk.at(o_o);
+  hio.h0 = blk.at(o_h0);
+  hio.ht = blk.at(o_ht);
+  gdp_status s = GDP_OK;
+  for (int part = 0; part < 2 && s == GDP_OK; part++) {
+    const Halves hv{V, VH, part};
+    s = hv.in((void *)hio.v, io->v, rows_v, 2, stream);
+    if (s == GDP_OK && io->h0) s = hv.in((void *)hio.h0, io->h0, rows_s, 4, stream);
+    if (s == GDP_OK) s = forward(&ph, &hio, stream, saved ? (char *)saved + part * half_saved : nullptr);
+    if (s == GDP_OK) s = hv.out(io->o, hio.o, rows_o, 2, stream);
+    if (s == GDP_OK && io->ht) s = hv.out(io->ht, hio.ht, rows_s, 4, stream);
+  }
+  cudaFreeAsync(blk.block, stream);
+  return s;
+}
+
+gdp_status backward_value_split(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io,
+                                cudaStream_t stream, const void *saved) {
+  const gdp_delta_product_problem ph = value_half(p);
+  const int64_t V = p->V, VH = ph.V, rows_v = p->T_total * p->n * p->H, rows_o = p->T_total * p->H,
+                rows_s = p->N * p->H * p->K, nq = p->T_total * p->H * p->K, nk = nq * p->n,
+                nb = p->T_total * p->n * p->H, ng = p->T_total * p->H; /* elements of dq, dk, dbeta, dg */
+  const int gb = p->gate_f32 ? 4 : 2;
+  const size_t half_saved = saved ? saved_bytes(&ph) : 0;
+  ScratchBlock blk;
+  const size_t bs = (size_t)rows_s * VH * 4;
+  const size_t o_v = blk.take((size_t)rows_v * VH * 2), o_do = blk.take((size_t)rows_o * VH * 2),
+               o_dv = blk.take((size_t)rows_v * VH * 2), o_h0 = blk.take(io->h0 ? bs : 0),
+               o_dht = blk.take(io->dht ? bs : 0), o_dh0 = blk.take(io->dh0 ? bs : 0),
+               o_dq = blk.take((size_t)nq * 2), o_dk = blk.take((size_t)nk * 2), o_db = blk.take((size_t)nb * 2),
+               o_dg = blk.take(io->g ? (size_t)ng * gb : 0);
+  GDP_TRY(device_alloc(&blk.block, blk.off, stream));
+  gdp_delta_product_backward_io hio = *io;
+  hio.v = blk.at(o_v);
+  hio.d_o = blk.at(o_do);
+  hio.dv = blk.at(o_dv);
+  hio.h0 = blk.at(o_h0);
+  hio.dht = blk.at(o_dht);
+  hio.dh0 = blk.at(o_dh0);
+  gdp_status s = GDP_OK;
+  for (int part = 0; part < 2 && s == GDP_OK; part++) {
+    const Halves hv{V, VH, part};
+    /* q, k, beta and g feed both halves: the first half's gradients go straight to the
+     * outputs, the second's to scratch and are added (float32, one bf16 rounding) */
+    if (part == 1) hio.dq = blk.at(o_dq), hio.dk = blk.at(o_dk), hio.dbeta = blk.at(o_db), hio.dg = blk.at(o_dg);
+    s = hv.in((void *)hio.v, io->v, rows_v, 2, stream);
+    if (s == GDP_OK) s = hv.in((void *)hio.d_o, io->d_o, rows_o, 2, stream);
+    if (s == GDP_OK && io->h0) s = hv.in((void *)hio.h0, io->h0, rows_s, 4, stream);
+    if (s == GDP_OK && io->dht) s = hv.in((void *)hio.dht, io->dht, rows_s, 4, stream);
+    if (s == GDP_OK) s = backward(&ph, &hio, stream, saved ? (const char *)saved + part * half_saved : nullptr);
+    if (s == GDP_OK) s = hv.out(io->dv, hio.dv, rows_v, 2, stream);
+    if (s == GDP_OK && io->dh0) s = hv.out(io->dh0, hio.dh0, rows_s, 4, stream);
+  }
+  const int K = (int)p->K, H = (int)p->H;
+  if (s == GDP_OK) s = rect(io->dq, K, hio.dq, K, rows_o, K, true, 2, stream);
+  if (s == GDP_OK) s = rect(io->dk, K, hio.dk, K, rows_v, K, true, 2, stream);
+  if (s == GDP_OK) s = rect(io->dbeta, H, hio.dbeta, H, p->T_total * p->n, H, true, 2, stream);
+  if (s == GDP_OK && io->g) s = rect(io->dg, H, hio.dg, H, p->T_total, H, true, gb, stream);
+  cudaFreeAsync(blk.block, stream);
+  return s;
+}
+
+gdp_delta_product_problem kernel_problem(const gdp_delta_product_problem *p, std::vector<int64_t> &cu, int *parts) {
   gdp_delta_product_problem q = *p;
   if (needs_split(p)) {
     Split sp;
@@ -329,6 +471,8 @@ gdp_delta_product_problem kernel_problem(const gdp_delta_product_problem *p, std
     q = sp.p;
     q.cu_seqlens = cu.data();
   }
+  *parts = 1;
+  if (needs_value_split(&q)) q = value_half(&q), *parts = 2;
   return padded_problem(&q);
 }
 

@@ -3,11 +3,12 @@
  *
  *   path       | takes                                  | algorithm
  *   -----------+----------------------------------------+------------------------------------
- *   fast       | bf16, n = 1..8, K and V in {32, 64, 128} | AUTO, CHUNK (an error elsewhere)
- *   recurrent  | f32 and bf16, K <= 256, any V            | RECURRENT; AUTO where fast does not
+ *   fast       | bf16, n = 1..8, K in {32, 64, 128},   | AUTO, CHUNK (an error elsewhere)
+ *              | V in {32, 64, 128, 256}               |
+ *   recurrent  | f32 and bf16, K <= 256, any V         | RECURRENT; AUTO where fast does not
  *
  * (K or V = 32 runs in the width-64 kernels on zero-padded copies, n = 5..8 as tokens of
- * 3 or 4 steps: chunk_shapes.cu.)  The fast path is chunked, with its chunk fixed by n
+ * 3 or 4 steps, V = 256 as two halves of 128: chunk_shapes.cu.)  The fast path is chunked, with its chunk fixed by n
  * (fast_chunk_steps: 32, 64, 48, 64, 40, 48, 56, 64 steps of the expanded stream for
  * n = 1..8, i.e. 32, 32, 16, 16, 8, 8, 8, 8 tokens); a problem's chunk_size is 0 (the path's own)
  * or that C, anything else is an error that names the size.  The recurrent kernels have
@@ -24,7 +25,7 @@ using namespace gdpcu;
 namespace {
 
 /* What the fast path takes (chunked::takes), for the messages that name it. */
-#define GDP_FAST_SHAPES "bf16, n = 1..8, K and V in {32, 64, 128}"
+#define GDP_FAST_SHAPES "bf16, n = 1..8, K in {32, 64, 128}, V in {32, 64, 128, 256}"
 
 /* The saved object's path code (op_gdp.c keeps it and hands it back to the backward). */
 enum Path { PATH_RECURRENT = 1, PATH_FAST = 3 };

@@ -177,20 +177,27 @@ void prof_end(cudaStream_t stream);
 
 namespace chunked {
 
-/* Whether the fast path takes p: bf16, n = 1..8, K and V in {32, 64, 128} (32 padded to
- * 64, n = 5..8 split into tokens of 3 or 4 steps: chunk_shapes.cu). */
+/* Whether the fast path takes p: bf16, n = 1..8, K in {32, 64, 128}, V in {32, 64, 128,
+ * 256} (32 padded to 64, n = 5..8 split into tokens of 3 or 4 steps, V = 256 as two
+ * halves: chunk_shapes.cu). */
 bool takes(const gdp_delta_product_problem *p);
 
-/* The rewrites of chunk_shapes.cu, which forward and backward below apply first: n = 5..8
- * (needs_split) as 2 tokens of 3 or 4 steps, then K or V = 32 (needs_padding) as 64 with
- * zero columns; each rewrite's forward and backward copy the inputs into the rewritten
- * problem's layout, run it and copy the results back.  kernel_problem: the problem the
- * kernels run for p (both rewrites applied; cu receives its cu_seqlens), whose saved
- * block a saving forward keeps. */
+/* The rewrites of chunk_shapes.cu, which forward and backward below apply first, in this
+ * order: n = 5..8 (needs_split) as 2 tokens of 3 or 4 steps, V = 256
+ * (needs_value_split) as two problems of V = 128, K or V = 32 (needs_padding) as 64
+ * with zero columns; each rewrite's forward and backward copy the inputs into the
+ * rewritten problem's layout, run it and copy the results back.  kernel_problem: the
+ * problem the kernels run for p (every rewrite applied; cu receives its cu_seqlens),
+ * run `parts` times (2 for V = 256), each part's saved block one after the other. */
 bool needs_padding(const gdp_delta_product_problem *p);
 bool needs_split(const gdp_delta_product_problem *p);
+bool needs_value_split(const gdp_delta_product_problem *p);
 gdp_delta_product_problem padded_problem(const gdp_delta_product_problem *p);
-gdp_delta_product_problem kernel_problem(const gdp_delta_product_problem *p, std::vector<int64_t> &cu);
+gdp_delta_product_problem kernel_problem(const gdp_delta_product_problem *p, std::vector<int64_t> &cu, int *parts);
+gdp_status forward_value_split(const gdp_delta_product_problem *p, const gdp_delta_product_forward_io *io,
+                               cudaStream_t stream, void *saved);
+gdp_status backward_value_split(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io,
+                                cudaStream_t stream, const void *saved);
 gdp_status forward_padded(const gdp_delta_product_problem *p, const gdp_delta_product_forward_io *io,
                           cudaStream_t stream, void *saved);
 gdp_status backward_padded(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io,
