@@ -5,7 +5,8 @@
  *
  *   gdp_cuda_lab check [VARIANT...] [--seed S] [--quick] [--value-block W]
  *       The table below (packed sequences with empty ones, n = 1..8, gated and ungated,
- *       K x V in {64x64, 128x128, 32x32, 32x64, 128x32, 64x256, 48x96, 96x48}, with and without h0
+ *       K x V in {64x64, 128x128, 32x32, 32x64, 128x32, 64x256, 48x96, 96x48} (n = 5..8:
+ *       those of at most 64 x 64), with and without h0
  *       and dht, a 2600-token pair of sequences at K = V = 128 and a 1000-token pair at
  *       H = 8, K = V = 32, n = 4) in f32 and bf16; per run one line of relative
  *       errors (o, ht and every gradient) against the oracle, a "!" past the dtype's
@@ -496,6 +497,9 @@ static int lab_check(const vector<int> &variants, uint64_t seed, bool quick) {
     for (int gated = 0; gated < 2; gated++)
       for (auto &sh : shapes) {
         if (quick && sh[0] != 64 && sh[0] != 48 && sh[0] != 32) continue;
+        /* n = 5..8 at the small widths only: the float64 oracle's time grows with n K V,
+         * and the ctest has 300 s (the case table covers K = 128 at n = 7) */
+        if (n > 4 && sh[0] * sh[1] > 64 * 64) continue;
         Prob P = random_prob(r, sh[0], sh[1], n, gated, (r.next() % 4) != 0);
         char shape[96];
         snprintf(shape, sizeof shape, "n=%d g=%d K=%-3lld V=%-3lld H=%lld N=%lld T=%lld", n, gated,
