@@ -75,8 +75,9 @@ describe("cuda #gpu", function()
 
   -- The fast path's gradient kernels sum across warps in partial-sum slots, in a fixed
   -- order (no atomics): the same backward twice gives the same bits in every gradient,
-  -- plain and saving for backward, packed with an empty sequence.
-  for _, case in ipairs({ { 128, 128, 2 }, { 64, 64, 3 }, { 128, 64, 1 } }) do
+  -- plain and saving for backward, packed with an empty sequence (K = V = 32: padded).
+  for _, case in ipairs({ { 128, 128, 2 }, { 64, 64, 3 }, { 128, 64, 1 }, { 128, 128, 4 }, { 32, 32, 4 },
+                          { 64, 64, 7 } }) do
     local K, V, n = case[1], case[2], case[3]
     it(string.format("the fast path's backward is bitwise reproducible (bf16, K=%d V=%d n=%d)", K, V, n), function()
       if not need_gpu() then return end
@@ -108,7 +109,8 @@ describe("cuda #gpu", function()
   -- serves several backwards.  (Both paths against float64: the case table.)
   local saved_cases = {
     { "bf16", 64, 64, 1 }, { "bf16", 128, 128, 2 }, { "bf16", 64, 128, 3 }, { "bf16", 128, 64, 2 },
-    { "f32", 64, 64, 2 },
+    { "bf16", 64, 128, 4 }, { "bf16", 32, 32, 4 }, { "bf16", 32, 64, 2 }, { "bf16", 32, 32, 8 },
+    { "bf16", 64, 64, 5 }, { "bf16", 64, 256, 2 }, { "f32", 64, 64, 2 },
   }
   for _, case in ipairs(saved_cases) do
     local dtype, K, V, n = case[1], case[2], case[3], case[4]

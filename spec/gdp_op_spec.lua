@@ -118,7 +118,9 @@ end
 describe("cuda dispatch: algorithm and chunk_size #gpu", function()
   local outside = {
     { name = "bf16 K=48 V=96 n=2", dtype = "bf16", K = 48, V = 96, n = 2 },
-    { name = "bf16 K=V=64 n=4", dtype = "bf16", K = 64, V = 64, n = 4 },
+    { name = "bf16 K=V=64 n=9", dtype = "bf16", K = 64, V = 64, n = 9 },
+    { name = "bf16 K=32 V=16 n=2", dtype = "bf16", K = 32, V = 16, n = 2 },
+    { name = "bf16 K=256 V=64 n=2", dtype = "bf16", K = 256, V = 64, n = 2 },
     { name = "f32 K=V=64 n=2", dtype = "f32", K = 64, V = 64, n = 2 },
   }
   for i, s in ipairs(outside) do
@@ -186,6 +188,128 @@ describe("GDP operator behaviour (cpu)", function()
       end
       start = start + len
     end
+  end)
+
+  -- The CUDA fast path runs K or V = 32 in its width-64 kernels on zero-padded copies
+  -- (kernels/cuda/gdp/chunk_shapes.cu); that rests on this: the float64 operator on the
+  -- padded problem gives the unpadded one's outputs and gradients in the real columns.
+  it("zero-padding K and V from 32 to 64 changes no output or gradient of the real columns", function()
+    H.reseed(124)
+    local K, V, KP, VP, n = 32, 32, 64, 64, 4
+    local args = ops.random_inputs({ B = 1, T = 23, H = 2, K = K, V = V, n = n, initial_state = true,
+                                     grads = true, beta_max = 2, cu_seqlens = { 0, 0, 9, 23 } })
+    -- the real K's scale on both (the CUDA padding keeps the problem's scale too)
+    args.algorithm, args.scale = "recurrent", 1 / math.sqrt(K)
+    local function widen(t, dims)
+      local shape = t:shape()
+      for d, w in pairs(dims) do shape[d] = w end
+      local z = gdp.zeros(shape, { dtype = t:dtype() })
+      local view = z
+      for d, _ in pairs(dims) do view = view:narrow(d, 1, t:size(d)) end
+      view:copy(t)
+      return z
+    end
+    local padded = {}
+    for key, val in pairs(args) do padded[key] = val end
+    padded.q, padded.k = widen(args.q, { [4] = KP }), widen(args.k, { [4] = KP })
+    padded.v, padded["do"] = widen(args.v, { [4] = VP }), widen(args["do"], { [4] = VP })
+    padded.initial_state = widen(args.initial_state, { [3] = KP, [4] = VP })
+    padded.dht = widen(args.dht, { [3] = KP, [4] = VP })
+    local o, ht = ops.chunk_gated_delta_product(args)
+    local po, pht = ops.chunk_gated_delta_product(padded)
+    local tol = 1e-12
+    assert.tensor_near(po:narrow(4, 1, V), o, tol)
+    assert.tensor_near(pht:narrow(3, 1, K):narrow(4, 1, V), ht, tol)
+    assert.are.equal(0, po:narrow(4, V + 1, VP - V):norm())
+    local g = ops.chunk_gated_delta_product_backward(args)
+    local pg = ops.chunk_gated_delta_product_backward(padded)
+    assert.tensor_near(pg.dq:narrow(4, 1, K), g.dq, tol)
+    assert.tensor_near(pg.dk:narrow(4, 1, K), g.dk, tol)
+    assert.tensor_near(pg.dv:narrow(4, 1, V), g.dv, tol)
+    assert.tensor_near(pg.dbeta, g.dbeta, tol)
+    assert.tensor_near(pg.dg, g.dg, tol)
+    assert.tensor_near(pg.dh0:narrow(3, 1, K):narrow(4, 1, V), g.dh0, tol)
+    assert.is_true(g.dg:norm() > 0 and g.dk:norm() > 0)
+  end)
+
+  -- ... and it runs n = 5..8 (chunk_shapes.cu) as tokens of fewer steps: n = 5 padded with
+  -- an identity step (beta 0, k 0, v 0) to 6, split into 2 tokens of 3 steps, the gate on
+  -- the first, the query (and dO) on the second.  The float64 operator on that rewritten
+  -- problem gives the problem's outputs and gradients back.
+  it("n = 5 as 2 tokens of 3 steps (one identity step added) gives the same outputs and gradients", function()
+    H.reseed(125)
+    local n, np, m, T, Hh, K, V = 5, 6, 2, 13, 2, 8, 6
+    local cu = { 0, 5, 5, 13 }
+    local args = ops.random_inputs({ B = 1, T = T, H = Hh, K = K, V = V, n = n, initial_state = true,
+                                     grads = true, beta_max = 2, cu_seqlens = cu })
+    args.algorithm, args.scale = "recurrent", 1 / math.sqrt(K)
+    local split = { num_householder = np / m, use_qk_l2norm_in_kernel = true, output_final_state = true,
+                    algorithm = "recurrent", scale = args.scale, initial_state = args.initial_state,
+                    dht = args.dht, cu_seqlens = {} }
+    for i, c in ipairs(cu) do split.cu_seqlens[i] = c * m end
+    local function zeros_like(t, rows) -- t [1, R, ...] -> zeros [1, rows, ...]
+      local shape = t:shape()
+      shape[2] = rows
+      return gdp.zeros(shape, { dtype = t:dtype() })
+    end
+    split.q, split["do"], split.g = zeros_like(args.q, T * m), zeros_like(args["do"], T * m), zeros_like(args.g, T * m)
+    split.k, split.v, split.beta = zeros_like(args.k, T * np), zeros_like(args.v, T * np), zeros_like(args.beta, T * np)
+    for t = 0, T - 1 do
+      split.q:narrow(2, t * m + m, 1):copy(args.q:narrow(2, t + 1, 1))
+      split["do"]:narrow(2, t * m + m, 1):copy(args["do"]:narrow(2, t + 1, 1))
+      split.g:narrow(2, t * m + 1, 1):copy(args.g:narrow(2, t + 1, 1))
+      for _, key in ipairs({ "k", "v", "beta" }) do
+        split[key]:narrow(2, t * np + 1, n):copy(args[key]:narrow(2, t * n + 1, n))
+      end
+    end
+    local o, ht = ops.chunk_gated_delta_product(args)
+    local so, sht = ops.chunk_gated_delta_product(split)
+    local g = ops.chunk_gated_delta_product_backward(args)
+    local sg = ops.chunk_gated_delta_product_backward(split)
+    local tol = 1e-12
+    assert.tensor_near(sht, ht, tol)
+    assert.tensor_near(sg.dh0, g.dh0, tol)
+    for t = 0, T - 1 do
+      assert.tensor_near(so:narrow(2, t * m + m, 1), o:narrow(2, t + 1, 1), tol)
+      assert.tensor_near(sg.dq:narrow(2, t * m + m, 1), g.dq:narrow(2, t + 1, 1), tol)
+      assert.tensor_near(sg.dg:narrow(2, t * m + 1, 1), g.dg:narrow(2, t + 1, 1), tol)
+      for _, key in ipairs({ "dk", "dv", "dbeta" }) do
+        assert.tensor_near(sg[key]:narrow(2, t * np + 1, n), g[key]:narrow(2, t * n + 1, n), tol)
+      end
+    end
+    assert.is_true(g.dg:norm() > 0 and g.dk:norm() > 0)
+  end)
+
+  -- ... and V = 256 as two problems on the value columns' halves: the state's columns
+  -- evolve independently, so o, ht, dv, dh0 are the halves' and dq, dk, dbeta, dg their
+  -- sums.
+  it("a problem on two halves of its value columns gives its outputs and gradients", function()
+    H.reseed(126)
+    local V, VH = 12, 6
+    local args = ops.random_inputs({ B = 1, T = 21, H = 2, K = 5, V = V, n = 3, initial_state = true,
+                                     grads = true, cu_seqlens = { 0, 8, 8, 21 } })
+    args.algorithm = "recurrent"
+    local o, ht = ops.chunk_gated_delta_product(args)
+    local g = ops.chunk_gated_delta_product_backward(args)
+    local sums = {}
+    for part = 0, 1 do
+      local half = {}
+      for key, val in pairs(args) do half[key] = val end
+      half.v = args.v:narrow(4, part * VH + 1, VH):contiguous()
+      half["do"] = args["do"]:narrow(4, part * VH + 1, VH):contiguous()
+      half.initial_state = args.initial_state:narrow(4, part * VH + 1, VH):contiguous()
+      half.dht = args.dht:narrow(4, part * VH + 1, VH):contiguous()
+      local ho, hht = ops.chunk_gated_delta_product(half)
+      local hg = ops.chunk_gated_delta_product_backward(half)
+      assert.tensor_near(ho, o:narrow(4, part * VH + 1, VH), 1e-12)
+      assert.tensor_near(hht, ht:narrow(4, part * VH + 1, VH), 1e-12)
+      assert.tensor_near(hg.dv, g.dv:narrow(4, part * VH + 1, VH), 1e-12)
+      assert.tensor_near(hg.dh0, g.dh0:narrow(4, part * VH + 1, VH), 1e-12)
+      for _, name in ipairs({ "dq", "dk", "dbeta", "dg" }) do
+        sums[name] = sums[name] and sums[name] + hg[name] or hg[name]
+      end
+    end
+    for _, name in ipairs({ "dq", "dk", "dbeta", "dg" }) do assert.tensor_near(sums[name], g[name], 1e-12) end
   end)
 
   it("positional arguments like fla's", function()

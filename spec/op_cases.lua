@@ -14,10 +14,12 @@ M.GRADS = { "dq", "dk", "dv", "dbeta", "dg", "dh0" }
 M.DTYPES = { cpu = { "f64", "f32", "bf16" }, cuda = { "f32", "bf16" } }
 
 -- The shapes the CUDA fast path takes (kernels/cuda; README's support matrix): bf16,
--- n = 1..3, K and V in {64, 128}.  Elsewhere cuda runs the recurrent kernels.
+-- n = 1..8, K in {32, 64, 128}, V in {32, 64, 128, 256} (32 runs zero-padded to 64,
+-- n = 5..8 as tokens of 3 or 4 steps, V = 256 as two halves).  Elsewhere cuda runs the
+-- recurrent kernels.
 function M.fast_path(case, dtype)
-  local function kv(x) return x == 64 or x == 128 end
-  return dtype == "bf16" and case.n >= 1 and case.n <= 3 and kv(case.K) and kv(case.V)
+  local function kv(x) return x == 32 or x == 64 or x == 128 end
+  return dtype == "bf16" and case.n >= 1 and case.n <= 8 and kv(case.K) and (kv(case.V) or case.V == 256)
 end
 
 -- The GDP operator.  Fields: B, T, H, K, V, n; gated (true), initial_state (false),
@@ -45,7 +47,7 @@ M.gdp = {
     beta_max = 2, cu_seqlens = { 0, 5, 5, 45 }, chunk_sizes = { 1, 16, 32, 64, 100000, 2 ^ 40 },
     dtypes = { cpu = { "f64" }, cuda = { "f32", "bf16" } } },
 
-  -- the CUDA fast path's shapes (bf16, n = 1..3, K, V in {64, 128}), packed with an
+  -- the CUDA fast path's shapes (bf16, n = 1..8, K, V in {32, 64, 128}), packed with an
   -- empty sequence and odd lengths; f32 on cuda and every dtype on the cpu run them too
   { name = "fast path K=V=64 n=1", B = 1, T = 150, H = 2, K = 64, V = 64, n = 1, initial_state = true,
     cu_seqlens = { 0, 40, 40, 150 }, dtypes = { cpu = { "f32" } } },
@@ -59,11 +61,40 @@ M.gdp = {
     initial_state = true, cu_seqlens = { 0, 130, 130, 300 }, dtypes = { cpu = { "f64" } } },
   { name = "fast path K=V=64 n=3, ungated, beta in (0,2), no h0, no L2 norm", B = 1, T = 97, H = 2,
     K = 64, V = 64, n = 3, gated = false, beta_max = 2, l2norm = false, dtypes = { cpu = { "f32" } } },
+  -- n = 4 (C = 64 steps, 16 tokens a chunk) and K or V = 32 (the width-64 kernels on
+  -- zero-padded copies)
+  { name = "fast path K=V=32 n=4 H=8 (DeltaProduct state tracking), packed, beta in (0,2)", B = 1, T = 150,
+    H = 8, K = 32, V = 32, n = 4, beta_max = 2, initial_state = true, cu_seqlens = { 0, 0, 37, 37, 150 },
+    dtypes = { cpu = { "f32" } } },
+  { name = "fast path K=32 V=64 n=2, ungated, odd lengths", B = 1, T = 97, H = 2, K = 32, V = 64, n = 2,
+    gated = false, cu_seqlens = { 0, 33, 33, 97 }, dtypes = { cpu = { "bf16" } } },
+  { name = "fast path K=64 V=32 n=1, no L2 norm, with h0", B = 2, T = 45, H = 2, K = 64, V = 32, n = 1,
+    l2norm = false, initial_state = true, dtypes = { cpu = { "f32" } } },
+  { name = "fast path K=V=128 n=4, packed, with h0", B = 1, T = 83, H = 2, K = 128, V = 128, n = 4,
+    initial_state = true, cu_seqlens = { 0, 19, 19, 83 }, dtypes = { cpu = { "f32" } } },
+  { name = "fast path K=128 V=32 n=4, ungated, beta in (0,2)", B = 1, T = 70, H = 2, K = 128, V = 32, n = 4,
+    gated = false, beta_max = 2, cu_seqlens = { 0, 41, 70 }, dtypes = { cpu = { "f32" } } },
+  { name = "fast path K=V=64 n=4, about 200 tokens", B = 1, T = 200, H = 2, K = 64, V = 64, n = 4,
+    initial_state = true, cu_seqlens = { 0, 131, 131, 200 }, dtypes = { cpu = { "bf16" } } },
+  -- n = 5..8: padded to 6 or 8 steps, run as 2 tokens of 3 or 4 (8 tokens a chunk)
+  { name = "fast path K=V=64 n=5, packed, with h0", B = 1, T = 61, H = 2, K = 64, V = 64, n = 5,
+    initial_state = true, cu_seqlens = { 0, 23, 23, 61 }, dtypes = { cpu = { "f32" } } },
+  { name = "fast path K=V=32 n=6 H=8, ungated, beta in (0,2)", B = 1, T = 45, H = 8, K = 32, V = 32, n = 6,
+    gated = false, beta_max = 2, cu_seqlens = { 0, 0, 19, 45 }, dtypes = { cpu = { "f32" } } },
+  { name = "fast path K=128 V=64 n=7, B=2", B = 2, T = 29, H = 2, K = 128, V = 64, n = 7,
+    initial_state = true, dtypes = { cpu = { "bf16" } } },
+  { name = "fast path K=V=32 n=8, packed, no L2 norm", B = 1, T = 50, H = 2, K = 32, V = 32, n = 8,
+    l2norm = false, initial_state = true, cu_seqlens = { 0, 17, 17, 50 }, dtypes = { cpu = { "f32" } } },
+  -- V = 256: two problems of V = 128 on the column halves
+  { name = "fast path K=64 V=256 n=2, packed, with h0", B = 1, T = 70, H = 2, K = 64, V = 256, n = 2,
+    initial_state = true, cu_seqlens = { 0, 29, 29, 70 }, dtypes = { cpu = { "f32" } } },
+  { name = "fast path K=32 V=256 n=6, ungated", B = 1, T = 40, H = 2, K = 32, V = 256, n = 6, gated = false,
+    initial_state = true, dtypes = { cpu = { "f32" } } },
 
   -- near the fast path but outside it: the recurrent kernels on cuda
   { name = "K=48 V=96 n=2 (K, V not 64/128)", B = 1, T = 150, H = 2, K = 48, V = 96, n = 2,
     initial_state = true, cu_seqlens = { 0, 40, 40, 150 }, dtypes = { cpu = { "f32" } } },
-  { name = "K=32 V=16 n=4 (n > 3)", B = 1, T = 150, H = 2, K = 32, V = 16, n = 4, initial_state = true,
+  { name = "K=32 V=16 n=4 (V not 32/64/128)", B = 1, T = 150, H = 2, K = 32, V = 16, n = 4, initial_state = true,
     cu_seqlens = { 0, 40, 40, 150 }, dtypes = { cpu = { "f32" } } },
   { name = "K=V=256 n=2", B = 1, T = 60, H = 1, K = 256, V = 256, n = 2, initial_state = true,
     dtypes = { cpu = { "f32" } } },
@@ -71,6 +102,8 @@ M.gdp = {
     cu_seqlens = { 0, 20, 20, 50 }, dtypes = { cpu = { "bf16" } } },
   { name = "K=100 V=200 n=1", B = 1, T = 90, H = 2, K = 100, V = 200, n = 1, initial_state = true,
     dtypes = { cpu = { "f32" } } },
+  { name = "K=V=64 n=9 (n > 8)", B = 1, T = 60, H = 2, K = 64, V = 64, n = 9, initial_state = true,
+    cu_seqlens = { 0, 23, 23, 60 }, dtypes = { cpu = { "f32" } } },
 
   -- g (and so dg) in float32 beside bf16 tokens, as the bf16 mixer hands it over: the
   -- fast path and the recurrent kernels
@@ -79,7 +112,7 @@ M.gdp = {
     dtypes = { cpu = { "bf16" }, cuda = { "bf16" } } },
   { name = "f32 gate, fast path K=V=128 n=3", B = 2, T = 70, H = 2, K = 128, V = 128, n = 3,
     gate_f32 = true, dtypes = { cpu = { "bf16" }, cuda = { "bf16" } } },
-  { name = "f32 gate, K=32 n=4 (recurrent on cuda)", B = 1, T = 60, H = 2, K = 32, V = 32, n = 4,
+  { name = "f32 gate, fast path K=V=32 n=4", B = 1, T = 60, H = 2, K = 32, V = 32, n = 4,
     gate_f32 = true, beta_max = 2, cu_seqlens = { 0, 25, 60 },
     dtypes = { cpu = { "bf16" }, cuda = { "bf16" } } },
 }

@@ -4,14 +4,18 @@
  * then timed.  What a kernel developer runs between an edit and a benchmark.
  *
  *   gdp_cuda_lab check [VARIANT...] [--seed S] [--quick] [--value-block W]
- *       The table below (packed sequences with empty ones, n = 1..3, gated and ungated,
- *       K x V in {64x64, 128x128, 48x96, 96x48}, with and without h0 and dht, and one
- *       2600-token pair of sequences) in f32 and bf16; per run one line of relative
+ *       The table below (packed sequences with empty ones, n = 1..8, gated and ungated,
+ *       K x V in {64x64, 128x128, 32x32, 32x64, 128x32, 64x256, 48x96, 96x48} (n = 5..8:
+ *       those of at most 64 x 64), with and without h0
+ *       and dht, a 2600-token pair of sequences at K = V = 128 and a 1000-token pair at
+ *       H = 8, K = V = 32, n = 4) in f32 and bf16; per run one line of relative
  *       errors (o, ht and every gradient) against the oracle, a "!" past the dtype's
  *       tolerance (f32 1e-4, bf16 1e-2).  Ends with a summary line; exit status 0 when
  *       every run is within tolerance, 1 otherwise.  The ctest dev.lab_check.
  *   gdp_cuda_lab bench B T n [VARIANT...] [--reps R] [--value-block W] [--json FILE]
- *       bf16 at B x T, H = 16, K = V = 128, gated, l2norm in the kernel: the median
+ *                          [--heads H] [--K K] [--V V]
+ *       bf16 at B x T, H = 16, K = V = 128 (or --heads, --K, --V), gated, l2norm in the
+ *       kernel: the median
  *       forward, backward and forward+backward time of R calls (CUDA events), then each
  *       variant's outputs and gradients against the first one's at that size.  Under
  *       GDP_CUDA_PROFILE=1 (the core's switch: the operator synchronises between its
@@ -468,32 +472,44 @@ static void check_problem(const Prob &P, const char *shape, Rng &r, int dtype,
   }
 }
 
+/* A gated pair of sequences of L0 and L1 tokens with h0 and dht. */
+static void check_long(int64_t H, int64_t K, int64_t V, int64_t n, int64_t L0, int64_t L1, Rng &r,
+                       const vector<int> &variants, Tally &t) {
+  Prob P;
+  P.H = H; P.K = K; P.V = V; P.n = n; P.gated = true; P.has_h0 = true; P.has_dht = true;
+  P.scale = 1.0 / sqrt((double)K);
+  P.cu = {0, L0, L0 + L1};
+  char shape[96];
+  snprintf(shape, sizeof shape, "long n=%lld g=1 K=%lld V=%lld H=%lld N=2 T=%lld", (long long)n, (long long)K,
+           (long long)V, (long long)H, (long long)P.T());
+  for (int dtype : {GDP_DTYPE_F32, GDP_DTYPE_BF16}) check_problem(P, shape, r, dtype, variants, t);
+}
+
 static int lab_check(const vector<int> &variants, uint64_t seed, bool quick) {
   Rng r(seed);
   Tally t;
   printf("== check: relative error vs the float64 oracle (seed %llu); tolerance f32 %.0e, bf16 %.0e\n",
          (unsigned long long)seed, tolerance(GDP_DTYPE_F32), tolerance(GDP_DTYPE_BF16));
-  const int64_t shapes[][2] = {{64, 64}, {128, 128}, {48, 96}, {96, 48}};
-  for (int n = 1; n <= 3; n++)
+  /* 32 x 32, 32 x 64, 128 x 32: the fast path's padded widths; 64 x 256 its value halves;
+   * n = 5..8 its split tokens (chunk_shapes.cu) */
+  const int64_t shapes[][2] = {{64, 64}, {128, 128}, {32, 32}, {32, 64}, {128, 32}, {64, 256}, {48, 96}, {96, 48}};
+  for (int n = 1; n <= 8; n++)
     for (int gated = 0; gated < 2; gated++)
       for (auto &sh : shapes) {
-        if (quick && sh[0] != 64 && sh[0] != 48) continue;
+        if (quick && sh[0] != 64 && sh[0] != 48 && sh[0] != 32) continue;
+        /* n = 5..8 at the small widths only: the float64 oracle's time grows with n K V,
+         * and the ctest has 300 s (the case table covers K = 128 at n = 7) */
+        if (n > 4 && sh[0] * sh[1] > 64 * 64) continue;
         Prob P = random_prob(r, sh[0], sh[1], n, gated, (r.next() % 4) != 0);
         char shape[96];
         snprintf(shape, sizeof shape, "n=%d g=%d K=%-3lld V=%-3lld H=%lld N=%lld T=%lld", n, gated,
                  (long long)P.K, (long long)P.V, (long long)P.H, (long long)P.N(), (long long)P.T());
         for (int dtype : {GDP_DTYPE_F32, GDP_DTYPE_BF16}) check_problem(P, shape, r, dtype, variants, t);
       }
-  /* one long pair of sequences: many chunks through the state passes */
-  {
-    Prob P;
-    P.H = 2; P.K = 128; P.V = 128; P.n = 2; P.gated = true; P.has_h0 = true; P.has_dht = true;
-    P.scale = 1.0 / sqrt(128.0);
-    P.cu = {0, quick ? 700 : 2000, quick ? 1000 : 2600};
-    char shape[96];
-    snprintf(shape, sizeof shape, "long n=2 g=1 K=128 V=128 H=2 N=2 T=%lld", (long long)P.T());
-    for (int dtype : {GDP_DTYPE_F32, GDP_DTYPE_BF16}) check_problem(P, shape, r, dtype, variants, t);
-  }
+  /* long pairs of sequences: many chunks through the state passes; the second at
+   * DeltaProduct's state-tracking heads (K = V = 32, padded to 64) */
+  check_long(2, 128, 128, 2, quick ? 700 : 2000, quick ? 300 : 600, r, variants, t);
+  check_long(8, 32, 32, 4, quick ? 300 : 600, quick ? 150 : 400, r, variants, t);
   int total = 0;
   printf("check: %s (", t.fails || t.errors ? "FAIL" : "ok");
   for (size_t i = 0; i < variants.size(); i++) {
@@ -520,11 +536,11 @@ static float elapsed_ms(cudaEvent_t a, cudaEvent_t b) {
   return ms;
 }
 
-static int lab_bench(int64_t B, int64_t T, int64_t n, const vector<int> &variants, int reps,
-                     const char *json_path) {
+static int lab_bench(int64_t B, int64_t T, int64_t n, int64_t H, int64_t K, int64_t V, const vector<int> &variants,
+                     int reps, const char *json_path) {
   Prob P;
-  P.H = 16; P.K = 128; P.V = 128; P.n = n; P.gated = true; P.has_h0 = false; P.has_dht = false;
-  P.scale = 1.0 / sqrt(128.0);
+  P.H = H; P.K = K; P.V = V; P.n = n; P.gated = true; P.has_h0 = false; P.has_dht = false;
+  P.scale = 1.0 / sqrt((double)K);
   P.cu.push_back(0);
   for (int64_t b = 0; b < B; b++) P.cu.push_back(P.cu.back() + T);
   Rng r(777 + B * 131 + T * 7 + n);
@@ -541,8 +557,8 @@ static int lab_bench(int64_t B, int64_t T, int64_t n, const vector<int> &variant
   CK(cudaEventCreate(&e2));
   FILE *js = json_path ? fopen(json_path, "a") : NULL;
   if (json_path && !js) fprintf(stderr, "cannot open %s: no JSON written\n", json_path);
-  printf("== bench bf16 B=%lld T=%lld n=%lld H=16 K=V=128 gated l2norm value_block=%d (%s)\n",
-         (long long)B, (long long)T, (long long)n, g_value_block,
+  printf("== bench bf16 B=%lld T=%lld n=%lld H=%lld K=%lld V=%lld gated l2norm value_block=%d (%s)\n",
+         (long long)B, (long long)T, (long long)n, (long long)H, (long long)K, (long long)V, g_value_block,
          profiling ? "GDP_CUDA_PROFILE: one profiled call each, per-kernel times on stderr" : "median of the reps");
   int status = 0;
   vector<Outputs> outs;
@@ -596,10 +612,11 @@ static int lab_bench(int64_t B, int64_t T, int64_t n, const vector<int> &variant
       printf("  %-12s fwd %8.3f ms   bwd %8.3f ms   fwd+bwd %8.3f ms\n", name, mf, mb, mfb);
       if (js)
         fprintf(js,
-                "{\"tool\":\"gdp_cuda_lab\",\"variant\":\"%s\",\"B\":%lld,\"T\":%lld,\"n\":%lld,\"H\":16,"
-                "\"K\":128,\"V\":128,\"dtype\":\"bf16\",\"value_block\":%d,\"fwd_ms\":%.5f,\"bwd_ms\":%.5f,"
+                "{\"tool\":\"gdp_cuda_lab\",\"variant\":\"%s\",\"B\":%lld,\"T\":%lld,\"n\":%lld,\"H\":%lld,"
+                "\"K\":%lld,\"V\":%lld,\"dtype\":\"bf16\",\"value_block\":%d,\"fwd_ms\":%.5f,\"bwd_ms\":%.5f,"
                 "\"fwdbwd_ms\":%.5f,\"reps\":%d}\n",
-                name, (long long)B, (long long)T, (long long)n, g_value_block, mf, mb, mfb, myreps);
+                name, (long long)B, (long long)T, (long long)n, (long long)H, (long long)K, (long long)V, g_value_block,
+                mf, mb, mfb, myreps);
     }
     /* this variant's results at this size, for the comparison below */
     Outputs got;
@@ -636,7 +653,7 @@ static int lab_bench(int64_t B, int64_t T, int64_t n, const vector<int> &variant
 static int usage(const char *argv0) {
   fprintf(stderr,
           "usage: %s check [VARIANT...] [--seed S] [--quick] [--value-block W]\n"
-          "       %s bench B T n [VARIANT...] [--reps R] [--value-block W] [--json FILE]\n"
+          "       %s bench B T n [VARIANT...] [--reps R] [--value-block W] [--json FILE] [--heads H] [--K K] [--V V]\n"
           "VARIANT: chunk, chunk_saving, recurrent (see the header of dev/cuda/gdp_cuda_lab.cu)\n",
           argv0, argv0);
   return 2;
@@ -648,6 +665,7 @@ int main(int argc, char **argv) {
   vector<int> variants;
   vector<long long> nums;
   int reps = 20;
+  long long heads = 16, kdim = 128, vdim = 128; /* bench: --heads, --K, --V */
   bool quick = false;
   unsigned long long seed = 20261130;
   const char *json = NULL;
@@ -658,6 +676,9 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--seed") && has_value) seed = strtoull(argv[++i], NULL, 10);
     else if (!strcmp(a, "--json") && has_value) json = argv[++i];
     else if (!strcmp(a, "--value-block") && has_value) g_value_block = atoi(argv[++i]);
+    else if (!strcmp(a, "--heads") && has_value) heads = atoll(argv[++i]);
+    else if (!strcmp(a, "--K") && has_value) kdim = atoll(argv[++i]);
+    else if (!strcmp(a, "--V") && has_value) vdim = atoll(argv[++i]);
     else if (!strcmp(a, "--quick")) quick = true;
     else if (parse_variant(a) >= 0) variants.push_back(parse_variant(a));
     else if (a[0] >= '0' && a[0] <= '9') nums.push_back(atoll(a));
@@ -669,6 +690,11 @@ int main(int argc, char **argv) {
   if (check ? !nums.empty() : nums.size() != 3 || reps < 1) return usage(argv[0]);
   if (g_value_block != 0 && g_value_block != 16 && g_value_block != 32 && g_value_block != 64) {
     fprintf(stderr, "%s: --value-block takes 0, 16, 32 or 64, got %d\n", argv[0], g_value_block);
+    return 2;
+  }
+  if (heads < 1 || heads > 65535 || kdim < 1 || kdim > 256 || vdim < 1) {
+    fprintf(stderr, "%s: --heads takes 1..65535, --K 1..256, --V >= 1; got %lld, %lld, %lld\n", argv[0], heads, kdim,
+            vdim);
     return 2;
   }
   if (variants.empty()) {
@@ -687,5 +713,5 @@ int main(int argc, char **argv) {
   printf("device: %s (sm_%d%d), %d SMs, %.0f MB L2\n", prop.name, prop.major, prop.minor,
          prop.multiProcessorCount, prop.l2CacheSize / 1e6);
   if (check) return lab_check(variants, seed, quick);
-  return lab_bench(nums[0], nums[1], nums[2], variants, reps, json);
+  return lab_bench(nums[0], nums[1], nums[2], heads, kdim, vdim, variants, reps, json);
 }

@@ -17,10 +17,11 @@
 extern "C" {
 #endif
 
-/* The library's entry points (gdp_dispatch.cu): the fast chunked path (bf16, n = 1..3,
- * K and V in {64, 128}) or the recurrent kernels, by the problem and its algorithm
+/* The library's entry points (gdp/dispatch.cu): the fast chunked path (bf16, n = 1..8,
+ * K in {32, 64, 128}, V in {32, 64, 128, 256}) or the recurrent kernels, by the problem and its algorithm
  * (AUTO, CHUNK, RECURRENT; the table there).  A problem's chunk_size is 0 or the fast
- * path's own chunk (32, 64, 48 steps for n = 1, 2, 3), else GDP_ERR_INVALID_ARG; its
+ * path's own chunk (32, 64, 48, 64, 40, 48, 56, 64 steps for n = 1..8), else
+ * GDP_ERR_INVALID_ARG; its
  * value_block 0 or 16, 32, 64. */
 gdp_status gdp_cuda_delta_product_forward(const gdp_delta_product_problem *p, const gdp_delta_product_forward_io *io,
                                 void *stream);

@@ -105,12 +105,18 @@ static gdp_status launch_seq_k(const Plan &plan, int bv, bool states, bool dry_r
   }
 }
 
+/* n's chunk (chunk_steps_of, chunk_tokens_of), for n = 1..4 */
+#define GDP_BWD_N(N) chunk_steps_of(N), chunk_tokens_of(N)
+
 template <int K, int V>
 static gdp_status launch_seq_n(const Plan &plan, int bv, bool states, bool dry_run, int *occ, bf16 *b16,
                                bool two) {
-  if (plan.a.n == 1) return launch_seq_k<K, V, 32, 32>(plan, bv, states, dry_run, occ, b16, two);
-  if (plan.a.n == 2) return launch_seq_k<K, V, 64, 32>(plan, bv, states, dry_run, occ, b16, two);
-  return launch_seq_k<K, V, 48, 16>(plan, bv, states, dry_run, occ, b16, two);
+  switch (plan.a.n) {
+    case 1: return launch_seq_k<K, V, GDP_BWD_N(1)>(plan, bv, states, dry_run, occ, b16, two);
+    case 2: return launch_seq_k<K, V, GDP_BWD_N(2)>(plan, bv, states, dry_run, occ, b16, two);
+    case 3: return launch_seq_k<K, V, GDP_BWD_N(3)>(plan, bv, states, dry_run, occ, b16, two);
+    default: return launch_seq_k<K, V, GDP_BWD_N(4)>(plan, bv, states, dry_run, occ, b16, two);
+  }
 }
 
 /* The (K, V) roots: every kernel of this file is instantiated through these three, one set
@@ -166,9 +172,12 @@ static gdp_status launch_grad_state_kv(const Plan &plan, const GradStateOut &go,
 
 template <int K, int V>
 static gdp_status launch_grad_state_n(const Plan &plan, const GradStateOut &go, bool wy) {
-  if (plan.a.n == 1) return launch_grad_state_kv<K, V, 32, 32>(plan, go, wy);
-  if (plan.a.n == 2) return launch_grad_state_kv<K, V, 64, 32>(plan, go, wy);
-  return launch_grad_state_kv<K, V, 48, 16>(plan, go, wy);
+  switch (plan.a.n) {
+    case 1: return launch_grad_state_kv<K, V, GDP_BWD_N(1)>(plan, go, wy);
+    case 2: return launch_grad_state_kv<K, V, GDP_BWD_N(2)>(plan, go, wy);
+    case 3: return launch_grad_state_kv<K, V, GDP_BWD_N(3)>(plan, go, wy);
+    default: return launch_grad_state_kv<K, V, GDP_BWD_N(4)>(plan, go, wy);
+  }
 }
 
 static gdp_status launch_chunk_grad(const Plan &plan, const GradStateOut &go, bool wy) {
@@ -182,7 +191,9 @@ static gdp_status launch_chunk_grad(const Plan &plan, const GradStateOut &go, bo
  * whose shared memory is the larger of the two); -1 where it cannot run. */
 static int seq_blocks_per_sm(const Plan &plan, int bv) {
   const GdpArgs &a = plan.a;
-  static int occ_cache[2][2][3][3] = {}; /* depends only on (K, V, n, bv); benign race */
+  /* depends only on (K, V, n, bv); benign race.  K, V are 64 or 128 here (32 arrives
+   * padded to 64: chunk_shapes.cu) */
+  static int occ_cache[2][2][kMaxChunkN][3] = {};
   int &occ = occ_cache[a.K == 128][a.V == 128][a.n - 1][bv == 16 ? 0 : bv == 32 ? 1 : 2];
   if (occ == 0 && launch_seq(plan, bv, false, true, &occ) != GDP_OK) occ = -1;
   return occ;
@@ -300,15 +311,18 @@ static gdp_status pair_k(int bv, int *fits) {
 
 template <int K, int V>
 static gdp_status pair_n(int n, int bv, int *fits) {
-  if (n == 1) return pair_k<K, V, 32, 32>(bv, fits);
-  if (n == 2) return pair_k<K, V, 64, 32>(bv, fits);
-  return pair_k<K, V, 48, 16>(bv, fits);
+  switch (n) {
+    case 1: return pair_k<K, V, GDP_BWD_N(1)>(bv, fits);
+    case 2: return pair_k<K, V, GDP_BWD_N(2)>(bv, fits);
+    case 3: return pair_k<K, V, GDP_BWD_N(3)>(bv, fits);
+    default: return pair_k<K, V, GDP_BWD_N(4)>(bv, fits);
+  }
 }
 
 /* Whether a states block and a 2-stage dstate block fit on one SM together. */
 static bool fork2_pair_fits(const Plan &plan, int bv) {
   const GdpArgs &a = plan.a;
-  static int cache[2][2][3][3] = {}; /* 1 fits, -1 not; depends only on (K, V, n, bv); benign race */
+  static int cache[2][2][kMaxChunkN][3] = {}; /* 1 fits, -1 not; depends only on (K, V, n, bv); benign race */
   int &c = cache[a.K == 128][a.V == 128][a.n - 1][bv == 16 ? 0 : bv == 32 ? 1 : 2];
   if (c == 0) {
     int fits = 0;
@@ -554,6 +568,9 @@ namespace chunked {
 /* The dispatch has validated p and io and checked that the fast path takes p. */
 gdp_status backward(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io, cudaStream_t stream, const void *saved) {
   if (p->N == 0) return GDP_OK;
+  if (needs_split(p)) return backward_split(p, io, stream, saved);
+  if (needs_value_split(p)) return backward_value_split(p, io, stream, saved);
+  if (needs_padding(p)) return backward_padded(p, io, stream, saved);
   return saved ? chunked_backward::backward_saved(p, io, stream, saved) : chunked_backward::backward_recompute(p, io, stream);
 }
 }  // namespace chunked

@@ -4,7 +4,8 @@
  * and the entry points (plan.cuh).
  *
  * Compiled in parts, in parallel: the kernels are instantiated through a few "root"
- * functions, one per (K, n) here (state_k64n2, prep_k64n2, ...), and the rest of the file
+ * functions, one per (K, n) here (state_k64n2, prep_k64n2, ...; K in {64, 128}, n = 1..4:
+ * K = 32 runs padded to 64, chunk_shapes.cu), and the rest of the file
  * calls the roots by name.  CMake generates one unit per (K, n) that defines
  * GDP_CHUNK_PARTS, GDP_PART_K and GDP_PART_N and includes this file (only that part's
  * roots: its kernels), and a main unit with GDP_CHUNK_PARTS alone (every root declared,
@@ -92,7 +93,7 @@ static gdp_status launch_k(const Plan &plan, int bv, bool dry_run, int *occ, boo
 
 /* The (K, n) roots: every kernel of this file is instantiated through these two, one pair
  * per K and n; the dispatchers call them by name.  Defined at the end of the namespace:
- * all six pairs here when the file is compiled whole, one per part file when it is
+ * all eight pairs here when the file is compiled whole, one per part file when it is
  * compiled in parts (chunk_forward.cu's header). */
 #define GDP_FWD_DECLARE_ROOTS(K, N)                                                                          \
   gdp_status state_k##K##n##N(const Plan &plan, int bv, bool dry_run, int *occ, bool save, bf16 *hT16,       \
@@ -101,9 +102,11 @@ static gdp_status launch_k(const Plan &plan, int bv, bool dry_run, int *occ, boo
 GDP_FWD_DECLARE_ROOTS(64, 1)
 GDP_FWD_DECLARE_ROOTS(64, 2)
 GDP_FWD_DECLARE_ROOTS(64, 3)
+GDP_FWD_DECLARE_ROOTS(64, 4)
 GDP_FWD_DECLARE_ROOTS(128, 1)
 GDP_FWD_DECLARE_ROOTS(128, 2)
 GDP_FWD_DECLARE_ROOTS(128, 3)
+GDP_FWD_DECLARE_ROOTS(128, 4)
 
 static gdp_status launch_chunk_state(const Plan &plan, int bv, bool dry_run, int *occ, bool save,
                                   bf16 *hT16 = nullptr, bool ks2 = false, bool tu = false) {
@@ -111,11 +114,13 @@ static gdp_status launch_chunk_state(const Plan &plan, int bv, bool dry_run, int
   if (a.K == 128) {
     if (a.n == 1) return state_k128n1(plan, bv, dry_run, occ, save, hT16, ks2, tu);
     if (a.n == 2) return state_k128n2(plan, bv, dry_run, occ, save, hT16, ks2, tu);
-    return state_k128n3(plan, bv, dry_run, occ, save, hT16, ks2, tu);
+    if (a.n == 3) return state_k128n3(plan, bv, dry_run, occ, save, hT16, ks2, tu);
+    return state_k128n4(plan, bv, dry_run, occ, save, hT16, ks2, tu);
   }
   if (a.n == 1) return state_k64n1(plan, bv, dry_run, occ, save, hT16, ks2, tu);
   if (a.n == 2) return state_k64n2(plan, bv, dry_run, occ, save, hT16, ks2, tu);
-  return state_k64n3(plan, bv, dry_run, occ, save, hT16, ks2, tu);
+  if (a.n == 3) return state_k64n3(plan, bv, dry_run, occ, save, hT16, ks2, tu);
+  return state_k64n4(plan, bv, dry_run, occ, save, hT16, ks2, tu);
 }
 
 /* Value-block width: the fewest waves of blocks; on a tie the narrower block (more SMs
@@ -133,8 +138,9 @@ static int choose_bv(const Plan &plan, bool save, bool tu = false) {
   double best_waves = INFINITY;
   for (int bv : {16, 32, 64}) {
     if (a.V % bv) continue;
-    /* occupancy depends only on (save, K, n, bv): asked once, then cached (benign race) */
-    static int occ_cache[2][2][2][3][3] = {};
+    /* occupancy depends only on (save, K, n, bv): asked once, then cached (benign race);
+     * K is 64 or 128 here (32 arrives padded to 64: chunk_shapes.cu) */
+    static int occ_cache[2][2][2][kMaxChunkN][3] = {};
     int &occ = occ_cache[save][tu][a.K == 128][a.n - 1][bv == 16 ? 0 : bv == 32 ? 1 : 2];
     if (occ == 0 && launch_chunk_state(plan, bv, true, &occ, save, nullptr, false, tu) != GDP_OK) occ = -1;
     if (occ < 1) continue;
@@ -211,31 +217,30 @@ static gdp_status launch_prep_kv(const Plan &plan, bf16 *Tt) {
                     : launch_prep_kernel<K, V, C, TC, true, false>(plan, Tt);
 }
 
-/* n's chunk: C steps, TC tokens (chunk_steps) */
-#define GDP_FWD_DEFINE_ROOTS(K, N, C, TC)                                                                    \
+/* n's chunk: C steps, TC tokens (chunk_steps_of, chunk_tokens_of) */
+#define GDP_FWD_DEFINE_ROOTS(K, N)                                                                           \
   gdp_status state_k##K##n##N(const Plan &plan, int bv, bool dry_run, int *occ, bool save, bf16 *hT16,       \
-                              bool ks2, bool tu) {                                               \
-    return launch_k<K, C, TC>(plan, bv, dry_run, occ, save, hT16, ks2, tu);                           \
+                              bool ks2, bool tu) {                                                           \
+    return launch_k<K, chunk_steps_of(N), chunk_tokens_of(N)>(plan, bv, dry_run, occ, save, hT16, ks2, tu);  \
   }                                                                                                          \
   gdp_status prep_k##K##n##N(const Plan &plan, bf16 *Tt) {                                                  \
+    constexpr int C = chunk_steps_of(N), TC = chunk_tokens_of(N);                                            \
     return plan.a.V == 128 ? launch_prep_kv<K, 128, C, TC>(plan, Tt) : launch_prep_kv<K, 64, C, TC>(plan, Tt); \
   }
-#define GDP_FWD_DEFINE_PART_ROOTS(K, N, C, TC) GDP_FWD_DEFINE_ROOTS(K, N, C, TC) /* K expanded first */
+#define GDP_FWD_DEFINE_PART_ROOTS(K, N) GDP_FWD_DEFINE_ROOTS(K, N) /* K, N expanded first */
 #if !defined(GDP_CHUNK_PARTS)
-GDP_FWD_DEFINE_ROOTS(64, 1, 32, 32)
-GDP_FWD_DEFINE_ROOTS(64, 2, 64, 32)
-GDP_FWD_DEFINE_ROOTS(64, 3, 48, 16)
-GDP_FWD_DEFINE_ROOTS(128, 1, 32, 32)
-GDP_FWD_DEFINE_ROOTS(128, 2, 64, 32)
-GDP_FWD_DEFINE_ROOTS(128, 3, 48, 16)
-#elif defined(GDP_PART_K) && GDP_PART_N == 1
-GDP_FWD_DEFINE_PART_ROOTS(GDP_PART_K, 1, 32, 32)
-#elif defined(GDP_PART_K) && GDP_PART_N == 2
-GDP_FWD_DEFINE_PART_ROOTS(GDP_PART_K, 2, 64, 32)
-#elif defined(GDP_PART_K) && GDP_PART_N == 3
-GDP_FWD_DEFINE_PART_ROOTS(GDP_PART_K, 3, 48, 16)
+GDP_FWD_DEFINE_ROOTS(64, 1)
+GDP_FWD_DEFINE_ROOTS(64, 2)
+GDP_FWD_DEFINE_ROOTS(64, 3)
+GDP_FWD_DEFINE_ROOTS(64, 4)
+GDP_FWD_DEFINE_ROOTS(128, 1)
+GDP_FWD_DEFINE_ROOTS(128, 2)
+GDP_FWD_DEFINE_ROOTS(128, 3)
+GDP_FWD_DEFINE_ROOTS(128, 4)
+#elif defined(GDP_PART_K) && GDP_PART_N >= 1 && GDP_PART_N <= 4
+GDP_FWD_DEFINE_PART_ROOTS(GDP_PART_K, GDP_PART_N)
 #elif defined(GDP_PART_K)
-#error "a forward part needs GDP_PART_N = 1, 2 or 3"
+#error "a forward part needs GDP_PART_N = 1..4"
 #endif
 
 #ifndef GDP_PART_K /* the file's other external definitions and its entry points: in the
@@ -252,8 +257,12 @@ gdp_status launch_chunk_prep(const Plan &plan, bf16 *Tt) {
                                        "with T^T)");
   if (plan.a.nchunks == 0) return GDP_OK;
   const int n = plan.a.n;
-  if (plan.a.K == 128) return n == 1 ? prep_k128n1(plan, Tt) : n == 2 ? prep_k128n2(plan, Tt) : prep_k128n3(plan, Tt);
-  return n == 1 ? prep_k64n1(plan, Tt) : n == 2 ? prep_k64n2(plan, Tt) : prep_k64n3(plan, Tt);
+  if (plan.a.K == 128)
+    return n == 1   ? prep_k128n1(plan, Tt)
+           : n == 2 ? prep_k128n2(plan, Tt)
+           : n == 3 ? prep_k128n3(plan, Tt)
+                    : prep_k128n4(plan, Tt);
+  return n == 1 ? prep_k64n1(plan, Tt) : n == 2 ? prep_k64n2(plan, Tt) : n == 3 ? prep_k64n3(plan, Tt) : prep_k64n4(plan, Tt);
 }
 
 SavedLayout saved_layout(const gdp_delta_product_problem *p) {
@@ -271,19 +280,25 @@ SavedLayout saved_layout(const gdp_delta_product_problem *p) {
 }
 
 bool takes(const gdp_delta_product_problem *p) {
-  return p && p->dtype == GDP_DTYPE_BF16 && (p->K == 64 || p->K == 128) && (p->V == 64 || p->V == 128) &&
-         p->n >= 1 && p->n <= 3;
+  return p && p->dtype == GDP_DTYPE_BF16 && (p->K == 32 || p->K == 64 || p->K == 128) &&
+         (p->V == 32 || p->V == 64 || p->V == 128 || p->V == 256) && p->n >= 1 && p->n <= kMaxFastN;
 }
 
 size_t saved_bytes(const gdp_delta_product_problem *p) {
   if (!takes(p) || p->N == 0) return 0;
-  return saved_layout(p).total;
+  std::vector<int64_t> cu;
+  int parts = 1;
+  const gdp_delta_product_problem kp = kernel_problem(p, cu, &parts); /* the runs the kernels make */
+  return parts * saved_layout(&kp).total;
 }
 
 /* The forward; saved non-NULL: the plan lives in the caller's block (saved_layout) and the
  * state pass also stores h^T (bf16) and D there.  The dispatch has validated p and io. */
 gdp_status forward(const gdp_delta_product_problem *p, const gdp_delta_product_forward_io *io, cudaStream_t stream, void *saved) {
   if (p->N == 0) return GDP_OK;
+  if (needs_split(p)) return forward_split(p, io, stream, saved);
+  if (needs_value_split(p)) return forward_value_split(p, io, stream, saved);
+  if (needs_padding(p)) return forward_padded(p, io, stream, saved);
   GdpArgs a = fwd_args(p, io);
   Plan plan;
   prof_begin(stream);

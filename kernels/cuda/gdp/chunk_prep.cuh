@@ -64,9 +64,17 @@ struct PrepLayout {
   static constexpr int endS = oSolve + PrepSplit<C>::bytes;
   static constexpr int end = endAT > endS ? endAT : endS;
   /* prep_wu_staged: one 8 x 32 bf16 staging tile (512 bytes) per warp after
-   * everything else: 52.5 -> 54.5 KB at K = V = 128, C = 64, still four blocks per SM */
-  static constexpr int oStage = (end + 127) / 128 * 128;
-  static constexpr int total = oStage + 4 * 512;
+   * everything else: 52.5 -> 54.5 KB at K = V = 128, C = 64, still four blocks per SM.
+   * Where that would not fit four blocks on an SM (228 KB, 1 KB reserved a block: only
+   * K = V = 128, C = 64, TC = 16, 56.5 KB), the tiles go right after the panels instead,
+   * over the solve's buffer and A: both are dead by the W/U phase (their last reads are
+   * inside the solve, two barriers before it), and everything that phase reads (k, v,
+   * beta, gc, Tw^T, Tu^T) lies below endAT (55808 bytes there: four blocks). */
+  static constexpr int oStageAfter = (end + 127) / 128 * 128;
+  static constexpr bool kStageOver = 4 * (oStageAfter + 4 * 512 + 1024) > 228 * 1024;
+  static constexpr int oStage = kStageOver ? (endAT + 127) / 128 * 128 : oStageAfter;
+  static_assert(oStage >= endAT, "the staging tiles clear of every region the W/U phase reads");
+  static constexpr int total = oStage + 4 * 512 > end ? oStage + 4 * 512 : end;
 };
 
 /* A fragment (16 x 16, row-major source with row stride ld elements) at rows rb,

@@ -3,11 +3,14 @@
  *
  *   path       | takes                                  | algorithm
  *   -----------+----------------------------------------+------------------------------------
- *   fast       | bf16, n = 1..3, K and V in {64, 128}   | AUTO, CHUNK (an error elsewhere)
- *   recurrent  | f32 and bf16, K <= 256, any V          | RECURRENT; AUTO where fast does not
+ *   fast       | bf16, n = 1..8, K in {32, 64, 128},   | AUTO, CHUNK (an error elsewhere)
+ *              | V in {32, 64, 128, 256}               |
+ *   recurrent  | f32 and bf16, K <= 256, any V         | RECURRENT; AUTO where fast does not
  *
- * The fast path is chunked, with its chunk fixed by n (chunk_steps: C = 32, 64, 48 steps
- * of the expanded stream for n = 1, 2, 3); a problem's chunk_size is 0 (the path's own)
+ * (K or V = 32 runs in the width-64 kernels on zero-padded copies, n = 5..8 as tokens of
+ * 3 or 4 steps, V = 256 as two halves of 128: chunk_shapes.cu.)  The fast path is chunked, with its chunk fixed by n
+ * (fast_chunk_steps: 32, 64, 48, 64, 40, 48, 56, 64 steps of the expanded stream for
+ * n = 1..8, i.e. 32, 32, 16, 16, 8, 8, 8, 8 tokens); a problem's chunk_size is 0 (the path's own)
  * or that C, anything else is an error that names the size.  The recurrent kernels have
  * no chunks: a nonzero chunk_size with them is an error too, also where AUTO falls back
  * to them (a chunk size asked for and silently not used would mislead a measurement).
@@ -21,6 +24,9 @@ using namespace gdpcu;
 
 namespace {
 
+/* What the fast path takes (chunked::takes), for the messages that name it. */
+#define GDP_FAST_SHAPES "bf16, n = 1..8, K in {32, 64, 128}, V in {32, 64, 128, 256}"
+
 /* The saved object's path code (op_gdp.c keeps it and hands it back to the backward). */
 enum Path { PATH_RECURRENT = 1, PATH_FAST = 3 };
 
@@ -29,16 +35,16 @@ const char *path_name(int path) { return path == PATH_FAST ? "fast chunked" : "r
 gdp_status check_chunk_size(const gdp_delta_product_problem *p, const char *what, int path) {
   if (p->chunk_size == 0) return GDP_OK;
   if (path == PATH_FAST) {
-    const int C = chunk_steps(p->n);
+    const int C = fast_chunk_steps(p->n);
     if (p->chunk_size == C) return GDP_OK;
     return GDP_ERROR_IN(what, GDP_ERR_INVALID_ARG,
                         "chunk_size: the CUDA chunked path takes %d steps at n = %lld (or 0 for it; "
-                        "32, 64, 48 for n = 1, 2, 3), got %lld",
+                        "32, 64, 48, 64, 40, 48, 56, 64 for n = 1..8), got %lld",
                         C, (long long)p->n, (long long)p->chunk_size);
   }
   return GDP_ERROR_IN(what, GDP_ERR_INVALID_ARG,
                       "chunk_size: this problem runs the CUDA recurrent kernels, which have no chunks "
-                      "(the chunked path takes bf16, n = 1..3, K and V in {64, 128}); expected 0, got %lld",
+                      "(the chunked path takes " GDP_FAST_SHAPES "); expected 0, got %lld",
                       (long long)p->chunk_size);
 }
 
@@ -51,7 +57,7 @@ gdp_status choose_path(const gdp_delta_product_problem *p, const char *what, int
   const bool fast = chunked::takes(p);
   if (p->algorithm == GDP_ALGO_CHUNK && !fast)
     return GDP_ERROR_IN(what, GDP_ERR_UNSUPPORTED,
-                        "algorithm chunk: the CUDA chunked path takes bf16, n = 1..3, K and V in {64, 128}; "
+                        "algorithm chunk: the CUDA chunked path takes " GDP_FAST_SHAPES "; "
                         "got %s, n = %lld, K = %lld, V = %lld",
                         p->dtype == GDP_DTYPE_BF16 ? "bf16" : "float32", (long long)p->n, (long long)p->K,
                         (long long)p->V);

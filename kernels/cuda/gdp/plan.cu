@@ -214,6 +214,11 @@ static gdp_status plan_build(const gdp_delta_product_problem *p, cudaStream_t st
                              Plan *plan, void *ext, bool upload_tables, size_t *plan_bytes_out) {
   memset(plan, 0, sizeof *plan);
   plan->stream = stream;
+  /* the kernels' instances: K, V in {64, 128} (32 is padded before, chunk_shapes.cu), n = 1..4 */
+  if ((p->K != 64 && p->K != 128) || (p->V != 64 && p->V != 128) || chunk_steps(p->n) == 0)
+    return GDP_ERROR(GDP_ERR_INTERNAL, "plan: the chunk kernels take K, V in {64, 128} and n = 1..%d, got K = %lld, "
+                                       "V = %lld, n = %lld",
+                     kMaxChunkN, (long long)p->K, (long long)p->V, (long long)p->n);
   GdpArgs a = base;
   const int C = chunk_steps(p->n), TC = C / (int)p->n;
   a.C = C;

@@ -5,8 +5,8 @@
  * chunk_backward.cu, recurrent.cu).
  *
  * Chunkwise algorithm (docs: the design note), over the expanded stream of T*n steps,
- * chunks of C steps = TC whole tokens (C = 32, 64, 48 for n = 1, 2, 3), so every
- * sequence starts a chunk.  Per chunk c and head h, with kn, qn the normalised
+ * chunks of C steps = TC whole tokens (C = 32, 64, 48, 64 for n = 1..4: chunk_steps), so
+ * every sequence starts a chunk.  Per chunk c and head h, with kn, qn the normalised
  * keys/queries, gc the in-chunk cumulative log decay (g on step 0 of each token),
  * last = gc[C-1] and query a on step ia = a*n + n-1:
  *   A  = strictly-lower(beta_i e^{gc_i-gc_j} kn_i.kn_j),  T = (I + A)^-1
@@ -25,6 +25,8 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+
+#include <vector>
 
 #include "gdp.h"
 #include "kernel_status.h"
@@ -101,15 +103,35 @@ struct GdpArgs {
   bf16 *Dbuf, *dDbuf;
 };
 
-/* Chunk steps for n Householder steps per token (0: no chunk path for this n).  Whole
- * tokens per chunk (C / n = 32, 32, 16), so every sequence starts a chunk. */
-inline int chunk_steps(int64_t n) {
-  switch (n) {
-    case 1: return 32;
-    case 2: return 64;
-    case 3: return 48;
-    default: return 0;
-  }
+/* Chunk steps for n Householder steps per token (0: no chunk path for this n): C = 32,
+ * 64, 48, 64 for n = 1..4, i.e. TC = C / n = 32, 32, 16, 16 whole tokens per chunk, so
+ * every sequence starts a chunk.  The kernels take C <= 64 (the prep's solve holds a
+ * column of T in registers) and TC a multiple of 16 (query rows in whole mma tiles): n = 4
+ * is the last n with both (n = 5..8 would need 8-token chunks, i.e. half query tiles:
+ * chunk_shapes.cu runs them as tokens of 3 or 4 steps instead).
+ * The launchers instantiate their kernels at <chunk_steps_of(n), chunk_tokens_of(n)>. */
+__host__ __device__ constexpr int chunk_steps_of(int n) {
+  return n == 1 ? 32 : n == 2 ? 64 : n == 3 ? 48 : n == 4 ? 64 : 0;
+}
+__host__ __device__ constexpr int chunk_tokens_of(int n) { return n >= 1 && n <= 4 ? chunk_steps_of(n) / n : 0; }
+constexpr int kMaxChunkN = 4; /* the largest n with a chunk (the launchers' caches are sized by it) */
+static_assert(chunk_steps_of(kMaxChunkN) > 0 && chunk_steps_of(kMaxChunkN + 1) == 0, "kMaxChunkN is the last n");
+static_assert(chunk_tokens_of(3) * 3 == chunk_steps_of(3) && chunk_tokens_of(4) * 4 == chunk_steps_of(4) &&
+                  chunk_tokens_of(4) % 16 == 0,
+              "whole tokens per chunk, whole query tiles");
+inline int chunk_steps(int64_t n) { return n >= 1 && n <= kMaxChunkN ? chunk_steps_of((int)n) : 0; }
+
+/* n = 5..8 (chunk_shapes.cu): a token's n steps padded with identity steps to 6 (n = 5,
+ * 6) or 8 (n = 7, 8), run as 2 tokens of 3 or 4 steps; n <= 4 as it is.  So a chunk
+ * holds 32, 32, 16, 16, 8, 8, 8, 8 whole tokens for n = 1..8: fast_chunk_steps(n) steps
+ * of the problem's own stream (0 past 8). */
+constexpr int kMaxFastN = 8;
+inline int64_t padded_steps(int64_t n) { return n <= kMaxChunkN ? n : n <= 6 ? 6 : 8; }
+inline int64_t split_tokens(int64_t n) { return n <= kMaxChunkN ? 1 : 2; }
+inline int fast_chunk_steps(int64_t n) {
+  if (n < 1 || n > kMaxFastN) return 0;
+  const int64_t ns = padded_steps(n) / split_tokens(n);
+  return (int)(chunk_tokens_of((int)ns) / split_tokens(n) * n);
 }
 
 /* Host-side plan of one call: device copies of the tables and the workspace, all in
@@ -155,8 +177,35 @@ void prof_end(cudaStream_t stream);
 
 namespace chunked {
 
-/* Whether the fast path takes p: bf16, n = 1..3, K and V in {64, 128}. */
+/* Whether the fast path takes p: bf16, n = 1..8, K in {32, 64, 128}, V in {32, 64, 128,
+ * 256} (32 padded to 64, n = 5..8 split into tokens of 3 or 4 steps, V = 256 as two
+ * halves: chunk_shapes.cu). */
 bool takes(const gdp_delta_product_problem *p);
+
+/* The rewrites of chunk_shapes.cu, which forward and backward below apply first, in this
+ * order: n = 5..8 (needs_split) as 2 tokens of 3 or 4 steps, V = 256
+ * (needs_value_split) as two problems of V = 128, K or V = 32 (needs_padding) as 64
+ * with zero columns; each rewrite's forward and backward copy the inputs into the
+ * rewritten problem's layout, run it and copy the results back.  kernel_problem: the
+ * problem the kernels run for p (every rewrite applied; cu receives its cu_seqlens),
+ * run `parts` times (2 for V = 256), each part's saved block one after the other. */
+bool needs_padding(const gdp_delta_product_problem *p);
+bool needs_split(const gdp_delta_product_problem *p);
+bool needs_value_split(const gdp_delta_product_problem *p);
+gdp_delta_product_problem padded_problem(const gdp_delta_product_problem *p);
+gdp_delta_product_problem kernel_problem(const gdp_delta_product_problem *p, std::vector<int64_t> &cu, int *parts);
+gdp_status forward_value_split(const gdp_delta_product_problem *p, const gdp_delta_product_forward_io *io,
+                               cudaStream_t stream, void *saved);
+gdp_status backward_value_split(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io,
+                                cudaStream_t stream, const void *saved);
+gdp_status forward_padded(const gdp_delta_product_problem *p, const gdp_delta_product_forward_io *io,
+                          cudaStream_t stream, void *saved);
+gdp_status backward_padded(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io,
+                           cudaStream_t stream, const void *saved);
+gdp_status forward_split(const gdp_delta_product_problem *p, const gdp_delta_product_forward_io *io,
+                         cudaStream_t stream, void *saved);
+gdp_status backward_split(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io,
+                          cudaStream_t stream, const void *saved);
 
 /* Layout of the block a saving forward keeps (bytes): the forward plan's block
  * (plan_bytes: chunk tables, W, U, Kd, Qd, Pm, elast) from 0, h^T bf16 [CH][V][K] from
