@@ -16,13 +16,10 @@
 -- all_to_all_out_forward, all_to_all_out_backward, local_backward, all_to_all_in_backward.
 -- local_* are the operator's own runs; every other stage is CP work around them.
 local tensor = require("gdp.tensor")
-local lib = require("gdp.lib")
 
 local M = {}
 
 local acc = nil
-
-local function pack(...) return { n = select("#", ...), ... } end
 
 -- Turns the clock on (a table: stage name -> seconds, added to) or off (nil).
 function M.set(t)
@@ -35,27 +32,19 @@ end
 -- The table the clock adds to, or nil when it is off.
 function M.get() return acc end
 
--- Seconds of the stages nested inside the running one (nil at the top level): a stage
--- counts its own time only, so stages never count twice.
-local nested = nil
+local clock = require("gdp.clock").new()
+
+local function add(name, seconds, ...)
+  acc[name] = (acc[name] or 0) + seconds
+  return ...
+end
 
 -- fn(...)'s results; with the clock on, fn's seconds (device work included: `device` is
 -- the device name its work runs on), less those of stages nested inside it, are added
 -- to the table under `name`.
 function M.stage(name, device, fn, ...)
   if acc == nil then return fn(...) end
-  local ctx = tensor.get_ctx("cp.timing", device)
-  ctx:sync()
-  local outer = nested
-  nested = 0
-  local t0 = lib.gdp_time_now()
-  local r = pack(pcall(fn, ...))
-  ctx:sync()
-  local dt = lib.gdp_time_now() - t0
-  acc[name] = (acc[name] or 0) + dt - nested
-  nested = outer and outer + dt or nil
-  if not r[1] then error(r[2], 0) end
-  return unpack(r, 2, r.n)
+  return add(name, clock:run(device, fn, ...))
 end
 
 return M

@@ -13,7 +13,7 @@
 -- get rows of their own.  Every profiled call synchronises its device before and
 -- after, which slows a step: time steps with the profile detached.
 local tensor = require("gdp.tensor")
-local lib = require("gdp.lib")
+local clock = require("gdp.clock")
 
 local M = {}
 
@@ -26,30 +26,22 @@ local MIXER_STAGES = {
   "out_backward", "ssm_backward", "ssm_inputs_backward", "conv_backward", "in_proj_backward",
 }
 
-local function pack(...) return { n = select("#", ...), ... } end
-
 -- fn(...)'s results; its seconds on `device`, less those of profiled calls inside it,
 -- are added to row `name`.
 function Profile:stage(name, device, fn, ...)
-  local ctx = tensor.get_ctx("nn.profile", device)
-  ctx:sync()
-  local outer = self.nested
-  self.nested = 0
-  local t0 = lib.gdp_time_now()
-  local r = pack(pcall(fn, ...))
-  ctx:sync()
-  local dt = lib.gdp_time_now() - t0
+  return self:add_time(name, self.clock:run(device, fn, ...))
+end
+
+function Profile:add_time(name, seconds, ...)
   local row = self.rows[name]
   if row == nil then
     row = { name = name, seconds = 0, calls = 0 }
     self.rows[name] = row
     self.order[#self.order + 1] = name
   end
-  row.seconds = row.seconds + dt - self.nested
+  row.seconds = row.seconds + seconds
   row.calls = row.calls + 1
-  self.nested = outer and outer + dt or nil
-  if not r[1] then error(r[2], 0) end
-  return unpack(r, 2, r.n)
+  return ...
 end
 
 -- Replaces m[method] (found through m's class) with a profiled call named `name`.
@@ -80,7 +72,7 @@ function M.attach(model)
   if type(model) ~= "table" or type(model.forward) ~= "function" then
     tensor.argerror("nn.profile.attach", "model: expected a module (forward, backward), got " .. type(model))
   end
-  local self = setmetatable({ rows = {}, order = {}, undo = {}, nested = nil }, Profile)
+  local self = setmetatable({ rows = {}, order = {}, undo = {}, clock = clock.new() }, Profile)
   local function visit(m, path)
     wrap(self, m, "forward", path .. " forward")
     wrap(self, m, "backward", path .. " backward")
