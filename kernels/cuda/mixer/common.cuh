@@ -132,34 +132,68 @@ static inline size_t colsum_bytes(int nv, int64_t rows, int64_t cols) {
 }
 
 /* fn(r, col, acc) adds row r's contributions to column col into acc[0..NV) (and may
- * write elementwise results of (r, col): each pair is visited exactly once). */
+ * write elementwise results of (r, col): each pair is visited exactly once).
+ *
+ * A block of COLSUM_THREADS covers `span` consecutive columns (a power of two) with
+ * COLSUM_THREADS / span row lanes: lane l takes rows r0 + l, r0 + l + lanes, ... of the
+ * chunk, and lane 0 adds the lanes' sums in lane order (deterministic).  With few
+ * columns (16 heads) one lane per column would leave most threads idle and walk the
+ * chunk's rows one dependent load after another. */
 template <int NV, typename A, class Fn>
 __global__ void colsum_partial(Fn fn, int64_t rows, int64_t cols, int64_t chunk, int64_t nch,
-                               double *partial) {
-  const int64_t col = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+                               int span, double *partial) {
+  __shared__ A lanes_acc[NV][COLSUM_THREADS];
+  const int lanes = COLSUM_THREADS / span;
+  const int lane = threadIdx.x / span, cl = threadIdx.x % span;
+  const int64_t col = (int64_t)blockIdx.x * span + cl;
   const int64_t ch = blockIdx.y;
-  if (col >= cols) return;
   A acc[NV];
 #pragma unroll
   for (int v = 0; v < NV; v++) acc[v] = (A)0;
   const int64_t r0 = ch * chunk;
   const int64_t r1 = r0 + chunk < rows ? r0 + chunk : rows;
-  for (int64_t r = r0; r < r1; r++) fn(r, col, acc);
+  if (col < cols)
+    for (int64_t r = r0 + lane; r < r1; r += lanes) fn(r, col, acc);
+  if (lanes > 1) {
+#pragma unroll
+    for (int v = 0; v < NV; v++) lanes_acc[v][threadIdx.x] = acc[v];
+    __syncthreads();
+    if (lane != 0) return;
+    for (int l = 1; l < lanes; l++)
+#pragma unroll
+      for (int v = 0; v < NV; v++) acc[v] += lanes_acc[v][l * span + cl];
+  }
+  if (col >= cols) return;
 #pragma unroll
   for (int v = 0; v < NV; v++) partial[((int64_t)v * nch + ch) * cols + col] = (double)acc[v];
 }
 
-/* out[j] = sum over chunks and over columns j*G .. j*G+G-1 of partial[v], j < cols/G. */
+/* The columns one colsum_partial block covers: the power of two >= cols, at most
+ * COLSUM_THREADS. */
+static inline int colsum_span(int64_t cols) {
+  int s = 1;
+  while (s < COLSUM_THREADS && s < cols) s <<= 1;
+  return s;
+}
+
+/* out[j] = sum over chunks and over columns j*G .. j*G+G-1 of partial[v], j < cols/G.
+ * A warp per output: lane l adds chunks l, l + 32, ..., then the lanes' sums meet in a
+ * fixed shuffle tree (deterministic; the chunks' loads are independent, not a serial
+ * chain of nch dependent loads). */
 template <typename T>
 __global__ void colsum_final(const double *partial, int v, int64_t nch, int64_t cols, int64_t G,
                              T *out) {
-  GDP_MIXER_FOR(j, cols / G) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = ((int64_t)gridDim.x * blockDim.x) >> 5;
+  for (int64_t j = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5; j < cols / G;
+       j += warps) {
     double s = 0.0;
-    for (int64_t ch = 0; ch < nch; ch++) {
+    for (int64_t ch = lane; ch < nch; ch += 32) {
       const double *row = partial + ((int64_t)v * nch + ch) * cols + j * G;
       for (int64_t g = 0; g < G; g++) s += row[g];
     }
-    st(out, j, (typename Math<T>::type)s);
+    s = warp_sum(s);
+    if (lane == 0) st(out, j, (typename Math<T>::type)s);
   }
 }
 
@@ -173,14 +207,16 @@ static gdp_status colsum_run(const char *func, const char *what, Fn fn, int64_t 
   const int64_t chunk = colsum_chunk(rows), nch = colsum_nchunks(rows);
   double *partial = (double *)workspace;
   if (nch > 0 && cols > 0) {
-    dim3 grid((unsigned)((cols + COLSUM_THREADS - 1) / COLSUM_THREADS), (unsigned)nch);
+    const int span = colsum_span(cols);
+    dim3 grid((unsigned)((cols + span - 1) / span), (unsigned)nch);
     colsum_partial<NV, A, Fn><<<grid, COLSUM_THREADS, 0, stream>>>(fn, rows, cols, chunk, nch,
-                                                                    partial);
+                                                                    span, partial);
     GDP_TRY(launched(func, what));
   }
   for (int v = 0; v < NV; v++) {
     if (!outs[v] || cols / G == 0) continue;
-    colsum_final<T><<<grid_for(cols / G), THREADS, 0, stream>>>(partial, v, nch, cols, G, outs[v]);
+    colsum_final<T><<<grid_for(32 * (cols / G)), THREADS, 0, stream>>>(partial, v, nch, cols, G,
+                                                                      outs[v]);
     GDP_TRY(launched(func, what));
   }
   return GDP_OK;
