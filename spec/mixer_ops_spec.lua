@@ -59,6 +59,31 @@ local tiled = {
   { name = "SiLU, 70000 elements",
     inputs = function() return { x = randn({ 7000, 2, 5 }), d = randn({ 7000, 2, 5 }) } end,
     run = function(a) return { out = F.silu(a.x), dx = F.silu_backward(a.x, a.d) } end },
+  -- cuda: rows 8-element packs apart (16-byte packs), then misaligned ones; dx written
+  -- into a slice of a wider buffer (the in_proj gradient of a mixer without short conv)
+  { name = "SiLU, x and dx slices of rows 200 wide at channel 16",
+    inputs = function() return { x = randn({ 90, 2, 200 }), d = randn({ 90, 2, 96 }) } end,
+    run = function(a)
+      local x = a.x:narrow(3, 17, 96)
+      local into = gdp.zeros(a.x:shape(), { dtype = a.x:dtype(), device = a.x:device() })
+      F.silu_backward(x, a.d, into:narrow(3, 17, 96))
+      return { out = F.silu(x), dx = into }
+    end },
+  { name = "SiLU, x and dx slices at channel 3 of rows 101 wide",
+    inputs = function() return { x = randn({ 40, 3, 101 }), d = randn({ 40, 3, 90 }) } end,
+    run = function(a)
+      local x = a.x:narrow(3, 4, 90)
+      local into = gdp.zeros(a.x:shape(), { dtype = a.x:dtype(), device = a.x:device() })
+      local dx = F.silu_backward(x, a.d, into:narrow(3, 4, 90))
+      return { out = F.silu(x), dx = into, dx_returned = dx }
+    end },
+  { name = "SiLU, 1-D of a prime size and 2-D transposed",
+    inputs = function() return { x = randn({ 7919 }), y = randn({ 33, 70 }), d = randn({ 70, 33 }) } end,
+    run = function(a)
+      local yt = a.y:transpose(1, 2)
+      return { out = F.silu(a.x), dx = F.silu_backward(a.x, a.x), out_t = F.silu(yt),
+               dx_t = F.silu_backward(yt, a.d) }
+    end },
   { name = "decay, 600 rows (several chunks of the sums)",
     inputs = function()
       return { a = randn({ 300, 2, 5 }), A_log = uniform({ 5 }, -1, 1), dt_bias = uniform({ 5 }, -1, 1),
@@ -201,6 +226,14 @@ describe("nn.functional.silu (f64) against its formula", function()
     local ok, err = pcall(F.silu_backward, gdp.zeros({ 2, 3 }, { dtype = "f64" }), gdp.zeros({ 3, 2 }, { dtype = "f64" }))
     assert.is_false(ok)
     assert.is_truthy(tostring(err):find("d_out: expected the shape of x", 1, true), tostring(err))
+    ok, err = pcall(F.silu_backward, gdp.zeros({ 2, 3 }, { dtype = "f64" }), gdp.zeros({ 2, 3 }, { dtype = "f64" }),
+                    gdp.zeros({ 3, 2 }, { dtype = "f64" }))
+    assert.is_false(ok)
+    assert.is_truthy(tostring(err):find("into: expected the shape of x", 1, true), tostring(err))
+    ok, err = pcall(F.silu_backward, gdp.zeros({ 2, 3 }, { dtype = "f64" }), gdp.zeros({ 2, 3 }, { dtype = "f64" }),
+                    gdp.zeros({ 2, 3 }, { dtype = "f32" }))
+    assert.is_false(ok)
+    assert.is_truthy(tostring(err):find("into: expected dtype f64 (x's), got f32", 1, true), tostring(err))
     ok, err = pcall(F.silu, gdp.zeros({ 2 }, { dtype = "i32" }))
     assert.is_false(ok)
     assert.is_truthy(tostring(err):find("x: expected dtype f64 or f32", 1, true), tostring(err))

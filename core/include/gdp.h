@@ -520,10 +520,14 @@ gdp_status gdp_mixer_beta_backward(gdp_ctx *ctx, const gdp_tensor *b, double bet
                                    const gdp_tensor *d_beta, gdp_tensor **db);
 
 /* SiLU, elementwise, any shape: out = x * sigmoid(x) (the q/k/v activation of a mixer
- * without short conv); dx = d_out * s (1 + x (1 - s)), s = sigmoid(x). */
+ * without short conv); dx = d_out * s (1 + x (1 - s)), s = sigmoid(x).  [T,B,C] operands
+ * whose rows lie evenly spaced with contiguous channels (a channel slice of the in_proj
+ * output or its gradient) are read and written in place.  into: NULL (dx is a new
+ * tensor) or x's shape and dtype, where dx is written (may be a view; *dx is then a new
+ * reference to it). */
 gdp_status gdp_mixer_silu_forward(gdp_ctx *ctx, const gdp_tensor *x, gdp_tensor **out);
 gdp_status gdp_mixer_silu_backward(gdp_ctx *ctx, const gdp_tensor *x, const gdp_tensor *d_out,
-                                   gdp_tensor **dx);
+                                   gdp_tensor *into, gdp_tensor **dx);
 
 /* Log decays: g = -exp(A_log[h]) * softplus(a + dt_bias[h]) for a [..., H]; A_log and
  * dt_bias [H] (dt_bias may be NULL: zero).  softplus(x) = x for x > 20, else

@@ -981,17 +981,21 @@ static gdp_status cpu_beta_backward(gdp_ctx *ctx, gdp_dtype dtype, int64_t n, do
   return GDP_OK;
 }
 
-static gdp_status cpu_silu_forward(gdp_ctx *ctx, gdp_dtype dtype, int64_t n, const void *x,
-                                   void *out) {
-  CPU_FLOAT_DISPATCH(dtype, gdp_cpu_silu_fwd_f64(n, x, out, ctx->num_threads),
-                     gdp_cpu_silu_fwd_f32(n, x, out, ctx->num_threads));
+static gdp_status cpu_silu_forward(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows, int64_t C,
+                                   const void *x, int64_t ld_x, void *out, int64_t ld_out) {
+  CPU_FLOAT_DISPATCH(dtype, gdp_cpu_silu_fwd_f64(rows, C, x, ld_x, out, ld_out, ctx->num_threads),
+                     gdp_cpu_silu_fwd_f32(rows, C, x, ld_x, out, ld_out, ctx->num_threads));
   return GDP_OK;
 }
 
-static gdp_status cpu_silu_backward(gdp_ctx *ctx, gdp_dtype dtype, int64_t n, const void *x,
-                                    const void *d_out, void *dx) {
-  CPU_FLOAT_DISPATCH(dtype, gdp_cpu_silu_bwd_f64(n, x, d_out, dx, ctx->num_threads),
-                     gdp_cpu_silu_bwd_f32(n, x, d_out, dx, ctx->num_threads));
+static gdp_status cpu_silu_backward(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows, int64_t C,
+                                    const void *x, int64_t ld_x, const void *d_out,
+                                    int64_t ld_d, void *dx, int64_t ld_dx) {
+  CPU_FLOAT_DISPATCH(dtype,
+                     gdp_cpu_silu_bwd_f64(rows, C, x, ld_x, d_out, ld_d, dx, ld_dx,
+                                          ctx->num_threads),
+                     gdp_cpu_silu_bwd_f32(rows, C, x, ld_x, d_out, ld_d, dx, ld_dx,
+                                          ctx->num_threads));
   return GDP_OK;
 }
 

@@ -740,17 +740,19 @@ static gdp_status cuda_beta_backward(gdp_ctx *ctx, gdp_dtype dtype, int64_t n, d
   return op_end(ctx);
 }
 
-static gdp_status cuda_silu_forward(gdp_ctx *ctx, gdp_dtype dtype, int64_t n, const void *x,
-                                    void *out) {
-  GDP_TRY(mixer_begin(ctx, "silu_forward", dtype, n, 1));
-  GDP_TRY(gdp_cuda_silu_fwd((int)dtype, n, x, out, state_of(ctx)->stream));
+static gdp_status cuda_silu_forward(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows, int64_t C,
+                                    const void *x, int64_t ld_x, void *out, int64_t ld_out) {
+  GDP_TRY(mixer_begin(ctx, "silu_forward", dtype, rows, C));
+  GDP_TRY(gdp_cuda_silu_fwd((int)dtype, rows, C, x, ld_x, out, ld_out, state_of(ctx)->stream));
   return op_end(ctx);
 }
 
-static gdp_status cuda_silu_backward(gdp_ctx *ctx, gdp_dtype dtype, int64_t n, const void *x,
-                                     const void *d_out, void *dx) {
-  GDP_TRY(mixer_begin(ctx, "silu_backward", dtype, n, 1));
-  GDP_TRY(gdp_cuda_silu_bwd((int)dtype, n, x, d_out, dx, state_of(ctx)->stream));
+static gdp_status cuda_silu_backward(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows, int64_t C,
+                                     const void *x, int64_t ld_x, const void *d_out,
+                                     int64_t ld_d, void *dx, int64_t ld_dx) {
+  GDP_TRY(mixer_begin(ctx, "silu_backward", dtype, rows, C));
+  GDP_TRY(gdp_cuda_silu_bwd((int)dtype, rows, C, x, ld_x, d_out, ld_d, dx, ld_dx,
+                            state_of(ctx)->stream));
   return op_end(ctx);
 }
 

@@ -97,9 +97,12 @@ struct gdp_backend {
                              const void *b, void *beta);
   gdp_status (*beta_backward)(gdp_ctx *ctx, gdp_dtype dtype, int64_t n, double scale,
                               const void *b, const void *d_beta, void *db);
-  gdp_status (*silu_forward)(gdp_ctx *ctx, gdp_dtype dtype, int64_t n, const void *x, void *out);
-  gdp_status (*silu_backward)(gdp_ctx *ctx, gdp_dtype dtype, int64_t n, const void *x,
-                              const void *d_out, void *dx);
+  /* over rows of C elements, each operand's rows ld_* elements apart */
+  gdp_status (*silu_forward)(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows, int64_t C,
+                             const void *x, int64_t ld_x, void *out, int64_t ld_out);
+  gdp_status (*silu_backward)(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows, int64_t C,
+                              const void *x, int64_t ld_x, const void *d_out, int64_t ld_d,
+                              void *dx, int64_t ld_dx);
   gdp_status (*decay_forward)(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows, int64_t H,
                               const void *a, const void *A_log, const void *dt_bias, void *g);
   gdp_status (*decay_backward)(gdp_ctx *ctx, gdp_dtype dtype, int64_t rows, int64_t H,

@@ -277,32 +277,24 @@ gdp_status gdp_mixer_conv1d_backward(gdp_ctx *ctx, const gdp_tensor *x, const gd
   return s;
 }
 
-/* ------------------------------------------------------------------ beta, SiLU */
+/* ------------------------------------------------------------------ beta */
 
-/* The elementwise ops: out = f(x) and dx = f'(x) d_out over all elements of x. */
-typedef enum elementwise_kind { ELEMENTWISE_BETA, ELEMENTWISE_SILU } elementwise_kind;
-
-/* x, d_out (may be NULL) and out/dx checked and loaded, then the backend's entry of `kind`
- * (beta: scale * sigmoid; SiLU: scale unused). */
-static gdp_status elementwise(const char *func, gdp_ctx *ctx, elementwise_kind kind,
-                              const char *x_name, const gdp_tensor *x, double scale,
-                              const char *d_name, const gdp_tensor *d_out, gdp_tensor **out) {
+/* b, d_beta (may be NULL) and the result checked and loaded, then the backend's
+ * beta_forward or beta_backward over all elements of b. */
+static gdp_status beta_elementwise(const char *func, gdp_ctx *ctx, const gdp_tensor *b,
+                                   double scale, const gdp_tensor *d_beta, gdp_tensor **out) {
   *out = NULL;
-  if (d_out) GDP_TRY(check_same_shape(func, d_name, d_out, x_name, x));
-  gdp_tensor *tmp[3] = {0}; /* x, d_out, out */
-  const gdp_dtype dt = x->dtype;
-  const int64_t n = gdp_tensor_numel(x);
-  gdp_status s = load(ctx, x, dt, &tmp[0]);
-  if (s == GDP_OK) s = load(ctx, d_out, dt, &tmp[1]);
-  if (s == GDP_OK) s = gdp_tensor_empty(ctx, dt, x->ndim, x->shape, &tmp[2]);
+  if (d_beta) GDP_TRY(check_same_shape(func, "d_beta", d_beta, "b", b));
+  gdp_tensor *tmp[3] = {0}; /* b, d_beta, out */
+  const gdp_dtype dt = b->dtype;
+  const int64_t n = gdp_tensor_numel(b);
+  gdp_status s = load(ctx, b, dt, &tmp[0]);
+  if (s == GDP_OK) s = load(ctx, d_beta, dt, &tmp[1]);
+  if (s == GDP_OK) s = gdp_tensor_empty(ctx, dt, b->ndim, b->shape, &tmp[2]);
   if (s == GDP_OK) {
     const gdp_backend *be = ctx->backend;
-    if (kind == ELEMENTWISE_BETA)
-      s = d_out ? be->beta_backward(ctx, dt, n, scale, ptr(tmp[0]), ptr(tmp[1]), ptr(tmp[2]))
-                : be->beta_forward(ctx, dt, n, scale, ptr(tmp[0]), ptr(tmp[2]));
-    else
-      s = d_out ? be->silu_backward(ctx, dt, n, ptr(tmp[0]), ptr(tmp[1]), ptr(tmp[2]))
-                : be->silu_forward(ctx, dt, n, ptr(tmp[0]), ptr(tmp[2]));
+    s = d_beta ? be->beta_backward(ctx, dt, n, scale, ptr(tmp[0]), ptr(tmp[1]), ptr(tmp[2]))
+               : be->beta_forward(ctx, dt, n, scale, ptr(tmp[0]), ptr(tmp[2]));
   }
   if (s == GDP_OK) {
     *out = tmp[2];
@@ -331,7 +323,7 @@ gdp_status gdp_mixer_beta_forward(gdp_ctx *ctx, const gdp_tensor *b, double beta
   *beta = NULL;
   NEED_OP(func, ctx, beta_forward);
   GDP_TRY(beta_check(func, ctx, b, beta_scale, NULL));
-  return elementwise(func, ctx, ELEMENTWISE_BETA, "b", b, beta_scale, NULL, NULL, beta);
+  return beta_elementwise(func, ctx, b, beta_scale, NULL, beta);
 }
 
 gdp_status gdp_mixer_beta_backward(gdp_ctx *ctx, const gdp_tensor *b, double beta_scale,
@@ -342,7 +334,38 @@ gdp_status gdp_mixer_beta_backward(gdp_ctx *ctx, const gdp_tensor *b, double bet
   NEED_OP(func, ctx, beta_backward);
   GDP_TRY(need_tensor(func, "d_beta", d_beta));
   GDP_TRY(beta_check(func, ctx, b, beta_scale, d_beta));
-  return elementwise(func, ctx, ELEMENTWISE_BETA, "b", b, beta_scale, "d_beta", d_beta, db);
+  return beta_elementwise(func, ctx, b, beta_scale, d_beta, db);
+}
+
+/* ------------------------------------------------------------------ SiLU */
+
+/* The SiLU kernels' rows for an operand t like x: [T,B,C] token rows (read or written in
+ * place when they lie evenly spaced, see token_rows), else any shape as a contiguous
+ * buffer of rows of C elements, C the largest power of two <= 4096 dividing its size. */
+typedef struct silu_rows {
+  int64_t rows, C;
+} silu_rows;
+
+static silu_rows silu_rows_of(const gdp_tensor *x) {
+  silu_rows r;
+  const int64_t n = gdp_tensor_numel(x);
+  if (x->ndim == 3) {
+    r.C = x->shape[2];
+    r.rows = x->shape[0] * x->shape[1];
+    return r;
+  }
+  r.C = 1;
+  while (r.C < 4096 && n % (2 * r.C) == 0) r.C *= 2;
+  r.rows = n / r.C;
+  return r;
+}
+
+/* t read as rows (a new reference or a contiguous copy in dtype); *ld its row stride. */
+static gdp_status silu_load(gdp_ctx *ctx, const gdp_tensor *t, gdp_dtype dtype, silu_rows r,
+                            gdp_tensor **out, int64_t *ld) {
+  if (t->ndim == 3) return load_token_rows(ctx, t, dtype, out, ld);
+  *ld = r.C;
+  return load(ctx, t, dtype, out);
 }
 
 gdp_status gdp_mixer_silu_forward(gdp_ctx *ctx, const gdp_tensor *x, gdp_tensor **out) {
@@ -352,11 +375,24 @@ gdp_status gdp_mixer_silu_forward(gdp_ctx *ctx, const gdp_tensor *x, gdp_tensor 
   NEED_OP(func, ctx, silu_forward);
   GDP_TRY(need_tensor(func, "x", x));
   GDP_TRY(check_float_on(func, "x", ctx, x));
-  return elementwise(func, ctx, ELEMENTWISE_SILU, "x", x, 1.0, NULL, NULL, out);
+  gdp_tensor *tmp[2] = {0}; /* x, out */
+  const silu_rows r = silu_rows_of(x);
+  int64_t ld_x = 0;
+  gdp_status s = silu_load(ctx, x, x->dtype, r, &tmp[0], &ld_x);
+  if (s == GDP_OK) s = gdp_tensor_empty(ctx, x->dtype, x->ndim, x->shape, &tmp[1]);
+  if (s == GDP_OK)
+    s = ctx->backend->silu_forward(ctx, x->dtype, r.rows, r.C, ptr(tmp[0]), ld_x, ptr(tmp[1]),
+                                   r.C);
+  if (s == GDP_OK) {
+    *out = tmp[1];
+    tmp[1] = NULL;
+  }
+  FREE_ALL(tmp);
+  return s;
 }
 
 gdp_status gdp_mixer_silu_backward(gdp_ctx *ctx, const gdp_tensor *x, const gdp_tensor *d_out,
-                                   gdp_tensor **dx) {
+                                   gdp_tensor *into, gdp_tensor **dx) {
   static const char *func = "gdp_mixer_silu_backward";
   GDP_TRY(need_out(func, "dx", dx));
   *dx = NULL;
@@ -365,7 +401,37 @@ gdp_status gdp_mixer_silu_backward(gdp_ctx *ctx, const gdp_tensor *x, const gdp_
   GDP_TRY(need_tensor(func, "d_out", d_out));
   GDP_TRY(check_float_on(func, "x", ctx, x));
   GDP_TRY(check_float_on(func, "d_out", ctx, d_out));
-  return elementwise(func, ctx, ELEMENTWISE_SILU, "x", x, 1.0, "d_out", d_out, dx);
+  GDP_TRY(check_float_on(func, "into", ctx, into));
+  GDP_TRY(check_same_shape(func, "d_out", d_out, "x", x));
+  GDP_TRY(check_same_shape(func, "into", into, "x", x));
+  if (into && into->dtype != x->dtype)
+    return GDP_ERROR_IN(func, GDP_ERR_DTYPE, "into: expected dtype %s (x's), got %s",
+                        gdp_dtype_name(x->dtype), gdp_dtype_name(into->dtype));
+  gdp_tensor *tmp[3] = {0}; /* x, d_out, dx (into itself, a buffer to copy into it, or new) */
+  const gdp_dtype dt = x->dtype;
+  const silu_rows r = silu_rows_of(x);
+  int64_t ld_x = 0, ld_d = 0, ld_dx = r.C;
+  int staged = 0;
+  gdp_status s = silu_load(ctx, x, dt, r, &tmp[0], &ld_x);
+  if (s == GDP_OK) s = silu_load(ctx, d_out, dt, r, &tmp[1], &ld_d);
+  if (s == GDP_OK) {
+    if (into && into->ndim == 3) s = token_rows_target(ctx, into, dt, &tmp[2], &ld_dx, &staged);
+    else if (into && gdp_tensor_is_contiguous(into)) tmp[2] = gdp_tensor_retain(into);
+    else {
+      staged = into != NULL;
+      s = gdp_tensor_empty(ctx, dt, x->ndim, x->shape, &tmp[2]);
+    }
+  }
+  if (s == GDP_OK)
+    s = ctx->backend->silu_backward(ctx, dt, r.rows, r.C, ptr(tmp[0]), ld_x, ptr(tmp[1]), ld_d,
+                                    ptr(tmp[2]), ld_dx);
+  if (s == GDP_OK && staged) s = gdp_tensor_copy(ctx, into, tmp[2]);
+  if (s == GDP_OK) {
+    *dx = into ? gdp_tensor_retain(into) : tmp[2];
+    if (!into) tmp[2] = NULL;
+  }
+  FREE_ALL(tmp);
+  return s;
 }
 
 /* ------------------------------------------------------------------ decay */

@@ -43,12 +43,17 @@ void gdp_cpu_beta_bwd_f64(int64_t n, double scale, const double *b, const double
 void gdp_cpu_beta_bwd_f32(int64_t n, double scale, const float *b, const float *d_beta,
                           float *db, int nthreads);
 
-/* out = x * sigmoid(x) over n elements; dx = d_out * s (1 + x (1 - s)). */
-void gdp_cpu_silu_fwd_f64(int64_t n, const double *x, double *out, int nthreads);
-void gdp_cpu_silu_fwd_f32(int64_t n, const float *x, float *out, int nthreads);
-void gdp_cpu_silu_bwd_f64(int64_t n, const double *x, const double *d_out, double *dx,
+/* out = x * sigmoid(x); dx = d_out * s (1 + x (1 - s)), over rows of C elements, each
+ * operand's rows ld_* elements apart. */
+void gdp_cpu_silu_fwd_f64(int64_t rows, int64_t C, const double *x, int64_t ld_x, double *out,
+                          int64_t ld_out, int nthreads);
+void gdp_cpu_silu_fwd_f32(int64_t rows, int64_t C, const float *x, int64_t ld_x, float *out,
+                          int64_t ld_out, int nthreads);
+void gdp_cpu_silu_bwd_f64(int64_t rows, int64_t C, const double *x, int64_t ld_x,
+                          const double *d_out, int64_t ld_d, double *dx, int64_t ld_dx,
                           int nthreads);
-void gdp_cpu_silu_bwd_f32(int64_t n, const float *x, const float *d_out, float *dx,
+void gdp_cpu_silu_bwd_f32(int64_t rows, int64_t C, const float *x, int64_t ld_x,
+                          const float *d_out, int64_t ld_d, float *dx, int64_t ld_dx,
                           int nthreads);
 
 /* g[r,h] = -exp(A_log[h]) * softplus(a[r,h] + dt_bias[h]) over rows x H; dt_bias may be

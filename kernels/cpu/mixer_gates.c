@@ -48,17 +48,26 @@ static double *gates_partials(int nthreads, int64_t width) {
 
 #include "mixer_gate_math.h"
 
-void FN(gdp_cpu_silu_fwd)(int64_t n, const REAL *x, REAL *out, int nthreads) {
-#pragma omp parallel for schedule(static) num_threads(gates_threads(nthreads)) if (n > GATES_PAR_MIN)
-  for (int64_t i = 0; i < n; i++) out[i] = x[i] * FN(sigmoid)(x[i]);
+void FN(gdp_cpu_silu_fwd)(int64_t rows, int64_t C, const REAL *x, int64_t ld_x, REAL *out,
+                          int64_t ld_out, int nthreads) {
+#pragma omp parallel for collapse(2) schedule(static) num_threads(gates_threads(nthreads)) \
+    if (rows * C > GATES_PAR_MIN)
+  for (int64_t r = 0; r < rows; r++)
+    for (int64_t c = 0; c < C; c++) {
+      const REAL v = x[r * ld_x + c];
+      out[r * ld_out + c] = v * FN(sigmoid)(v);
+    }
 }
 
-void FN(gdp_cpu_silu_bwd)(int64_t n, const REAL *x, const REAL *d_out, REAL *dx, int nthreads) {
-#pragma omp parallel for schedule(static) num_threads(gates_threads(nthreads)) if (n > GATES_PAR_MIN)
-  for (int64_t i = 0; i < n; i++) {
-    const REAL s = FN(sigmoid)(x[i]);
-    dx[i] = d_out[i] * s * ((REAL)1 + x[i] * ((REAL)1 - s));
-  }
+void FN(gdp_cpu_silu_bwd)(int64_t rows, int64_t C, const REAL *x, int64_t ld_x, const REAL *d_out,
+                          int64_t ld_d, REAL *dx, int64_t ld_dx, int nthreads) {
+#pragma omp parallel for collapse(2) schedule(static) num_threads(gates_threads(nthreads)) \
+    if (rows * C > GATES_PAR_MIN)
+  for (int64_t r = 0; r < rows; r++)
+    for (int64_t c = 0; c < C; c++) {
+      const REAL v = x[r * ld_x + c], s = FN(sigmoid)(v);
+      dx[r * ld_dx + c] = d_out[r * ld_d + c] * s * ((REAL)1 + v * ((REAL)1 - s));
+    }
 }
 
 void FN(gdp_cpu_beta_fwd)(int64_t n, double scale, const REAL *b, REAL *beta, int nthreads) {

@@ -3,7 +3,7 @@
  * kernels/cpu/mixer_gates.c:
  *
  *   beta = scale * sigmoid(b)                        db = d_beta * scale * s (1 - s)
- *   out = x * sigmoid(x) (SiLU)                      dx = d_out * s (1 + x (1 - s))
+ *   out = x * sigmoid(x) (SiLU, rows with strides)   dx = d_out * s (1 + x (1 - s))
  *   g = -exp(A_log[h]) * softplus(a + dt_bias[h])    da = d_g * (-exp(A_log[h])) * softplus'(x)
  *                                                    dA_log[h] = sum d_g * g, ddt_bias[h] = sum da
  *   out = y + D * x_v                                dx_v = D * d_out, dD = sum d_out * x_v
@@ -40,20 +40,79 @@ __global__ void beta_bwd_kernel(int64_t n, typename Math<IO>::type sc, const IO 
   }
 }
 
-template <typename IO> __global__ void silu_fwd_kernel(int64_t n, const IO *x, IO *out) {
-  GDP_MIXER_FOR(i, n) {
-    const typename Math<IO>::type v = ld(x, i);
-    st(out, i, v * sigmoid(v));
-  }
+/* SiLU over rows of C elements with row strides (a channel section of the in_proj
+ * output or of its gradient is read or written where it lies): a block per row, its
+ * threads across the row in packs of VEC. */
+template <typename IO, int VEC>
+__global__ void silu_fwd_kernel(int64_t rows, int C, const IO *x, int64_t ld_x, IO *out,
+                                int64_t ld_out) {
+  typedef typename Math<IO>::type A;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x)
+    for (int c = threadIdx.x * VEC; c < C; c += blockDim.x * VEC) {
+      A v[VEC];
+      ld_lanes<IO, VEC>(x + r * ld_x + c, v);
+#pragma unroll
+      for (int i = 0; i < VEC; i++) v[i] = v[i] * sigmoid(v[i]);
+      st_lanes<IO, VEC>(out + r * ld_out + c, v);
+    }
+}
+
+template <typename IO, int VEC>
+__global__ void silu_bwd_kernel(int64_t rows, int C, const IO *x, int64_t ld_x, const IO *d_out,
+                                int64_t ld_d, IO *dx, int64_t ld_dx) {
+  typedef typename Math<IO>::type A;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x)
+    for (int c = threadIdx.x * VEC; c < C; c += blockDim.x * VEC) {
+      A v[VEC], d[VEC];
+      ld_lanes<IO, VEC>(x + r * ld_x + c, v);
+      ld_lanes<IO, VEC>(d_out + r * ld_d + c, d);
+#pragma unroll
+      for (int i = 0; i < VEC; i++) {
+        const A s = sigmoid(v[i]);
+        d[i] = d[i] * s * ((A)1 + v[i] * ((A)1 - s));
+      }
+      st_lanes<IO, VEC>(dx + r * ld_dx + c, d);
+    }
+}
+
+/* 16-byte packs fit: C and the row strides are multiples of the pack, the rows aligned. */
+template <typename IO>
+static int rows_pack(int64_t C, const int64_t *lds, const void *const *ptrs, int n) {
+  const int64_t vec = Vec16<IO>::n;
+  if (C % vec) return 0;
+  for (int i = 0; i < n; i++)
+    if (lds[i] % vec || !aligned16(ptrs[i])) return 0;
+  return 1;
+}
+
+static unsigned rows_grid(int64_t rows) {
+  return (unsigned)(rows < MAX_BLOCKS ? (rows > 0 ? rows : 1) : MAX_BLOCKS);
 }
 
 template <typename IO>
-__global__ void silu_bwd_kernel(int64_t n, const IO *x, const IO *d_out, IO *dx) {
-  typedef typename Math<IO>::type A;
-  GDP_MIXER_FOR(i, n) {
-    const A v = ld(x, i), s = sigmoid(v);
-    st(dx, i, ld(d_out, i) * s * ((A)1 + v * ((A)1 - s)));
-  }
+static void silu_fwd(int64_t rows, int C, const void *x, int64_t ld_x, void *out, int64_t ld_out,
+                     cudaStream_t stream) {
+  const int64_t lds[2] = {ld_x, ld_out};
+  const void *ptrs[2] = {x, out};
+  if (rows_pack<IO>(C, lds, ptrs, 2))
+    silu_fwd_kernel<IO, Vec16<IO>::n><<<rows_grid(rows), THREADS, 0, stream>>>(
+        rows, C, (const IO *)x, ld_x, (IO *)out, ld_out);
+  else
+    silu_fwd_kernel<IO, 1><<<rows_grid(rows), THREADS, 0, stream>>>(rows, C, (const IO *)x, ld_x,
+                                                                     (IO *)out, ld_out);
+}
+
+template <typename IO>
+static void silu_bwd(int64_t rows, int C, const void *x, int64_t ld_x, const void *d_out,
+                     int64_t ld_d, void *dx, int64_t ld_dx, cudaStream_t stream) {
+  const int64_t lds[3] = {ld_x, ld_d, ld_dx};
+  const void *ptrs[3] = {x, d_out, dx};
+  if (rows_pack<IO>(C, lds, ptrs, 3))
+    silu_bwd_kernel<IO, Vec16<IO>::n><<<rows_grid(rows), THREADS, 0, stream>>>(
+        rows, C, (const IO *)x, ld_x, (const IO *)d_out, ld_d, (IO *)dx, ld_dx);
+  else
+    silu_bwd_kernel<IO, 1><<<rows_grid(rows), THREADS, 0, stream>>>(
+        rows, C, (const IO *)x, ld_x, (const IO *)d_out, ld_d, (IO *)dx, ld_dx);
 }
 
 template <typename IO>
@@ -145,23 +204,23 @@ extern "C" gdp_status gdp_cuda_beta_bwd(int dtype, int64_t n, double scale, cons
   return launched(func, "beta_bwd_kernel");
 }
 
-extern "C" gdp_status gdp_cuda_silu_fwd(int dtype, int64_t n, const void *x, void *out,
-                                        void *stream) {
+extern "C" gdp_status gdp_cuda_silu_fwd(int dtype, int64_t rows, int64_t C, const void *x,
+                                        int64_t ld_x, void *out, int64_t ld_out, void *stream) {
   static const char *func = "gdp_cuda_silu_fwd";
-  if (n == 0) return GDP_OK;
+  if (rows == 0 || C == 0) return GDP_OK;
   GDP_MIXER_DISPATCH(func, dtype,
-                     silu_fwd_kernel<IO><<<grid_for(n), THREADS, 0, (cudaStream_t)stream>>>(
-                         n, (const IO *)x, (IO *)out));
+                     silu_fwd<IO>(rows, (int)C, x, ld_x, out, ld_out, (cudaStream_t)stream));
   return launched(func, "silu_fwd_kernel");
 }
 
-extern "C" gdp_status gdp_cuda_silu_bwd(int dtype, int64_t n, const void *x, const void *d_out,
-                                        void *dx, void *stream) {
+extern "C" gdp_status gdp_cuda_silu_bwd(int dtype, int64_t rows, int64_t C, const void *x,
+                                        int64_t ld_x, const void *d_out, int64_t ld_d, void *dx,
+                                        int64_t ld_dx, void *stream) {
   static const char *func = "gdp_cuda_silu_bwd";
-  if (n == 0) return GDP_OK;
+  if (rows == 0 || C == 0) return GDP_OK;
   GDP_MIXER_DISPATCH(func, dtype,
-                     silu_bwd_kernel<IO><<<grid_for(n), THREADS, 0, (cudaStream_t)stream>>>(
-                         n, (const IO *)x, (const IO *)d_out, (IO *)dx));
+                     silu_bwd<IO>(rows, (int)C, x, ld_x, d_out, ld_d, dx, ld_dx,
+                                  (cudaStream_t)stream));
   return launched(func, "silu_bwd_kernel");
 }
 

@@ -49,9 +49,12 @@ gdp_status gdp_cuda_beta_fwd(int dtype, int64_t n, double scale, const void *b, 
 gdp_status gdp_cuda_beta_bwd(int dtype, int64_t n, double scale, const void *b,
                              const void *d_beta, void *db, void *stream);
 
-/* out = x * sigmoid(x); dx = d_out * s (1 + x (1 - s)). */
-gdp_status gdp_cuda_silu_fwd(int dtype, int64_t n, const void *x, void *out, void *stream);
-gdp_status gdp_cuda_silu_bwd(int dtype, int64_t n, const void *x, const void *d_out, void *dx,
+/* out = x * sigmoid(x); dx = d_out * s (1 + x (1 - s)), over rows of C elements, each
+ * operand's rows ld_* elements apart. */
+gdp_status gdp_cuda_silu_fwd(int dtype, int64_t rows, int64_t C, const void *x, int64_t ld_x,
+                             void *out, int64_t ld_out, void *stream);
+gdp_status gdp_cuda_silu_bwd(int dtype, int64_t rows, int64_t C, const void *x, int64_t ld_x,
+                             const void *d_out, int64_t ld_d, void *dx, int64_t ld_dx,
                              void *stream);
 
 /* g[r,h] = -exp(A_log[h]) softplus(a[r,h] + dt_bias[h]) (dt_bias may be NULL). */

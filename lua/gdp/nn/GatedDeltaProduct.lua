@@ -460,11 +460,7 @@ end
 -- gradient) and dhalo (nil without halo); accumulates the conv gradients into grads
 -- (default: the module's) when given.
 function GatedDeltaProduct:conv_backward(xBC, dxBC_c, cu_seqlens, halo, weight, bias, grads, out)
-  if not self.use_short_conv then
-    local dxBC = F.silu_backward(xBC, dxBC_c)
-    if out == nil then return dxBC end
-    return out:copy(dxBC)
-  end
+  if not self.use_short_conv then return F.silu_backward(xBC, dxBC_c, out) end
   local w = weight or self.params["conv1d.weight"]
   local b = bias or (weight == nil and self.params["conv1d.bias"] or nil)
   local r = F.conv1d_backward(xBC, w, b, dxBC_c,

@@ -114,13 +114,14 @@ function F.silu(x)
   return call_outputs(fn, "gdp_mixer_silu_forward", { out }, x:ctx(), x, out)
 end
 
--- dx of sum(silu(x) * d_out).
-function F.silu_backward(x, d_out)
+-- dx of sum(silu(x) * d_out); written into `into` (x's shape, a view is fine) when given.
+function F.silu_backward(x, d_out, into)
   local fn = "nn.functional.silu_backward"
   tensor_arg(x, fn, "x")
   tensor_arg(d_out, fn, "d_out")
+  if into ~= nil then tensor_arg(into, fn, "into") end
   local out = tensor_box()
-  return call_outputs(fn, "gdp_mixer_silu_backward", { out }, x:ctx(), x, d_out, out)
+  return call_outputs(fn, "gdp_mixer_silu_backward", { out }, x:ctx(), x, d_out, into, out)
 end
 
 -- g = -exp(A_log[h]) * softplus(a + dt_bias[h]) for a [..., H]; dt_bias may be nil.
