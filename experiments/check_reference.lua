@@ -14,6 +14,9 @@
 -- Mixer-layer cases (mixer_*.safetensors, holding in_proj.weight) run through
 -- gdp.nn.GatedDeltaProduct and check out, grad.x and every grad.<param>: on the cpu in
 -- f64/f32, on cuda in f32/bf16 (the layer's dtypes there; f64 on cuda is skipped).
+-- Their bf16 rows also print the bf16 storage floor (gdp.nn.golden): the error of the
+-- float64 layer whose stage outputs are rounded to bf16, so that a failing row at its
+-- floor reads as the cost of bf16 storage, not of the kernels.
 
 local config = {
   device = "cpu",        -- cpu | cuda | cuda:<i>
@@ -91,6 +94,7 @@ local function check_mixer(t, meta)
   for _, r in ipairs(rows) do
     -- Below f64, err is against the float64 layer on the rounded inputs (gdp.nn.golden).
     local note = opts.dtype ~= "f64" and string.format("vs file %.2e", r.err_file) or nil
+    if r.err_floor then note = note .. string.format("; bf16 storage floor %.2e", r.err_floor) end
     out[#out + 1] = { tensor = r.name, err = r.err, tol = r.tol, status = r.ok and "PASS" or "FAIL",
                       note = note }
   end

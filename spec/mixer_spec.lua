@@ -37,6 +37,36 @@ describe("nn.GatedDeltaProduct golden cases", function()
   end
 end)
 
+describe("gdp.nn.golden storage floor", function()
+  local path = H.golden_dir .. "/mixer_m3_packed_bias_neg.safetensors"
+  local function holder(dtype)
+    return { dtype = dtype,
+             param_dtype = function(_, name)
+               return dtype == "bf16" and (name == "A_log" or name == "dt_bias") and "f32" or dtype
+             end }
+  end
+  it("is the rounded-input reference itself when nothing is rounded (f64 storage)", function()
+    local t, meta = gdp.load(path)
+    local exact = golden.storage_floor_reference(t, meta, holder("f64"))
+    local again = golden.storage_floor_reference(t, meta, holder("f64"))
+    for name, v in pairs(exact) do assert.tensor_near(again[name], v, 0, name) end
+    local ref = golden.module_for(meta, "f64")
+    ref:set_parameters(t, false)
+    assert.tensor_near(exact.out, ref:forward(t.x, t.cu_seqlens), 1e-15, "out")
+    assert.tensor_near(exact["grad.x"], ref:backward(t.x, t.dy, t.cu_seqlens), 1e-15, "grad.x")
+  end)
+  it("moves out and every gradient by bf16 storage, and grad.A_log past 1e-2 on this case", function()
+    local t, meta = gdp.load(path)
+    local exact = golden.storage_floor_reference(t, meta, holder("f64"))
+    local floor = golden.storage_floor_reference(t, meta, holder("bf16"))
+    for name, v in pairs(exact) do
+      local e = gdp.rel_error(floor[name], v)
+      assert.is_true(e > 1e-4 and e < 5e-2, string.format("%s: storage floor %.3g", name, e))
+    end
+    assert.is_true(gdp.rel_error(floor["grad.A_log"], exact["grad.A_log"]) > 1e-2)
+  end)
+end)
+
 local fd_error = H.fd_error
 
 local function randomize(m, scale)
