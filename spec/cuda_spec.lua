@@ -192,3 +192,33 @@ describe("cuda #gpu", function()
     saved:free()
   end)
 end)
+
+-- dh0 alone (gdp_delta_product_backward_dh0): the fast path's prep + state-gradient pass
+-- against the full backward's dh0 on the same inputs, and the shapes it hands to the full
+-- backward (rewrites, the recurrent kernels) giving the same values too.
+describe("cuda dh0 alone #gpu", function()
+  local cases = {
+    { name = "K = V = 128, n = 2, B = 2, with dht", B = 2, T = 200, H = 3, K = 128, n = 2 },
+    { name = "K = V = 64, n = 1, ungated", B = 1, T = 130, H = 2, K = 64, n = 1, gated = false },
+    { name = "K = 64, V = 128, n = 3, beta in (0, 2)", B = 1, T = 97, H = 2, K = 64, V = 128, n = 3, beta_max = 2 },
+    { name = "K = V = 128, n = 4, packed with empty sequences", B = 1, T = 150, H = 2, K = 128, n = 4,
+      cu_seqlens = { 0, 0, 70, 70, 71, 150 } },
+    { name = "n = 6 (a split problem: the full backward)", B = 1, T = 60, H = 2, K = 64, n = 6 },
+    { name = "K = V = 32 (a padded problem: the full backward)", B = 2, T = 80, H = 2, K = 32, n = 2 },
+  }
+  for i, c in ipairs(cases) do
+    it(c.name, function()
+      if not H.need_device("cuda") then return end
+      H.reseed(5200 + i)
+      local cfg = {}
+      for k, v in pairs(c) do cfg[k] = v end
+      cfg.dtype, cfg.device, cfg.grads, cfg.initial_state = "bf16", "cuda", true, true
+      local args = ops.random_inputs(cfg)
+      local full = ops.chunk_gated_delta_product_backward(args).dh0
+      local only = ops.chunk_gated_delta_product_dh0(args)
+      assert.tensor_near(only, full, 1e-6, "dh0 alone vs the full backward's")
+      args.initial_state = nil
+      assert.tensor_near(ops.chunk_gated_delta_product_dh0(args), full, 1e-6, "without initial_state")
+    end)
+  end
+end)

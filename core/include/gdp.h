@@ -406,6 +406,16 @@ gdp_status gdp_delta_product_backward(gdp_ctx *ctx, const gdp_delta_product_opti
                             gdp_tensor **dv, gdp_tensor **dbeta, gdp_tensor **dg,
                             gdp_tensor **dh0);
 
+/* dh0 [N,H,K,V] of the backward above, alone (h0 may be NULL: dh0 does not depend on
+ * its value): context parallelism's backward summary.  The CUDA fast path runs only its
+ * prep and its state-gradient pass; elsewhere the full backward runs and keeps dh0. */
+gdp_status gdp_delta_product_backward_dh0(gdp_ctx *ctx, const gdp_delta_product_options *opts,
+                                         const gdp_tensor *q, const gdp_tensor *k,
+                                         const gdp_tensor *v, const gdp_tensor *g,
+                                         const gdp_tensor *beta, const gdp_tensor *h0,
+                                         const gdp_tensor *cu_seqlens, const gdp_tensor *d_o,
+                                         const gdp_tensor *dht, gdp_tensor **dh0);
+
 /*
  * Save for backward (opt-in).  gdp_delta_product_forward_ex is gdp_delta_product_forward
  * that, when saved is not NULL, also returns in *saved (owned; free with

@@ -617,6 +617,18 @@ static gdp_status cuda_gdp_backward(gdp_ctx *ctx, const gdp_delta_product_proble
   return op_end(ctx);
 }
 
+static int cuda_gdp_backward_dh0_takes(gdp_ctx *ctx, const gdp_delta_product_problem *p) {
+  (void)ctx;
+  return gdp_cuda_delta_product_dh0_takes(p);
+}
+
+static gdp_status cuda_gdp_backward_dh0(gdp_ctx *ctx, const gdp_delta_product_problem *p,
+                                        const gdp_delta_product_backward_io *io) {
+  GDP_TRY(op_begin(ctx, "gdp_backward (dh0 alone)", NULL));
+  GDP_TRY(gdp_cuda_delta_product_backward_dh0(p, io, (void *)state_of(ctx)->stream));
+  return op_end(ctx);
+}
+
 static gdp_status cuda_gdp_save_plan(gdp_ctx *ctx, const gdp_delta_product_problem *p, int *variant,
                                      size_t *bytes) {
   return gdp_cuda_delta_product_save_plan(p, variant, bytes);
@@ -1039,6 +1051,8 @@ const gdp_backend gdp_backend_cuda = {
     .gdp_forward = cuda_gdp_forward,
     .gdp_path = gdp_cuda_delta_product_path,
     .gdp_backward = cuda_gdp_backward,
+    .gdp_backward_dh0_takes = cuda_gdp_backward_dh0_takes,
+    .gdp_backward_dh0 = cuda_gdp_backward_dh0,
     .gdp_save_plan = cuda_gdp_save_plan,
     .gdp_forward_save = cuda_gdp_forward_save,
     .gdp_backward_saved = cuda_gdp_backward_saved,

@@ -60,6 +60,11 @@ struct gdp_backend {
    * already L2-normalised when asked (the op layer does that); see gdp_problem.h. */
   gdp_status (*gdp_forward)(gdp_ctx *ctx, const gdp_delta_product_problem *p, const gdp_delta_product_forward_io *io);
   gdp_status (*gdp_backward)(gdp_ctx *ctx, const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io);
+  /* Optional: dh0 alone (io's dq, dk, dv, dbeta, dg NULL) for the problems
+   * gdp_backward_dh0_takes accepts; the op layer runs gdp_backward for the others. */
+  int (*gdp_backward_dh0_takes)(gdp_ctx *ctx, const gdp_delta_product_problem *p);
+  gdp_status (*gdp_backward_dh0)(gdp_ctx *ctx, const gdp_delta_product_problem *p,
+                                 const gdp_delta_product_backward_io *io);
   /* Save for backward (gdp_delta_product_forward_ex); all three NULL: the backend keeps nothing
    * and its saved objects are empty.  gdp_save_plan: the variant that runs p (recorded,
    * and compared by the backward) and the device bytes its forward keeps (0: none).

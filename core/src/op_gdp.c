@@ -681,6 +681,58 @@ done:
   return s;
 }
 
+gdp_status gdp_delta_product_backward_dh0(gdp_ctx *ctx, const gdp_delta_product_options *opts,
+                                         const gdp_tensor *q, const gdp_tensor *k,
+                                         const gdp_tensor *v, const gdp_tensor *g,
+                                         const gdp_tensor *beta, const gdp_tensor *h0,
+                                         const gdp_tensor *cu_seqlens, const gdp_tensor *d_o,
+                                         const gdp_tensor *dht, gdp_tensor **dh0) {
+  static const char *func = "gdp_delta_product_backward_dh0";
+  if (!dh0) return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG, "dh0: expected an output pointer, got NULL");
+  *dh0 = NULL;
+  gdp_op_plan plan;
+  gdp_status s = plan_make(func, ctx, opts, q, k, v, g, beta, h0, cu_seqlens, d_o, dht, 1, &plan);
+  if (s != GDP_OK) return s;
+  const gdp_backend *be = ctx->backend;
+  if (!be->gdp_backward_dh0 || !be->gdp_backward_dh0_takes(ctx, &plan.p)) {
+    /* the full backward, keeping dh0 */
+    plan_free(&plan);
+    gdp_tensor *zero_h0 = NULL, *rest[5] = {NULL};
+    if (!h0) { /* dh0 is only formed for a given h0; it does not depend on its value */
+      const gdp_dtype sd = q->dtype == GDP_DTYPE_F64 ? GDP_DTYPE_F64 : GDP_DTYPE_F32;
+      const int64_t shape[4] = {plan.N, plan.H, plan.K, plan.V};
+      s = gdp_tensor_zeros(ctx, sd, 4, shape, &zero_h0);
+    }
+    if (s == GDP_OK)
+      s = backward_impl(func, ctx, opts, q, k, v, g, beta, h0 ? h0 : zero_h0, cu_seqlens, d_o, dht,
+                        &rest[0], &rest[1], &rest[2], &rest[3], &rest[4], dh0, NULL);
+    for (int i = 0; i < 5; i++) gdp_tensor_free(rest[i]);
+    gdp_tensor_free(zero_h0);
+    return s;
+  }
+  gdp_op_inputs in = {0};
+  gdp_tensor *doc = NULL, *dhtc = NULL, *dh0c = NULL;
+  const int64_t shape[4] = {plan.N, plan.H, plan.K, plan.V};
+  if ((s = inputs_make(ctx, &plan, q, k, v, g, beta, h0, &in)) != GDP_OK) goto done;
+  if ((s = as_compute(ctx, d_o, plan.compute, &doc)) != GDP_OK) goto done;
+  if ((s = as_compute(ctx, dht, state_compute(&plan), &dhtc)) != GDP_OK) goto done;
+  if ((s = gdp_tensor_empty(ctx, state_compute(&plan), 4, shape, &dh0c)) != GDP_OK) goto done;
+  const gdp_delta_product_backward_io io = {
+      .q = data_or_null(in.qn), .k = data_or_null(in.kn), .v = data_or_null(in.vc),
+      .g = data_or_null(in.gc), .beta = data_or_null(in.bc), .h0 = data_or_null(in.h0c),
+      .d_o = data_or_null(doc), .dht = data_or_null(dhtc), .dh0 = data_or_null(dh0c)};
+  if ((s = be->gdp_backward_dh0(ctx, &plan.p, &io)) != GDP_OK) goto done;
+  record_path(ctx, &plan);
+  s = deliver(ctx, &dh0c, plan.state_out, dh0);
+done:
+  gdp_tensor_free(dh0c);
+  gdp_tensor_free(doc);
+  gdp_tensor_free(dhtc);
+  inputs_free(&in);
+  plan_free(&plan);
+  return s;
+}
+
 gdp_status gdp_delta_product_backward(gdp_ctx *ctx, const gdp_delta_product_options *opts, const gdp_tensor *q,
                             const gdp_tensor *k, const gdp_tensor *v, const gdp_tensor *g,
                             const gdp_tensor *beta, const gdp_tensor *h0,

@@ -28,6 +28,13 @@ gdp_status gdp_cuda_delta_product_forward(const gdp_delta_product_problem *p, co
 gdp_status gdp_cuda_delta_product_backward(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io,
                                  void *stream);
 
+/* dh0 alone (io's dq, dk, dv, dbeta, dg NULL): the fast path's prep and state-gradient
+ * pass only.  _takes: 1 for the problems it runs (the fast path without shape
+ * rewrites), else 0 with no error set. */
+int gdp_cuda_delta_product_dh0_takes(const gdp_delta_product_problem *p);
+gdp_status gdp_cuda_delta_product_backward_dh0(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io,
+                                               void *stream);
+
 /* Save for backward.  gdp_cuda_delta_product_save_plan: the path that runs p (a code: 1 recurrent,
  * 3 fast; the same choice as the entry points above) and the device bytes its forward
  * keeps for the backward (0: that path keeps nothing and its backward recomputes).

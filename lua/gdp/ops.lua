@@ -51,6 +51,7 @@ local M = {}
 
 local FWD = "chunk_gated_delta_product"
 local BWD = "chunk_gated_delta_product_backward"
+local DH0 = "chunk_gated_delta_product_dh0"
 
 local ALGORITHMS = {
   auto = lib.GDP_ALGO_AUTO,
@@ -236,15 +237,20 @@ end
 
 -- Backward of sum(o * do) + sum(ht * dht): returns {dq, dk, dv, dbeta, dg, dh0}
 -- (dg nil when ungated, dh0 nil without initial_state).
-function M.chunk_gated_delta_product_backward(a1, k, v, g, beta, opts)
-  local args = normalize(BWD, a1, k, v, g, beta, opts)
-  local o_opts, q, kk, vv, gg, bb, h0, cu = prepare(BWD, args, bwd_keys)
+-- The backward's do (also spelled d_o, dO) and dht (nil: zeros), checked.
+local function upstream_grads(fn, args)
   local d_o = args["do"]
   if d_o == nil then d_o = args.d_o end
   if d_o == nil then d_o = args.dO end
-  tensor.tensor_arg(d_o, BWD, "do")
-  local dht = args.dht
-  if dht ~= nil then tensor.tensor_arg(dht, BWD, "dht") end
+  tensor.tensor_arg(d_o, fn, "do")
+  if args.dht ~= nil then tensor.tensor_arg(args.dht, fn, "dht") end
+  return d_o, args.dht
+end
+
+function M.chunk_gated_delta_product_backward(a1, k, v, g, beta, opts)
+  local args = normalize(BWD, a1, k, v, g, beta, opts)
+  local o_opts, q, kk, vv, gg, bb, h0, cu = prepare(BWD, args, bwd_keys)
+  local d_o, dht = upstream_grads(BWD, args)
   local saved = args.saved
   if saved ~= nil then
     if not ffi.istype(Saved_ptr, saved) then
@@ -266,6 +272,17 @@ function M.chunk_gated_delta_product_backward(a1, k, v, g, beta, opts)
                        cu, d_o, dht, dq, dk, dv, dbeta, dg, dh0, saved) }
   end
   return { dq = r[1], dk = r[2], dv = r[3], dbeta = r[4], dg = r[5], dh0 = r[6] }
+end
+
+-- dh0 alone, from the backward's arguments (initial_state optional: dh0 does not depend
+-- on it): the CUDA fast path then skips everything but its prep and state-gradient pass.
+function M.chunk_gated_delta_product_dh0(a1, k, v, g, beta, opts)
+  local args = normalize(DH0, a1, k, v, g, beta, opts)
+  local o_opts, q, kk, vv, gg, bb, h0, cu = prepare(DH0, args, bwd_keys)
+  local d_o, dht = upstream_grads(DH0, args)
+  local dh0 = tensor_box()
+  return (call_outputs(DH0, "gdp_delta_product_backward_dh0", { dh0 }, q:ctx(), o_opts, q, kk, vv, gg, bb, h0,
+                       cu, d_o, dht, dh0))
 end
 
 local STATE_NAMES = { initial_state = true, h0 = true, dht = true }

@@ -562,9 +562,48 @@ static gdp_status backward_recompute(const gdp_delta_product_problem *p, const g
   return st;
 }
 
+/* dh0 alone: the prep (as the forward's: no T^T, no U residual) and the state-gradient
+ * pass, which reads only the prep's panels, d_o and dht; its dH^T copies go to a scratch
+ * buffer nothing reads. */
+static gdp_status backward_dh0_recompute(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io,
+                                         cudaStream_t stream) {
+  Plan plan;
+  prof_begin(stream);
+  gdp_status st = plan_make(p, stream, PLAN_BACKWARD, bwd_args(p, io), &plan);
+  if (st != GDP_OK) {
+    prof_end(stream);
+    return st;
+  }
+  plan.a.Ulo = nullptr;
+  plan.a.Tu = nullptr;
+  const int bv = choose_bv(plan);
+  void *dHT16 = nullptr;
+  if (plan.a.nchunks > 0) {
+    st = device_alloc(&dHT16, align128((size_t)plan.a.nchunks * plan.a.H * plan.a.V * plan.a.K * 2), stream);
+    if (st == GDP_OK) st = chunked::launch_chunk_prep(plan, nullptr);
+    prof_mark("bwd dh0: prep", stream);
+  }
+  /* also without chunks (every sequence empty): the reverse pass writes dh0 = dht */
+  if (st == GDP_OK) st = launch_seq(plan, bv, false, false, nullptr, (bf16 *)dHT16);
+  prof_mark("bwd dh0: state gradients", stream);
+  if (dHT16) cudaFreeAsync(dHT16, stream);
+  plan_free(&plan);
+  prof_end(stream);
+  return st;
+}
+
 }  // namespace chunked_backward
 
 namespace chunked {
+bool takes_dh0(const gdp_delta_product_problem *p) {
+  return takes(p) && !needs_split(p) && !needs_value_split(p) && !needs_padding(p);
+}
+
+gdp_status backward_dh0(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io, cudaStream_t stream) {
+  if (p->N == 0) return GDP_OK;
+  return chunked_backward::backward_dh0_recompute(p, io, stream);
+}
+
 /* The dispatch has validated p and io and checked that the fast path takes p. */
 gdp_status backward(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io, cudaStream_t stream, const void *saved) {
   if (p->N == 0) return GDP_OK;

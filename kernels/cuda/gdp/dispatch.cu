@@ -86,6 +86,29 @@ extern "C" gdp_status gdp_cuda_delta_product_backward(const gdp_delta_product_pr
   return backward_recurrent(p, io, (cudaStream_t)stream);
 }
 
+extern "C" int gdp_cuda_delta_product_dh0_takes(const gdp_delta_product_problem *p) {
+  /* choose_path's answer without its messages: the fast path, no rewrite, a chunk size
+   * and value block it takes */
+  const int vb = p->value_block;
+  return gdp_cuda_delta_product_supported(p) && p->algorithm != GDP_ALGO_RECURRENT && chunked::takes_dh0(p) &&
+         (p->chunk_size == 0 || p->chunk_size == fast_chunk_steps(p->n)) &&
+         (vb == 0 || ((vb == 16 || vb == 32 || vb == 64) && p->V % vb == 0));
+}
+
+extern "C" gdp_status gdp_cuda_delta_product_backward_dh0(const gdp_delta_product_problem *p,
+                                                          const gdp_delta_product_backward_io *io, void *stream) {
+  GDP_TRY(validate_problem(p, "backward_dh0"));
+  if (!io->d_o || !io->dh0 || !io->q || !io->k || !io->v || !io->beta)
+    return GDP_ERROR_IN("backward_dh0", GDP_ERR_INVALID_ARG, "io: expected q, k, v, beta, d_o and dh0 buffers");
+  int path = 0;
+  GDP_TRY(choose_path(p, "backward_dh0", &path));
+  if (path != PATH_FAST || !chunked::takes_dh0(p))
+    return GDP_ERROR_IN("backward_dh0", GDP_ERR_UNSUPPORTED,
+                        "dh0 alone runs on the fast path without shape rewrites only (bf16, n = 1..4, "
+                        "K, V in {64, 128})");
+  return chunked::backward_dh0(p, io, (cudaStream_t)stream);
+}
+
 extern "C" gdp_status gdp_cuda_delta_product_save_plan(const gdp_delta_product_problem *p, int *variant, size_t *bytes) {
   *variant = 0;
   *bytes = 0;

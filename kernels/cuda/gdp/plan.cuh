@@ -228,6 +228,12 @@ size_t saved_bytes(const gdp_delta_product_problem *p);
 gdp_status forward(const gdp_delta_product_problem *p, const gdp_delta_product_forward_io *io, cudaStream_t stream, void *saved);
 gdp_status backward(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io, cudaStream_t stream, const void *saved);
 
+/* dh0 alone (io's other gradients NULL): the prep and the state-gradient pass, neither
+ * the states pass nor the gradient kernels -- context parallelism's backward summary.
+ * takes_dh0: the problems it runs (takes(p) with no rewrite of chunk_shapes.cu). */
+bool takes_dh0(const gdp_delta_product_problem *p);
+gdp_status backward_dh0(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io, cudaStream_t stream);
+
 /* The prep (chunk_prep.cuh, launched by chunk_forward.cu), also the backward's recompute:
  * Tt non-NULL also stores T^T there (and U's residual where plan.a.Ulo is set). */
 gdp_status launch_chunk_prep(const Plan &plan, bf16 *Tt);

@@ -398,11 +398,11 @@ function CpuBackend:backward_prepare(d_o, saved)
   local first = cu and first_last(cu)
   local span = span_of(inputs, first)
   local args = with_algorithm(self, span and op_args(inputs, span[1], span[2]) or op_args(inputs))
-  -- gamma: dO on the value columns with dht = 0 (dh0 is only returned for a given h0;
-  -- the adjoint does not depend on its value)
+  -- gamma: the adjoint of dO on the value columns with dht = 0 (dh0 alone: on the CUDA
+  -- fast path the prep and the state-gradient pass, no gradient kernels)
   args["do"] = span and d_o:narrow(2, span[1] + 1, span[2] - span[1]) or d_o
-  args.initial_state = tensor.zeros({ Nb, H, K, V }, { dtype = saved.sdtype, device = device })
-  summary:narrow(4, 1, V):copy(ops.chunk_gated_delta_product_backward(args).dh0)
+  args.initial_state = nil
+  summary:narrow(4, 1, V):copy(ops.chunk_gated_delta_product_dh0(args))
   local M_first = saved.M_first
   if M_first == nil then
     local _
