@@ -3,16 +3,37 @@
 -- --against-fla) with fla's chunk_gated_delta_product timed in the same run.
 --
 --   ./gdp experiments/bench_gdp.lua [--device cpu|cuda] [--dtype f32|bf16|f64]
---         [--B 1 --T 4096 --H 4 --K 128 --V 128 --n 2] [--shapes BxTxn,...]
+--         [--B 1 --T 4096 --H 4 --K 128 --V 128 --n 2] [--shapes ITEM,... | --set NAME]
 --         [--against-fla [--fla-path DIR] [--python python3]] [--warmup 1] [--repeat 5]
---         [--save-for-backward | --with-saving] [--json] [--no-save] [--help]
+--         [--save-for-backward | --with-saving] [--seed 1234] [--json] [--no-save] [--help]
 --
--- The issue's comparison (H200, all shapes in one call, ceilings measured once):
---   ./gdp experiments/bench_gdp.lua --device cuda --dtype bf16 --H 16 --K 128 --V 128 \
---         --shapes 4x4096x1,4x4096x2,4x4096x3,1x32768x2 --against-fla --with-saving --repeat 30 --json
+-- Issue 22's comparison (H200, every shape of the set in one call, ceilings measured once):
+--   ./gdp experiments/bench_gdp.lua --device cuda --dtype bf16 --set issue22 --against-fla \
+--         --with-saving --repeat 30 --json
 --
--- --shapes lists B x T x n (batch, tokens per sequence, Householder steps), comma-separated,
--- and overrides --B/--T/--n (default: that single shape); H, K, V are common to all.
+-- --shapes lists the shapes, comma-separated, and overrides --B/--T/--n (default: that
+-- single shape at --H/--K/--V).  An item (lua/gdp/bench_shapes.lua, which tools/fla_bench.py
+-- mirrors) is
+--   [H<h>K<k>V<v>:]<B>x<T>x<n>             B sequences of T tokens, n Householder steps
+--   [H<h>K<k>V<v>:]packed<N>mean<L>x<n>    N sequences of random lengths with mean L,
+--                                          packed into one (B = 1, cu_seqlens)
+-- with positive integers; the prefix gives the item its own heads (H heads, key size K,
+-- value size V), without it the item has --H/--K/--V.  A packed item's lengths are uniform
+-- on [1, 2L - 1], drawn from --seed (splitmix64: length i = 1 + x_i mod (2L - 1)); fla gets
+-- the same item and seed, draws the same lengths, and returns them, and bench_gdp refuses
+-- its times for that shape if they differ.  A bad item stops the run (exit status 2) with
+-- a message naming it and the syntax.  --set NAME takes the items of a named set instead
+-- (gdp.bench_shapes.SETS):
+--   issue22  H16K128V128: 4x4096x1, 4x4096x2, 4x4096x3, 1x32768x2, 1x65536x2, 64x1024x3,
+--            packed1000mean200x2; H8K32V32: 256x512x4, 256x512x2; H8K256V256: 2x4096x2;
+--            H32K64V64: 8x2048x2
+-- A shape's label (`shape` in the JSON and the CSV, the key of fla's row) is its item in
+-- canonical form, the prefix written only when its heads are not --H/--K/--V.  Every row
+-- records H, K, V, packed, seqs (N; B when not packed), tokens (B * T), for packed rows
+-- mean_len, len_min, len_max, and path: gdp.ops.last_path, the kernels the operator took
+-- ("fast chunked" or "recurrent" on cuda; saving_path for --with-saving's saving pass), so
+-- that a shape fallen onto a slower path shows; the table has shape (the item without its
+-- heads), heads, tokens and path columns.
 -- Each repeat draws fresh random inputs (never zeros) outside the timed region; the
 -- reported times are medians.  Inputs (--inputs): "gdp" is gdp.ops.random_inputs
 -- (g ~ U(-0.2, -0.01), beta ~ U(0, 1)); "fla" is what tools/fla_bench.py draws
@@ -34,14 +55,19 @@
 -- the gap: measured time / floor (1 = at the floor).
 --
 -- --against-fla (cuda, --dtype bf16): after our shapes, runs
---   PYTHONPATH=<fla-path> python3 tools/fla_bench.py --shapes ... --H --K --V --reps R ...
--- once for all shapes (fla's source: fla/__init__.py, fla/utils, fla/ops, fla/modules
--- in --fla-path, default <repo>/.fla; TRITON_CACHE_DIR with a warm cache saves fla's
--- minutes of first compile, see tools/gpu_run.sh), and reports fla's fwd and fwd+bwd
--- medians, speedup = fla ms / our ms (> 1: we are faster), and fla's fraction of the
--- same ceilings.  Before timing anything it checks the device, the dtype, the fla folder,
--- python3 and (fla_bench.py --check) torch, triton, fla and a CUDA device, and stops with
--- exit status 2 and every problem named.
+--   PYTHONPATH=<fla-path> python3 tools/fla_bench.py --shapes <labels> --H --K --V --reps R ...
+-- once for all shapes, whatever their heads (fla's source: fla/__init__.py, fla/utils,
+-- fla/ops, fla/modules in --fla-path, default <repo>/.fla), and reports fla's fwd and
+-- fwd+bwd medians, speedup = fla ms / our ms (> 1: we are faster), and fla's fraction of the
+-- same ceilings.  One process for every shape: Triton compiles and autotunes each fla
+-- kernel once per autotune key (fla's keys: H, K, V and the chunk size, some also B or
+-- varlen; n is a compile-time constant, so by these keys a new n compiles without
+-- re-tuning) for the whole run, and with TRITON_CACHE_DIR kept between runs fla keeps both on disk (its
+-- FLA_CACHE_RESULTS=1, the default), which saves its minutes of first compile (see
+-- tools/gpu_run.sh).  fla_warmup_s in a row: the wall seconds of fla's untimed warm-up
+-- there, where that compiling and autotuning lands.  Before timing anything it checks the
+-- device, the dtype, the fla folder, python3 and (fla_bench.py --check) torch, triton, fla
+-- and a CUDA device, and stops with exit status 2 and every problem named.
 -- Test hook: --fla-cmd CMD replaces `python3 tools/fla_bench.py` (CMD gets the same
 -- arguments, and `--check` first, which must print "ok"), skips the device, folder and
 -- python3 checks, and so lets a stub exercise the comparison on the cpu
@@ -79,7 +105,8 @@ local config = {
   device = "cpu",
   dtype = "f32",
   B = 1, T = 4096, H = 4, K = 128, V = 128, n = 2,
-  shapes = "",             -- BxTxn,BxTxn,...; empty: the single --B/--T/--n shape
+  shapes = "",             -- items (see the header); empty: --set's, else the single --B/--T/--n shape
+  set = "",                -- a named set of items (gdp.bench_shapes.SETS: issue22)
   algorithm = "auto",      -- auto | chunk | recurrent
   chunk_size = 0,          -- 0: the backend's own (cpu 64; cuda: fixed by n)
   use_qk_l2norm = true,
@@ -111,6 +138,7 @@ local ffi = require("ffi")
 local gdp = require("gdp")
 local util = require("gdp.util")
 local results = require("gdp.results")
+local bench_shapes = require("gdp.bench_shapes")
 
 local opts = util.parse_args(arg, config, {
   usage = "./gdp experiments/bench_gdp.lua [options]",
@@ -119,7 +147,8 @@ local opts = util.parse_args(arg, config, {
     { "device", "cpu, cuda or cuda:<i>" }, { "dtype", "input dtype" },
     { "B", "batch" }, { "T", "tokens per sequence" }, { "H", "heads" }, { "K", "key dim" },
     { "V", "value dim" }, { "n", "Householder steps per token" },
-    { "shapes", "BxTxn,... timed in one run (overrides --B/--T/--n)" },
+    { "shapes", "[H<h>K<k>V<v>:]BxTxn or [H<h>K<k>V<v>:]packed<N>mean<L>x<n>, comma-separated, timed in one run" },
+    { "set", "a named set of --shapes items: issue22" },
     { "warmup", "untimed repeats first" }, { "repeat", "timed repeats (median)" },
     { "json", "print one JSON object on stdout" },
     { "save", "write the run folder and append to the study's results.csv" },
@@ -154,33 +183,27 @@ end
 
 ------------------------------------------------------------------------------- shapes
 
--- "4x4096x1, 1x32768x2" -> {{B = 4, T = 4096, n = 1}, {B = 1, T = 32768, n = 2}};
--- nil and a message on anything else.  The same syntax as tools/fla_bench.py --shapes.
-local function parse_shapes(text)
-  local shapes = {}
-  for item in (text .. ","):gmatch("([^,]*),") do
-    local b, t, n = item:match("^%s*(%d+)x(%d+)x(%d+)%s*$")
-    b, t, n = tonumber(b), tonumber(t), tonumber(n)
-    if not (b and b > 0 and t > 0 and n > 0) then
-      return nil, string.format("--shapes: expected comma-separated BxTxn items of positive integers " ..
-                                "such as 4x4096x2, got '%s' in '%s'", item, text)
-    end
-    shapes[#shapes + 1] = { B = b, T = t, n = n }
+-- The shapes: --set NAME's items, --shapes' items (gdp.bench_shapes: the syntax, the
+-- packed lengths, the labels), or the single --B/--T/--n shape at --H/--K/--V.
+local common_head = { H = opts.H, K = opts.K, V = opts.V }
+if opts.set ~= "" and opts.shapes ~= "" then
+  refuse({ string.format("--set %s and --shapes both name the shapes: give one", opts.set) })
+end
+local shape_items = opts.shapes
+if opts.set ~= "" then
+  shape_items = bench_shapes.SETS[opts.set]
+  if not shape_items then
+    local names = {}
+    for name in pairs(bench_shapes.SETS) do names[#names + 1] = name end
+    table.sort(names)
+    refuse({ string.format("--set: expected one of %s, got '%s'", table.concat(names, ", "), opts.set) })
   end
-  return shapes
 end
-
-local shapes
-if opts.shapes ~= "" then
-  local err
-  shapes, err = parse_shapes(opts.shapes)
-  if not shapes then refuse({ err }) end
-else
-  shapes = { { B = opts.B, T = opts.T, n = opts.n } }
-end
-local function shape_text(s) return string.format("%dx%dx%d", s.B, s.T, s.n) end
+if shape_items == "" then shape_items = string.format("%dx%dx%d", opts.B, opts.T, opts.n) end
+local shapes, shapes_err = bench_shapes.parse(shape_items, common_head, opts.seed)
+if not shapes then refuse({ shapes_err }) end
 local shape_names = {}
-for i, s in ipairs(shapes) do shape_names[i] = shape_text(s) end
+for i, s in ipairs(shapes) do shape_names[i] = s.label end
 local shape_list = table.concat(shape_names, ",")
 
 if opts.with_saving and opts.save_for_backward then
@@ -268,8 +291,9 @@ if opts.against_fla then
   if #problems > 0 then refuse(problems) end
 end
 
--- Runs fla at every shape at once; returns its decoded JSON (rows keyed by shape added
--- as by_shape) and the command, or nil, a message and the command.
+-- Runs fla at every shape in one process (so Triton compiles and autotunes each kernel
+-- once per key for the whole run: see tools/fla_bench.py); returns its decoded JSON (rows
+-- keyed by label added as by_shape) and the command, or nil, a message and the command.
 local function run_fla()
   local args = string.format("--shapes %s --H %d --K %d --V %d --reps %d --warmup %d --seed %d%s",
     shape_list, opts.H, opts.K, opts.V, opts.fla_reps > 0 and opts.fla_reps or opts["repeat"],
@@ -297,13 +321,33 @@ local function run_fla()
   end
   obj.by_shape = {}
   for _, r in ipairs(obj.rows or obj.shapes) do
-    -- a row at other H, K or V is not a time for this run's shapes
-    if type(r) == "table" and r.B and r.T and r.n and (r.H or opts.H) == opts.H and (r.K or opts.K) == opts.K
-       and (r.V or opts.V) == opts.V then
-      obj.by_shape[shape_text(r)] = r
+    -- keyed by the label of the shape the row says it timed (heads and packing included;
+    -- a row without heads is at the common ones), never by the order of the rows
+    if type(r) == "table" and r.B and r.T and r.n and (not r.packed or (r.seqs and r.mean_len)) then
+      local timed = { B = r.B, T = r.T, n = r.n, H = r.H or opts.H, K = r.K or opts.K, V = r.V or opts.V,
+                      packed = r.packed == true, seqs = r.seqs, mean_len = r.mean_len }
+      obj.by_shape[bench_shapes.label(timed, common_head)] = r
     end
   end
   return obj, nil, cmd
+end
+
+-- Why fla's row r is not a time for packed shape s (other lengths than ours), or nil.
+local function packing_mismatch(s, r)
+  if not s.packed then return nil end
+  if r.T ~= s.T then
+    return string.format("fla timed %s tokens, ours %d: its lengths are not ours", tostring(r.T), s.T)
+  end
+  if type(r.lengths) ~= "table" or #r.lengths ~= s.seqs then
+    return string.format("fla's row has no list of its %d lengths to check against ours", s.seqs)
+  end
+  for i = 1, s.seqs do
+    if r.lengths[i] ~= s.lengths[i] then
+      return string.format("fla's length %d is %s, ours %d: not the same packing", i, tostring(r.lengths[i]),
+                           s.lengths[i])
+    end
+  end
+  return nil
 end
 
 ------------------------------------------------------------------------------- timing
@@ -356,9 +400,9 @@ end
 -- Fewest bytes the operator must move at shape s: every input read once, every output
 -- written once.
 local function min_bytes(s, pass)
-  local B, T, H, K, V, n = s.B, s.T, opts.H, opts.K, opts.V, s.n
+  local B, T, H, K, V, n = s.B, s.T, s.H, s.K, s.V, s.n
   local e = ({ f64 = 8, f32 = 4, bf16 = 2 })[opts.dtype]
-  local state = opts.final_state and 4 * B * H * K * V or 0 -- ht out, dht in (f32)
+  local state = opts.final_state and 4 * s.seqs * H * K * V or 0 -- ht out, dht in (f32), one per sequence
   local qkvbg = B * T * H * K + B * T * n * H * (K + V + 1) + B * T * H
   local fwd = e * (qkvbg + B * T * H * V) + state -- inputs, o, ht
   if pass == "forward" then return fwd end
@@ -382,14 +426,18 @@ local function sigmoid(x) return 1 / (1 + math.exp(-x)) end
 -- One set of random inputs at shape s, in the --inputs distribution.
 local function draw_inputs(s)
   local args = gdp.ops.random_inputs({
-    B = s.B, T = s.T, H = opts.H, K = opts.K, V = opts.V, n = s.n, dtype = opts.dtype, device = ctx,
+    B = s.B, T = s.T, H = s.H, K = s.K, V = s.V, n = s.n, dtype = opts.dtype, device = ctx,
     grads = true, use_qk_l2norm_in_kernel = opts.use_qk_l2norm, output_final_state = opts.final_state,
+    cu_seqlens = s.cu_seqlens,
   })
+  -- the offsets as a tensor made here, outside the timed region (a table would be
+  -- converted inside every call)
+  if s.cu_seqlens then args.cu_seqlens = gdp.ops.seqlens_arg("bench_gdp", s.cu_seqlens) end
   if not opts.final_state then args.dht:free(); args.dht = nil end
   if inputs == "fla" then
     args.g:free(); args.beta:free()
-    args.g = host_drawn(gdp.randn, { s.B, s.T, opts.H }, logsigmoid)
-    args.beta = host_drawn(gdp.rand, { s.B, s.T * s.n, opts.H }, sigmoid)
+    args.g = host_drawn(gdp.randn, { s.B, s.T, s.H }, logsigmoid)
+    args.beta = host_drawn(gdp.rand, { s.B, s.T * s.n, s.H }, sigmoid)
   end
   args.algorithm = opts.algorithm
   if opts.chunk_size > 0 then args.chunk_size = opts.chunk_size end
@@ -446,9 +494,14 @@ end
 -- Fields common to the run and to every CSV row.
 local common = {
   start_time = start_time, git_sha = git.short, device = ctx:name(), dtype = opts.dtype,
-  algorithm = opts.algorithm, H = opts.H, K = opts.K, V = opts.V, threads = ctx:num_threads(),
+  algorithm = opts.algorithm, threads = ctx:num_threads(),
   ["repeat"] = opts["repeat"], inputs = inputs, final_state = opts.final_state,
 }
+-- the heads, where every shape has the same (else each row says its own)
+common.H, common.K, common.V = shapes[1].H, shapes[1].K, shapes[1].V
+for _, s in ipairs(shapes) do
+  if s.H ~= common.H or s.K ~= common.K or s.V ~= common.V then common.H, common.K, common.V = nil, nil, nil end
+end
 local ceil = {}     -- sgemm_gflops, bf16_matmul_tflops, copy_tbps
 local failures = {} -- messages of whatever failed
 
@@ -463,7 +516,7 @@ if not ok then failures[#failures + 1] = "ceilings: " .. tostring(err) end
 -- The figures of times (seconds) at shape s against the ceilings; `prefix` names them
 -- (fla's: "fla_").
 local function figures(s, t_fwd, t_fb, prefix, into)
-  local flops_fwd = gdp.ops.gdp_flops(s.B, s.T, opts.H, opts.K, opts.V, s.n, "forward")
+  local flops_fwd = gdp.ops.gdp_flops(s.B, s.T, s.H, s.K, s.V, s.n, "forward")
   local function put(k, v) into[prefix .. k] = v end
   put("fwd_ms", t_fwd * 1e3)
   put("fwdbwd_ms", t_fb * 1e3)
@@ -493,17 +546,21 @@ end
 -- The shapes are timed even when a ceiling failed: their figures just lack the fractions.
 local rows = {}
 for i, s in ipairs(shapes) do
-  local row = { B = s.B, T = s.T, n = s.n, H = opts.H, K = opts.K, V = opts.V, shape = shape_text(s) }
+  local row = { B = s.B, T = s.T, n = s.n, H = s.H, K = s.K, V = s.V, shape = s.label, packed = s.packed,
+                seqs = s.seqs, tokens = s.tokens }
+  if s.packed then row.mean_len, row.len_min, row.len_max = s.mean_len, s.len_min, s.len_max end
   rows[i] = row
   local shape_ok, shape_err = pcall(function()
     local t_fwd, t_fb, t_dev, dev_note, samples = time_shape(s, opts.save_for_backward)
-    row.path = gdp.ops.last_path(opts.device) -- the kernels "auto" took (gdp.ops.last_path)
+    -- the kernels "auto" took, so that a shape fallen onto a slower path shows
+    row.path = gdp.ops.last_path(opts.device)
     figures(s, t_fwd, t_fb, "", row)
     util.spread_fields(row, "fwd_ms", samples.fwd, 1e3)
     util.spread_fields(row, "fwdbwd_ms", samples.fwdbwd, 1e3)
     row.fwdbwd_device_ms, row.device_note = t_dev and t_dev * 1e3, dev_note
     if opts.with_saving then
       local sv_fwd, sv_fb, sv_dev, sv_note = time_shape(s, true)
+      row.saving_path = gdp.ops.last_path(opts.device)
       figures(s, sv_fwd, sv_fb, "saving_", row)
       row.saving_fwdbwd_device_ms, row.saving_device_note = sv_dev and sv_dev * 1e3, sv_note
     end
@@ -511,9 +568,9 @@ for i, s in ipairs(shapes) do
   row.status = shape_ok and "ok" or "error"
   if not shape_ok then
     row.error = tostring(shape_err)
-    failures[#failures + 1] = shape_text(s) .. ": " .. row.error
+    failures[#failures + 1] = s.label .. ": " .. row.error
   end
-  io.stderr:write(string.format("bench_gdp: %s %s\n", shape_text(s),
+  io.stderr:write(string.format("bench_gdp: %s %s\n", s.label,
     shape_ok and string.format("fwd %.4g ms, fwd+bwd %.4g ms%s (%s kernels)", row.fwd_ms, row.fwdbwd_ms,
       row.saving_fwd_ms and string.format("; saving: fwd %.4g ms, fwd+bwd %.4g ms", row.saving_fwd_ms,
       row.saving_fwdbwd_ms) or "", row.path or "?") or row.error))
@@ -524,8 +581,10 @@ if opts.against_fla then
   fla, fla_err, fla_cmd = run_fla()
   if not fla then failures[#failures + 1] = "fla: " .. fla_err end
   for i, s in ipairs(shapes) do
-    local row, r = rows[i], fla and fla.by_shape[shape_text(s)]
-    if r and tonumber(r.fwd_ms) and tonumber(r.fwdbwd_ms) then
+    local row, r = rows[i], fla and fla.by_shape[s.label]
+    local mismatch = r and packing_mismatch(s, r)
+    if r and not mismatch and tonumber(r.fwd_ms) and tonumber(r.fwdbwd_ms) then
+      row.fla_warmup_s = tonumber(r.warmup_s)
       figures(s, r.fwd_ms / 1e3, r.fwdbwd_ms / 1e3, "fla_", row)
       if row.fwd_ms then
         row.speedup_fwd = row.fla_fwd_ms / row.fwd_ms
@@ -550,7 +609,8 @@ if opts.against_fla then
         end
       end
     else
-      row.fla_error = fla_err or "fla_bench.py gave no times for " .. shape_text(s)
+      row.fla_error = fla_err or (r and type(r.error) == "string" and s.label .. ": " .. r.error)
+        or (mismatch and s.label .. ": " .. mismatch) or "fla_bench.py gave no times for " .. s.label
       if fla then failures[#failures + 1] = "fla: " .. row.fla_error end
     end
   end
@@ -582,7 +642,7 @@ for k, v in pairs(ceil) do report[k] = v end
 if opts.against_fla then
   report.fla = { command = fla_cmd, error = fla_err, pythonpath = fla_dir }
   for _, k in ipairs({ "tool", "fla_version", "fla_commit", "fla_path", "torch", "triton", "python",
-                       "device", "final_state", "reps", "warmup" }) do
+                       "device", "final_state", "reps", "warmup", "seed" }) do
     if fla then report.fla[k] = fla[k] end
   end
   if fla and not fla.fla_commit then report.fla.fla_commit = "unknown" end
@@ -632,12 +692,14 @@ if run then
 end
 
 local r1 = rows[1]
-say("# gdp %s on %s, %s, %s, H=%d K=%d V=%d, algorithm %s, %d threads, median of %d; inputs %s, %s",
+say("# gdp %s on %s, %s, %s, %s, algorithm %s, %d threads, median of %d; inputs %s, %s",
     gdp.version, common.device, opts.dtype, #shapes == 1 and string.format("B=%d T=%d n=%d", shapes[1].B,
-    shapes[1].T, shapes[1].n) or (#shapes .. " shapes"), opts.H, opts.K, opts.V, opts.algorithm,
+    shapes[1].T, shapes[1].n) or (#shapes .. " shapes"),
+    common.H and string.format("H=%d K=%d V=%d", common.H, common.K, common.V) or "heads per shape", opts.algorithm,
     common.threads, opts["repeat"], inputs, (opts.final_state and "final state" or "no final state") ..
     (opts.save_for_backward and ", save for backward" or ""))
-if opts.shapes == "" and not opts.against_fla and not opts.with_saving and r1 and r1.status == "ok" then
+if opts.shapes == "" and opts.set == "" and not opts.against_fla and not opts.with_saving and r1
+   and r1.status == "ok" then
   -- the single-shape table of before --shapes (--B/--T/--n alone); --shapes, even with one
   -- shape, and the columns of --with-saving / --against-fla take the table below
   say("%s", util.format_table({ "pass", "time_ms", "GFLOP/s", "of_sgemm" }, {
@@ -659,7 +721,8 @@ elseif #rows > 0 then
   if ceil.bf16_matmul_tflops then
     say("# ceilings measured now: bf16 matmul %.0f TFLOP/s, copy %.2f TB/s", ceil.bf16_matmul_tflops, ceil.copy_tbps)
   end
-  local header = { "BxTxn", "fwd_ms", "fwdbwd_ms", "Mtok/s" }
+  -- shape: the item without its heads, which have a column of their own (see the header)
+  local header = { "shape", "heads", "tokens", "fwd_ms", "fwdbwd_ms", "Mtok/s" }
   local has_fla, has_ceil = opts.against_fla, ceil.bf16_matmul_tflops ~= nil
   if opts.with_saving then for _, h in ipairs({ "sv_fwd", "sv_fwdbwd" }) do header[#header + 1] = h end end
   if has_fla then for _, h in ipairs({ "fla_fwd", "fla_fwdbwd", "speedup_fwd", "speedup_fb" }) do header[#header + 1] = h end end
@@ -682,9 +745,12 @@ elseif #rows > 0 then
   end
   if has_ceil then for _, h in ipairs({ "of_mm", "of_copy", "floor_ms", "gap" }) do header[#header + 1] = h end end
   if has_fla and has_ceil then for _, h in ipairs({ "fla_of_mm", "fla_gap" }) do header[#header + 1] = h end end
+  header[#header + 1] = "path"
   local lines = {}
   for i, r in ipairs(rows) do
-    local l = { shape_text(shapes[i]), r.fwd_ms or r.status, r.fwdbwd_ms, r.tokens_per_s and r.tokens_per_s / 1e6 }
+    local s = shapes[i]
+    local l = { bench_shapes.body(s), bench_shapes.head_text(s), s.tokens, r.fwd_ms or r.status, r.fwdbwd_ms,
+                r.tokens_per_s and r.tokens_per_s / 1e6 }
     if opts.with_saving then
       for _, k in ipairs({ "saving_fwd_ms", "saving_fwdbwd_ms" }) do l[#l + 1] = r[k] or "-" end
     end
@@ -712,6 +778,9 @@ elseif #rows > 0 then
     if has_fla and has_ceil then
       for _, k in ipairs({ "fla_fraction_of_bf16_matmul", "fla_gap_fwdbwd" }) do l[#l + 1] = r[k] or "-" end
     end
+    -- one word, so that the columns still split on blanks
+    l[#l + 1] = ((r.path or "-") .. (r.saving_path and r.saving_path ~= r.path and "/" .. r.saving_path or ""))
+      :gsub(" ", "_")
     lines[i] = l
   end
   say("%s", util.format_table(header, lines, "%.4g"))
@@ -723,10 +792,10 @@ elseif #rows > 0 then
     say("# dev_fb: our forward+backward on the device alone (launched behind a spin, as fla_q_fb)%s",
         has_queued and "; speedup_dev = fla_q_fb / dev_fb, both GPU time only" or "")
   end
-  for i, r in ipairs(rows) do
-    if r.fla_queued_note then say("# fla %s: queued timing: %s", shape_text(shapes[i]), r.fla_queued_note) end
-    if r.device_note then say("# %s: no dev_fb: %s", shape_text(shapes[i]), r.device_note) end
-    if r.saving_device_note then say("# %s: no sv_dev_fb: %s", shape_text(shapes[i]), r.saving_device_note) end
+  for _, r in ipairs(rows) do
+    if r.fla_queued_note then say("# fla %s: queued timing: %s", r.shape, r.fla_queued_note) end
+    if r.device_note then say("# %s: no dev_fb: %s", r.shape, r.device_note) end
+    if r.saving_device_note then say("# %s: no sv_dev_fb: %s", r.shape, r.saving_device_note) end
   end
   if fla then
     say("# fla %s (commit %s), torch %s, triton %s, on %s", tostring(fla.fla_version or "?"),

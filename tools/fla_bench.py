@@ -20,20 +20,40 @@ events see GPU time only; fwd_host_ms / fwdbwd_host_ms are the host's launch tim
 then waits for the spin), its host time reaches the spin and the queued figure is
 dropped with a note in queued_note.  --no-queued skips this timing.
 
-usage: PYTHONPATH=.fla python3 tools/fla_bench.py [--shapes 4x4096x2,1x32768x2] [--H 16]
-           [--K 128] [--V 128] [--reps 30] [--warmup 5] [--seed 1234] [--final-state]
-           [--no-queued]
-       python3 tools/fla_bench.py --check    # prints "ok" or what is missing (exit 1)
+Packed items (cu_seqlens): q, k, v, g, beta are [1, total tokens, ...], fla gets the
+offsets on the device and, where its signature takes them, on the host (cu_seqlens_cpu);
+if a pass still reads them back from the device, its queued figure is dropped as above.
 
---shapes: comma-separated BxTxn (batch x tokens per sequence x Householder steps), the
-syntax of bench_gdp.lua --shapes.  Output: {"tool", "dtype", "fla_version", "fla_commit",
-"fla_path", "torch", "triton", "python", "device", "final_state", "H", "K", "V", "reps",
-"warmup", "rows": [{"B", "T", "n", "H", "K", "V", "fwd_ms", "fwd_min_ms", "fwdbwd_ms",
-"fwdbwd_min_ms", "fwd_queued_ms", "fwdbwd_queued_ms", "fwd_host_ms", "fwdbwd_host_ms",
-"queued_note"}, ...]}; times in milliseconds, medians unless named _min_; the queued
-fields are null (with queued_note saying why) when that timing was skipped or invalid.
+usage: PYTHONPATH=.fla python3 tools/fla_bench.py [--shapes ITEM,...] [--H 16] [--K 128]
+           [--V 128] [--reps 30] [--warmup 5] [--seed 1234] [--final-state] [--no-queued]
+       python3 tools/fla_bench.py --check    # prints "ok" or what is missing (exit 1)
+       python3 tools/fla_bench.py --parse-only --shapes ITEM,...   # the parsed shapes, no torch
+
+--shapes: the items of bench_gdp.lua --shapes (lua/gdp/bench_shapes.lua):
+  [H<h>K<k>V<v>:]<B>x<T>x<n>           B sequences of T tokens, n Householder steps
+  [H<h>K<k>V<v>:]packed<N>mean<L>x<n>  N sequences of random lengths, mean L, packed (B = 1)
+positive integers without leading zeros; the prefix gives the item its own heads (else
+--H, --K, --V).  Packed lengths are uniform on [1, 2L - 1]: length i is 1 + x_i mod
+(2L - 1), x_i the i-th output of splitmix64 started from --seed, as bench_gdp draws them.
+One process times every item: Triton's autotuner keeps its choices per kernel and key
+(fla's keys: H, K, V, the chunk size, some also B or varlen; n is a compile-time constant
+of the deltaproduct kernels, so by these keys a new n compiles but does not re-tune;
+warmup_s says what each row paid), and with fla's FLA_CACHE_RESULTS=1 (its default) on
+disk under TRITON_CACHE_DIR too, next to the compiled kernels, so a warm cache skips both.
+
+Output: {"tool", "dtype", "fla_version", "fla_commit", "fla_path", "torch", "triton",
+"python", "device", "final_state", "H", "K", "V", "reps", "warmup", "seed", "rows":
+[{"shape" (the item, canonical), "B", "T", "n", "H", "K", "V", "packed", "seqs",
+"mean_len", "tokens", "lengths" (packed: the N lengths, else null), "fwd_ms",
+"fwd_min_ms", "fwdbwd_ms", "fwdbwd_min_ms", "warmup_s" (wall seconds of the untimed
+warm-up: compile and autotune land there), "fwd_queued_ms", "fwdbwd_queued_ms",
+"fwd_host_ms", "fwdbwd_host_ms", "queued_note"}, ...]}; times in milliseconds, medians
+unless named _min_; the queued fields are null (with queued_note saying why) when that
+timing was skipped or invalid.  For a packed item B = 1 and T = tokens.  A shape that
+failed has no times and "error" (the exception) instead; the others still run.
 """
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -42,18 +62,74 @@ import statistics
 import subprocess
 import sys
 
-SHAPE_RE = re.compile(r"^([1-9][0-9]*)x([1-9][0-9]*)x([1-9][0-9]*)$")
+NUM = r"([1-9][0-9]*)"
+HEAD_RE = re.compile(rf"^H{NUM}K{NUM}V{NUM}:(.*)$")
+PLAIN_RE = re.compile(rf"^{NUM}x{NUM}x{NUM}$")
+PACKED_RE = re.compile(rf"^packed{NUM}mean{NUM}x{NUM}$")
+SYNTAX = ("[H<h>K<k>V<v>:]<B>x<T>x<n> or [H<h>K<k>V<v>:]packed<N>mean<L>x<n> (positive integers), "
+          "such as 4x4096x2, H8K32V32:256x512x4 or packed1000mean200x2")
+MASK64 = (1 << 64) - 1
 
 
-def parse_shapes(text):
-    """'4x4096x2,1x32768x2' -> [(4, 4096, 2), (1, 32768, 2)]; ValueError names the bad item."""
-    shapes = []
+def packed_lengths(count, mean, seed):
+    """count lengths uniform on [1, 2 * mean - 1]: 1 + x_i mod (2 * mean - 1), x_i the
+    i-th output of splitmix64 started from seed (lua/gdp/bench_shapes.lua draws the same)."""
+    span = 2 * mean - 1
+    x = seed & MASK64
+    out = []
+    for _ in range(count):
+        x = (x + 0x9E3779B97F4A7C15) & MASK64
+        z = x
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+        z ^= z >> 31
+        out.append(1 + z % span)
+    return out
+
+
+def label(s, H, K, V):
+    """The item of shape s in canonical form, its heads written unless they are H, K, V."""
+    body = (f"packed{s['seqs']}mean{s['mean_len']}x{s['n']}" if s["packed"]
+            else f"{s['B']}x{s['T']}x{s['n']}")
+    return body if (s["H"], s["K"], s["V"]) == (H, K, V) else f"H{s['H']}K{s['K']}V{s['V']}:{body}"
+
+
+def parse_shapes(text, H, K, V, seed):
+    """Comma-separated items (the syntax above) -> shape dicts {shape (the canonical item),
+    B, T, n, H, K, V, packed, seqs, mean_len, tokens, lengths}; ValueError names the bad
+    item and the syntax.  Items without a head prefix take H, K, V; packed lengths come
+    from seed."""
+    def numbers(groups):
+        # as bench_gdp: positive integers that a double holds exactly, else not an item
+        xs = tuple(int(x) for x in groups)
+        return xs if max(xs) <= 2 ** 53 else None
+
+    shapes, seen = [], set()
     for item in text.split(","):
-        m = SHAPE_RE.match(item.strip())
-        if not m:
-            raise ValueError(f"--shapes: expected comma-separated BxTxn items of positive "
-                             f"integers such as 4x4096x2, got '{item}' in '{text}'")
-        shapes.append(tuple(int(x) for x in m.groups()))
+        body, heads = item.strip(), (H, K, V)
+        m = HEAD_RE.match(body)
+        if m:
+            heads, body = numbers(m.groups()[:3]), m.group(4)
+        plain, packed = PLAIN_RE.match(body), PACKED_RE.match(body)
+        plain, packed = plain and numbers(plain.groups()), packed and numbers(packed.groups())
+        if heads and plain:
+            B, T, n = plain
+            s = {"B": B, "T": T, "n": n, "packed": False, "seqs": B, "mean_len": None, "lengths": None}
+        elif heads and packed:
+            N, L, n = packed
+            lengths = packed_lengths(N, L, seed)
+            s = {"B": 1, "T": sum(lengths), "n": n, "packed": True, "seqs": N, "mean_len": L,
+                 "lengths": lengths}
+        else:
+            raise ValueError(f"--shapes: bad item '{item}' in '{text}': expected comma-separated items {SYNTAX}")
+        s["H"], s["K"], s["V"] = heads
+        s["tokens"] = s["B"] * s["T"]
+        s["shape"] = label(s, H, K, V)
+        if s["shape"] in seen:
+            raise ValueError(f"--shapes: item '{item}' in '{text}' is the shape of an earlier item "
+                             f"({s['shape']}): each shape once")
+        seen.add(s["shape"])
+        shapes.append(s)
     return shapes
 
 
@@ -107,11 +183,16 @@ def fla_facts():
 
 
 def time_ms(fn, reps, warmup, reset):
+    """Median, min and max event ms of fn over reps after warmup untimed calls, and the
+    warm-up's wall seconds (where Triton compiles and autotunes on a kernel's first call)."""
+    import time
     import torch
+    t0 = time.perf_counter()
     for _ in range(warmup):
         reset()
         fn()
     torch.cuda.synchronize()
+    warm_s = time.perf_counter() - t0
     times = []
     for _ in range(reps):
         reset()
@@ -122,7 +203,7 @@ def time_ms(fn, reps, warmup, reset):
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))
-    return statistics.median(times), min(times), max(times)
+    return statistics.median(times), min(times), max(times), warm_s
 
 
 # The spin that holds the stream while a queued pass is launched: long against any
@@ -171,18 +252,32 @@ def time_queued_ms(fn, reps, reset, cycles_per_ms):
     return statistics.median(gpu), statistics.median(host), note
 
 
-def bench(op, B, T, n, H, K, V, reps, warmup, seed, final_state, cycles_per_ms, queued_off):
+def bench(op, s, reps, warmup, seed, final_state, cycles_per_ms, queued_off):
+    """Times fla at shape s (a parse_shapes dict); returns its row."""
+    import inspect
     import torch
     import torch.nn.functional as F
     torch.manual_seed(seed)
     dev, dt = "cuda", torch.bfloat16
+    B, T, n, H, K, V = s["B"], s["T"], s["n"], s["H"], s["K"], s["V"]
     q = torch.randn(B, T, H, K, device=dev, dtype=dt, requires_grad=True)
     k = torch.randn(B, T * n, H, K, device=dev, dtype=dt, requires_grad=True)
     v = torch.randn(B, T * n, H, V, device=dev, dtype=dt, requires_grad=True)
     g = F.logsigmoid(torch.randn(B, T, H, device=dev, dtype=torch.float32)).to(dt).requires_grad_()
     beta = torch.rand(B, T * n, H, device=dev, dtype=dt).sigmoid().requires_grad_()
     do = torch.randn(B, T, H, V, device=dev, dtype=dt)
-    dht = torch.randn(B, H, K, V, device=dev, dtype=torch.float32) if final_state else None
+    varlen = {}
+    if s["packed"]:
+        cu = [0, *itertools.accumulate(s["lengths"])]
+        varlen["cu_seqlens"] = torch.tensor(cu, dtype=torch.long, device=dev)
+        # the host copy spares fla reading the offsets back from the device, where it takes one
+        try:
+            takes_host_copy = "cu_seqlens_cpu" in inspect.signature(op).parameters
+        except (TypeError, ValueError):
+            takes_host_copy = False
+        if takes_host_copy:
+            varlen["cu_seqlens_cpu"] = torch.tensor(cu, dtype=torch.long)
+    dht = torch.randn(s["seqs"], H, K, V, device=dev, dtype=torch.float32) if final_state else None
     leaves = (q, k, v, g, beta)
 
     def reset():
@@ -192,11 +287,11 @@ def bench(op, B, T, n, H, K, V, reps, warmup, seed, final_state, cycles_per_ms, 
     def fwd():
         with torch.no_grad():
             op(q, k, v, g, beta, num_householder=n, use_qk_l2norm_in_kernel=True,
-               output_final_state=final_state)
+               output_final_state=final_state, **varlen)
 
     def fwdbwd():
         o, ht = op(q, k, v, g, beta, num_householder=n, use_qk_l2norm_in_kernel=True,
-                   output_final_state=final_state)
+                   output_final_state=final_state, **varlen)
         if final_state:
             torch.autograd.backward((o, ht), (do, dht))
         else:
@@ -204,8 +299,10 @@ def bench(op, B, T, n, H, K, V, reps, warmup, seed, final_state, cycles_per_ms, 
 
     f = time_ms(fwd, reps, warmup, reset)
     fb = time_ms(fwdbwd, reps, warmup, reset)
-    row = {"B": B, "T": T, "n": n, "H": H, "K": K, "V": V,
+    row = {"shape": s["shape"], "B": B, "T": T, "n": n, "H": H, "K": K, "V": V, "packed": s["packed"],
+           "seqs": s["seqs"], "mean_len": s["mean_len"], "tokens": s["tokens"], "lengths": s["lengths"],
            "fwd_ms": f[0], "fwd_min_ms": f[1], "fwdbwd_ms": fb[0], "fwdbwd_min_ms": fb[1],
+           "warmup_s": f[3] + fb[3],
            "fwd_queued_ms": None, "fwdbwd_queued_ms": None, "fwd_host_ms": None,
            "fwdbwd_host_ms": None, "queued_note": queued_off}
     if cycles_per_ms:
@@ -221,7 +318,7 @@ def bench(op, B, T, n, H, K, V, reps, warmup, seed, final_state, cycles_per_ms, 
                 row["fwdbwd_queued_ms"] = fbq[0]
         except Exception as e:  # noqa: BLE001 -- reported in the row, eager times kept
             row["queued_note"] = f"queued timing failed: {type(e).__name__}: {e}"
-    del q, k, v, g, beta, do, dht, leaves
+    del q, k, v, g, beta, do, dht, leaves, varlen
     torch.cuda.empty_cache()
     return row
 
@@ -229,7 +326,7 @@ def bench(op, B, T, n, H, K, V, reps, warmup, seed, final_state, cycles_per_ms, 
 def main():
     ap = argparse.ArgumentParser(description="Times fla's chunk_gated_delta_product; JSON on stdout.")
     ap.add_argument("--shapes", default="4x4096x1,4x4096x2,4x4096x3,1x32768x2",
-                    help="comma-separated BxTxn (batch x tokens x Householder steps)")
+                    help=f"comma-separated items {SYNTAX}")
     ap.add_argument("--H", type=int, default=16)
     ap.add_argument("--K", type=int, default=128)
     ap.add_argument("--V", type=int, default=128)
@@ -242,15 +339,23 @@ def main():
                     help="skip the queued (GPU-only) timing of each pass")
     ap.add_argument("--check", action="store_true",
                     help="print 'ok' or what is missing (exit status 1), time nothing")
+    ap.add_argument("--parse-only", action="store_true",
+                    help="print the parsed shapes as JSON ({\"rows\": [...]}, no times) and exit; "
+                         "needs no torch")
     a = ap.parse_args()
     if a.check:
         problem = check()
         print("ok" if problem is None else problem, flush=True)
         sys.exit(0 if problem is None else 1)
+    if not 0 <= a.seed <= 2 ** 53:
+        ap.error(f"--seed: expected an integer in [0, 2^53], got {a.seed}")
     try:
-        shapes = parse_shapes(a.shapes)
+        shapes = parse_shapes(a.shapes, a.H, a.K, a.V, a.seed)
     except ValueError as e:
         ap.error(str(e))
+    if a.parse_only:
+        print(json.dumps({"H": a.H, "K": a.K, "V": a.V, "seed": a.seed, "rows": shapes}))
+        return
     if a.reps < 1 or a.warmup < 0:
         ap.error(f"--reps must be >= 1 and --warmup >= 0, got {a.reps} and {a.warmup}")
 
@@ -264,12 +369,19 @@ def main():
         except Exception as e:  # noqa: BLE001 -- the eager timing does not need the spin
             queued_off = f"no spin kernel: {type(e).__name__}: {e}"
     rows = []
-    for B, T, n in shapes:
-        r = bench(op, B, T, n, a.H, a.K, a.V, a.reps, a.warmup, a.seed, a.final_state, cycles_per_ms, queued_off)
+    for s in shapes:
+        try:
+            r = bench(op, s, a.reps, a.warmup, a.seed, a.final_state, cycles_per_ms, queued_off)
+        except Exception as e:  # noqa: BLE001 -- one shape's failure (an OOM, a limit of fla's) is its row's
+            rows.append({**s, "error": f"{type(e).__name__}: {e}"})
+            print(f"fla {s['shape']}: {rows[-1]['error']}", file=sys.stderr, flush=True)
+            torch.cuda.empty_cache()
+            continue
         rows.append(r)
         queued = ("" if r["fwdbwd_queued_ms"] is None else
                   f"; queued (GPU only) fwd+bwd {r['fwdbwd_queued_ms']:.3f} ms, host {r['fwdbwd_host_ms']:.3f} ms")
-        print(f"fla B={B} T={T} n={n}: fwd {r['fwd_ms']:.3f} ms, fwd+bwd {r['fwdbwd_ms']:.3f} ms{queued}"
+        print(f"fla {s['shape']} (B={s['B']} T={s['T']} H={s['H']} K={s['K']} V={s['V']}): "
+              f"fwd {r['fwd_ms']:.3f} ms, fwd+bwd {r['fwdbwd_ms']:.3f} ms{queued}; warm-up {r['warmup_s']:.1f} s"
               + (f" ({r['queued_note']})" if r["queued_note"] else ""), file=sys.stderr, flush=True)
     out = {"tool": "fla chunk_gated_delta_product", "dtype": "bf16",
            "torch": torch.__version__, "triton": triton.__version__,

@@ -38,6 +38,6 @@ for r in 1 2; do
   for t in old new; do
     echo "== $t$r: ./gdp $BENCH" >>"$LOG"
     if [[ $t == old ]]; then (cd .ab && GDP_BUILD_DIR=/tmp/ab-old ./gdp $BENCH); else GDP_BUILD_DIR=/tmp/ab-new ./gdp $BENCH; fi 2>&1 |
-      grep -E "^# BxTxn|^  [0-9]" | sed "s/^/$t$r /" | tee -a "$LOG"
+      grep -E "^# (BxTxn|shape) |^  [0-9]" | sed "s/^/$t$r /" | tee -a "$LOG"
   done
 done
