@@ -82,6 +82,11 @@ static inline unsigned grid_for(int64_t n) {
   return (unsigned)b;
 }
 
+/* One block per row of `rows` (at least 1, at most MAX_BLOCKS: a grid-stride loop over rows). */
+static inline unsigned row_grid(int64_t rows) {
+  return (unsigned)(rows < MAX_BLOCKS ? (rows > 0 ? rows : 1) : MAX_BLOCKS);
+}
+
 #define GDP_MIXER_FOR(i, n) \
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n); \
        i += (int64_t)gridDim.x * blockDim.x)

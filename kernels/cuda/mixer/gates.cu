@@ -85,20 +85,16 @@ static int rows_pack(int64_t C, const int64_t *lds, const void *const *ptrs, int
   return 1;
 }
 
-static unsigned rows_grid(int64_t rows) {
-  return (unsigned)(rows < MAX_BLOCKS ? (rows > 0 ? rows : 1) : MAX_BLOCKS);
-}
-
 template <typename IO>
 static void silu_fwd(int64_t rows, int C, const void *x, int64_t ld_x, void *out, int64_t ld_out,
                      cudaStream_t stream) {
   const int64_t lds[2] = {ld_x, ld_out};
   const void *ptrs[2] = {x, out};
   if (rows_pack<IO>(C, lds, ptrs, 2))
-    silu_fwd_kernel<IO, Vec16<IO>::n><<<rows_grid(rows), THREADS, 0, stream>>>(
+    silu_fwd_kernel<IO, Vec16<IO>::n><<<row_grid(rows), THREADS, 0, stream>>>(
         rows, C, (const IO *)x, ld_x, (IO *)out, ld_out);
   else
-    silu_fwd_kernel<IO, 1><<<rows_grid(rows), THREADS, 0, stream>>>(rows, C, (const IO *)x, ld_x,
+    silu_fwd_kernel<IO, 1><<<row_grid(rows), THREADS, 0, stream>>>(rows, C, (const IO *)x, ld_x,
                                                                      (IO *)out, ld_out);
 }
 
@@ -108,10 +104,10 @@ static void silu_bwd(int64_t rows, int C, const void *x, int64_t ld_x, const voi
   const int64_t lds[3] = {ld_x, ld_d, ld_dx};
   const void *ptrs[3] = {x, d_out, dx};
   if (rows_pack<IO>(C, lds, ptrs, 3))
-    silu_bwd_kernel<IO, Vec16<IO>::n><<<rows_grid(rows), THREADS, 0, stream>>>(
+    silu_bwd_kernel<IO, Vec16<IO>::n><<<row_grid(rows), THREADS, 0, stream>>>(
         rows, C, (const IO *)x, ld_x, (const IO *)d_out, ld_d, (IO *)dx, ld_dx);
   else
-    silu_bwd_kernel<IO, 1><<<rows_grid(rows), THREADS, 0, stream>>>(
+    silu_bwd_kernel<IO, 1><<<row_grid(rows), THREADS, 0, stream>>>(
         rows, C, (const IO *)x, ld_x, (const IO *)d_out, ld_d, (IO *)dx, ld_dx);
 }
 

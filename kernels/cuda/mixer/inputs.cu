@@ -25,7 +25,7 @@
 namespace gdp_mixer {
 namespace {
 
-enum { SOFTPLUS_THRESHOLD = 20, INPUTS_THREADS = 256, INPUTS_MAX_BLOCKS = 1 << 20 };
+enum { SOFTPLUS_THRESHOLD = 20, INPUTS_THREADS = 256 };
 
 template <typename A> __device__ __forceinline__ A softplus(A x) {
   return x > (A)SOFTPLUS_THRESHOLD ? x : m_log1p(m_exp(x));
@@ -164,10 +164,6 @@ static Dims dims_of(const gdp_ssm_inputs_problem *p) {
   return d;
 }
 
-static unsigned row_blocks(int64_t rows) {
-  return (unsigned)(rows < INPUTS_MAX_BLOCKS ? (rows > 0 ? rows : 1) : INPUTS_MAX_BLOCKS);
-}
-
 /* 16-byte packs fit: P, N and the row strides are multiples of the pack, the buffers
  * 16-byte aligned. */
 template <typename IO>
@@ -191,10 +187,10 @@ static gdp_status inputs_fwd(const gdp_ssm_inputs_problem *p, const gdp_ssm_inpu
   IO *q = (IO *)io->q, *k = (IO *)io->k, *v = (IO *)io->v, *beta = (IO *)io->beta;
   A *g = (A *)io->g;
   if (packs_fit<IO>(p, p->ld_xBC, ptrs, 4))
-    inputs_fwd_kernel<IO, Vec16<IO>::n><<<row_blocks(d.rows), INPUTS_THREADS, 0, stream>>>(
+    inputs_fwd_kernel<IO, Vec16<IO>::n><<<row_grid(d.rows), INPUTS_THREADS, 0, stream>>>(
         d, x, b, a, A_log, dt, q, k, v, beta, g);
   else
-    inputs_fwd_kernel<IO, 1><<<row_blocks(d.rows), INPUTS_THREADS, 0, stream>>>(
+    inputs_fwd_kernel<IO, 1><<<row_grid(d.rows), INPUTS_THREADS, 0, stream>>>(
         d, x, b, a, A_log, dt, q, k, v, beta, g);
   return launched("gdp_cuda_ssm_inputs_fwd", "inputs_fwd_kernel");
 }
@@ -210,10 +206,10 @@ static gdp_status inputs_bwd(const gdp_ssm_inputs_problem *p, const gdp_ssm_inpu
   const IO *dx_v = (const IO *)io->dx_v;
   IO *dx = (IO *)io->dxBC;
   if (packs_fit<IO>(p, p->ld_dxBC, ptrs, 5))
-    inputs_bwd_kernel<IO, Vec16<IO>::n><<<row_blocks(d.rows), INPUTS_THREADS, 0, stream>>>(
+    inputs_bwd_kernel<IO, Vec16<IO>::n><<<row_grid(d.rows), INPUTS_THREADS, 0, stream>>>(
         d, dq, dk, dv, dx_v, dx);
   else
-    inputs_bwd_kernel<IO, 1><<<row_blocks(d.rows), INPUTS_THREADS, 0, stream>>>(d, dq, dk, dv,
+    inputs_bwd_kernel<IO, 1><<<row_grid(d.rows), INPUTS_THREADS, 0, stream>>>(d, dq, dk, dv,
                                                                                 dx_v, dx);
   GDP_TRY(launched(func, "inputs_bwd_kernel"));
   GatesBwd<IO> fn;
