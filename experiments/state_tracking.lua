@@ -41,7 +41,7 @@ local opts = util.parse_args(arg, {
     eval_batch = 2048, eval_every = 100, early_stop = 0.99, curve_step = 32,
     lr = 1e-3, weight_decay = 1e-6, warmup = 0, max_grad_norm = 1.0,
     resume = "", speed = false, speed_steps = 20, against_fla = false, profile = false,
-    fla_cmd = "python3 tools/fla_state_tracking.py",
+    fla_cmd = "", fla_path = "",
   }, {
   usage = "./gdp experiments/state_tracking.lua [--quick] [options]",
   help = {
@@ -67,7 +67,8 @@ local opts = util.parse_args(arg, {
     { "speed_steps", "timed steps per n_h with --speed (after 3 untimed)" },
     { "against_fla", "with --speed: fla's GatedDeltaProductForCausalLM at the same config, same call" },
     { "profile", "with --speed: two more steps with gdp.nn.profile attached; prints where a step's time goes" },
-    { "fla_cmd", "the fla side's command (PYTHONPATH with fla's source is the caller's)" },
+    { "fla_cmd", "the fla side's command (empty: python3 tools/fla_state_tracking.py, fla_path on PYTHONPATH)" },
+    { "fla_path", "folder holding fla/ for the fla side (empty: <repo>/.fla, as bench_gdp)" },
   },
 })
 
@@ -204,8 +205,14 @@ if opts.speed then
                         "fla_step_ms", "fla_tokens_per_s", "speedup", "status" })
   local fla = {}
   if opts.against_fla then
+    -- the repository's root from this script's path, for the default fla side and its fla/
+    local root = (arg[0]:match("^(.*)/[^/]*$") or ".") .. "/.."
+    local fla_dir = opts.fla_path ~= "" and opts.fla_path or (root .. "/.fla")
+    local fla_cmd = opts.fla_cmd ~= "" and opts.fla_cmd
+      or string.format("PYTHONPATH=%s${PYTHONPATH:+:$PYTHONPATH} python3 %s", util.shell_quote(fla_dir),
+                       util.shell_quote(root .. "/tools/fla_state_tracking.py"))
     local cmd = string.format("%s --nh %s --beta-max %d --vocab %d --batch %d --length %d --steps %d",
-                              opts.fla_cmd, opts.nh, beta, data.num_classes(task), opts.batch,
+                              fla_cmd, opts.nh, beta, data.num_classes(task), opts.batch,
                               opts.train_len, opts.speed_steps)
     local p = io.popen(cmd)
     local out = p:read("*a")
