@@ -14,7 +14,8 @@
 #            command: 11 shapes, 4 head sizes, one packed), plain and saving for backward
 #            (JSON in DIR/bench_gdp.json).  fla's source in .fla/ (carry it); a warm
 #            Triton cache in .fla/triton_cache.tgz saves fla's minutes of first compile
-#            and autotune per head size, and SAVE_CACHE=1 writes one to DIR.  ~5 minutes
+#            and autotune per head size, and SAVE_CACHE=1 writes one to DIR
+#            (in parts of 15 MB: .fla/triton_cache.tgz.00, .01, ... are read back).  ~5 minutes
 #            with a warm cache; a cold one takes longer than the budget: fill it first
 #            with flawarm.
 #   flawarm  fla_bench.py alone at the same shapes (one repeat, no queued timing, no
@@ -110,7 +111,13 @@ fi
 if [[ $MODE == bench || $MODE == flawarm ]]; then
   export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton_cache}
   mkdir -p "$TRITON_CACHE_DIR"
-  [[ -f .fla/triton_cache.tgz ]] && tar -xzf .fla/triton_cache.tgz -C "$TRITON_CACHE_DIR"
+  # the cache comes in parts (triton_cache.tgz.00, .01, ...: the device tool returns files of
+  # at most 16 MiB) or whole
+  if compgen -G ".fla/triton_cache.tgz.[0-9]*" >/dev/null; then
+    cat .fla/triton_cache.tgz.[0-9]* | tar -xz -C "$TRITON_CACHE_DIR"
+  elif [[ -f .fla/triton_cache.tgz ]]; then
+    tar -xzf .fla/triton_cache.tgz -C "$TRITON_CACHE_DIR"
+  fi
 fi
 
 if [[ $MODE == flawarm ]]; then
@@ -137,7 +144,8 @@ if [[ $MODE == bench ]]; then
   fi
 fi
 if [[ ($MODE == bench || $MODE == flawarm) && ${SAVE_CACHE:-0} == 1 ]]; then
-  tar -czf "$DIR/triton_cache.tgz" -C "$TRITON_CACHE_DIR" . && say "Triton cache: $DIR/triton_cache.tgz ($(du -h "$DIR/triton_cache.tgz" | cut -f1))"
+  tar -cz -C "$TRITON_CACHE_DIR" . | split -b 15M -d - "$DIR/triton_cache.tgz." &&
+    say "Triton cache: $DIR/triton_cache.tgz.* ($(cat "$DIR"/triton_cache.tgz.* | wc -c) bytes; copy the parts to .fla/)"
 fi
 
 if [[ $MODE == profile ]]; then
