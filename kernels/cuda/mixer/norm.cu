@@ -10,9 +10,10 @@
  * registers, so each element is read once and the backward needs no second pass.
  * The group sums are team reductions in the math type (float32 for f32 and bf16:
  * shuffles, or shared memory when a team spans warps).  The backward (teams of at most
- * a 256-thread block) keeps the operands as loaded, in the I/O type, and widens them
- * where used, recomputing y, sigmoid(z) and x in its second pass: bf16 blocks are
- * register-bounded to two per SM, so one block's loads overlap the other's arithmetic.
+ * a 512-thread block for bf16, 256 otherwise) keeps the operands as loaded, in the I/O
+ * type, and widens them where used, recomputing y, sigmoid(z) and x in its second pass:
+ * bf16 is register-bounded to two 256-thread blocks per SM, so one block's loads overlap
+ * the other's arithmetic.
  * It walks a fixed chunk of tokens per block for one group, keeps per-thread sums of
  * d_out * xh and d_o * x_v for its channels, adds its teams' sums in team order into
  * one partial row per (chunk, group), and rows_colsum (common.cuh) adds the rows'
@@ -31,7 +32,6 @@ enum {
   L2_ROWS_PER_BLOCK = 4,
   NORM_BLOCK = 256,        /* threads of a block of small teams */
   NORM_MAX_TEAM = 1024,    /* the widest team: one block */
-  NORM_BWD_MAX_TEAM = NORM_BLOCK, /* the backward's blocks are register-bounded at this size */
   NORM_MAX_ELEMS = 16,     /* register elements per thread and operand before teams widen */
   NORM_MAX_K = 8,          /* vectors per thread at the widest team */
   NORM_TARGET_BLOCKS = 1024, /* backward: chunks x groups aimed at (a few waves) */
@@ -231,8 +231,15 @@ __device__ __forceinline__ void bwd_elem(const NormArgs<IO> &a, const BwdRow<IO,
   x = a.z ? y * zz * sg : y;
 }
 
+/* The backward's widest team (its block), and the registers that bounds: bf16 at 128
+ * (two 256-thread blocks per SM, or one of 512), the wider types at 255 (one block of
+ * 256). */
+template <typename IO> struct BwdBounds {
+  enum { max_team = sizeof(IO) == 2 ? 2 * NORM_BLOCK : NORM_BLOCK };
+};
+
 template <typename IO, int V, int K>
-__global__ void __launch_bounds__(NORM_BLOCK, sizeof(IO) == 2 ? 2 : 1)
+__global__ void __launch_bounds__(BwdBounds<IO>::max_team, 1)
     out_norm_bwd_kernel(NormArgs<IO> a) {
   typedef typename Math<IO>::type A;
   __shared__ A red[32];
@@ -508,7 +515,7 @@ static gdp_status out_norm_bwd(const gdp_out_norm_problem *p, const void *o, con
   int V = vector_width<IO>(p, ptrs, 8, strides, 7);
   if (V > 1 && !aligned16(dx_v)) V = 1;
   NormPlan pl;
-  GDP_TRY(norm_plan(func, p, V, NORM_BWD_MAX_TEAM, &pl));
+  GDP_TRY(norm_plan(func, p, V, BwdBounds<IO>::max_team, &pl));
   const int64_t d = p->H * p->P, ng = d / p->group_size;
   pl.teams = bwd_teams(pl, p->group_size, sizeof(typename Math<IO>::type));
   NormArgs<IO> a = norm_args<IO>(p, o, x_v, D, z, weight, d_out, NULL, d_o, dz, dx_v);
