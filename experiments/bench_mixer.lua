@@ -204,10 +204,9 @@ local function profiled_step(m, x, dy, base)
   local o = stage("ssm", function() return m:ssm_forward(inp, nil) end)
   local _, saved = stage("out", function() return m:out_forward(o, parts.z, inp.x_v) end)
   local dzx, dparts = m:in_proj_grad(x:size(1), x:size(2))
-  -- as GatedDeltaProduct:backward: the stages fill dzx's sections (dz copied in)
+  -- as GatedDeltaProduct:backward: the stages fill dzx's sections in place
   local d_o, dx_v = stage("out_backward", function()
-    local o_grad, dz, x_v_grad = m:out_backward(saved, parts.z, inp.x_v, dy)
-    if dz ~= nil then dparts.z:copy(dz) end
+    local o_grad, _, x_v_grad = m:out_backward(saved, parts.z, inp.x_v, dy, dparts.z)
     return o_grad, x_v_grad
   end)
   local g = stage("ssm_backward", function() return m:ssm_backward(inp, nil, d_o) end)

@@ -81,6 +81,24 @@ local function expect_results(got, ref, c, tol)
   end
 end
 
+-- dz written into the z section of a wider [T,B,pad+H*P+pad] buffer (the in_proj
+-- gradient's layout) equals dz of its own tensor; the padding stays untouched.
+local function expect_dz_into(a, c, dtype, device, tol, pad)
+  local b = on(a, dtype, device)
+  local x_v, z = views(b, c)
+  local d = c.H * c.P
+  local big = gdp.full({ c.T, c.B, d + 2 * pad }, 7, { dtype = dtype, device = device })
+  local into = big:narrow(3, pad + 1, d)
+  local g = F.out_norm_backward(b.o, x_v, b.D, z, b.w, c.gs, 1e-5, b.d_out, into)
+  local ref = F.out_norm_backward(b.o, x_v, b.D, z, b.w, c.gs, 1e-5, b.d_out)
+  assert.tensor_near(g.dz, ref.dz, tol, "dz returned")
+  assert.tensor_near(into, ref.dz, tol, "dz in dz_into")
+  assert.tensor_near(g.d_o, ref.d_o, tol, "d_o beside dz_into")
+  for _, edge in ipairs({ big:narrow(3, 1, pad), big:narrow(3, pad + d + 1, pad) }) do
+    assert.are.equal(0, (edge - 7):max_abs(), "padding around dz_into")
+  end
+end
+
 local CPU_CASES = {
   { label = "3 groups per head, z, D per head", B = 2, T = 7, H = 3, P = 12, gs = 4, z = true, D = "head", z_pad = 5 },
   { label = "groups of 2 heads, z, D per channel", B = 3, T = 5, H = 4, P = 5, gs = 10, z = true, D = "channel", z_pad = 3 },
@@ -122,6 +140,18 @@ describe("out_norm on the cpu", function()
     assert.tensor_near(g.dD, got.dD, 1e-14, "dD")
   end)
 
+  it("writes dz into dz_into: a strided section in place, another dtype staged", function()
+    H.reseed(4310)
+    local c = { B = 2, T = 5, H = 2, P = 6, gs = 4, z = true, D = "head", z_pad = 3 }
+    expect_dz_into(make_inputs(c), c, "f64", "cpu", 1e-14, 5)
+    local a = make_inputs(c)
+    local x_v, z = views(a, c)
+    local into = gdp.zeros({ c.T, c.B, c.H * c.P }, { dtype = "f32" })
+    local g = F.out_norm_backward(a.o, x_v, a.D, z, a.w, c.gs, 1e-5, a.d_out, into)
+    assert.are.equal("f32", g.dz:dtype())
+    assert.tensor_near(into, fused(a, c).dz, gdp.ops.TOLERANCE.f32, "dz staged into f32")
+  end)
+
   it("names the argument, expected and actual value on bad input", function()
     local f64 = { dtype = "f64" }
     local o = gdp.randn({ 2, 3, 4, 5 }, f64)
@@ -137,6 +167,12 @@ describe("out_norm on the cpu", function()
     H.expect_error(function() F.out_norm(o, nil, nil, nil, w, 3) end, "group_size", "divisor", "20")
     H.expect_error(function() F.out_norm_backward(o, nil, nil, nil, w, 5, 1e-5, gdp.randn({ 3, 2, 19 }, f64)) end,
                    "d_out", "[3x2x20]")
+    local d_out = gdp.randn({ 3, 2, 20 }, f64)
+    H.expect_error(function() F.out_norm_backward(o, nil, nil, nil, w, 5, 1e-5, d_out, gdp.zeros({ 3, 2, 20 }, f64)) end,
+                   "dz_into", "without z")
+    H.expect_error(function()
+      F.out_norm_backward(o, nil, nil, gdp.randn({ 3, 2, 20 }, f64), w, 5, 1e-5, d_out, gdp.zeros({ 3, 2, 21 }, f64))
+    end, "dz_into", "[3x2x20]", "[3x2x21]")
   end)
 end)
 
@@ -171,6 +207,17 @@ describe("out_norm on cuda #gpu", function()
       end)
     end
   end
+
+  it("writes dz into a strided dz_into in place (f32, bf16; aligned and not)", function()
+    if not H.need_device("cuda") then return end
+    H.reseed(4450)
+    local c = GPU_CASES[1]
+    for _, dtype in ipairs({ "f32", "bf16" }) do
+      for _, pad in ipairs({ 8, 3 }) do -- the 16-byte vector path, the element path
+        expect_dz_into(make_inputs(c), c, dtype, "cuda", gdp.ops.TOLERANCE[dtype], pad)
+      end
+    end
+  end)
 
   it("dD and dweight repeat bit for bit (partials per block, no atomics)", function()
     if not H.need_device("cuda") then return end

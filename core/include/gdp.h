@@ -578,13 +578,18 @@ gdp_status gdp_mixer_out_norm_forward(gdp_ctx *ctx, const gdp_tensor *o, const g
                                       gdp_tensor **out);
 /* d_out [T,B,H*P]; results (each pointer may be NULL: not wanted) d_o [B,T,H,P] (the
  * gradient of y, in o's layout), dz like z, dx_v [T,B,H,P] (= D * d_o), dD like D,
- * dweight like weight.  One pass over the operands; dD and dweight are summed in a
- * fixed order (a run repeats bit for bit). */
+ * dweight like weight.  dz_into (borrowed): NULL (dz is a new tensor) or a [T,B,H*P]
+ * tensor (z's shape, any strides, e.g. the z section of the in_proj gradient; it must
+ * not overlap the inputs) where dz is written, in place when it has o's dtype and a
+ * contiguous last dim; *dz is then a new reference to it (dz may be NULL: not wanted).
+ * One pass over the operands; dD and dweight are summed in a fixed order (a run
+ * repeats bit for bit). */
 gdp_status gdp_mixer_out_norm_backward(gdp_ctx *ctx, const gdp_tensor *o, const gdp_tensor *x_v,
                                        const gdp_tensor *D, const gdp_tensor *z,
                                        const gdp_tensor *weight, int64_t group_size, double eps,
-                                       const gdp_tensor *d_out, gdp_tensor **d_o, gdp_tensor **dz,
-                                       gdp_tensor **dx_v, gdp_tensor **dD, gdp_tensor **dweight);
+                                       const gdp_tensor *d_out, gdp_tensor *dz_into,
+                                       gdp_tensor **d_o, gdp_tensor **dz, gdp_tensor **dx_v,
+                                       gdp_tensor **dD, gdp_tensor **dweight);
 
 /* Groups to heads: x [..., G, N] -> out [..., num_heads, N], head h reads group
  * h / (num_heads / G) (num_heads % G == 0).  Any dtype and device. */

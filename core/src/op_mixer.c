@@ -661,8 +661,9 @@ gdp_status gdp_mixer_out_norm_forward(gdp_ctx *ctx, const gdp_tensor *o, const g
 gdp_status gdp_mixer_out_norm_backward(gdp_ctx *ctx, const gdp_tensor *o, const gdp_tensor *x_v,
                                        const gdp_tensor *D, const gdp_tensor *z,
                                        const gdp_tensor *weight, int64_t group_size, double eps,
-                                       const gdp_tensor *d_out, gdp_tensor **d_o, gdp_tensor **dz,
-                                       gdp_tensor **dx_v, gdp_tensor **dD, gdp_tensor **dweight) {
+                                       const gdp_tensor *d_out, gdp_tensor *dz_into,
+                                       gdp_tensor **d_o, gdp_tensor **dz, gdp_tensor **dx_v,
+                                       gdp_tensor **dD, gdp_tensor **dweight) {
   static const char *func = "gdp_mixer_out_norm_backward";
   clear_outs(d_o, dz, dx_v, dD);
   clear_outs(dweight, NULL, NULL, NULL);
@@ -672,12 +673,24 @@ gdp_status gdp_mixer_out_norm_backward(gdp_ctx *ctx, const gdp_tensor *o, const 
   GDP_TRY(out_norm_check(func, ctx, o, x_v, D, z, weight, group_size, eps, d_out, &p));
   const int64_t d = p.H * p.P;
   const int64_t bthp[4] = {p.B, p.T, p.H, p.P}, tbhp[4] = {p.T, p.B, p.H, p.P}, tbd[3] = {p.T, p.B, d};
+  const gdp_dtype dt = o->dtype;
+  if (dz_into) {
+    if (!z)
+      return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG,
+                          "dz_into: expected NULL without z (no gate), got a tensor");
+    GDP_TRY(check_float_on(func, "dz_into", ctx, dz_into));
+    GDP_TRY(check_shape(func, "dz_into", dz_into, 3, tbd, "[T,B,H*P] (z's shape)"));
+  }
+  /* In place when dz_into has the compute dtype and a contiguous last dim (its other
+   * strides are the kernels' business), else staged in a buffer and copied. */
+  const int dz_in_place = dz_into && dz_into->dtype == dt &&
+                          (dz_into->shape[2] <= 1 || dz_into->stride[2] == 1);
   /* results d_o, dz, dx_v, dD, dweight; then o, x_v, D, z, weight, d_out */
   gdp_tensor *tmp[11] = {0};
-  const gdp_dtype dt = o->dtype;
   gdp_status s = GDP_OK;
   if (d_o) s = gdp_tensor_empty(ctx, dt, 4, bthp, &tmp[0]);
-  if (s == GDP_OK && dz && z) s = gdp_tensor_empty(ctx, dt, 3, tbd, &tmp[1]);
+  if (s == GDP_OK && dz_in_place) tmp[1] = gdp_tensor_retain(dz_into);
+  else if (s == GDP_OK && (dz || dz_into) && z) s = gdp_tensor_empty(ctx, dt, 3, tbd, &tmp[1]);
   if (s == GDP_OK && dx_v && x_v) s = gdp_tensor_empty(ctx, dt, 4, tbhp, &tmp[2]);
   if (s == GDP_OK) s = buffer_like(ctx, dD && D, dt, D, &tmp[3]);
   if (s == GDP_OK) s = buffer_like(ctx, dweight != NULL, dt, weight, &tmp[4]);
@@ -699,9 +712,16 @@ gdp_status gdp_mixer_out_norm_backward(gdp_ctx *ctx, const gdp_tensor *o, const 
                                         ptr(tmp[8]), ptr(tmp[9]), ptr(tmp[10]), ptr(tmp[0]),
                                         ptr(tmp[1]), ptr(tmp[2]), ptr(tmp[3]), ptr(tmp[4]));
   }
+  if (s == GDP_OK && dz_into) {
+    if (dz_in_place) gdp_tensor_mark_written(dz_into);
+    else s = gdp_tensor_copy(ctx, dz_into, tmp[1]);
+    gdp_tensor_free(tmp[1]);
+    tmp[1] = dz ? gdp_tensor_retain(dz_into) : NULL;
+  }
   if (s == GDP_OK) {
     gdp_tensor **outs[5] = {d_o, z ? dz : NULL, x_v ? dx_v : NULL, D ? dD : NULL, dweight};
-    const gdp_dtype dtypes[5] = {dt, dt, dt, D ? D->dtype : dt, weight->dtype};
+    const gdp_dtype dtypes[5] = {dt, dz_into ? dz_into->dtype : dt, dt, D ? D->dtype : dt,
+                                 weight->dtype};
     s = deliver_all(ctx, tmp, dtypes, outs, 5);
   }
   FREE_ALL(tmp);

@@ -6,7 +6,10 @@
  *   pass 1 (colsum_partial): block (column tile, chunk of rows) sums its rows for its
  *           columns into partial[v][chunk][col] (in the math type, stored as double);
  *   pass 2 (colsum_final):   out_v[j] = sum over chunks, then over the G columns of j,
- *           in double, always in the same order.
+ *           in double, always in the same order;
+ *
+ * and the column totals of partial rows (rows_colsum) for kernels that keep their sums
+ * in registers and write one row per block.
  */
 #ifndef GDP_KERNELS_CUDA_MIXER_COMMON_CUH
 #define GDP_KERNELS_CUDA_MIXER_COMMON_CUH
@@ -200,6 +203,48 @@ __global__ void colsum_final(const double *partial, int v, int64_t nch, int64_t 
     s = warp_sum(s);
     if (lane == 0) st(out, j, (typename Math<T>::type)s);
   }
+}
+
+/* Column totals of per-block partial rows, for kernels that keep their weight-gradient
+ * sums in registers and write one row per block: tot[q * cols + j] = the sum over the
+ * nrows rows r of base[q * q_stride + r * row_stride + j] (q < nq), in double in a fixed
+ * order: a block covers 32 columns, warp w adds rows w, w + 8, ..., and the warps' sums
+ * are added in warp order (coalesced rows, independent loads, no atomics). */
+enum { ROWS_COLSUM_THREADS = 256 };
+
+template <typename A>
+__global__ void __launch_bounds__(ROWS_COLSUM_THREADS)
+    rows_colsum_kernel(const A *base, int64_t nrows, int64_t row_stride, int64_t cols,
+                       int64_t q_stride, double *tot) {
+  enum { WARPS = ROWS_COLSUM_THREADS / 32 };
+  __shared__ double part[WARPS][32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const A *rows = base + (int64_t)blockIdx.y * q_stride;
+  const int64_t j = (int64_t)blockIdx.x * 32 + lane;
+  double s = 0.0;
+  if (j < cols)
+    for (int64_t r = warp; r < nrows; r += WARPS) s += (double)rows[r * row_stride + j];
+  part[warp][lane] = s;
+  __syncthreads();
+  if (warp == 0 && j < cols) {
+    double t = 0.0;
+    for (int w = 0; w < WARPS; w++) t += part[w][lane];
+    tot[(int64_t)blockIdx.y * cols + j] = t;
+  }
+}
+
+template <typename A>
+static gdp_status rows_colsum(const char *func, const char *what, const A *base, int64_t nrows,
+                              int64_t row_stride, int64_t cols, int nq, int64_t q_stride,
+                              double *tot, cudaStream_t stream) {
+  if (cols <= 0 || nq <= 0) return GDP_OK;
+  if ((cols + 31) / 32 > 0x7fffffffLL || nq > 65535)
+    return GDP_ERROR_IN(func, GDP_ERR_UNSUPPORTED, "%s: %lld columns x %d sums: too many",
+                        what, (long long)cols, nq);
+  const dim3 grid((unsigned)((cols + 31) / 32), (unsigned)nq);
+  rows_colsum_kernel<A><<<grid, ROWS_COLSUM_THREADS, 0, stream>>>(base, nrows, row_stride, cols,
+                                                                  q_stride, tot);
+  return launched(func, what);
 }
 
 /* Queues pass 1 (always: fn may write elementwise results) and pass 2 for each wanted

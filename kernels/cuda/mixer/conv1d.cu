@@ -9,24 +9,37 @@
  * chunk of CONV_TCH tokens and slides over them with the last WMAX inputs (and,
  * backward, the last WMAX du = d_out * act'(u) and sequence starts) in registers, so
  * that every element of x and d_out is read once per chunk (plus WMAX-1 tokens of
- * overlap) and no thread divides a 64-bit index.  The VEC channels move as one 16-byte
- * pack (8 bf16, 4 f32, 2 f64) when the channel count, x's row stride and the buffers
- * allow it (the narrow conv, W <= 4, whose registers hold VEC lanes of every tap), else
- * as single elements: a warp then reads 32 consecutive channels, with 8x fewer bytes
- * in flight per load.  x is read in place as rows x_ld apart (the in_proj output's
- * channel slice), dx written in place as rows dx_ld apart.  Taps are padded to WMAX with zero weights (wk[k] multiplies the
- * input k tokens back), so every register index is a constant.  Backward writes dx for
- * the chunk (a gather over the WMAX outputs that read each token) and keeps its
- * dweight/dbias sums in registers, written as one partial per (chunk, batch) and added
- * up by conv_final in double in a fixed order.  dhalo (a few rows) has its own small
- * kernel.
+ * overlap) and no thread divides a 64-bit index.  A thread issues the loads of
+ * CONV_AHEAD tokens together before it uses them, so that enough bytes are in flight
+ * per SM at the occupancy its registers allow.  The VEC channels move as one pack
+ * (forward 16 bytes: 8 bf16, 4 f32, 2 f64; backward CONV_BWD_PACK bytes, as its
+ * per-channel registers are four times the forward's) when the channel count, the row
+ * strides and the buffers allow it (the narrow conv, W <= 4, whose registers hold VEC
+ * lanes of every tap), else as single elements.  x is read in place as rows x_ld apart
+ * (the in_proj output's channel slice), dx written in place as rows dx_ld apart.  Taps
+ * are padded to WMAX with zero weights (wk[k] multiplies the input k tokens back), so
+ * every register index is a constant.  Backward writes dx for the chunk (a gather over
+ * the WMAX outputs that read each token) and keeps its dweight/dbias sums in registers;
+ * a block's CONV_SUB warps take consecutive chunks and add their sums in warp order
+ * through shared memory into one partial row (math type) per (block chunk, batch),
+ * whose columns rows_colsum adds in double in a fixed order.  dhalo (a few rows) has
+ * its own small kernel.
  */
 #include "common.cuh"
 
 namespace gdp_mixer {
 namespace {
 
-enum { CONV_THREADS = 128, CONV_TCH = 64, CONV_WMAX = 16 };
+enum {
+  CONV_THREADS = 128,
+  CONV_TCH = 64,   /* tokens a thread slides over */
+  CONV_WMAX = 16,
+  CONV_AHEAD = 8,  /* tokens whose loads a thread issues together */
+  CONV_SUB = 4,    /* backward: sub-chunks (warps) of a block, summed in shared memory */
+  CONV_BWD_PACK = 8, /* backward: bytes of a channel pack (its per-channel registers are 4x
+                        the forward's: half the pack, twice the threads an SM holds) */
+  CONV_BWD_LANES = CONV_THREADS / CONV_SUB
+};
 
 struct ConvArgs {
   int64_t T, B, C, W, L;
@@ -172,40 +185,63 @@ __global__ void __launch_bounds__(CONV_THREADS)
     age<A, WMAX, VEC>(xs);
     raw_input<IO, VEC>(a, x, halo, t, b, c, xs[0]);
   }
-  /* unrolled so that several tokens' loads are in flight at once */
-#pragma unroll 4
-  for (int64_t t = t0; t < t1; t++) {
-    age<A, WMAX, VEC>(xs);
-    ld_lanes<IO, VEC>(x + (t * a.B + b) * a.x_ld + c, xs[0]);
-    A u[VEC];
-    pre_activation<A, WMAX, VEC>(t, seq_start(a, t), wk, xs, bs, u);
-    if (a.silu)
+  for (int64_t tg = t0; tg < t1; tg += CONV_AHEAD) {
+    /* the group's loads are issued together, so CONV_AHEAD are in flight per thread */
+    Pack<IO, VEC> nx[CONV_AHEAD];
 #pragma unroll
-      for (int i = 0; i < VEC; i++) u[i] = u[i] / ((A)1 + m_exp(-u[i]));
-    st_lanes<IO, VEC>(out + (t * a.B + b) * a.C + c, u);
+    for (int j = 0; j < CONV_AHEAD; j++)
+      nx[j] = tg + j < t1 ? ld_pack<IO, VEC>(x + ((tg + j) * a.B + b) * a.x_ld + c) : Pack<IO, VEC>();
+#pragma unroll
+    for (int j = 0; j < CONV_AHEAD; j++) {
+      const int64_t t = tg + j;
+      if (t >= t1) break;
+      age<A, WMAX, VEC>(xs);
+#pragma unroll
+      for (int i = 0; i < VEC; i++) xs[0][i] = ld(nx[j].e, i);
+      A u[VEC];
+      pre_activation<A, WMAX, VEC>(t, seq_start(a, t), wk, xs, bs, u);
+      if (a.silu)
+#pragma unroll
+        for (int i = 0; i < VEC; i++) u[i] = u[i] / ((A)1 + m_exp(-u[i]));
+      st_lanes<IO, VEC>(out + (t * a.B + b) * a.C + c, u);
+    }
   }
 }
 
-/* grid (channel tiles of CONV_THREADS * VEC, token chunks, B).  partial [chunk*B +
- * b][(W+1)*C]: columns w*C+c hold dweight[c,w]'s partial sums, W*C+c dbias[c]'s (NULL:
- * not wanted).  Step t computes du(t) (t in [t0, t1 + WMAX - 1): the chunk's own tokens
- * for the sums, and the WMAX-1 after it for dx) and dx(s) for s = t - (WMAX-1) in the
- * chunk. */
+/* Raw inputs at position pos as raw_input reads them, as a pack (zeros outside). */
+template <typename IO, int VEC>
+__device__ __forceinline__ Pack<IO, VEC> raw_pack(const ConvArgs &a, const IO *__restrict__ x,
+                                                  const IO *__restrict__ halo, int64_t pos,
+                                                  int64_t b, int64_t c) {
+  if (pos >= 0 && pos < a.T) return ld_pack<IO, VEC>(x + (pos * a.B + b) * a.x_ld + c);
+  if (pos < 0 && pos >= -a.L) return ld_pack<IO, VEC>(halo + ((a.L + pos) * a.B + b) * a.C + c);
+  return Pack<IO, VEC>();
+}
+
+/* grid (channel tiles of CONV_BWD_LANES * VEC, token chunks of CONV_SUB * CONV_TCH, B);
+ * warp `sub` of a block takes the chunk's sub-chunk `sub` of CONV_TCH tokens, lane l
+ * channels c..c+VEC.  partial [chunk*B + b][(W+1)*C] (the math type): columns w*C+c
+ * hold dweight[c,w]'s partial sums, W*C+c dbias[c]'s, the block's sub-chunks added in
+ * order through shared memory (NULL: not wanted).  Step t computes du(t) (t in
+ * [t0, t1 + WMAX - 1): the sub-chunk's own tokens for the sums, and the WMAX-1 after
+ * it for dx) and dx(s) for s = t - (WMAX-1) in the sub-chunk; x and d_out for
+ * CONV_AHEAD steps are loaded together. */
 template <typename IO, int WMAX, int VEC>
-__global__ void __launch_bounds__(CONV_THREADS)
+__global__ void __launch_bounds__(CONV_THREADS, WMAX <= 4 ? 3 : 1)
     conv_bwd_kernel(ConvArgs a, const IO *__restrict__ x, const IO *__restrict__ wt,
                     const IO *__restrict__ bias, const IO *__restrict__ halo,
                     const IO *__restrict__ d_out, IO *__restrict__ dx,
-                    double *__restrict__ partial) {
+                    typename Math<IO>::type *__restrict__ partial) {
   typedef typename Math<IO>::type A;
-  const int64_t c = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
-  if (c >= a.C) return;
+  __shared__ A sums[CONV_SUB][WMAX + 1][VEC][CONV_BWD_LANES];
+  const int lane = threadIdx.x % CONV_BWD_LANES, sub = threadIdx.x / CONV_BWD_LANES;
+  const int64_t c = ((int64_t)blockIdx.x * CONV_BWD_LANES + lane) * VEC;
+  const bool live = c < a.C; /* no early exit: the block meets at the barrier */
   const int64_t b = blockIdx.z;
-  const int64_t t0 = (int64_t)blockIdx.y * CONV_TCH;
+  const int64_t t0 = ((int64_t)blockIdx.y * CONV_SUB + sub) * CONV_TCH;
   const int64_t t1 = t0 + CONV_TCH < a.T ? t0 + CONV_TCH : a.T;
   A wk[WMAX][VEC], xs[WMAX][VEC], ds[WMAX][VEC], bs[VEC]; /* ds[k]: du(t - k) (0 outside [t0, T)) */
   int64_t sq[WMAX];                                       /* sq[k]: the sequence start of token t - k */
-  taps_by_age<IO, WMAX, VEC>(a, wt, bias, c, wk, bs);
   A accw[WMAX][VEC], accb[VEC];
 #pragma unroll
   for (int k = 0; k < WMAX; k++) {
@@ -215,64 +251,94 @@ __global__ void __launch_bounds__(CONV_THREADS)
   }
 #pragma unroll
   for (int i = 0; i < VEC; i++) accb[i] = (A)0;
-  const int64_t t_end = t1 + (WMAX - 1) < a.T ? t1 + (WMAX - 1) : a.T;
-  for (int64_t t = t0 - (WMAX - 1); t < t1 + (WMAX - 1); t++) {
-    age<A, WMAX, VEC>(xs);
-    age<A, WMAX, VEC>(ds);
+  if (live && t0 < a.T) {
+    taps_by_age<IO, WMAX, VEC>(a, wt, bias, c, wk, bs);
+    const int64_t t_end = t1 + (WMAX - 1) < a.T ? t1 + (WMAX - 1) : a.T;
+    const int64_t t_last = t1 + (WMAX - 1);
+    for (int64_t tg = t0 - (WMAX - 1); tg < t_last; tg += CONV_AHEAD) {
+      Pack<IO, VEC> nx[CONV_AHEAD], ng[CONV_AHEAD];
 #pragma unroll
-    for (int k = WMAX - 1; k > 0; k--) sq[k] = sq[k - 1];
-    raw_input<IO, VEC>(a, x, halo, t, b, c, xs[0]);
+      for (int j = 0; j < CONV_AHEAD; j++) {
+        const int64_t t = tg + j;
+        nx[j] = t < t_last ? raw_pack<IO, VEC>(a, x, halo, t, b, c) : Pack<IO, VEC>();
+        ng[j] = t >= t0 && t < t_end ? ld_pack<IO, VEC>(d_out + (t * a.B + b) * a.C + c)
+                                     : Pack<IO, VEC>();
+      }
 #pragma unroll
-    for (int i = 0; i < VEC; i++) ds[0][i] = (A)0;
-    sq[0] = 0;
-    if (t >= t0 && t < t_end) {
-      const int64_t st0 = seq_start(a, t);
-      sq[0] = st0;
-      A u[VEC], du[VEC];
-      pre_activation<A, WMAX, VEC>(t, st0, wk, xs, bs, u);
-      ld_lanes<IO, VEC>(d_out + (t * a.B + b) * a.C + c, du);
-      if (a.silu)
+      for (int j = 0; j < CONV_AHEAD; j++) {
+        const int64_t t = tg + j;
+        if (t >= t_last) break;
+        age<A, WMAX, VEC>(xs);
+        age<A, WMAX, VEC>(ds);
 #pragma unroll
-        for (int i = 0; i < VEC; i++) {
-          const A sg = sigmoid(u[i]);
-          du[i] *= sg * ((A)1 + u[i] * ((A)1 - sg));
+        for (int k = WMAX - 1; k > 0; k--) sq[k] = sq[k - 1];
+#pragma unroll
+        for (int i = 0; i < VEC; i++) xs[0][i] = ld(nx[j].e, i), ds[0][i] = (A)0;
+        sq[0] = 0;
+        if (t >= t0 && t < t_end) {
+          const int64_t st0 = seq_start(a, t);
+          sq[0] = st0;
+          A u[VEC], du[VEC];
+          pre_activation<A, WMAX, VEC>(t, st0, wk, xs, bs, u);
+#pragma unroll
+          for (int i = 0; i < VEC; i++) du[i] = ld(ng[j].e, i);
+          if (a.silu)
+#pragma unroll
+            for (int i = 0; i < VEC; i++) {
+              const A sg = sigmoid(u[i]);
+              du[i] *= sg * ((A)1 + u[i] * ((A)1 - sg));
+            }
+#pragma unroll
+          for (int i = 0; i < VEC; i++) ds[0][i] = du[i];
+          if (partial && t < t1) {
+#pragma unroll
+            for (int i = 0; i < VEC; i++) accb[i] += du[i];
+#pragma unroll
+            for (int k = 0; k < WMAX; k++)
+              if (tap_ok(t - k, st0))
+#pragma unroll
+                for (int i = 0; i < VEC; i++) accw[k][i] += du[i] * xs[k][i];
+          }
         }
+        const int64_t s = t - (WMAX - 1);
+        if (dx && s >= t0 && s < t1) {
+          /* tokens s + j (age WMAX-1-j) of s's own sequence read s through wk[j] */
+          A g[VEC];
 #pragma unroll
-      for (int i = 0; i < VEC; i++) ds[0][i] = du[i];
-      if (partial && t < t1) {
+          for (int i = 0; i < VEC; i++) g[i] = (A)0;
 #pragma unroll
-        for (int i = 0; i < VEC; i++) accb[i] += du[i];
+          for (int jj = 0; jj < WMAX; jj++)
+            if (sq[WMAX - 1 - jj] <= s)
 #pragma unroll
-        for (int k = 0; k < WMAX; k++)
-          if (tap_ok(t - k, st0))
-#pragma unroll
-            for (int i = 0; i < VEC; i++) accw[k][i] += du[i] * xs[k][i];
+              for (int i = 0; i < VEC; i++) g[i] += wk[jj][i] * ds[WMAX - 1 - jj][i];
+          st_lanes<IO, VEC>(dx + (s * a.B + b) * a.dx_ld + c, g);
+        }
       }
     }
-    const int64_t s = t - (WMAX - 1);
-    if (dx && s >= t0 && s < t1) {
-      /* tokens s + j (age WMAX-1-j) of s's own sequence read s through wk[j] */
-      A g[VEC];
-#pragma unroll
-      for (int i = 0; i < VEC; i++) g[i] = (A)0;
-#pragma unroll
-      for (int j = 0; j < WMAX; j++)
-        if (sq[WMAX - 1 - j] <= s)
-#pragma unroll
-          for (int i = 0; i < VEC; i++) g[i] += wk[j][i] * ds[WMAX - 1 - j][i];
-      st_lanes<IO, VEC>(dx + (s * a.B + b) * a.dx_ld + c, g);
-    }
   }
-  if (partial) {
-    const int64_t cols = (a.W + 1) * a.C;
-    double *p = partial + ((int64_t)blockIdx.y * a.B + b) * cols;
+  if (!partial) return; /* uniform */
 #pragma unroll
-    for (int k = 0; k < WMAX; k++)
-      if (k < a.W)
+  for (int k = 0; k < WMAX; k++)
 #pragma unroll
-        for (int i = 0; i < VEC; i++) p[(int64_t)(a.W - 1 - k) * a.C + c + i] = (double)accw[k][i];
+    for (int i = 0; i < VEC; i++) sums[sub][k][i][lane] = accw[k][i];
 #pragma unroll
-    for (int i = 0; i < VEC; i++) p[a.W * a.C + c + i] = (double)accb[i];
+  for (int i = 0; i < VEC; i++) sums[sub][WMAX][i][lane] = accb[i];
+  __syncthreads();
+  if (sub != 0 || !live) return;
+  const int64_t cols = (a.W + 1) * a.C;
+  A *p = partial + ((int64_t)blockIdx.y * a.B + b) * cols;
+#pragma unroll
+  for (int k = 0; k <= WMAX; k++) {
+    if (k < WMAX && k >= a.W) continue;
+    /* accw[k] is tap W-1-k's; accb goes after the W taps */
+    const int64_t col0 = (k < WMAX ? (int64_t)(a.W - 1 - k) : a.W) * a.C + c;
+#pragma unroll
+    for (int i = 0; i < VEC; i++) {
+      if (c + i >= a.C) break;
+      A v = (A)0;
+      for (int q = 0; q < CONV_SUB; q++) v += sums[q][k][i][lane];
+      p[col0 + i] = v;
+    }
   }
 }
 
@@ -297,20 +363,18 @@ __global__ void conv_dhalo_kernel(ConvArgs a, const IO *x, const IO *wt, const I
   }
 }
 
-/* dweight [C,W] and dbias [C] from the partials of nslots (chunk, batch) slots. */
+/* dweight [C,W] and dbias [C] from the column totals of the (chunk, batch) partial rows. */
 template <typename IO>
-__global__ void conv_final_kernel(const double *partial, int64_t nslots, int64_t C, int64_t W,
-                                  IO *dweight, IO *dbias) {
+__global__ void conv_final_kernel(const double *tot, int64_t C, int64_t W, IO *dweight,
+                                  IO *dbias) {
   typedef typename Math<IO>::type A;
   const int64_t cols = (W + 1) * C;
   GDP_MIXER_FOR(col, cols) {
-    double s = 0.0;
-    for (int64_t k = 0; k < nslots; k++) s += partial[k * cols + col];
     const int64_t w = col / C, c = col % C;
     if (w < W) {
-      if (dweight) st(dweight, c * W + w, (A)s);
+      if (dweight) st(dweight, c * W + w, (A)tot[col]);
     } else if (dbias) {
-      st(dbias, c, (A)s);
+      st(dbias, c, (A)tot[col]);
     }
   }
 }
@@ -339,14 +403,31 @@ dim3 conv_grid(const ConvArgs &a, int vec) {
               (unsigned)a.B);
 }
 
-/* The narrow conv's 16-byte packs fit: the channel count and the row strides of x and
- * dx are multiples of the pack, every buffer 16-byte aligned. */
+/* The backward's chunks of CONV_SUB sub-chunks: one partial row per (chunk, batch). */
+int64_t conv_bwd_nchunks(int64_t T) {
+  return (T + (int64_t)CONV_SUB * CONV_TCH - 1) / ((int64_t)CONV_SUB * CONV_TCH);
+}
+dim3 conv_bwd_grid(const ConvArgs &a, int vec) {
+  const int64_t per_block = (int64_t)CONV_BWD_LANES * vec;
+  return dim3((unsigned)((a.C + per_block - 1) / per_block), (unsigned)conv_bwd_nchunks(a.T),
+              (unsigned)a.B);
+}
+
+/* The backward workspace: the partial rows [chunks*B][(W+1)*C] (sized in double, held in
+ * the math type), then their column totals [(W+1)*C] in double. */
+int64_t conv_partial_doubles(int64_t T, int64_t B, int64_t cols) {
+  const int64_t slots = conv_bwd_nchunks(T) * B;
+  return (slots > 0 ? slots : 1) * (cols > 0 ? cols : 1);
+}
+
+/* The narrow conv's packs of `bytes` fit: the channel count and the row strides of x and
+ * dx are multiples of the pack, every buffer aligned to it. */
 template <typename IO>
-int conv_packs_fit(const ConvArgs &a, const void *const *ptrs, int n) {
-  const int64_t vec = Vec16<IO>::n;
-  if (a.W > 4 || a.C % vec || a.x_ld % vec || a.dx_ld % vec) return 0;
+int conv_packs_fit(const ConvArgs &a, const void *const *ptrs, int n, int bytes) {
+  const int64_t vec = bytes / (int64_t)sizeof(IO);
+  if (a.W > 4 || vec < 1 || a.C % vec || a.x_ld % vec || a.dx_ld % vec) return 0;
   for (int i = 0; i < n; i++)
-    if (!aligned16(ptrs[i])) return 0;
+    if (ptrs[i] && (uintptr_t)ptrs[i] % (uintptr_t)bytes) return 0;
   return 1;
 }
 
@@ -362,7 +443,7 @@ gdp_status conv_fwd(const gdp_conv1d_problem *p, const int64_t *seq, const void 
   IO *o = (IO *)out;
   const void *ptrs[5] = {x, wt, bias, halo, out};
   enum { V = Vec16<IO>::n };
-  if (conv_packs_fit<IO>(a, ptrs, 5))
+  if (conv_packs_fit<IO>(a, ptrs, 5, 16))
     conv_fwd_kernel<IO, 4, V><<<conv_grid(a, V), CONV_THREADS, 0, stream>>>(a, xi, wi, bi, hi, o);
   else if (a.W <= 4)
     conv_fwd_kernel<IO, 4, 1><<<conv_grid(a, 1), CONV_THREADS, 0, stream>>>(a, xi, wi, bi, hi, o);
@@ -381,30 +462,34 @@ gdp_status conv_bwd(const gdp_conv1d_problem *p, const int64_t *seq, const void 
   const ConvArgs a = conv_args(p, seq);
   const IO *xi = (const IO *)x, *wi = (const IO *)wt, *bi = (const IO *)bias;
   const IO *hi = (const IO *)halo, *di = (const IO *)d_out;
+  typedef typename Math<IO>::type A;
   const int want_sums = dweight || dbias;
-  double *partial = want_sums ? (double *)workspace : NULL;
-  const int64_t nch = conv_nchunks(a.T);
+  A *partial = want_sums ? (A *)workspace : NULL;
+  const int64_t cols = (a.W + 1) * a.C;
   if ((dx || want_sums) && a.T * a.B * a.C > 0) {
     GDP_TRY(conv_grid_check(func, a));
     IO *dxo = (IO *)dx;
     const void *ptrs[6] = {x, wt, bias, halo, d_out, dx};
-    enum { V = Vec16<IO>::n };
-    if (conv_packs_fit<IO>(a, ptrs, 6))
-      conv_bwd_kernel<IO, 4, V><<<conv_grid(a, V), CONV_THREADS, 0, stream>>>(a, xi, wi, bi, hi, di,
-                                                                             dxo, partial);
+    enum { V = CONV_BWD_PACK / sizeof(IO) > 0 ? CONV_BWD_PACK / sizeof(IO) : 1 };
+    if (conv_packs_fit<IO>(a, ptrs, 6, (int)(V * sizeof(IO))))
+      conv_bwd_kernel<IO, 4, V><<<conv_bwd_grid(a, V), CONV_THREADS, 0, stream>>>(
+          a, xi, wi, bi, hi, di, dxo, partial);
     else if (a.W <= 4)
-      conv_bwd_kernel<IO, 4, 1><<<conv_grid(a, 1), CONV_THREADS, 0, stream>>>(a, xi, wi, bi, hi, di,
-                                                                             dxo, partial);
+      conv_bwd_kernel<IO, 4, 1><<<conv_bwd_grid(a, 1), CONV_THREADS, 0, stream>>>(
+          a, xi, wi, bi, hi, di, dxo, partial);
     else
-      conv_bwd_kernel<IO, CONV_WMAX, 1><<<conv_grid(a, 1), CONV_THREADS, 0, stream>>>(
+      conv_bwd_kernel<IO, CONV_WMAX, 1><<<conv_bwd_grid(a, 1), CONV_THREADS, 0, stream>>>(
           a, xi, wi, bi, hi, di, dxo, partial);
     GDP_TRY(launched(func, "conv_bwd_kernel"));
   }
   if (want_sums && a.C > 0) {
-    /* T*B == 0: no slots, the sums are zeros */
-    const int64_t nslots = a.T * a.B > 0 ? nch * a.B : 0;
-    conv_final_kernel<IO><<<grid_for((a.W + 1) * a.C), THREADS, 0, stream>>>(
-        partial, nslots, a.C, a.W, (IO *)dweight, (IO *)dbias);
+    /* T*B == 0: no rows, the sums are zeros */
+    const int64_t nslots = a.T * a.B > 0 ? conv_bwd_nchunks(a.T) * a.B : 0;
+    double *tot = (double *)workspace + conv_partial_doubles(a.T, a.B, cols);
+    GDP_TRY(rows_colsum(func, "conv rows_colsum_kernel", (const A *)partial, nslots, cols, cols, 1,
+                        0, tot, stream));
+    conv_final_kernel<IO><<<grid_for(cols), THREADS, 0, stream>>>(tot, a.C, a.W, (IO *)dweight,
+                                                                  (IO *)dbias);
     GDP_TRY(launched(func, "conv_final_kernel"));
   }
   if (dhalo && a.L * a.B * a.C > 0) {
@@ -440,9 +525,9 @@ extern "C" gdp_status gdp_cuda_conv1d_fwd(const gdp_conv1d_problem *p,
 }
 
 extern "C" size_t gdp_cuda_conv1d_bwd_workspace(const gdp_conv1d_problem *p) {
-  const int64_t slots = conv_nchunks(p->T) * p->B;
   const int64_t cols = (p->W + 1) * p->C;
-  return (size_t)(slots > 0 ? slots : 1) * (size_t)(cols > 0 ? cols : 1) * sizeof(double);
+  return (size_t)(conv_partial_doubles(p->T, p->B, cols) + (cols > 0 ? cols : 1)) *
+         sizeof(double);
 }
 
 extern "C" gdp_status gdp_cuda_conv1d_bwd(const gdp_conv1d_problem *p,

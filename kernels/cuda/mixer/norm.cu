@@ -9,11 +9,15 @@
  * (16 bytes when every operand allows it, else V = 1) of o, x_v, z and d_out into
  * registers, so each element is read once and the backward needs no second pass.
  * The group sums are team reductions in the math type (float32 for f32 and bf16:
- * shuffles, or shared memory when a team spans warps).  The backward walks a fixed
- * chunk of tokens per block for one group, keeps per-thread sums of d_out * xh and
- * d_o * x_v for its channels, adds its teams' sums in team order into one partial row
- * per (chunk, group), and a second kernel sums the rows in double: the same sizes give
- * the same bits, no atomics.
+ * shuffles, or shared memory when a team spans warps).  The backward (teams of at most
+ * a 512-thread block for bf16, 256 otherwise) keeps the operands as loaded, in the I/O
+ * type, and widens them where used, recomputing y, sigmoid(z) and x in its second pass:
+ * bf16 is register-bounded to two 256-thread blocks per SM, so one block's loads overlap
+ * the other's arithmetic.
+ * It walks a fixed chunk of tokens per block for one group, keeps per-thread sums of
+ * d_out * xh and d_o * x_v for its channels, adds its teams' sums in team order into
+ * one partial row per (chunk, group), and rows_colsum (common.cuh) adds the rows'
+ * columns in double: the same sizes give the same bits, no atomics.
  *
  * L2 norm: one warp per row.
  */
@@ -189,13 +193,59 @@ __device__ __forceinline__ void stash_partial(const NormArgs<IO> &a, const Slots
   __syncthreads();
 }
 
+/* The backward's operands of one (token, group) as loaded: packs in the I/O type (half
+ * the registers of widened bf16), widened where used, so that two blocks of teams fit
+ * an SM's registers and their loads overlap each other's arithmetic. */
+template <typename IO, int V, int K> struct BwdRow {
+  Pack<IO, V> o[K], xv[K], z[K], go[K];
+};
+
 template <typename IO, int V, int K>
-__global__ void out_norm_bwd_kernel(NormArgs<IO> a) {
+__device__ __forceinline__ void load_bwd_row(const NormArgs<IO> &a, const Slots<V, K> &sl,
+                                             bool ok, int64_t t, int64_t b,
+                                             BwdRow<IO, V, K> &r) {
+  const gdp_out_norm_problem &p = a.p;
+  const int P = (int)p.P;
+#pragma unroll
+  for (int k = 0; k < K; k++) {
+    r.o[k] = r.xv[k] = r.z[k] = r.go[k] = Pack<IO, V>();
+    if (!ok || !sl.has(k)) continue;
+    const int c = sl.channel(k);
+    r.o[k] = ld_pack<IO, V>(a.o + at(p.o, t, b, c, P));
+    r.go[k] = ld_pack<IO, V>(a.d_out + at(p.d_out, t, b, c, P));
+    if (p.D_mode != GDP_OUT_NORM_NO_D) r.xv[k] = ld_pack<IO, V>(a.x_v + at(p.x_v, t, b, c, P));
+    if (a.z) r.z[k] = ld_pack<IO, V>(a.z + at(p.z, t, b, c, P));
+  }
+}
+
+/* Element i of vector k: y = o + D x_v, s = sigmoid(z), x = y z s (x = y without z). */
+template <typename IO, int V, int K, typename A>
+__device__ __forceinline__ void bwd_elem(const NormArgs<IO> &a, const BwdRow<IO, V, K> &r,
+                                         int k, int i, int c, A &y, A &zz, A &sg, A &x) {
+  const gdp_out_norm_problem &p = a.p;
+  y = ld(r.o[k].e, i);
+  if (p.D_mode != GDP_OUT_NORM_NO_D)
+    y += ld(a.D, p.D_mode == GDP_OUT_NORM_D_CHANNEL ? c + i : c / (int)p.P) * ld(r.xv[k].e, i);
+  zz = ld(r.z[k].e, i);
+  sg = a.z ? sigmoid(zz) : (A)1;
+  x = a.z ? y * zz * sg : y;
+}
+
+/* The backward's widest team (its block), and the registers that bounds: bf16 at 128
+ * (two 256-thread blocks per SM, or one of 512), the wider types at 255 (one block of
+ * 256). */
+template <typename IO> struct BwdBounds {
+  enum { max_team = sizeof(IO) == 2 ? 2 * NORM_BLOCK : NORM_BLOCK };
+};
+
+template <typename IO, int V, int K>
+__global__ void __launch_bounds__(BwdBounds<IO>::max_team, 1)
+    out_norm_bwd_kernel(NormArgs<IO> a) {
   typedef typename Math<IO>::type A;
   __shared__ A red[32];
   const gdp_out_norm_problem &p = a.p;
   const int tpg = a.tpg, team = threadIdx.x / tpg, teams = blockDim.x / tpg;
-  const int gs = (int)p.group_size, P = (int)p.P, d = (int)(p.H * p.P);
+  const int gs = (int)p.group_size, P = (int)p.P;
   const Slots<V, K> sl = {(int)threadIdx.x % tpg, tpg, gs / V, (int)blockIdx.y * gs};
   const bool has_D = p.D_mode != GDP_OUT_NORM_NO_D;
   const int64_t R = p.T * p.B, r0 = (int64_t)blockIdx.x * a.rows_per_chunk;
@@ -204,22 +254,25 @@ __global__ void out_norm_bwd_kernel(NormArgs<IO> a) {
 #pragma unroll
   for (int i = 0; i < K * V; i++) acc_w[i] = acc_D[i] = (A)0;
   for (int64_t base = r0; base < r1; base += teams) { /* uniform over the block */
-    const int64_t r = base + team;
-    const bool ok = r < r1;
-    const int64_t t = ok ? r / p.B : 0, b = ok ? r % p.B : 0;
-    A y[K * V], xv[K * V], zz[K * V], sg[K * V], x[K * V], go[K * V], w[K * V];
-    A sum = load_group<IO, V, K>(a, sl, ok, t, b, y, xv, zz, sg, x);
-    A dot = (A)0; /* sum of d_out * weight * x */
+    const int64_t rr = base + team;
+    const bool ok = rr < r1;
+    const int64_t t = ok ? rr / p.B : 0, b = ok ? rr % p.B : 0;
+    BwdRow<IO, V, K> r;
+    load_bwd_row<IO, V, K>(a, sl, ok, t, b, r);
+    A sum = (A)0, dot = (A)0; /* sums of x^2 and of d_out * weight * x */
 #pragma unroll
     for (int k = 0; k < K; k++) {
-#pragma unroll
-      for (int i = 0; i < V; i++) go[k * V + i] = w[k * V + i] = (A)0;
       if (!ok || !sl.has(k)) continue;
       const int c = sl.channel(k);
-      ldv<V>(a.d_out + at(p.d_out, t, b, c, P), go + k * V);
-      ldv<V>(a.weight + c, w + k * V);
+      A w[V];
+      ldv<V>(a.weight + c, w);
 #pragma unroll
-      for (int i = 0; i < V; i++) dot += go[k * V + i] * w[k * V + i] * x[k * V + i];
+      for (int i = 0; i < V; i++) {
+        A y, zz, sg, x;
+        bwd_elem<IO, V, K, A>(a, r, k, i, c, y, zz, sg, x);
+        sum += x * x;
+        dot += ld(r.go[k].e, i) * w[i] * x;
+      }
     }
     sum = team_sum(sum, tpg, red);
     dot = team_sum(dot, tpg, red);
@@ -229,21 +282,24 @@ __global__ void out_norm_bwd_kernel(NormArgs<IO> a) {
     for (int k = 0; k < K; k++) {
       if (!ok || !sl.has(k)) continue;
       const int c = sl.channel(k);
-      A dy[V], dzv[V], dxv[V];
+      A w[V], dy[V], dzv[V], dxv[V];
+      ldv<V>(a.weight + c, w);
 #pragma unroll
       for (int i = 0; i < V; i++) {
         const int e = k * V + i;
-        const A dx = rstd * (go[e] * w[e] - x[e] * cm);
-        acc_w[e] += go[e] * x[e] * rstd;
+        A y, zz, sg, x;
+        bwd_elem<IO, V, K, A>(a, r, k, i, c, y, zz, sg, x);
+        const A go = ld(r.go[k].e, i);
+        const A dx = rstd * (go * w[i] - x * cm);
+        acc_w[e] += go * x * rstd;
         dy[i] = dx;
         if (a.z) {
-          dy[i] = dx * zz[e] * sg[e];
-          dzv[i] = dx * y[e] * sg[e] * ((A)1 + zz[e] * ((A)1 - sg[e]));
+          dy[i] = dx * zz * sg;
+          dzv[i] = dx * y * sg * ((A)1 + zz * ((A)1 - sg));
         }
         if (has_D) {
-          acc_D[e] += dy[i] * xv[e];
-          const A dv = ld(a.D, p.D_mode == GDP_OUT_NORM_D_CHANNEL ? c + i : c / P);
-          dxv[i] = dv * dy[i];
+          acc_D[e] += dy[i] * ld(r.xv[k].e, i);
+          dxv[i] = ld(a.D, p.D_mode == GDP_OUT_NORM_D_CHANNEL ? c + i : c / P) * dy[i];
         }
       }
       if (a.d_o) stv<V>(a.d_o + at(p.d_o, t, b, c, P), dy);
@@ -256,18 +312,17 @@ __global__ void out_norm_bwd_kernel(NormArgs<IO> a) {
   if (has_D) stash_partial(a, sl, team, teams, acc_D, 1);
 }
 
-/* out[j] = the sum over chunks, then over the G channels j*G .. j*G+G-1, of partial row
- * `pass`, in double in a fixed order (one block per output). */
+/* out[j] = the sum of tot[j*G .. j*G+G-1] (a warp per output, a fixed shuffle tree). */
 template <typename T>
-__global__ void out_norm_final_kernel(const typename Math<T>::type *partial, int pass,
-                                      int64_t nch, int64_t d, int64_t G, T *out) {
-  __shared__ double red[32];
-  const int64_t j = blockIdx.x;
-  double s = 0.0;
-  for (int64_t i = threadIdx.x; i < nch * G; i += blockDim.x)
-    s += (double)partial[((i / G) * 2 + pass) * d + j * G + i % G];
-  s = block_sum(s, red);
-  if (threadIdx.x == 0) st(out, j, (typename Math<T>::type)s);
+__global__ void out_norm_final_kernel(const double *tot, int64_t n, int64_t G, T *out) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = ((int64_t)gridDim.x * blockDim.x) >> 5;
+  for (int64_t j = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5; j < n; j += warps) {
+    double s = 0.0;
+    for (int64_t g = lane; g < G; g += 32) s += tot[j * G + g];
+    s = warp_sum(s);
+    if (lane == 0) st(out, j, (typename Math<T>::type)s);
+  }
 }
 
 template <typename IO>
@@ -350,8 +405,14 @@ static void norm_chunks(const gdp_out_norm_problem *p, int64_t *chunks, int64_t 
   *chunks = (R + *rows_per_chunk - 1) / *rows_per_chunk;
 }
 
+/* The backward workspace: the chunks' partial rows [chunks][2][d] (sized in double, held
+ * in the math type), then the column totals [2][d] in double. */
+static int64_t norm_partial_doubles(int64_t chunks, int64_t d) {
+  return (chunks > 0 ? chunks : 1) * 2 * d;
+}
+
 static gdp_status norm_plan(const char *func, const gdp_out_norm_problem *p, int V,
-                            NormPlan *pl) {
+                            int64_t max_team, NormPlan *pl) {
   const int64_t gs = p->group_size, d = p->H * p->P, R = p->T * p->B;
   if (gs < 1 || d % gs != 0)
     return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG, "group size %lld does not divide d = %lld",
@@ -364,14 +425,14 @@ static gdp_status norm_plan(const char *func, const gdp_out_norm_problem *p, int
   int64_t tpg = 1;
   while (tpg < 32 && tpg < nv) tpg <<= 1;
   int64_t K = (nv + tpg - 1) / tpg;
-  while ((K * V > NORM_MAX_ELEMS || K > NORM_MAX_K) && tpg < NORM_MAX_TEAM) {
+  while ((K * V > NORM_MAX_ELEMS || K > NORM_MAX_K) && tpg < max_team) {
     tpg <<= 1;
     K = (nv + tpg - 1) / tpg;
   }
   if (K > NORM_MAX_K)
     return GDP_ERROR_IN(func, GDP_ERR_UNSUPPORTED,
                         "norm groups of %lld channels: at most %lld at this dtype and alignment",
-                        (long long)gs, (long long)NORM_MAX_TEAM * NORM_MAX_K * V);
+                        (long long)gs, (long long)(max_team * NORM_MAX_K * V));
   pl->V = V, pl->tpg = (int)tpg;
   pl->K = K <= 1 ? 1 : K <= 2 ? 2 : K <= 4 ? 4 : 8;
   pl->teams = tpg > 32 ? 1 : (int)(NORM_BLOCK / tpg); /* a wider team is its block */
@@ -421,7 +482,7 @@ static gdp_status out_norm_fwd(const gdp_out_norm_problem *p, const void *o, con
   int V = vector_width<IO>(p, ptrs, 5, strides, 4);
   if (V > 1 && !aligned16(weight)) V = 1;
   NormPlan pl;
-  GDP_TRY(norm_plan(func, p, V, &pl));
+  GDP_TRY(norm_plan(func, p, V, NORM_MAX_TEAM, &pl));
   const int64_t R = p->T * p->B, ng = p->H * p->P / p->group_size;
   if (R == 0 || ng == 0) return GDP_OK;
   NormArgs<IO> a = norm_args<IO>(p, o, x_v, D, z, weight, NULL, out, NULL, NULL, NULL);
@@ -454,7 +515,7 @@ static gdp_status out_norm_bwd(const gdp_out_norm_problem *p, const void *o, con
   int V = vector_width<IO>(p, ptrs, 8, strides, 7);
   if (V > 1 && !aligned16(dx_v)) V = 1;
   NormPlan pl;
-  GDP_TRY(norm_plan(func, p, V, &pl));
+  GDP_TRY(norm_plan(func, p, V, BwdBounds<IO>::max_team, &pl));
   const int64_t d = p->H * p->P, ng = d / p->group_size;
   pl.teams = bwd_teams(pl, p->group_size, sizeof(typename Math<IO>::type));
   NormArgs<IO> a = norm_args<IO>(p, o, x_v, D, z, weight, d_out, NULL, d_o, dz, dx_v);
@@ -477,16 +538,19 @@ static gdp_status out_norm_bwd(const gdp_out_norm_problem *p, const void *o, con
     }
     GDP_TRY(launched(func, "out_norm_bwd_kernel"));
   }
-  if (dweight && d > 0) {
-    out_norm_final_kernel<IO><<<(unsigned)d, THREADS, 0, stream>>>(a.partial, 0, pl.chunks, d, 1,
-                                                                  (IO *)dweight);
-    GDP_TRY(launched(func, "out_norm_final_kernel (dweight)"));
-  }
-  if (dD) {
-    const int64_t nD = p->D_mode == GDP_OUT_NORM_D_CHANNEL ? d : p->H;
+  const int64_t nD = !dD ? 0 : p->D_mode == GDP_OUT_NORM_D_CHANNEL ? d : p->H;
+  if ((dweight || nD > 0) && d > 0) {
+    double *tot = (double *)workspace + norm_partial_doubles(pl.chunks, d);
+    /* pass q's rows are partial + q d, 2 d apart */
+    GDP_TRY(rows_colsum(func, "out_norm rows_colsum_kernel", a.partial, pl.chunks, 2 * d, d,
+                        nD > 0 ? 2 : 1, d, tot, stream));
+    if (dweight) {
+      out_norm_final_kernel<IO><<<grid_for(32 * d), THREADS, 0, stream>>>(tot, d, 1, (IO *)dweight);
+      GDP_TRY(launched(func, "out_norm_final_kernel (dweight)"));
+    }
     if (nD > 0) {
-      out_norm_final_kernel<IO><<<(unsigned)nD, THREADS, 0, stream>>>(
-          a.partial, 1, pl.chunks, d, d / nD, (IO *)dD);
+      out_norm_final_kernel<IO><<<grid_for(32 * nD), THREADS, 0, stream>>>(tot + d, nD, d / nD,
+                                                                           (IO *)dD);
       GDP_TRY(launched(func, "out_norm_final_kernel (dD)"));
     }
   }
@@ -510,8 +574,8 @@ extern "C" gdp_status gdp_cuda_out_norm_fwd(const gdp_out_norm_problem *p, const
 extern "C" size_t gdp_cuda_out_norm_bwd_workspace(const gdp_out_norm_problem *p) {
   int64_t chunks, rows_per_chunk;
   norm_chunks(p, &chunks, &rows_per_chunk);
-  const int64_t d = p->H * p->P;
-  return (size_t)(chunks > 0 ? chunks : 1) * 2 * (size_t)(d > 0 ? d : 1) * sizeof(double);
+  const int64_t d = p->H * p->P > 0 ? p->H * p->P : 1;
+  return (size_t)(norm_partial_doubles(chunks, d) + 2 * d) * sizeof(double);
 }
 
 extern "C" gdp_status gdp_cuda_out_norm_bwd(const gdp_out_norm_problem *p, const void *o,

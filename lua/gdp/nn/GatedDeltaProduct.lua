@@ -440,8 +440,8 @@ end
 
 -- The in_proj output's gradient [T,B,d_in_proj], allocated before the backward stages
 -- so that they fill its sections in place (the conv backward writes dxBC there, the
--- fused input stage db and da); returns it and its section views (split_in_proj's).
--- The norm's dz is a new tensor of its op, copied into its section.
+-- fused input stage db and da, the output norm dz); returns it and its section views
+-- (split_in_proj's).
 function GatedDeltaProduct:in_proj_grad(T, B)
   local dzx = tensor.empty({ T, B, self.sizes.d_in_proj }, { dtype = self.dtype, device = self.device })
   return dzx, self:split_in_proj(dzx)
@@ -547,9 +547,10 @@ function GatedDeltaProduct:out_forward(o, z, x_v)
   return out:view(T, B, self.hidden_size), { o = o, yn = yn }
 end
 
--- Backward of out_forward: returns d_o [B,T,nh,P], dz [T,B,d_inner] (nil without z)
--- and dx_v (nil without D); accumulates out_proj, norm and D gradients.
-function GatedDeltaProduct:out_backward(saved, z, x_v, dout)
+-- Backward of out_forward: returns d_o [B,T,nh,P], dz [T,B,d_inner] (nil without z;
+-- written into dz_into when given: the z section of the in_proj gradient) and dx_v (nil
+-- without D); accumulates out_proj, norm and D gradients.
+function GatedDeltaProduct:out_backward(saved, z, x_v, dout, dz_into)
   local s = self.sizes
   local T, B = dout:size(1), dout:size(2)
   local dout2 = dout:reshape(T * B, self.hidden_size)
@@ -558,7 +559,7 @@ function GatedDeltaProduct:out_backward(saved, z, x_v, dout)
   local dyn = tensor.matmul(dout2, self.params["out_proj.weight"]):view(T, B, s.d_inner)
   local D = self.D_mode and self.params["D"] or nil
   local g = F.out_norm_backward(saved.o, D and x_v or nil, D, z, self.params["norm.weight"],
-                                s.norm_group, self.norm_eps, dyn)
+                                s.norm_group, self.norm_eps, dyn, z and dz_into or nil)
   Module.accumulate(self.grads["norm.weight"], g.dweight)
   if D then Module.accumulate(self.grads["D"], g.dD) end
   return g.d_o, g.dz, g.dx_v
@@ -655,8 +656,7 @@ function GatedDeltaProduct:backward(x, dy, cu_seqlens)
     return dx
   end
   local dzx, dparts = self:in_proj_grad(x:size(1), x:size(2))
-  local d_o, dz, dx_v = self:out_backward(c.saved, c.parts.z, c.inp.x_v, dy)
-  if dz ~= nil then dparts.z:copy(dz) end
+  local d_o, _, dx_v = self:out_backward(c.saved, c.parts.z, c.inp.x_v, dy, dparts.z)
   local g = self:ssm_backward(c.inp, c.cu, d_o)
   local dxBC_c = self:ssm_inputs_backward(g, c.parts.b, c.parts.a, dx_v, { db = dparts.b, da = dparts.a })
   self:conv_backward(c.parts.xBC, dxBC_c, c.cu, nil, nil, nil, nil, dparts.xBC)

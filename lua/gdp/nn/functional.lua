@@ -193,14 +193,18 @@ function F.out_norm(o, x_v, D, z, weight, group_size, eps)
 end
 
 -- Backward of sum(out_norm(...) * d_out): {d_o [B,T,H,P] (o's layout), dz (nil without
--- z), dx_v, dD (nil without the skip), dweight}, in one pass.
-function F.out_norm_backward(o, x_v, D, z, weight, group_size, eps, d_out)
+-- z), dx_v, dD (nil without the skip), dweight}, in one pass.  dz_into (optional): a
+-- tensor of z's shape to write dz into (any strides, e.g. the z section of the in_proj
+-- gradient; it must not overlap the inputs), returned as dz.
+function F.out_norm_backward(o, x_v, D, z, weight, group_size, eps, d_out, dz_into)
   local fn = "nn.functional.out_norm_backward"
   local gs, e = out_norm_args(fn, o, x_v, D, z, weight, group_size, eps)
   tensor_arg(d_out, fn, "d_out")
+  opt_tensor(dz_into, fn, "dz_into")
   local b = { tensor_box(), tensor_box(), tensor_box(), tensor_box(), tensor_box() }
   local d_o, dz, dx_v, dD, dw = call_outputs(fn, "gdp_mixer_out_norm_backward", b, o:ctx(), o, x_v, D,
-                                             z, weight, gs, e, d_out, b[1], b[2], b[3], b[4], b[5])
+                                             z, weight, gs, e, d_out, dz_into, b[1], b[2], b[3], b[4],
+                                             b[5])
   return { d_o = d_o, dz = dz, dx_v = dx_v, dD = dD, dweight = dw }
 end
 

@@ -67,11 +67,24 @@ local function stored(v, dtype, key)
   return o
 end
 
+-- The destinations some backward stages write in place (sections of the in_proj
+-- gradient), by argument position after self: a tensor or a table of tensors.
+local IN_PLACE_ARG = { out_backward = 5, ssm_inputs_backward = 5, conv_backward = 8 }
+
+local function round_in_place(v, dtype)
+  if gdp.is_tensor(v) then
+    v:copy(stored(v, dtype))
+  elseif type(v) == "table" then
+    for _, x in pairs(v) do round_in_place(x, dtype) end
+  end
+end
+
 -- The float64 cpu layer of rounded_input_reference with every tensor a stage hands to
 -- the next rounded to `dtype` (g, dg to float32) -- the layer's storage, in exact
 -- arithmetic: the error that storing those tensors in bf16 makes by itself, the floor
 -- below which no layer with that storage (Megatron's has the same) can go.  out_forward's
--- saved intermediates stay exact (the kernels keep them only to recompute).
+-- saved intermediates stay exact (the kernels keep them only to recompute).  What a
+-- stage writes into a destination argument (IN_PLACE_ARG) is rounded there as well.
 function M.storage_floor_reference(t, meta, m)
   local model = M.module_for(meta, "f64", "cpu")
   model:set_parameters(rounded_params(t, model, m), false)
@@ -80,6 +93,9 @@ function M.storage_floor_reference(t, meta, m)
     model[name] = function(self, ...)
       local r = { stage(self, ...) }
       for i = 1, (name == "out_forward" and 1 or #r) do r[i] = stored(r[i], m.dtype) end
+      if IN_PLACE_ARG[name] and select("#", ...) >= IN_PLACE_ARG[name] then
+        round_in_place((select(IN_PLACE_ARG[name], ...)), m.dtype)
+      end
       return unpack(r)
     end
   end
