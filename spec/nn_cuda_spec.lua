@@ -4,7 +4,8 @@
 -- cross-entropy (ignore_index, mask, large logits) and a tiny CausalLM's logits, loss
 -- and every gradient; f32 within 1e-4, bf16 within 1e-2 for the ops and 5e-2 for the
 -- model (the mixer's bf16 bound, spec/mixer_cuda_spec.lua); the embedding backward
--- and the loss repeat bit for bit.  Without a GPU every case is pending with the reason.
+-- and the loss repeat bit for bit; out-of-range tokens and targets, checked on the
+-- device, raise the cpu's errors.  Without a GPU every case is pending with the reason.
 local gdp = require("gdp")
 local nn = require("gdp.nn")
 local F = nn.functional
@@ -57,25 +58,88 @@ describe("model layer ops on cuda vs the f64 cpu oracle #gpu", function()
       assert.are.equal(0, ref64(dw):narrow(1, V - 2, 3):max_abs())
     end)
 
-    it("cross-entropy with ignore_index and a mask, " .. dtype, function()
+    -- a block per row (517 classes, i64 targets, f32 mask), a thread per row (6, i32, i64)
+    for _, c in ipairs({ { R = 301, V = 517, scale = 20, tdt = "i64", mdt = "f32" },
+                         { R = 4099, V = 6, scale = 4, tdt = "i32", mdt = "i64" } }) do
+      it(string.format("cross-entropy with ignore_index and a mask, V = %d, %s", c.V, dtype), function()
+        if not H.need_device("cuda") then return end
+        H.reseed(53)
+        local R, V = c.R, c.V
+        local logits = on_cuda(gdp.randn({ R, V }, { dtype = "f64" }) * c.scale, dtype)
+        local t = ids(R, V, 3)
+        t[4], t[100] = -100, -100
+        local targets = gdp.tensor(t, { R }, { dtype = c.tdt })
+        local mk = {}
+        for i = 1, R do mk[i] = i % 5 == 0 and 0 or 1 end
+        local mask = gdp.tensor(mk, { R }, { dtype = c.mdt })
+        local loss, d, count = F.cross_entropy(logits, targets:to("cuda"), { mask = mask:to("cuda") })
+        local rloss, rd, rcount = F.cross_entropy(ref64(logits), targets, { mask = mask })
+        assert.are.equal(rcount, count)
+        assert.is_true(math.abs(loss - rloss) <= OP_TOL[dtype] * math.abs(rloss),
+                       string.format("loss %.10g, oracle %.10g", loss, rloss))
+        assert.are.equal(dtype, d:dtype())
+        assert.tensor_near(d, rd, OP_TOL[dtype])
+        -- host targets and mask: the same bits
+        local loss2, d2 = F.cross_entropy(logits, targets, { mask = mask })
+        assert.are.equal(loss, loss2)
+        assert.are.equal(0, gdp.rel_error(d2, d))
+        assert.are.equal(loss, (F.cross_entropy(logits, targets, { mask = mask, grad = false })))
+      end)
+    end
+  end
+end)
+
+describe("model layer ops check their integer inputs on cuda #gpu", function()
+  -- Tokens and targets are validated on the device there (no host pass over them): the
+  -- same errors as on the cpu, at the first bad position, wherever the ids live.
+  it("rejects an out-of-range token in the embedding, naming the first position", function()
+    if not H.need_device("cuda") then return end
+    local w = on_cuda(gdp.randn({ 5, 8 }, { dtype = "f64" }), "bf16")
+    local t = {}
+    for i = 1, 3000 do t[i] = i % 5 end
+    t[2001], t[2500] = 7, -1
+    for _, dt in ipairs({ "i32", "i64" }) do
+      local tokens = gdp.tensor(t, { 3, 1000 }, { dtype = dt })
+      local want = "tokens: expected values in [0, 5) (num_embeddings), got 7 at [2,0]"
+      H.expect_error(function() F.embedding(w, tokens:to("cuda")) end, want)
+      H.expect_error(function() F.embedding(w, tokens) end, want)
+      local dout = on_cuda(gdp.randn({ 3, 1000, 8 }, { dtype = "f64" }), "bf16")
+      H.expect_error(function() F.embedding_backward(tokens:to("cuda"), dout, 5) end, want)
+      H.expect_error(function() F.embedding_backward(tokens, ref64(dout), 5) end, want)
+    end
+  end)
+
+  it("rejects an out-of-range counted target, not an ignored or masked one", function()
+    if not H.need_device("cuda") then return end
+    local logits = on_cuda(gdp.randn({ 2, 3, 4 }, { dtype = "f64" }), "f32")
+    local t = gdp.tensor({ { 0, 9, 2 }, { 3, 4, 0 } }, { dtype = "i32" })
+    local mask = gdp.tensor({ { 1, 0, 1 }, { 1, 1, 1 } }, { dtype = "f32" })
+    local want = "targets: expected values in [0, 4) (logits' last dim) or ignore_index = -100, got 4 at [1,1]"
+    H.expect_error(function() F.cross_entropy(logits, t:to("cuda"), { mask = mask:to("cuda") }) end, want)
+    H.expect_error(function() F.cross_entropy(ref64(logits), t, { mask = mask }) end, want)
+    local ok = gdp.tensor({ { 0, 9, 2 }, { 3, -100, 0 } }, { dtype = "i64" })
+    local loss, _, count = F.cross_entropy(logits, ok:to("cuda"), { mask = mask:to("cuda") })
+    local rloss, _, rcount = F.cross_entropy(ref64(logits), ok, { mask = mask })
+    assert.are.equal(4, count)
+    assert.are.equal(rcount, count)
+    assert.is_true(math.abs(loss - rloss) <= 1e-5 * math.abs(rloss))
+  end)
+
+  for _, dtype in ipairs({ "f32", "bf16" }) do
+    it("embedding backward over a small vocabulary repeats bit for bit, " .. dtype, function()
       if not H.need_device("cuda") then return end
-      H.reseed(53)
-      local R, V = 301, 517
-      local logits = on_cuda(gdp.randn({ R, V }, { dtype = "f64" }) * 20, dtype)
-      local t = ids(R, V, 3)
-      t[4], t[100] = -100, -100
-      local targets = gdp.tensor(t, { R }, { dtype = "i64" })
-      local mk = {}
-      for i = 1, R do mk[i] = i % 5 == 0 and 0 or 1 end
-      local mask = gdp.tensor(mk, { R }, { dtype = "f32" })
-      local loss, d, count = F.cross_entropy(logits, targets:to("cuda"), { mask = mask:to("cuda") })
-      local rloss, rd, rcount = F.cross_entropy(ref64(logits), targets, { mask = mask })
-      assert.are.equal(rcount, count)
-      assert.is_true(math.abs(loss - rloss) <= OP_TOL[dtype] * math.abs(rloss),
-                     string.format("loss %.10g, oracle %.10g", loss, rloss))
-      assert.are.equal(dtype, d:dtype())
-      assert.tensor_near(d, rd, OP_TOL[dtype])
-      assert.are.equal(loss, (F.cross_entropy(logits, targets, { mask = mask, grad = false })))
+      H.reseed(57)
+      -- the state-tracking shape, scaled down: 6 rows, each over many segments
+      local V, D, B, T = 6, 128, 16, 257
+      local t = {}
+      for i = 1, B * T do t[i] = (i * 5 + math.floor(i / 7)) % V end
+      local tokens = gdp.tensor(t, { B, T }, { dtype = "i32" }):to("cuda")
+      local dout = on_cuda(gdp.randn({ B, T, D }, { dtype = "f64" }), dtype)
+      local dw = F.embedding_backward(tokens, dout, V)
+      local again = F.embedding_backward(tokens:to("i64"), dout, V)
+      assert.are.equal(0, gdp.rel_error(again, dw))
+      assert.are.equal(0, ref64(again):sub(ref64(dw)):max_abs())
+      assert.tensor_near(dw, F.embedding_backward(tokens:to("cpu"), ref64(dout), V), OP_TOL[dtype])
     end)
   end
 end)

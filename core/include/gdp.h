@@ -745,7 +745,8 @@ gdp_status gdp_optim_sgd_step(gdp_tensor *param, const gdp_tensor *grad,
  * results; NULL backward results are not computed), and: f64 and f32 on the cpu, also
  * bf16 on cuda (float32 math inside, bf16 rounded once on store); integer inputs
  * (tokens, targets) are int32 or int64 and may live on the host or on ctx's device:
- * they are read on the host, where every value is validated.
+ * every value is validated (on cuda on the device, with one small read back per call),
+ * and the first one out of range is an error naming its position.
  */
 
 /* SwiGLU's gate: out = silu(gate) * up, elementwise; gate and up of one shape. */

@@ -885,16 +885,50 @@ static gdp_status cuda_state_tracking(gdp_ctx *ctx, const gdp_state_tracking_pro
 
 /* ------------------------------------------------------------------ model layer ops */
 
-/* A device copy of n host int64 values (host_array_to_device); *out NULL when n == 0. */
-static gdp_status upload_indices(gdp_ctx *ctx, const char *what, const int64_t *host, int64_t n,
-                                 int64_t **out) {
+/* A device word for the kernels' first out-of-range position, set to all ones (none). */
+static gdp_status fault_word(gdp_ctx *ctx, unsigned long long **out) {
   *out = NULL;
-  if (n <= 0) return GDP_OK;
   void *d = NULL;
-  GDP_TRY(host_array_to_device(ctx, "cuda model layer op", what, host,
-                               (size_t)n * sizeof(int64_t), &d));
-  *out = (int64_t *)d;
+  GDP_TRY(mixer_workspace(ctx, sizeof(unsigned long long), &d));
+  cudaError_t e = cudaMemsetAsync(d, 0xff, sizeof(unsigned long long), state_of(ctx)->stream);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    device_free(ctx, d);
+    return GDP_ERROR(GDP_ERR_CUDA, "clearing the index check's word on cuda:%d failed: %s (%s)",
+                     ctx->index, cudaGetErrorName(e), cudaGetErrorString(e));
+  }
+  *out = (unsigned long long *)d;
   return GDP_OK;
+}
+
+/* nbytes of device memory at src into the host's dst, once the stream has reached them:
+ * the one read back of a model layer op (its check, or a host result). */
+static gdp_status read_back(gdp_ctx *ctx, const char *what, void *dst, const void *src,
+                            size_t nbytes) {
+  cudaError_t e = cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDeviceToHost, state_of(ctx)->stream);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return GDP_ERROR(GDP_ERR_CUDA, "copying %s from cuda:%d failed: %s (%s)", what, ctx->index,
+                     cudaGetErrorName(e), cudaGetErrorString(e));
+  }
+  return stream_sync(ctx);
+}
+
+/* The fault of a first-bad word read back: the position and (a second read, on this
+ * error path only) the value there. */
+static gdp_status fault_of(gdp_ctx *ctx, unsigned long long word, const void *ids, int ids_dtype,
+                           gdp_index_fault *f) {
+  f->at = -1;
+  f->value = 0;
+  if (word == ULLONG_MAX) return GDP_OK;
+  f->at = (int64_t)word;
+  if (ids_dtype == GDP_DTYPE_I32) {
+    int32_t v = 0;
+    GDP_TRY(read_back(ctx, "a bad index", &v, (const int32_t *)ids + f->at, sizeof v));
+    f->value = v;
+    return GDP_OK;
+  }
+  return read_back(ctx, "a bad index", &f->value, (const int64_t *)ids + f->at, sizeof f->value);
 }
 
 static gdp_status cuda_silu_mul_forward(gdp_ctx *ctx, gdp_dtype dtype, int64_t n,
@@ -916,11 +950,13 @@ static gdp_status cuda_silu_mul_backward(gdp_ctx *ctx, gdp_dtype dtype, int64_t 
 static gdp_status cuda_embedding_forward(gdp_ctx *ctx, const gdp_embedding_problem *p,
                                          const void *weight, void *out) {
   GDP_TRY(mixer_begin(ctx, "embedding_forward", (gdp_dtype)p->dtype, p->n, p->D));
-  int64_t *tokens = NULL;
-  GDP_TRY(upload_indices(ctx, "the token ids", p->tokens, p->n, &tokens));
-  gdp_status s = gdp_cuda_embedding_fwd(p->dtype, p->n, p->D, tokens, weight, out,
-                                        state_of(ctx)->stream);
-  if (tokens) device_free(ctx, tokens);
+  unsigned long long *bad = NULL, host_bad = ULLONG_MAX;
+  GDP_TRY(fault_word(ctx, &bad));
+  gdp_status s = gdp_cuda_embedding_fwd(p->dtype, p->n, p->D, p->V, p->ids, p->ids_dtype, weight,
+                                        out, bad, state_of(ctx)->stream);
+  if (s == GDP_OK) s = read_back(ctx, "the token check", &host_bad, bad, sizeof host_bad);
+  device_free(ctx, bad);
+  if (s == GDP_OK) s = fault_of(ctx, host_bad, p->ids, p->ids_dtype, p->fault);
   GDP_TRY(s);
   return op_end(ctx);
 }
@@ -928,28 +964,21 @@ static gdp_status cuda_embedding_forward(gdp_ctx *ctx, const gdp_embedding_probl
 static gdp_status cuda_embedding_backward(gdp_ctx *ctx, const gdp_embedding_problem *p,
                                           const void *d_out, void *dweight) {
   GDP_TRY(mixer_begin(ctx, "embedding_backward", (gdp_dtype)p->dtype, p->n, p->D));
-  const int64_t segments = gdp_cuda_embedding_segment_count(p->V, p->row_start);
-  int64_t *seg_first = malloc((size_t)(p->V + 1) * sizeof(int64_t));
-  int64_t *seg_row = malloc((size_t)(segments > 0 ? segments : 1) * sizeof(int64_t));
-  int64_t *dev[4] = {0}; /* row_start, row_tokens, seg_first, seg_row */
+  const size_t ws_bytes = gdp_cuda_embedding_bwd_workspace(p->dtype, p->n, p->V, p->D);
+  if (ws_bytes == 0)
+    return GDP_ERROR(GDP_ERR_CUDA, "sizing the embedding backward's sort on cuda:%d failed",
+                     ctx->index);
+  unsigned long long *bad = NULL, host_bad = ULLONG_MAX;
   void *ws = NULL;
-  gdp_status s = GDP_OK;
-  if (!seg_first || !seg_row) s = GDP_ERROR(GDP_ERR_OOM, "out of host memory for the embedding's segments");
-  if (s == GDP_OK) gdp_cuda_embedding_segments(p->V, p->row_start, seg_first, seg_row);
-  if (s == GDP_OK) s = upload_indices(ctx, "the token buckets", p->row_start, p->V + 1, &dev[0]);
-  if (s == GDP_OK) s = upload_indices(ctx, "the token buckets", p->row_tokens, p->n, &dev[1]);
-  if (s == GDP_OK) s = upload_indices(ctx, "the token segments", seg_first, p->V + 1, &dev[2]);
-  if (s == GDP_OK) s = upload_indices(ctx, "the token segments", seg_row, segments, &dev[3]);
+  GDP_TRY(fault_word(ctx, &bad));
+  gdp_status s = mixer_workspace(ctx, ws_bytes, &ws);
   if (s == GDP_OK)
-    s = mixer_workspace(ctx, gdp_cuda_embedding_bwd_workspace(p->dtype, segments, p->D), &ws);
-  if (s == GDP_OK)
-    s = gdp_cuda_embedding_bwd(p->dtype, p->V, p->D, dev[0], dev[1], dev[2], dev[3], segments,
-                               d_out, dweight, ws, state_of(ctx)->stream);
+    s = gdp_cuda_embedding_bwd(p->dtype, p->n, p->V, p->D, p->ids, p->ids_dtype, d_out, dweight,
+                               ws, bad, state_of(ctx)->stream);
+  if (s == GDP_OK) s = read_back(ctx, "the token check", &host_bad, bad, sizeof host_bad);
   if (ws) device_free(ctx, ws);
-  for (int i = 0; i < 4; i++)
-    if (dev[i]) device_free(ctx, dev[i]);
-  free(seg_first);
-  free(seg_row);
+  device_free(ctx, bad);
+  if (s == GDP_OK) s = fault_of(ctx, host_bad, p->ids, p->ids_dtype, p->fault);
   GDP_TRY(s);
   return op_end(ctx);
 }
@@ -957,27 +986,23 @@ static gdp_status cuda_embedding_backward(gdp_ctx *ctx, const gdp_embedding_prob
 static gdp_status cuda_cross_entropy(gdp_ctx *ctx, const gdp_cross_entropy_problem *p,
                                      const void *logits, double *loss_sum, void *dlogits) {
   GDP_TRY(mixer_begin(ctx, "cross_entropy", (gdp_dtype)p->dtype, p->rows, p->V));
-  int64_t *target = NULL;
-  void *ws = NULL, *sum = NULL;
-  gdp_status s = upload_indices(ctx, "the targets", p->target, p->rows, &target);
-  if (s == GDP_OK) s = mixer_workspace(ctx, gdp_cuda_cross_entropy_workspace(p->rows), &ws);
-  if (s == GDP_OK) s = mixer_workspace(ctx, sizeof(double), &sum);
+  void *ws = NULL, *res = NULL;
+  gdp_cuda_xent_result host = {0};
+  gdp_status s = mixer_workspace(ctx, gdp_cuda_cross_entropy_workspace(p->rows), &ws);
+  if (s == GDP_OK) s = mixer_workspace(ctx, sizeof host, &res);
   if (s == GDP_OK)
-    s = gdp_cuda_cross_entropy(p->dtype, p->rows, p->V, target, p->scale, logits, dlogits,
-                               (double *)sum, ws, state_of(ctx)->stream);
-  if (s == GDP_OK) {
-    cudaError_t e = cudaMemcpyAsync(loss_sum, sum, sizeof(double), cudaMemcpyDeviceToHost,
-                                    state_of(ctx)->stream);
-    if (e != cudaSuccess) {
-      (void)cudaGetLastError();
-      s = GDP_ERROR(GDP_ERR_CUDA, "copying the loss from cuda:%d failed: %s (%s)", ctx->index,
-                    cudaGetErrorName(e), cudaGetErrorString(e));
-    }
-  }
-  if (s == GDP_OK) s = stream_sync(ctx); /* the loss is a host value */
-  if (sum) device_free(ctx, sum);
+    s = gdp_cuda_cross_entropy(p->dtype, p->rows, p->V, p->ids, p->ids_dtype, p->mask,
+                               p->ignore_index, logits, dlogits, (gdp_cuda_xent_result *)res, ws,
+                               state_of(ctx)->stream);
+  /* The loss is a host value: its sum, the count and the check come back together. */
+  if (s == GDP_OK) s = read_back(ctx, "the loss", &host, res, sizeof host);
+  if (res) device_free(ctx, res);
   if (ws) device_free(ctx, ws);
-  if (target) device_free(ctx, target);
+  if (s == GDP_OK) {
+    *loss_sum = host.loss_sum;
+    *p->count = host.count;
+    s = fault_of(ctx, host.first_bad, p->ids, p->ids_dtype, p->fault);
+  }
   GDP_TRY(s);
   return op_end(ctx);
 }
@@ -1080,6 +1105,7 @@ const gdp_backend gdp_backend_cuda = {
     .embedding_backward = cuda_embedding_backward,
     .cross_entropy = cuda_cross_entropy,
     .mixer_bf16 = 1,
+    .device_indices = 1,
     .supports = cuda_supports,
     .timer_start = cuda_timer_start,
     .timer_stop = cuda_timer_stop,

@@ -144,7 +144,7 @@ struct gdp_backend {
    * buffers the op layer has checked. */
   gdp_status (*optim_update)(gdp_ctx *ctx, const gdp_optim_update *u);
   /* The model layer ops (gdp.h, "model layer ops"; op_nn.c), on contiguous buffers of
-   * the compute dtype; index arrays are the host arrays of nn_problem.h.  silu_mul
+   * the compute dtype; integer inputs as device_indices says (nn_problem.h).  silu_mul
    * backward outputs may be NULL.  embedding_backward's dweight is float32 for bf16
    * d_out.  cross_entropy writes the unscaled loss sum (a host double) and, when
    * dlogits is not NULL, the gradient. */
@@ -161,6 +161,10 @@ struct gdp_backend {
   /* 1: the mixer and model layer entries above also take bf16 buffers (float32 math
    * inside); 0: the op layer refuses bf16 inputs to them on this device. */
   int mixer_bf16;
+  /* 1: the model layer ops take their integer inputs as contiguous device buffers and
+   * validate them there (one small read back per call, no host pass over the tokens);
+   * 0: as host arrays the op layer has read, validated and bucketed. */
+  int device_indices;
   int (*supports)(gdp_op op, gdp_dtype dtype);
   /* Device timing of queued work (gdp_ctx_timer_start / _stop); NULL: the backend has
    * no device timer (the CPU's work runs on the calling thread: time it on the host). */

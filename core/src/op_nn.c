@@ -1,15 +1,15 @@
 /*
  * op_nn.c -- the public model layer ops (gdp.h, "model layer ops"): argument
- * validation, the host-side reading of integer inputs (tokens and targets: validated,
- * and for the embedding's backward bucketed by vocabulary row), contiguous
- * compute-dtype copies, dispatch through ctx->backend (backend_impl.h), and delivery
- * of the results in the documented dtypes.
+ * validation, the integer inputs (tokens and targets) handed to the backend where it
+ * reads them, contiguous compute-dtype copies, dispatch through ctx->backend
+ * (backend_impl.h), and delivery of the results in the documented dtypes.
  *
- * Integer inputs are read on the host on every device: a value out of range is then an
- * error naming its position, never an out-of-bounds read on a device, and the
- * bucketing that makes the embedding's backward deterministic is one stable counting
- * sort, shared by all backends.  The price is a device-to-host copy of the token ids
- * (4 or 8 bytes a token) per call.
+ * A value out of range is an error naming its position, never an out-of-bounds read.
+ * A host-index backend (the cpu) gets the values read, validated and (for the
+ * embedding's backward) bucketed here: one stable counting sort, so that every row's
+ * gradients are added in token order.  A device-index backend (cuda) gets them as a
+ * contiguous buffer on its device and checks them there, reporting the first bad
+ * position (nn_problem.h); the message is made here from the same words either way.
  */
 #include <inttypes.h>
 #include <math.h>
@@ -69,6 +69,16 @@ static gdp_status check_leading_shape(const char *func, const char *name, const 
   return GDP_ERROR_IN(func, GDP_ERR_SHAPE, "%s: expected the leading dims of %s, %s, got %s", name,
                       ref_name, gdp_shape_str(b, sizeof b, ref->ndim - 1, ref->shape),
                       shape_of(a, sizeof a, t));
+}
+
+/* t's values contiguous on ctx's device in `dtype` (a new reference when they already
+ * are), for a device-index backend. */
+static gdp_status device_values(gdp_ctx *ctx, const gdp_tensor *t, gdp_dtype dtype,
+                                gdp_tensor **out) {
+  const gdp_ctx *tc = t->storage->ctx;
+  if (t->dtype == dtype && tc->type == ctx->type && tc->index == ctx->index)
+    return gdp_tensor_contiguous((gdp_tensor *)t, out);
+  return gdp_tensor_to(ctx, t, dtype, out);
 }
 
 /* ------------------------------------------------------------------ SwiGLU gate */
@@ -143,6 +153,14 @@ gdp_status gdp_nn_silu_mul_backward(gdp_ctx *ctx, const gdp_tensor *gate, const 
 
 /* ------------------------------------------------------------------ embedding */
 
+static gdp_status bad_token(const char *func, const gdp_tensor *tokens, int64_t V, int64_t v,
+                            int64_t i) {
+  char at[160];
+  return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG,
+                      "tokens: expected values in [0, %lld) (num_embeddings), got %lld at %s",
+                      (long long)V, (long long)v, index_str(at, sizeof at, tokens, i));
+}
+
 /* The host token ids of `tokens`, every one checked to lie in [0, V). */
 static gdp_status read_tokens(const char *func, const gdp_tensor *tokens, int64_t V,
                               int64_t **out, int64_t *n) {
@@ -150,14 +168,29 @@ static gdp_status read_tokens(const char *func, const gdp_tensor *tokens, int64_
   for (int64_t i = 0; i < *n; i++) {
     const int64_t v = (*out)[i];
     if (v < 0 || v >= V) {
-      char at[160];
       free(*out);
       *out = NULL;
-      return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG,
-                          "tokens: expected values in [0, %lld) (num_embeddings), got %lld at %s",
-                          (long long)V, (long long)v, index_str(at, sizeof at, tokens, i));
+      return bad_token(func, tokens, V, v, i);
     }
   }
+  return GDP_OK;
+}
+
+/* The tokens for the backend: host ids read and checked (p->tokens, *ids owned by the
+ * caller), or the device buffer *dev (p->ids) that the backend checks. */
+static gdp_status stage_tokens(const char *func, gdp_ctx *ctx, const gdp_tensor *tokens,
+                               gdp_embedding_problem *p, int64_t **ids, gdp_tensor **dev) {
+  *ids = NULL;
+  *dev = NULL;
+  if (!ctx->backend->device_indices) {
+    GDP_TRY(read_tokens(func, tokens, p->V, ids, &p->n));
+    p->tokens = *ids;
+    return GDP_OK;
+  }
+  p->n = gdp_tensor_numel(tokens);
+  GDP_TRY(device_values(ctx, tokens, tokens->dtype, dev));
+  p->ids = ptr(*dev);
+  p->ids_dtype = tokens->dtype;
   return GDP_OK;
 }
 
@@ -179,9 +212,11 @@ gdp_status gdp_nn_embedding_forward(gdp_ctx *ctx, const gdp_tensor *weight,
                         GDP_MAX_DIMS - 1, shape_of(a, sizeof a, tokens));
   gdp_embedding_problem p = {.V = weight->shape[0], .D = weight->shape[1],
                              .num_threads = ctx->num_threads, .dtype = weight->dtype};
+  gdp_index_fault fault = {-1, 0};
+  p.fault = &fault;
   int64_t *ids = NULL;
-  GDP_TRY(read_tokens(func, tokens, p.V, &ids, &p.n));
-  p.tokens = ids;
+  gdp_tensor *dev_ids = NULL;
+  GDP_TRY(stage_tokens(func, ctx, tokens, &p, &ids, &dev_ids));
   int64_t shape[GDP_MAX_DIMS];
   memcpy(shape, tokens->shape, sizeof(int64_t) * (size_t)tokens->ndim);
   shape[tokens->ndim] = p.D;
@@ -189,11 +224,13 @@ gdp_status gdp_nn_embedding_forward(gdp_ctx *ctx, const gdp_tensor *weight,
   gdp_status s = load(ctx, weight, weight->dtype, &tmp[0]);
   if (s == GDP_OK) s = gdp_tensor_empty(ctx, weight->dtype, tokens->ndim + 1, shape, &tmp[1]);
   if (s == GDP_OK) s = ctx->backend->embedding_forward(ctx, &p, ptr(tmp[0]), ptr(tmp[1]));
+  if (s == GDP_OK && fault.at >= 0) s = bad_token(func, tokens, p.V, fault.value, fault.at);
   if (s == GDP_OK) {
     *out = tmp[1];
     tmp[1] = NULL;
   }
   free(ids);
+  gdp_tensor_free(dev_ids);
   FREE_ALL(tmp);
   return s;
 }
@@ -242,20 +279,26 @@ gdp_status gdp_nn_embedding_backward(gdp_ctx *ctx, const gdp_tensor *tokens,
   GDP_TRY(check_leading_shape(func, "tokens", tokens, "d_out", d_out));
   gdp_embedding_problem p = {.V = num_embeddings, .D = d_out->shape[d_out->ndim - 1],
                              .num_threads = ctx->num_threads, .dtype = d_out->dtype};
+  gdp_index_fault fault = {-1, 0};
+  p.fault = &fault;
   int64_t *ids = NULL, *row_start = NULL, *row_tokens = NULL;
-  GDP_TRY(read_tokens(func, tokens, p.V, &ids, &p.n));
-  gdp_status s = bucket_tokens(func, ids, p.n, p.V, &row_start, &row_tokens);
-  p.tokens = ids, p.row_start = row_start, p.row_tokens = row_tokens;
+  gdp_tensor *dev_ids = NULL;
+  GDP_TRY(stage_tokens(func, ctx, tokens, &p, &ids, &dev_ids));
+  gdp_status s = GDP_OK;
+  if (ids) s = bucket_tokens(func, ids, p.n, p.V, &row_start, &row_tokens);
+  p.row_start = row_start, p.row_tokens = row_tokens;
   const gdp_dtype grad_dt = d_out->dtype == GDP_DTYPE_BF16 ? GDP_DTYPE_F32 : d_out->dtype;
   gdp_tensor *tmp[2] = {0}; /* d_out, dweight */
   if (s == GDP_OK) s = load(ctx, d_out, d_out->dtype, &tmp[0]);
   if (s == GDP_OK) s = gdp_tensor_empty(ctx, grad_dt, 2, (const int64_t[]){p.V, p.D}, &tmp[1]);
   if (s == GDP_OK) s = ctx->backend->embedding_backward(ctx, &p, ptr(tmp[0]), ptr(tmp[1]));
+  if (s == GDP_OK && fault.at >= 0) s = bad_token(func, tokens, p.V, fault.value, fault.at);
   if (s == GDP_OK) {
     *dweight = tmp[1];
     tmp[1] = NULL;
   }
   free(ids);
+  gdp_tensor_free(dev_ids);
   free(row_start);
   free(row_tokens);
   FREE_ALL(tmp);
@@ -263,6 +306,16 @@ gdp_status gdp_nn_embedding_backward(gdp_ctx *ctx, const gdp_tensor *tokens,
 }
 
 /* ------------------------------------------------------------------ cross-entropy */
+
+static gdp_status bad_target(const char *func, const gdp_tensor *targets, int64_t V,
+                             int64_t ignore_index, int64_t v, int64_t i) {
+  char at[160];
+  return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG,
+                      "targets: expected values in [0, %lld) (logits' last dim) or "
+                      "ignore_index = %lld, got %lld at %s",
+                      (long long)V, (long long)ignore_index, (long long)v,
+                      index_str(at, sizeof at, targets, i));
+}
 
 /* Each row's class, or -1 where the row does not count (ignore_index, or mask zero);
  * *count the counted rows.  Targets that count must lie in [0, V). */
@@ -291,16 +344,11 @@ static gdp_status read_targets(const char *func, const gdp_tensor *targets,
       continue;
     }
     if (*t < 0 || *t >= V) {
-      char at[160];
-      const long long got = (long long)*t;
+      const int64_t got = *t;
       free(m);
       free(*out);
       *out = NULL;
-      return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG,
-                          "targets: expected values in [0, %lld) (logits' last dim) or "
-                          "ignore_index = %lld, got %lld at %s",
-                          (long long)V, (long long)ignore_index, got,
-                          index_str(at, sizeof at, targets, i));
+      return bad_target(func, targets, V, ignore_index, got, i);
     }
     (*count)++;
   }
@@ -332,15 +380,29 @@ gdp_status gdp_nn_cross_entropy(gdp_ctx *ctx, const gdp_tensor *logits,
   }
   const int64_t V = logits->shape[logits->ndim - 1];
   int64_t counted = 0, *target = NULL;
-  GDP_TRY(read_targets(func, targets, mask, V, ignore_index, &target, &counted));
-  gdp_cross_entropy_problem p = {.rows = gdp_tensor_numel(targets), .V = V, .target = target,
-                                 .scale = counted > 0 ? 1.0 / (double)counted : 0.0,
+  gdp_index_fault fault = {-1, 0};
+  gdp_cross_entropy_problem p = {.rows = gdp_tensor_numel(targets), .V = V,
                                  .num_threads = ctx->num_threads, .dtype = logits->dtype};
-  gdp_tensor *tmp[2] = {0}; /* logits, dlogits */
+  gdp_tensor *tmp[4] = {0}; /* logits, dlogits, device targets, device mask */
+  gdp_status s = GDP_OK;
+  if (ctx->backend->device_indices) {
+    s = device_values(ctx, targets, targets->dtype, &tmp[2]);
+    if (s == GDP_OK && mask) s = device_values(ctx, mask, GDP_DTYPE_F64, &tmp[3]);
+    p.ids = ptr(tmp[2]), p.ids_dtype = targets->dtype, p.mask = (const double *)ptr(tmp[3]);
+    p.ignore_index = ignore_index, p.count = &counted, p.fault = &fault;
+  } else {
+    s = read_targets(func, targets, mask, V, ignore_index, &target, &counted);
+    p.target = target;
+    p.scale = counted > 0 ? 1.0 / (double)counted : 0.0;
+  }
   double loss_sum = 0.0;
-  gdp_status s = load(ctx, logits, logits->dtype, &tmp[0]);
+  if (s == GDP_OK) s = load(ctx, logits, logits->dtype, &tmp[0]);
   if (s == GDP_OK) s = buffer_like(ctx, dlogits != NULL, logits->dtype, logits, &tmp[1]);
   if (s == GDP_OK) s = ctx->backend->cross_entropy(ctx, &p, ptr(tmp[0]), &loss_sum, ptr(tmp[1]));
+  if (s == GDP_OK && fault.at >= 0)
+    s = bad_target(func, targets, V, ignore_index, fault.value, fault.at);
+  if (s == GDP_OK && ctx->backend->device_indices)
+    p.scale = counted > 0 ? 1.0 / (double)counted : 0.0;
   if (s == GDP_OK) {
     if (loss) *loss = loss_sum * p.scale;
     if (count) *count = counted;

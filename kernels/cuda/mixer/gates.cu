@@ -41,38 +41,41 @@ __global__ void beta_bwd_kernel(int64_t n, typename Math<IO>::type sc, const IO 
 }
 
 /* SiLU over rows of C elements with row strides (a channel section of the in_proj
- * output or of its gradient is read or written where it lies): a block per row, its
- * threads across the row in packs of VEC. */
+ * output or of its gradient is read or written where it lies), in packs of VEC: one
+ * grid-stride loop over every pack of every row, so that rows of a few hundred packs
+ * (the in_proj's q/k/v section) do not leave most of a block per row idle. */
 template <typename IO, int VEC>
 __global__ void silu_fwd_kernel(int64_t rows, int C, const IO *x, int64_t ld_x, IO *out,
                                 int64_t ld_out) {
   typedef typename Math<IO>::type A;
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x)
-    for (int c = threadIdx.x * VEC; c < C; c += blockDim.x * VEC) {
-      A v[VEC];
-      ld_lanes<IO, VEC>(x + r * ld_x + c, v);
+  const int64_t packs = C / VEC;
+  GDP_MIXER_FOR(i, rows * packs) {
+    const int64_t r = i / packs, c = (i - r * packs) * VEC;
+    A v[VEC];
+    ld_lanes<IO, VEC>(x + r * ld_x + c, v);
 #pragma unroll
-      for (int i = 0; i < VEC; i++) v[i] = v[i] * sigmoid(v[i]);
-      st_lanes<IO, VEC>(out + r * ld_out + c, v);
-    }
+    for (int k = 0; k < VEC; k++) v[k] = v[k] * sigmoid(v[k]);
+    st_lanes<IO, VEC>(out + r * ld_out + c, v);
+  }
 }
 
 template <typename IO, int VEC>
 __global__ void silu_bwd_kernel(int64_t rows, int C, const IO *x, int64_t ld_x, const IO *d_out,
                                 int64_t ld_d, IO *dx, int64_t ld_dx) {
   typedef typename Math<IO>::type A;
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x)
-    for (int c = threadIdx.x * VEC; c < C; c += blockDim.x * VEC) {
-      A v[VEC], d[VEC];
-      ld_lanes<IO, VEC>(x + r * ld_x + c, v);
-      ld_lanes<IO, VEC>(d_out + r * ld_d + c, d);
+  const int64_t packs = C / VEC;
+  GDP_MIXER_FOR(i, rows * packs) {
+    const int64_t r = i / packs, c = (i - r * packs) * VEC;
+    A v[VEC], d[VEC];
+    ld_lanes<IO, VEC>(x + r * ld_x + c, v);
+    ld_lanes<IO, VEC>(d_out + r * ld_d + c, d);
 #pragma unroll
-      for (int i = 0; i < VEC; i++) {
-        const A s = sigmoid(v[i]);
-        d[i] = d[i] * s * ((A)1 + v[i] * ((A)1 - s));
-      }
-      st_lanes<IO, VEC>(dx + r * ld_dx + c, d);
+    for (int k = 0; k < VEC; k++) {
+      const A s = sigmoid(v[k]);
+      d[k] = d[k] * s * ((A)1 + v[k] * ((A)1 - s));
     }
+    st_lanes<IO, VEC>(dx + r * ld_dx + c, d);
+  }
 }
 
 /* 16-byte packs fit: C and the row strides are multiples of the pack, the rows aligned. */
@@ -88,26 +91,28 @@ static int rows_pack(int64_t C, const int64_t *lds, const void *const *ptrs, int
 template <typename IO>
 static void silu_fwd(int64_t rows, int C, const void *x, int64_t ld_x, void *out, int64_t ld_out,
                      cudaStream_t stream) {
+  enum { VEC = Vec16<IO>::n };
   const int64_t lds[2] = {ld_x, ld_out};
   const void *ptrs[2] = {x, out};
   if (rows_pack<IO>(C, lds, ptrs, 2))
-    silu_fwd_kernel<IO, Vec16<IO>::n><<<row_grid(rows), THREADS, 0, stream>>>(
+    silu_fwd_kernel<IO, VEC><<<grid_for(rows * (C / VEC)), THREADS, 0, stream>>>(
         rows, C, (const IO *)x, ld_x, (IO *)out, ld_out);
   else
-    silu_fwd_kernel<IO, 1><<<row_grid(rows), THREADS, 0, stream>>>(rows, C, (const IO *)x, ld_x,
-                                                                     (IO *)out, ld_out);
+    silu_fwd_kernel<IO, 1><<<grid_for(rows * C), THREADS, 0, stream>>>(rows, C, (const IO *)x,
+                                                                      ld_x, (IO *)out, ld_out);
 }
 
 template <typename IO>
 static void silu_bwd(int64_t rows, int C, const void *x, int64_t ld_x, const void *d_out,
                      int64_t ld_d, void *dx, int64_t ld_dx, cudaStream_t stream) {
+  enum { VEC = Vec16<IO>::n };
   const int64_t lds[3] = {ld_x, ld_d, ld_dx};
   const void *ptrs[3] = {x, d_out, dx};
   if (rows_pack<IO>(C, lds, ptrs, 3))
-    silu_bwd_kernel<IO, Vec16<IO>::n><<<row_grid(rows), THREADS, 0, stream>>>(
+    silu_bwd_kernel<IO, VEC><<<grid_for(rows * (C / VEC)), THREADS, 0, stream>>>(
         rows, C, (const IO *)x, ld_x, (const IO *)d_out, ld_d, (IO *)dx, ld_dx);
   else
-    silu_bwd_kernel<IO, 1><<<row_grid(rows), THREADS, 0, stream>>>(
+    silu_bwd_kernel<IO, 1><<<grid_for(rows * C), THREADS, 0, stream>>>(
         rows, C, (const IO *)x, ld_x, (const IO *)d_out, ld_d, (IO *)dx, ld_dx);
 }
 

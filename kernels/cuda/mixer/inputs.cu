@@ -2,7 +2,8 @@
  * inputs.cu -- the mixer's input stage on cuda, with the semantics of
  * kernels/cpu/mixer_inputs.c (layouts in ../../mixer_problem.h).
  *
- * Forward, one kernel: a block per token row r = (t, b) reads the row's conv output
+ * Forward, one kernel: a block per token row r = (t, b) (or per few rows, when a row
+ * has too few packs to keep a block's threads busy) reads the row's conv output
  * once (V, K, Q: M*nh*P + M*ng*N + ng*N elements) and writes its slices of v, k, q
  * (M*nh*P + M*nh*N + nh*N elements, contiguous per row on the operator's side as
  * well), then beta and g from the row's gate sections.  Threads walk the row's output
@@ -38,6 +39,7 @@ template <typename A> __device__ __forceinline__ A softplus_grad(A x) {
 struct Dims {
   int64_t T, B, rows;
   int nh, P, ng, N, M, rep;
+  int rpb; /* token rows per block (rows_per_block) */
   int64_t ld_x, ld_b, ld_a, ld_dx, ld_db, ld_da;
   double scale;
 };
@@ -53,10 +55,13 @@ __global__ void __launch_bounds__(INPUTS_THREADS)
   const int hP = d.nh * d.P, hN = d.nh * d.N;
   const int nv = d.M * hP / VEC, nk = d.M * hN / VEC, nq = hN / VEC;
   const int k_off = d.M * hP, q_off = k_off + d.M * d.ng * d.N;
-  for (int64_t r = blockIdx.x; r < d.rows; r += gridDim.x) {
-    const int64_t t = r / d.B, bt = (r % d.B) * d.T + t;
-    const IO *x = xBC + r * d.ld_x;
-    for (int u = threadIdx.x; u < nv + nk + nq; u += blockDim.x) {
+  const int per = nv + nk + nq;
+  for (int64_t r0 = (int64_t)blockIdx.x * d.rpb; r0 < d.rows; r0 += (int64_t)gridDim.x * d.rpb) {
+    const int nr = d.rows - r0 < d.rpb ? (int)(d.rows - r0) : d.rpb;
+    for (int w = threadIdx.x; w < nr * per; w += blockDim.x) {
+      const int64_t r = r0 + w / per, t = r / d.B, bt = (r % d.B) * d.T + t;
+      const IO *x = xBC + r * d.ld_x;
+      const int u = w % per;
       if (u < nv) {
         const int e = u * VEC;
         st_pack<IO, VEC>(v + bt * d.M * hP + e, ld_pack<IO, VEC>(x + e));
@@ -70,10 +75,16 @@ __global__ void __launch_bounds__(INPUTS_THREADS)
       }
     }
     const A sc = (A)d.scale;
-    for (int j = threadIdx.x; j < d.M * d.nh; j += blockDim.x)
-      st(beta, bt * d.M * d.nh + j, sc * sigmoid(ld(b, r * d.ld_b + j)));
+    const int nb = d.M * d.nh;
+    for (int w = threadIdx.x; w < nr * nb; w += blockDim.x) {
+      const int64_t r = r0 + w / nb, t = r / d.B, bt = (r % d.B) * d.T + t;
+      const int j = w % nb;
+      st(beta, bt * nb + j, sc * sigmoid(ld(b, r * d.ld_b + j)));
+    }
     if (g)
-      for (int h = threadIdx.x; h < d.nh; h += blockDim.x) {
+      for (int w = threadIdx.x; w < nr * d.nh; w += blockDim.x) {
+        const int64_t r = r0 + w / d.nh, t = r / d.B, bt = (r % d.B) * d.T + t;
+        const int h = w % d.nh;
         const A xa = ld(a, r * d.ld_a + h) + (dt_bias ? dt_bias[h] : (A)0);
         g[bt * d.nh + h] = -m_exp(A_log[h]) * softplus(xa);
       }
@@ -89,10 +100,13 @@ __global__ void __launch_bounds__(INPUTS_THREADS)
   const int hP = d.nh * d.P, hN = d.nh * d.N, gN = d.ng * d.N;
   const int nv = d.M * hP / VEC, nk = d.M * gN / VEC, nq = gN / VEC;
   const int k_off = d.M * hP, q_off = k_off + d.M * gN;
-  for (int64_t r = blockIdx.x; r < d.rows; r += gridDim.x) {
-    const int64_t t = r / d.B, bt = (r % d.B) * d.T + t;
-    IO *x = dxBC + r * d.ld_dx;
-    for (int u = threadIdx.x; u < nv + nk + nq; u += blockDim.x) {
+  const int per = nv + nk + nq;
+  for (int64_t r0 = (int64_t)blockIdx.x * d.rpb; r0 < d.rows; r0 += (int64_t)gridDim.x * d.rpb) {
+    const int nr = d.rows - r0 < d.rpb ? (int)(d.rows - r0) : d.rpb;
+    for (int w = threadIdx.x; w < nr * per; w += blockDim.x) {
+      const int64_t r = r0 + w / per, t = r / d.B, bt = (r % d.B) * d.T + t;
+      IO *x = dxBC + r * d.ld_dx;
+      const int u = w % per;
       A acc[VEC];
       int dst;
       if (u < nv) {
@@ -153,6 +167,17 @@ template <typename IO> struct GatesBwd {
   }
 };
 
+/* Rows per block: enough that a block's threads walk about four passes of packs, so
+ * that rows of a few hundred packs (small heads) leave no warp idle on a second, short
+ * pass; large rows keep a block each. */
+static int rows_per_block(int packs) {
+  const int want = (4 * INPUTS_THREADS + packs - 1) / (packs > 0 ? packs : 1);
+  return want < 1 ? 1 : want > 16 ? 16 : want;
+}
+
+/* Blocks for d.rows rows, d.rpb a block. */
+static unsigned inputs_grid(const Dims &d) { return row_grid((d.rows + d.rpb - 1) / d.rpb); }
+
 static Dims dims_of(const gdp_ssm_inputs_problem *p) {
   Dims d;
   d.T = p->T, d.B = p->B, d.rows = p->T * p->B;
@@ -161,6 +186,7 @@ static Dims dims_of(const gdp_ssm_inputs_problem *p) {
   d.ld_x = p->ld_xBC, d.ld_b = p->ld_b, d.ld_a = p->ld_a;
   d.ld_dx = p->ld_dxBC, d.ld_db = p->ld_db, d.ld_da = p->ld_da;
   d.scale = p->beta_scale;
+  d.rpb = 1;
   return d;
 }
 
@@ -180,18 +206,23 @@ template <typename IO>
 static gdp_status inputs_fwd(const gdp_ssm_inputs_problem *p, const gdp_ssm_inputs_fwd_io *io,
                              cudaStream_t stream) {
   typedef typename Math<IO>::type A;
-  const Dims d = dims_of(p);
+  Dims d = dims_of(p);
   const void *ptrs[4] = {io->xBC, io->q, io->k, io->v};
   const IO *x = (const IO *)io->xBC, *b = (const IO *)io->b, *a = (const IO *)io->a;
   const A *A_log = (const A *)io->A_log, *dt = (const A *)io->dt_bias;
   IO *q = (IO *)io->q, *k = (IO *)io->k, *v = (IO *)io->v, *beta = (IO *)io->beta;
   A *g = (A *)io->g;
-  if (packs_fit<IO>(p, p->ld_xBC, ptrs, 4))
-    inputs_fwd_kernel<IO, Vec16<IO>::n><<<row_grid(d.rows), INPUTS_THREADS, 0, stream>>>(
+  enum { VEC = Vec16<IO>::n };
+  const int hP = d.nh * d.P, hN = d.nh * d.N;
+  if (packs_fit<IO>(p, p->ld_xBC, ptrs, 4)) {
+    d.rpb = rows_per_block((d.M * hP + d.M * hN + hN) / VEC);
+    inputs_fwd_kernel<IO, VEC><<<inputs_grid(d), INPUTS_THREADS, 0, stream>>>(
         d, x, b, a, A_log, dt, q, k, v, beta, g);
-  else
-    inputs_fwd_kernel<IO, 1><<<row_grid(d.rows), INPUTS_THREADS, 0, stream>>>(
+  } else {
+    d.rpb = rows_per_block(d.M * hP + d.M * hN + hN);
+    inputs_fwd_kernel<IO, 1><<<inputs_grid(d), INPUTS_THREADS, 0, stream>>>(
         d, x, b, a, A_log, dt, q, k, v, beta, g);
+  }
   return launched("gdp_cuda_ssm_inputs_fwd", "inputs_fwd_kernel");
 }
 
@@ -205,12 +236,18 @@ static gdp_status inputs_bwd(const gdp_ssm_inputs_problem *p, const gdp_ssm_inpu
   const IO *dq = (const IO *)io->dq, *dk = (const IO *)io->dk, *dv = (const IO *)io->dv;
   const IO *dx_v = (const IO *)io->dx_v;
   IO *dx = (IO *)io->dxBC;
-  if (packs_fit<IO>(p, p->ld_dxBC, ptrs, 5))
-    inputs_bwd_kernel<IO, Vec16<IO>::n><<<row_grid(d.rows), INPUTS_THREADS, 0, stream>>>(
-        d, dq, dk, dv, dx_v, dx);
-  else
-    inputs_bwd_kernel<IO, 1><<<row_grid(d.rows), INPUTS_THREADS, 0, stream>>>(d, dq, dk, dv,
-                                                                                dx_v, dx);
+  enum { VEC = Vec16<IO>::n };
+  const int hP = d.nh * d.P, gN = d.ng * d.N;
+  Dims walk = d; /* rows per block for the walk over dxBC (the gates' sums take rows alone) */
+  if (packs_fit<IO>(p, p->ld_dxBC, ptrs, 5)) {
+    walk.rpb = rows_per_block((d.M * hP + d.M * gN + gN) / VEC);
+    inputs_bwd_kernel<IO, VEC><<<inputs_grid(walk), INPUTS_THREADS, 0, stream>>>(
+        walk, dq, dk, dv, dx_v, dx);
+  } else {
+    walk.rpb = rows_per_block(d.M * hP + d.M * gN + gN);
+    inputs_bwd_kernel<IO, 1><<<inputs_grid(walk), INPUTS_THREADS, 0, stream>>>(
+        walk, dq, dk, dv, dx_v, dx);
+  }
   GDP_TRY(launched(func, "inputs_bwd_kernel"));
   GatesBwd<IO> fn;
   fn.d = d;

@@ -6,8 +6,8 @@
  * Buffers are contiguous, row-major, on the device, of one gdp_dtype `dtype`: f64
  * (float64 math), f32 or bf16 (float32 math: bf16 values widened on load, rounded once
  * on store), with the semantics of the CPU kernels (kernels/cpu/nn_cpu.h,
- * ../../nn_problem.h).  Index arrays are device copies of the problem's host arrays,
- * made by the caller.  Nothing uses atomics: a call repeats bit for bit.
+ * ../../nn_problem.h).  No floating-point value is added with atomics (the integer
+ * counts and the first-bad-position words are, exactly): a call repeats bit for bit.
  *
  * Everything is queued on `stream` (a cudaStream_t); the return value reports launch
  * errors (GDP_ERR_CUDA, message set); asynchronous faults surface at the next
@@ -32,34 +32,48 @@ gdp_status gdp_cuda_silu_mul_fwd(int dtype, int64_t n, const void *gate, const v
 gdp_status gdp_cuda_silu_mul_bwd(int dtype, int64_t n, const void *gate, const void *up,
                                  const void *d_out, void *d_gate, void *d_up, void *stream);
 
-/* out[i,:] = weight[tokens[i],:] over n tokens of D values. */
-gdp_status gdp_cuda_embedding_fwd(int dtype, int64_t n, int64_t D, const int64_t *tokens,
-                                  const void *weight, void *out, void *stream);
+/* Integer inputs (token ids, targets) are device buffers of int32 or int64 (ids_dtype,
+ * a gdp_dtype), read unvalidated: a value out of range is never used as an address,
+ * and the first position holding one goes to *first_bad, a device word the caller sets
+ * to UINT64_MAX (all bits) beforehand and reads back after the call. */
 
-/* The backward's segments: each vocabulary row's token list (row_tokens[row_start[v] ..
- * row_start[v+1])) cut into pieces of at most GDP_CUDA_EMBED_SEGMENT tokens, so that a
- * frequent token does not leave one block with all the work.  seg_first[v] .. seg_first[v+1]
- * are row v's segments (host arrays filled by gdp_cuda_embedding_segments; seg_row
- * has seg_first[V] entries). */
+/* out[i,:] = weight[ids[i],:] over n tokens of D values, ids in [0, V). */
+gdp_status gdp_cuda_embedding_fwd(int dtype, int64_t n, int64_t D, int64_t V, const void *ids,
+                                  int ids_dtype, const void *weight, void *out,
+                                  unsigned long long *first_bad, void *stream);
+
+/* The backward groups the token positions by id on the device (a stable sort) and cuts
+ * each vocabulary row's list into segments of at most GDP_CUDA_EMBED_SEGMENT tokens, so
+ * that a frequent token does not leave one block with all the work.  dweight [V,D]
+ * (float64 for f64 d_out, else float32): pass 1 sums each segment's rows of d_out in
+ * token order, pass 2 each vocabulary row's segments in order.  The workspace
+ * (gdp_cuda_embedding_bwd_workspace bytes; 0: the size query failed) holds the sort,
+ * the tables and the segments' sums.  V < 2^32 - 1. */
 enum { GDP_CUDA_EMBED_SEGMENT = 256 };
-int64_t gdp_cuda_embedding_segment_count(int64_t V, const int64_t *row_start);
-void gdp_cuda_embedding_segments(int64_t V, const int64_t *row_start, int64_t *seg_first,
-                                 int64_t *seg_row);
-size_t gdp_cuda_embedding_bwd_workspace(int dtype, int64_t segments, int64_t D);
-/* dweight [V,D] (float64 for f64 d_out, else float32): pass 1 sums each segment's rows
- * of d_out in token order, pass 2 each vocabulary row's segments in order. */
-gdp_status gdp_cuda_embedding_bwd(int dtype, int64_t V, int64_t D, const int64_t *row_start,
-                                  const int64_t *row_tokens, const int64_t *seg_first,
-                                  const int64_t *seg_row, int64_t segments, const void *d_out,
-                                  void *dweight, void *workspace, void *stream);
+size_t gdp_cuda_embedding_bwd_workspace(int dtype, int64_t n, int64_t V, int64_t D);
+gdp_status gdp_cuda_embedding_bwd(int dtype, int64_t n, int64_t V, int64_t D, const void *ids,
+                                  int ids_dtype, const void *d_out, void *dweight,
+                                  void *workspace, unsigned long long *first_bad, void *stream);
 
-/* Cross-entropy over rows x V: row losses into the workspace, then their sum in a fixed
- * order into *loss_sum_dev (a device double); dlogits (may be NULL) = scale (softmax -
- * onehot) on rows with target >= 0, zero on the others. */
+/* What the cross-entropy leaves on the device for one read back: the unscaled loss
+ * sum, the counted rows, and the first row whose counted target is out of range
+ * (UINT64_MAX: none). */
+typedef struct gdp_cuda_xent_result {
+  double loss_sum;
+  int64_t count;
+  unsigned long long first_bad;
+} gdp_cuda_xent_result;
+
+/* Cross-entropy over rows x V against targets [rows] (ids_dtype) and mask (NULL, or
+ * float64 [rows]: rows where it is 0 do not count, nor rows whose target is
+ * ignore_index): the row losses and the classes into the workspace, their sum in a
+ * fixed order into res; dlogits (may be NULL) = (softmax - onehot) / count on counted
+ * rows, zero on the others.  res is cleared by the call. */
 size_t gdp_cuda_cross_entropy_workspace(int64_t rows);
-gdp_status gdp_cuda_cross_entropy(int dtype, int64_t rows, int64_t V, const int64_t *target,
-                                  double scale, const void *logits, void *dlogits,
-                                  double *loss_sum_dev, void *workspace, void *stream);
+gdp_status gdp_cuda_cross_entropy(int dtype, int64_t rows, int64_t V, const void *targets,
+                                  int targets_dtype, const double *mask, int64_t ignore_index,
+                                  const void *logits, void *dlogits, gdp_cuda_xent_result *res,
+                                  void *workspace, void *stream);
 
 #ifdef __cplusplus
 }
