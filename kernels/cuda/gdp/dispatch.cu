@@ -7,8 +7,8 @@
  *              | V in {32, 64, 128, 256}               |
  *   recurrent  | f32 and bf16, K <= 256, any V         | RECURRENT; AUTO where fast does not
  *
- * (K or V = 32 runs in the width-64 kernels on zero-padded copies, n = 5..8 as tokens of
- * 3 or 4 steps, V = 256 as two halves of 128: chunk_shapes.cu.)  The fast path is chunked, with its chunk fixed by n
+ * (K or V = 32 runs in the kernels' width-32 instances; n = 5..8 as tokens of 3 or 4
+ * steps, V = 256 as two halves of 128: chunk_shapes.cu.)  The fast path is chunked, with its chunk fixed by n
  * (fast_chunk_steps: 32, 64, 48, 64, 40, 48, 56, 64 steps of the expanded stream for
  * n = 1..8, i.e. 32, 32, 16, 16, 8, 8, 8, 8 tokens); a problem's chunk_size is 0 (the path's own)
  * or that C, anything else is an error that names the size.  The recurrent kernels have
