@@ -105,7 +105,7 @@ extern "C" gdp_status gdp_cuda_delta_product_backward_dh0(const gdp_delta_produc
   if (path != PATH_FAST || !chunked::takes_dh0(p))
     return GDP_ERROR_IN("backward_dh0", GDP_ERR_UNSUPPORTED,
                         "dh0 alone runs on the fast path without shape rewrites only (bf16, n = 1..4, "
-                        "K, V in {64, 128})");
+                        "K, V in {32, 64, 128})");
   return chunked::backward_dh0(p, io, (cudaStream_t)stream);
 }
 
