@@ -138,7 +138,8 @@ GDP_BWD_DECLARE_ROOTS(128, 64)
 GDP_BWD_DECLARE_ROOTS(128, 128)
 
 /* The roots' (K, V) pairs, and a pair's case label in the dispatchers below. */
-#define GDP_BWD_EACH_KV(X) X(32, 32) X(32, 64) X(32, 128) X(64, 32) X(64, 64) X(64, 128) X(128, 32) X(128, 64) X(128, 128)
+#define GDP_BWD_EACH_KV(X) \
+  X(32, 32) X(32, 64) X(32, 128) X(64, 32) X(64, 64) X(64, 128) X(128, 32) X(128, 64) X(128, 128)
 static constexpr int root_index(int K, int V) { return K * 1000 + V; }
 
 /* two: the fork beside a 2-stage dstate (fork_mode 2) */

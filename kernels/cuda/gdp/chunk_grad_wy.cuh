@@ -183,8 +183,9 @@ __device__ __forceinline__ LaneMaps lane_maps() {
  * K = 32, V = 128, C = 48, and at C = 64 with K = V = 128 (since wy2: no KK region, late
  * dW); two (128 registers) elsewhere (at 80 those spill 4-8 bytes: C = 48 K = 128 V = 64,
  * C = 48 K = 32 V = 128, and C = 64 but for K = V = 128; at C = 64 the width-32 shapes
- * take 80-108 registers, K = V = 32 80: three blocks fit there all the same).  Shared memory (GradWYLayout, 1 KB reserved per block included) is
- * <= 76800 + 1024 bytes a block in every shape, so three fit in 228 KB. */
+ * take 80-108 registers unasked, so K = V = 32 runs three blocks there all the same).
+ * Shared memory (GradWYLayout, 1 KB reserved per block included) is <= 76800 + 1024
+ * bytes a block in every shape, so three fit in 228 KB. */
 constexpr int grad_wy_blocks(int K, int V, int C) {
   return C == 64 ? (K == 128 && V == 128 ? 3 : 2) : ((K == 128 && V == 64) || (K == 32 && V == 128 && C == 48) ? 2 : 3);
 }
