@@ -75,7 +75,7 @@ describe("cuda #gpu", function()
 
   -- The fast path's gradient kernels sum across warps in partial-sum slots, in a fixed
   -- order (no atomics): the same backward twice gives the same bits in every gradient,
-  -- plain and saving for backward, packed with an empty sequence (K = V = 32: padded).
+  -- plain and saving for backward, packed with an empty sequence (K = V = 32: the width-32 instances).
   for _, case in ipairs({ { 128, 128, 2 }, { 64, 64, 3 }, { 128, 64, 1 }, { 128, 128, 4 }, { 32, 32, 4 },
                           { 64, 64, 7 } }) do
     local K, V, n = case[1], case[2], case[3]
@@ -204,7 +204,8 @@ describe("cuda dh0 alone #gpu", function()
     { name = "K = V = 128, n = 4, packed with empty sequences", B = 1, T = 150, H = 2, K = 128, n = 4,
       cu_seqlens = { 0, 0, 70, 70, 71, 150 } },
     { name = "n = 6 (a split problem: the full backward)", B = 1, T = 60, H = 2, K = 64, n = 6 },
-    { name = "K = V = 32 (a padded problem: the full backward)", B = 2, T = 80, H = 2, K = 32, n = 2 },
+    { name = "K = V = 32, n = 2 (the width-32 instances)", B = 2, T = 80, H = 2, K = 32, n = 2 },
+    { name = "K = 32, V = 64, n = 3, odd length", B = 1, T = 77, H = 2, K = 32, V = 64, n = 3 },
   }
   for i, c in ipairs(cases) do
     it(c.name, function()

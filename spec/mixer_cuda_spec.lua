@@ -52,7 +52,7 @@ local configs = {
     cfg = { hidden_size = 64, num_heads = 2, head_dim = 128, num_groups = 2, state_dim = 128,
             num_householder = 3 } },
   -- fla's switches off: the DeltaProduct state-tracking layer (K = V = 32, n = 4: in bf16
-  -- the fast path, padded to 64) and one at K = V = 64
+  -- the fast path's width-32 instances) and one at K = V = 64
   { label = "no conv, output gate, forget gate; M=4, K=V=32, beta x2, B=3", T = 45, B = 3,
     cfg = { hidden_size = 64, num_heads = 2, head_dim = 32, num_groups = 2, state_dim = 32,
             num_householder = 4, allow_neg_eigval = true, use_short_conv = false,

@@ -14,8 +14,8 @@ M.GRADS = { "dq", "dk", "dv", "dbeta", "dg", "dh0" }
 M.DTYPES = { cpu = { "f64", "f32", "bf16" }, cuda = { "f32", "bf16" } }
 
 -- The shapes the CUDA fast path takes (kernels/cuda; README's support matrix): bf16,
--- n = 1..8, K in {32, 64, 128}, V in {32, 64, 128, 256} (32 runs zero-padded to 64,
--- n = 5..8 as tokens of 3 or 4 steps, V = 256 as two halves).  Elsewhere cuda runs the
+-- n = 1..8, K in {32, 64, 128}, V in {32, 64, 128, 256} (32 in the kernels' width-32
+-- instances, n = 5..8 as tokens of 3 or 4 steps, V = 256 as two halves).  Elsewhere cuda runs the
 -- recurrent kernels.
 function M.fast_path(case, dtype)
   local function kv(x) return x == 32 or x == 64 or x == 128 end
@@ -61,8 +61,7 @@ M.gdp = {
     initial_state = true, cu_seqlens = { 0, 130, 130, 300 }, dtypes = { cpu = { "f64" } } },
   { name = "fast path K=V=64 n=3, ungated, beta in (0,2), no h0, no L2 norm", B = 1, T = 97, H = 2,
     K = 64, V = 64, n = 3, gated = false, beta_max = 2, l2norm = false, dtypes = { cpu = { "f32" } } },
-  -- n = 4 (C = 64 steps, 16 tokens a chunk) and K or V = 32 (the width-64 kernels on
-  -- zero-padded copies)
+  -- n = 4 (C = 64 steps, 16 tokens a chunk) and K or V = 32 (the width-32 instances)
   { name = "fast path K=V=32 n=4 H=8 (DeltaProduct state tracking), packed, beta in (0,2)", B = 1, T = 150,
     H = 8, K = 32, V = 32, n = 4, beta_max = 2, initial_state = true, cu_seqlens = { 0, 0, 37, 37, 150 },
     dtypes = { cpu = { "f32" } } },
@@ -83,6 +82,10 @@ M.gdp = {
     gated = false, beta_max = 2, cu_seqlens = { 0, 0, 19, 45 }, dtypes = { cpu = { "f32" } } },
   { name = "fast path K=128 V=64 n=7, B=2", B = 2, T = 29, H = 2, K = 128, V = 64, n = 7,
     initial_state = true, dtypes = { cpu = { "bf16" } } },
+  { name = "fast path K=V=32 n=7 H=8, beta in (0,2)", B = 1, T = 40, H = 8, K = 32, V = 32, n = 7,
+    beta_max = 2, dtypes = { cpu = { "f32" } } },
+  { name = "fast path K=V=32 n=5 H=8, packed, odd lengths, h0", B = 1, T = 41, H = 8, K = 32, V = 32, n = 5,
+    initial_state = true, beta_max = 2, cu_seqlens = { 0, 13, 13, 41 }, dtypes = { cpu = { "f32" } } },
   { name = "fast path K=V=32 n=8, packed, no L2 norm", B = 1, T = 50, H = 2, K = 32, V = 32, n = 8,
     l2norm = false, initial_state = true, cu_seqlens = { 0, 17, 17, 50 }, dtypes = { cpu = { "f32" } } },
   -- V = 256: two problems of V = 128 on the column halves

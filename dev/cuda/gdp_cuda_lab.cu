@@ -7,7 +7,8 @@
  *       The table below (packed sequences with empty ones, n = 1..8, gated and ungated,
  *       K x V in {64x64, 128x128, 32x32, 32x64, 128x32, 64x256, 48x96, 96x48} (n = 5..8:
  *       those of at most 64 x 64), with and without h0
- *       and dht, a 2600-token pair of sequences at K = V = 128 and a 1000-token pair at
+ *       and dht, a case table of K or V = 32 at n = 3..8 and V = 256 at odd lengths,
+ *       a 2600-token pair of sequences at K = V = 128 and a 1000-token pair at
  *       H = 8, K = V = 32, n = 4) in f32 and bf16; per run one line of relative
  *       errors (o, ht and every gradient) against the oracle, a "!" past the dtype's
  *       tolerance (f32 1e-4, bf16 1e-2).  Ends with a summary line; exit status 0 when
@@ -106,6 +107,7 @@ struct Prob {
   int64_t H, K, V, n;
   bool gated, has_h0, has_dht;
   double scale;
+  double beta_max = 1; /* beta in (0, beta_max): 2 gives the steps negative eigenvalues */
   int64_t N() const { return (int64_t)cu.size() - 1; }
   int64_t T() const { return cu.back(); }
 };
@@ -143,7 +145,7 @@ static Prob random_prob(Rng &r, int64_t K, int64_t V, int64_t n, bool gated, boo
   return P;
 }
 
-/* q, k, v, d_o standard normal; beta = sigmoid(z); g = logsigmoid(z + 2); h0, dht with
+/* q, k, v, d_o standard normal; beta = beta_max sigmoid(z); g = logsigmoid(z + 2); h0, dht with
  * sd 0.5.  Token tensors rounded to bf16 when the run is bf16, so both sides see the
  * same values. */
 static void make_inputs(const Prob &P, Rng &r, bool bf16_inputs, Inputs &in) {
@@ -153,7 +155,7 @@ static void make_inputs(const Prob &P, Rng &r, bool bf16_inputs, Inputs &in) {
     x.resize(count);
     for (auto &e : x) {
       double z = r.normal();
-      if (kind == BETA) z = 1.0 / (1.0 + exp(-z));
+      if (kind == BETA) z = P.beta_max / (1.0 + exp(-z));
       else if (kind == GATE) z = -log1p(exp(-(z + 2.0)));
       else if (kind == STATE) z *= 0.5;
       e = bf16_inputs && kind != STATE ? round_bf16(z) : z;
@@ -490,7 +492,7 @@ static int lab_check(const vector<int> &variants, uint64_t seed, bool quick) {
   Tally t;
   printf("== check: relative error vs the float64 oracle (seed %llu); tolerance f32 %.0e, bf16 %.0e\n",
          (unsigned long long)seed, tolerance(GDP_DTYPE_F32), tolerance(GDP_DTYPE_BF16));
-  /* 32 x 32, 32 x 64, 128 x 32: the fast path's padded widths; 64 x 256 its value halves;
+  /* 32 x 32, 32 x 64, 128 x 32: the fast path's width-32 instances; 64 x 256 its value halves;
    * n = 5..8 its split tokens (chunk_shapes.cu) */
   const int64_t shapes[][2] = {{64, 64}, {128, 128}, {32, 32}, {32, 64}, {128, 32}, {64, 256}, {48, 96}, {96, 48}};
   for (int n = 1; n <= 8; n++)
@@ -506,8 +508,39 @@ static int lab_check(const vector<int> &variants, uint64_t seed, bool quick) {
                  (long long)P.K, (long long)P.V, (long long)P.H, (long long)P.N(), (long long)P.T());
         for (int dtype : {GDP_DTYPE_F32, GDP_DTYPE_BF16}) check_problem(P, shape, r, dtype, variants, t);
       }
+  /* The width-32 instances behind the other rewrites and at the row counts that end a
+   * 32-wide load or norm round inside a chunk: n = 5..8 (2 split tokens of 3 or 4 steps,
+   * 8 a chunk, with their zero-query and zero-gate rows and identity steps), n = 3, 4
+   * (C = 48; C + TC = 80), K = 32 with V = 256 (two halves), the mixed widths; odd
+   * lengths, packed with empty sequences, h0 and dht, beta in (0, 2) -- the first is the
+   * op case table's K = V = 32 n = 7 case. */
+  struct Case {
+    int64_t H, K, V, n;
+    vector<int64_t> cu;
+    bool gated, h0, dht;
+    double beta_max;
+  };
+  const Case cases[] = {
+      {8, 32, 32, 7, {0, 40}, true, false, false, 2},        {8, 32, 32, 5, {0, 13, 13, 41}, true, true, true, 2},
+      {8, 32, 32, 6, {0, 0, 19, 45}, false, false, true, 2}, {8, 32, 32, 8, {0, 17, 17, 51}, true, true, false, 1},
+      {2, 32, 64, 7, {0, 29, 30}, true, true, true, 2},      {2, 64, 32, 5, {0, 37}, true, false, true, 2},
+      {2, 32, 256, 6, {0, 40}, false, true, false, 1},       {2, 32, 256, 3, {0, 21, 21, 71}, true, true, true, 2},
+      {8, 32, 32, 3, {0, 1, 60, 133}, true, true, true, 2},  {3, 32, 128, 4, {0, 77}, true, false, true, 1},
+      {2, 128, 32, 3, {0, 45, 46}, true, true, false, 2},    {8, 32, 32, 4, {0, 0, 37, 37, 151}, true, true, true, 2},
+  };
+  for (const Case &c : cases) {
+    Prob P;
+    P.H = c.H; P.K = c.K; P.V = c.V; P.n = c.n; P.cu = c.cu;
+    P.gated = c.gated; P.has_h0 = c.h0; P.has_dht = c.dht; P.beta_max = c.beta_max;
+    P.scale = 1.0 / sqrt((double)c.K);
+    char shape[96];
+    snprintf(shape, sizeof shape, "case n=%lld g=%d K=%-3lld V=%-3lld H=%lld N=%lld T=%lld b<%g", (long long)c.n,
+             (int)c.gated, (long long)c.K, (long long)c.V, (long long)c.H, (long long)P.N(), (long long)P.T(),
+             c.beta_max);
+    for (int dtype : {GDP_DTYPE_F32, GDP_DTYPE_BF16}) check_problem(P, shape, r, dtype, variants, t);
+  }
   /* long pairs of sequences: many chunks through the state passes; the second at
-   * DeltaProduct's state-tracking heads (K = V = 32, padded to 64) */
+   * DeltaProduct's state-tracking heads (K = V = 32) */
   check_long(2, 128, 128, 2, quick ? 700 : 2000, quick ? 300 : 600, r, variants, t);
   check_long(8, 32, 32, 4, quick ? 300 : 600, quick ? 150 : 400, r, variants, t);
   int total = 0;

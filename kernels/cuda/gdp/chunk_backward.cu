@@ -121,26 +121,37 @@ static gdp_status launch_seq_n(const Plan &plan, int bv, bool states, bool dry_r
 
 /* The (K, V) roots: every kernel of this file is instantiated through these three, one set
  * per (K, V); the dispatchers below call them by name.  Defined at the end of the
- * namespace: all four sets here when the file is compiled whole, one set per part file
+ * namespace: all nine sets here when the file is compiled whole, one set per part file
  * when it is compiled in parts (chunk_forward.cu's header). */
 #define GDP_BWD_DECLARE_ROOTS(K, V)                                                                             \
   gdp_status seq_k##K##v##V(const Plan &plan, int bv, bool states, bool dry_run, int *occ, bf16 *b16, bool two);          \
   gdp_status grad_k##K##v##V(const Plan &plan, const GradStateOut &go, bool wy);                                \
   gdp_status pair_k##K##v##V(int n, int bv, int *fits);
+GDP_BWD_DECLARE_ROOTS(32, 32)
+GDP_BWD_DECLARE_ROOTS(32, 64)
+GDP_BWD_DECLARE_ROOTS(32, 128)
+GDP_BWD_DECLARE_ROOTS(64, 32)
 GDP_BWD_DECLARE_ROOTS(64, 64)
 GDP_BWD_DECLARE_ROOTS(64, 128)
+GDP_BWD_DECLARE_ROOTS(128, 32)
 GDP_BWD_DECLARE_ROOTS(128, 64)
 GDP_BWD_DECLARE_ROOTS(128, 128)
+
+/* The roots' (K, V) pairs, and a pair's case label in the dispatchers below. */
+#define GDP_BWD_EACH_KV(X) \
+  X(32, 32) X(32, 64) X(32, 128) X(64, 32) X(64, 64) X(64, 128) X(128, 32) X(128, 64) X(128, 128)
+static constexpr int root_index(int K, int V) { return K * 1000 + V; }
 
 /* two: the fork beside a 2-stage dstate (fork_mode 2) */
 static gdp_status launch_seq(const Plan &plan, int bv, bool states, bool dry_run, int *occ, bf16 *b16 = nullptr,
                              bool two = false) {
-  const GdpArgs &a = plan.a;
-  if (a.K == 128)
-    return a.V == 128 ? seq_k128v128(plan, bv, states, dry_run, occ, b16, two)
-                      : seq_k128v64(plan, bv, states, dry_run, occ, b16, two);
-  return a.V == 128 ? seq_k64v128(plan, bv, states, dry_run, occ, b16, two)
-                    : seq_k64v64(plan, bv, states, dry_run, occ, b16, two);
+  switch (root_index(plan.a.K, plan.a.V)) {
+#define GDP_BWD_CASE(K, V) \
+  case root_index(K, V): return seq_k##K##v##V(plan, bv, states, dry_run, occ, b16, two);
+    GDP_BWD_EACH_KV(GDP_BWD_CASE)
+#undef GDP_BWD_CASE
+  }
+  return GDP_ERROR(GDP_ERR_INTERNAL, "launch_seq: K = %d, V = %d", plan.a.K, plan.a.V);
 }
 
 /* The per-chunk gradients: the state part, then (wy) the WY part; one 8-warp block per
@@ -182,19 +193,22 @@ static gdp_status launch_grad_state_n(const Plan &plan, const GradStateOut &go, 
 
 static gdp_status launch_chunk_grad(const Plan &plan, const GradStateOut &go, bool wy) {
   if (plan.a.nchunks == 0) return GDP_OK;
-  const int K = plan.a.K, V = plan.a.V;
-  if (K == 128) return V == 128 ? grad_k128v128(plan, go, wy) : grad_k128v64(plan, go, wy);
-  return V == 128 ? grad_k64v128(plan, go, wy) : grad_k64v64(plan, go, wy);
+  switch (root_index(plan.a.K, plan.a.V)) {
+#define GDP_BWD_CASE(K, V) \
+  case root_index(K, V): return grad_k##K##v##V(plan, go, wy);
+    GDP_BWD_EACH_KV(GDP_BWD_CASE)
+#undef GDP_BWD_CASE
+  }
+  return GDP_ERROR(GDP_ERR_INTERNAL, "launch_chunk_grad: K = %d, V = %d", plan.a.K, plan.a.V);
 }
 
 /* Blocks per SM of the sequential passes at value-block width bv (the dstate kernel's,
  * whose shared memory is the larger of the two); -1 where it cannot run. */
 static int seq_blocks_per_sm(const Plan &plan, int bv) {
   const GdpArgs &a = plan.a;
-  /* depends only on (K, V, n, bv); benign race.  K, V are 64 or 128 here (32 arrives
-   * padded to 64: chunk_shapes.cu) */
-  static int occ_cache[2][2][kMaxChunkN][3] = {};
-  int &occ = occ_cache[a.K == 128][a.V == 128][a.n - 1][bv == 16 ? 0 : bv == 32 ? 1 : 2];
+  /* depends only on (K, V, n, bv); benign race */
+  static int occ_cache[3][3][kMaxChunkN][3] = {};
+  int &occ = occ_cache[width_index(a.K)][width_index(a.V)][a.n - 1][bv == 16 ? 0 : bv == 32 ? 1 : 2];
   if (occ == 0 && launch_seq(plan, bv, false, true, &occ) != GDP_OK) occ = -1;
   return occ;
 }
@@ -322,12 +336,17 @@ static gdp_status pair_n(int n, int bv, int *fits) {
 /* Whether a states block and a 2-stage dstate block fit on one SM together. */
 static bool fork2_pair_fits(const Plan &plan, int bv) {
   const GdpArgs &a = plan.a;
-  static int cache[2][2][kMaxChunkN][3] = {}; /* 1 fits, -1 not; depends only on (K, V, n, bv); benign race */
-  int &c = cache[a.K == 128][a.V == 128][a.n - 1][bv == 16 ? 0 : bv == 32 ? 1 : 2];
+  static int cache[3][3][kMaxChunkN][3] = {}; /* 1 fits, -1 not; depends only on (K, V, n, bv); benign race */
+  int &c = cache[width_index(a.K)][width_index(a.V)][a.n - 1][bv == 16 ? 0 : bv == 32 ? 1 : 2];
   if (c == 0) {
     int fits = 0;
-    const gdp_status st = a.K == 128 ? (a.V == 128 ? pair_k128v128(a.n, bv, &fits) : pair_k128v64(a.n, bv, &fits))
-                                     : (a.V == 128 ? pair_k64v128(a.n, bv, &fits) : pair_k64v64(a.n, bv, &fits));
+    gdp_status st = GDP_ERR_INTERNAL;
+    switch (root_index(a.K, a.V)) {
+#define GDP_BWD_CASE(K, V) \
+  case root_index(K, V): st = pair_k##K##v##V(a.n, bv, &fits); break;
+      GDP_BWD_EACH_KV(GDP_BWD_CASE)
+#undef GDP_BWD_CASE
+    }
     if (st != GDP_OK) (void)cudaGetLastError(); /* no pair, and no stale error for the next launch check */
     c = st == GDP_OK && fits ? 1 : -1;
   }
@@ -436,8 +455,13 @@ static gdp_status launch_state_passes(const Plan &plan, int bv, const GradStateO
   gdp_status pair_k##K##v##V(int n, int bv, int *fits) { return pair_n<K, V>(n, bv, fits); }
 #define GDP_BWD_DEFINE_PART_ROOTS(K, V) GDP_BWD_DEFINE_ROOTS(K, V) /* K, V expanded first */
 #if !defined(GDP_CHUNK_PARTS)
+GDP_BWD_DEFINE_ROOTS(32, 32)
+GDP_BWD_DEFINE_ROOTS(32, 64)
+GDP_BWD_DEFINE_ROOTS(32, 128)
+GDP_BWD_DEFINE_ROOTS(64, 32)
 GDP_BWD_DEFINE_ROOTS(64, 64)
 GDP_BWD_DEFINE_ROOTS(64, 128)
+GDP_BWD_DEFINE_ROOTS(128, 32)
 GDP_BWD_DEFINE_ROOTS(128, 64)
 GDP_BWD_DEFINE_ROOTS(128, 128)
 #elif defined(GDP_PART_K)
@@ -596,7 +620,7 @@ static gdp_status backward_dh0_recompute(const gdp_delta_product_problem *p, con
 
 namespace chunked {
 bool takes_dh0(const gdp_delta_product_problem *p) {
-  return takes(p) && !needs_split(p) && !needs_value_split(p) && !needs_padding(p);
+  return takes(p) && !needs_split(p) && !needs_value_split(p);
 }
 
 gdp_status backward_dh0(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io, cudaStream_t stream) {
@@ -609,7 +633,6 @@ gdp_status backward(const gdp_delta_product_problem *p, const gdp_delta_product_
   if (p->N == 0) return GDP_OK;
   if (needs_split(p)) return backward_split(p, io, stream, saved);
   if (needs_value_split(p)) return backward_value_split(p, io, stream, saved);
-  if (needs_padding(p)) return backward_padded(p, io, stream, saved);
   return saved ? chunked_backward::backward_saved(p, io, stream, saved) : chunked_backward::backward_recompute(p, io, stream);
 }
 }  // namespace chunked

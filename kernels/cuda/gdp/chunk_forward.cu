@@ -4,8 +4,8 @@
  * and the entry points (plan.cuh).
  *
  * Compiled in parts, in parallel: the kernels are instantiated through a few "root"
- * functions, one per (K, n) here (state_k64n2, prep_k64n2, ...; K in {64, 128}, n = 1..4:
- * K = 32 runs padded to 64, chunk_shapes.cu), and the rest of the file
+ * functions, one per (K, n) here (state_k64n2, prep_k64n2, ...; K in {32, 64, 128},
+ * n = 1..4), and the rest of the file
  * calls the roots by name.  CMake generates one unit per (K, n) that defines
  * GDP_CHUNK_PARTS, GDP_PART_K and GDP_PART_N and includes this file (only that part's
  * roots: its kernels), and a main unit with GDP_CHUNK_PARTS alone (every root declared,
@@ -37,8 +37,10 @@ static gdp_status launch_bv(const Plan &plan, bool dry_run, int *blocks_per_sm, 
   const GdpArgs &a = plan.a;
   if (tu && ks2)
     return GDP_ERROR(GDP_ERR_INTERNAL, "launch_chunk_state: U from Tu and v is a one-warp pass (ks2 asked)");
-  if constexpr (C % 32 == 0 && TC % 32 == 0) {
-    /* two warps per 16 value columns (chunk_state_pair_kernel), plain or saving */
+  if constexpr (C % 32 == 0 && TC % 32 == 0 && K >= 64) {
+    /* two warps per 16 value columns (chunk_state_pair_kernel), plain or saving; each
+     * warp holds half of S^T's K columns, whose h^T staging (ks2_stage_hT16) takes rows
+     * of at least 32 bytes: K >= 64 */
     if (ks2) {
       const int smem = save ? Ks2Layout<K, C, TC, BV, true>::total : Ks2Layout<K, C, TC, BV, false>::total;
       /* the saving pair pass at BV = 64 (K = 128) needs more than an SM's 227 KB: it does
@@ -93,12 +95,16 @@ static gdp_status launch_k(const Plan &plan, int bv, bool dry_run, int *occ, boo
 
 /* The (K, n) roots: every kernel of this file is instantiated through these two, one pair
  * per K and n; the dispatchers call them by name.  Defined at the end of the namespace:
- * all eight pairs here when the file is compiled whole, one per part file when it is
+ * all twelve pairs here when the file is compiled whole, one per part file when it is
  * compiled in parts (chunk_forward.cu's header). */
 #define GDP_FWD_DECLARE_ROOTS(K, N)                                                                          \
   gdp_status state_k##K##n##N(const Plan &plan, int bv, bool dry_run, int *occ, bool save, bf16 *hT16,       \
                               bool ks2, bool tu);                                                \
   gdp_status prep_k##K##n##N(const Plan &plan, bf16 *Tt);
+GDP_FWD_DECLARE_ROOTS(32, 1)
+GDP_FWD_DECLARE_ROOTS(32, 2)
+GDP_FWD_DECLARE_ROOTS(32, 3)
+GDP_FWD_DECLARE_ROOTS(32, 4)
 GDP_FWD_DECLARE_ROOTS(64, 1)
 GDP_FWD_DECLARE_ROOTS(64, 2)
 GDP_FWD_DECLARE_ROOTS(64, 3)
@@ -116,6 +122,12 @@ static gdp_status launch_chunk_state(const Plan &plan, int bv, bool dry_run, int
     if (a.n == 2) return state_k128n2(plan, bv, dry_run, occ, save, hT16, ks2, tu);
     if (a.n == 3) return state_k128n3(plan, bv, dry_run, occ, save, hT16, ks2, tu);
     return state_k128n4(plan, bv, dry_run, occ, save, hT16, ks2, tu);
+  }
+  if (a.K == 32) {
+    if (a.n == 1) return state_k32n1(plan, bv, dry_run, occ, save, hT16, ks2, tu);
+    if (a.n == 2) return state_k32n2(plan, bv, dry_run, occ, save, hT16, ks2, tu);
+    if (a.n == 3) return state_k32n3(plan, bv, dry_run, occ, save, hT16, ks2, tu);
+    return state_k32n4(plan, bv, dry_run, occ, save, hT16, ks2, tu);
   }
   if (a.n == 1) return state_k64n1(plan, bv, dry_run, occ, save, hT16, ks2, tu);
   if (a.n == 2) return state_k64n2(plan, bv, dry_run, occ, save, hT16, ks2, tu);
@@ -138,10 +150,9 @@ static int choose_bv(const Plan &plan, bool save, bool tu = false) {
   double best_waves = INFINITY;
   for (int bv : {16, 32, 64}) {
     if (a.V % bv) continue;
-    /* occupancy depends only on (save, K, n, bv): asked once, then cached (benign race);
-     * K is 64 or 128 here (32 arrives padded to 64: chunk_shapes.cu) */
-    static int occ_cache[2][2][2][kMaxChunkN][3] = {};
-    int &occ = occ_cache[save][tu][a.K == 128][a.n - 1][bv == 16 ? 0 : bv == 32 ? 1 : 2];
+    /* occupancy depends only on (save, K, n, bv): asked once, then cached (benign race) */
+    static int occ_cache[2][2][3][kMaxChunkN][3] = {};
+    int &occ = occ_cache[save][tu][width_index(a.K)][a.n - 1][bv == 16 ? 0 : bv == 32 ? 1 : 2];
     if (occ == 0 && launch_chunk_state(plan, bv, true, &occ, save, nullptr, false, tu) != GDP_OK) occ = -1;
     if (occ < 1) continue;
     const double blocks = (double)a.N * a.H * (a.V / bv);
@@ -158,7 +169,7 @@ static int choose_bv(const Plan &plan, bool save, bool tu = false) {
  * pair kernel fits, at other widths too, measured slower.) */
 static bool choose_ks2(const Plan &plan, int bv, bool save, bool tu = false) {
   const GdpArgs &a = plan.a;
-  if (a.n > 2 || bv != 16) return false;
+  if (a.n > 2 || bv != 16 || a.K < 64) return false; /* the pair kernel: K >= 64 (launch_bv) */
   /* occupancy depends only on (K, n, save, BV): asked once, then cached (benign race) */
   /* tu: the one-warp pass it is weighed against is the one that forms U itself */
   static int occ_cache[2][2][2][2][3][2] = {};
@@ -225,10 +236,16 @@ static gdp_status launch_prep_kv(const Plan &plan, bf16 *Tt) {
   }                                                                                                          \
   gdp_status prep_k##K##n##N(const Plan &plan, bf16 *Tt) {                                                  \
     constexpr int C = chunk_steps_of(N), TC = chunk_tokens_of(N);                                            \
-    return plan.a.V == 128 ? launch_prep_kv<K, 128, C, TC>(plan, Tt) : launch_prep_kv<K, 64, C, TC>(plan, Tt); \
+    return plan.a.V == 128  ? launch_prep_kv<K, 128, C, TC>(plan, Tt)                                       \
+           : plan.a.V == 64 ? launch_prep_kv<K, 64, C, TC>(plan, Tt)                                        \
+                            : launch_prep_kv<K, 32, C, TC>(plan, Tt);                                       \
   }
 #define GDP_FWD_DEFINE_PART_ROOTS(K, N) GDP_FWD_DEFINE_ROOTS(K, N) /* K, N expanded first */
 #if !defined(GDP_CHUNK_PARTS)
+GDP_FWD_DEFINE_ROOTS(32, 1)
+GDP_FWD_DEFINE_ROOTS(32, 2)
+GDP_FWD_DEFINE_ROOTS(32, 3)
+GDP_FWD_DEFINE_ROOTS(32, 4)
 GDP_FWD_DEFINE_ROOTS(64, 1)
 GDP_FWD_DEFINE_ROOTS(64, 2)
 GDP_FWD_DEFINE_ROOTS(64, 3)
@@ -262,6 +279,11 @@ gdp_status launch_chunk_prep(const Plan &plan, bf16 *Tt) {
            : n == 2 ? prep_k128n2(plan, Tt)
            : n == 3 ? prep_k128n3(plan, Tt)
                     : prep_k128n4(plan, Tt);
+  if (plan.a.K == 32)
+    return n == 1   ? prep_k32n1(plan, Tt)
+           : n == 2 ? prep_k32n2(plan, Tt)
+           : n == 3 ? prep_k32n3(plan, Tt)
+                    : prep_k32n4(plan, Tt);
   return n == 1 ? prep_k64n1(plan, Tt) : n == 2 ? prep_k64n2(plan, Tt) : n == 3 ? prep_k64n3(plan, Tt) : prep_k64n4(plan, Tt);
 }
 
@@ -298,7 +320,6 @@ gdp_status forward(const gdp_delta_product_problem *p, const gdp_delta_product_f
   if (p->N == 0) return GDP_OK;
   if (needs_split(p)) return forward_split(p, io, stream, saved);
   if (needs_value_split(p)) return forward_value_split(p, io, stream, saved);
-  if (needs_padding(p)) return forward_padded(p, io, stream, saved);
   GdpArgs a = fwd_args(p, io);
   Plan plan;
   prof_begin(stream);

@@ -36,10 +36,10 @@ struct GradStateLayout {
   static constexpr int oPs = oQn + TC * ldK * 2;      /* Ps [TC][C] */
   static constexpr int oF = oPs + TC * ldC * 2;       /* floats below */
   /* dgc's P1 column sums, z and qn . dqn are summed over several warps' items in partial-sum
-   * slots, one writer each (TC / 16, K / 64 and K / 32 of them), added up in a fixed order
+   * slots, one writer each (TC / 16, panel_groups(K) and K / 32 of them), added up in a fixed order
    * (slot_sum) where they are read; shared-memory float atomics compiled to compare-and-swap
    * loops (ncu: ~5% of the kernel's warp stall samples) */
-  static constexpr int nDgc = TC / 16, nZ = K / 64, nQd = K / 32;
+  static constexpr int nDgc = TC / 16, nZ = panel_groups(K), nQd = K / 32;
   static constexpr int fGp = 0, fGc = C, fDgc = 2 * C, fZ = fDgc + nDgc * C, fQinv = fZ + nZ * C,
                        fQdot = fQinv + TC, fDot = fQdot + nQd * TC, fKinv = fDot + 8, nF = fKinv + C;
   static constexpr int total = oF + nF * 4;
@@ -73,7 +73,8 @@ __global__ void __launch_bounds__(256, 2) chunk_grad_state_kernel(GdpArgs a, Gra
   constexpr int kEPV = 8;                              /* elements per vector */
   constexpr uint32_t kSB = (uint32_t)(V * K) * 2;      /* bytes of one (chunk, head) copy */
   constexpr int NN = C / TC;
-  static_assert(K % 64 == 0 && V % 16 == 0 && C % 16 == 0 && TC % 16 == 0 && NN * TC == C, "shapes");
+  constexpr int PK = panel_cols(K), GK = panel_groups(K); /* key panels: 64 columns, or 32 at K = 32 */
+  static_assert(K % 32 == 0 && V % 16 == 0 && C % 16 == 0 && TC % 16 == 0 && NN * TC == C, "shapes");
   extern __shared__ __align__(128) unsigned char smem[];
   const int h = (int)blockIdx.y;
   const ChunkInfo ci = a.chunks[blockIdx.x];
@@ -229,11 +230,12 @@ __global__ void __launch_bounds__(256, 2) chunk_grad_state_kernel(GdpArgs a, Gra
 
   /* ---- h^T, an L2 hit by now (prefetched at the start): one K x V buffer holds dH^T
    * until P3a's products are done, then h^T (the block stays at ~108 KB, two blocks per
-   * SM).  16-byte vectors of 8 bf16 per thread: 2 .. 8 (8 at K = V = 128), all held from
-   * here to the dot and the store over dH^T.  The dot sums per thread e ascending in
-   * steps of 256. */
-  constexpr int nvecH = V * K / kEPV, perH = nvecH / 256, earlyH = perH;
-  static_assert(nvecH % 256 == 0 && perH <= 8, "h^T reload: one round, held for the dot");
+   * SM).  16-byte vectors of 8 bf16 per thread: 1 .. 8 (8 at K = V = 128; at K = V = 32
+   * half the threads hold one), all held from here to the dot and the store over dH^T.
+   * The dot sums per thread e ascending in steps of 256. */
+  constexpr int nvecH = V * K / kEPV, perH = (nvecH + 255) / 256, earlyH = perH;
+  static_assert((nvecH % 256 == 0 || nvecH < 256) && perH <= 8, "h^T reload: one round, held for the dot");
+  const bool hvec = nvecH % 256 == 0 || tid < nvecH; /* this thread holds vectors */
   SV hv[earlyH];
   {
     /* the h^T reload (L2, prefetched at the start) is issued here, before the barrier and
@@ -241,28 +243,28 @@ __global__ void __launch_bounds__(256, 2) chunk_grad_state_kernel(GdpArgs a, Gra
      * the dot and the store over dH^T (loads only: same bits) */
     const SV *ph = (const SV *)gH;
 #pragma unroll
-    for (int u = 0; u < earlyH; u++) hv[u] = __ldcs(ph + u * 256 + tid);
+    for (int u = 0; u < earlyH; u++) hv[u] = hvec ? __ldcs(ph + u * 256 + tid) : make_uint4(0, 0, 0, 0);
   }
   cp_async_wait<1>();              /* dD (read from P3b on; the barriers below publish it) */
   __syncthreads();
 
-  /* ---- P3a: per 16 steps x 64 key columns: dKnA = e^{last-gc_j} D dH^T + Ps^T qn (z_j
+  /* ---- P3a: per 16 steps x PK (64, or 32 at K = 32) key columns: dKnA = e^{last-gc_j} D dH^T + Ps^T qn (z_j
    * on the way); item = warp (at most 8 items).  Once a warp's D dH^T products are done it
    * no longer reads dH^T, so it issues its share of the h^T reload (L2) into registers
    * right then and finishes its item (z, Ps^T qn, the dKnA store) while those loads are in
    * flight; the barrier then only guards the shared-memory overwrite. */
-  constexpr int nP3 = (C / 16) * (K / 64);
+  constexpr int nP3 = (C / 16) * GK, NT = PK / 8;
   static_assert(nP3 <= 8, "one P3 item per warp");
   {
-    const int jb = (warp / (K / 64)) * 16, rb = (warp % (K / 64)) * 64;
-    float acc[8][4] = {};
+    const int jb = (warp / GK) * 16, rb = (warp % GK) * PK;
+    float acc[NT][4] = {};
     if (warp < nP3) {
 #pragma unroll
       for (int kt = 0; kt < V / 16; kt++) {
         uint32_t fa[4];
         ldsm_x4(s0 + L::oD + ((jb + arow) * L::ldV + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
 #pragma unroll
-        for (int nt = 0; nt < 8; nt += 2) {
+        for (int nt = 0; nt < NT; nt += 2) {
           uint32_t b0, b1, b2, b3;
           ldsm_x4_t(s0 + L::oHb + ((kt * 16 + trow) * L::ldK + rb + nt * 8 + tcol) * 2, b0, b1, b2, b3);
           mma16816(acc[nt], fa, b0, b1);
@@ -277,7 +279,7 @@ __global__ void __launch_bounds__(256, 2) chunk_grad_state_kernel(GdpArgs a, Gra
         const float w = __expf(last - sGc[j]) * sKinv[j]; /* kinv_j: z = k_raw . acc is then kn . w (D dH^T) */
         float z = 0.f;
 #pragma unroll
-        for (int nt = 0; nt < 8; nt++) {
+        for (int nt = 0; nt < NT; nt++) {
           acc[nt][2 * hf] *= w;
           acc[nt][2 * hf + 1] *= w;
           const float2 kv = unpack_bf16(*reinterpret_cast<const uint32_t *>(
@@ -286,7 +288,7 @@ __global__ void __launch_bounds__(256, 2) chunk_grad_state_kernel(GdpArgs a, Gra
         }
         z += __shfl_xor_sync(0xffffffffu, z, 1);
         z += __shfl_xor_sync(0xffffffffu, z, 2);
-        if (tig == 0) sZ[(rb / 64) * C + j] = z;
+        if (tig == 0) sZ[(rb / PK) * C + j] = z;
       }
       /* + Ps^T qn: A = Ps^T (rows j, k = query a) by ldmatrix.trans from Ps [a][j] */
 #pragma unroll
@@ -295,7 +297,7 @@ __global__ void __launch_bounds__(256, 2) chunk_grad_state_kernel(GdpArgs a, Gra
         uint32_t fa[4];
         ldsm_x4_t(s0 + L::oPs + ((kt * 16 + atk) * L::ldC + jb + atm) * 2, fa[0], fa[1], fa[2], fa[3]);
 #pragma unroll
-        for (int nt = 0; nt < 8; nt += 2) {
+        for (int nt = 0; nt < NT; nt += 2) {
           uint32_t b0, b1, b2, b3;
           ldsm_x4_t(s0 + L::oQn + ((kt * 16 + trow) * L::ldK + rb + nt * 8 + tcol) * 2, b0, b1, b2, b3);
           mma16816(acc[nt], fa, b0, b1);
@@ -307,14 +309,14 @@ __global__ void __launch_bounds__(256, 2) chunk_grad_state_kernel(GdpArgs a, Gra
       const int64_t o = CHi * C * K + (int64_t)(jb + grp) * K + rb;
       {
         bf16 *out = reinterpret_cast<bf16 *>(go.dKnA) + o;
-        uint32_t w0[8], w1[8];
+        uint32_t w0[NT], w1[NT];
 #pragma unroll
-        for (int nt = 0; nt < 8; nt++) {
+        for (int nt = 0; nt < NT; nt++) {
           w0[nt] = pack_bf16(acc[nt][0] * n0, acc[nt][1] * n0);
           w1[nt] = pack_bf16(acc[nt][2] * n1, acc[nt][3] * n1);
         }
-        st_row_pairs<8>(out, w0, tig, true);
-        st_row_pairs<8>(out + 8 * K, w1, tig, true);
+        st_row_pairs<NT>(out, w0, tig, true);
+        st_row_pairs<NT>(out + 8 * K, w1, tig, true);
       }
     }
     {
@@ -325,6 +327,7 @@ __global__ void __launch_bounds__(256, 2) chunk_grad_state_kernel(GdpArgs a, Gra
 #pragma unroll
       for (int u = 0; u < perH; u++) {
         const int e = u * 256 + tid;
+        if (!hvec) break;
         const int x = (8 * e) / K, r = (8 * e) % K;
         const uint4 dv = *reinterpret_cast<const uint4 *>(smem + L::oHb + (x * L::ldK + r) * 2);
         const uint32_t hw[4] = {hv[u].x, hv[u].y, hv[u].z, hv[u].w}, dw[4] = {dv.x, dv.y, dv.z, dv.w};
@@ -342,23 +345,24 @@ __global__ void __launch_bounds__(256, 2) chunk_grad_state_kernel(GdpArgs a, Gra
 #pragma unroll
   for (int u = 0; u < perH; u++) {
     const int e = u * 256 + tid;
+    if (!hvec) break;
     const int x = (kEPV * e) / K, r = (kEPV * e) % K;
     *reinterpret_cast<uint4 *>(smem + L::oHb + (x * L::ldK + r) * 2) = hv[u];
   }
   cp_async_wait<0>(); /* dD, read from P3b on */
   __syncthreads();
 
-  /* ---- P3b: dWg = -dD h^T per (16 steps x 64 key columns) */
-  for (int item = warp; item < (C / 16) * (K / 64); item += 8) {
-    const int jb = (item / (K / 64)) * 16, rb = (item % (K / 64)) * 64;
+  /* ---- P3b: dWg = -dD h^T per (16 steps x PK key columns) */
+  for (int item = warp; item < (C / 16) * GK; item += 8) {
+    const int jb = (item / GK) * 16, rb = (item % GK) * PK;
     {
-      float acc[8][4] = {};
+      float acc[NT][4] = {};
 #pragma unroll
       for (int kt = 0; kt < V / 16; kt++) {
         uint32_t fa[4];
         ldsm_x4(s0 + L::odD + ((jb + arow) * L::ldV + kt * 16 + acol) * 2, fa[0], fa[1], fa[2], fa[3]);
 #pragma unroll
-        for (int nt = 0; nt < 8; nt += 2) {
+        for (int nt = 0; nt < NT; nt += 2) {
           uint32_t b0, b1, b2, b3;
           ldsm_x4_t(s0 + L::oHb + ((kt * 16 + trow) * L::ldK + rb + nt * 8 + tcol) * 2, b0, b1, b2, b3);
           mma16816(acc[nt], fa, b0, b1);
@@ -366,14 +370,14 @@ __global__ void __launch_bounds__(256, 2) chunk_grad_state_kernel(GdpArgs a, Gra
         }
       }
       bf16 *out = go.dWg + CHi * C * K + (int64_t)(jb + grp) * K + rb;
-      uint32_t w0[8], w1[8];
+      uint32_t w0[NT], w1[NT];
 #pragma unroll
-      for (int nt = 0; nt < 8; nt++) {
+      for (int nt = 0; nt < NT; nt++) {
         w0[nt] = pack_bf16(-acc[nt][0], -acc[nt][1]);
         w1[nt] = pack_bf16(-acc[nt][2], -acc[nt][3]);
       }
-      st_row_pairs<8>(out, w0, tig, true);
-      st_row_pairs<8>(out + 8 * K, w1, tig, true);
+      st_row_pairs<NT>(out, w0, tig, true);
+      st_row_pairs<NT>(out + 8 * K, w1, tig, true);
     }
   }
 

@@ -29,26 +29,29 @@ struct GradWYLayout {
    * to shared-memory float atomics: those compile to compare-and-swap loops (ATOMS.CAST.SPIN)
    * that held ~10% of the kernel's warp stall samples (ncu), and their order
    * varied from run to run. */
-  static constexpr int nS = (V / 64 + 2 * (K / 64)) * C + 2 * NL * 16;
+  static constexpr int nS = (panel_groups(V) + 2 * panel_groups(K)) * C + 2 * NL * 16;
+  /* szD: the dD region, which X, dT and G later take (C x C): C x V, or C x C where
+   * C > V (V = 32 at C = 48, 64) */
   static constexpr int szKn = C * ldK * 2, szV = C * ldV * 2, szC = C * ldC * 2, nF = 5 * C;
-  static constexpr bool kLateDW = 2 * szKn + 2 * szV + 2 * szC + (nF + nS) * 4 > 76800;
+  static constexpr int szD = szV > szC ? szV : szC;
+  static constexpr bool kLateDW = 2 * szKn + szV + szD + 2 * szC + (nF + nS) * 4 > 76800;
   static constexpr int szP = kLateDW ? NL * 1024 : 0;
   static constexpr int oKn = 0;                                        /* kn [C][K] */
   static constexpr int oV = oKn + szKn;                                /* v [C][V] as given; late: then dW */
   static constexpr int odD = oV + (kLateDW && szKn > szV ? szKn : szV); /* dD [C][V] */
-  static constexpr int odW = kLateDW ? oV : odD + szV;                 /* dW [C][K] (state part) */
-  static constexpr int oT = kLateDW ? odD + szV : odW + szKn;          /* T^T (bf16, from the prep) */
+  static constexpr int odW = kLateDW ? oV : odD + szD;                 /* dW [C][K] (state part) */
+  static constexpr int oT = kLateDW ? odD + szD : odW + szKn;          /* T^T (bf16, from the prep) */
   static constexpr int oR2 = oT + szC;                                 /* dT or P (see above) */
   static constexpr int oF = oR2 + (szP > szC ? szP : szC);
   static constexpr int odT = kLateDW ? odD : oR2; /* dT diag-scaled (bf16) */
   static constexpr int oP = oR2;                  /* late: W3a's dD V^T sums (float, fragment order) */
   static constexpr int oX = kLateDW ? oR2 : odD;  /* X = dT T^T (bf16) */
   static constexpr int oG = kLateDW ? odD : oR2;  /* G = dA o beta_i Gamma (bf16) */
-  static_assert(C <= V, "X, dT and G fit in the dD region");
+  static_assert(!kLateDW || C <= V, "late dW: dT and G fit in the dD region");
   static constexpr int fGp = 0, fGc = C, fBeta = 2 * C, fDgc = 3 * C, fKinv = 4 * C;
   static constexpr int oS = oF + nF * 4; /* the partial-sum slots (WySlots) */
   static constexpr int total = oS + nS * 4;
-  /* W6's dKnA slices (bf16, 16 rows x 64 columns = 2 KB a warp), copied in by cp.async at
+  /* W6's dKnA slices (bf16, 16 rows x 64 columns = 2 KB a warp; K >= 64), copied in by cp.async at
    * W6's start so that their L2 latency passes under W6's products, into two regions dead
    * by then (see the tenants above): late dW, R2 (X's, W4-W5) and dD's tail past G (dT and
    * G use C x ldC of it); early dW, dD (X's, W4-W5; G is in R2) and v (read last in W3).
@@ -56,11 +59,13 @@ struct GradWYLayout {
    * Row r of a slice at 128 r bytes, its 16-byte chunk c at c ^ (r & 7): a warp's
    * accumulator-fragment reads (rows grp, columns 8 nt + 2 tig) are then free of bank
    * conflicts. */
-  static constexpr int kNI = (C / 16) * (K / 64), kSlice = 16 * 64 * 2;
-  static constexpr int kFreeA = kLateDW ? oR2 : odD, kSizeA = kLateDW ? (szP > szC ? szP : szC) : szV;
+  static constexpr int kNI = (C / 16) * panel_groups(K), kSlice = 16 * 64 * 2;
+  static constexpr int kFreeA = kLateDW ? oR2 : odD, kSizeA = kLateDW ? (szP > szC ? szP : szC) : szD;
   static constexpr int kFreeB = kLateDW ? odD + szC : oV, kSizeB = kLateDW ? szV - szC : szV;
   static constexpr int kSlicesA = kSizeA / kSlice, kSlicesB = kSizeB / kSlice;
-  static constexpr bool kDknaSmem = kNI <= kSlicesA + kSlicesB;
+  /* the slices' swizzle is over 8 16-byte chunks a row: 64 columns (at K = 32 dKnA is read
+   * from global memory) */
+  static constexpr bool kDknaSmem = K >= 64 && kNI <= kSlicesA + kSlicesB;
   __device__ static __forceinline__ int dkna_slice(int warp) {
     return warp < kSlicesA ? kFreeA + warp * kSlice : kFreeB + (warp - kSlicesA) * kSlice;
   }
@@ -70,12 +75,12 @@ struct GradWYLayout {
   __device__ static __forceinline__ uint32_t dpos(int r, int c) { return (uint32_t)((r * ldV + c) * 2); }
 };
 
-/* The 16-row, 64-column item a warp owns in grad_wy's dVb (W3) and dKn (W6) products:
- * rows by warp / (cols / 64). */
+/* The 16-row item of panel_cols(COLS) columns (64, or 32 at a width of 32) a warp owns in
+ * grad_wy's dVb (W3) and dKn (W6) products: rows by warp / panel_groups(COLS). */
 template <int COLS>
 __device__ __forceinline__ void wy_item(int warp, int &rowb, int &colb) {
-  rowb = warp / (COLS / 64) * 16;
-  colb = warp % (COLS / 64) * 64;
+  rowb = warp / panel_groups(COLS) * 16;
+  colb = warp % panel_groups(COLS) * panel_cols(COLS);
 }
 
 /* A special register (0: %tid.x, 1: %ctaid.x, 2: %ctaid.y) read anew: volatile, so never
@@ -123,20 +128,20 @@ __device__ __forceinline__ int w4_tile(int warp, int slot) {
 /* grad_wy's partial sums (GradWYLayout::nS floats at oS), each slot written by one lane of
  * one warp, then summed in a fixed order by warp 7 after W6 (dbeta, dgc) and by the dk
  * store (the l2-norm dot):
- *   dvb[b][j]  W3:  v_j . dVb_j over the 64 value columns of block b
+ *   dvb[b][j]  W3:  v_j . dVb_j over the value columns of panel b (panel_cols)
  *   row[t][r]  W5:  sum_m dA_im e^{gc_i - gc_m} kk_im of tile t = (ti, tj), row i = 16 ti + r
  *   col[t][r]  W5:  -sum_i dA_im A_im of tile t, column m = 16 tj + r
- *   dkb[b][j]  W6:  e^{gc_j} kn_j . dKb_j over the 64 key columns of block b
+ *   dkb[b][j]  W6:  e^{gc_j} kn_j . dKb_j over the key columns of panel b
  *   dot[b][j]  W6:  kn_j . dKn_j over the same columns
  * dbeta_j = dvb + row + dkb terms;  dgc_j = dgcA_j + beta_j (row + dkb terms) + col terms
  * (W5's row term of dgc, sum_m dA_im A_im, is beta_i times its row term of dbeta, as
  * A_im = beta_i e kk_im; W6's is beta_j s).  Offsets in floats. */
 template <int K, int V, int C>
 struct WySlots {
-  static constexpr int NB = C / 16, NL = NB * (NB + 1) / 2;
-  static constexpr int dvb = 0, row = dvb + (V / 64) * C, col = row + NL * 16, dkb = col + NL * 16, dot = dkb + (K / 64) * C;
-  static constexpr int count = dot + (K / 64) * C;
-  __device__ static __forceinline__ float dot_sum(const float *S, int j) { return slot_sum<K / 64>(S + dot + j, C); }
+  static constexpr int NB = C / 16, NL = NB * (NB + 1) / 2, GK = panel_groups(K), GV = panel_groups(V);
+  static constexpr int dvb = 0, row = dvb + GV * C, col = row + NL * 16, dkb = col + NL * 16, dot = dkb + GK * C;
+  static constexpr int count = dot + GK * C;
+  __device__ static __forceinline__ float dot_sum(const float *S, int j) { return slot_sum<GK>(S + dot + j, C); }
   /* row j's W5 and W6 terms of dbeta (the ones dgc takes times beta_j) */
   __device__ static __forceinline__ float wb_sum(const float *S, int j) {
     const int ti = j >> 4, r = j & 15;
@@ -145,10 +150,10 @@ struct WySlots {
     for (int tj = 0; tj < NB; tj++)
       if (tj <= ti) x += S[row + (ti * (ti + 1) / 2 + tj) * 16 + r];
 #pragma unroll
-    for (int b = 0; b < K / 64; b++) x += S[dkb + b * C + j];
+    for (int b = 0; b < GK; b++) x += S[dkb + b * C + j];
     return x;
   }
-  __device__ static __forceinline__ float dvb_sum(const float *S, int j) { return slot_sum<V / 64>(S + dvb + j, C); }
+  __device__ static __forceinline__ float dvb_sum(const float *S, int j) { return slot_sum<GV>(S + dvb + j, C); }
   __device__ static __forceinline__ float col_sum(const float *S, int m) {
     const int tj = m >> 4, r = m & 15;
     float x = 0.f;
@@ -174,13 +179,15 @@ __device__ __forceinline__ LaneMaps lane_maps() {
 }
 
 /* Blocks per SM that chunk_grad_wy_kernel is compiled for, where ptxas (nvcc 13.0) fits it
- * with 0 bytes spilled: three (80 registers) at C = 32 and 48 except K = 128, V = 64, and
- * at C = 64 with K = V = 128 (since wy2: no KK region, late dW); two (128 registers)
- * elsewhere (at 80 those spill 4-8 bytes: C = 48 K = 128 V = 64, and C = 64 but for
- * K = V = 128).  Shared memory (GradWYLayout, 1 KB reserved per block included) is
- * <= 76800 + 1024 bytes a block in every shape, so three fit in 228 KB. */
+ * with 0 bytes spilled: three (80 registers) at C = 32 and 48 except K = 128, V = 64 and
+ * K = 32, V = 128, C = 48, and at C = 64 with K = V = 128 (since wy2: no KK region, late
+ * dW); two (128 registers) elsewhere (at 80 those spill 4-8 bytes: C = 48 K = 128 V = 64,
+ * C = 48 K = 32 V = 128, and C = 64 but for K = V = 128; at C = 64 the width-32 shapes
+ * take 80-108 registers unasked, so K = V = 32 runs three blocks there all the same).
+ * Shared memory (GradWYLayout, 1 KB reserved per block included) is <= 76800 + 1024
+ * bytes a block in every shape, so three fit in 228 KB. */
 constexpr int grad_wy_blocks(int K, int V, int C) {
-  return C == 64 ? (K == 128 && V == 128 ? 3 : 2) : (K == 128 && V == 64 ? 2 : 3);
+  return C == 64 ? (K == 128 && V == 128 ? 3 : 2) : ((K == 128 && V == 64) || (K == 32 && V == 128 && C == 48) ? 2 : 3);
 }
 
 /* grad_wy's dT tile (ti, tj), in two halves (W3 / W3a, W3b): acc += dD[ti] V[tj]^T, then
@@ -247,7 +254,7 @@ __device__ __forceinline__ void grad_wy_kk(uint32_t s0, int ti, int tj, const La
  *   G = dA o beta_i e^{gc_i-gc_j}: dKn += G kn + G^T kn; dbeta_i += sum_j dA e kk;
  *   dgc_i += sum_j dA A_ij, dgc_j -= sum_i dA A_ij
  *   dk = l2-norm backward of dKnA + dKn;  dg = reverse cumsum of dgcA + dgc (step 0 rows).
- * Warp w < (C/16)(K/64) owns the dKn item (16 steps x 64 key columns) in registers from
+ * Warp w < (C/16) panel_groups(K) owns the dKn item (16 steps x panel_cols(K) key columns) in registers from
  * dKb to the dk store.  Blocks per SM: grad_wy_blocks.
  * Scheduling (docs/kernels.md §3.5): with kLateDW, W5's kn kn^T tiles are computed while
  * dW comes in from L2 (they only read kn) instead of in W5, and dW is prefetched into L2
@@ -256,8 +263,13 @@ template <int K, int V, int C, int TC>
 __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) chunk_grad_wy_kernel(GdpArgs a, GradStateOut go) {
   using L = GradWYLayout<K, V, C>;
   constexpr bool kPreKK = L::kLateDW; /* W5's kk computed in the dW wait */
-  constexpr int NN = C / TC, NB = C / 16, NI = (C / 16) * (K / 64), NL = NB * (NB + 1) / 2, NVB = NB * (V / 64);
-  static_assert(K % 64 == 0 && V % 64 == 0 && C % 16 == 0 && C <= 64 && NI <= 8 && NL <= 10, "shapes");
+  constexpr int NN = C / TC, NB = C / 16, NI = (C / 16) * panel_groups(K), NL = NB * (NB + 1) / 2,
+                NVB = NB * panel_groups(V);
+  /* item widths (panel_cols): 64 columns, or 32 at a width of 32 */
+  constexpr int PK = panel_cols(K), PV = panel_cols(V), NTK = PK / 8, NTV = PV / 8;
+  static_assert(K % PK == 0 && V % PV == 0 && K % 32 == 0 && V % 32 == 0 && C % 16 == 0 && C <= 64 && NI <= 8 &&
+                    NL <= 10,
+                "shapes");
   static_assert(L::total <= 76800 || grad_wy_blocks(K, V, C) < 3, "three blocks per SM fit in shared memory");
   extern __shared__ __align__(128) unsigned char smem[];
   const int c = blockIdx.x, h = blockIdx.y;
@@ -354,7 +366,7 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) chunk_grad_wy_ke
     const LaneMaps m = lane_maps();
     int vjb, xb;
     wy_item<V>(item, vjb, xb);
-    float acc[8][4] = {};
+    float acc[NTV][4] = {};
     {
 #pragma unroll
       for (int kt = 0; kt < NB; kt++) {
@@ -362,7 +374,7 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) chunk_grad_wy_ke
         uint32_t fa[4];
         ldsm_x4(s0 + L::oT + ((vjb + m.arow) * L::ldC + kt * 16 + m.acol) * 2, fa[0], fa[1], fa[2], fa[3]);
 #pragma unroll
-        for (int nt = 0; nt < 8; nt += 2) {
+        for (int nt = 0; nt < NTV; nt += 2) {
           uint32_t b0, b1, b2, b3;
           ldsm_x4_t(s0 + L::odD + L::dpos(kt * 16 + m.arow, xb + nt * 8 + m.acol), b0, b1, b2, b3);
           mma16816(acc[nt], fa, b0, b1);
@@ -378,7 +390,7 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) chunk_grad_wy_ke
       float s = 0.f;
       bf16 *row = dv + ((krow0 + j) * H + h) * V + xb + 2 * m.tig;
 #pragma unroll
-      for (int nt = 0; nt < 8; nt++) {
+      for (int nt = 0; nt < NTV; nt++) {
         const float2 vv = unpack_bf16(*reinterpret_cast<const uint32_t *>(
             smem + L::oV + (j * L::ldV + xb + nt * 8 + 2 * m.tig) * 2));
         s += vv.x * acc[nt][2 * hf] + vv.y * acc[nt][2 * hf + 1];
@@ -386,7 +398,7 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) chunk_grad_wy_ke
       }
       s += __shfl_xor_sync(0xffffffffu, s, 1);
       s += __shfl_xor_sync(0xffffffffu, s, 2);
-      if (m.tig == 0) S[WS::dvb + (xb / 64) * C + j] = s;
+      if (m.tig == 0) S[WS::dvb + (xb / PV) * C + j] = s;
     }
   }
   /* dT = (dD V^T + dW kn^T diag(e^{gc})) diag(beta), lower tiles only: X's lower tiles, the
@@ -558,7 +570,7 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) chunk_grad_wy_ke
    * spilled at 128 registers (C = 64) and at 80 (three blocks per SM); the stores after
    * W6's barrier take them anew again (C = 64 at 80 registers).  The names shadow the
    * first ones on purpose: the code below reads as the rest of the kernel. */
-  float dkn[8][4] = {};
+  float dkn[NTK][4] = {};
   {
     const int warp = fresh_sreg<0>() >> 5;
     const LaneMaps m = lane_maps();
@@ -586,7 +598,7 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) chunk_grad_wy_ke
           uint32_t fa[4];
           ldsm_x4(s0 + L::oT + ((jb + m.arow) * L::ldC + kt * 16 + m.acol) * 2, fa[0], fa[1], fa[2], fa[3]);
 #pragma unroll
-          for (int nt = 0; nt < 8; nt += 2) {
+          for (int nt = 0; nt < NTK; nt += 2) {
             uint32_t b0, b1, b2, b3;
             ldsm_x4_t(s0 + L::odW + L::kpos(kt * 16 + m.arow, rb + nt * 8 + m.acol), b0, b1, b2, b3);
             mma16816(dkn[nt], fa, b0, b1);
@@ -600,7 +612,7 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) chunk_grad_wy_ke
         const float eg = __expf(sGc[j]), bj = sBeta[j];
         float s = 0.f;
 #pragma unroll
-        for (int nt = 0; nt < 8; nt++) {
+        for (int nt = 0; nt < NTK; nt++) {
           const float2 kv = unpack_bf16(*reinterpret_cast<const uint32_t *>(
               smem + L::oKn + L::kpos(j, rb + nt * 8 + 2 * m.tig)));
           s += kv.x * dkn[nt][2 * hf] + kv.y * dkn[nt][2 * hf + 1];
@@ -610,7 +622,7 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) chunk_grad_wy_ke
         s *= eg;
         s += __shfl_xor_sync(0xffffffffu, s, 1);
         s += __shfl_xor_sync(0xffffffffu, s, 2);
-        if (m.tig == 0) S[WS::dkb + (rb / 64) * C + j] = s;
+        if (m.tig == 0) S[WS::dkb + (rb / PK) * C + j] = s;
       }
       {
 #pragma unroll
@@ -619,7 +631,7 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) chunk_grad_wy_ke
           uint32_t fa[4];
           ldsm_x4(s0 + L::oG + ((jb + m.arow) * L::ldC + kt * 16 + m.acol) * 2, fa[0], fa[1], fa[2], fa[3]);
 #pragma unroll
-          for (int nt = 0; nt < 8; nt += 2) {
+          for (int nt = 0; nt < NTK; nt += 2) {
             uint32_t b0, b1, b2, b3;
             ldsm_x4_t(s0 + L::oKn + L::kpos(kt * 16 + m.arow, rb + nt * 8 + m.acol), b0, b1, b2, b3);
             mma16816(dkn[nt], fa, b0, b1);
@@ -632,7 +644,7 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) chunk_grad_wy_ke
           uint32_t fa[4];
           ldsm_x4_t(s0 + L::oG + ((kt * 16 + m.atk) * L::ldC + jb + m.atm) * 2, fa[0], fa[1], fa[2], fa[3]);
 #pragma unroll
-          for (int nt = 0; nt < 8; nt += 2) {
+          for (int nt = 0; nt < NTK; nt += 2) {
             uint32_t b0, b1, b2, b3;
             ldsm_x4_t(s0 + L::oKn + L::kpos(kt * 16 + m.arow, rb + nt * 8 + m.acol), b0, b1, b2, b3);
             mma16816(dkn[nt], fa, b0, b1);
@@ -646,7 +658,7 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) chunk_grad_wy_ke
         __syncwarp(); /* the other lanes' copies */
         const unsigned char *sl = smem + L::dkna_slice(warp) + m.grp * 128 + 4 * m.tig; /* rows grp, grp + 8: same swizzle */
 #pragma unroll
-        for (int nt = 0; nt < 8; nt++) {
+        for (int nt = 0; nt < NTK; nt++) {
           const int c = (nt ^ m.grp) << 4;
           const float2 u0 = unpack_bf16(*reinterpret_cast<const uint32_t *>(sl + c)),
                        u1 = unpack_bf16(*reinterpret_cast<const uint32_t *>(sl + 8 * 128 + c));
@@ -655,7 +667,7 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) chunk_grad_wy_ke
       } else {
         const bf16 *pa = reinterpret_cast<const bf16 *>(go.dKnA) + o;
 #pragma unroll
-        for (int nt = 0; nt < 8; nt++) {
+        for (int nt = 0; nt < NTK; nt++) {
           const float2 u0 = unpack_bf16(*reinterpret_cast<const uint32_t *>(pa + nt * 8)),
                        u1 = unpack_bf16(*reinterpret_cast<const uint32_t *>(pa + 8 * K + nt * 8));
           dkn[nt][0] += u0.x, dkn[nt][1] += u0.y, dkn[nt][2] += u1.x, dkn[nt][3] += u1.y;
@@ -666,14 +678,14 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) chunk_grad_wy_ke
         const int j = jb + m.grp + 8 * hf;
         float d = 0.f;
 #pragma unroll
-        for (int nt = 0; nt < 8; nt++) {
+        for (int nt = 0; nt < NTK; nt++) {
           const float2 kv = unpack_bf16(*reinterpret_cast<const uint32_t *>(
               smem + L::oKn + L::kpos(j, rb + nt * 8 + 2 * m.tig)));
           d += kv.x * dkn[nt][2 * hf] + kv.y * dkn[nt][2 * hf + 1];
         }
         d += __shfl_xor_sync(0xffffffffu, d, 1);
         d += __shfl_xor_sync(0xffffffffu, d, 2);
-        if (m.tig == 0) S[WS::dot + (rb / 64) * C + j] = d;
+        if (m.tig == 0) S[WS::dot + (rb / PK) * C + j] = d;
       }
     }
   }
@@ -698,7 +710,7 @@ __global__ void __launch_bounds__(256, grad_wy_blocks(K, V, C)) chunk_grad_wy_ke
         const float inv = sKinv[j], dot = WS::dot_sum(S, j);
         bf16 *row = dk + ((krow0 + j) * H + h) * K + rb;
 #pragma unroll
-        for (int nt = 0; nt < 8; nt += 2) {
+        for (int nt = 0; nt < NTK; nt += 2) {
           uint32_t w[2];
 #pragma unroll
           for (int e = 0; e < 2; e++) {

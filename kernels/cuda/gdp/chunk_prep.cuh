@@ -130,8 +130,9 @@ struct PrepApmCost {
                             : C / 16;
   }
 };
-/* W = Tw Kn, U = Tu V: item g NR + r is row block r of 64-column group g (W's groups
- * first); T is lower triangular, so it needs only the k tiles kt <= r. */
+/* W = Tw Kn, U = Tu V: item g NR + r is row block r of column panel g (panel_cols: 64
+ * columns, 32 at a width of 32; W's panels first); T is lower triangular, so it needs
+ * only the k tiles kt <= r. */
 template <int C>
 struct PrepWuCost {
   static constexpr int of(int i) { return i % (C / 16) + 1; }
@@ -142,7 +143,7 @@ struct PrepScheds {
 };
 template <int K, int V, int C>
 struct PrepWuSched {
-  static constexpr PrepSched<(K / 64 + V / 64) * (C / 16), PrepWuCost<C>> wu{};
+  static constexpr PrepSched<(panel_groups(K) + panel_groups(V)) * (C / 16), PrepWuCost<C>> wu{};
 };
 /* The same items, costed for the prep that also stores U's residual (STORE_ULO): there a
  * U item stores twice the pieces of a W item (8 staged 16-byte stores instead of 4, with
@@ -158,7 +159,7 @@ struct PrepWuCostUlo {
 };
 template <int K, int V, int C>
 struct PrepWuSchedUlo {
-  static constexpr PrepSched<(K / 64 + V / 64) * (C / 16), PrepWuCostUlo<C, K / 64>> wu{};
+  static constexpr PrepSched<(panel_groups(K) + panel_groups(V)) * (C / 16), PrepWuCostUlo<C, panel_groups(K)>> wu{};
 };
 
 /* The owners of PrepWuSched's items as a 2-bit-per-item mask (at most 16 items), so that
@@ -167,7 +168,7 @@ struct PrepWuSchedUlo {
 template <int K, int V, int C, bool ULO_COST = false>
 __host__ __device__ constexpr uint32_t prep_wu_owner_bits() {
   uint32_t bits = 0;
-  for (int i = 0; i < (K / 64 + V / 64) * (C / 16); i++)
+  for (int i = 0; i < (panel_groups(K) + panel_groups(V)) * (C / 16); i++)
     bits |= (uint32_t)(ULO_COST ? PrepWuSchedUlo<K, V, C>::wu.owner[i] : PrepWuSched<K, V, C>::wu.owner[i])
             << (2 * i);
   return bits;
@@ -179,11 +180,11 @@ __host__ __device__ constexpr uint32_t prep_wu_owner_bits() {
  * tie).  The items, and what each computes, are the same: only which warp runs them. */
 template <int K, int V, int C>
 __host__ __device__ constexpr uint32_t prep_wu_owner_bits_ulo() {
-  constexpr int NI = (K / 64 + V / 64) * (C / 16);
+  constexpr int NI = (panel_groups(K) + panel_groups(V)) * (C / 16);
   int load_old[4] = {0, 0, 0, 0}, load_new[4] = {0, 0, 0, 0};
   for (int i = 0; i < NI; i++) {
-    load_old[PrepWuSched<K, V, C>::wu.owner[i]] += PrepWuCostUlo<C, K / 64>::of(i);
-    load_new[PrepWuSchedUlo<K, V, C>::wu.owner[i]] += PrepWuCostUlo<C, K / 64>::of(i);
+    load_old[PrepWuSched<K, V, C>::wu.owner[i]] += PrepWuCostUlo<C, panel_groups(K)>::of(i);
+    load_new[PrepWuSchedUlo<K, V, C>::wu.owner[i]] += PrepWuCostUlo<C, panel_groups(K)>::of(i);
   }
   int max_old = 0, max_new = 0;
   for (int w = 0; w < 4; w++) {
@@ -450,7 +451,7 @@ __device__ __forceinline__ void prep_split_solve(const float *sA, float *sBuf, c
 }
 
 /* The W/U phase of chunk_prep_kernel: W = Tw Kn, U = Tu V (and U's residual with STORE_ULO)
- * by items of 16 rows x 64 columns, each warp taking the items PrepWuSched gives it, but
+ * by items of 16 rows x 64 columns (32 at a width of 32), each warp taking the items PrepWuSched gives it, but
  *  - in a runtime loop over the items (one copy of the code per item kind, W or U,
  *    instead of one per item: the unrolled phase is 19 KB of the kernel's 139.5 KB at
  *    K = V = 128, C = 64, and 36 KB with the residual, which took the kernel past what
@@ -461,7 +462,7 @@ __device__ __forceinline__ void prep_split_solve(const float *sA, float *sBuf, c
  *    row instead of 4-byte stores of 16. */
 template <int K, int V, int C, bool STORE_ULO, class L, bool TU_OUT = false>
 __device__ __forceinline__ void prep_wu_staged(const GdpArgs &a, int64_t CHi, uint32_t s0, uint32_t owners) {
-  constexpr int GK = K / 64, NR = C / 16, NI = (GK + V / 64) * NR;
+  constexpr int GK = panel_groups(K), NR = C / 16, NI = (GK + panel_groups(V)) * NR;
   static_assert(NI <= 16, "owner bits");
   const int warp = (int)threadIdx.x >> 5, lane = (int)threadIdx.x & 31;
   const int trow = ((lane >> 3) & 1) * 8 + (lane & 7), tcol = (lane >> 4) * 8;
@@ -475,19 +476,20 @@ __device__ __forceinline__ void prep_wu_staged(const GdpArgs &a, int64_t CHi, ui
 
   auto item = [&](auto isu_tag, int it) {
     constexpr bool isu = decltype(isu_tag)::value != 0;
-    constexpr int ldb = isu ? L::ldV : L::ldK, ldo = isu ? V : K;
-    const int r = it % NR, rb = r * 16, cb = (it / NR - (isu ? GK : 0)) * 64;
+    /* PW columns: 64, or 32 where the width is 32 (panel_cols) */
+    constexpr int ldb = isu ? L::ldV : L::ldK, ldo = isu ? V : K, PW = panel_cols(ldo), NT = PW / 8;
+    const int r = it % NR, rb = r * 16, cb = (it / NR - (isu ? GK : 0)) * PW;
     const uint32_t tbase = s0 + (isu ? L::oTu : L::oTw) + (rb + aoff) * 2,
                    bbase = s0 + (isu ? L::oV : L::oK) + (trow * ldb + cb + tcol) * 2;
-    float acc[8][4];
+    float acc[NT][4];
 #pragma unroll
-    for (int nt = 0; nt < 8; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+    for (int nt = 0; nt < NT; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
 #pragma unroll 2
     for (int kt = 0; kt <= r; kt++) {
       uint32_t fa[4];
       ldsm_x4_t(tbase + kt * 16 * L::ldT * 2, fa[0], fa[1], fa[2], fa[3]);
 #pragma unroll
-      for (int nt = 0; nt < 8; nt += 2) {
+      for (int nt = 0; nt < NT; nt += 2) {
         uint32_t b0, b1, b2, b3;
         ldsm_x4_t(bbase + (kt * 16 * ldb + nt * 8) * 2, b0, b1, b2, b3);
         mma16816(acc[nt], fa, b0, b1);
@@ -501,7 +503,7 @@ __device__ __forceinline__ void prep_wu_staged(const GdpArgs &a, int64_t CHi, ui
 #pragma unroll
     for (int hf = 0; hf < 2; hf++)
 #pragma unroll
-      for (int q = 0; q < 2; q++) {
+      for (int q = 0; q < PW / 32; q++) {
         uint32_t hi[4];
 #pragma unroll
         for (int m = 0; m < 4; m++) hi[m] = pack_bf16(acc[4 * q + m][2 * hf], acc[4 * q + m][2 * hf + 1]);
@@ -533,12 +535,12 @@ __device__ __forceinline__ void prep_wu_staged(const GdpArgs &a, int64_t CHi, ui
  * in the W/U deal. */
 template <int K, int C>
 struct PrepWSched {
-  static constexpr PrepSched<(K / 64) * (C / 16), PrepWuCost<C>> w{};
+  static constexpr PrepSched<panel_groups(K) * (C / 16), PrepWuCost<C>> w{};
 };
 template <int K, int C>
 __host__ __device__ constexpr uint32_t prep_w_owner_bits() {
   uint32_t bits = 0;
-  for (int i = 0; i < (K / 64) * (C / 16); i++) bits |= (uint32_t)PrepWSched<K, C>::w.owner[i] << (2 * i);
+  for (int i = 0; i < panel_groups(K) * (C / 16); i++) bits |= (uint32_t)PrepWSched<K, C>::w.owner[i] << (2 * i);
   return bits;
 }
 
@@ -603,8 +605,8 @@ __global__ void __launch_bounds__(128, FIVE || C == 32 ? 5 : 4)
   /* the state pass after it may be scheduled once every prep block has started (it waits
    * for the prep's completion before it reads a panel): no launch gap */
   using L = PrepLayout<K, V, C, TC, TU_OUT>;
-  static_assert(K % 64 == 0 && V % 64 == 0 && C % 16 == 0 && TC % 16 == 0 && C <= 64 && TC <= 32 &&
-                    C % TC == 0,
+  static_assert(K % panel_cols(K) == 0 && V % panel_cols(V) == 0 && K % 32 == 0 && V % 32 == 0 && C % 16 == 0 &&
+                    TC % 16 == 0 && C <= 64 && TC <= 32 && C % TC == 0,
                 "prep shapes");
   static_assert(!TU_OUT || !STORE_ULO, "TU_OUT: without U's residual");
   static_assert(TU_OUT || !FIVE, "five blocks per SM only without v's region");
@@ -636,20 +638,22 @@ __global__ void __launch_bounds__(128, FIVE || C == 32 ? 5 : 4)
     /* a thread keeps one 16-byte column of each panel and steps down the rows: one base
      * pointer plus constant row strides (few instructions per copy) */
     constexpr int KC = K / 8, VC = V / 8, RK = 128 / KC, RV = 128 / VC;
-    static_assert(C % RK == 0 && TC % RK == 0 && C % RV == 0, "whole load rounds");
+    /* at a width of 32 a round is 32 rows: C = 48 and TC = 16 end in a partial round */
     const int64_t strideK = (int64_t)RK * H * K, strideV = (int64_t)RV * H * V;
     const int ik = tid / KC, ck = (tid % KC) * 8, iv = tid / VC, cv = (tid % VC) * 8;
     const bf16 *pk = gk + ((krow0 + ik) * H + h) * K + ck;
     const bf16 *pq = gq + (((int64_t)ci.t0 + ik) * H + h) * K + ck;
     const bf16 *pv = gv + ((krow0 + iv) * H + h) * V + cv;
 #pragma unroll
-    for (int r = 0; r < C / RK; r++) {
+    for (int r = 0; r < (C + RK - 1) / RK; r++) {
+      if (C % RK != 0 && ik + r * RK >= C) break;
       const bool ok = ik + r * RK < nv;
       cp_async16(smem + L::oK + ((ik + r * RK) * L::ldK + ck) * 2,
                  ok ? (const void *)(pk + r * strideK) : (const void *)gk, ok);
     }
 #pragma unroll
-    for (int r = 0; r < TC / RK; r++) {
+    for (int r = 0; r < (TC + RK - 1) / RK; r++) {
+      if (TC % RK != 0 && ik + r * RK >= TC) break;
       const bool ok = ik + r * RK < ci.ntok;
       cp_async16(smem + L::oQ + ((ik + r * RK) * L::ldK + ck) * 2,
                  ok ? (const void *)(pq + r * strideK) : (const void *)gq, ok);
@@ -657,7 +661,8 @@ __global__ void __launch_bounds__(128, FIVE || C == 32 ? 5 : 4)
     cp_async_commit();
     if constexpr (!TU_OUT) { /* TU_OUT: no U here, so no v (its group stays, empty) */
 #pragma unroll
-      for (int r = 0; r < C / RV; r++) {
+      for (int r = 0; r < (C + RV - 1) / RV; r++) {
+        if (C % RV != 0 && iv + r * RV >= C) break;
         const bool ok = iv + r * RV < nv;
         cp_async16(smem + L::oV + ((iv + r * RV) * L::ldV + cv) * 2,
                    ok ? (const void *)(pv + r * strideV) : (const void *)gv, ok);
@@ -688,8 +693,11 @@ __global__ void __launch_bounds__(128, FIVE || C == 32 ? 5 : 4)
   /* l2 norms, in place (bf16), and the decayed copies Kd, Qd straight to global: LPR
    * lanes per row, 8 elements a lane, RPS rows per warp and step */
   {
-    constexpr int LPR = K / 8, RPS = 32 / LPR, STEPS = (C + TC) / (4 * RPS);
-    static_assert((C + TC) % (4 * RPS) == 0 && C % (4 * RPS) == 0, "l2 rows");
+    /* at K = 32 (RPS = 8: 32 rows a step) a step may straddle the k and q rows (C = 48)
+     * or end past them (C + TC = 80): such a step tells its rows apart at run time and
+     * stores only the real ones (its shuffles still need every lane); elsewhere every step
+     * is whole and of one kind, known at compile time */
+    constexpr int LPR = K / 8, RPS = 32 / LPR, STEPS = (C + TC + 4 * RPS - 1) / (4 * RPS);
     bf16 *gKd = a.Kd + CHi * C * K, *gQd = a.Qd + CHi * TC * K;
     const int sub = lane / LPR, c8 = (lane % LPR) * 8;
 #pragma unroll
@@ -699,8 +707,10 @@ __global__ void __launch_bounds__(128, FIVE || C == 32 ? 5 : 4)
        * compile time, so a step is straight-line code that the scheduler can overlap with its neighbours
        * (as a runtime test it put a branch, and the end of a basic block, in every step:
        * SASS BSSY / BRA); the same rows, the same operations, the same bits */
-      const bool isq = st * 4 * RPS >= C;
-      const int row = isq ? i - C : i;
+      const bool mixed = C % (4 * RPS) != 0 && st * 4 * RPS < C && (st + 1) * 4 * RPS > C;
+      const bool isq = mixed ? i >= C : st * 4 * RPS >= C;
+      const bool live = (C + TC) % (4 * RPS) == 0 || (st + 1) * 4 * RPS <= C + TC || i < C + TC;
+      const int row = !live ? 0 : isq ? i - C : i; /* a row past the end reads q's row 0 */
       bf16 *src = (isq ? sQ : sK) + row * L::ldK + c8;
       const uint4 raw = *reinterpret_cast<const uint4 *>(src);
       float x[8];
@@ -713,9 +723,11 @@ __global__ void __launch_bounds__(128, FIVE || C == 32 ? 5 : 4)
         kn[m] = pack_bf16(y0, y1);
         kd[m] = pack_bf16(y0 * f, y1 * f);
       }
-      *reinterpret_cast<uint4 *>(src) = make_uint4(kn[0], kn[1], kn[2], kn[3]);
-      /* one 16-byte store: with isq known, NVVM split the plain one into four */
+      if (live) {
+        *reinterpret_cast<uint4 *>(src) = make_uint4(kn[0], kn[1], kn[2], kn[3]);
+        /* one 16-byte store: with isq known, NVVM split the plain one into four */
         stg128((isq ? gQd : gKd) + (int64_t)row * K + c8, kd[0], kd[1], kd[2], kd[3]);
+      }
     }
   }
   __syncthreads();
@@ -792,7 +804,7 @@ __global__ void __launch_bounds__(128, FIVE || C == 32 ? 5 : 4)
   cp_async_wait<0>(); /* v */
   __syncthreads();
 
-  /* W = Tw Kn, U = Tu V: items of 16 rows x 64 columns, k tiles up to the diagonal.  The
+  /* W = Tw Kn, U = Tu V: items of 16 rows x 64 columns (panel_cols), k tiles up to the diagonal.  The
    * A fragments come from the transposed panels by ldmatrix.trans: matrix m = lane/8
    * covers k rows kt 16 + 8(m/2).. and T rows rb + 8(m%2).. */
   {

@@ -1,26 +1,16 @@
 /*
  * chunk_shapes.cu -- fast-path shapes outside the kernels' instances, run as an equal
  * problem inside them: n = 5..8 split into tokens of fewer Householder steps, V = 256
- * as two problems on the halves of the value columns, K or V = 32 zero-padded to 64
- * (applied in that order by chunked::forward and backward).  All are exact rewrites of
- * the problem, not approximations; each costs one copy in and out of what it rewrites.
+ * as two problems on the halves of the value columns (applied in that order by
+ * chunked::forward and backward).  Both are exact rewrites of the problem, not
+ * approximations; each costs one copy in and out of what it rewrites.  K and V = 32 need
+ * no rewrite: the kernels have width-32 instances (their 64-column panels are 32 wide
+ * there, panel_cols in plan.cuh).
  *
  * V = 256.  The recurrence mixes the state's rows, never its value columns, so each half
  * of the columns is a V = 128 problem of its own: v, d_o, h0, dht split, o, ht, dv, dh0
  * joined, and the gradients of the shared q, k, beta, g summed (float32, rounded to bf16
  * once more).  The prep and the key-side gradient work run twice.
- *
- * K or V = 32.  The chunk kernels tile K and V by 64 columns (the prep's W/U items,
- * grad_wy's and grad_state's key and value panels: K % 64 == 0 and V % 64 == 0
- * asserted there), so a width of 32 runs in the width-64 instances: q, k (K) and v, d_o
- * (V) are copied into zero-filled 64-wide rows, h0 and dht into zero-filled 64 x 64
- * states, the padded problem runs, and o, ht, dq, dk, dv and dh0 are cropped back.  Zero
- * columns change no value of the real ones: the l2 norms, every dot product over K (A,
- * Pm, Qd S, W S) and every state update add exact zeros, and the padded state columns
- * stay zero (beta, g, dbeta and dg pass through untouched).  Why not dedicated width-32
- * instances: those three kernels would each need a second tiling, which could not be
- * measured against the padded run here; padding costs the zero columns' work (up to 4x
- * the state pass's at K = V = 32) and one copy of each padded tensor.
  *
  * n = 5..8.  The kernels take n <= 4 (chunk_steps_of: C <= 64 steps of whole tokens, TC
  * a multiple of 16).  A token of n steps is first padded to np = 6 (n = 5) or 8 (n = 7)
@@ -45,12 +35,9 @@ namespace gdpcu {
 namespace chunked {
 namespace {
 
-/* The kernels' width for a problem's K or V (32 runs at 64, others as they are). */
-int64_t kernel_width(int64_t d) { return d == 32 ? 64 : d; }
-
 /* dst[b][i][j] (B x dr x dc) = src[b][i + roff][j] (B x sr x sc) where that row and
- * column exist, else 0: a pad where dst is the larger, a crop where it is the smaller,
- * a spread of one row over several (roff < 0) or the pick of one (roff > 0). */
+ * column exist, else 0: a pad where dst has more rows, a crop where it has fewer, a
+ * spread of one row over several (roff < 0) or the pick of one (roff > 0). */
 template <class T>
 __global__ void window_kernel(T *dst, int dr, int dc, const T *src, int sr, int sc, int roff, int64_t B) {
   const int64_t total = B * dr * dc;
@@ -75,19 +62,6 @@ gdp_status window(void *dst, int dr, int dc, const void *src, int sr, int sc, in
     window_kernel<uint16_t><<<grid, 256, 0, s>>>((uint16_t *)dst, dr, dc, (const uint16_t *)src, sr, sc, roff, B);
   GDP_CUDA_LAUNCHED("window_kernel");
   return GDP_OK;
-}
-/* rows x c (bf16) <-> rows x cp; states B x r x c (float) <-> B x rp x cp */
-gdp_status pad_rows(void *dst, const void *src, int64_t rows, int c, int cp, cudaStream_t s) {
-  return window(dst, 1, cp, src, 1, c, 0, rows, 2, s);
-}
-gdp_status crop_rows(void *dst, const void *src, int64_t rows, int c, int cp, cudaStream_t s) {
-  return window(dst, 1, c, src, 1, cp, 0, rows, 2, s);
-}
-gdp_status pad_states(void *dst, const void *src, int64_t B, int r, int c, int rp, int cp, cudaStream_t s) {
-  return window(dst, rp, cp, src, r, c, 0, B, 4, s);
-}
-gdp_status crop_states(void *dst, const void *src, int64_t B, int r, int c, int rp, int cp, cudaStream_t s) {
-  return window(dst, r, c, src, rp, cp, 0, B, 4, s);
 }
 /* T tokens of `width` elements -> T x m rows, token t at row t m + at (zeros elsewhere),
  * and back: row t m + at of T x m -> token t. */
@@ -143,102 +117,7 @@ gdp_status rect(void *dst, int64_t ldd, const void *src, int64_t lds, int64_t ro
   return GDP_OK;
 }
 
-/* ------------------------------------------------------------------ K or V = 32 */
-
-/* Row counts and widths of one problem for the copies. */
-struct Widths {
-  int64_t rows_q, rows_k, states; /* T*H, T*n*H, N*H */
-  int K, V, KP, VP;
-};
-Widths widths(const gdp_delta_product_problem *p) {
-  Widths w;
-  w.rows_q = p->T_total * p->H;
-  w.rows_k = p->T_total * p->n * p->H;
-  w.states = p->N * p->H;
-  w.K = (int)p->K;
-  w.V = (int)p->V;
-  w.KP = (int)kernel_width(p->K);
-  w.VP = (int)kernel_width(p->V);
-  return w;
-}
-
-/* q, k, v and h0, the inputs both directions pad: from (q, k, v, h0) into the padded
- * buffers (q_pad, ...) where the width (or the state) is padded and given. */
-gdp_status pad_inputs(const Widths &w, const void *q, const void *k, const void *v, const void *h0, const void *q_pad,
-                      const void *k_pad, const void *v_pad, const void *h0_pad, cudaStream_t stream) {
-  gdp_status s = GDP_OK;
-  if (w.KP != w.K) s = pad_rows((void *)q_pad, q, w.rows_q, w.K, w.KP, stream);
-  if (s == GDP_OK && w.KP != w.K) s = pad_rows((void *)k_pad, k, w.rows_k, w.K, w.KP, stream);
-  if (s == GDP_OK && w.VP != w.V) s = pad_rows((void *)v_pad, v, w.rows_k, w.V, w.VP, stream);
-  if (s == GDP_OK && h0) s = pad_states((void *)h0_pad, h0, w.states, w.K, w.V, w.KP, w.VP, stream);
-  return s;
-}
-
 }  // namespace
-
-bool needs_padding(const gdp_delta_product_problem *p) { return p->K == 32 || p->V == 32; }
-
-gdp_delta_product_problem padded_problem(const gdp_delta_product_problem *p) {
-  gdp_delta_product_problem q = *p;
-  q.K = kernel_width(p->K);
-  q.V = kernel_width(p->V);
-  return q;
-}
-
-gdp_status forward_padded(const gdp_delta_product_problem *p, const gdp_delta_product_forward_io *io,
-                          cudaStream_t stream, void *saved) {
-  const gdp_delta_product_problem pp = padded_problem(p);
-  const Widths w = widths(p);
-  const bool pk = w.KP != w.K, pv = w.VP != w.V;
-  const size_t st = (size_t)w.states * w.KP * w.VP * 4;
-  ScratchBlock blk;
-  const size_t o_q = blk.take(pk ? (size_t)w.rows_q * w.KP * 2 : 0), o_k = blk.take(pk ? (size_t)w.rows_k * w.KP * 2 : 0),
-               o_v = blk.take(pv ? (size_t)w.rows_k * w.VP * 2 : 0), o_o = blk.take(pv ? (size_t)w.rows_q * w.VP * 2 : 0),
-               o_h0 = blk.take(io->h0 ? st : 0), o_ht = blk.take(io->ht ? st : 0);
-  GDP_TRY(device_alloc(&blk.block, blk.off, stream));
-  gdp_delta_product_forward_io pio = *io;
-  if (pk) pio.q = blk.at(o_q), pio.k = blk.at(o_k);
-  if (pv) pio.v = blk.at(o_v), pio.o = blk.at(o_o);
-  pio.h0 = blk.at(o_h0);
-  pio.ht = blk.at(o_ht);
-  gdp_status s = pad_inputs(w, io->q, io->k, io->v, io->h0, pio.q, pio.k, pio.v, pio.h0, stream);
-  if (s == GDP_OK) s = forward(&pp, &pio, stream, saved);
-  if (s == GDP_OK && pv) s = crop_rows(io->o, pio.o, w.rows_q, w.V, w.VP, stream);
-  if (s == GDP_OK && io->ht) s = crop_states(io->ht, pio.ht, w.states, w.K, w.V, w.KP, w.VP, stream);
-  cudaFreeAsync(blk.block, stream);
-  return s;
-}
-
-gdp_status backward_padded(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io,
-                           cudaStream_t stream, const void *saved) {
-  const gdp_delta_product_problem pp = padded_problem(p);
-  const Widths w = widths(p);
-  const bool pk = w.KP != w.K, pv = w.VP != w.V;
-  const size_t st = (size_t)w.states * w.KP * w.VP * 4, bq = pk ? (size_t)w.rows_q * w.KP * 2 : 0,
-               bk = pk ? (size_t)w.rows_k * w.KP * 2 : 0, bv = pv ? (size_t)w.rows_k * w.VP * 2 : 0,
-               bo = pv ? (size_t)w.rows_q * w.VP * 2 : 0;
-  ScratchBlock blk;
-  const size_t o_q = blk.take(bq), o_k = blk.take(bk), o_v = blk.take(bv), o_do = blk.take(bo),
-               o_dq = blk.take(bq), o_dk = blk.take(bk), o_dv = blk.take(bv), o_h0 = blk.take(io->h0 ? st : 0),
-               o_dht = blk.take(io->dht ? st : 0), o_dh0 = blk.take(io->dh0 ? st : 0);
-  GDP_TRY(device_alloc(&blk.block, blk.off, stream));
-  gdp_delta_product_backward_io pio = *io;
-  if (pk) pio.q = blk.at(o_q), pio.k = blk.at(o_k), pio.dq = blk.at(o_dq), pio.dk = blk.at(o_dk);
-  if (pv) pio.v = blk.at(o_v), pio.d_o = blk.at(o_do), pio.dv = blk.at(o_dv);
-  pio.h0 = blk.at(o_h0);
-  pio.dht = blk.at(o_dht);
-  pio.dh0 = blk.at(o_dh0);
-  gdp_status s = pad_inputs(w, io->q, io->k, io->v, io->h0, pio.q, pio.k, pio.v, pio.h0, stream);
-  if (s == GDP_OK && pv) s = pad_rows((void *)pio.d_o, io->d_o, w.rows_q, w.V, w.VP, stream);
-  if (s == GDP_OK && io->dht) s = pad_states((void *)pio.dht, io->dht, w.states, w.K, w.V, w.KP, w.VP, stream);
-  if (s == GDP_OK) s = backward(&pp, &pio, stream, saved);
-  if (s == GDP_OK && pk) s = crop_rows(io->dq, pio.dq, w.rows_q, w.K, w.KP, stream);
-  if (s == GDP_OK && pk) s = crop_rows(io->dk, pio.dk, w.rows_k, w.K, w.KP, stream);
-  if (s == GDP_OK && pv) s = crop_rows(io->dv, pio.dv, w.rows_k, w.V, w.VP, stream);
-  if (s == GDP_OK && io->dh0) s = crop_states(io->dh0, pio.dh0, w.states, w.K, w.V, w.KP, w.VP, stream);
-  cudaFreeAsync(blk.block, stream);
-  return s;
-}
 
 /* ------------------------------------------------------------------ n = 5..8 */
 
@@ -473,7 +352,7 @@ gdp_delta_product_problem kernel_problem(const gdp_delta_product_problem *p, std
   }
   *parts = 1;
   if (needs_value_split(&q)) q = value_half(&q), *parts = 2;
-  return padded_problem(&q);
+  return q;
 }
 
 }  // namespace chunked

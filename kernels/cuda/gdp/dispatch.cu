@@ -7,8 +7,8 @@
  *              | V in {32, 64, 128, 256}               |
  *   recurrent  | f32 and bf16, K <= 256, any V         | RECURRENT; AUTO where fast does not
  *
- * (K or V = 32 runs in the width-64 kernels on zero-padded copies, n = 5..8 as tokens of
- * 3 or 4 steps, V = 256 as two halves of 128: chunk_shapes.cu.)  The fast path is chunked, with its chunk fixed by n
+ * (K or V = 32 runs in the kernels' width-32 instances; n = 5..8 as tokens of 3 or 4
+ * steps, V = 256 as two halves of 128: chunk_shapes.cu.)  The fast path is chunked, with its chunk fixed by n
  * (fast_chunk_steps: 32, 64, 48, 64, 40, 48, 56, 64 steps of the expanded stream for
  * n = 1..8, i.e. 32, 32, 16, 16, 8, 8, 8, 8 tokens); a problem's chunk_size is 0 (the path's own)
  * or that C, anything else is an error that names the size.  The recurrent kernels have
@@ -105,7 +105,7 @@ extern "C" gdp_status gdp_cuda_delta_product_backward_dh0(const gdp_delta_produc
   if (path != PATH_FAST || !chunked::takes_dh0(p))
     return GDP_ERROR_IN("backward_dh0", GDP_ERR_UNSUPPORTED,
                         "dh0 alone runs on the fast path without shape rewrites only (bf16, n = 1..4, "
-                        "K, V in {64, 128})");
+                        "K, V in {32, 64, 128})");
   return chunked::backward_dh0(p, io, (cudaStream_t)stream);
 }
 

@@ -214,9 +214,11 @@ static gdp_status plan_build(const gdp_delta_product_problem *p, cudaStream_t st
                              Plan *plan, void *ext, bool upload_tables, size_t *plan_bytes_out) {
   memset(plan, 0, sizeof *plan);
   plan->stream = stream;
-  /* the kernels' instances: K, V in {64, 128} (32 is padded before, chunk_shapes.cu), n = 1..4 */
-  if ((p->K != 64 && p->K != 128) || (p->V != 64 && p->V != 128) || chunk_steps(p->n) == 0)
-    return GDP_ERROR(GDP_ERR_INTERNAL, "plan: the chunk kernels take K, V in {64, 128} and n = 1..%d, got K = %lld, "
+  /* the kernels' instances: K, V in {32, 64, 128}, n = 1..4 (V = 256 and n = 5..8 are
+   * rewritten before, chunk_shapes.cu) */
+  const auto instance_width = [](int64_t d) { return d == 32 || d == 64 || d == 128; };
+  if (!instance_width(p->K) || !instance_width(p->V) || chunk_steps(p->n) == 0)
+    return GDP_ERROR(GDP_ERR_INTERNAL, "plan: the chunk kernels take K, V in {32, 64, 128} and n = 1..%d, got K = %lld, "
                                        "V = %lld, n = %lld",
                      kMaxChunkN, (long long)p->K, (long long)p->V, (long long)p->n);
   GdpArgs a = base;

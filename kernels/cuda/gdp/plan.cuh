@@ -60,6 +60,15 @@ __host__ __device__ constexpr int ldf32(int cols) { return cols + 4; }
 __host__ __device__ constexpr size_t align128(size_t b) { return (b + 127) & ~(size_t)127; }
 
 
+/* The chunk kernels' column panels over K or V (the prep's W/U items, grad_wy's and
+ * grad_state's key and value items): 64 columns, or the whole width where it is 32 --
+ * panel_groups(d) panels of panel_cols(d) columns. */
+__host__ __device__ constexpr int panel_cols(int d) { return d < 64 ? d : 64; }
+__host__ __device__ constexpr int panel_groups(int d) { return d / panel_cols(d); }
+/* The kernels' widths of K and V (32, 64, 128) as an index 0, 1, 2 (the launchers'
+ * occupancy caches). */
+inline int width_index(int d) { return d == 32 ? 0 : d == 64 ? 1 : 2; }
+
 constexpr int kChunkThreads = 256; /* 8 warps in every chunk kernel */
 constexpr float kNormEps = 1e-6f;
 
@@ -178,30 +187,23 @@ void prof_end(cudaStream_t stream);
 namespace chunked {
 
 /* Whether the fast path takes p: bf16, n = 1..8, K in {32, 64, 128}, V in {32, 64, 128,
- * 256} (32 padded to 64, n = 5..8 split into tokens of 3 or 4 steps, V = 256 as two
- * halves: chunk_shapes.cu). */
+ * 256} (n = 5..8 split into tokens of 3 or 4 steps, V = 256 as two halves:
+ * chunk_shapes.cu; K, V = 32 in the kernels' own width-32 instances). */
 bool takes(const gdp_delta_product_problem *p);
 
 /* The rewrites of chunk_shapes.cu, which forward and backward below apply first, in this
  * order: n = 5..8 (needs_split) as 2 tokens of 3 or 4 steps, V = 256
- * (needs_value_split) as two problems of V = 128, K or V = 32 (needs_padding) as 64
- * with zero columns; each rewrite's forward and backward copy the inputs into the
+ * (needs_value_split) as two problems of V = 128; each rewrite's forward and backward copy the inputs into the
  * rewritten problem's layout, run it and copy the results back.  kernel_problem: the
  * problem the kernels run for p (every rewrite applied; cu receives its cu_seqlens),
  * run `parts` times (2 for V = 256), each part's saved block one after the other. */
-bool needs_padding(const gdp_delta_product_problem *p);
 bool needs_split(const gdp_delta_product_problem *p);
 bool needs_value_split(const gdp_delta_product_problem *p);
-gdp_delta_product_problem padded_problem(const gdp_delta_product_problem *p);
 gdp_delta_product_problem kernel_problem(const gdp_delta_product_problem *p, std::vector<int64_t> &cu, int *parts);
 gdp_status forward_value_split(const gdp_delta_product_problem *p, const gdp_delta_product_forward_io *io,
                                cudaStream_t stream, void *saved);
 gdp_status backward_value_split(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io,
                                 cudaStream_t stream, const void *saved);
-gdp_status forward_padded(const gdp_delta_product_problem *p, const gdp_delta_product_forward_io *io,
-                          cudaStream_t stream, void *saved);
-gdp_status backward_padded(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io,
-                           cudaStream_t stream, const void *saved);
 gdp_status forward_split(const gdp_delta_product_problem *p, const gdp_delta_product_forward_io *io,
                          cudaStream_t stream, void *saved);
 gdp_status backward_split(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io,
