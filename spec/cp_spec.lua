@@ -512,3 +512,65 @@ describe("bad input is an error on every rank, never a hang #mpi", function()
     expect_error_everywhere(function() saved:backward(d_o) end, "d_o: expected the shape of o")
   end)
 end)
+
+------------------------------------------------------------------------------- backend runs
+
+-- The chunkwise backend's runs per stage, counted by wrapping gdp.ops on one process: no
+-- rank runs the operator after the forward all-gather (a start that reaches it is added
+-- as O S_in from its first sequence's transition), and the backward summary runs only
+-- the dh0 pass (its M^T is that forward transition), whatever the rank's position.
+describe("chunkwise backend: what runs after the all-gathers", function()
+  local ops = gdp.ops
+  local B, T, Hh, K, V, n = 1, 12, 2, 4, 3, 2
+  local function inputs(need_fwd, need_bwd)
+    local function r(...) return gdp.randn({ ... }, { dtype = "f64" }) end
+    return {
+      q = r(B, T, Hh, K), k = r(B, n * T, Hh, K), v = r(B, n * T, Hh, V),
+      g = gdp.rand({ B, T, Hh }, { dtype = "f64" }):scale_(-0.1), beta = gdp.rand({ B, n * T, Hh }, { dtype = "f64" }),
+      num_householder = n, scale = 0.5, use_qk_l2norm_in_kernel = true,
+      need_forward_summary = need_fwd, need_backward_summary = need_bwd,
+    }
+  end
+  local function counting(fn)
+    local names = { "chunk_gated_delta_product", "chunk_gated_delta_product_backward",
+                    "chunk_gated_delta_product_dh0" }
+    local saved, counts = {}, {}
+    for _, name in ipairs(names) do
+      saved[name], counts[name] = ops[name], 0
+      ops[name] = function(...)
+        counts[name] = counts[name] + 1
+        return saved[name](...)
+      end
+    end
+    local ok, err = pcall(fn, counts)
+    for _, name in ipairs(names) do ops[name] = saved[name] end
+    assert(ok, err)
+  end
+  -- last rank (no forward summary read), first rank (nothing reaches it), a middle rank
+  for _, c in ipairs({ { false, true, "last" }, { true, false, "first" }, { true, true, "middle" } }) do
+    it(string.format("%s rank: forward runs before the all-gather only, o = the run from S_in", c[3]), function()
+      gdp.manual_seed(H.seed)
+      local inp = inputs(c[1], c[2])
+      local backend = cp.cpu_backend()
+      counting(function(counts)
+        local _, ctx = backend:forward_prepare(inp)
+        local before = counts.chunk_gated_delta_product
+        local S_in = gdp.randn({ 1, B, Hh, K, V + K }, { dtype = "f64" })
+        local preceding = c[2] and S_in or S_in:narrow(1, 1, 0)
+        local o, saved = backend:forward_apply(ctx, preceding)
+        assert.are.equal(before, counts.chunk_gated_delta_product)
+        -- the reference: one run from S_in (zero where nothing reaches the rank)
+        local h0 = c[2] and S_in:select(1, 1):narrow(4, 1, V):contiguous() or nil
+        local want = ops.chunk_gated_delta_product({
+          q = inp.q, k = inp.k, v = inp.v, g = inp.g, beta = inp.beta, num_householder = n,
+          scale = 0.5, use_qk_l2norm_in_kernel = true, initial_state = h0 })
+        assert.is_true(rel(o, want) < 1e-12, "o differs from the run from S_in: " .. rel(o, want))
+        local fwd_runs = counts.chunk_gated_delta_product
+        backend:backward_prepare(gdp.randn({ B, T, Hh, V }, { dtype = "f64" }), saved)
+        assert.are.equal(fwd_runs, counts.chunk_gated_delta_product)
+        assert.are.equal(c[2] and 1 or 0, counts.chunk_gated_delta_product_dh0)
+        assert.are.equal(0, counts.chunk_gated_delta_product_backward)
+      end)
+    end)
+  end
+end)

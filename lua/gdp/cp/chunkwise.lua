@@ -175,17 +175,18 @@ CpuBackend.__name = "gdp.cp.CpuBackend"
 -- inputs' algorithm when given).
 --
 -- What it runs, by linearity of the recurrence in (S_in, v) (the state's columns evolve
--- independently): a rank whose forward summary someone reads runs the local operator
--- from zero at once (its outputs o0, and dS, the last sequence's final state) and the
--- transition of its last sequence -- the operator on K zero value columns from I_K,
--- whose final state is M and whose outputs O satisfy o(S_in) = o0 + O S_in.  Once S_in
--- is composed, forward_apply adds O S_in to the first sequence's outputs (one
--- [T, K] x [K, V] product per head) instead of running the operator again.  A rank whose
--- summary nobody reads runs the operator once, from S_in, after the all-gather.  The
--- backward summary's M^T is the transpose of the first sequence's forward transition
--- (kept from the forward when it ran, else one forward run on K columns -- cheaper than
--- a backward one), so the backward runs the operator's backward for gamma (dO on the
--- first sequence, dht = 0) and for the local gradients: two runs, not three.
+-- independently): every rank runs the local operator from zero before the all-gather
+-- (its outputs o0, and dS, the last sequence's final state), a rank whose forward
+-- summary someone reads also the transition of its last sequence -- the operator on K
+-- zero value columns from I_K, whose final state is M and whose outputs O satisfy
+-- o(S_in) = o0 + O S_in -- and a rank that a start reaches that of its first sequence
+-- (the same run unpacked).  Once S_in is composed, forward_apply adds O S_in to the
+-- first sequence's outputs (one [T, K] x [K, V] product per head) instead of running
+-- the operator again, so no rank runs the operator after the all-gather: the last
+-- rank's run overlaps the others' summaries.  The backward summary's M^T is the
+-- transpose of that forward transition, so the backward runs the operator's backward
+-- for gamma (dO on the first sequence, dht = 0) and for the local gradients: two runs,
+-- not three.
 function M.cpu_backend(opts)
   opts = opts or {}
   return setmetatable({ name = "cpu", algorithm = opts.algorithm, eye_cache = {} }, CpuBackend)
@@ -319,31 +320,37 @@ local function add_start_outputs(o, O, S_in, span)
   if bf16 then target:copy(acc) end
 end
 
--- Local summary [dS | M] of the last local sequence (zero start).
+-- Local summary [dS | M] of the last local sequence (zero start).  Every rank runs its
+-- local operator from zero here, before the all-gather, also one whose summary nobody
+-- reads: its run then overlaps the other ranks' summaries instead of following them,
+-- and a start that reaches it is added afterwards as O S_in, from the transition of its
+-- first sequence, which its backward summary needs as M^T anyway.
 function CpuBackend:forward_prepare(inputs)
   local Nb, H, K, V = dims(inputs)
   local sdtype = state_dtype(inputs.q:dtype())
   local device = inputs.q:device()
   local ctx = { inputs = inputs, Nb = Nb, H = H, K = K, V = V, sdtype = sdtype }
-  if inputs.need_forward_summary == false then
-    return tensor.zeros({ Nb, H, K, V + K }, { dtype = sdtype, device = device }), ctx
-  end
+  local summarised = inputs.need_forward_summary ~= false
+  local reached = inputs.need_backward_summary ~= false -- a start reaches my first sequence
   local cu = inputs.cu_seqlens
   local first, last
   if cu ~= nil then first, last = first_last(cu) end
   ctx.first, ctx.last = first, last
   local args = with_algorithm(self, op_args(inputs))
-  args.output_final_state = true
+  args.output_final_state = summarised
   local o0, ht = timing.stage("local_forward", device, ops.chunk_gated_delta_product, args)
   ctx.o0 = o0
-  local O_last, M_last = self:transition(ctx, span_of(inputs, last))
-  -- the first sequence's transition, where a start reaches it (its outputs correct o0)
-  if inputs.need_backward_summary ~= false then
-    if first == last then
+  local O_last, M_last
+  if summarised then O_last, M_last = self:transition(ctx, span_of(inputs, last)) end
+  if reached then
+    if summarised and first == last then
       ctx.O_first, ctx.M_first = O_last, M_last
     else
       ctx.O_first, ctx.M_first = self:transition(ctx, span_of(inputs, first))
     end
+  end
+  if not summarised then
+    return tensor.zeros({ Nb, H, K, V + K }, { dtype = sdtype, device = device }), ctx
   end
   local summary = tensor.empty({ Nb, H, K, V + K }, { dtype = sdtype, device = device })
   summary:narrow(4, 1, V):copy(cu and ht:narrow(1, last, 1) or ht)
@@ -368,18 +375,11 @@ function CpuBackend:forward_apply(ctx, preceding)
       h0 = state_on(S_in, device, ctx.sdtype)
     end
   end
-  local o
-  if ctx.o0 ~= nil then
-    o = ctx.o0
-    if S_in ~= nil then
-      assert(ctx.O_first, "chunkwise CP: a start reached a rank that kept no first-sequence transition")
-      timing.stage("correct_forward", device, add_start_outputs, o, ctx.O_first, S_in,
-                   span_of(inputs, ctx.first))
-    end
-  else
-    local args = with_algorithm(self, op_args(inputs))
-    args.initial_state = h0
-    o = timing.stage("local_forward", device, ops.chunk_gated_delta_product, args)
+  local o = ctx.o0
+  if S_in ~= nil then
+    assert(ctx.O_first, "chunkwise CP: a start reached a rank that kept no first-sequence transition")
+    timing.stage("correct_forward", device, add_start_outputs, o, ctx.O_first, S_in,
+                 span_of(inputs, ctx.first))
   end
   return o, { inputs = inputs, h0 = h0, Nb = ctx.Nb, H = ctx.H, K = K, V = V, sdtype = ctx.sdtype,
               M_first = ctx.M_first, first = ctx.first }
@@ -403,12 +403,8 @@ function CpuBackend:backward_prepare(d_o, saved)
   args["do"] = span and d_o:narrow(2, span[1] + 1, span[2] - span[1]) or d_o
   args.initial_state = nil
   summary:narrow(4, 1, V):copy(ops.chunk_gated_delta_product_dh0(args))
-  local M_first = saved.M_first
-  if M_first == nil then
-    local _
-    _, M_first = self:transition(saved, span)
-  end
-  summary:narrow(4, V + 1, K):copy(M_first:transpose(3, 4))
+  assert(saved.M_first, "chunkwise CP: a backward summary on a rank that kept no first-sequence transition")
+  summary:narrow(4, V + 1, K):copy(saved.M_first:transpose(3, 4))
   return summary, { saved = saved, d_o = d_o }
 end
 
