@@ -117,9 +117,9 @@ end
 -- rejected, never ignored (the fast path's chunk is fixed by n).
 describe("cuda dispatch: algorithm and chunk_size #gpu", function()
   local outside = {
-    { name = "bf16 K=48 V=96 n=2", dtype = "bf16", K = 48, V = 96, n = 2 },
+    { name = "bf16 K=144 V=96 n=2", dtype = "bf16", K = 144, V = 96, n = 2 },
     { name = "bf16 K=V=64 n=9", dtype = "bf16", K = 64, V = 64, n = 9 },
-    { name = "bf16 K=32 V=16 n=2", dtype = "bf16", K = 32, V = 16, n = 2 },
+    { name = "bf16 K=32 V=272 n=2", dtype = "bf16", K = 32, V = 272, n = 2 },
     { name = "bf16 K=256 V=64 n=2", dtype = "bf16", K = 256, V = 64, n = 2 },
     { name = "f32 K=V=64 n=2", dtype = "f32", K = 64, V = 64, n = 2 },
   }
@@ -190,7 +190,50 @@ describe("GDP operator behaviour (cpu)", function()
     end
   end)
 
-  -- The CUDA fast path runs n = 5..8 (chunk_shapes.cu) as tokens of fewer steps: n = 5 padded with
+  -- The CUDA fast path runs K and V between its instances' widths on zero-padded copies
+  -- (K = 48 at 64, V = 80 at 128: kernels/cuda/gdp/chunk_shapes.cu); that rests on this:
+  -- the float64 operator on the padded problem gives the unpadded one's outputs and
+  -- gradients in the real columns.
+  it("zero-padding K from 48 to 64 and V from 80 to 128 changes no output or gradient of the real columns", function()
+    H.reseed(124)
+    local K, V, KP, VP, n = 48, 80, 64, 128, 4
+    local args = ops.random_inputs({ B = 1, T = 23, H = 2, K = K, V = V, n = n, initial_state = true,
+                                     grads = true, beta_max = 2, cu_seqlens = { 0, 0, 9, 23 } })
+    -- the real K's scale on both (the CUDA padding keeps the problem's scale too)
+    args.algorithm, args.scale = "recurrent", 1 / math.sqrt(K)
+    local function widen(t, dims)
+      local shape = t:shape()
+      for d, w in pairs(dims) do shape[d] = w end
+      local z = gdp.zeros(shape, { dtype = t:dtype() })
+      local view = z
+      for d, _ in pairs(dims) do view = view:narrow(d, 1, t:size(d)) end
+      view:copy(t)
+      return z
+    end
+    local padded = {}
+    for key, val in pairs(args) do padded[key] = val end
+    padded.q, padded.k = widen(args.q, { [4] = KP }), widen(args.k, { [4] = KP })
+    padded.v, padded["do"] = widen(args.v, { [4] = VP }), widen(args["do"], { [4] = VP })
+    padded.initial_state = widen(args.initial_state, { [3] = KP, [4] = VP })
+    padded.dht = widen(args.dht, { [3] = KP, [4] = VP })
+    local o, ht = ops.chunk_gated_delta_product(args)
+    local po, pht = ops.chunk_gated_delta_product(padded)
+    local tol = 1e-12
+    assert.tensor_near(po:narrow(4, 1, V), o, tol)
+    assert.tensor_near(pht:narrow(3, 1, K):narrow(4, 1, V), ht, tol)
+    assert.are.equal(0, po:narrow(4, V + 1, VP - V):norm())
+    local g = ops.chunk_gated_delta_product_backward(args)
+    local pg = ops.chunk_gated_delta_product_backward(padded)
+    assert.tensor_near(pg.dq:narrow(4, 1, K), g.dq, tol)
+    assert.tensor_near(pg.dk:narrow(4, 1, K), g.dk, tol)
+    assert.tensor_near(pg.dv:narrow(4, 1, V), g.dv, tol)
+    assert.tensor_near(pg.dbeta, g.dbeta, tol)
+    assert.tensor_near(pg.dg, g.dg, tol)
+    assert.tensor_near(pg.dh0:narrow(3, 1, K):narrow(4, 1, V), g.dh0, tol)
+    assert.is_true(g.dg:norm() > 0 and g.dk:norm() > 0)
+  end)
+
+  -- It runs n = 5..8 (chunk_shapes.cu) as tokens of fewer steps: n = 5 padded with
   -- an identity step (beta 0, k 0, v 0) to 6, split into 2 tokens of 3 steps, the gate on
   -- the first, the query (and dO) on the second.  The float64 operator on that rewritten
   -- problem gives the problem's outputs and gradients back.

@@ -14,12 +14,11 @@ M.GRADS = { "dq", "dk", "dv", "dbeta", "dg", "dh0" }
 M.DTYPES = { cpu = { "f64", "f32", "bf16" }, cuda = { "f32", "bf16" } }
 
 -- The shapes the CUDA fast path takes (kernels/cuda; README's support matrix): bf16,
--- n = 1..8, K in {32, 64, 128}, V in {32, 64, 128, 256} (32 in the kernels' width-32
--- instances, n = 5..8 as tokens of 3 or 4 steps, V = 256 as two halves).  Elsewhere cuda runs the
--- recurrent kernels.
+-- n = 1..8, K <= 128, V <= 256 (the kernels' instances are K, V in {32, 64, 128}; other
+-- widths run zero-padded to the next, n = 5..8 as tokens of 3 or 4 steps, V = 256 as two
+-- halves).  Elsewhere cuda runs the recurrent kernels.
 function M.fast_path(case, dtype)
-  local function kv(x) return x == 32 or x == 64 or x == 128 end
-  return dtype == "bf16" and case.n >= 1 and case.n <= 8 and kv(case.K) and (kv(case.V) or case.V == 256)
+  return dtype == "bf16" and case.n >= 1 and case.n <= 8 and case.K <= 128 and case.V <= 256
 end
 
 -- The GDP operator.  Fields: B, T, H, K, V, n; gated (true), initial_state (false),
@@ -47,7 +46,7 @@ M.gdp = {
     beta_max = 2, cu_seqlens = { 0, 5, 5, 45 }, chunk_sizes = { 1, 16, 32, 64, 100000, 2 ^ 40 },
     dtypes = { cpu = { "f64" }, cuda = { "f32", "bf16" } } },
 
-  -- the CUDA fast path's shapes (bf16, n = 1..8, K, V in {32, 64, 128}), packed with an
+  -- the CUDA fast path's instance shapes (bf16, n = 1..8, K, V in {32, 64, 128}), packed with an
   -- empty sequence and odd lengths; f32 on cuda and every dtype on the cpu run them too
   { name = "fast path K=V=64 n=1", B = 1, T = 150, H = 2, K = 64, V = 64, n = 1, initial_state = true,
     cu_seqlens = { 0, 40, 40, 150 }, dtypes = { cpu = { "f32" } } },
@@ -94,16 +93,18 @@ M.gdp = {
   { name = "fast path K=32 V=256 n=6, ungated", B = 1, T = 40, H = 2, K = 32, V = 256, n = 6, gated = false,
     initial_state = true, dtypes = { cpu = { "f32" } } },
 
-  -- near the fast path but outside it: the recurrent kernels on cuda
-  { name = "K=48 V=96 n=2 (K, V not 64/128)", B = 1, T = 150, H = 2, K = 48, V = 96, n = 2,
+  -- widths between the instances' (zero-padded to the next on the cuda fast path:
+  -- K=48 V=96, K=32 V=16, K=100 V=200) and past them (K = 256, n = 9: the recurrent
+  -- kernels on cuda)
+  { name = "K=48 V=96 n=2 (padded to 64 x 128)", B = 1, T = 150, H = 2, K = 48, V = 96, n = 2,
     initial_state = true, cu_seqlens = { 0, 40, 40, 150 }, dtypes = { cpu = { "f32" } } },
-  { name = "K=32 V=16 n=4 (V not 32/64/128)", B = 1, T = 150, H = 2, K = 32, V = 16, n = 4, initial_state = true,
+  { name = "K=32 V=16 n=4 (V padded to 32)", B = 1, T = 150, H = 2, K = 32, V = 16, n = 4, initial_state = true,
     cu_seqlens = { 0, 40, 40, 150 }, dtypes = { cpu = { "f32" } } },
   { name = "K=V=256 n=2", B = 1, T = 60, H = 1, K = 256, V = 256, n = 2, initial_state = true,
     dtypes = { cpu = { "f32" } } },
   { name = "K=256 V=40 n=3", B = 1, T = 50, H = 2, K = 256, V = 40, n = 3, initial_state = true,
     cu_seqlens = { 0, 20, 20, 50 }, dtypes = { cpu = { "bf16" } } },
-  { name = "K=100 V=200 n=1", B = 1, T = 90, H = 2, K = 100, V = 200, n = 1, initial_state = true,
+  { name = "K=100 V=200 n=1 (padded to 128 x 256, then halves)", B = 1, T = 90, H = 2, K = 100, V = 200, n = 1, initial_state = true,
     dtypes = { cpu = { "f32" } } },
   { name = "K=V=64 n=9 (n > 8)", B = 1, T = 60, H = 2, K = 64, V = 64, n = 9, initial_state = true,
     cu_seqlens = { 0, 23, 23, 60 }, dtypes = { cpu = { "f32" } } },

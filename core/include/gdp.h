@@ -420,10 +420,11 @@ gdp_status gdp_delta_product_backward_dh0(gdp_ctx *ctx, const gdp_delta_product_
  * Save for backward (opt-in).  gdp_delta_product_forward_ex is gdp_delta_product_forward
  * that, when saved is not NULL, also returns in *saved (owned; free with
  * gdp_delta_product_saved_free) what the backward would otherwise recompute: on cuda's fast
- * path (bf16, n <= 8, K in {32, 64, 128}, V in {32, 64, 128, 256}) the per-chunk panels, the chunk-start
+ * path (bf16, n <= 8, K <= 128, V <= 256) the per-chunk panels, the chunk-start
  * states h (bf16), D (bf16) and the prep's T^T (bf16) -- 2(2C + TC)K + 4CV + 2 TC C + 2C^2 +
  * 2KV + 4 bytes per chunk of C steps (TC tokens) and head, C = 32, 64, 48, 64 for
- * n = 1..4, K and V counted as 64 where they are 32 (that path pads them), and n = 5..8
+ * n = 1..4, K and V counted at the width the kernels run (the next of 32, 64, 128, 256:
+ * that path pads the others), and n = 5..8
  * counted as 2 tokens of 3 or 4 steps and V = 256 as two blocks of V = 128 (as that path
  * runs them), e.g.
  * 0.97 GB at B x T = 4 x 4096, H = 16, K = V = 128, n = 2 -- which

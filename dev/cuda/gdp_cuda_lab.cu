@@ -5,7 +5,7 @@
  *
  *   gdp_cuda_lab check [VARIANT...] [--seed S] [--quick] [--value-block W]
  *       The table below (packed sequences with empty ones, n = 1..8, gated and ungated,
- *       K x V in {64x64, 128x128, 32x32, 32x64, 128x32, 64x256, 48x96, 96x48} (n = 5..8:
+ *       K x V in {64x64, 128x128, 32x32, 32x64, 128x32, 64x256, 48x96, 96x48, 16x40} (n = 5..8:
  *       those of at most 64 x 64), with and without h0
  *       and dht, a case table of K or V = 32 at n = 3..8 and V = 256 at odd lengths,
  *       a 2600-token pair of sequences at K = V = 128 and a 1000-token pair at
@@ -493,8 +493,10 @@ static int lab_check(const vector<int> &variants, uint64_t seed, bool quick) {
   printf("== check: relative error vs the float64 oracle (seed %llu); tolerance f32 %.0e, bf16 %.0e\n",
          (unsigned long long)seed, tolerance(GDP_DTYPE_F32), tolerance(GDP_DTYPE_BF16));
   /* 32 x 32, 32 x 64, 128 x 32: the fast path's width-32 instances; 64 x 256 its value halves;
-   * n = 5..8 its split tokens (chunk_shapes.cu) */
-  const int64_t shapes[][2] = {{64, 64}, {128, 128}, {32, 32}, {32, 64}, {128, 32}, {64, 256}, {48, 96}, {96, 48}};
+   * 48 x 96, 96 x 48, 16 x 40: zero-padded to 64 x 128, 128 x 64, 32 x 64; n = 5..8 its
+   * split tokens (chunk_shapes.cu) */
+  const int64_t shapes[][2] = {{64, 64}, {128, 128}, {32, 32}, {32, 64}, {128, 32},
+                               {64, 256}, {48, 96}, {96, 48}, {16, 40}};
   for (int n = 1; n <= 8; n++)
     for (int gated = 0; gated < 2; gated++)
       for (auto &sh : shapes) {

@@ -18,7 +18,7 @@ extern "C" {
 #endif
 
 /* The library's entry points (gdp/dispatch.cu): the fast chunked path (bf16, n = 1..8,
- * K in {32, 64, 128}, V in {32, 64, 128, 256}) or the recurrent kernels, by the problem and its algorithm
+ * K <= 128, V <= 256) or the recurrent kernels, by the problem and its algorithm
  * (AUTO, CHUNK, RECURRENT; the table there).  A problem's chunk_size is 0 or the fast
  * path's own chunk (32, 64, 48, 64, 40, 48, 56, 64 steps for n = 1..8), else
  * GDP_ERR_INVALID_ARG; its

@@ -620,7 +620,7 @@ static gdp_status backward_dh0_recompute(const gdp_delta_product_problem *p, con
 
 namespace chunked {
 bool takes_dh0(const gdp_delta_product_problem *p) {
-  return takes(p) && !needs_split(p) && !needs_value_split(p);
+  return takes(p) && !needs_split(p) && !needs_padding(p) && !needs_value_split(p);
 }
 
 gdp_status backward_dh0(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io, cudaStream_t stream) {
@@ -632,6 +632,7 @@ gdp_status backward_dh0(const gdp_delta_product_problem *p, const gdp_delta_prod
 gdp_status backward(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io, cudaStream_t stream, const void *saved) {
   if (p->N == 0) return GDP_OK;
   if (needs_split(p)) return backward_split(p, io, stream, saved);
+  if (needs_padding(p)) return backward_padded(p, io, stream, saved);
   if (needs_value_split(p)) return backward_value_split(p, io, stream, saved);
   return saved ? chunked_backward::backward_saved(p, io, stream, saved) : chunked_backward::backward_recompute(p, io, stream);
 }

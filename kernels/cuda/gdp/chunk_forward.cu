@@ -302,8 +302,8 @@ SavedLayout saved_layout(const gdp_delta_product_problem *p) {
 }
 
 bool takes(const gdp_delta_product_problem *p) {
-  return p && p->dtype == GDP_DTYPE_BF16 && (p->K == 32 || p->K == 64 || p->K == 128) &&
-         (p->V == 32 || p->V == 64 || p->V == 128 || p->V == 256) && p->n >= 1 && p->n <= kMaxFastN;
+  return p && p->dtype == GDP_DTYPE_BF16 && p->K >= 1 && p->K <= kMaxFastK && p->V >= 1 && p->V <= kMaxFastV &&
+         p->n >= 1 && p->n <= kMaxFastN;
 }
 
 size_t saved_bytes(const gdp_delta_product_problem *p) {
@@ -319,6 +319,7 @@ size_t saved_bytes(const gdp_delta_product_problem *p) {
 gdp_status forward(const gdp_delta_product_problem *p, const gdp_delta_product_forward_io *io, cudaStream_t stream, void *saved) {
   if (p->N == 0) return GDP_OK;
   if (needs_split(p)) return forward_split(p, io, stream, saved);
+  if (needs_padding(p)) return forward_padded(p, io, stream, saved);
   if (needs_value_split(p)) return forward_value_split(p, io, stream, saved);
   GdpArgs a = fwd_args(p, io);
   Plan plan;

@@ -1,11 +1,21 @@
 /*
  * chunk_shapes.cu -- fast-path shapes outside the kernels' instances, run as an equal
- * problem inside them: n = 5..8 split into tokens of fewer Householder steps, V = 256
- * as two problems on the halves of the value columns (applied in that order by
- * chunked::forward and backward).  Both are exact rewrites of the problem, not
- * approximations; each costs one copy in and out of what it rewrites.  K and V = 32 need
- * no rewrite: the kernels have width-32 instances (their 64-column panels are 32 wide
- * there, panel_cols in plan.cuh).
+ * problem inside them: n = 5..8 split into tokens of fewer Householder steps, K and V
+ * other than the instances' widths zero-padded to the next one, V = 256 as two problems
+ * on the halves of the value columns (applied in that order by chunked::forward and
+ * backward).  All are exact rewrites of the problem, not approximations; each costs one
+ * copy in and out of what it rewrites.  K and V = 32 need no rewrite: the kernels have
+ * width-32 instances (their 64-column panels are 32 wide there, panel_cols in plan.cuh).
+ *
+ * Other widths (K <= 128, V <= 256: 48, 96, 80, 16, ...).  The kernels' instances are
+ * K, V in {32, 64, 128} (V = 256 by halves), so K runs at the next of 32, 64, 128 and V
+ * at the next of 32, 64, 128, 256: q, k (K) and v, d_o (V) are copied into zero-filled
+ * rows of that width, h0 and dht into zero-filled states, the padded problem runs, and
+ * o, ht, dq, dk, dv and dh0 are cropped back.  Zero columns change no value of the real
+ * ones: the l2 norms, every dot product over K (A, Pm, Qd S, W S) and every state update
+ * add exact zeros, and the padded state columns stay zero (beta, g, dbeta and dg pass
+ * through untouched).  The price is the zero columns' work (K = 48 runs 64 columns) and
+ * one copy of each padded tensor, against the recurrent kernels' ~20x.
  *
  * V = 256.  The recurrence mixes the state's rows, never its value columns, so each half
  * of the columns is a V = 128 problem of its own: v, d_o, h0, dht split, o, ht, dv, dh0
@@ -117,7 +127,127 @@ gdp_status rect(void *dst, int64_t ldd, const void *src, int64_t lds, int64_t ro
   return GDP_OK;
 }
 
+/* rows x c (bf16) <-> rows x cp; states B x r x c (float) <-> B x rp x cp */
+gdp_status pad_rows(void *dst, const void *src, int64_t rows, int c, int cp, cudaStream_t s) {
+  return window(dst, 1, cp, src, 1, c, 0, rows, 2, s);
+}
+gdp_status crop_rows(void *dst, const void *src, int64_t rows, int c, int cp, cudaStream_t s) {
+  return window(dst, 1, c, src, 1, cp, 0, rows, 2, s);
+}
+gdp_status pad_states(void *dst, const void *src, int64_t B, int r, int c, int rp, int cp, cudaStream_t s) {
+  return window(dst, rp, cp, src, r, c, 0, B, 4, s);
+}
+gdp_status crop_states(void *dst, const void *src, int64_t B, int r, int c, int rp, int cp, cudaStream_t s) {
+  return window(dst, r, c, src, rp, cp, 0, B, 4, s);
+}
+
+/* The instances' width for a K (32, 64, 128) or a V (also 256, by halves) up to it. */
+int64_t kernel_width(int64_t d, int64_t max) {
+  int64_t w = 32;
+  while (w < d && w < max) w *= 2;
+  return w;
+}
+
+/* Row counts and widths of one problem for the copies. */
+struct Widths {
+  int64_t rows_q, rows_k, states; /* T*H, T*n*H, N*H */
+  int K, V, KP, VP;
+};
+Widths widths(const gdp_delta_product_problem *p) {
+  Widths w;
+  w.rows_q = p->T_total * p->H;
+  w.rows_k = p->T_total * p->n * p->H;
+  w.states = p->N * p->H;
+  w.K = (int)p->K;
+  w.V = (int)p->V;
+  w.KP = (int)kernel_width(p->K, kMaxFastK);
+  w.VP = (int)kernel_width(p->V, kMaxFastV);
+  return w;
+}
+
+/* q, k, v and h0, the inputs both directions pad: from (q, k, v, h0) into the padded
+ * buffers (q_pad, ...) where the width (or the state) is padded and given. */
+gdp_status pad_inputs(const Widths &w, const void *q, const void *k, const void *v, const void *h0, const void *q_pad,
+                      const void *k_pad, const void *v_pad, const void *h0_pad, cudaStream_t stream) {
+  gdp_status s = GDP_OK;
+  if (w.KP != w.K) s = pad_rows((void *)q_pad, q, w.rows_q, w.K, w.KP, stream);
+  if (s == GDP_OK && w.KP != w.K) s = pad_rows((void *)k_pad, k, w.rows_k, w.K, w.KP, stream);
+  if (s == GDP_OK && w.VP != w.V) s = pad_rows((void *)v_pad, v, w.rows_k, w.V, w.VP, stream);
+  if (s == GDP_OK && h0) s = pad_states((void *)h0_pad, h0, w.states, w.K, w.V, w.KP, w.VP, stream);
+  return s;
+}
+
 }  // namespace
+
+/* ------------------------------------------------------------------ other widths */
+
+bool needs_padding(const gdp_delta_product_problem *p) {
+  return kernel_width(p->K, kMaxFastK) != p->K || kernel_width(p->V, kMaxFastV) != p->V;
+}
+
+int64_t kernel_value_width(const gdp_delta_product_problem *p) { return kernel_width(p->V, kMaxFastV); }
+
+gdp_delta_product_problem padded_problem(const gdp_delta_product_problem *p) {
+  gdp_delta_product_problem q = *p;
+  q.K = kernel_width(p->K, kMaxFastK);
+  q.V = kernel_width(p->V, kMaxFastV);
+  return q;
+}
+
+gdp_status forward_padded(const gdp_delta_product_problem *p, const gdp_delta_product_forward_io *io,
+                          cudaStream_t stream, void *saved) {
+  const gdp_delta_product_problem pp = padded_problem(p);
+  const Widths w = widths(p);
+  const bool pk = w.KP != w.K, pv = w.VP != w.V;
+  const size_t st = (size_t)w.states * w.KP * w.VP * 4;
+  ScratchBlock blk;
+  const size_t o_q = blk.take(pk ? (size_t)w.rows_q * w.KP * 2 : 0), o_k = blk.take(pk ? (size_t)w.rows_k * w.KP * 2 : 0),
+               o_v = blk.take(pv ? (size_t)w.rows_k * w.VP * 2 : 0), o_o = blk.take(pv ? (size_t)w.rows_q * w.VP * 2 : 0),
+               o_h0 = blk.take(io->h0 ? st : 0), o_ht = blk.take(io->ht ? st : 0);
+  GDP_TRY(device_alloc(&blk.block, blk.off, stream));
+  gdp_delta_product_forward_io pio = *io;
+  if (pk) pio.q = blk.at(o_q), pio.k = blk.at(o_k);
+  if (pv) pio.v = blk.at(o_v), pio.o = blk.at(o_o);
+  pio.h0 = blk.at(o_h0);
+  pio.ht = blk.at(o_ht);
+  gdp_status s = pad_inputs(w, io->q, io->k, io->v, io->h0, pio.q, pio.k, pio.v, pio.h0, stream);
+  if (s == GDP_OK) s = forward(&pp, &pio, stream, saved);
+  if (s == GDP_OK && pv) s = crop_rows(io->o, pio.o, w.rows_q, w.V, w.VP, stream);
+  if (s == GDP_OK && io->ht) s = crop_states(io->ht, pio.ht, w.states, w.K, w.V, w.KP, w.VP, stream);
+  cudaFreeAsync(blk.block, stream);
+  return s;
+}
+
+gdp_status backward_padded(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io,
+                           cudaStream_t stream, const void *saved) {
+  const gdp_delta_product_problem pp = padded_problem(p);
+  const Widths w = widths(p);
+  const bool pk = w.KP != w.K, pv = w.VP != w.V;
+  const size_t st = (size_t)w.states * w.KP * w.VP * 4, bq = pk ? (size_t)w.rows_q * w.KP * 2 : 0,
+               bk = pk ? (size_t)w.rows_k * w.KP * 2 : 0, bv = pv ? (size_t)w.rows_k * w.VP * 2 : 0,
+               bo = pv ? (size_t)w.rows_q * w.VP * 2 : 0;
+  ScratchBlock blk;
+  const size_t o_q = blk.take(bq), o_k = blk.take(bk), o_v = blk.take(bv), o_do = blk.take(bo),
+               o_dq = blk.take(bq), o_dk = blk.take(bk), o_dv = blk.take(bv), o_h0 = blk.take(io->h0 ? st : 0),
+               o_dht = blk.take(io->dht ? st : 0), o_dh0 = blk.take(io->dh0 ? st : 0);
+  GDP_TRY(device_alloc(&blk.block, blk.off, stream));
+  gdp_delta_product_backward_io pio = *io;
+  if (pk) pio.q = blk.at(o_q), pio.k = blk.at(o_k), pio.dq = blk.at(o_dq), pio.dk = blk.at(o_dk);
+  if (pv) pio.v = blk.at(o_v), pio.d_o = blk.at(o_do), pio.dv = blk.at(o_dv);
+  pio.h0 = blk.at(o_h0);
+  pio.dht = blk.at(o_dht);
+  pio.dh0 = blk.at(o_dh0);
+  gdp_status s = pad_inputs(w, io->q, io->k, io->v, io->h0, pio.q, pio.k, pio.v, pio.h0, stream);
+  if (s == GDP_OK && pv) s = pad_rows((void *)pio.d_o, io->d_o, w.rows_q, w.V, w.VP, stream);
+  if (s == GDP_OK && io->dht) s = pad_states((void *)pio.dht, io->dht, w.states, w.K, w.V, w.KP, w.VP, stream);
+  if (s == GDP_OK) s = backward(&pp, &pio, stream, saved);
+  if (s == GDP_OK && pk) s = crop_rows(io->dq, pio.dq, w.rows_q, w.K, w.KP, stream);
+  if (s == GDP_OK && pk) s = crop_rows(io->dk, pio.dk, w.rows_k, w.K, w.KP, stream);
+  if (s == GDP_OK && pv) s = crop_rows(io->dv, pio.dv, w.rows_k, w.V, w.VP, stream);
+  if (s == GDP_OK && io->dh0) s = crop_states(io->dh0, pio.dh0, w.states, w.K, w.V, w.KP, w.VP, stream);
+  cudaFreeAsync(blk.block, stream);
+  return s;
+}
 
 /* ------------------------------------------------------------------ n = 5..8 */
 
@@ -350,6 +480,7 @@ gdp_delta_product_problem kernel_problem(const gdp_delta_product_problem *p, std
     q = sp.p;
     q.cu_seqlens = cu.data();
   }
+  if (needs_padding(&q)) q = padded_problem(&q);
   *parts = 1;
   if (needs_value_split(&q)) q = value_half(&q), *parts = 2;
   return q;

@@ -3,12 +3,12 @@
  *
  *   path       | takes                                  | algorithm
  *   -----------+----------------------------------------+------------------------------------
- *   fast       | bf16, n = 1..8, K in {32, 64, 128},   | AUTO, CHUNK (an error elsewhere)
- *              | V in {32, 64, 128, 256}               |
+ *   fast       | bf16, n = 1..8, K <= 128, V <= 256     | AUTO, CHUNK (an error elsewhere)
  *   recurrent  | f32 and bf16, K <= 256, any V         | RECURRENT; AUTO where fast does not
  *
- * (K or V = 32 runs in the kernels' width-32 instances; n = 5..8 as tokens of 3 or 4
- * steps, V = 256 as two halves of 128: chunk_shapes.cu.)  The fast path is chunked, with its chunk fixed by n
+ * (The kernels' instances are K, V in {32, 64, 128}; other K and V run zero-padded to
+ * the next of 32, 64, 128 (V also 256), n = 5..8 as tokens of 3 or 4 steps, V = 256 as
+ * two halves of 128: chunk_shapes.cu.)  The fast path is chunked, with its chunk fixed by n
  * (fast_chunk_steps: 32, 64, 48, 64, 40, 48, 56, 64 steps of the expanded stream for
  * n = 1..8, i.e. 32, 32, 16, 16, 8, 8, 8, 8 tokens); a problem's chunk_size is 0 (the path's own)
  * or that C, anything else is an error that names the size.  The recurrent kernels have
@@ -25,7 +25,7 @@ using namespace gdpcu;
 namespace {
 
 /* What the fast path takes (chunked::takes), for the messages that name it. */
-#define GDP_FAST_SHAPES "bf16, n = 1..8, K in {32, 64, 128}, V in {32, 64, 128, 256}"
+#define GDP_FAST_SHAPES "bf16, n = 1..8, K <= 128, V <= 256"
 
 /* The saved object's path code (op_gdp.c keeps it and hands it back to the backward). */
 enum Path { PATH_RECURRENT = 1, PATH_FAST = 3 };
@@ -63,8 +63,11 @@ gdp_status choose_path(const gdp_delta_product_problem *p, const char *what, int
                         (long long)p->V);
   const int chosen = p->algorithm == GDP_ALGO_RECURRENT || !fast ? PATH_RECURRENT : PATH_FAST;
   GDP_TRY(check_chunk_size(p, what, chosen));
-  if (chosen == PATH_FAST && vb != 0 && p->V % vb != 0)
-    return GDP_ERROR_IN(what, GDP_ERR_INVALID_ARG, "value_block: %d does not divide V = %lld", vb, (long long)p->V);
+  /* the value block tiles the V the kernels run (a padded V: its next instance width) */
+  const int64_t kv = chunked::kernel_value_width(p);
+  if (chosen == PATH_FAST && vb != 0 && kv % vb != 0)
+    return GDP_ERROR_IN(what, GDP_ERR_INVALID_ARG, "value_block: %d does not divide V = %lld (run as %lld)", vb,
+                        (long long)p->V, (long long)kv);
   *path = chosen;
   return GDP_OK;
 }
@@ -105,7 +108,8 @@ extern "C" gdp_status gdp_cuda_delta_product_backward_dh0(const gdp_delta_produc
   if (path != PATH_FAST || !chunked::takes_dh0(p))
     return GDP_ERROR_IN("backward_dh0", GDP_ERR_UNSUPPORTED,
                         "dh0 alone runs on the fast path without shape rewrites only (bf16, n = 1..4, "
-                        "K, V in {32, 64, 128})");
+                        "K, V in {32, 64, 128}); got n = %lld, K = %lld, V = %lld",
+                        (long long)p->n, (long long)p->K, (long long)p->V);
   return chunked::backward_dh0(p, io, (cudaStream_t)stream);
 }
 

@@ -135,6 +135,8 @@ inline int chunk_steps(int64_t n) { return n >= 1 && n <= kMaxChunkN ? chunk_ste
  * holds 32, 32, 16, 16, 8, 8, 8, 8 whole tokens for n = 1..8: fast_chunk_steps(n) steps
  * of the problem's own stream (0 past 8). */
 constexpr int kMaxFastN = 8;
+/* the widest K and V the fast path takes (narrower ones zero-padded: chunk_shapes.cu) */
+constexpr int64_t kMaxFastK = 128, kMaxFastV = 256;
 inline int64_t padded_steps(int64_t n) { return n <= kMaxChunkN ? n : n <= 6 ? 6 : 8; }
 inline int64_t split_tokens(int64_t n) { return n <= kMaxChunkN ? 1 : 2; }
 inline int fast_chunk_steps(int64_t n) {
@@ -186,24 +188,32 @@ void prof_end(cudaStream_t stream);
 
 namespace chunked {
 
-/* Whether the fast path takes p: bf16, n = 1..8, K in {32, 64, 128}, V in {32, 64, 128,
- * 256} (n = 5..8 split into tokens of 3 or 4 steps, V = 256 as two halves:
- * chunk_shapes.cu; K, V = 32 in the kernels' own width-32 instances). */
+/* Whether the fast path takes p: bf16, n = 1..8, K <= 128, V <= 256 (n = 5..8 split into
+ * tokens of 3 or 4 steps, K and V other than 32, 64, 128 (256) zero-padded to the next,
+ * V = 256 as two halves: chunk_shapes.cu; K, V = 32 in the kernels' own width-32
+ * instances). */
 bool takes(const gdp_delta_product_problem *p);
 
 /* The rewrites of chunk_shapes.cu, which forward and backward below apply first, in this
- * order: n = 5..8 (needs_split) as 2 tokens of 3 or 4 steps, V = 256
- * (needs_value_split) as two problems of V = 128; each rewrite's forward and backward copy the inputs into the
+ * order: n = 5..8 (needs_split) as 2 tokens of 3 or 4 steps, other widths
+ * (needs_padding) zero-padded to the next instance's, V = 256 (needs_value_split) as
+ * two problems of V = 128; each rewrite's forward and backward copy the inputs into the
  * rewritten problem's layout, run it and copy the results back.  kernel_problem: the
  * problem the kernels run for p (every rewrite applied; cu receives its cu_seqlens),
  * run `parts` times (2 for V = 256), each part's saved block one after the other. */
 bool needs_split(const gdp_delta_product_problem *p);
+bool needs_padding(const gdp_delta_product_problem *p);
+int64_t kernel_value_width(const gdp_delta_product_problem *p); /* V after padding (256: before halves) */
 bool needs_value_split(const gdp_delta_product_problem *p);
 gdp_delta_product_problem kernel_problem(const gdp_delta_product_problem *p, std::vector<int64_t> &cu, int *parts);
 gdp_status forward_value_split(const gdp_delta_product_problem *p, const gdp_delta_product_forward_io *io,
                                cudaStream_t stream, void *saved);
 gdp_status backward_value_split(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io,
                                 cudaStream_t stream, const void *saved);
+gdp_status forward_padded(const gdp_delta_product_problem *p, const gdp_delta_product_forward_io *io,
+                          cudaStream_t stream, void *saved);
+gdp_status backward_padded(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io,
+                           cudaStream_t stream, const void *saved);
 gdp_status forward_split(const gdp_delta_product_problem *p, const gdp_delta_product_forward_io *io,
                          cudaStream_t stream, void *saved);
 gdp_status backward_split(const gdp_delta_product_problem *p, const gdp_delta_product_backward_io *io,
