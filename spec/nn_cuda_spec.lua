@@ -109,6 +109,18 @@ describe("model layer ops check their integer inputs on cuda #gpu", function()
     end
   end)
 
+  it("checks the tokens of an embedding with D = 0 as well (no values to move)", function()
+    if not H.need_device("cuda") then return end
+    local tokens = gdp.tensor({ 0, 1, 6, 2 }, { 4 }, { dtype = "i64" })
+    local want = "tokens: expected values in [0, 5) (num_embeddings), got 6 at [2]"
+    local w = on_cuda(gdp.zeros({ 5, 0 }, { dtype = "f64" }), "f32")
+    H.expect_error(function() F.embedding(w, tokens:to("cuda")) end, want)
+    H.expect_error(function() F.embedding(ref64(w), tokens) end, want)
+    local dout = on_cuda(gdp.zeros({ 4, 0 }, { dtype = "f64" }), "f32")
+    H.expect_error(function() F.embedding_backward(tokens:to("cuda"), dout, 5) end, want)
+    H.expect_error(function() F.embedding_backward(tokens, ref64(dout), 5) end, want)
+  end)
+
   it("rejects an out-of-range counted target, not an ignored or masked one", function()
     if not H.need_device("cuda") then return end
     local logits = on_cuda(gdp.randn({ 2, 3, 4 }, { dtype = "f64" }), "f32")

@@ -48,6 +48,25 @@ __global__ void embedding_fwd_kernel(int64_t n, int64_t D, int64_t V, const void
   }
 }
 
+/* The check alone, for rows of no values (D == 0): the ids are still validated, as on
+ * the cpu. */
+template <typename ID>
+__global__ void embedding_check_kernel(int64_t n, int64_t V, const void *ids,
+                                       unsigned long long *first_bad) {
+  GDP_MIXER_FOR(i, n) {
+    const int64_t v = id_at<ID>(ids, i);
+    if (v < 0 || v >= V) atomicMin(first_bad, (unsigned long long)i);
+  }
+}
+
+static void embedding_check(int64_t n, int64_t V, const void *ids, int ids_dtype,
+                            unsigned long long *first_bad, cudaStream_t stream) {
+  if (ids_dtype == GDP_DTYPE_I32)
+    embedding_check_kernel<int32_t><<<grid_for(n), THREADS, 0, stream>>>(n, V, ids, first_bad);
+  else
+    embedding_check_kernel<int64_t><<<grid_for(n), THREADS, 0, stream>>>(n, V, ids, first_bad);
+}
+
 /* The sort's keys (the id, or V for an id out of range: a row of its own that pass 2
  * never reads), its values (the positions) and the histogram of the keys (exact:
  * integer adds, blockDim a multiple of 32). */
@@ -256,8 +275,12 @@ extern "C" gdp_status gdp_cuda_embedding_fwd(int dtype, int64_t n, int64_t D, in
                                              void *out, unsigned long long *first_bad,
                                              void *stream) {
   static const char *func = "gdp_cuda_embedding_fwd";
-  if (n == 0 || D == 0) return GDP_OK;
+  if (n == 0) return GDP_OK;
   const cudaStream_t s = (cudaStream_t)stream;
+  if (D == 0) {
+    embedding_check(n, V, ids, ids_dtype, first_bad, s);
+    return launched(func, "embedding_check_kernel");
+  }
   if (ids_dtype == GDP_DTYPE_I32)
     GDP_MIXER_DISPATCH(func, dtype,
                        embedding_fwd<IO, int32_t>(n, D, V, ids, weight, out, first_bad, s));
@@ -281,7 +304,11 @@ extern "C" gdp_status gdp_cuda_embedding_bwd(int dtype, int64_t n, int64_t V, in
                                              void *dweight, void *workspace,
                                              unsigned long long *first_bad, void *stream) {
   static const char *func = "gdp_cuda_embedding_bwd";
-  if (V == 0 || D == 0) return GDP_OK;
+  if (V == 0 || D == 0) { /* no sums, but the ids are checked all the same */
+    if (n == 0) return GDP_OK;
+    embedding_check(n, V, ids, ids_dtype, first_bad, (cudaStream_t)stream);
+    return launched(func, "embedding_check_kernel");
+  }
   if (V >= (int64_t)UINT32_MAX)
     return GDP_ERROR_IN(func, GDP_ERR_UNSUPPORTED,
                         "num_embeddings: expected < %llu on cuda (32-bit sort keys), got %lld",
