@@ -39,8 +39,9 @@ static gdp_status launch_bv(const Plan &plan, bool dry_run, int *blocks_per_sm, 
     return GDP_ERROR(GDP_ERR_INTERNAL, "launch_chunk_state: U from Tu and v is a one-warp pass (ks2 asked)");
   if constexpr (C % 32 == 0 && TC % 32 == 0 && K >= 64) {
     /* two warps per 16 value columns (chunk_state_pair_kernel), plain or saving; each
-     * warp holds half of S^T's K columns, whose h^T staging (ks2_stage_hT16) takes rows
-     * of at least 32 bytes: K >= 64 */
+     * warp holds half of S^T's K columns, whose h^T staging (ks2_stage_hT16) stores 8
+     * half rows of at least 64 bytes per instruction: K >= 64 (at K = 32 one store would
+     * span 16 rows of the warp's 8) */
     if (ks2) {
       const int smem = save ? Ks2Layout<K, C, TC, BV, true>::total : Ks2Layout<K, C, TC, BV, false>::total;
       /* the saving pair pass at BV = 64 (K = 128) needs more than an SM's 227 KB: it does
