@@ -217,8 +217,7 @@ if inputs == "auto" then inputs = opts.against_fla and "fla" or "gdp" end
 ------------------------------------------------------------------------------- fla
 
 -- The repository root, from this script's path (the launcher does not change directory).
-local root = (arg[0]:match("^(.*)/[^/]*$") or ".") .. "/.."
-root = util.capture("cd " .. util.shell_quote(root) .. " && pwd") or root
+local root = util.repo_root(arg[0])
 
 local fla_dir = opts.fla_path ~= "" and opts.fla_path or (root .. "/.fla")
 if fla_dir:sub(1, 1) ~= "/" then fla_dir = (util.capture("pwd") or ".") .. "/" .. fla_dir end

@@ -80,8 +80,7 @@ local function say(fmt, ...) io.stderr:write(string.format(fmt, ...), "\n") end
 local out = opts.json and io.stderr or io.stdout
 local function put(fmt, ...) out:write(string.format(fmt, ...), "\n") end
 
-local root = (arg[0]:match("^(.*)/[^/]*$") or ".") .. "/.."
-root = util.capture("cd " .. util.shell_quote(root) .. " && pwd") or root
+local root = util.repo_root(arg[0])
 
 local Ms = {}
 for v in tostring(opts.M):gmatch("[^,]+") do

@@ -205,8 +205,7 @@ if opts.speed then
                         "fla_step_ms", "fla_tokens_per_s", "speedup", "status" })
   local fla = {}
   if opts.against_fla then
-    -- the repository's root from this script's path, for the default fla side and its fla/
-    local root = (arg[0]:match("^(.*)/[^/]*$") or ".") .. "/.."
+    local root = util.repo_root(arg[0]) -- for the default fla side and its fla/
     local fla_dir = opts.fla_path ~= "" and opts.fla_path or (root .. "/.fla")
     local fla_cmd = opts.fla_cmd ~= "" and opts.fla_cmd
       or string.format("PYTHONPATH=%s${PYTHONPATH:+:$PYTHONPATH} python3 %s", util.shell_quote(fla_dir),

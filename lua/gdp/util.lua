@@ -444,6 +444,14 @@ function M.shell_quote(s)
   return "'" .. tostring(s):gsub("'", "'\\''") .. "'"
 end
 
+-- The repository root of an experiment script (experiments/x.lua: its folder's parent),
+-- absolute where the shell can resolve it; script is arg[0] (the launcher does not
+-- change directory).
+function M.repo_root(script)
+  local root = (tostring(script):match("^(.*)/[^/]*$") or ".") .. "/.."
+  return M.capture("cd " .. M.shell_quote(root) .. " && pwd") or root
+end
+
 
 -- util.json_decode(text) -> value: the inverse of json_encode, for JSON written by other
 -- tools (tools/fla_bench.py).  null becomes nil; NaN, Infinity and -Infinity (Python's
