@@ -1,6 +1,6 @@
 -- The GDP operator on every device: the case table (op_cases.lua) and the golden cases
 -- (spec/fixtures/golden/gdp_*, float64 references made by independent implementations)
--- against float64, within ops.TOLERANCE per dtype; the CUDA dispatch contract (which
+-- against float64, within ops.tolerance per dtype and tensor; the CUDA dispatch contract (which
 -- algorithm takes which shape, chunk_size); and behaviour the table does not cover
 -- (packing equals separate runs, fla's positional form).  cuda parts are tagged #gpu and
 -- pending, with the reason, where the library sees no GPU.
@@ -31,7 +31,6 @@ for _, dev in ipairs(H.DEVICES) do
           local gate_dtype = cases.gate_dtype(case, dtype)
           local ref = cases.gdp_oracle(args, dtype, gate_dtype)
           assert.is_true(ref.o:norm() > 0 and ref.grads.dk:norm() > 0, "the oracle's results are zero")
-          local tol = TOL[dtype]
           local plain = {}
           for i, run in ipairs(runs) do
             local what = names[i] .. ": "
@@ -42,12 +41,12 @@ for _, dev in ipairs(H.DEVICES) do
             local path = device == "cpu" and "chunked" or (fast and "fast chunked" or "recurrent")
             assert.are.equal(path, ops.last_path(device), what .. "gdp.ops.last_path")
             assert.truthy(o:device():find("^" .. device), what .. "o on " .. o:device())
-            assert.tensor_near(o, ref.o, tol, what .. "o")
-            assert.tensor_near(ht, ref.ht, tol, what .. "ht")
+            assert.tensor_near(o, ref.o, ops.tolerance(dtype, "o"), what .. "o")
+            assert.tensor_near(ht, ref.ht, ops.tolerance(dtype, "ht"), what .. "ht")
             for _, name in ipairs(cases.GRADS) do
               if ref.grads[name] then
                 assert.is_not_nil(grads[name], what .. name)
-                assert.tensor_near(grads[name], ref.grads[name], tol, what .. name)
+                assert.tensor_near(grads[name], ref.grads[name], ops.tolerance(dtype, name), what .. name)
               else
                 assert.is_nil(grads[name], what .. name)
               end
@@ -141,7 +140,7 @@ describe("cuda dispatch: algorithm and chunk_size #gpu", function()
       assert.tensor_near(ht, ref.ht, TOL[s.dtype])
       local grads = ops.chunk_gated_delta_product_backward(dev)
       assert.tensor_near(grads.dk, ref.grads.dk, TOL[s.dtype])
-      assert.tensor_near(grads.dg, ref.grads.dg, TOL[s.dtype])
+      assert.tensor_near(grads.dg, ref.grads.dg, ops.tolerance(s.dtype, "dg"))
     end)
   end
 

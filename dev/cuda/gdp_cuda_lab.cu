@@ -11,7 +11,7 @@
  *       a 2600-token pair of sequences at K = V = 128 and a 1000-token pair at
  *       H = 8, K = V = 32, n = 4) in f32 and bf16; per run one line of relative
  *       errors (o, ht and every gradient) against the oracle, a "!" past the dtype's
- *       tolerance (f32 1e-4, bf16 1e-2).  Ends with a summary line; exit status 0 when
+ *       tolerance (f32 1e-4, bf16 1e-2; dbeta, dg, dh0 2e-2).  Ends with a summary line; exit status 0 when
  *       every run is within tolerance, 1 otherwise.  The ctest dev.lab_check.
  *   gdp_cuda_lab bench B T n [VARIANT...] [--reps R] [--value-block W] [--json FILE]
  *                          [--heads H] [--K K] [--V V]
@@ -249,12 +249,14 @@ struct Named {
 };
 
 /* One line: the label, then name=error per tensor, "!" past tol; counts those in *fails. */
-static void compare_all(const char *label, const vector<Named> &items, double tol, int *fails) {
+static double tolerance(int dtype, const char *name);
+
+static void compare_all(const char *label, const vector<Named> &items, int dtype, int *fails) {
   printf("%-52s", label);
   for (auto &it : items) {
     if (it.ref->empty()) continue;
     const double e = rel_err(*it.got, *it.ref);
-    const bool bad = !(e <= tol);
+    const bool bad = !(e <= tolerance(dtype, it.name));
     if (bad) (*fails)++;
     printf(" %s=%.1e%s", it.name, e, bad ? "!" : "");
   }
@@ -434,7 +436,13 @@ static void download_all(const Prob &P, DevProblem &d, int dtype, Outputs &got) 
 
 /* ------------------------------------------------------------------ check */
 
-static double tolerance(int dtype) { return dtype == GDP_DTYPE_BF16 ? 1e-2 : 1e-4; }
+/* ops.tolerance's bounds (docs/design.md section 6): bf16 dbeta, dg and dh0 are sums of
+ * cancelling products (over K, over the sequence) and are held to 2e-2. */
+static double tolerance(int dtype, const char *name) {
+  if (dtype != GDP_DTYPE_BF16) return 1e-4;
+  const bool summed = name && (!strcmp(name, "dbeta") || !strcmp(name, "dg") || !strcmp(name, "dh0"));
+  return summed ? 2e-2 : 1e-2;
+}
 static const char *dtype_name(int dtype) { return dtype == GDP_DTYPE_BF16 ? "bf16" : "f32"; }
 
 struct Tally {
@@ -470,7 +478,7 @@ static void check_problem(const Prob &P, const char *shape, Rng &r, int dtype,
     }
     Outputs got;
     download_all(P, d, dtype, got);
-    compare_all(label, all_named(got, ref), tolerance(dtype), &t.fails);
+    compare_all(label, all_named(got, ref), dtype, &t.fails);
   }
 }
 
@@ -490,8 +498,9 @@ static void check_long(int64_t H, int64_t K, int64_t V, int64_t n, int64_t L0, i
 static int lab_check(const vector<int> &variants, uint64_t seed, bool quick) {
   Rng r(seed);
   Tally t;
-  printf("== check: relative error vs the float64 oracle (seed %llu); tolerance f32 %.0e, bf16 %.0e\n",
-         (unsigned long long)seed, tolerance(GDP_DTYPE_F32), tolerance(GDP_DTYPE_BF16));
+  printf("== check: relative error vs the float64 oracle (seed %llu); tolerance f32 %.0e, bf16 %.0e (dbeta, dg, dh0 %.0e)\n",
+         (unsigned long long)seed, tolerance(GDP_DTYPE_F32, "o"), tolerance(GDP_DTYPE_BF16, "o"),
+         tolerance(GDP_DTYPE_BF16, "dg"));
   /* 32 x 32, 32 x 64, 128 x 32: the fast path's width-32 instances; 64 x 256 its value halves;
    * 48 x 96, 96 x 48, 16 x 40: zero-padded to 64 x 128, 128 x 64, 32 x 64; n = 5..8 its
    * split tokens (chunk_shapes.cu) */
@@ -673,7 +682,7 @@ static int lab_bench(int64_t B, int64_t T, int64_t n, int64_t H, int64_t K, int6
     compare_all(label,
                 {{"o", &x.o, &y.o}, {"dq", &x.dq, &y.dq}, {"dk", &x.dk, &y.dk}, {"dv", &x.dv, &y.dv},
                  {"dbeta", &x.dbeta, &y.dbeta}, {"dg", &x.dg, &y.dg}},
-                tolerance(GDP_DTYPE_BF16), &fails);
+                GDP_DTYPE_BF16, &fails);
     if (fails) status = 1;
   }
   if (js) fclose(js);

@@ -343,6 +343,15 @@ end
 
 -- Relative-error tolerances against a float64 reference (docs/design.md section 6).
 M.TOLERANCE = { f64 = 1e-10, f32 = 1e-4, bf16 = 1e-2 }
+-- In bf16, dbeta and dg (sums over K of products that cancel) and dh0 (a sum over the
+-- whole sequence) are held to 2e-2, as fla holds its dbeta and dg under the same metric.
+local BF16_SUMMED = { dbeta = true, dg = true, dh0 = true }
+
+-- The bound for operator output or gradient `name` ("o", "ht", "dq", ..., "dh0") in `dtype`.
+function M.tolerance(dtype, name)
+  if dtype == "bf16" and BF16_SUMMED[name] then return 2e-2 end
+  return assert(M.TOLERANCE[dtype], "tolerance: dtype: expected f64, f32 or bf16")
+end
 
 local GOLDEN_OUTPUTS = { "o", "ht", "dq", "dk", "dv", "dbeta", "dg", "dh0" }
 
@@ -355,7 +364,6 @@ local GOLDEN_OUTPUTS = { "o", "ht", "dq", "dk", "dv", "dbeta", "dg", "dh0" }
 function M.check_golden_case(t, meta, opts)
   opts = opts or {}
   local dtype = opts.dtype or "f64"
-  local tol = opts.tol or M.TOLERANCE[dtype]
   local args = {
     q = t.q, k = t.k, v = t.v, g = t.g, beta = t.beta, initial_state = t.h0,
     cu_seqlens = t.cu_seqlens, ["do"] = t["do"], dht = t.dht,
@@ -389,6 +397,7 @@ function M.check_golden_case(t, meta, opts)
         err = tensor.rel_error(got[name]:to({ dtype = "f64", device = "cpu" }),
                                ref:to({ dtype = "f64", device = "cpu" }))
       end
+      local tol = opts.tol or M.tolerance(dtype, name)
       rows[#rows + 1] = { name = name, err = err, tol = tol, ok = err <= tol }
     end
   end
