@@ -161,7 +161,8 @@ end
 
 -- Checks the gradients of `names` of a model against its float64 cpu reference
 -- (H.record_mixer_grads(ref) set up before the backward): tensor_near within rtol (a
--- number, or a table: rtol[name], else rtol.default), but the mixers' A_log and dt_bias against their summed terms when sum_terms is set.
+-- number, or a table: rtol[name], else rtol.default), but the mixers' A_log and
+-- dt_bias against their summed terms when sum_terms is set.
 function H.assert_model_grads_near(g, rg, names, rtol, rec, sum_terms)
   local scales = {}
   for prefix, entry in pairs(rec or {}) do

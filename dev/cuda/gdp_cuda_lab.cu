@@ -248,9 +248,15 @@ struct Named {
   const vector<double> *got, *ref;
 };
 
-/* One line: the label, then name=error per tensor, "!" past tol; counts those in *fails. */
-static double tolerance(int dtype, const char *name);
+/* ops.tolerance's bounds (docs/design.md section 6): bf16 dbeta, dg and dh0 are sums of
+ * cancelling products (over K, over the sequence) and are held to 2e-2. */
+static double tolerance(int dtype, const char *name) {
+  if (dtype != GDP_DTYPE_BF16) return 1e-4;
+  const bool summed = name && (!strcmp(name, "dbeta") || !strcmp(name, "dg") || !strcmp(name, "dh0"));
+  return summed ? 2e-2 : 1e-2;
+}
 
+/* One line: the label, then name=error per tensor, "!" past its tolerance; counts those in *fails. */
 static void compare_all(const char *label, const vector<Named> &items, int dtype, int *fails) {
   printf("%-52s", label);
   for (auto &it : items) {
@@ -436,13 +442,6 @@ static void download_all(const Prob &P, DevProblem &d, int dtype, Outputs &got) 
 
 /* ------------------------------------------------------------------ check */
 
-/* ops.tolerance's bounds (docs/design.md section 6): bf16 dbeta, dg and dh0 are sums of
- * cancelling products (over K, over the sequence) and are held to 2e-2. */
-static double tolerance(int dtype, const char *name) {
-  if (dtype != GDP_DTYPE_BF16) return 1e-4;
-  const bool summed = name && (!strcmp(name, "dbeta") || !strcmp(name, "dg") || !strcmp(name, "dh0"));
-  return summed ? 2e-2 : 1e-2;
-}
 static const char *dtype_name(int dtype) { return dtype == GDP_DTYPE_BF16 ? "bf16" : "f32"; }
 
 struct Tally {
