@@ -131,6 +131,37 @@ describe("nn.GatedDeltaProduct on cuda vs the cpu layer #gpu", function()
     assert.are.equal(0, m:gradients()["conv1d.weight"]:max_abs())
   end)
 
+  -- the saved operator state (the default) against the backward's own recompute, on the
+  -- fast path's shapes (where the saved state is not empty), packed and not
+  for _, ci in ipairs({ 4, 5 }) do
+    it("save_for_backward = false gives the saving layer's results: " .. configs[ci].label, function()
+      if not H.need_device("cuda") then return end
+      H.reseed(4200 + ci)
+      local c = configs[ci]
+      local saving = nn.GatedDeltaProduct(copy_cfg(c.cfg, { dtype = "bf16", device = "cuda", seed = 5 }))
+      local plain = nn.GatedDeltaProduct(copy_cfg(c.cfg, { dtype = "bf16", device = "cuda", seed = 5,
+                                                          save_for_backward = false }))
+      assert.is_true(saving.save_for_backward)
+      assert.is_false(plain.save_for_backward)
+      plain:set_parameters(saving:parameters())
+      local x = gdp.randn({ c.T, c.B, c.cfg.hidden_size }, { device = "cuda", dtype = "bf16" })
+      local dy = gdp.randn({ c.T, c.B, c.cfg.hidden_size }, { device = "cuda", dtype = "bf16" })
+      local out_s, out_p = saving:forward(x, c.cu), plain:forward(x, c.cu)
+      assert.is_not_nil(saving.cache.op_saved)
+      assert.is_true(saving.cache.op_saved:bytes() > 0, "the fast path saved nothing")
+      assert.is_nil(plain.cache.op_saved)
+      local dx_s, dx_p = saving:backward(x, dy, c.cu), plain:backward(x, dy, c.cu)
+      assert.tensor_near(out_s, out_p, 1e-6, "out")
+      assert.tensor_near(dx_s, dx_p, 1e-5, "grad.x")
+      local gs, gp = saving:gradients(), plain:gradients()
+      for _, name in ipairs(saving:parameter_names()) do
+        assert.tensor_near(gs[name], gp[name], 1e-5, name)
+      end
+      saving:clear_state()
+      assert.is_nil(saving.cache)
+    end)
+  end
+
   it("bad inputs get clear errors (device, dtype, shape)", function()
     if not H.need_device("cuda") then return end
     local m = nn.GatedDeltaProduct(copy_cfg(configs[1].cfg, { dtype = "bf16", device = "cuda", seed = 1 }))
@@ -154,6 +185,12 @@ describe("nn.GatedDeltaProduct dtypes per device", function()
     local ok, err = pcall(nn.GatedDeltaProduct, copy_cfg(base, { dtype = "bf16" }))
     assert.is_false(ok)
     assert.truthy(tostring(err):find("bf16 layers run on cuda", 1, true), tostring(err))
+  end)
+  it("takes save_for_backward as a boolean only (default true)", function()
+    assert.is_true(nn.GatedDeltaProduct(copy_cfg(base, { dtype = "f64" })).save_for_backward)
+    local ok, err = pcall(nn.GatedDeltaProduct, copy_cfg(base, { dtype = "f64", save_for_backward = 1 }))
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find("save_for_backward: expected a boolean, got 1", 1, true), tostring(err))
   end)
   it("refuses f64 on cuda, naming the cuda dtypes #gpu", function()
     if not H.need_device("cuda") then return end

@@ -44,6 +44,8 @@ end
 local tiled = {
   conv_case("tiles: 2 channel tiles, 3 token chunks, bias, SiLU", 300, 2, 200, 4,
             { bias = true, activation = "silu" }),
+  conv_case("tiles: one sequence after a halo of 3, B = 2, 5 token chunks", 600, 2, 128, 4,
+            { bias = true, activation = "silu", halo = 3 }),
   conv_case("tiles: packed with empty sequences, halo 3, SiLU", 300, 1, 130, 4,
             { bias = true, activation = "silu", cu = { 0, 0, 100, 101, 101, 129, 300, 300 }, halo = 3 }),
   conv_case("tiles: W = 6 (the wide kernel), packed, halo 5", 140, 1, 40, 6,

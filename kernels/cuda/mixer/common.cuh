@@ -73,7 +73,12 @@ template <typename IO> struct Vec16 { enum { n = 16 / sizeof(IO) }; };
 
 static inline int aligned16(const void *p) { return p == NULL || ((uintptr_t)p & 15) == 0; }
 
-template <typename A> __device__ __forceinline__ A sigmoid(A x) { return (A)1 / ((A)1 + m_exp(-x)); }
+/* float: __expf and __fdividef, a few ulp from the exact value (far inside every
+ * tolerance, bf16's and f32's 1e-4), where the precise expf and division would be most
+ * of the instructions of the elementwise kernels, which are issue-bound.  1 + e^-x
+ * past 2^126 gives 0, as it should to float precision. */
+__device__ __forceinline__ float sigmoid(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
+__device__ __forceinline__ double sigmoid(double x) { return 1.0 / (1.0 + exp(-x)); }
 
 enum { THREADS = 256, MAX_BLOCKS = 1 << 20 };
 

@@ -9,21 +9,23 @@
  * chunk of CONV_TCH tokens and slides over them with the last WMAX inputs (and,
  * backward, the last WMAX du = d_out * act'(u) and sequence starts) in registers, so
  * that every element of x and d_out is read once per chunk (plus WMAX-1 tokens of
- * overlap) and no thread divides a 64-bit index.  A thread issues the loads of
- * CONV_AHEAD tokens together before it uses them, so that enough bytes are in flight
- * per SM at the occupancy its registers allow.  The VEC channels move as one pack
- * (forward 16 bytes: 8 bf16, 4 f32, 2 f64; backward CONV_BWD_PACK bytes, as its
- * per-channel registers are four times the forward's) when the channel count, the row
- * strides and the buffers allow it (the narrow conv, W <= 4, whose registers hold VEC
- * lanes of every tap), else as single elements.  x is read in place as rows x_ld apart
- * (the in_proj output's channel slice), dx written in place as rows dx_ld apart.  Taps
- * are padded to WMAX with zero weights (wk[k] multiplies the input k tokens back), so
- * every register index is a constant.  Backward writes dx for the chunk (a gather over
- * the WMAX outputs that read each token) and keeps its dweight/dbias sums in registers;
- * a block's CONV_SUB warps take consecutive chunks and add their sums in warp order
- * through shared memory into one partial row (math type) per (block chunk, batch),
- * whose columns rows_colsum adds in double in a fixed order.  dhalo (a few rows) has
- * its own small kernel.
+ * overlap) and no thread divides a 64-bit index.  The kernels are issue-bound, not
+ * memory-bound (Nsight Compute on the H200 at the mixer's shape: 60% of the issue slots
+ * busy at 38% of DRAM bandwidth), so the instructions per element are what counts:
+ * without packing (no seq) a SEQ = false instance tracks no sequence starts, tokens are
+ * stepped by pointer, and the sigmoid is the fast one (common.cuh).  A thread issues
+ * the loads of the next CONV_AHEAD_* tokens before it computes the current ones, so its
+ * bytes stay in flight during the arithmetic.  The VEC channels move as one pack of
+ * CONV_PACK bytes when the channel count, the row strides and the buffers allow it (the
+ * narrow conv, W <= 4, whose registers hold VEC lanes of every tap), else as single
+ * elements.  x is read in place as rows x_ld apart (the in_proj output's channel
+ * slice), dx written in place as rows dx_ld apart.  Taps are padded to WMAX with zero
+ * weights (wk[k] multiplies the input k tokens back), so every register index is a
+ * constant.  Backward writes dx for the chunk (a gather over the WMAX outputs that read
+ * each token) and keeps its dweight/dbias sums in registers; a block's CONV_SUB warps
+ * take consecutive chunks and add their sums in warp order through shared memory into
+ * one partial row (math type) per (block chunk, batch), whose columns rows_colsum adds
+ * in double in a fixed order.  dhalo (a few rows) has its own small kernel.
  */
 #include "common.cuh"
 
@@ -32,12 +34,13 @@ namespace {
 
 enum {
   CONV_THREADS = 128,
-  CONV_TCH = 64,   /* tokens a thread slides over */
+  CONV_TCH = 64,      /* tokens a thread slides over */
   CONV_WMAX = 16,
-  CONV_AHEAD = 8,  /* tokens whose loads a thread issues together */
-  CONV_SUB = 4,    /* backward: sub-chunks (warps) of a block, summed in shared memory */
-  CONV_BWD_PACK = 8, /* backward: bytes of a channel pack (its per-channel registers are 4x
-                        the forward's: half the pack, twice the threads an SM holds) */
+  CONV_AHEAD_FWD = 8, /* tokens whose loads a thread issues together, forward */
+  CONV_AHEAD_BWD = 4, /* and backward (two operands, and four times the registers) */
+  CONV_SUB = 4,       /* backward: sub-chunks (warps) of a block, summed in shared memory */
+  CONV_PACK = 8,      /* bytes of a channel pack (4 bf16, 2 f32): 16-byte packs double the
+                         registers and were slower in both directions on the H200 */
   CONV_BWD_LANES = CONV_THREADS / CONV_SUB
 };
 
@@ -149,8 +152,9 @@ __device__ __forceinline__ void age(A (&r)[WMAX][VEC]) {
     for (int i = 0; i < VEC; i++) r[k][i] = r[k - 1][i];
 }
 
-/* u of token t (sequence start st0) from the inputs by age. */
-template <typename A, int WMAX, int VEC>
+/* u of token t (sequence start st0) from the inputs by age.  SEQ false: one sequence
+ * (no restarts), every tap counts. */
+template <typename A, int WMAX, int VEC, bool SEQ>
 __device__ __forceinline__ void pre_activation(int64_t t, int64_t st0, const A (&wk)[WMAX][VEC],
                                                const A (&xs)[WMAX][VEC], const A (&bs)[VEC],
                                                A (&u)[VEC]) {
@@ -158,14 +162,17 @@ __device__ __forceinline__ void pre_activation(int64_t t, int64_t st0, const A (
   for (int i = 0; i < VEC; i++) u[i] = bs[i];
 #pragma unroll
   for (int k = 0; k < WMAX; k++)
-    if (tap_ok(t - k, st0))
+    if (!SEQ || tap_ok(t - k, st0))
 #pragma unroll
       for (int i = 0; i < VEC; i++) u[i] += wk[k][i] * xs[k][i];
 }
 
-/* grid (channel tiles of CONV_THREADS * VEC, token chunks, B). */
-template <typename IO, int WMAX, int VEC>
-__global__ void __launch_bounds__(CONV_THREADS)
+/* grid (channel tiles of CONV_THREADS * VEC, token chunks, B).  The loads of the next
+ * AHEAD tokens are issued before the current AHEAD are computed, so that a warp keeps
+ * bytes in flight while it does the arithmetic; tokens are stepped by pointer, as the
+ * kernel is issue-bound rather than memory-bound. */
+template <typename IO, int WMAX, int VEC, bool SEQ, int AHEAD, int MINB>
+__global__ void __launch_bounds__(CONV_THREADS, MINB)
     conv_fwd_kernel(ConvArgs a, const IO *__restrict__ x, const IO *__restrict__ wt,
                     const IO *__restrict__ bias, const IO *__restrict__ halo,
                     IO *__restrict__ out) {
@@ -174,7 +181,7 @@ __global__ void __launch_bounds__(CONV_THREADS)
   if (c >= a.C) return;
   const int64_t b = blockIdx.z;
   const int64_t t0 = (int64_t)blockIdx.y * CONV_TCH;
-  const int64_t t1 = t0 + CONV_TCH < a.T ? t0 + CONV_TCH : a.T;
+  const int n = (int)((t0 + CONV_TCH < a.T ? t0 + CONV_TCH : a.T) - t0); /* tokens here */
   A wk[WMAX][VEC], xs[WMAX][VEC], bs[VEC]; /* xs[k]: the inputs at t - k */
   taps_by_age<IO, WMAX, VEC>(a, wt, bias, c, wk, bs);
 #pragma unroll
@@ -185,25 +192,37 @@ __global__ void __launch_bounds__(CONV_THREADS)
     age<A, WMAX, VEC>(xs);
     raw_input<IO, VEC>(a, x, halo, t, b, c, xs[0]);
   }
-  for (int64_t tg = t0; tg < t1; tg += CONV_AHEAD) {
-    /* the group's loads are issued together, so CONV_AHEAD are in flight per thread */
-    Pack<IO, VEC> nx[CONV_AHEAD];
+  const int64_t xrow = a.B * a.x_ld, orow = a.B * a.C;
+  const IO *xp = x + (t0 * a.B + b) * a.x_ld + c; /* token t0 + j0 + AHEAD (the next group) */
+  IO *op = out + (t0 * a.B + b) * a.C + c;
+  Pack<IO, VEC> nx[AHEAD];
 #pragma unroll
-    for (int j = 0; j < CONV_AHEAD; j++)
-      nx[j] = tg + j < t1 ? ld_pack<IO, VEC>(x + ((tg + j) * a.B + b) * a.x_ld + c) : Pack<IO, VEC>();
+  for (int j = 0; j < AHEAD; j++) {
+    nx[j] = j < n ? ld_pack<IO, VEC>(xp) : Pack<IO, VEC>();
+    xp += xrow;
+  }
+  for (int j0 = 0; j0 < n; j0 += AHEAD) {
+    Pack<IO, VEC> cx[AHEAD];
 #pragma unroll
-    for (int j = 0; j < CONV_AHEAD; j++) {
-      const int64_t t = tg + j;
-      if (t >= t1) break;
+    for (int j = 0; j < AHEAD; j++) cx[j] = nx[j];
+#pragma unroll
+    for (int j = 0; j < AHEAD; j++) {
+      if (j0 + AHEAD + j < n) nx[j] = ld_pack<IO, VEC>(xp);
+      xp += xrow;
+    }
+#pragma unroll
+    for (int j = 0; j < AHEAD; j++) {
+      if (j0 + j >= n) break;
       age<A, WMAX, VEC>(xs);
 #pragma unroll
-      for (int i = 0; i < VEC; i++) xs[0][i] = ld(nx[j].e, i);
+      for (int i = 0; i < VEC; i++) xs[0][i] = ld(cx[j].e, i);
       A u[VEC];
-      pre_activation<A, WMAX, VEC>(t, seq_start(a, t), wk, xs, bs, u);
+      pre_activation<A, WMAX, VEC, SEQ>(t0 + j0 + j, SEQ ? seq_start(a, t0 + j0 + j) : 0, wk, xs, bs, u);
       if (a.silu)
 #pragma unroll
-        for (int i = 0; i < VEC; i++) u[i] = u[i] / ((A)1 + m_exp(-u[i]));
-      st_lanes<IO, VEC>(out + (t * a.B + b) * a.C + c, u);
+        for (int i = 0; i < VEC; i++) u[i] *= sigmoid(u[i]);
+      st_lanes<IO, VEC>(op, u);
+      op += orow;
     }
   }
 }
@@ -224,10 +243,12 @@ __device__ __forceinline__ Pack<IO, VEC> raw_pack(const ConvArgs &a, const IO *_
  * hold dweight[c,w]'s partial sums, W*C+c dbias[c]'s, the block's sub-chunks added in
  * order through shared memory (NULL: not wanted).  Step t computes du(t) (t in
  * [t0, t1 + WMAX - 1): the sub-chunk's own tokens for the sums, and the WMAX-1 after
- * it for dx) and dx(s) for s = t - (WMAX-1) in the sub-chunk; x and d_out for
- * CONV_AHEAD steps are loaded together. */
-template <typename IO, int WMAX, int VEC>
-__global__ void __launch_bounds__(CONV_THREADS, WMAX <= 4 ? 3 : 1)
+ * it for dx) and dx(s) for s = t - (WMAX-1) in the sub-chunk; x and d_out of the next
+ * AHEAD steps are loaded while the current AHEAD are computed (x by pointer where the
+ * group lies inside [0, T), else through raw_pack).  SEQ false: one sequence, so no
+ * sequence starts are tracked. */
+template <typename IO, int WMAX, int VEC, bool SEQ, int AHEAD, int MINB>
+__global__ void __launch_bounds__(CONV_THREADS, MINB)
     conv_bwd_kernel(ConvArgs a, const IO *__restrict__ x, const IO *__restrict__ wt,
                     const IO *__restrict__ bias, const IO *__restrict__ halo,
                     const IO *__restrict__ d_out, IO *__restrict__ dx,
@@ -241,11 +262,11 @@ __global__ void __launch_bounds__(CONV_THREADS, WMAX <= 4 ? 3 : 1)
   const int64_t t0 = ((int64_t)blockIdx.y * CONV_SUB + sub) * CONV_TCH;
   const int64_t t1 = t0 + CONV_TCH < a.T ? t0 + CONV_TCH : a.T;
   A wk[WMAX][VEC], xs[WMAX][VEC], ds[WMAX][VEC], bs[VEC]; /* ds[k]: du(t - k) (0 outside [t0, T)) */
-  int64_t sq[WMAX];                                       /* sq[k]: the sequence start of token t - k */
+  int64_t sq[SEQ ? WMAX : 1];                             /* sq[k]: the sequence start of token t - k */
   A accw[WMAX][VEC], accb[VEC];
 #pragma unroll
   for (int k = 0; k < WMAX; k++) {
-    sq[k] = 0;
+    if (SEQ) sq[k] = 0;
 #pragma unroll
     for (int i = 0; i < VEC; i++) xs[k][i] = ds[k][i] = accw[k][i] = (A)0;
   }
@@ -253,65 +274,86 @@ __global__ void __launch_bounds__(CONV_THREADS, WMAX <= 4 ? 3 : 1)
   for (int i = 0; i < VEC; i++) accb[i] = (A)0;
   if (live && t0 < a.T) {
     taps_by_age<IO, WMAX, VEC>(a, wt, bias, c, wk, bs);
-    const int64_t t_end = t1 + (WMAX - 1) < a.T ? t1 + (WMAX - 1) : a.T;
-    const int64_t t_last = t1 + (WMAX - 1);
-    for (int64_t tg = t0 - (WMAX - 1); tg < t_last; tg += CONV_AHEAD) {
-      Pack<IO, VEC> nx[CONV_AHEAD], ng[CONV_AHEAD];
+    /* steps i = t - tb over [0, n): du for i in [W-1, nd), dx for s = t - (W-1) in [0, ns) */
+    const int64_t tb = t0 - (WMAX - 1);
+    const int ns = (int)(t1 - t0), n = ns + 2 * (WMAX - 1);
+    const int nd = (int)((t1 + (WMAX - 1) < a.T ? t1 + (WMAX - 1) : a.T) - tb);
+    const int64_t xrow = a.B * a.x_ld, grow = a.B * a.C, dxrow = a.B * a.dx_ld;
+    const IO *xp = x + (tb * a.B + b) * a.x_ld + c;   /* step i0 + AHEAD's x (may lie outside) */
+    const IO *gp = d_out + (tb * a.B + b) * a.C + c; /* and its d_out */
+    IO *dxp = dx ? dx + (t0 * a.B + b) * a.dx_ld + c : NULL; /* the next dx */
+    Pack<IO, VEC> nx[AHEAD], ng[AHEAD];
+    /* loads x and d_out of steps i..i+AHEAD into nx, ng; advances xp, gp past them */
+    auto load = [&](int i) {
+      const bool inside = tb + i >= 0 && tb + i + AHEAD <= a.T;
 #pragma unroll
-      for (int j = 0; j < CONV_AHEAD; j++) {
-        const int64_t t = tg + j;
-        nx[j] = t < t_last ? raw_pack<IO, VEC>(a, x, halo, t, b, c) : Pack<IO, VEC>();
-        ng[j] = t >= t0 && t < t_end ? ld_pack<IO, VEC>(d_out + (t * a.B + b) * a.C + c)
-                                     : Pack<IO, VEC>();
+      for (int j = 0; j < AHEAD; j++) {
+        if (inside) nx[j] = ld_pack<IO, VEC>(xp);
+        else if (i + j < n) nx[j] = raw_pack<IO, VEC>(a, x, halo, tb + i + j, b, c);
+        if (i + j >= WMAX - 1 && i + j < nd) ng[j] = ld_pack<IO, VEC>(gp);
+        xp += xrow, gp += grow;
       }
+    };
 #pragma unroll
-      for (int j = 0; j < CONV_AHEAD; j++) {
-        const int64_t t = tg + j;
-        if (t >= t_last) break;
+    for (int j = 0; j < AHEAD; j++) nx[j] = ng[j] = Pack<IO, VEC>();
+    load(0);
+    for (int i0 = 0; i0 < n; i0 += AHEAD) {
+      Pack<IO, VEC> cx[AHEAD], cg[AHEAD];
+#pragma unroll
+      for (int j = 0; j < AHEAD; j++) cx[j] = nx[j], cg[j] = ng[j];
+      if (i0 + AHEAD < n) load(i0 + AHEAD);
+#pragma unroll
+      for (int j = 0; j < AHEAD; j++) {
+        const int i = i0 + j;
+        if (i >= n) break;
+        const int64_t t = tb + i;
         age<A, WMAX, VEC>(xs);
         age<A, WMAX, VEC>(ds);
+        if (SEQ) {
 #pragma unroll
-        for (int k = WMAX - 1; k > 0; k--) sq[k] = sq[k - 1];
+          for (int k = WMAX - 1; k > 0; k--) sq[k] = sq[k - 1];
+          sq[0] = 0;
+        }
 #pragma unroll
-        for (int i = 0; i < VEC; i++) xs[0][i] = ld(nx[j].e, i), ds[0][i] = (A)0;
-        sq[0] = 0;
-        if (t >= t0 && t < t_end) {
-          const int64_t st0 = seq_start(a, t);
-          sq[0] = st0;
+        for (int q = 0; q < VEC; q++) xs[0][q] = ld(cx[j].e, q), ds[0][q] = (A)0;
+        if (i >= WMAX - 1 && i < nd) {
+          const int64_t st0 = SEQ ? seq_start(a, t) : 0;
+          if (SEQ) sq[0] = st0;
           A u[VEC], du[VEC];
-          pre_activation<A, WMAX, VEC>(t, st0, wk, xs, bs, u);
+          pre_activation<A, WMAX, VEC, SEQ>(t, st0, wk, xs, bs, u);
 #pragma unroll
-          for (int i = 0; i < VEC; i++) du[i] = ld(ng[j].e, i);
+          for (int q = 0; q < VEC; q++) du[q] = ld(cg[j].e, q);
           if (a.silu)
 #pragma unroll
-            for (int i = 0; i < VEC; i++) {
-              const A sg = sigmoid(u[i]);
-              du[i] *= sg * ((A)1 + u[i] * ((A)1 - sg));
+            for (int q = 0; q < VEC; q++) {
+              const A sg = sigmoid(u[q]);
+              du[q] *= sg * ((A)1 + u[q] * ((A)1 - sg));
             }
 #pragma unroll
-          for (int i = 0; i < VEC; i++) ds[0][i] = du[i];
-          if (partial && t < t1) {
+          for (int q = 0; q < VEC; q++) ds[0][q] = du[q];
+          if (partial && i < WMAX - 1 + ns) {
 #pragma unroll
-            for (int i = 0; i < VEC; i++) accb[i] += du[i];
+            for (int q = 0; q < VEC; q++) accb[q] += du[q];
 #pragma unroll
             for (int k = 0; k < WMAX; k++)
-              if (tap_ok(t - k, st0))
+              if (!SEQ || tap_ok(t - k, st0))
 #pragma unroll
-                for (int i = 0; i < VEC; i++) accw[k][i] += du[i] * xs[k][i];
+                for (int q = 0; q < VEC; q++) accw[k][q] += du[q] * xs[k][q];
           }
         }
-        const int64_t s = t - (WMAX - 1);
-        if (dx && s >= t0 && s < t1) {
+        if (dxp && i >= 2 * (WMAX - 1)) {
           /* tokens s + j (age WMAX-1-j) of s's own sequence read s through wk[j] */
+          const int64_t s = t - (WMAX - 1);
           A g[VEC];
 #pragma unroll
-          for (int i = 0; i < VEC; i++) g[i] = (A)0;
+          for (int q = 0; q < VEC; q++) g[q] = (A)0;
 #pragma unroll
           for (int jj = 0; jj < WMAX; jj++)
-            if (sq[WMAX - 1 - jj] <= s)
+            if (!SEQ || sq[SEQ ? WMAX - 1 - jj : 0] <= s)
 #pragma unroll
-              for (int i = 0; i < VEC; i++) g[i] += wk[jj][i] * ds[WMAX - 1 - jj][i];
-          st_lanes<IO, VEC>(dx + (s * a.B + b) * a.dx_ld + c, g);
+              for (int q = 0; q < VEC; q++) g[q] += wk[jj][q] * ds[WMAX - 1 - jj][q];
+          st_lanes<IO, VEC>(dxp, g);
+          dxp += dxrow;
         }
       }
     }
@@ -442,14 +484,22 @@ gdp_status conv_fwd(const gdp_conv1d_problem *p, const int64_t *seq, const void 
   const IO *xi = (const IO *)x, *wi = (const IO *)wt, *bi = (const IO *)bias, *hi = (const IO *)halo;
   IO *o = (IO *)out;
   const void *ptrs[5] = {x, wt, bias, halo, out};
-  enum { V = Vec16<IO>::n };
-  if (conv_packs_fit<IO>(a, ptrs, 5, 16))
-    conv_fwd_kernel<IO, 4, V><<<conv_grid(a, V), CONV_THREADS, 0, stream>>>(a, xi, wi, bi, hi, o);
+  typedef void (*Kernel)(ConvArgs, const IO *, const IO *, const IO *, const IO *, IO *);
+  const bool seqs = a.seq != NULL;
+  Kernel k;
+  int vec = 1;
+  enum { V = CONV_PACK / sizeof(IO) > 0 ? CONV_PACK / sizeof(IO) : 1 };
+#define CONV_FWD_K(WM, VV, MB)                                    \
+  (seqs ? conv_fwd_kernel<IO, WM, VV, true, CONV_AHEAD_FWD, MB>   \
+        : conv_fwd_kernel<IO, WM, VV, false, CONV_AHEAD_FWD, MB>)
+  if (conv_packs_fit<IO>(a, ptrs, 5, (int)(V * sizeof(IO))))
+    k = CONV_FWD_K(4, V, 3), vec = V;
   else if (a.W <= 4)
-    conv_fwd_kernel<IO, 4, 1><<<conv_grid(a, 1), CONV_THREADS, 0, stream>>>(a, xi, wi, bi, hi, o);
+    k = CONV_FWD_K(4, 1, 1);
   else
-    conv_fwd_kernel<IO, CONV_WMAX, 1><<<conv_grid(a, 1), CONV_THREADS, 0, stream>>>(a, xi, wi, bi,
-                                                                                 hi, o);
+    k = CONV_FWD_K(CONV_WMAX, 1, 1);
+#undef CONV_FWD_K
+  k<<<conv_grid(a, vec), CONV_THREADS, 0, stream>>>(a, xi, wi, bi, hi, o);
   return launched(func, "conv_fwd_kernel");
 }
 
@@ -470,16 +520,23 @@ gdp_status conv_bwd(const gdp_conv1d_problem *p, const int64_t *seq, const void 
     GDP_TRY(conv_grid_check(func, a));
     IO *dxo = (IO *)dx;
     const void *ptrs[6] = {x, wt, bias, halo, d_out, dx};
-    enum { V = CONV_BWD_PACK / sizeof(IO) > 0 ? CONV_BWD_PACK / sizeof(IO) : 1 };
+    typedef void (*Kernel)(ConvArgs, const IO *, const IO *, const IO *, const IO *, const IO *,
+                           IO *, A *);
+    const bool seqs = a.seq != NULL;
+    Kernel k;
+    int vec = 1;
+    enum { V = CONV_PACK / sizeof(IO) > 0 ? CONV_PACK / sizeof(IO) : 1 };
+#define CONV_BWD_K(WM, VV, AH, MB)                                \
+  (seqs ? conv_bwd_kernel<IO, WM, VV, true, AH, MB>               \
+        : conv_bwd_kernel<IO, WM, VV, false, AH, MB>)
     if (conv_packs_fit<IO>(a, ptrs, 6, (int)(V * sizeof(IO))))
-      conv_bwd_kernel<IO, 4, V><<<conv_bwd_grid(a, V), CONV_THREADS, 0, stream>>>(
-          a, xi, wi, bi, hi, di, dxo, partial);
+      k = CONV_BWD_K(4, V, CONV_AHEAD_BWD, 3), vec = V;
     else if (a.W <= 4)
-      conv_bwd_kernel<IO, 4, 1><<<conv_bwd_grid(a, 1), CONV_THREADS, 0, stream>>>(
-          a, xi, wi, bi, hi, di, dxo, partial);
+      k = CONV_BWD_K(4, 1, CONV_AHEAD_FWD, 3);
     else
-      conv_bwd_kernel<IO, CONV_WMAX, 1><<<conv_bwd_grid(a, 1), CONV_THREADS, 0, stream>>>(
-          a, xi, wi, bi, hi, di, dxo, partial);
+      k = CONV_BWD_K(CONV_WMAX, 1, CONV_AHEAD_FWD, 1);
+#undef CONV_BWD_K
+    k<<<conv_bwd_grid(a, vec), CONV_THREADS, 0, stream>>>(a, xi, wi, bi, hi, di, dxo, partial);
     GDP_TRY(launched(func, "conv_bwd_kernel"));
   }
   if (want_sums && a.C > 0) {

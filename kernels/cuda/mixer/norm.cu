@@ -44,6 +44,14 @@ __device__ __forceinline__ int64_t at(const gdp_tbhp_strides &s, int64_t t, int6
   return t * s.t + b * s.b + (int64_t)(c / P) * s.h + c % P;
 }
 
+/* The same with the channel's head h = c / P and place pp = c % P worked out once: a
+ * thread's channels are the same on every row, and the divisions would be a large part
+ * of the backward's instructions. */
+__device__ __forceinline__ int64_t at_hp(const gdp_tbhp_strides &s, int64_t t, int64_t b, int h,
+                                         int pp) {
+  return t * s.t + b * s.b + (int64_t)h * s.h + pp;
+}
+
 /* V consecutive elements widened to the math type (one 16-byte access when V > 1). */
 template <int V, typename IO, typename A>
 __device__ __forceinline__ void ldv(const IO *p, A *v) {
@@ -202,30 +210,29 @@ template <typename IO, int V, int K> struct BwdRow {
 
 template <typename IO, int V, int K>
 __device__ __forceinline__ void load_bwd_row(const NormArgs<IO> &a, const Slots<V, K> &sl,
-                                             bool ok, int64_t t, int64_t b,
-                                             BwdRow<IO, V, K> &r) {
+                                             bool ok, int64_t t, int64_t b, const int (&hk)[K],
+                                             const int (&pk)[K], BwdRow<IO, V, K> &r) {
   const gdp_out_norm_problem &p = a.p;
-  const int P = (int)p.P;
 #pragma unroll
   for (int k = 0; k < K; k++) {
     r.o[k] = r.xv[k] = r.z[k] = r.go[k] = Pack<IO, V>();
     if (!ok || !sl.has(k)) continue;
-    const int c = sl.channel(k);
-    r.o[k] = ld_pack<IO, V>(a.o + at(p.o, t, b, c, P));
-    r.go[k] = ld_pack<IO, V>(a.d_out + at(p.d_out, t, b, c, P));
-    if (p.D_mode != GDP_OUT_NORM_NO_D) r.xv[k] = ld_pack<IO, V>(a.x_v + at(p.x_v, t, b, c, P));
-    if (a.z) r.z[k] = ld_pack<IO, V>(a.z + at(p.z, t, b, c, P));
+    r.o[k] = ld_pack<IO, V>(a.o + at_hp(p.o, t, b, hk[k], pk[k]));
+    r.go[k] = ld_pack<IO, V>(a.d_out + at_hp(p.d_out, t, b, hk[k], pk[k]));
+    if (p.D_mode != GDP_OUT_NORM_NO_D) r.xv[k] = ld_pack<IO, V>(a.x_v + at_hp(p.x_v, t, b, hk[k], pk[k]));
+    if (a.z) r.z[k] = ld_pack<IO, V>(a.z + at_hp(p.z, t, b, hk[k], pk[k]));
   }
 }
 
-/* Element i of vector k: y = o + D x_v, s = sigmoid(z), x = y z s (x = y without z). */
+/* Element i of vector k (channel c, head h): y = o + D x_v, s = sigmoid(z), x = y z s
+ * (x = y without z). */
 template <typename IO, int V, int K, typename A>
 __device__ __forceinline__ void bwd_elem(const NormArgs<IO> &a, const BwdRow<IO, V, K> &r,
-                                         int k, int i, int c, A &y, A &zz, A &sg, A &x) {
+                                         int k, int i, int c, int h, A &y, A &zz, A &sg, A &x) {
   const gdp_out_norm_problem &p = a.p;
   y = ld(r.o[k].e, i);
   if (p.D_mode != GDP_OUT_NORM_NO_D)
-    y += ld(a.D, p.D_mode == GDP_OUT_NORM_D_CHANNEL ? c + i : c / (int)p.P) * ld(r.xv[k].e, i);
+    y += ld(a.D, p.D_mode == GDP_OUT_NORM_D_CHANNEL ? c + i : h) * ld(r.xv[k].e, i);
   zz = ld(r.z[k].e, i);
   sg = a.z ? sigmoid(zz) : (A)1;
   x = a.z ? y * zz * sg : y;
@@ -253,12 +260,17 @@ __global__ void __launch_bounds__(BwdBounds<IO>::max_team, 1)
   A acc_w[K * V], acc_D[K * V];
 #pragma unroll
   for (int i = 0; i < K * V; i++) acc_w[i] = acc_D[i] = (A)0;
+  int hk[K], pk[K]; /* vector k's head and place in it (a vector stays inside a head) */
+#pragma unroll
+  for (int k = 0; k < K; k++) hk[k] = sl.channel(k) / P, pk[k] = sl.channel(k) - hk[k] * P;
+  /* row rr = t B + b, stepped by `teams` rows without a division per row */
+  const int64_t dt = teams / p.B, db = teams % p.B;
+  int64_t t = (r0 + team) / p.B, b = (r0 + team) % p.B;
   for (int64_t base = r0; base < r1; base += teams) { /* uniform over the block */
     const int64_t rr = base + team;
     const bool ok = rr < r1;
-    const int64_t t = ok ? rr / p.B : 0, b = ok ? rr % p.B : 0;
     BwdRow<IO, V, K> r;
-    load_bwd_row<IO, V, K>(a, sl, ok, t, b, r);
+    load_bwd_row<IO, V, K>(a, sl, ok, t, b, hk, pk, r);
     A sum = (A)0, dot = (A)0; /* sums of x^2 and of d_out * weight * x */
 #pragma unroll
     for (int k = 0; k < K; k++) {
@@ -269,7 +281,7 @@ __global__ void __launch_bounds__(BwdBounds<IO>::max_team, 1)
 #pragma unroll
       for (int i = 0; i < V; i++) {
         A y, zz, sg, x;
-        bwd_elem<IO, V, K, A>(a, r, k, i, c, y, zz, sg, x);
+        bwd_elem<IO, V, K, A>(a, r, k, i, c, hk[k], y, zz, sg, x);
         sum += x * x;
         dot += ld(r.go[k].e, i) * w[i] * x;
       }
@@ -288,7 +300,7 @@ __global__ void __launch_bounds__(BwdBounds<IO>::max_team, 1)
       for (int i = 0; i < V; i++) {
         const int e = k * V + i;
         A y, zz, sg, x;
-        bwd_elem<IO, V, K, A>(a, r, k, i, c, y, zz, sg, x);
+        bwd_elem<IO, V, K, A>(a, r, k, i, c, hk[k], y, zz, sg, x);
         const A go = ld(r.go[k].e, i);
         const A dx = rstd * (go * w[i] - x * cm);
         acc_w[e] += go * x * rstd;
@@ -299,13 +311,15 @@ __global__ void __launch_bounds__(BwdBounds<IO>::max_team, 1)
         }
         if (has_D) {
           acc_D[e] += dy[i] * ld(r.xv[k].e, i);
-          dxv[i] = ld(a.D, p.D_mode == GDP_OUT_NORM_D_CHANNEL ? c + i : c / P) * dy[i];
+          dxv[i] = ld(a.D, p.D_mode == GDP_OUT_NORM_D_CHANNEL ? c + i : hk[k]) * dy[i];
         }
       }
-      if (a.d_o) stv<V>(a.d_o + at(p.d_o, t, b, c, P), dy);
-      if (a.dz && a.z) stv<V>(a.dz + at(p.dz, t, b, c, P), dzv);
-      if (a.dx_v && has_D) stv<V>(a.dx_v + at(p.dx_v, t, b, c, P), dxv);
+      if (a.d_o) stv<V>(a.d_o + at_hp(p.d_o, t, b, hk[k], pk[k]), dy);
+      if (a.dz && a.z) stv<V>(a.dz + at_hp(p.dz, t, b, hk[k], pk[k]), dzv);
+      if (a.dx_v && has_D) stv<V>(a.dx_v + at_hp(p.dx_v, t, b, hk[k], pk[k]), dxv);
     }
+    t += dt, b += db;
+    if (b >= p.B) b -= p.B, t++;
   }
   if (!a.partial) return; /* uniform */
   stash_partial(a, sl, team, teams, acc_w, 0);
