@@ -200,7 +200,7 @@ local function profiled_step(m, x, dy, base)
   local parts = m:split_in_proj(zx)
   local xBC_c = stage("conv", function() return m:conv_forward(parts.xBC, nil) end)
   local inp = stage("ssm_inputs", function() return m:ssm_inputs(xBC_c, parts.b, parts.a) end)
-  local o = stage("ssm", function() return m:ssm_forward(inp, nil) end)
+  local o, op_saved = stage("ssm", function() return m:ssm_forward(inp, nil, m.save_for_backward) end)
   local _, saved = stage("out", function() return m:out_forward(o, parts.z, inp.x_v) end)
   local dzx, dparts = m:in_proj_grad(x:size(1), x:size(2))
   -- as GatedDeltaProduct:backward: the stages fill dzx's sections in place
@@ -208,7 +208,8 @@ local function profiled_step(m, x, dy, base)
     local o_grad, _, x_v_grad = m:out_backward(saved, parts.z, inp.x_v, dy, dparts.z)
     return o_grad, x_v_grad
   end)
-  local g = stage("ssm_backward", function() return m:ssm_backward(inp, nil, d_o) end)
+  local g = stage("ssm_backward", function() return m:ssm_backward(inp, nil, d_o, op_saved) end)
+  if op_saved then op_saved:free() end
   local dxBC_c = stage("ssm_inputs_backward", function()
     return m:ssm_inputs_backward(g, parts.b, parts.a, dx_v, { db = dparts.b, da = dparts.a })
   end)
