@@ -131,10 +131,12 @@ describe("nn.GatedDeltaProduct on cuda vs the cpu layer #gpu", function()
     assert.are.equal(0, m:gradients()["conv1d.weight"]:max_abs())
   end)
 
-  -- the saved operator state (the default) against the backward's own recompute, on the
-  -- fast path's shapes (where the saved state is not empty), packed and not
+  -- the saved operator state (the default; checked against the cpu layer above) and the
+  -- backward's own recompute, on the fast path's shapes (where the saved state is not
+  -- empty), packed and not: the two run different forward kernels, so they agree to bf16's
+  -- bounds, not bit for bit
   for _, ci in ipairs({ 4, 5 }) do
-    it("save_for_backward = false gives the saving layer's results: " .. configs[ci].label, function()
+    it("save_for_backward = false agrees with the saving layer: " .. configs[ci].label, function()
       if not H.need_device("cuda") then return end
       H.reseed(4200 + ci)
       local c = configs[ci]
@@ -150,13 +152,12 @@ describe("nn.GatedDeltaProduct on cuda vs the cpu layer #gpu", function()
       assert.is_not_nil(saving.cache.op_saved)
       assert.is_true(saving.cache.op_saved:bytes() > 0, "the fast path saved nothing")
       assert.is_nil(plain.cache.op_saved)
+      local rec = H.record_mixer_grads(plain) -- the gate sums against their terms, as above
       local dx_s, dx_p = saving:backward(x, dy, c.cu), plain:backward(x, dy, c.cu)
-      assert.tensor_near(out_s, out_p, 1e-6, "out")
-      assert.tensor_near(dx_s, dx_p, 1e-5, "grad.x")
-      local gs, gp = saving:gradients(), plain:gradients()
-      for _, name in ipairs(saving:parameter_names()) do
-        assert.tensor_near(gs[name], gp[name], 1e-5, name)
-      end
+      assert.tensor_near(out_s, out_p, TOL.bf16, "out")
+      assert.tensor_near(dx_s, dx_p, TOL.bf16, "grad.x")
+      H.assert_model_grads_near(saving:gradients(), plain:gradients(), saving:parameter_names(),
+                                PARAM_TOL.bf16, rec, true)
       saving:clear_state()
       assert.is_nil(saving.cache)
     end)
