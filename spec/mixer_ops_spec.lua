@@ -46,6 +46,9 @@ local tiled = {
             { bias = true, activation = "silu" }),
   conv_case("tiles: one sequence after a halo of 3, B = 2, 5 token chunks", 600, 2, 128, 4,
             { bias = true, activation = "silu", halo = 3 }),
+  -- the cuda backward's blocks take 512 tokens: sequences starting on either side of one
+  conv_case("tiles: packed across the backward's block chunks, halo 3", 1100, 1, 64, 4,
+            { bias = true, activation = "silu", cu = { 0, 511, 513, 1024, 1100 }, halo = 3 }),
   conv_case("tiles: packed with empty sequences, halo 3, SiLU", 300, 1, 130, 4,
             { bias = true, activation = "silu", cu = { 0, 0, 100, 101, 101, 129, 300, 300 }, halo = 3 }),
   conv_case("tiles: W = 6 (the wide kernel), packed, halo 5", 140, 1, 40, 6,

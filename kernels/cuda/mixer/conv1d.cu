@@ -9,13 +9,14 @@
  * chunk of CONV_TCH tokens and slides over them with the last WMAX inputs (and,
  * backward, the last WMAX du = d_out * act'(u) and sequence starts) in registers, so
  * that every element of x and d_out is read once per chunk (plus WMAX-1 tokens of
- * overlap) and no thread divides a 64-bit index.  The kernels are issue-bound, not
- * memory-bound (Nsight Compute on the H200 at the mixer's shape: 60% of the issue slots
- * busy at 38% of DRAM bandwidth), so the instructions per element are what counts:
- * without packing (no seq) a SEQ = false instance tracks no sequence starts, tokens are
- * stepped by pointer, and the sigmoid is the fast one (common.cuh).  A thread issues
- * the loads of the next CONV_AHEAD_* tokens before it computes the current ones, so its
- * bytes stay in flight during the arithmetic.  The VEC channels move as one pack of
+ * overlap) and no thread divides a 64-bit index.  At the mixer's shape the kernels
+ * were waiting on memory (Nsight Compute on the H200: 12 warps per SM at 167
+ * registers, 7 of every 10 cycles stalled on loads, 20% of DRAM bandwidth), so each
+ * thread stages the loads of its next CONV_RING tokens in shared memory with cp.async
+ * (stage), which keeps bytes in flight without registers for them: backward 0.61 ->
+ * 0.25 ms, forward 0.15 -> 0.11 ms.  The rest is instruction count: a SEQ = false
+ * instance (no cu_seqlens) tracks no sequence starts, tokens are stepped by pointer,
+ * and the sigmoid is the fast one (common.cuh).  The VEC channels move as one pack of
  * CONV_PACK bytes when the channel count, the row strides and the buffers allow it (the
  * narrow conv, W <= 4, whose registers hold VEC lanes of every tap), else as single
  * elements.  x is read in place as rows x_ld apart (the in_proj output's channel
@@ -34,10 +35,9 @@ namespace {
 
 enum {
   CONV_THREADS = 128,
-  CONV_TCH = 64,      /* tokens a thread slides over */
+  CONV_TCH = 128,     /* tokens a thread slides over */
   CONV_WMAX = 16,
-  CONV_AHEAD_FWD = 8, /* tokens whose loads a thread issues together, forward */
-  CONV_AHEAD_BWD = 4, /* and backward (two operands, and four times the registers) */
+  CONV_RING = 16,     /* tokens (steps) whose loads are staged ahead in shared memory */
   CONV_SUB = 4,       /* backward: sub-chunks (warps) of a block, summed in shared memory */
   CONV_PACK = 8,      /* bytes of a channel pack (4 bf16, 2 f32): 16-byte packs double the
                          registers and were slower in both directions on the H200 */
@@ -167,18 +167,41 @@ __device__ __forceinline__ void pre_activation(int64_t t, int64_t st0, const A (
       for (int i = 0; i < VEC; i++) u[i] += wk[k][i] * xs[k][i];
 }
 
-/* grid (channel tiles of CONV_THREADS * VEC, token chunks, B).  The loads of the next
- * AHEAD tokens are issued before the current AHEAD are computed, so that a warp keeps
- * bytes in flight while it does the arithmetic; tokens are stepped by pointer, as the
- * kernel is issue-bound rather than memory-bound. */
-template <typename IO, int WMAX, int VEC, bool SEQ, int AHEAD, int MINB>
+/* Per-thread staging of loads through shared memory: cp.async puts a pack's bytes in
+ * flight without holding registers for them (packs of 4, 8 or 16 bytes; narrower ones
+ * are copied through registers).  Each thread reads back only what it staged, after its
+ * own wait, so no barrier is needed; a slot is restaged only after the value read from
+ * it has been used. */
+template <typename IO, int VEC>
+__device__ __forceinline__ void stage(Pack<IO, VEC> *dst, const IO *src, bool valid) {
+  constexpr int N = (int)sizeof(Pack<IO, VEC>);
+  if constexpr (N == 4 || N == 8 || N == 16) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(d), "l"(src), "n"(N),
+                 "r"(valid ? N : 0)
+                 : "memory");
+  } else {
+    *dst = valid ? ld_pack<IO, VEC>(src) : Pack<IO, VEC>();
+  }
+}
+__device__ __forceinline__ void stage_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int PENDING> __device__ __forceinline__ void stage_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
+}
+
+/* grid (channel tiles of CONV_THREADS * VEC, token chunks, B).  x of the next RING
+ * tokens is staged in shared memory (stage above) while the current one is computed,
+ * so that a warp keeps bytes in flight without registers for them; tokens are stepped
+ * by pointer. */
+template <typename IO, int WMAX, int VEC, bool SEQ, int RING, int MINB>
 __global__ void __launch_bounds__(CONV_THREADS, MINB)
     conv_fwd_kernel(ConvArgs a, const IO *__restrict__ x, const IO *__restrict__ wt,
                     const IO *__restrict__ bias, const IO *__restrict__ halo,
                     IO *__restrict__ out) {
   typedef typename Math<IO>::type A;
+  __shared__ Pack<IO, VEC> ring[RING][CONV_THREADS];
   const int64_t c = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
-  if (c >= a.C) return;
+  if (c >= a.C) return; /* no barriers below */
   const int64_t b = blockIdx.z;
   const int64_t t0 = (int64_t)blockIdx.y * CONV_TCH;
   const int n = (int)((t0 + CONV_TCH < a.T ? t0 + CONV_TCH : a.T) - t0); /* tokens here */
@@ -188,36 +211,33 @@ __global__ void __launch_bounds__(CONV_THREADS, MINB)
   for (int k = 0; k < WMAX; k++)
 #pragma unroll
     for (int i = 0; i < VEC; i++) xs[k][i] = (A)0;
+  const int64_t xrow = a.B * a.x_ld, orow = a.B * a.C;
+  const IO *xp = x + (t0 * a.B + b) * a.x_ld + c; /* the next staged token's x */
+  IO *op = out + (t0 * a.B + b) * a.C + c;
+  auto stage_step = [&](int j) { /* token t0 + j into slot j % RING, a commit group each */
+    if (j < n) stage<IO, VEC>(&ring[j % RING][threadIdx.x], xp, true);
+    stage_commit();
+    xp += xrow;
+  };
+#pragma unroll
+  for (int j = 0; j < RING; j++) stage_step(j);
   for (int64_t t = t0 - (WMAX - 1); t < t0; t++) {
     age<A, WMAX, VEC>(xs);
     raw_input<IO, VEC>(a, x, halo, t, b, c, xs[0]);
   }
-  const int64_t xrow = a.B * a.x_ld, orow = a.B * a.C;
-  const IO *xp = x + (t0 * a.B + b) * a.x_ld + c; /* token t0 + j0 + AHEAD (the next group) */
-  IO *op = out + (t0 * a.B + b) * a.C + c;
-  Pack<IO, VEC> nx[AHEAD];
+  for (int j0 = 0; j0 < n; j0 += WMAX) {
 #pragma unroll
-  for (int j = 0; j < AHEAD; j++) {
-    nx[j] = j < n ? ld_pack<IO, VEC>(xp) : Pack<IO, VEC>();
-    xp += xrow;
-  }
-  for (int j0 = 0; j0 < n; j0 += AHEAD) {
-    Pack<IO, VEC> cx[AHEAD];
-#pragma unroll
-    for (int j = 0; j < AHEAD; j++) cx[j] = nx[j];
-#pragma unroll
-    for (int j = 0; j < AHEAD; j++) {
-      if (j0 + AHEAD + j < n) nx[j] = ld_pack<IO, VEC>(xp);
-      xp += xrow;
-    }
-#pragma unroll
-    for (int j = 0; j < AHEAD; j++) {
-      if (j0 + j >= n) break;
+    for (int jj = 0; jj < WMAX; jj++) {
+      const int j = j0 + jj;
+      if (j >= n) break;
+      stage_wait<RING - 1>();
+      const Pack<IO, VEC> cx = ring[j % RING][threadIdx.x];
       age<A, WMAX, VEC>(xs);
 #pragma unroll
-      for (int i = 0; i < VEC; i++) xs[0][i] = ld(cx[j].e, i);
+      for (int i = 0; i < VEC; i++) xs[0][i] = ld(cx.e, i);
+      stage_step(j + RING); /* the slot's value is in xs[0] */
       A u[VEC];
-      pre_activation<A, WMAX, VEC, SEQ>(t0 + j0 + j, SEQ ? seq_start(a, t0 + j0 + j) : 0, wk, xs, bs, u);
+      pre_activation<A, WMAX, VEC, SEQ>(t0 + j, SEQ ? seq_start(a, t0 + j) : 0, wk, xs, bs, u);
       if (a.silu)
 #pragma unroll
         for (int i = 0; i < VEC; i++) u[i] *= sigmoid(u[i]);
@@ -225,16 +245,7 @@ __global__ void __launch_bounds__(CONV_THREADS, MINB)
       op += orow;
     }
   }
-}
-
-/* Raw inputs at position pos as raw_input reads them, as a pack (zeros outside). */
-template <typename IO, int VEC>
-__device__ __forceinline__ Pack<IO, VEC> raw_pack(const ConvArgs &a, const IO *__restrict__ x,
-                                                  const IO *__restrict__ halo, int64_t pos,
-                                                  int64_t b, int64_t c) {
-  if (pos >= 0 && pos < a.T) return ld_pack<IO, VEC>(x + (pos * a.B + b) * a.x_ld + c);
-  if (pos < 0 && pos >= -a.L) return ld_pack<IO, VEC>(halo + ((a.L + pos) * a.B + b) * a.C + c);
-  return Pack<IO, VEC>();
+  stage_wait<0>();
 }
 
 /* grid (channel tiles of CONV_BWD_LANES * VEC, token chunks of CONV_SUB * CONV_TCH, B);
@@ -244,10 +255,9 @@ __device__ __forceinline__ Pack<IO, VEC> raw_pack(const ConvArgs &a, const IO *_
  * order through shared memory (NULL: not wanted).  Step t computes du(t) (t in
  * [t0, t1 + WMAX - 1): the sub-chunk's own tokens for the sums, and the WMAX-1 after
  * it for dx) and dx(s) for s = t - (WMAX-1) in the sub-chunk; x and d_out of the next
- * AHEAD steps are loaded while the current AHEAD are computed (x by pointer where the
- * group lies inside [0, T), else through raw_pack).  SEQ false: one sequence, so no
+ * RING steps are staged in shared memory (stage above).  SEQ false: one sequence, so no
  * sequence starts are tracked. */
-template <typename IO, int WMAX, int VEC, bool SEQ, int AHEAD, int MINB>
+template <typename IO, int WMAX, int VEC, bool SEQ, int RING, int MINB>
 __global__ void __launch_bounds__(CONV_THREADS, MINB)
     conv_bwd_kernel(ConvArgs a, const IO *__restrict__ x, const IO *__restrict__ wt,
                     const IO *__restrict__ bias, const IO *__restrict__ halo,
@@ -255,6 +265,7 @@ __global__ void __launch_bounds__(CONV_THREADS, MINB)
                     typename Math<IO>::type *__restrict__ partial) {
   typedef typename Math<IO>::type A;
   __shared__ A sums[CONV_SUB][WMAX + 1][VEC][CONV_BWD_LANES];
+  __shared__ Pack<IO, VEC> ring_x[RING][CONV_THREADS], ring_g[RING][CONV_THREADS];
   const int lane = threadIdx.x % CONV_BWD_LANES, sub = threadIdx.x / CONV_BWD_LANES;
   const int64_t c = ((int64_t)blockIdx.x * CONV_BWD_LANES + lane) * VEC;
   const bool live = c < a.C; /* no early exit: the block meets at the barrier */
@@ -279,34 +290,35 @@ __global__ void __launch_bounds__(CONV_THREADS, MINB)
     const int ns = (int)(t1 - t0), n = ns + 2 * (WMAX - 1);
     const int nd = (int)((t1 + (WMAX - 1) < a.T ? t1 + (WMAX - 1) : a.T) - tb);
     const int64_t xrow = a.B * a.x_ld, grow = a.B * a.C, dxrow = a.B * a.dx_ld;
-    const IO *xp = x + (tb * a.B + b) * a.x_ld + c;   /* step i0 + AHEAD's x (may lie outside) */
+    const IO *xp = x + (tb * a.B + b) * a.x_ld + c;   /* the next staged step's x (may lie outside) */
     const IO *gp = d_out + (tb * a.B + b) * a.C + c; /* and its d_out */
     IO *dxp = dx ? dx + (t0 * a.B + b) * a.dx_ld + c : NULL; /* the next dx */
-    Pack<IO, VEC> nx[AHEAD], ng[AHEAD];
-    /* loads x and d_out of steps i..i+AHEAD into nx, ng; advances xp, gp past them */
-    auto load = [&](int i) {
-      const bool inside = tb + i >= 0 && tb + i + AHEAD <= a.T;
-#pragma unroll
-      for (int j = 0; j < AHEAD; j++) {
-        if (inside) nx[j] = ld_pack<IO, VEC>(xp);
-        else if (i + j < n) nx[j] = raw_pack<IO, VEC>(a, x, halo, tb + i + j, b, c);
-        if (i + j >= WMAX - 1 && i + j < nd) ng[j] = ld_pack<IO, VEC>(gp);
-        xp += xrow, gp += grow;
+    /* stages x and d_out of step i into slot i % RING; one commit group per step
+     * (empty past the end), so that waiting for RING - 1 pending groups means step
+     * i - RING + 1 has landed */
+    auto stage_step = [&](int i) {
+      Pack<IO, VEC> *sx = &ring_x[i % RING][threadIdx.x], *sg = &ring_g[i % RING][threadIdx.x];
+      if (i < n) {
+        const int64_t t = tb + i;
+        if (t >= 0 && t < a.T) stage<IO, VEC>(sx, xp, true);
+        else if (t < 0 && t >= -a.L) stage<IO, VEC>(sx, halo + ((a.L + t) * a.B + b) * a.C + c, true);
+        else stage<IO, VEC>(sx, x, false);
+        stage<IO, VEC>(sg, i >= WMAX - 1 && i < nd ? gp : d_out, i >= WMAX - 1 && i < nd);
       }
+      stage_commit();
+      xp += xrow, gp += grow;
     };
 #pragma unroll
-    for (int j = 0; j < AHEAD; j++) nx[j] = ng[j] = Pack<IO, VEC>();
-    load(0);
-    for (int i0 = 0; i0 < n; i0 += AHEAD) {
-      Pack<IO, VEC> cx[AHEAD], cg[AHEAD];
+    for (int i = 0; i < RING; i++) stage_step(i);
+    for (int i0 = 0; i0 < n; i0 += WMAX) {
 #pragma unroll
-      for (int j = 0; j < AHEAD; j++) cx[j] = nx[j], cg[j] = ng[j];
-      if (i0 + AHEAD < n) load(i0 + AHEAD);
-#pragma unroll
-      for (int j = 0; j < AHEAD; j++) {
+      for (int j = 0; j < WMAX; j++) {
         const int i = i0 + j;
         if (i >= n) break;
         const int64_t t = tb + i;
+        stage_wait<RING - 1>();
+        const Pack<IO, VEC> cx = ring_x[i % RING][threadIdx.x];
+        const Pack<IO, VEC> cg = ring_g[i % RING][threadIdx.x];
         age<A, WMAX, VEC>(xs);
         age<A, WMAX, VEC>(ds);
         if (SEQ) {
@@ -315,14 +327,14 @@ __global__ void __launch_bounds__(CONV_THREADS, MINB)
           sq[0] = 0;
         }
 #pragma unroll
-        for (int q = 0; q < VEC; q++) xs[0][q] = ld(cx[j].e, q), ds[0][q] = (A)0;
+        for (int q = 0; q < VEC; q++) xs[0][q] = ld(cx.e, q), ds[0][q] = (A)0;
         if (i >= WMAX - 1 && i < nd) {
           const int64_t st0 = SEQ ? seq_start(a, t) : 0;
           if (SEQ) sq[0] = st0;
           A u[VEC], du[VEC];
           pre_activation<A, WMAX, VEC, SEQ>(t, st0, wk, xs, bs, u);
 #pragma unroll
-          for (int q = 0; q < VEC; q++) du[q] = ld(cg[j].e, q);
+          for (int q = 0; q < VEC; q++) du[q] = ld(cg.e, q);
           if (a.silu)
 #pragma unroll
             for (int q = 0; q < VEC; q++) {
@@ -341,6 +353,8 @@ __global__ void __launch_bounds__(CONV_THREADS, MINB)
                 for (int q = 0; q < VEC; q++) accw[k][q] += du[q] * xs[k][q];
           }
         }
+        /* the slot's values are in registers and used: restage it */
+        stage_step(i + RING);
         if (dxp && i >= 2 * (WMAX - 1)) {
           /* tokens s + j (age WMAX-1-j) of s's own sequence read s through wk[j] */
           const int64_t s = t - (WMAX - 1);
@@ -357,6 +371,7 @@ __global__ void __launch_bounds__(CONV_THREADS, MINB)
         }
       }
     }
+    stage_wait<0>(); /* nothing staged is left in flight at exit */
   }
   if (!partial) return; /* uniform */
 #pragma unroll
@@ -490,8 +505,8 @@ gdp_status conv_fwd(const gdp_conv1d_problem *p, const int64_t *seq, const void 
   int vec = 1;
   enum { V = CONV_PACK / sizeof(IO) > 0 ? CONV_PACK / sizeof(IO) : 1 };
 #define CONV_FWD_K(WM, VV, MB)                                    \
-  (seqs ? conv_fwd_kernel<IO, WM, VV, true, CONV_AHEAD_FWD, MB>   \
-        : conv_fwd_kernel<IO, WM, VV, false, CONV_AHEAD_FWD, MB>)
+  (seqs ? conv_fwd_kernel<IO, WM, VV, true, CONV_RING, MB>        \
+        : conv_fwd_kernel<IO, WM, VV, false, CONV_RING, MB>)
   if (conv_packs_fit<IO>(a, ptrs, 5, (int)(V * sizeof(IO))))
     k = CONV_FWD_K(4, V, 3), vec = V;
   else if (a.W <= 4)
@@ -526,15 +541,15 @@ gdp_status conv_bwd(const gdp_conv1d_problem *p, const int64_t *seq, const void 
     Kernel k;
     int vec = 1;
     enum { V = CONV_PACK / sizeof(IO) > 0 ? CONV_PACK / sizeof(IO) : 1 };
-#define CONV_BWD_K(WM, VV, AH, MB)                                \
-  (seqs ? conv_bwd_kernel<IO, WM, VV, true, AH, MB>               \
-        : conv_bwd_kernel<IO, WM, VV, false, AH, MB>)
+#define CONV_BWD_K(WM, VV, RG, MB)                                \
+  (seqs ? conv_bwd_kernel<IO, WM, VV, true, RG, MB>               \
+        : conv_bwd_kernel<IO, WM, VV, false, RG, MB>)
     if (conv_packs_fit<IO>(a, ptrs, 6, (int)(V * sizeof(IO))))
-      k = CONV_BWD_K(4, V, CONV_AHEAD_BWD, 3), vec = V;
+      k = CONV_BWD_K(4, V, CONV_RING, 3), vec = V;
     else if (a.W <= 4)
-      k = CONV_BWD_K(4, 1, CONV_AHEAD_FWD, 3);
-    else
-      k = CONV_BWD_K(CONV_WMAX, 1, CONV_AHEAD_FWD, 1);
+      k = CONV_BWD_K(4, 1, CONV_RING, 3);
+    else /* the wide taps' sums take shared memory: a shorter ring */
+      k = CONV_BWD_K(CONV_WMAX, 1, CONV_RING / 2, 1);
 #undef CONV_BWD_K
     k<<<conv_bwd_grid(a, vec), CONV_THREADS, 0, stream>>>(a, xi, wi, bi, hi, di, dxo, partial);
     GDP_TRY(launched(func, "conv_bwd_kernel"));
