@@ -68,6 +68,28 @@ __device__ __forceinline__ void st_lanes(IO *p, const typename Math<IO>::type (&
   for (int i = 0; i < VEC; i++) st(q.e, i, v[i]);
   st_pack<IO, VEC>(p, q);
 }
+/* Per-thread staging of loads through shared memory: cp.async puts a pack's bytes in
+ * flight without holding registers for them (packs of 4, 8 or 16 bytes; narrower ones
+ * are copied through registers).  Each thread reads back only what it staged, after its
+ * own wait, so no barrier is needed; a slot is restaged only after the value read from
+ * it has been used. */
+template <typename IO, int VEC>
+__device__ __forceinline__ void stage(Pack<IO, VEC> *dst, const IO *src, bool valid) {
+  constexpr int N = (int)sizeof(Pack<IO, VEC>);
+  if constexpr (N == 4 || N == 8 || N == 16) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(d), "l"(src), "n"(N),
+                 "r"(valid ? N : 0)
+                 : "memory");
+  } else {
+    *dst = valid ? ld_pack<IO, VEC>(src) : Pack<IO, VEC>();
+  }
+}
+__device__ __forceinline__ void stage_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int PENDING> __device__ __forceinline__ void stage_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
+}
+
 /* The pack of 16 bytes for IO. */
 template <typename IO> struct Vec16 { enum { n = 16 / sizeof(IO) }; };
 

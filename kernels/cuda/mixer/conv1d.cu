@@ -167,30 +167,8 @@ __device__ __forceinline__ void pre_activation(int64_t t, int64_t st0, const A (
       for (int i = 0; i < VEC; i++) u[i] += wk[k][i] * xs[k][i];
 }
 
-/* Per-thread staging of loads through shared memory: cp.async puts a pack's bytes in
- * flight without holding registers for them (packs of 4, 8 or 16 bytes; narrower ones
- * are copied through registers).  Each thread reads back only what it staged, after its
- * own wait, so no barrier is needed; a slot is restaged only after the value read from
- * it has been used. */
-template <typename IO, int VEC>
-__device__ __forceinline__ void stage(Pack<IO, VEC> *dst, const IO *src, bool valid) {
-  constexpr int N = (int)sizeof(Pack<IO, VEC>);
-  if constexpr (N == 4 || N == 8 || N == 16) {
-    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(d), "l"(src), "n"(N),
-                 "r"(valid ? N : 0)
-                 : "memory");
-  } else {
-    *dst = valid ? ld_pack<IO, VEC>(src) : Pack<IO, VEC>();
-  }
-}
-__device__ __forceinline__ void stage_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int PENDING> __device__ __forceinline__ void stage_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
-}
-
 /* grid (channel tiles of CONV_THREADS * VEC, token chunks, B).  x of the next RING
- * tokens is staged in shared memory (stage above) while the current one is computed,
+ * tokens is staged in shared memory (stage, common.cuh) while the current one is computed,
  * so that a warp keeps bytes in flight without registers for them; tokens are stepped
  * by pointer. */
 template <typename IO, int WMAX, int VEC, bool SEQ, int RING, int MINB>
@@ -255,7 +233,7 @@ __global__ void __launch_bounds__(CONV_THREADS, MINB)
  * order through shared memory (NULL: not wanted).  Step t computes du(t) (t in
  * [t0, t1 + WMAX - 1): the sub-chunk's own tokens for the sums, and the WMAX-1 after
  * it for dx) and dx(s) for s = t - (WMAX-1) in the sub-chunk; x and d_out of the next
- * RING steps are staged in shared memory (stage above).  SEQ false: one sequence, so no
+ * RING steps are staged in shared memory (stage, common.cuh).  SEQ false: one sequence, so no
  * sequence starts are tracked. */
 template <typename IO, int WMAX, int VEC, bool SEQ, int RING, int MINB>
 __global__ void __launch_bounds__(CONV_THREADS, MINB)

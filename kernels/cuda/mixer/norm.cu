@@ -35,7 +35,8 @@ enum {
   NORM_MAX_ELEMS = 16,     /* register elements per thread and operand before teams widen */
   NORM_MAX_K = 8,          /* vectors per thread at the widest team */
   NORM_TARGET_BLOCKS = 1024, /* backward: chunks x groups aimed at (a few waves) */
-  NORM_SMEM_BYTES = 49152  /* backward: the teams' sums in shared memory */
+  NORM_SMEM_BYTES = 49152,  /* backward: the teams' sums in shared memory */
+  NORM_RING_SMEM_BYTES = 98304 /* backward: with its ring of staged rows (two blocks per SM) */
 };
 
 /* The element offset of channel c of token (t, b) in an operand with strides s. */
@@ -245,9 +246,14 @@ template <typename IO> struct BwdBounds {
   enum { max_team = sizeof(IO) == 2 ? 2 * NORM_BLOCK : NORM_BLOCK };
 };
 
-template <typename IO, int V, int K>
+/* The rows a backward thread stages ahead (RING > 0: the operand packs of its next RING
+ * rows in shared memory, after the teams' sums, [RING][4][K][blockDim]; 0: loaded when
+ * used).  Chosen at launch (bwd_ring) when the ring fits. */
+template <int K> struct BwdRing { enum { rows = K == 1 ? 4 : K == 2 ? 2 : 0 }; };
+
+template <typename IO, int V, int K, int RING>
 __global__ void __launch_bounds__(BwdBounds<IO>::max_team, 1)
-    out_norm_bwd_kernel(NormArgs<IO> a) {
+    out_norm_bwd_kernel(NormArgs<IO> a, int ring_off) {
   typedef typename Math<IO>::type A;
   __shared__ A red[32];
   const gdp_out_norm_problem &p = a.p;
@@ -266,11 +272,50 @@ __global__ void __launch_bounds__(BwdBounds<IO>::max_team, 1)
   /* row rr = t B + b, stepped by `teams` rows without a division per row */
   const int64_t dt = teams / p.B, db = teams % p.B;
   int64_t t = (r0 + team) / p.B, b = (r0 + team) % p.B;
-  for (int64_t base = r0; base < r1; base += teams) { /* uniform over the block */
+  /* RING > 0: row i of this team (rr = r0 + team + i teams) is staged into slot i % RING,
+   * one commit group per row (empty past r1), RING rows ahead */
+  extern __shared__ __align__(16) unsigned char norm_smem[];
+  Pack<IO, V> *ring = (Pack<IO, V> *)(norm_smem + ring_off);
+  int64_t ts = t, bs = b; /* the next row to stage */
+  int64_t rs = r0 + team;
+  auto stage_row = [&](int i) {
+    if (RING > 0) {
+      const bool sok = rs < r1;
+#pragma unroll
+      for (int k = 0; k < K; k++) {
+        const bool kok = sok && sl.has(k);
+        Pack<IO, V> *slot = ring + ((int64_t)((i % (RING > 0 ? RING : 1)) * 4) * K + k) * blockDim.x + threadIdx.x;
+        const int64_t kb = (int64_t)K * blockDim.x;
+        stage<IO, V>(slot, kok ? a.o + at_hp(p.o, ts, bs, hk[k], pk[k]) : a.o, kok);
+        stage<IO, V>(slot + kb, kok ? a.d_out + at_hp(p.d_out, ts, bs, hk[k], pk[k]) : a.o, kok);
+        if (has_D) stage<IO, V>(slot + 2 * kb, kok ? a.x_v + at_hp(p.x_v, ts, bs, hk[k], pk[k]) : a.o, kok);
+        if (a.z) stage<IO, V>(slot + 3 * kb, kok ? a.z + at_hp(p.z, ts, bs, hk[k], pk[k]) : a.o, kok);
+      }
+      stage_commit();
+      rs += teams, ts += dt, bs += db;
+      if (bs >= p.B) bs -= p.B, ts++;
+    }
+  };
+#pragma unroll
+  for (int i = 0; i < RING; i++) stage_row(i);
+  int it = 0;
+  for (int64_t base = r0; base < r1; base += teams, it++) { /* uniform over the block */
     const int64_t rr = base + team;
     const bool ok = rr < r1;
     BwdRow<IO, V, K> r;
-    load_bwd_row<IO, V, K>(a, sl, ok, t, b, hk, pk, r);
+    if (RING > 0) {
+      stage_wait<(RING > 0 ? RING - 1 : 0)>();
+      const Pack<IO, V> *slot = ring + ((int64_t)((it % (RING > 0 ? RING : 1)) * 4) * K) * blockDim.x + threadIdx.x;
+      const int64_t kb = (int64_t)K * blockDim.x;
+#pragma unroll
+      for (int k = 0; k < K; k++) {
+        r.o[k] = slot[k * blockDim.x], r.go[k] = slot[kb + k * blockDim.x];
+        r.xv[k] = has_D ? slot[2 * kb + k * blockDim.x] : Pack<IO, V>();
+        r.z[k] = a.z ? slot[3 * kb + k * blockDim.x] : Pack<IO, V>();
+      }
+    } else {
+      load_bwd_row<IO, V, K>(a, sl, ok, t, b, hk, pk, r);
+    }
     A sum = (A)0, dot = (A)0; /* sums of x^2 and of d_out * weight * x */
 #pragma unroll
     for (int k = 0; k < K; k++) {
@@ -288,6 +333,7 @@ __global__ void __launch_bounds__(BwdBounds<IO>::max_team, 1)
     }
     sum = team_sum(sum, tpg, red);
     dot = team_sum(dot, tpg, red);
+    stage_row(it + RING); /* r's packs are used: its slot takes the row RING on */
     const A rstd = m_rsqrt(sum / (A)gs + (A)p.eps);
     const A cm = dot * rstd * rstd / (A)gs; /* mean of dxh * xh, over rstd */
 #pragma unroll
@@ -321,6 +367,7 @@ __global__ void __launch_bounds__(BwdBounds<IO>::max_team, 1)
     t += dt, b += db;
     if (b >= p.B) b -= p.B, t++;
   }
+  if (RING > 0) stage_wait<0>();
   if (!a.partial) return; /* uniform */
   stash_partial(a, sl, team, teams, acc_w, 0);
   if (has_D) stash_partial(a, sl, team, teams, acc_D, 1);
@@ -512,6 +559,28 @@ static gdp_status out_norm_fwd(const gdp_out_norm_problem *p, const void *o, con
   return launched(func, "out_norm_fwd_kernel");
 }
 
+/* The backward's launch: with its ring of staged rows (BwdRing) when the ring and the
+ * teams' sums (ring_off bytes before it) fit NORM_RING_SMEM_BYTES, else without. */
+template <typename IO, int V, int K>
+static gdp_status launch_bwd(const NormArgs<IO> &a, dim3 grid, unsigned threads, size_t ring_off,
+                             cudaStream_t stream) {
+  enum { R = BwdRing<K>::rows };
+  const size_t smem = ring_off + (size_t)R * 4 * K * threads * sizeof(Pack<IO, V>);
+  if (R > 0 && smem <= NORM_RING_SMEM_BYTES) {
+    auto kern = out_norm_bwd_kernel<IO, V, K, R>;
+    if (smem > 48 * 1024) {
+      const cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+      if (e != cudaSuccess)
+        return GDP_ERROR_IN("gdp_cuda_out_norm_bwd", GDP_ERR_CUDA, "shared memory of %zu bytes: %s",
+                            smem, cudaGetErrorString(e));
+    }
+    kern<<<grid, threads, smem, stream>>>(a, (int)ring_off);
+  } else {
+    out_norm_bwd_kernel<IO, V, K, 0><<<grid, threads, ring_off, stream>>>(a, (int)ring_off);
+  }
+  return GDP_OK;
+}
+
 template <typename IO>
 static gdp_status out_norm_bwd(const gdp_out_norm_problem *p, const void *o, const void *x_v,
                                const void *D, const void *z, const void *weight,
@@ -542,13 +611,14 @@ static gdp_status out_norm_bwd(const gdp_out_norm_problem *p, const void *o, con
                           (long long)pl.chunks);
     dim3 grid((unsigned)pl.chunks, (unsigned)ng);
     const unsigned threads = (unsigned)(pl.teams * pl.tpg);
-    const size_t smem = a.partial && pl.teams > 1 ? (size_t)pl.teams * (size_t)p->group_size * sizeof(typename Math<IO>::type) : 0;
+    const size_t sums = a.partial && pl.teams > 1 ? (size_t)pl.teams * (size_t)p->group_size * sizeof(typename Math<IO>::type) : 0;
+    const size_t ring_off = (sums + 15) & ~(size_t)15;
     if (V == 1) {
       GDP_NORM_K_DISPATCH(pl.K, 1,
-                          out_norm_bwd_kernel<IO, V, K><<<grid, threads, smem, stream>>>(a));
+                          GDP_TRY((launch_bwd<IO, V, K>(a, grid, threads, ring_off, stream))));
     } else {
       GDP_NORM_K_DISPATCH(pl.K, (int)(16 / sizeof(IO)),
-                          out_norm_bwd_kernel<IO, V, K><<<grid, threads, smem, stream>>>(a));
+                          GDP_TRY((launch_bwd<IO, V, K>(a, grid, threads, ring_off, stream))));
     }
     GDP_TRY(launched(func, "out_norm_bwd_kernel"));
   }
