@@ -76,6 +76,8 @@ typedef struct gdp_out_norm_problem {
  * into the in_proj output and its gradient need no copy:
  *
  *   xBC, dxBC [rows, ld_xBC / ld_dxBC]: [V (m,h,p) | K (m,g,n) | Q (g,n)], conv_dim wide
+ *   (with silu, xBC before the SiLU of a layer without short conv, and dxBC its gradient:
+ *   dxBC = (the sums below) * silu'(xBC))
  *   b, db [rows, ld_b / ld_db]: (m,h);   a, da [rows, ld_a / ld_da]: h
  *   dx_v [rows, nh, P] contiguous (the D skip's gradient, added to value copy m = 0)
  *
@@ -90,6 +92,8 @@ typedef struct gdp_ssm_inputs_problem {
   int64_t ld_xBC, ld_b, ld_a;    /* row strides of the inputs, in elements */
   int64_t ld_dxBC, ld_db, ld_da; /* row strides of the backward's outputs */
   int gate;                      /* 1: a and A_log given (g; da, dA_log) */
+  int silu;                      /* 1: xBC is the pre-activation: the forward reads silu(xBC),
+                                    the backward's dxBC is the gradient of xBC itself */
   int num_threads;               /* CPU worker threads */
   int dtype;                     /* gdp_dtype of the token buffers: the compute dtype */
 } gdp_ssm_inputs_problem;
@@ -100,6 +104,7 @@ typedef struct gdp_ssm_inputs_fwd_io {
 } gdp_ssm_inputs_fwd_io;
 
 typedef struct gdp_ssm_inputs_bwd_io {
+  const void *xBC; /* with silu: the forward's xBC (rows ld_xBC apart); else NULL */
   const void *b, *a, *A_log, *dt_bias;
   const void *dq, *dk, *dv, *dbeta, *dg, *dx_v; /* dg NULL without gate; dx_v may be NULL */
   void *dxBC, *db, *da;                         /* written whole; da NULL without gate */

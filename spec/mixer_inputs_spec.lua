@@ -6,7 +6,8 @@
 -- into an in_proj-like tensor and a destination that takes the staged path; float32
 -- against float64; and on cuda (#gpu) f32 and bf16 against the cpu's float64 on the same
 -- inputs, at sizes that take the 16-byte packs and sizes that do not, with repeatable
--- parameter gradient sums.
+-- parameter gradient sums.  silu cases: the stage applies SiLU to xBC itself (a layer
+-- without short conv), against F.silu and F.silu_backward around the composed ops.
 local gdp = require("gdp")
 local F = require("gdp.nn.functional")
 local H = gdp_test
@@ -20,6 +21,8 @@ local CASES = {
     gate = true, scale = 1, dx_v = true },
   { name = "ng < nh, M = 3, no gate, beta x2", T = 9, B = 2, nh = 4, P = 3, ng = 2, N = 7, M = 3,
     gate = false, scale = 2, dx_v = true },
+  { name = "SiLU fused, ng < nh, M = 2, gate, beta x2, dx_v", T = 6, B = 2, nh = 4, P = 3, ng = 2, N = 5,
+    M = 2, gate = true, scale = 2, dx_v = true, silu = true },
 }
 
 local function dims_of(c)
@@ -50,9 +53,10 @@ end
 local function composed(c, x)
   local T, B, nh, P, ng, N, M = c.T, c.B, c.nh, c.P, c.ng, c.N, c.M
   local vd, kd, qd = M * nh * P, M * ng * N, ng * N
-  local V5 = x.xBC:narrow(3, 1, vd):view(T, B, M, nh, P)
-  local K5 = x.xBC:narrow(3, vd + 1, kd):view(T, B, M, ng, N)
-  local Q4 = x.xBC:narrow(3, vd + kd + 1, qd):view(T, B, ng, N)
+  local xBC = c.silu and F.silu(x.xBC) or x.xBC
+  local V5 = xBC:narrow(3, 1, vd):view(T, B, M, nh, P)
+  local K5 = xBC:narrow(3, vd + 1, kd):view(T, B, M, ng, N)
+  local Q4 = xBC:narrow(3, vd + kd + 1, qd):view(T, B, ng, N)
   local r = {
     v = V5:permute(2, 1, 3, 4, 5):reshape(B, T * M, nh, P),
     k = F.repeat_heads(K5:permute(2, 1, 3, 4, 5), nh):view(B, T * M, nh, N),
@@ -68,7 +72,7 @@ local function composed(c, x)
       :copy(F.repeat_heads_backward(x.dk:view(B, T, M, nh, N):permute(2, 1, 3, 4, 5), ng))
   dxBC:narrow(3, vd + kd + 1, qd):view(T, B, ng, N)
       :copy(F.repeat_heads_backward(x.dq:permute(2, 1, 3, 4), ng))
-  r.dxBC = dxBC
+  r.dxBC = c.silu and F.silu_backward(x.xBC, dxBC) or dxBC
   r.db = F.beta_backward(x.b:view(T, B, M, nh), c.scale, x.dbeta:view(B, T, M, nh):permute(2, 1, 3, 4))
            :view(T, B, M * nh)
   if c.gate then
@@ -94,14 +98,16 @@ local function fused(c, x, strided)
       zx:narrow(3, 4 + cd + bd, ad):copy(a)
       a = zx:narrow(3, 4 + cd + bd, ad)
     end
-    local dzx = gdp.empty({ T, B, 2 + bd + ad }, opts)
-    out = { db = dzx:narrow(3, 3, bd), da = a and dzx:narrow(3, 3 + bd, ad) or nil }
+    local dzx = gdp.empty({ T, B, 2 + cd + bd + ad }, opts)
+    out = { dxBC = dzx:narrow(3, 3, cd), db = dzx:narrow(3, 3 + cd, bd),
+            da = a and dzx:narrow(3, 3 + cd + bd, ad) or nil }
   end
-  local r = F.ssm_inputs(xBC, b, a, x.A_log, x.dt_bias, dims_of(c))
+  local r = F.ssm_inputs(xBC, b, a, x.A_log, x.dt_bias, dims_of(c), { silu = c.silu })
   local g = F.ssm_inputs_backward(b, a, x.A_log, x.dt_bias, dims_of(c),
                                   { dq = x.dq, dk = x.dk, dv = x.dv, dbeta = x.dbeta, dg = x.dg,
-                                    dx_v = x.dx_v }, out)
+                                    dx_v = x.dx_v }, out, { silu_input = c.silu and xBC or nil })
   if out then
+    assert.are.equal(out.dxBC, g.dxBC)
     assert.are.equal(out.db, g.db)
     assert.are.equal(out.da, g.da)
   end
@@ -200,6 +206,12 @@ describe("fused mixer input stage on the cpu", function()
       F.ssm_inputs_backward(x.b, x.a, x.A_log, x.dt_bias, d, { dq = x.dq, dk = x.dk, dv = x.dv, dbeta = x.dbeta,
                                                                dg = x.dg, dx = x.dx_v })
     end, "unknown option 'dx'")
+    H.expect_error(function() F.ssm_inputs(x.xBC, x.b, x.a, x.A_log, x.dt_bias, d, { silu = 1 }) end,
+                   "opts.silu: expected a boolean, got number")
+    H.expect_error(function()
+      F.ssm_inputs_backward(x.b, x.a, x.A_log, x.dt_bias, d, { dq = x.dq, dk = x.dk, dv = x.dv, dbeta = x.dbeta,
+                                                               dg = x.dg }, nil, { silu_input = x.b })
+    end, "xBC: expected [T,B,M*nh*P + M*ng*N + ng*N] (b's T, B)")
   end)
 end)
 
@@ -211,6 +223,9 @@ local GPU_CASES = {
     M = 2, gate = true, scale = 2, dx_v = true },
   { name = "packs: 300 rows (several chunks of the sums), nh = ng = 4 x 8, M = 3", T = 150, B = 2, nh = 4,
     P = 8, ng = 4, N = 8, M = 3, gate = true, scale = 1, dx_v = false },
+  CASES[5],
+  { name = "packs: SiLU fused, nh = ng = 8 x 32, M = 4, no gate (the state-tracking layer)", T = 33, B = 2,
+    nh = 8, P = 32, ng = 8, N = 32, M = 4, gate = false, scale = 2, dx_v = true, silu = true },
 }
 
 describe("fused mixer input stage on cuda #gpu", function()

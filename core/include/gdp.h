@@ -612,15 +612,18 @@ gdp_status gdp_mixer_repeat_heads_backward(gdp_ctx *ctx, const gdp_tensor *d_out
  * with head h reading group h / (nh/ng); beta [B,T*M,nh] = beta_scale * sigmoid(b);
  * g [B,T,nh] = -exp(A_log) * softplus(a + dt_bias) in A_log's dtype (NULL without a).
  * xBC, b and a may be strided views (rows of contiguous elements read in place).
+ * silu = 1: xBC is taken through SiLU as it is read (a layer without short conv, whose
+ * SiLU would otherwise be a pass of its own); 0: as it is.
  */
 gdp_status gdp_mixer_ssm_inputs_forward(gdp_ctx *ctx, const gdp_tensor *xBC, const gdp_tensor *b,
                                         const gdp_tensor *a, const gdp_tensor *A_log,
                                         const gdp_tensor *dt_bias, int64_t num_heads,
                                         int64_t head_dim, int64_t num_groups, int64_t state_dim,
-                                        int64_t num_householder, double beta_scale,
+                                        int64_t num_householder, double beta_scale, int silu,
                                         gdp_tensor **q, gdp_tensor **k, gdp_tensor **v,
                                         gdp_tensor **beta, gdp_tensor **g);
-/* Backward: dq, dk, dv, dbeta like q, k, v, beta; dg like g (NULL without a); dx_v
+/* Backward: xBC the forward's when it ran with silu = 1 (dxBC is then the gradient of
+ * that pre-activation xBC), else NULL; dq, dk, dv, dbeta like q, k, v, beta; dg like g (NULL without a); dx_v
  * [T,B,nh,P] or NULL (a gradient added to value copy m = 0: the D skip's).  The token
  * gradients are written into caller tensors (borrowed; any strides, e.g. views into
  * the in_proj gradient; they must not overlap the inputs): dxBC like xBC (written
@@ -631,7 +634,8 @@ gdp_status gdp_mixer_ssm_inputs_backward(gdp_ctx *ctx, const gdp_tensor *b, cons
                                          const gdp_tensor *A_log, const gdp_tensor *dt_bias,
                                          int64_t num_heads, int64_t head_dim, int64_t num_groups,
                                          int64_t state_dim, int64_t num_householder,
-                                         double beta_scale, const gdp_tensor *dq,
+                                         double beta_scale, const gdp_tensor *xBC,
+                                         const gdp_tensor *dq,
                                          const gdp_tensor *dk, const gdp_tensor *dv,
                                          const gdp_tensor *dbeta, const gdp_tensor *dg,
                                          const gdp_tensor *dx_v, gdp_tensor *dxBC,

@@ -1080,7 +1080,7 @@ gdp_status gdp_mixer_ssm_inputs_forward(gdp_ctx *ctx, const gdp_tensor *xBC, con
                                         const gdp_tensor *a, const gdp_tensor *A_log,
                                         const gdp_tensor *dt_bias, int64_t num_heads,
                                         int64_t head_dim, int64_t num_groups, int64_t state_dim,
-                                        int64_t num_householder, double beta_scale,
+                                        int64_t num_householder, double beta_scale, int silu,
                                         gdp_tensor **q, gdp_tensor **k, gdp_tensor **v,
                                         gdp_tensor **beta, gdp_tensor **g) {
   static const char *func = "gdp_mixer_ssm_inputs_forward";
@@ -1099,6 +1099,9 @@ gdp_status gdp_mixer_ssm_inputs_forward(gdp_ctx *ctx, const gdp_tensor *xBC, con
   gdp_ssm_inputs_problem *p = &pl.p;
   GDP_TRY(check_shape(func, "xBC", xBC, 3, (const int64_t[]){p->T, p->B, pl.conv_dim},
                       "[T,B,M*nh*P + M*ng*N + ng*N] (b's T, B)"));
+  if (silu != 0 && silu != 1)
+    return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG, "silu: expected 0 or 1, got %d", silu);
+  p->silu = silu;
   /* xBC, b, a, A_log, dt_bias, then q, k, v, beta, g */
   gdp_tensor *tmp[10] = {0};
   const gdp_dtype dt = p->dtype;
@@ -1141,7 +1144,8 @@ gdp_status gdp_mixer_ssm_inputs_backward(gdp_ctx *ctx, const gdp_tensor *b, cons
                                          const gdp_tensor *A_log, const gdp_tensor *dt_bias,
                                          int64_t num_heads, int64_t head_dim, int64_t num_groups,
                                          int64_t state_dim, int64_t num_householder,
-                                         double beta_scale, const gdp_tensor *dq,
+                                         double beta_scale, const gdp_tensor *xBC,
+                                         const gdp_tensor *dq,
                                          const gdp_tensor *dk, const gdp_tensor *dv,
                                          const gdp_tensor *dbeta, const gdp_tensor *dg,
                                          const gdp_tensor *dx_v, gdp_tensor *dxBC,
@@ -1157,6 +1161,7 @@ gdp_status gdp_mixer_ssm_inputs_backward(gdp_ctx *ctx, const gdp_tensor *b, cons
   gdp_ssm_inputs_problem *p = &pl.p;
   const int64_t T = p->T, B = p->B, nh = p->nh, TM = T * p->M;
   const struct { const char *name; const gdp_tensor *t; int ndim; int64_t shape[4]; const char *dims; } want[] = {
+      {"xBC", xBC, 3, {T, B, pl.conv_dim}, "[T,B,M*nh*P + M*ng*N + ng*N] (b's T, B)"},
       {"dq", dq, 4, {B, T, nh, p->N}, "[B,T,nh,N]"},
       {"dk", dk, 4, {B, TM, nh, p->N}, "[B,T*M,nh,N]"},
       {"dv", dv, 4, {B, TM, nh, p->P}, "[B,T*M,nh,P]"},
@@ -1167,7 +1172,7 @@ gdp_status gdp_mixer_ssm_inputs_backward(gdp_ctx *ctx, const gdp_tensor *b, cons
       {"db", db, 3, {T, B, p->M * nh}, "[T,B,M*nh] (b's shape)"},
       {"da", da, 3, {T, B, nh}, "[T,B,nh] (a's shape)"}};
   for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
-    const int optional = !strcmp(want[i].name, "dx_v");
+    const int optional = !strcmp(want[i].name, "dx_v") || !strcmp(want[i].name, "xBC");
     const int gated = !strcmp(want[i].name, "dg") || !strcmp(want[i].name, "da");
     if (gated && !a) {
       if (want[i].t)
@@ -1182,8 +1187,10 @@ gdp_status gdp_mixer_ssm_inputs_backward(gdp_ctx *ctx, const gdp_tensor *b, cons
     GDP_TRY(check_float_on(func, want[i].name, ctx, want[i].t));
     GDP_TRY(check_shape(func, want[i].name, want[i].t, want[i].ndim, want[i].shape, want[i].dims));
   }
-  /* b, a, A_log, dt_bias, dq, dk, dv, dbeta, dg, dx_v, then dxBC, db, da, dA_log, ddt_bias */
-  gdp_tensor *tmp[15] = {0};
+  p->silu = xBC != NULL;
+  /* b, a, A_log, dt_bias, dq, dk, dv, dbeta, dg, dx_v, then dxBC, db, da, dA_log, ddt_bias,
+   * then xBC */
+  gdp_tensor *tmp[16] = {0};
   int staged[3] = {0};
   const gdp_dtype dt = p->dtype, gt = pl.gate_dtype;
   gdp_status s = load_token_rows(ctx, b, dt, &tmp[0], &p->ld_b);
@@ -1196,6 +1203,7 @@ gdp_status gdp_mixer_ssm_inputs_backward(gdp_ctx *ctx, const gdp_tensor *b, cons
   if (s == GDP_OK) s = load(ctx, dbeta, dt, &tmp[7]);
   if (s == GDP_OK) s = load(ctx, a ? dg : NULL, gt, &tmp[8]);
   if (s == GDP_OK) s = load(ctx, dx_v, dt, &tmp[9]);
+  if (s == GDP_OK) s = load_token_rows(ctx, xBC, dt, &tmp[15], &p->ld_xBC);
   if (s == GDP_OK) s = token_rows_target(ctx, dxBC, dt, &tmp[10], &p->ld_dxBC, &staged[0]);
   if (s == GDP_OK) s = token_rows_target(ctx, db, dt, &tmp[11], &p->ld_db, &staged[1]);
   if (s == GDP_OK) s = token_rows_target(ctx, a ? da : NULL, dt, &tmp[12], &p->ld_da, &staged[2]);
@@ -1206,7 +1214,7 @@ gdp_status gdp_mixer_ssm_inputs_backward(gdp_ctx *ctx, const gdp_tensor *b, cons
     if (dsts[i] && !staged[i]) gdp_tensor_mark_written(dsts[i]);
   if (s == GDP_OK) {
     const gdp_ssm_inputs_bwd_io io = {
-        .b = ptr(tmp[0]), .a = ptr(tmp[1]), .A_log = ptr(tmp[2]), .dt_bias = ptr(tmp[3]),
+        .xBC = ptr(tmp[15]), .b = ptr(tmp[0]), .a = ptr(tmp[1]), .A_log = ptr(tmp[2]), .dt_bias = ptr(tmp[3]),
         .dq = ptr(tmp[4]), .dk = ptr(tmp[5]), .dv = ptr(tmp[6]), .dbeta = ptr(tmp[7]),
         .dg = ptr(tmp[8]), .dx_v = ptr(tmp[9]), .dxBC = ptr(tmp[10]), .db = ptr(tmp[11]),
         .da = ptr(tmp[12]), .dA_log = ptr(tmp[13]), .ddt_bias = ptr(tmp[14])};

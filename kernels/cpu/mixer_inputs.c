@@ -6,6 +6,8 @@
  *   k[b,t*M+m,h,n] = xBC[t,b,K(m,h/r,n)]     dxBC[t,b,K(m,g,n)] = sum_{h in g} dk[b,t*M+m,h,n]
  *   q[b,t,h,n]     = xBC[t,b,Q(h/r,n)]       dxBC[t,b,Q(g,n)]   = sum_{h in g} dq[b,t,h,n]
  *   beta = scale * sigmoid(b)                db = dbeta * scale * s (1 - s)
+ *   (with silu, x = silu(xBC) is read above and dxBC multiplied by silu'(xBC): a layer
+ *   without short conv, whose SiLU this stage applies)
  *   g = -exp(A_log[h]) softplus(a + dt_bias[h])   da = dg * (-exp(A_log[h])) softplus'(x)
  *                                            dA_log[h] = sum dg * g, ddt_bias[h] = sum da
  *
@@ -39,6 +41,11 @@ static int inputs_threads(int n) { return n < 1 ? 1 : n; }
 
 #include "mixer_gate_math.h"
 
+/* Element j of a row of xBC as the stage reads it: through SiLU when act. */
+static inline REAL FN(input)(const REAL *x, int64_t j, int act) {
+  return act ? x[j] * FN(sigmoid)(x[j]) : x[j];
+}
+
 void FN(gdp_cpu_ssm_inputs_fwd)(const gdp_ssm_inputs_problem *p, const gdp_ssm_inputs_fwd_io *io) {
   const int64_t T = p->T, B = p->B, nh = p->nh, P = p->P, ng = p->ng, N = p->N, M = p->M;
   const int64_t rep = nh / ng, k_off = M * nh * P, q_off = k_off + M * ng * N;
@@ -51,15 +58,18 @@ void FN(gdp_cpu_ssm_inputs_fwd)(const gdp_ssm_inputs_problem *p, const gdp_ssm_i
   for (int64_t r = 0; r < rows; r++) {
     const int64_t t = r / B, bt = (r % B) * T + t; /* batch-major token */
     const REAL *x = xBC + r * p->ld_xBC;
+    const int act = p->silu;
     for (int64_t m = 0; m < M; m++)
       for (int64_t h = 0; h < nh; h++) {
         const int64_t o = (bt * M + m) * nh + h;
-        for (int64_t i = 0; i < P; i++) v[o * P + i] = x[(m * nh + h) * P + i];
-        for (int64_t n = 0; n < N; n++) k[o * N + n] = x[k_off + (m * ng + h / rep) * N + n];
+        for (int64_t i = 0; i < P; i++) v[o * P + i] = FN(input)(x, (m * nh + h) * P + i, act);
+        for (int64_t n = 0; n < N; n++)
+          k[o * N + n] = FN(input)(x, k_off + (m * ng + h / rep) * N + n, act);
         beta[o] = sc * FN(sigmoid)(b[r * p->ld_b + m * nh + h]);
       }
     for (int64_t h = 0; h < nh; h++) {
-      for (int64_t n = 0; n < N; n++) q[(bt * nh + h) * N + n] = x[q_off + (h / rep) * N + n];
+      for (int64_t n = 0; n < N; n++)
+        q[(bt * nh + h) * N + n] = FN(input)(x, q_off + (h / rep) * N + n, act);
       if (p->gate) {
         const REAL xa = a[r * p->ld_a + h] + (dt_bias ? dt_bias[h] : (REAL)0);
         g[bt * nh + h] = -exp(A_log[h]) * FN(softplus)(xa);
@@ -118,6 +128,13 @@ gdp_status FN(gdp_cpu_ssm_inputs_bwd)(const gdp_ssm_inputs_problem *p,
           for (int64_t j = 0; j < rep; j++) s += dq[(bt * nh + gi * rep + j) * N + n];
           x[q_off + gi * N + n] = s;
         }
+      if (p->silu) { /* the gradient of the pre-activation: silu' = s (1 + u (1 - s)) */
+        const REAL *u = (const REAL *)io->xBC + r * p->ld_xBC;
+        for (int64_t j = 0; j < q_off + ng * N; j++) {
+          const REAL s = FN(sigmoid)(u[j]);
+          x[j] *= s * ((REAL)1 + u[j] * ((REAL)1 - s));
+        }
+      }
       if (p->gate)
         for (int64_t h = 0; h < nh; h++) {
           const REAL xa = a[r * p->ld_a + h] + (dt_bias ? dt_bias[h] : (REAL)0);

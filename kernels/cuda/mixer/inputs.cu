@@ -18,6 +18,10 @@
  * the deterministic two-pass column sums of common.cuh: pass 1 writes db and da and
  * each row chunk's partial dA_log, ddt_bias; pass 2 adds the chunks in a fixed order.
  *
+ * With silu (a layer without short conv) the forward reads xBC through SiLU and the
+ * backward reads xBC again to multiply each dxBC pack by SiLU's derivative, so the
+ * SiLU's own pass over the row (a write and a read of it each way) is gone.
+ *
  * Traffic per token row at the bench shape (bf16, nh 16 x 128, ng 4 x 128, M 2):
  * forward 11 KB in, 20 KB out; backward 20 KB (+ 4 KB dx_v) in, 11 KB out.
  */
@@ -39,10 +43,25 @@ template <typename A> __device__ __forceinline__ A softplus_grad(A x) {
 struct Dims {
   int64_t T, B, rows;
   int nh, P, ng, N, M, rep;
-  int rpb; /* token rows per block (rows_per_block) */
+  int rpb;  /* token rows per block (rows_per_block) */
+  int silu; /* xBC is the pre-activation (a layer without short conv) */
   int64_t ld_x, ld_b, ld_a, ld_dx, ld_db, ld_da;
   double scale;
 };
+
+/* A pack of xBC as the forward reads it: through SiLU when act. */
+template <typename IO, int VEC>
+__device__ __forceinline__ Pack<IO, VEC> input_pack(const IO *p, int act) {
+  Pack<IO, VEC> v = ld_pack<IO, VEC>(p);
+  if (act) {
+#pragma unroll
+    for (int i = 0; i < VEC; i++) {
+      const typename Math<IO>::type u = ld(v.e, i);
+      st(v.e, i, u * sigmoid(u));
+    }
+  }
+  return v;
+}
 
 template <typename IO, int VEC>
 __global__ void __launch_bounds__(INPUTS_THREADS)
@@ -64,14 +83,14 @@ __global__ void __launch_bounds__(INPUTS_THREADS)
       const int u = w % per;
       if (u < nv) {
         const int e = u * VEC;
-        st_pack<IO, VEC>(v + bt * d.M * hP + e, ld_pack<IO, VEC>(x + e));
+        st_pack<IO, VEC>(v + bt * d.M * hP + e, input_pack<IO, VEC>(x + e, d.silu));
       } else if (u < nv + nk) {
         const int e = (u - nv) * VEC, m = e / hN, h = (e % hN) / d.N, n = e % d.N;
         st_pack<IO, VEC>(k + bt * d.M * hN + e,
-                         ld_pack<IO, VEC>(x + k_off + (m * d.ng + h / d.rep) * d.N + n));
+                         input_pack<IO, VEC>(x + k_off + (m * d.ng + h / d.rep) * d.N + n, d.silu));
       } else {
         const int e = (u - nv - nk) * VEC, h = e / d.N, n = e % d.N;
-        st_pack<IO, VEC>(q + bt * hN + e, ld_pack<IO, VEC>(x + q_off + (h / d.rep) * d.N + n));
+        st_pack<IO, VEC>(q + bt * hN + e, input_pack<IO, VEC>(x + q_off + (h / d.rep) * d.N + n, d.silu));
       }
     }
     const A sc = (A)d.scale;
@@ -95,7 +114,7 @@ template <typename IO, int VEC>
 __global__ void __launch_bounds__(INPUTS_THREADS)
     inputs_bwd_kernel(Dims d, const IO *__restrict__ dq, const IO *__restrict__ dk,
                       const IO *__restrict__ dv, const IO *__restrict__ dx_v,
-                      IO *__restrict__ dxBC) {
+                      const IO *__restrict__ xBC, IO *__restrict__ dxBC) {
   typedef typename Math<IO>::type A;
   const int hP = d.nh * d.P, hN = d.nh * d.N, gN = d.ng * d.N;
   const int nv = d.M * hP / VEC, nk = d.M * gN / VEC, nq = gN / VEC;
@@ -134,6 +153,15 @@ __global__ void __launch_bounds__(INPUTS_THREADS)
           for (int i = 0; i < VEC; i++) acc[i] += s[i];
         }
         dst = (in_k ? k_off : q_off) + e;
+      }
+      if (d.silu) { /* the pre-activation's gradient: silu'(u) = s (1 + u (1 - s)) */
+        A u[VEC];
+        ld_lanes<IO, VEC>(xBC + r * d.ld_x + dst, u);
+#pragma unroll
+        for (int i = 0; i < VEC; i++) {
+          const A s = sigmoid(u[i]);
+          acc[i] *= s * ((A)1 + u[i] * ((A)1 - s));
+        }
       }
       st_lanes<IO, VEC>(x + dst, acc);
     }
@@ -187,6 +215,7 @@ static Dims dims_of(const gdp_ssm_inputs_problem *p) {
   d.ld_dx = p->ld_dxBC, d.ld_db = p->ld_db, d.ld_da = p->ld_da;
   d.scale = p->beta_scale;
   d.rpb = 1;
+  d.silu = p->silu;
   return d;
 }
 
@@ -232,21 +261,22 @@ static gdp_status inputs_bwd(const gdp_ssm_inputs_problem *p, const gdp_ssm_inpu
   static const char *func = "gdp_cuda_ssm_inputs_bwd";
   typedef typename Math<IO>::type A;
   const Dims d = dims_of(p);
-  const void *ptrs[5] = {io->dq, io->dk, io->dv, io->dx_v, io->dxBC};
+  const void *ptrs[6] = {io->dq, io->dk, io->dv, io->dx_v, io->dxBC, io->xBC};
   const IO *dq = (const IO *)io->dq, *dk = (const IO *)io->dk, *dv = (const IO *)io->dv;
   const IO *dx_v = (const IO *)io->dx_v;
   IO *dx = (IO *)io->dxBC;
   enum { VEC = Vec16<IO>::n };
   const int hP = d.nh * d.P, gN = d.ng * d.N;
   Dims walk = d; /* rows per block for the walk over dxBC (the gates' sums take rows alone) */
-  if (packs_fit<IO>(p, p->ld_dxBC, ptrs, 5)) {
+  const IO *xBC = (const IO *)io->xBC;
+  if (packs_fit<IO>(p, p->ld_dxBC, ptrs, 6) && (!p->silu || p->ld_xBC % VEC == 0)) {
     walk.rpb = rows_per_block((d.M * hP + d.M * gN + gN) / VEC);
     inputs_bwd_kernel<IO, VEC><<<inputs_grid(walk), INPUTS_THREADS, 0, stream>>>(
-        walk, dq, dk, dv, dx_v, dx);
+        walk, dq, dk, dv, dx_v, xBC, dx);
   } else {
     walk.rpb = rows_per_block(d.M * hP + d.M * gN + gN);
     inputs_bwd_kernel<IO, 1><<<inputs_grid(walk), INPUTS_THREADS, 0, stream>>>(
-        walk, dq, dk, dv, dx_v, dx);
+        walk, dq, dk, dv, dx_v, xBC, dx);
   }
   GDP_TRY(launched(func, "inputs_bwd_kernel"));
   GatesBwd<IO> fn;

@@ -494,25 +494,35 @@ end
 -- -exp(A_log.float()) * softplus(a.float() + dt_bias)), and handed to the operator so:
 -- its gradient comes back in float32 too, and the sums over tokens that make the A_log
 -- and dt_bias gradients do not start from bf16-rounded terms.
-function GatedDeltaProduct:ssm_inputs(xBC_c, b, a)
+-- silu = true: xBC_c is the in_proj section itself, taken through SiLU here (a layer
+-- without short conv: no pass of its own), and x_v is a view of v's copy m = 0.
+function GatedDeltaProduct:ssm_inputs(xBC_c, b, a, silu)
   local s = self.sizes
   local T, B = xBC_c:size(1), xBC_c:size(2)
   local p = self.params
-  local inp = F.ssm_inputs(xBC_c, b, a, a and p["A_log"], a and p["dt_bias"], self:input_dims())
-  inp.x_v = xBC_c:narrow(3, s.v_off, s.d_inner):view(T, B, self.num_heads, self.head_dim)
+  local inp = F.ssm_inputs(xBC_c, b, a, a and p["A_log"], a and p["dt_bias"], self:input_dims(),
+                           { silu = silu or false })
+  if silu then
+    local M, nh, P = self.num_householder, self.num_heads, self.head_dim
+    inp.x_v = inp.v:view(B, T, M, nh, P):select(3, 1):transpose(1, 2)
+  else
+    inp.x_v = xBC_c:narrow(3, s.v_off, s.d_inner):view(T, B, self.num_heads, self.head_dim)
+  end
   return inp
 end
 
 -- Backward of ssm_inputs: from the operator's gradients (and dx_v of the D skip) to
 -- dxBC_c [T,B,C], db [T,B,M*nh], da [T,B,nh] (nil without forget gate); accumulates the
--- A_log and dt_bias gradients.  out (optional) {db =, da =}: views to write db and da
--- into (the in_proj gradient's sections), returned as db and da.
-function GatedDeltaProduct:ssm_inputs_backward(grads, b, a, dx_v, out)
+-- A_log and dt_bias gradients.  out (optional) {dxBC =, db =, da =}: views to write
+-- those into (the in_proj gradient's sections), returned.  silu_input: the xBC of a
+-- forward with silu (dxBC is then its gradient).
+function GatedDeltaProduct:ssm_inputs_backward(grads, b, a, dx_v, out, silu_input)
   local p = self.params
   local r = F.ssm_inputs_backward(b, a, a and p["A_log"], a and p["dt_bias"], self:input_dims(),
                                   { dq = grads.dq, dk = grads.dk, dv = grads.dv, dbeta = grads.dbeta,
                                     dg = a and grads.dg or nil, dx_v = dx_v },
-                                  out and { db = out.db, da = out.da })
+                                  out and { dxBC = out.dxBC, db = out.db, da = out.da },
+                                  { silu_input = silu_input })
   if a ~= nil then
     Module.accumulate(self.grads["A_log"], r.dA_log)
     if r.ddt_bias ~= nil then Module.accumulate(self.grads["dt_bias"], r.ddt_bias) end
@@ -623,8 +633,10 @@ function GatedDeltaProduct:forward(x, cu_seqlens)
   local cu = F.seqlens(cu_seqlens, FN .. ":forward")
   local zx = self:in_proj_forward(x)
   local parts = self:split_in_proj(zx)
-  local xBC_c = self:conv_forward(parts.xBC, cu)
-  local inp = self:ssm_inputs(xBC_c, parts.b, parts.a)
+  -- without short conv the input stage applies the SiLU itself
+  local fused_silu = not self.use_short_conv
+  local xBC_c = fused_silu and parts.xBC or self:conv_forward(parts.xBC, cu)
+  local inp = self:ssm_inputs(xBC_c, parts.b, parts.a, fused_silu)
   self:drop_operator_state()
   local o, op_saved = self:ssm_forward(inp, cu, self.save_for_backward)
   local out, saved = self:out_forward(o, parts.z, inp.x_v)
@@ -675,8 +687,13 @@ function GatedDeltaProduct:backward(x, dy, cu_seqlens)
   local dzx, dparts = self:in_proj_grad(x:size(1), x:size(2))
   local d_o, _, dx_v = self:out_backward(c.saved, c.parts.z, c.inp.x_v, dy, dparts.z)
   local g = self:ssm_backward(c.inp, c.cu, d_o, c.op_saved)
-  local dxBC_c = self:ssm_inputs_backward(g, c.parts.b, c.parts.a, dx_v, { db = dparts.b, da = dparts.a })
-  self:conv_backward(c.parts.xBC, dxBC_c, c.cu, nil, nil, nil, nil, dparts.xBC)
+  if self.use_short_conv then
+    local dxBC_c = self:ssm_inputs_backward(g, c.parts.b, c.parts.a, dx_v, { db = dparts.b, da = dparts.a })
+    self:conv_backward(c.parts.xBC, dxBC_c, c.cu, nil, nil, nil, nil, dparts.xBC)
+  else
+    self:ssm_inputs_backward(g, c.parts.b, c.parts.a, dx_v,
+                             { dxBC = dparts.xBC, db = dparts.b, da = dparts.a }, c.parts.xBC)
+  end
   local dx = self:in_proj_backward(x, dzx)
   self.grad_input = dx
   return dx

@@ -247,8 +247,13 @@ end
 -- K (m,g,n), Q (g,n)), b [T,B,M*nh], a [T,B,nh] or nil (then A_log, dt_bias nil) ->
 -- {q [B,T,nh,N], k [B,T*M,nh,N], v [B,T*M,nh,P], beta [B,T*M,nh], g [B,T,nh] in
 -- A_log's dtype (nil without a)}; head h reads group h / (nh/ng).  dims: see inputs_dims.
-function F.ssm_inputs(xBC, b, a, A_log, dt_bias, dims)
+-- opts.silu = true: xBC goes through SiLU as it is read (a layer without short conv).
+function F.ssm_inputs(xBC, b, a, A_log, dt_bias, dims, opts)
   local fn = "nn.functional.ssm_inputs"
+  opts = tensor.check_opts(fn, opts, { silu = true })
+  if opts.silu ~= nil and type(opts.silu) ~= "boolean" then
+    argerror(fn, "opts.silu: expected a boolean, got " .. type(opts.silu))
+  end
   tensor_arg(xBC, fn, "xBC")
   tensor_arg(b, fn, "b")
   opt_tensor(a, fn, "a")
@@ -258,7 +263,7 @@ function F.ssm_inputs(xBC, b, a, A_log, dt_bias, dims)
   local q, k, v, beta, g = tensor_box(), tensor_box(), tensor_box(), tensor_box(), tensor_box()
   local rq, rk, rv, rbeta, rg = call_outputs(fn, "gdp_mixer_ssm_inputs_forward", { q, k, v, beta, g },
                                              xBC:ctx(), xBC, b, a, A_log, dt_bias, nh, P, ng, N, M,
-                                             scale, q, k, v, beta, g)
+                                             scale, opts.silu and 1 or 0, q, k, v, beta, g)
   return { q = rq, k = rk, v = rv, beta = rbeta, g = rg }
 end
 
@@ -269,7 +274,8 @@ local inputs_out_keys = { dxBC = true, db = true, da = true }
 -- to value copy m = 0)}: {dxBC, db, da (nil without a), dA_log, ddt_bias (nil without
 -- dt_bias)}.  out (optional) {dxBC =, db =, da =}: tensors to write those into (any
 -- strides, e.g. views into the in_proj gradient; they must not overlap the inputs).
-function F.ssm_inputs_backward(b, a, A_log, dt_bias, dims, grads, out)
+-- how.silu_input: the xBC of a forward with opts.silu (dxBC is then its gradient).
+function F.ssm_inputs_backward(b, a, A_log, dt_bias, dims, grads, out, how)
   local fn = "nn.functional.ssm_inputs_backward"
   tensor_arg(b, fn, "b")
   opt_tensor(a, fn, "a")
@@ -278,6 +284,8 @@ function F.ssm_inputs_backward(b, a, A_log, dt_bias, dims, grads, out)
   local nh, P, ng, N, M, scale = inputs_dims(fn, dims)
   grads = tensor.check_opts(fn, grads, inputs_grad_keys)
   out = tensor.check_opts(fn, out, inputs_out_keys)
+  how = tensor.check_opts(fn, how, { silu_input = true })
+  opt_tensor(how.silu_input, fn, "silu_input")
   for name in pairs(inputs_grad_keys) do opt_tensor(grads[name], fn, name) end
   for name in pairs(inputs_out_keys) do opt_tensor(out[name], fn, "out." .. name) end
   local T, B = b:size(1), b:size(2)
@@ -288,7 +296,7 @@ function F.ssm_inputs_backward(b, a, A_log, dt_bias, dims, grads, out)
   local da = a ~= nil and (out.da or tensor.empty({ T, B, nh }, opts)) or nil
   local dA, ddt = tensor_box(), tensor_box()
   local rA, rdt = call_outputs(fn, "gdp_mixer_ssm_inputs_backward", { dA, ddt }, b:ctx(), b, a, A_log,
-                               dt_bias, nh, P, ng, N, M, scale, grads.dq, grads.dk,
+                               dt_bias, nh, P, ng, N, M, scale, how.silu_input, grads.dq, grads.dk,
                                grads.dv, grads.dbeta, grads.dg, grads.dx_v, dxBC, db, da, dA, ddt)
   return { dxBC = dxBC, db = db, da = da, dA_log = rA, ddt_bias = rdt }
 end
