@@ -9,7 +9,7 @@
 #            CPU-only and left to CI), the cuda comm and CP specs over a one-rank NCCL
 #            communicator (GDP_COMM_NCCL=2), check_reference --device cuda in bf16, f32 and
 #            bf16 --save-for-backward, then compute-sanitizer memcheck and racecheck on
-#            the lab's small problems.                                      ~6 minutes
+#            the lab's small problems and on the mixer kernels' C test.    ~6 minutes
 #   bench    ./gdp build, then bench_gdp --against-fla --set issue22 (the README's
 #            command: 11 shapes, 4 head sizes, one packed), plain and saving for backward
 #            (JSON in DIR/bench_gdp.json).  fla's source in .fla/ (carry it); a warm
@@ -105,6 +105,12 @@ if [[ $MODE == check ]]; then
       run sanitizer 90 compute-sanitizer --tool $tool "$LAB" bench 1 300 $n chunk chunk_saving --reps 1
       grep -E "(ERROR|RACECHECK) SUMMARY" "$DIR/sanitizer.log" | tail -1 | tee -a "$LOG"
     done
+  done
+  # the mixer kernels (conv1d, output norm, input stage) through their C test
+  for tool in memcheck racecheck; do
+    left 40 "compute-sanitizer $tool on test_cuda_mixer" || break
+    run sanitizer 60 compute-sanitizer --tool $tool "$BUILD/test_cuda_mixer"
+    grep -E "(ERROR|RACECHECK) SUMMARY" "$DIR/sanitizer.log" | tail -1 | tee -a "$LOG"
   done
 fi
 
