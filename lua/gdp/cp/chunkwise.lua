@@ -788,8 +788,7 @@ function M.layer_forward(m, x, cu_in)
   local valid = math.min(R, meta.tokens_before)
   local halo = timing.stage("halo_forward", m.device, M.conv_halo_exchange, group, parts.xBC, R, valid)
   local lcu = meta.local_cu_seqlens
-  local xBC_c = m:conv_forward(parts.xBC, lcu, halo)
-  local inp = m:ssm_inputs(xBC_c, parts.b, parts.a)
+  local inp = m:inputs_forward(parts.xBC, parts.b, parts.a, lcu, halo)
   local o, saved = M.gdp_chunkwise_context_parallel{
     q = inp.q, k = inp.k, v = inp.v, g = inp.g, beta = inp.beta, cu_seqlens = lcu,
     num_householder = m.num_householder, scale = m.scale, cp_group = group, backend = m.cp_backend,
@@ -804,7 +803,7 @@ function M.layer_forward(m, x, cu_in)
     forward_received_incl_self = (b2.received_incl_self or 0) - (b1.received_incl_self or 0),
   }
   m.cache = { x = x, cu_in = cu_in, cu = cu, meta = meta, zx = zx, parts = parts, halo = halo,
-              valid = valid, xBC_c = xBC_c, inp = inp, saved = saved, saved_out = saved_out }
+              valid = valid, inp = inp, saved = saved, saved_out = saved_out }
   return out
 end
 
@@ -820,9 +819,8 @@ function M.layer_backward(m, dy)
   local dzx, dparts = m:in_proj_grad(x:size(1), x:size(2))
   local d_o, _, dx_v = m:out_backward(c.saved_out, c.parts.z, c.inp.x_v, dy, dparts.z)
   local g = M.gdp_chunkwise_context_parallel_backward(c.saved, d_o)
-  local dxBC_c = m:ssm_inputs_backward(g, c.parts.b, c.parts.a, dx_v, { db = dparts.b, da = dparts.a })
-  local _, dhalo = m:conv_backward(c.parts.xBC, dxBC_c, c.meta.local_cu_seqlens, c.halo, nil, nil,
-                                   nil, dparts.xBC)
+  local dhalo = m:inputs_backward(g, c.parts.xBC, c.parts.b, c.parts.a, dx_v, c.meta.local_cu_seqlens,
+                                  c.halo, { dxBC = dparts.xBC, db = dparts.b, da = dparts.a })
   local R = m.conv_width - 1
   local dtail = timing.stage("halo_backward", m.device, M.conv_halo_exchange_backward, group, dhalo,
                              c.parts.xBC, R, c.valid)

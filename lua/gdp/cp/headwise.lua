@@ -557,8 +557,7 @@ function M.layer_forward(m, x, cu_in)
   local xBC = loc:narrow(3, 1, ls.conv_dim)
   local b = loc:narrow(3, ls.conv_dim + 1, ls.b_dim)
   local a = loc:narrow(3, ls.conv_dim + ls.b_dim + 1, ls.a_dim)
-  local xBC_c = view:conv_forward(xBC, cu)
-  local inp = view:ssm_inputs(xBC_c, b, a)
+  local inp = view:inputs_forward(xBC, b, a, cu)
   local o = timing.stage("local_forward", m.device, view.ssm_forward, view, inp, cu)
   local y = o:permute(2, 1, 3, 4)
   if m.D_mode then y = F.dskip(y, inp.x_v, view.params.D) end
@@ -574,7 +573,7 @@ function M.layer_forward(m, x, cu_in)
     forward_received_incl_self = (b2.received_incl_self or 0) - (b1.received_incl_self or 0),
   }
   m.cache = { x = x, cu_in = cu_in, cu = cu, zx = zx, z = z, view = view, xBC = xBC, b = b, a = a,
-              xBC_c = xBC_c, inp = inp, y_seq = y_seq, yn = yn }
+              inp = inp, y_seq = y_seq, yn = yn }
   return out:view(Tl, B, m.hidden_size)
 end
 
@@ -611,12 +610,11 @@ function M.layer_backward(m, dy)
   local g = timing.stage("local_backward", m.device, view.ssm_backward, view, c.inp, c.cu,
                          dy4:permute(2, 1, 3, 4))
   local dloc = tensor.empty({ T, B, hcp:local_width(false) }, { dtype = m.dtype, device = m.device })
-  local dxBC_c = view:ssm_inputs_backward(g, c.b, c.a, dx_v,
-                                          { db = dloc:narrow(3, ls.conv_dim + 1, ls.b_dim),
-                                            da = dloc:narrow(3, ls.conv_dim + ls.b_dim + 1, ls.a_dim) })
-  view:conv_backward(c.xBC, dxBC_c, c.cu, nil, view.params["conv1d.weight"], view.params["conv1d.bias"],
-                     { weight = view.grads["conv1d.weight"], bias = view.grads["conv1d.bias"] },
-                     dloc:narrow(3, 1, ls.conv_dim))
+  view:inputs_backward(g, c.xBC, c.b, c.a, dx_v, c.cu, nil,
+                       { dxBC = dloc:narrow(3, 1, ls.conv_dim), db = dloc:narrow(3, ls.conv_dim + 1, ls.b_dim),
+                         da = dloc:narrow(3, ls.conv_dim + ls.b_dim + 1, ls.a_dim) },
+                       { weight = view.params["conv1d.weight"], bias = view.params["conv1d.bias"],
+                         grads = { weight = view.grads["conv1d.weight"], bias = view.grads["conv1d.bias"] } })
   hcp:get_conv1d_weight_backward(view.grads["conv1d.weight"], m.grads["conv1d.weight"])
   if m.grads["conv1d.bias"] ~= nil then
     hcp:get_conv1d_bias_backward(view.grads["conv1d.bias"], m.grads["conv1d.bias"])

@@ -71,9 +71,10 @@
 -- false leaves them rank-partial, for a caller that reduces them with its data-parallel
 -- gradients).  Ranks check once per call that they agree on shapes and configuration.
 --
--- Stages.  forward = in_proj_forward -> split_in_proj -> conv_forward -> ssm_inputs ->
--- ssm_forward -> out_forward, and backward mirrors them (out_backward, ssm_backward,
--- ssm_inputs_backward, conv_backward, in_proj_backward).  Each stage takes and returns
+-- Stages.  forward = in_proj_forward -> split_in_proj -> inputs_forward (conv_forward ->
+-- ssm_inputs; without short conv ssm_inputs alone, applying the SiLU) -> ssm_forward ->
+-- out_forward, and backward mirrors them (out_backward, ssm_backward, inputs_backward
+-- (ssm_inputs_backward, conv_backward), in_proj_backward).  Each stage takes and returns
 -- plain tensors, so that context-parallel variants can put all-to-alls or halo
 -- exchanges between them, and parameter slices in place of the full parameters.
 local ffi = require("ffi")
@@ -609,6 +610,30 @@ local function packing_key(cu)
   return "{" .. table.concat(parts, ",") .. "}"
 end
 
+-- The conv and the input stage, as every path of the layer runs them (the layer, and
+-- both context-parallel strategies on their shards): the operator's inputs (with x_v).
+-- Without short conv the input stage applies the SiLU itself, so no pass of its own
+-- reads and writes the xBC section.  halo, weight, bias: conv_forward's.
+function GatedDeltaProduct:inputs_forward(xBC, b, a, cu_seqlens, halo, weight, bias)
+  if not self.use_short_conv then return self:ssm_inputs(xBC, b, a, true) end
+  return self:ssm_inputs(self:conv_forward(xBC, cu_seqlens, halo, weight, bias), b, a)
+end
+
+-- Backward of inputs_forward: writes dxBC, db, da into out {dxBC =, db =, da =} (views
+-- into the in_proj gradient) and returns dhalo (nil without halo or short conv).  conv
+-- (optional) {weight =, bias =, grads =}: conv_backward's weight, bias and grads.
+function GatedDeltaProduct:inputs_backward(grads, xBC, b, a, dx_v, cu_seqlens, halo, out, conv)
+  conv = conv or {}
+  if not self.use_short_conv then
+    self:ssm_inputs_backward(grads, b, a, dx_v, out, xBC)
+    return nil
+  end
+  local dxBC_c = self:ssm_inputs_backward(grads, b, a, dx_v, { db = out.db, da = out.da })
+  local _, dhalo = self:conv_backward(xBC, dxBC_c, cu_seqlens, halo, conv.weight, conv.bias,
+                                      conv.grads, out.dxBC)
+  return dhalo
+end
+
 local function remember_inputs(self, x, cu_seqlens)
   self.cache.x_version = x:version()
   self.cache.packing, self.cache.packing_version = packing_key(cu_seqlens)
@@ -633,15 +658,12 @@ function GatedDeltaProduct:forward(x, cu_seqlens)
   local cu = F.seqlens(cu_seqlens, FN .. ":forward")
   local zx = self:in_proj_forward(x)
   local parts = self:split_in_proj(zx)
-  -- without short conv the input stage applies the SiLU itself
-  local fused_silu = not self.use_short_conv
-  local xBC_c = fused_silu and parts.xBC or self:conv_forward(parts.xBC, cu)
-  local inp = self:ssm_inputs(xBC_c, parts.b, parts.a, fused_silu)
+  local inp = self:inputs_forward(parts.xBC, parts.b, parts.a, cu)
   self:drop_operator_state()
   local o, op_saved = self:ssm_forward(inp, cu, self.save_for_backward)
   local out, saved = self:out_forward(o, parts.z, inp.x_v)
-  self.cache = { x = x, cu_in = cu_seqlens, cu = cu, zx = zx, parts = parts, xBC_c = xBC_c,
-                 inp = inp, saved = saved, op_saved = op_saved }
+  self.cache = { x = x, cu_in = cu_seqlens, cu = cu, zx = zx, parts = parts, inp = inp,
+                 saved = saved, op_saved = op_saved }
   remember_inputs(self, x, cu_seqlens)
   self.output = out
   return out
@@ -687,13 +709,8 @@ function GatedDeltaProduct:backward(x, dy, cu_seqlens)
   local dzx, dparts = self:in_proj_grad(x:size(1), x:size(2))
   local d_o, _, dx_v = self:out_backward(c.saved, c.parts.z, c.inp.x_v, dy, dparts.z)
   local g = self:ssm_backward(c.inp, c.cu, d_o, c.op_saved)
-  if self.use_short_conv then
-    local dxBC_c = self:ssm_inputs_backward(g, c.parts.b, c.parts.a, dx_v, { db = dparts.b, da = dparts.a })
-    self:conv_backward(c.parts.xBC, dxBC_c, c.cu, nil, nil, nil, nil, dparts.xBC)
-  else
-    self:ssm_inputs_backward(g, c.parts.b, c.parts.a, dx_v,
-                             { dxBC = dparts.xBC, db = dparts.b, da = dparts.a }, c.parts.xBC)
-  end
+  self:inputs_backward(g, c.parts.xBC, c.parts.b, c.parts.a, dx_v, c.cu, nil,
+                       { dxBC = dparts.xBC, db = dparts.b, da = dparts.a })
   local dx = self:in_proj_backward(x, dzx)
   self.grad_input = dx
   return dx
