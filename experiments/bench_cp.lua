@@ -6,7 +6,8 @@
 --          [--H 16 --K 128 --V 128 --hidden 2048 --groups 4 --conv 4] [--n 1,2]
 --          [--tokens-per-rank 16384,4096] [--modes headwise,chunkwise]
 --          [--targets layer,operator] [--warmup 3 --repeat 15] [--no-profile]
---          [--no-check --check-tokens 64] [--baseline FILE] [--json] [--record NAME]
+--          [--no-check --check-tokens 64] [--baseline FILE] [--emulate-cp C] [--json]
+--          [--record NAME]
 --
 -- Weak scaling: cp = R (the mpirun world; one process is cp = 1), T = tokens_per_rank * cp,
 -- B = 1, one sequence.  Targets:
@@ -37,6 +38,14 @@
 -- local_backward), reported for the rank where it is largest (issue 19's goal:
 -- <= 0.10 for chunkwise at 16K tokens per rank, n = 2, K = V = 128).
 --
+-- Emulated ranks (--emulate-cp C, one process): the chunkwise operator's work of each
+-- rank r of cp = C alone on this device, the group replaced by a stand-in whose
+-- all-gather copies this rank's summary to every slot (no link, no other rank's values:
+-- the outputs are not cp = 1's, the times are rank r's); rows mode "chunkwise-emulated"
+-- with their breakdown.  On one GPU this is the CP work's own cost, without the other
+-- ranks' kernels sharing the device (what -np C on one GPU measures) and without the
+-- link (the all-gathers here are local copies of a [Nb, H, K, V+K] summary).
+--
 -- Check (--check, on by default, cp > 1): before timing, each target, mode and n at
 -- --check-tokens tokens per rank against cp = 1 on the same global batch (output, input
 -- gradients, layer parameter gradients), the dtype's tolerance (gdp.ops.TOLERANCE); the
@@ -60,6 +69,7 @@ local config = {
   profile = true,
   check = true, check_tokens = 64,
   baseline = "",
+  emulate_cp = 0,
   seed = 1,
   json = false,
   record = "",
@@ -87,11 +97,13 @@ local opts = util.parse_args(arg, config, {
     { "check", "check CP against cp = 1 before timing (cp > 1)" },
     { "check_tokens", "tokens per rank of the check" },
     { "baseline", "FILE: a JSON of this script at -np 1: efficiency = t(cp=1) / t(cp)" },
+    { "emulate_cp", "C: with one process, also time each rank of chunkwise cp = C alone (operator target)" },
     { "json", "stdout: one JSON object (the table goes to stderr)" },
     { "record", "NAME: also write the JSON to results/<UTC date>-NAME.json" },
   },
   choices = { dtype = { "f64", "f32", "bf16" } },
-  aliases = { ["tokens-per-rank"] = "tokens_per_rank", ["check-tokens"] = "check_tokens" },
+  aliases = { ["tokens-per-rank"] = "tokens_per_rank", ["check-tokens"] = "check_tokens",
+              ["emulate-cp"] = "emulate_cp" },
 })
 
 local world = gdp.comm.world()
@@ -187,6 +199,16 @@ local function argument_problem()
                              opts.check_tokens)
       end
     end
+  end
+  if opts.emulate_cp ~= 0 then
+    local c = opts.emulate_cp
+    if c < 2 or c ~= math.floor(c) then return "--emulate-cp: expected an integer >= 2, got " .. c end
+    if CP > 1 then
+      return string.format("--emulate-cp: run with one process (it stands in for the group), got %d ranks", CP)
+    end
+    local has_operator = false
+    for _, t in ipairs(lists.targets) do has_operator = has_operator or t == "operator" end
+    if not has_operator then return "--emulate-cp: times the operator target; --targets has no operator" end
   end
   if opts.record ~= "" and not opts.record:match("^[%w%-_.]+$") then
     return "--record: expected a name of letters, digits, '-', '_' and '.', got " .. opts.record
@@ -344,9 +366,27 @@ end
 
 ------------------------------------------------------------------------------- one step
 
+-- A stand-in for rank r of a group of cpn ranks inside one process (--emulate-cp): what
+-- gdp_chunkwise_context_parallel asks of its group with validate = false (size, rank,
+-- allgather), the all-gather a local copy of this rank's summary to every slot.
+local function stand_in_group(cpn, r)
+  local g = {}
+  function g.size() return cpn end
+  function g.rank() return r end
+  function g.allgather(_, t)
+    local shape = t:shape()
+    table.insert(shape, 1, cpn)
+    local all = gdp.empty(shape, { dtype = t:dtype(), device = t:device() })
+    for i = 1, cpn do all:select(1, i):copy(t) end
+    return all
+  end
+  return g
+end
+
 -- A runner for (target, mode, n, tokens per rank): runner.draw() fresh inputs,
--- runner.forward(), runner.step() (forward+backward); mode nil: cp = 1.
-local function make_runner(target, mode, n, Lc)
+-- runner.forward(), runner.step() (forward+backward); mode nil: cp = 1.  group: the
+-- chunkwise operator's (default the world).
+local function make_runner(target, mode, n, Lc, group)
   local r = {}
   if target == "layer" then
     local m = nn.GatedDeltaProduct(layer_cfg(n, mode))
@@ -377,7 +417,7 @@ local function make_runner(target, mode, n, Lc)
   elseif mode == "chunkwise" then
     local function fwd()
       local a = op_args(x, n)
-      a.cp_group, a.validate = world, false
+      a.cp_group, a.validate = group or world, false
       return cp.gdp_chunkwise_context_parallel(a)
     end
     function r.forward() fwd() end
@@ -531,8 +571,8 @@ local function profile(runner, target, mode)
            overhead_fraction = worst.overhead_fraction, by_rank = util.json_array(by_rank) }
 end
 
-local function bench(target, mode, n, Lc)
-  local runner = make_runner(target, mode, n, Lc)
+local function bench(target, mode, n, Lc, group)
+  local runner = make_runner(target, mode, n, Lc, group)
   local fwd, fb = {}, {}
   for rep = 1, opts.warmup + opts["repeat"] do
     runner.draw()
@@ -592,6 +632,21 @@ if lists.baseline then
 end
 
 local rows = {}
+-- --emulate-cp: each rank of chunkwise cp = C alone (the profile's rows are this
+-- process's, so its rank is the emulated one)
+local function emulated_rows(n, Lc)
+  local C = opts.emulate_cp
+  for r = 0, C - 1 do
+    local row = bench("operator", "chunkwise", n, Lc, stand_in_group(C, r))
+    row.mode, row.cp, row.T, row.emulated_rank = "chunkwise-emulated", C, Lc * C, r
+    if row.breakdown then
+      row.breakdown.worst_rank = r
+      row.breakdown.by_rank[1].rank = r
+    end
+    rows[#rows + 1] = row
+    collectgarbage()
+  end
+end
 for _, target in ipairs(lists.targets) do
   for _, mode in ipairs(modes) do
     for _, n in ipairs(lists.n) do
@@ -609,6 +664,11 @@ for _, target in ipairs(lists.targets) do
     end
   end
 end
+if opts.emulate_cp ~= 0 then
+  for _, n in ipairs(lists.n) do
+    for _, Lc in ipairs(lists.tokens) do emulated_rows(n, Lc) end
+  end
+end
 
 ------------------------------------------------------------------------------- output
 
@@ -620,7 +680,8 @@ local trows = {}
 for _, r in ipairs(rows) do
   local b = r.breakdown
   trows[#trows + 1] = {
-    r.target, r.mode, r.n, r.tokens_per_rank, r.T,
+    r.target, r.emulated_rank and string.format("%s (rank %d of %d)", r.mode, r.emulated_rank, r.cp) or r.mode,
+    r.n, r.tokens_per_rank, r.T,
     string.format("%.3f [%.3f, %.3f]", r.fwd_ms, r.fwd_min_ms, r.fwd_max_ms),
     string.format("%.3f [%.3f, %.3f]", r.fwdbwd_ms, r.fwdbwd_min_ms, r.fwdbwd_max_ms),
     num(r.efficiency_fwd), num(r.efficiency_fwdbwd), b and num(b.overhead_fraction) or "-",
@@ -656,6 +717,8 @@ local report = {
   breakdown = "cp > 1: per rank the mean over profiled repeats of each gdp.cp.timing stage; overhead = "
               .. "the stages other than local_* (the operator); reported for the rank with the largest "
               .. "overhead / (local_forward + local_backward)",
+  emulated = opts.emulate_cp ~= 0 and ("chunkwise-emulated rows: each rank of cp = " .. opts.emulate_cp
+    .. " alone in this process; the all-gathers are local copies (no link), the outputs not cp = 1's") or nil,
 }
 local csv = run:csv({ "target", "mode", "cp", "n", "tokens_per_rank", "T", "fwd_ms", "fwdbwd_ms", "efficiency_fwd",
                       "efficiency_fwdbwd", "overhead_fraction" })

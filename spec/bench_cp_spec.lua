@@ -66,6 +66,33 @@ describe("bench_cp", function()
     assert.are.equal("ok", meta.status)
   end)
 
+  it("at one rank with --emulate-cp 3: each rank's chunkwise operator alone, with its stages", function()
+    local rep = run_json(nil, TINY .. " --dtype f64 --targets operator --n 2 --emulate-cp 3", runs)
+    assert.are.equal(1, rep.world_size)
+    assert.truthy(rep.emulated:find("local copies", 1, true), rep.emulated)
+    local seen = {}
+    for _, r in ipairs(rep.rows) do
+      if r.mode == "chunkwise-emulated" then
+        seen[#seen + 1] = r.emulated_rank
+        assert.are.equal(3, r.cp)
+        assert.are.equal(192, r.T)
+        local bd = r.breakdown
+        assert.are.equal(r.emulated_rank, bd.worst_rank)
+        assert.are.equal(r.emulated_rank, bd.by_rank[1].rank)
+        assert.is_true(bd.local_ms > 0 and bd.overhead_ms > 0, util.json_encode(bd))
+        assert.are.near(bd.overhead_ms / bd.local_ms, bd.overhead_fraction, 1e-9)
+        for _, s in ipairs(bd.stage_order) do assert.is_true(bd.stages_ms[s] >= 0, s) end
+      else
+        assert.are.equal("plain", r.mode)
+      end
+    end
+    assert.are.same({ 0, 1, 2 }, seen)
+    local out, rc = sh(H.launcher_cmd(nil, "experiments/bench_cp.lua", TINY .. " --targets layer --emulate-cp 2"))
+    assert.are.equal(2, rc, out)
+    assert.truthy(out:find("bench_cp: --emulate-cp: times the operator target; --targets has no operator", 1, true),
+                  out)
+  end)
+
   it("under mpirun -np 2: checks, efficiency against the baseline, stages within the step", function()
     if not H.can_mpirun then return pending("no mpirun or built without MPI") end
     local base = run_json(nil, TINY .. " --dtype f32", runs)
