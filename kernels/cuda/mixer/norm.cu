@@ -248,7 +248,7 @@ template <typename IO> struct BwdBounds {
 
 /* The rows a backward thread stages ahead (RING > 0: the operand packs of its next RING
  * rows in shared memory, after the teams' sums, [RING][4][K][blockDim]; 0: loaded when
- * used).  Chosen at launch (bwd_ring) when the ring fits. */
+ * used).  Chosen at launch (launch_bwd) when the ring fits. */
 template <int K> struct BwdRing { enum { rows = K == 1 ? 4 : K == 2 ? 2 : 0 }; };
 
 template <typename IO, int V, int K, int RING>
@@ -284,7 +284,8 @@ __global__ void __launch_bounds__(BwdBounds<IO>::max_team, 1)
 #pragma unroll
       for (int k = 0; k < K; k++) {
         const bool kok = sok && sl.has(k);
-        Pack<IO, V> *slot = ring + ((int64_t)((i % (RING > 0 ? RING : 1)) * 4) * K + k) * blockDim.x + threadIdx.x;
+        Pack<IO, V> *slot =
+            ring + ((int64_t)((i % (RING > 0 ? RING : 1)) * 4) * K + k) * blockDim.x + threadIdx.x;
         const int64_t kb = (int64_t)K * blockDim.x;
         stage<IO, V>(slot, kok ? a.o + at_hp(p.o, ts, bs, hk[k], pk[k]) : a.o, kok);
         stage<IO, V>(slot + kb, kok ? a.d_out + at_hp(p.d_out, ts, bs, hk[k], pk[k]) : a.o, kok);
@@ -305,7 +306,8 @@ __global__ void __launch_bounds__(BwdBounds<IO>::max_team, 1)
     BwdRow<IO, V, K> r;
     if (RING > 0) {
       stage_wait<(RING > 0 ? RING - 1 : 0)>();
-      const Pack<IO, V> *slot = ring + ((int64_t)((it % (RING > 0 ? RING : 1)) * 4) * K) * blockDim.x + threadIdx.x;
+      const Pack<IO, V> *slot =
+          ring + ((int64_t)((it % (RING > 0 ? RING : 1)) * 4) * K) * blockDim.x + threadIdx.x;
       const int64_t kb = (int64_t)K * blockDim.x;
 #pragma unroll
       for (int k = 0; k < K; k++) {
