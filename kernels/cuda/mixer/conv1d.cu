@@ -39,8 +39,9 @@ enum {
   CONV_WMAX = 16,
   CONV_RING = 16,     /* tokens (steps) whose loads are staged ahead in shared memory */
   CONV_SUB = 4,       /* backward: sub-chunks (warps) of a block, summed in shared memory */
-  CONV_PACK = 8,      /* bytes of a channel pack (4 bf16, 2 f32): 16-byte packs double the
-                         registers and were slower in both directions on the H200 */
+  CONV_PACK = 8,      /* bytes of a channel pack (4 bf16, 2 f32): 16-byte packs doubled the
+                         registers and were slower in both directions on the H200 (before
+                         the staging; they would also double the rings' shared memory) */
   CONV_BWD_LANES = CONV_THREADS / CONV_SUB
 };
 
