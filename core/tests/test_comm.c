@@ -31,11 +31,7 @@ static double val(gdp_dtype dt, int64_t code) {
 }
 
 static gdp_tensor *from_f64(gdp_dtype dt, int nd, const int64_t *shape, const double *v) {
-  int64_t n = 1;
-  for (int i = 0; i < nd; i++) n *= shape[i];
-  gdp_tensor *t = NULL;
-  CHECK_OK(gdp_tensor_from_host(ctx, dt, nd, shape, GDP_DTYPE_F64, v, (size_t)n * sizeof(double), &t));
-  return t;
+  return tu_tensor_from_f64(ctx, dt, nd, shape, v);
 }
 
 static double *to_f64(const gdp_tensor *t) {

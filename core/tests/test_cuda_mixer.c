@@ -32,23 +32,15 @@ typedef struct pair {
   gdp_tensor *c, *g;
 } pair;
 
-static gdp_tensor *from_values(gdp_ctx *ctx, gdp_dtype dt, int nd, const int64_t *shape,
-                               const double *v) {
-  gdp_tensor *t = NULL;
-  CHECK_OK(gdp_tensor_from_host(ctx, dt, nd, shape, GDP_DTYPE_F64, v,
-                                (size_t)numel_of(nd, shape) * sizeof(double), &t));
-  return t;
-}
-
 /* Random values ~ scale N(0,1), rounded through `dtype` first so that both sides see
  * the same numbers. */
 static pair mk(gdp_dtype dt, int nd, const int64_t *shape, double scale) {
   const int64_t n = numel_of(nd, shape);
   double *v = malloc((size_t)(n ? n : 1) * sizeof *v);
   for (int64_t i = 0; i < n; i++) v[i] = scale * tu_rand_normal();
-  pair p = {NULL, from_values(gpu, dt, nd, shape, v)};
+  pair p = {NULL, tu_tensor_from_f64(gpu, dt, nd, shape, v)};
   if (p.g) CHECK_OK(gdp_tensor_to_host(p.g, GDP_DTYPE_F64, v, (size_t)n * sizeof(double)));
-  p.c = from_values(cpu, GDP_DTYPE_F64, nd, shape, v);
+  p.c = tu_tensor_from_f64(cpu, GDP_DTYPE_F64, nd, shape, v);
   free(v);
   return p;
 }

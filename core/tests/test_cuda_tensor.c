@@ -50,10 +50,7 @@ static double *random_values(int64_t n, double scale) {
 
 static gdp_tensor *upload(gdp_ctx *ctx, gdp_dtype dtype, int nd, const int64_t *shape,
                           const double *vals) {
-  gdp_tensor *t = NULL;
-  CHECK_OK(gdp_tensor_from_host(ctx, dtype, nd, shape, GDP_DTYPE_F64, vals,
-                                (size_t)numel_of(nd, shape) * sizeof(double), &t));
-  return t;
+  return tu_tensor_from_f64(ctx, dtype, nd, shape, vals);
 }
 
 /* t's values as `dtype`, row-major (malloc'd; NULL on failure). */

@@ -49,6 +49,16 @@ void tu_fail(const char *file, int line, const char *fmt, ...) {
   fflush(stdout);
 }
 
+gdp_tensor *tu_tensor_from_f64(gdp_ctx *ctx, gdp_dtype dtype, int nd, const int64_t *shape,
+                               const double *v) {
+  int64_t n = 1;
+  for (int i = 0; i < nd; i++) n *= shape[i];
+  gdp_tensor *t = NULL;
+  CHECK_OK(gdp_tensor_from_host(ctx, dtype, nd, shape, GDP_DTYPE_F64, v, (size_t)n * sizeof(double),
+                                &t));
+  return t;
+}
+
 void tu_check_err(gdp_status got, gdp_status want, const char *needle, const char *expr,
                   const char *file, int line) {
   tu_checks++;

@@ -42,6 +42,11 @@ void tu_fail(const char *file, int line, const char *fmt, ...);
 void tu_check_err(gdp_status got, gdp_status want, const char *needle, const char *expr,
                   const char *file, int line);
 
+/* A new tensor of `dtype` on ctx holding the float64 host values v (row-major); NULL
+   (and a recorded failure) when the library refuses. */
+gdp_tensor *tu_tensor_from_f64(gdp_ctx *ctx, gdp_dtype dtype, int nd, const int64_t *shape,
+                               const double *v);
+
 /* Relative error ||a-b|| / ||b|| of two host arrays (NaN if any is non-finite). */
 double tu_rel_err_f64(const double *a, const double *b, int64_t n);
 double tu_rel_err_f32(const float *a, const double *b, int64_t n);
