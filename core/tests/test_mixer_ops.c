@@ -882,8 +882,18 @@ static void test_validation(void) {
             "D: expected H = 3 values (per head) or H*P = 6 (per channel)");
   CHECK_ERR(gdp_mixer_dskip_forward(ctx, q, x, bias, &g), GDP_ERR_SHAPE, "x_v");
 
+  /* input stage: nh = 2 heads of P = 2, one group of N = 2, M = 1 (xBC 4 + 2 + 2 wide) */
+  const int64_t xbs[3] = {3, 1, 8}, bbs[3] = {3, 1, 2};
+  gdp_tensor *xBC = NULL, *bb = NULL, *iq = NULL, *ik = NULL, *iv = NULL, *ib = NULL;
+  CHECK_OK(gdp_tensor_zeros(ctx, GDP_DTYPE_F64, 3, xbs, &xBC));
+  CHECK_OK(gdp_tensor_zeros(ctx, GDP_DTYPE_F64, 3, bbs, &bb));
+  CHECK_ERR(gdp_mixer_ssm_inputs_forward(ctx, xBC, bb, NULL, NULL, NULL, 2, 2, 1, 2, 1, 1.0, 2, &iq,
+                                         &ik, &iv, &ib, NULL),
+            GDP_ERR_INVALID_ARG, "silu: expected 0 or 1, got 2");
+  CHECK(iq == NULL && ik == NULL && iv == NULL && ib == NULL, "ssm_inputs: outputs set on an error");
+
   gdp_tensor *all[] = {x, w, wb, wc, bias, bias4, halo, halo_bad, xi, wide, x1, cu, cu_bad,
-                       cu_f, d_bad, a, A3, A2, q, D5};
+                       cu_f, d_bad, a, A3, A2, q, D5, xBC, bb};
   for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) gdp_tensor_free(all[i]);
 }
 
