@@ -12,6 +12,8 @@
 
 static inline REAL FN(sigmoid)(REAL x) { return (REAL)1 / ((REAL)1 + exp(-x)); }
 
+static inline REAL FN(silu)(REAL x) { return x * FN(sigmoid)(x); }
+
 static inline REAL FN(softplus)(REAL x) {
   return x > (REAL)GDP_SOFTPLUS_THRESHOLD ? x : log1p(exp(x));
 }

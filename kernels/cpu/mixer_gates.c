@@ -54,8 +54,7 @@ void FN(gdp_cpu_silu_fwd)(int64_t rows, int64_t C, const REAL *x, int64_t ld_x, 
     if (rows * C > GATES_PAR_MIN)
   for (int64_t r = 0; r < rows; r++)
     for (int64_t c = 0; c < C; c++) {
-      const REAL v = x[r * ld_x + c];
-      out[r * ld_out + c] = v * FN(sigmoid)(v);
+      out[r * ld_out + c] = FN(silu)(x[r * ld_x + c]);
     }
 }
 

@@ -43,7 +43,7 @@ static int inputs_threads(int n) { return n < 1 ? 1 : n; }
 
 /* Element j of a row of xBC as the stage reads it: through SiLU when act. */
 static inline REAL FN(input)(const REAL *x, int64_t j, int act) {
-  return act ? x[j] * FN(sigmoid)(x[j]) : x[j];
+  return act ? FN(silu)(x[j]) : x[j];
 }
 
 void FN(gdp_cpu_ssm_inputs_fwd)(const gdp_ssm_inputs_problem *p, const gdp_ssm_inputs_fwd_io *io) {
