@@ -457,9 +457,8 @@ function GatedDeltaProduct:in_proj_grad(T, B)
 end
 
 -- Depthwise causal conv + SiLU over [V, K, Q]; halo [L,B,C] optional (context parallel).
--- Without short conv: SiLU alone.
+-- A layer with short conv only: without, inputs_forward has the input stage apply the SiLU.
 function GatedDeltaProduct:conv_forward(xBC, cu_seqlens, halo, weight, bias)
-  if not self.use_short_conv then return F.silu(xBC) end
   return F.conv1d(xBC, weight or self.params["conv1d.weight"],
                   bias or (weight == nil and self.params["conv1d.bias"] or nil),
                   { activation = "silu", cu_seqlens = cu_seqlens, halo = halo })
@@ -469,7 +468,6 @@ end
 -- gradient) and dhalo (nil without halo); accumulates the conv gradients into grads
 -- (default: the module's) when given.
 function GatedDeltaProduct:conv_backward(xBC, dxBC_c, cu_seqlens, halo, weight, bias, grads, out)
-  if not self.use_short_conv then return F.silu_backward(xBC, dxBC_c, out) end
   local w = weight or self.params["conv1d.weight"]
   local b = bias or (weight == nil and self.params["conv1d.bias"] or nil)
   local r = F.conv1d_backward(xBC, w, b, dxBC_c,
