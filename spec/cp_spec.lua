@@ -555,6 +555,8 @@ describe("chunkwise backend: what runs after the all-gathers", function()
       counting(function(counts)
         local _, ctx = backend:forward_prepare(inp)
         local before = counts.chunk_gated_delta_product
+        -- the local run, and the first sequence's transition only where a start reaches it
+        assert.are.equal(c[2] and 2 or 1, before, "operator runs before the all-gather")
         local S_in = gdp.randn({ 1, B, Hh, K, V + K }, { dtype = "f64" })
         local preceding = c[2] and S_in or S_in:narrow(1, 1, 0)
         local o, saved = backend:forward_apply(ctx, preceding)
@@ -573,4 +575,31 @@ describe("chunkwise backend: what runs after the all-gathers", function()
       end)
     end)
   end
+
+  -- packed, a start reaching the first of two local sequences and the last going on: the
+  -- last sequence starts here, so no one reads this rank's M and none is computed
+  it("packed middle rank: two runs before the all-gather, M left zero, o = the run from S_in", function()
+    gdp.manual_seed(H.seed)
+    local inp = inputs(true, true)
+    inp.cu_seqlens = { 0, 5, T }
+    local backend = cp.cpu_backend()
+    counting(function(counts)
+      local summary, ctx = backend:forward_prepare(inp)
+      assert.are.equal(2, counts.chunk_gated_delta_product, "operator runs before the all-gather")
+      assert.are.equal(0, summary:narrow(4, V + 1, K):norm())
+      local S_in = gdp.randn({ 1, 1, Hh, K, V + K }, { dtype = "f64" })
+      local o = backend:forward_apply(ctx, S_in)
+      assert.are.equal(2, counts.chunk_gated_delta_product)
+      local h0 = gdp.zeros({ 2, Hh, K, V }, { dtype = "f64" })
+      h0:select(1, 1):copy(S_in:select(1, 1):select(1, 1):narrow(3, 1, V))
+      local want, ht = ops.chunk_gated_delta_product({
+        q = inp.q, k = inp.k, v = inp.v, g = inp.g, beta = inp.beta, num_householder = n,
+        scale = 0.5, use_qk_l2norm_in_kernel = true, cu_seqlens = inp.cu_seqlens, initial_state = h0,
+        output_final_state = true })
+      assert.is_true(rel(o, want) < 1e-12, "o differs from the run from S_in: " .. rel(o, want))
+      -- dS: the last sequence's final state from zero, which S_in does not reach
+      local dS = summary:select(1, 1):narrow(3, 1, V)
+      assert.is_true(rel(dS, ht:select(1, 2)) < 1e-12, "dS differs: " .. rel(dS, ht:select(1, 2)))
+    end)
+  end)
 end)

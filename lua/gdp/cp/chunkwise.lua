@@ -325,6 +325,12 @@ end
 -- reads: its run then overlaps the other ranks' summaries instead of following them,
 -- and a start that reaches it is added afterwards as O S_in, from the transition of its
 -- first sequence, which its backward summary needs as M^T anyway.
+--
+-- That first-sequence transition is the only one any rank runs.  A summary's M is read
+-- only by a composition that passes through the rank (compose_prefix starts from the dS
+-- of the rank where the sequence began, ignoring that rank's M), i.e. when a start
+-- reaches the rank and its first sequence is also its last; elsewhere (the first rank of
+-- a span, or a last sequence that starts on this rank) M is left zero and not computed.
 function CpuBackend:forward_prepare(inputs)
   local Nb, H, K, V = dims(inputs)
   local sdtype = state_dtype(inputs.q:dtype())
@@ -340,21 +346,13 @@ function CpuBackend:forward_prepare(inputs)
   args.output_final_state = summarised
   local o0, ht = timing.stage("local_forward", device, ops.chunk_gated_delta_product, args)
   ctx.o0 = o0
-  local O_last, M_last
-  if summarised then O_last, M_last = self:transition(ctx, span_of(inputs, last)) end
-  if reached then
-    if summarised and first == last then
-      ctx.O_first, ctx.M_first = O_last, M_last
-    else
-      ctx.O_first, ctx.M_first = self:transition(ctx, span_of(inputs, first))
-    end
-  end
+  if reached then ctx.O_first, ctx.M_first = self:transition(ctx, span_of(inputs, first)) end
   if not summarised then
     return tensor.zeros({ Nb, H, K, V + K }, { dtype = sdtype, device = device }), ctx
   end
-  local summary = tensor.empty({ Nb, H, K, V + K }, { dtype = sdtype, device = device })
+  local summary = tensor.zeros({ Nb, H, K, V + K }, { dtype = sdtype, device = device })
   summary:narrow(4, 1, V):copy(cu and ht:narrow(1, last, 1) or ht)
-  summary:narrow(4, V + 1, K):copy(M_last)
+  if reached and first == last then summary:narrow(4, V + 1, K):copy(ctx.M_first) end
   return summary, ctx
 end
 
