@@ -48,7 +48,7 @@ local rows = {}
 local function check(label, args, oracle, dtype, device)
   local run = ops.convert_inputs(args, dtype, device)
   -- cpu: the chunk algorithm at the configured chunk; cuda: "auto", the fast chunked path
-  -- where it takes the problem (bf16, n <= 8, K <= 128, V <= 256) and else the recurrent kernels
+  -- where it takes the problem (bf16, n <= 8, K <= 256, V <= 256) and else the recurrent kernels
   if device == "cpu" then
     run.algorithm, run.chunk_size = "chunk", config.chunk_size
   else

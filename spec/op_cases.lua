@@ -14,11 +14,12 @@ M.GRADS = { "dq", "dk", "dv", "dbeta", "dg", "dh0" }
 M.DTYPES = { cpu = { "f64", "f32", "bf16" }, cuda = { "f32", "bf16" } }
 
 -- The shapes the CUDA fast path takes (kernels/cuda; README's support matrix): bf16,
--- n = 1..8, K <= 128, V <= 256 (the kernels' instances are K, V in {32, 64, 128}; other
--- widths run zero-padded to the next, n = 5..8 as tokens of 3 or 4 steps, V = 256 as two
--- halves).  Elsewhere cuda runs the recurrent kernels.
+-- n = 1..8, K <= 256, V <= 256 (the kernels' instances are K, V in {32, 64, 128} and
+-- K = 256 with V = 128 at n = 2; other widths run zero-padded to the next, other n as
+-- tokens of fewer steps, V = 256 as two halves).  Elsewhere cuda runs the recurrent
+-- kernels.
 function M.fast_path(case, dtype)
-  return dtype == "bf16" and case.n >= 1 and case.n <= 8 and case.K <= 128 and case.V <= 256
+  return dtype == "bf16" and case.n >= 1 and case.n <= 8 and case.K <= 256 and case.V <= 256
 end
 
 -- The GDP operator.  Fields: B, T, H, K, V, n; gated (true), initial_state (false),
@@ -93,9 +94,23 @@ M.gdp = {
   { name = "fast path K=32 V=256 n=6, ungated", B = 1, T = 40, H = 2, K = 32, V = 256, n = 6, gated = false,
     initial_state = true, dtypes = { cpu = { "f32" } } },
 
+  -- K = 256: its one instance (n = 2, V = 128; 16-token chunks), the others through it:
+  -- V < 128 padded to 128, V = 256 by halves, K between 128 and 256 padded, and every
+  -- other n padded to 2, 4 or 8 steps and run as 1, 2 or 4 tokens of 2
+  { name = "fast path K=256 V=128 n=2, packed with empty sequences, with h0", B = 1, T = 75, H = 2, K = 256,
+    V = 128, n = 2, initial_state = true, cu_seqlens = { 0, 0, 33, 33, 75 }, dtypes = { cpu = { "f32" } } },
+  { name = "fast path K=256 V=128 n=1 (2 steps a token), beta in (0,2)", B = 2, T = 40, H = 2, K = 256, V = 128,
+    n = 1, beta_max = 2, initial_state = true, dtypes = { cpu = { "bf16" } } },
+  { name = "fast path K=256 V=64 n=4, ungated, packed", B = 1, T = 45, H = 2, K = 256, V = 64, n = 4,
+    gated = false, cu_seqlens = { 0, 17, 45 }, dtypes = { cpu = { "f32" } } },
+  { name = "fast path K=200 V=128 n=5 (K padded, 4 tokens of 2 steps), with h0", B = 1, T = 30, H = 2, K = 200,
+    V = 128, n = 5, beta_max = 2, initial_state = true, dtypes = { cpu = { "f32" } } },
+  { name = "fast path K=144 V=96 n=2 (padded to 256 x 128), no L2 norm", B = 1, T = 50, H = 2, K = 144, V = 96,
+    n = 2, l2norm = false, initial_state = true, cu_seqlens = { 0, 21, 50 }, dtypes = { cpu = { "f32" } } },
+
   -- widths between the instances' (zero-padded to the next on the cuda fast path:
-  -- K=48 V=96, K=32 V=16, K=100 V=200) and past them (K = 256, n = 9: the recurrent
-  -- kernels on cuda)
+  -- K=48 V=96, K=32 V=16, K=100 V=200, K=256 V=40) and past the fast path (n = 9: the
+  -- recurrent kernels on cuda)
   { name = "K=48 V=96 n=2 (padded to 64 x 128)", B = 1, T = 150, H = 2, K = 48, V = 96, n = 2,
     initial_state = true, cu_seqlens = { 0, 40, 40, 150 }, dtypes = { cpu = { "f32" } } },
   { name = "K=32 V=16 n=4 (V padded to 32)", B = 1, T = 150, H = 2, K = 32, V = 16, n = 4, initial_state = true,

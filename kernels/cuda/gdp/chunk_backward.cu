@@ -105,23 +105,28 @@ static gdp_status launch_seq_k(const Plan &plan, int bv, bool states, bool dry_r
   }
 }
 
-/* n's chunk (chunk_steps_of, chunk_tokens_of), for n = 1..4 */
-#define GDP_BWD_N(N) chunk_steps_of(N), chunk_tokens_of(N)
+/* n's chunk at the enclosing template's K (chunk_steps_of, chunk_tokens_of), for n = 1..4;
+ * GDP_BWD_CASE_N(N, call) is the statement of case n = N: the call where K has a chunk at
+ * that n (K = 256: n = 2 alone), else an error. */
+#define GDP_BWD_N(N) chunk_steps_of(N, K), chunk_tokens_of(N, K)
+#define GDP_BWD_CASE_N(N, call)                                                             \
+  if constexpr (chunk_steps_of(N, K) > 0) return call;                                     \
+  else return GDP_ERROR(GDP_ERR_INTERNAL, "backward: K = %d has no chunk at n = %d", K, N)
 
 template <int K, int V>
 static gdp_status launch_seq_n(const Plan &plan, int bv, bool states, bool dry_run, int *occ, bf16 *b16,
                                bool two) {
   switch (plan.a.n) {
-    case 1: return launch_seq_k<K, V, GDP_BWD_N(1)>(plan, bv, states, dry_run, occ, b16, two);
-    case 2: return launch_seq_k<K, V, GDP_BWD_N(2)>(plan, bv, states, dry_run, occ, b16, two);
-    case 3: return launch_seq_k<K, V, GDP_BWD_N(3)>(plan, bv, states, dry_run, occ, b16, two);
-    default: return launch_seq_k<K, V, GDP_BWD_N(4)>(plan, bv, states, dry_run, occ, b16, two);
+    case 1: GDP_BWD_CASE_N(1, (launch_seq_k<K, V, GDP_BWD_N(1)>(plan, bv, states, dry_run, occ, b16, two)));
+    case 2: GDP_BWD_CASE_N(2, (launch_seq_k<K, V, GDP_BWD_N(2)>(plan, bv, states, dry_run, occ, b16, two)));
+    case 3: GDP_BWD_CASE_N(3, (launch_seq_k<K, V, GDP_BWD_N(3)>(plan, bv, states, dry_run, occ, b16, two)));
+    default: GDP_BWD_CASE_N(4, (launch_seq_k<K, V, GDP_BWD_N(4)>(plan, bv, states, dry_run, occ, b16, two)));
   }
 }
 
 /* The (K, V) roots: every kernel of this file is instantiated through these three, one set
  * per (K, V); the dispatchers below call them by name.  Defined at the end of the
- * namespace: all nine sets here when the file is compiled whole, one set per part file
+ * namespace: all ten sets here when the file is compiled whole, one set per part file
  * when it is compiled in parts (chunk_forward.cu's header). */
 #define GDP_BWD_DECLARE_ROOTS(K, V)                                                                             \
   gdp_status seq_k##K##v##V(const Plan &plan, int bv, bool states, bool dry_run, int *occ, bf16 *b16, bool two);          \
@@ -136,10 +141,11 @@ GDP_BWD_DECLARE_ROOTS(64, 128)
 GDP_BWD_DECLARE_ROOTS(128, 32)
 GDP_BWD_DECLARE_ROOTS(128, 64)
 GDP_BWD_DECLARE_ROOTS(128, 128)
+GDP_BWD_DECLARE_ROOTS(256, 128) /* K = 256: V = 128 only (chunk_shapes.cu pads narrower V) */
 
 /* The roots' (K, V) pairs, and a pair's case label in the dispatchers below. */
 #define GDP_BWD_EACH_KV(X) \
-  X(32, 32) X(32, 64) X(32, 128) X(64, 32) X(64, 64) X(64, 128) X(128, 32) X(128, 64) X(128, 128)
+  X(32, 32) X(32, 64) X(32, 128) X(64, 32) X(64, 64) X(64, 128) X(128, 32) X(128, 64) X(128, 128) X(256, 128)
 static constexpr int root_index(int K, int V) { return K * 1000 + V; }
 
 /* two: the fork beside a 2-stage dstate (fork_mode 2) */
@@ -184,10 +190,10 @@ static gdp_status launch_grad_state_kv(const Plan &plan, const GradStateOut &go,
 template <int K, int V>
 static gdp_status launch_grad_state_n(const Plan &plan, const GradStateOut &go, bool wy) {
   switch (plan.a.n) {
-    case 1: return launch_grad_state_kv<K, V, GDP_BWD_N(1)>(plan, go, wy);
-    case 2: return launch_grad_state_kv<K, V, GDP_BWD_N(2)>(plan, go, wy);
-    case 3: return launch_grad_state_kv<K, V, GDP_BWD_N(3)>(plan, go, wy);
-    default: return launch_grad_state_kv<K, V, GDP_BWD_N(4)>(plan, go, wy);
+    case 1: GDP_BWD_CASE_N(1, (launch_grad_state_kv<K, V, GDP_BWD_N(1)>(plan, go, wy)));
+    case 2: GDP_BWD_CASE_N(2, (launch_grad_state_kv<K, V, GDP_BWD_N(2)>(plan, go, wy)));
+    case 3: GDP_BWD_CASE_N(3, (launch_grad_state_kv<K, V, GDP_BWD_N(3)>(plan, go, wy)));
+    default: GDP_BWD_CASE_N(4, (launch_grad_state_kv<K, V, GDP_BWD_N(4)>(plan, go, wy)));
   }
 }
 
@@ -207,7 +213,7 @@ static gdp_status launch_chunk_grad(const Plan &plan, const GradStateOut &go, bo
 static int seq_blocks_per_sm(const Plan &plan, int bv) {
   const GdpArgs &a = plan.a;
   /* depends only on (K, V, n, bv); benign race */
-  static int occ_cache[3][3][kMaxChunkN][3] = {};
+  static int occ_cache[kWidths][3][kMaxChunkN][3] = {};
   int &occ = occ_cache[width_index(a.K)][width_index(a.V)][a.n - 1][bv == 16 ? 0 : bv == 32 ? 1 : 2];
   if (occ == 0 && launch_seq(plan, bv, false, true, &occ) != GDP_OK) occ = -1;
   return occ;
@@ -326,17 +332,17 @@ static gdp_status pair_k(int bv, int *fits) {
 template <int K, int V>
 static gdp_status pair_n(int n, int bv, int *fits) {
   switch (n) {
-    case 1: return pair_k<K, V, GDP_BWD_N(1)>(bv, fits);
-    case 2: return pair_k<K, V, GDP_BWD_N(2)>(bv, fits);
-    case 3: return pair_k<K, V, GDP_BWD_N(3)>(bv, fits);
-    default: return pair_k<K, V, GDP_BWD_N(4)>(bv, fits);
+    case 1: GDP_BWD_CASE_N(1, (pair_k<K, V, GDP_BWD_N(1)>(bv, fits)));
+    case 2: GDP_BWD_CASE_N(2, (pair_k<K, V, GDP_BWD_N(2)>(bv, fits)));
+    case 3: GDP_BWD_CASE_N(3, (pair_k<K, V, GDP_BWD_N(3)>(bv, fits)));
+    default: GDP_BWD_CASE_N(4, (pair_k<K, V, GDP_BWD_N(4)>(bv, fits)));
   }
 }
 
 /* Whether a states block and a 2-stage dstate block fit on one SM together. */
 static bool fork2_pair_fits(const Plan &plan, int bv) {
   const GdpArgs &a = plan.a;
-  static int cache[3][3][kMaxChunkN][3] = {}; /* 1 fits, -1 not; depends only on (K, V, n, bv); benign race */
+  static int cache[kWidths][3][kMaxChunkN][3] = {}; /* 1 fits, -1 not; depends only on (K, V, n, bv); benign race */
   int &c = cache[width_index(a.K)][width_index(a.V)][a.n - 1][bv == 16 ? 0 : bv == 32 ? 1 : 2];
   if (c == 0) {
     int fits = 0;
@@ -464,6 +470,7 @@ GDP_BWD_DEFINE_ROOTS(64, 128)
 GDP_BWD_DEFINE_ROOTS(128, 32)
 GDP_BWD_DEFINE_ROOTS(128, 64)
 GDP_BWD_DEFINE_ROOTS(128, 128)
+GDP_BWD_DEFINE_ROOTS(256, 128)
 #elif defined(GDP_PART_K)
 GDP_BWD_DEFINE_PART_ROOTS(GDP_PART_K, GDP_PART_V)
 #endif

@@ -4,8 +4,8 @@
  * and the entry points (plan.cuh).
  *
  * Compiled in parts, in parallel: the kernels are instantiated through a few "root"
- * functions, one per (K, n) here (state_k64n2, prep_k64n2, ...; K in {32, 64, 128},
- * n = 1..4), and the rest of the file
+ * functions, one per (K, n) here (state_k64n2, prep_k64n2, ...; K in {32, 64, 128} with
+ * n = 1..4, and K = 256 with n = 2), and the rest of the file
  * calls the roots by name.  CMake generates one unit per (K, n) that defines
  * GDP_CHUNK_PARTS, GDP_PART_K and GDP_PART_N and includes this file (only that part's
  * roots: its kernels), and a main unit with GDP_CHUNK_PARTS alone (every root declared,
@@ -96,7 +96,7 @@ static gdp_status launch_k(const Plan &plan, int bv, bool dry_run, int *occ, boo
 
 /* The (K, n) roots: every kernel of this file is instantiated through these two, one pair
  * per K and n; the dispatchers call them by name.  Defined at the end of the namespace:
- * all twelve pairs here when the file is compiled whole, one per part file when it is
+ * all thirteen pairs here when the file is compiled whole, one per part file when it is
  * compiled in parts (chunk_forward.cu's header). */
 #define GDP_FWD_DECLARE_ROOTS(K, N)                                                                          \
   gdp_status state_k##K##n##N(const Plan &plan, int bv, bool dry_run, int *occ, bool save, bf16 *hT16,       \
@@ -114,10 +114,15 @@ GDP_FWD_DECLARE_ROOTS(128, 1)
 GDP_FWD_DECLARE_ROOTS(128, 2)
 GDP_FWD_DECLARE_ROOTS(128, 3)
 GDP_FWD_DECLARE_ROOTS(128, 4)
+GDP_FWD_DECLARE_ROOTS(256, 2) /* K = 256: n = 2 alone (chunk_steps_of) */
 
 static gdp_status launch_chunk_state(const Plan &plan, int bv, bool dry_run, int *occ, bool save,
                                   bf16 *hT16 = nullptr, bool ks2 = false, bool tu = false) {
   const GdpArgs &a = plan.a;
+  if (a.K == 256) {
+    if (a.n == 2) return state_k256n2(plan, bv, dry_run, occ, save, hT16, ks2, tu);
+    return GDP_ERROR(GDP_ERR_INTERNAL, "launch_chunk_state: K = 256 has no chunk at n = %d", a.n);
+  }
   if (a.K == 128) {
     if (a.n == 1) return state_k128n1(plan, bv, dry_run, occ, save, hT16, ks2, tu);
     if (a.n == 2) return state_k128n2(plan, bv, dry_run, occ, save, hT16, ks2, tu);
@@ -152,7 +157,7 @@ static int choose_bv(const Plan &plan, bool save, bool tu = false) {
   for (int bv : {16, 32, 64}) {
     if (a.V % bv) continue;
     /* occupancy depends only on (save, K, n, bv): asked once, then cached (benign race) */
-    static int occ_cache[2][2][3][kMaxChunkN][3] = {};
+    static int occ_cache[2][2][kWidths][kMaxChunkN][3] = {};
     int &occ = occ_cache[save][tu][width_index(a.K)][a.n - 1][bv == 16 ? 0 : bv == 32 ? 1 : 2];
     if (occ == 0 && launch_chunk_state(plan, bv, true, &occ, save, nullptr, false, tu) != GDP_OK) occ = -1;
     if (occ < 1) continue;
@@ -173,8 +178,8 @@ static bool choose_ks2(const Plan &plan, int bv, bool save, bool tu = false) {
   if (a.n > 2 || bv != 16 || a.K < 64) return false; /* the pair kernel: K >= 64 (launch_bv) */
   /* occupancy depends only on (K, n, save, BV): asked once, then cached (benign race) */
   /* tu: the one-warp pass it is weighed against is the one that forms U itself */
-  static int occ_cache[2][2][2][2][3][2] = {};
-  int *occ = occ_cache[a.K == 128][a.n - 1][save][tu][bv == 64 ? 2 : bv == 32 ? 1 : 0];
+  static int occ_cache[kWidths][2][2][2][3][2] = {};
+  int *occ = occ_cache[width_index(a.K)][a.n - 1][save][tu][bv == 64 ? 2 : bv == 32 ? 1 : 0];
   if (occ[0] == 0 && launch_chunk_state(plan, bv, true, &occ[0], save, nullptr, false, tu) != GDP_OK)
     occ[0] = -1;
   if (occ[1] == 0 && launch_chunk_state(plan, bv, true, &occ[1], save, nullptr, true) != GDP_OK) occ[1] = -1;
@@ -233,13 +238,17 @@ static gdp_status launch_prep_kv(const Plan &plan, bf16 *Tt) {
 #define GDP_FWD_DEFINE_ROOTS(K, N)                                                                           \
   gdp_status state_k##K##n##N(const Plan &plan, int bv, bool dry_run, int *occ, bool save, bf16 *hT16,       \
                               bool ks2, bool tu) {                                                           \
-    return launch_k<K, chunk_steps_of(N), chunk_tokens_of(N)>(plan, bv, dry_run, occ, save, hT16, ks2, tu);  \
+    return launch_k<K, chunk_steps_of(N, K), chunk_tokens_of(N, K)>(plan, bv, dry_run, occ, save, hT16, ks2, \
+                                                                     tu);                                    \
   }                                                                                                          \
   gdp_status prep_k##K##n##N(const Plan &plan, bf16 *Tt) {                                                  \
-    constexpr int C = chunk_steps_of(N), TC = chunk_tokens_of(N);                                            \
-    return plan.a.V == 128  ? launch_prep_kv<K, 128, C, TC>(plan, Tt)                                       \
-           : plan.a.V == 64 ? launch_prep_kv<K, 64, C, TC>(plan, Tt)                                        \
-                            : launch_prep_kv<K, 32, C, TC>(plan, Tt);                                       \
+    constexpr int C = chunk_steps_of(N, K), TC = chunk_tokens_of(N, K);                                      \
+    if constexpr (K > 128) /* V = 128 only (chunk_shapes.cu pads narrower V) */                             \
+      return launch_prep_kv<K, 128, C, TC>(plan, Tt);                                                        \
+    else                                                                                                     \
+      return plan.a.V == 128  ? launch_prep_kv<K, 128, C, TC>(plan, Tt)                                     \
+             : plan.a.V == 64 ? launch_prep_kv<K, 64, C, TC>(plan, Tt)                                      \
+                              : launch_prep_kv<K, 32, C, TC>(plan, Tt);                                     \
   }
 #define GDP_FWD_DEFINE_PART_ROOTS(K, N) GDP_FWD_DEFINE_ROOTS(K, N) /* K, N expanded first */
 #if !defined(GDP_CHUNK_PARTS)
@@ -255,6 +264,7 @@ GDP_FWD_DEFINE_ROOTS(128, 1)
 GDP_FWD_DEFINE_ROOTS(128, 2)
 GDP_FWD_DEFINE_ROOTS(128, 3)
 GDP_FWD_DEFINE_ROOTS(128, 4)
+GDP_FWD_DEFINE_ROOTS(256, 2)
 #elif defined(GDP_PART_K) && GDP_PART_N >= 1 && GDP_PART_N <= 4
 GDP_FWD_DEFINE_PART_ROOTS(GDP_PART_K, GDP_PART_N)
 #elif defined(GDP_PART_K)
@@ -275,6 +285,9 @@ gdp_status launch_chunk_prep(const Plan &plan, bf16 *Tt) {
                                        "with T^T)");
   if (plan.a.nchunks == 0) return GDP_OK;
   const int n = plan.a.n;
+  if (plan.a.K == 256)
+    return n == 2 ? prep_k256n2(plan, Tt)
+                  : GDP_ERROR(GDP_ERR_INTERNAL, "launch_chunk_prep: K = 256 has no chunk at n = %d", n);
   if (plan.a.K == 128)
     return n == 1   ? prep_k128n1(plan, Tt)
            : n == 2 ? prep_k128n2(plan, Tt)
@@ -290,21 +303,21 @@ gdp_status launch_chunk_prep(const Plan &plan, bf16 *Tt) {
 
 SavedLayout saved_layout(const gdp_delta_product_problem *p) {
   SavedLayout L;
-  const int64_t TC = chunk_steps(p->n) / p->n;
+  const int64_t C = chunk_steps(p->n, p->K), TC = C / p->n;
   int64_t nchunks = 0;
   for (int64_t s = 0; s < p->N; s++) nchunks += (p->cu_seqlens[s + 1] - p->cu_seqlens[s] + TC - 1) / TC;
   const size_t CH = (size_t)nchunks * (size_t)p->H;
   L.plan = align128(plan_bytes(p, PLAN_FORWARD));
   L.o_hT = L.plan;
   L.o_D = L.o_hT + align128(CH * (size_t)(p->V * p->K) * 2);
-  L.o_Tt = L.o_D + align128(CH * (size_t)(chunk_steps(p->n) * p->V) * 2);
-  L.total = L.o_Tt + align128(CH * (size_t)(chunk_steps(p->n) * chunk_steps(p->n)) * 2);
+  L.o_Tt = L.o_D + align128(CH * (size_t)(C * p->V) * 2);
+  L.total = L.o_Tt + align128(CH * (size_t)(C * C) * 2);
   return L;
 }
 
 bool takes(const gdp_delta_product_problem *p) {
   return p && p->dtype == GDP_DTYPE_BF16 && p->K >= 1 && p->K <= kMaxFastK && p->V >= 1 && p->V <= kMaxFastV &&
-         p->n >= 1 && p->n <= kMaxFastN;
+         fast_chunk_steps(p->n, p->K) > 0;
 }
 
 size_t saved_bytes(const gdp_delta_product_problem *p) {

@@ -232,19 +232,29 @@ __global__ void __launch_bounds__(256, 2) chunk_grad_state_kernel(GdpArgs a, Gra
    * until P3a's products are done, then h^T (the block stays at ~108 KB, two blocks per
    * SM).  16-byte vectors of 8 bf16 per thread: 1 .. 8 (8 at K = V = 128; at K = V = 32
    * half the threads hold one), all held from here to the dot and the store over dH^T.
+   * Past 8 (K = 256: 16) they would take 64 of the 128 registers a thread has here, so
+   * they are not held: the dot and the store each read them from L2 (the copy is 64 KB,
+   * prefetched; the second read costs an L2 pass, not DRAM).
    * The dot sums per thread e ascending in steps of 256. */
-  constexpr int nvecH = V * K / kEPV, perH = (nvecH + 255) / 256, earlyH = perH;
-  static_assert((nvecH % 256 == 0 || nvecH < 256) && perH <= 8, "h^T reload: one round, held for the dot");
+  constexpr int nvecH = V * K / kEPV, perH = (nvecH + 255) / 256;
+  constexpr bool kHoldH = perH <= 8;
+  constexpr int earlyH = kHoldH ? perH : 1;
+  static_assert(nvecH % 256 == 0 || nvecH < 256, "h^T reload: whole rounds of 256 vectors, or one partial");
   const bool hvec = nvecH % 256 == 0 || tid < nvecH; /* this thread holds vectors */
+  const SV *ph = (const SV *)gH;
   SV hv[earlyH];
-  {
+  if constexpr (kHoldH) {
     /* the h^T reload (L2, prefetched at the start) is issued here, before the barrier and
      * this warp's D dH^T products, so its latency hides behind P3a; held in registers for
      * the dot and the store over dH^T (loads only: same bits) */
-    const SV *ph = (const SV *)gH;
 #pragma unroll
     for (int u = 0; u < earlyH; u++) hv[u] = hvec ? __ldcs(ph + u * 256 + tid) : make_uint4(0, 0, 0, 0);
   }
+  /* vector u of this thread's share of h^T: held, or read from L2 (first read kept in L2) */
+  const auto h_vec = [&](int u, bool last_read) -> SV {
+    if constexpr (kHoldH) return hv[u];
+    return last_read ? __ldcs(ph + u * 256 + tid) : __ldcg(ph + u * 256 + tid);
+  };
   cp_async_wait<1>();              /* dD (read from P3b on; the barriers below publish it) */
   __syncthreads();
 
@@ -330,7 +340,8 @@ __global__ void __launch_bounds__(256, 2) chunk_grad_state_kernel(GdpArgs a, Gra
         if (!hvec) break;
         const int x = (8 * e) / K, r = (8 * e) % K;
         const uint4 dv = *reinterpret_cast<const uint4 *>(smem + L::oHb + (x * L::ldK + r) * 2);
-        const uint32_t hw[4] = {hv[u].x, hv[u].y, hv[u].z, hv[u].w}, dw[4] = {dv.x, dv.y, dv.z, dv.w};
+        const SV hu = h_vec(u, false);
+        const uint32_t hw[4] = {hu.x, hu.y, hu.z, hu.w}, dw[4] = {dv.x, dv.y, dv.z, dv.w};
 #pragma unroll
         for (int q = 0; q < 4; q++) {
           const float2 hf = unpack_bf16(hw[q]), df = unpack_bf16(dw[q]);
@@ -347,7 +358,7 @@ __global__ void __launch_bounds__(256, 2) chunk_grad_state_kernel(GdpArgs a, Gra
     const int e = u * 256 + tid;
     if (!hvec) break;
     const int x = (kEPV * e) / K, r = (kEPV * e) % K;
-    *reinterpret_cast<uint4 *>(smem + L::oHb + (x * L::ldK + r) * 2) = hv[u];
+    *reinterpret_cast<uint4 *>(smem + L::oHb + (x * L::ldK + r) * 2) = h_vec(u, true);
   }
   cp_async_wait<0>(); /* dD, read from P3b on */
   __syncthreads();

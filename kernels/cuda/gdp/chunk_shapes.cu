@@ -7,9 +7,10 @@
  * copy in and out of what it rewrites.  K and V = 32 need no rewrite: the kernels have
  * width-32 instances (their 64-column panels are 32 wide there, panel_cols in plan.cuh).
  *
- * Other widths (K <= 128, V <= 256: 48, 96, 80, 16, ...).  The kernels' instances are
- * K, V in {32, 64, 128} (V = 256 by halves), so K runs at the next of 32, 64, 128 and V
- * at the next of 32, 64, 128, 256: q, k (K) and v, d_o (V) are copied into zero-filled
+ * Other widths (K, V <= 256: 48, 96, 80, 16, 192, ...).  The kernels' instances are
+ * K in {32, 64, 128, 256} and V in {32, 64, 128} (only 128 at K = 256; V = 256 by
+ * halves), so K runs at the next of 32, 64, 128, 256 and V at the next of 32, 64, 128,
+ * 256 (at least 128 above K = 128): q, k (K) and v, d_o (V) are copied into zero-filled
  * rows of that width, h0 and dht into zero-filled states, the padded problem runs, and
  * o, ht, dq, dk, dv and dh0 are cropped back.  Zero columns change no value of the real
  * ones: the l2 norms, every dot product over K (A, Pm, Qd S, W S) and every state update
@@ -35,6 +36,9 @@
  * n = 5 and 7, n tokens of one step (no padding): the state pass is sequential over
  * chunks, and 1-step tokens give chunks of 32 steps and a query per step, against 48 or
  * 64 steps and a query per 3 or 4 (n = 7: 7T / 32 chunks in the chain instead of 8T / 64).
+ * K = 256 (one instance, n = 2: plan.cuh) rewrites every other n the same way: padded to
+ * 2, 4 or 8 steps and run as 1, 2 or 4 tokens of 2 steps (n = 1 then pays for an identity
+ * step per token, against the recurrent kernels' ~20x).
  * (docs/kernels.md section 3.7)
  */
 #include <vector>
@@ -141,11 +145,18 @@ gdp_status crop_states(void *dst, const void *src, int64_t B, int r, int c, int 
   return window(dst, r, c, src, rp, cp, 0, B, 4, s);
 }
 
-/* The instances' width for a K (32, 64, 128) or a V (also 256, by halves) up to it. */
+/* The instances' width for a K (32, 64, 128, 256) or a V (also 256, by halves) up to it. */
 int64_t kernel_width(int64_t d, int64_t max) {
   int64_t w = 32;
   while (w < d && w < max) w *= 2;
   return w;
+}
+
+/* p's V as the kernels run it: its kernel_width, at least 128 above K = 128 (the K = 256
+ * instances have V = 128 only: narrower ones would cost their own compile for little). */
+int64_t value_instance_width(const gdp_delta_product_problem *p) {
+  const int64_t w = kernel_width(p->V, kMaxFastV);
+  return p->K > 128 && w < 128 ? 128 : w;
 }
 
 /* Row counts and widths of one problem for the copies. */
@@ -161,7 +172,7 @@ Widths widths(const gdp_delta_product_problem *p) {
   w.K = (int)p->K;
   w.V = (int)p->V;
   w.KP = (int)kernel_width(p->K, kMaxFastK);
-  w.VP = (int)kernel_width(p->V, kMaxFastV);
+  w.VP = (int)value_instance_width(p);
   return w;
 }
 
@@ -182,15 +193,15 @@ gdp_status pad_inputs(const Widths &w, const void *q, const void *k, const void 
 /* ------------------------------------------------------------------ other widths */
 
 bool needs_padding(const gdp_delta_product_problem *p) {
-  return kernel_width(p->K, kMaxFastK) != p->K || kernel_width(p->V, kMaxFastV) != p->V;
+  return kernel_width(p->K, kMaxFastK) != p->K || value_instance_width(p) != p->V;
 }
 
-int64_t kernel_value_width(const gdp_delta_product_problem *p) { return kernel_width(p->V, kMaxFastV); }
+int64_t kernel_value_width(const gdp_delta_product_problem *p) { return value_instance_width(p); }
 
 gdp_delta_product_problem padded_problem(const gdp_delta_product_problem *p) {
   gdp_delta_product_problem q = *p;
   q.K = kernel_width(p->K, kMaxFastK);
-  q.V = kernel_width(p->V, kMaxFastV);
+  q.V = value_instance_width(p);
   return q;
 }
 
@@ -251,12 +262,14 @@ gdp_status backward_padded(const gdp_delta_product_problem *p, const gdp_delta_p
 
 /* ------------------------------------------------------------------ n = 5..8 */
 
-bool needs_split(const gdp_delta_product_problem *p) { return p->n > kMaxChunkN; }
+bool needs_split(const gdp_delta_product_problem *p) {
+  return split_tokens(p->n, p->K) != 1 || padded_steps(p->n, p->K) != p->n;
+}
 
 namespace {
 
-/* The split problem: each token's n steps padded to np = padded_steps(n), run as m =
- * split_tokens(n) tokens of np / m steps (cu_seqlens scaled by m into cu, which must
+/* The split problem: each token's n steps padded to np = padded_steps(n, K), run as m =
+ * split_tokens(n, K) tokens of np / m steps (cu_seqlens scaled by m into cu, which must
  * outlive the problem). */
 struct Split {
   gdp_delta_product_problem p;
@@ -269,8 +282,8 @@ struct Split {
 void split_problem(const gdp_delta_product_problem *p, Split *sp) {
   sp->T = p->T_total;
   sp->n = (int)p->n;
-  sp->np = (int)padded_steps(p->n);
-  sp->m = (int)split_tokens(p->n);
+  sp->np = (int)padded_steps(p->n, p->K);
+  sp->m = (int)split_tokens(p->n, p->K);
   sp->cu.resize((size_t)p->N + 1);
   for (int64_t s = 0; s <= p->N; s++) sp->cu[s] = p->cu_seqlens[s] * sp->m;
   sp->p = *p;

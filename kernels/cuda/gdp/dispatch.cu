@@ -3,14 +3,17 @@
  *
  *   path       | takes                                  | algorithm
  *   -----------+----------------------------------------+------------------------------------
- *   fast       | bf16, n = 1..8, K <= 128, V <= 256     | AUTO, CHUNK (an error elsewhere)
+ *   fast       | bf16, n = 1..8, K <= 256, V <= 256     | AUTO, CHUNK (an error elsewhere)
  *   recurrent  | f32 and bf16, K <= 256, any V         | RECURRENT; AUTO where fast does not
  *
- * (The kernels' instances are K, V in {32, 64, 128}; other K and V run zero-padded to
- * the next of 32, 64, 128 (V also 256), n = 5..8 as tokens of 3 or 4 steps, V = 256 as
- * two halves of 128: chunk_shapes.cu.)  The fast path is chunked, with its chunk fixed by n
- * (fast_chunk_steps: 32, 64, 48, 64, 40, 48, 56, 64 steps of the expanded stream for
- * n = 1..8, i.e. 32, 32, 16, 16, 8, 8, 8, 8 tokens); a problem's chunk_size is 0 (the path's own)
+ * (The kernels' instances are K in {32, 64, 128} with V in {32, 64, 128} and n = 1..4,
+ * and K = 256 with V = 128 and n = 2; other K and V run zero-padded to the next of 32, 64,
+ * 128, 256, other n as tokens of fewer steps (n = 5..8 as 2 tokens of 3 or 4; every
+ * n but 2 above K = 128 as tokens of 2), V = 256 as two halves of 128: chunk_shapes.cu.)
+ * The fast path is chunked, with its chunk fixed by n and K (fast_chunk_steps: 32, 64,
+ * 48, 64, 40, 48, 56, 64 steps of the expanded stream for n = 1..8 at K <= 128, i.e. 32,
+ * 32, 16, 16, 8, 8, 8, 8 tokens; 16, 32, 24, 32, 20, 24, 28, 32 steps at K > 128, i.e.
+ * 16, 16, 8, 8, 4, 4, 4, 4 tokens); a problem's chunk_size is 0 (the path's own)
  * or that C, anything else is an error that names the size.  The recurrent kernels have
  * no chunks: a nonzero chunk_size with them is an error too, also where AUTO falls back
  * to them (a chunk size asked for and silently not used would mislead a measurement).
@@ -25,7 +28,7 @@ using namespace gdpcu;
 namespace {
 
 /* What the fast path takes (chunked::takes), for the messages that name it. */
-#define GDP_FAST_SHAPES "bf16, n = 1..8, K <= 128, V <= 256"
+#define GDP_FAST_SHAPES "bf16, n = 1..8, K <= 256, V <= 256"
 
 /* The saved object's path code (op_gdp.c keeps it and hands it back to the backward). */
 enum Path { PATH_RECURRENT = 1, PATH_FAST = 3 };
@@ -35,12 +38,13 @@ const char *path_name(int path) { return path == PATH_FAST ? "fast chunked" : "r
 gdp_status check_chunk_size(const gdp_delta_product_problem *p, const char *what, int path) {
   if (p->chunk_size == 0) return GDP_OK;
   if (path == PATH_FAST) {
-    const int C = fast_chunk_steps(p->n);
+    const int C = fast_chunk_steps(p->n, p->K);
     if (p->chunk_size == C) return GDP_OK;
     return GDP_ERROR_IN(what, GDP_ERR_INVALID_ARG,
-                        "chunk_size: the CUDA chunked path takes %d steps at n = %lld (or 0 for it; "
-                        "32, 64, 48, 64, 40, 48, 56, 64 for n = 1..8), got %lld",
-                        C, (long long)p->n, (long long)p->chunk_size);
+                        "chunk_size: the CUDA chunked path takes %d steps at n = %lld, K = %lld (or 0 for it; "
+                        "32, 64, 48, 64, 40, 48, 56, 64 for n = 1..8 at K <= 128, 16, 32, 24, 32, 20, 24, 28, "
+                        "32 above), got %lld",
+                        C, (long long)p->n, (long long)p->K, (long long)p->chunk_size);
   }
   return GDP_ERROR_IN(what, GDP_ERR_INVALID_ARG,
                       "chunk_size: this problem runs the CUDA recurrent kernels, which have no chunks "
@@ -94,7 +98,7 @@ extern "C" int gdp_cuda_delta_product_dh0_takes(const gdp_delta_product_problem 
    * and value block it takes */
   const int vb = p->value_block;
   return gdp_cuda_delta_product_supported(p) && p->algorithm != GDP_ALGO_RECURRENT && chunked::takes_dh0(p) &&
-         (p->chunk_size == 0 || p->chunk_size == fast_chunk_steps(p->n)) &&
+         (p->chunk_size == 0 || p->chunk_size == fast_chunk_steps(p->n, p->K)) &&
          (vb == 0 || ((vb == 16 || vb == 32 || vb == 64) && p->V % vb == 0));
 }
 
@@ -108,7 +112,7 @@ extern "C" gdp_status gdp_cuda_delta_product_backward_dh0(const gdp_delta_produc
   if (path != PATH_FAST || !chunked::takes_dh0(p))
     return GDP_ERROR_IN("backward_dh0", GDP_ERR_UNSUPPORTED,
                         "dh0 alone runs on the fast path without shape rewrites only (bf16, n = 1..4, "
-                        "K, V in {32, 64, 128}); got n = %lld, K = %lld, V = %lld",
+                        "K, V in {32, 64, 128}, or K = 256 with V = 128 and n = 2); got n = %lld, K = %lld, V = %lld",
                         (long long)p->n, (long long)p->K, (long long)p->V);
   return chunked::backward_dh0(p, io, (cudaStream_t)stream);
 }

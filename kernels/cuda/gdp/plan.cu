@@ -214,15 +214,17 @@ static gdp_status plan_build(const gdp_delta_product_problem *p, cudaStream_t st
                              Plan *plan, void *ext, bool upload_tables, size_t *plan_bytes_out) {
   memset(plan, 0, sizeof *plan);
   plan->stream = stream;
-  /* the kernels' instances: K, V in {32, 64, 128}, n = 1..4 (V = 256 and n = 5..8 are
-   * rewritten before, chunk_shapes.cu) */
+  /* the kernels' instances: K in {32, 64, 128, 256}, V in {32, 64, 128} (128 at K = 256),
+   * n = 1..4 where chunk_steps has a chunk (V = 256 and n = 5..8 are rewritten before,
+   * chunk_shapes.cu) */
   const auto instance_width = [](int64_t d) { return d == 32 || d == 64 || d == 128; };
-  if (!instance_width(p->K) || !instance_width(p->V) || chunk_steps(p->n) == 0)
-    return GDP_ERROR(GDP_ERR_INTERNAL, "plan: the chunk kernels take K, V in {32, 64, 128} and n = 1..%d, got K = %lld, "
-                                       "V = %lld, n = %lld",
+  if (!(instance_width(p->K) || p->K == 256) || !instance_width(p->V) || (p->K == 256 && p->V != 128) ||
+      chunk_steps(p->n, p->K) == 0)
+    return GDP_ERROR(GDP_ERR_INTERNAL, "plan: the chunk kernels take K in {32, 64, 128, 256}, V in {32, 64, 128} "
+                                       "(128 at K = 256) and n = 1..%d with a chunk, got K = %lld, V = %lld, n = %lld",
                      kMaxChunkN, (long long)p->K, (long long)p->V, (long long)p->n);
   GdpArgs a = base;
-  const int C = chunk_steps(p->n), TC = C / (int)p->n;
+  const int C = chunk_steps(p->n, p->K), TC = C / (int)p->n;
   a.C = C;
   a.TC = TC;
   /* chunk table */

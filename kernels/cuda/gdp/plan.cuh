@@ -65,9 +65,10 @@ __host__ __device__ constexpr size_t align128(size_t b) { return (b + 127) & ~(s
  * panel_groups(d) panels of panel_cols(d) columns. */
 __host__ __device__ constexpr int panel_cols(int d) { return d < 64 ? d : 64; }
 __host__ __device__ constexpr int panel_groups(int d) { return d / panel_cols(d); }
-/* The kernels' widths of K and V (32, 64, 128) as an index 0, 1, 2 (the launchers'
- * occupancy caches). */
-inline int width_index(int d) { return d == 32 ? 0 : d == 64 ? 1 : 2; }
+/* The kernels' widths of K (32, 64, 128, 256) and V (32, 64, 128) as an index 0, 1, 2, 3
+ * (the launchers' occupancy caches). */
+constexpr int kWidths = 4;
+inline int width_index(int d) { return d == 32 ? 0 : d == 64 ? 1 : d == 128 ? 2 : 3; }
 
 constexpr int kChunkThreads = 256; /* 8 warps in every chunk kernel */
 constexpr float kNormEps = 1e-6f;
@@ -112,37 +113,59 @@ struct GdpArgs {
   bf16 *Dbuf, *dDbuf;
 };
 
-/* Chunk steps for n Householder steps per token (0: no chunk path for this n): C = 32,
- * 64, 48, 64 for n = 1..4, i.e. TC = C / n = 32, 32, 16, 16 whole tokens per chunk, so
- * every sequence starts a chunk.  The kernels take C <= 64 (the prep's solve holds a
- * column of T in registers) and TC a multiple of 16 (query rows in whole mma tiles): n = 4
- * is the last n with both (n = 5..8 would need 8-token chunks, i.e. half query tiles:
- * chunk_shapes.cu runs them as tokens of 3 or 4 steps instead).
- * The launchers instantiate their kernels at <chunk_steps_of(n), chunk_tokens_of(n)>. */
-__host__ __device__ constexpr int chunk_steps_of(int n) {
-  return n == 1 ? 32 : n == 2 ? 64 : n == 3 ? 48 : n == 4 ? 64 : 0;
+/* Chunk steps for n Householder steps per token at key width K (0: no chunk path for
+ * this n): C = 32, 64, 48, 64 for n = 1..4, i.e. TC = C / n = 32, 32, 16, 16 whole tokens
+ * per chunk, so every sequence starts a chunk.  The kernels take C <= 64 (the prep's
+ * solve holds a column of T in registers) and TC a multiple of 16 (query rows in whole
+ * mma tiles): n = 4 is the last n with both (n = 5..8 would need 8-token chunks, i.e.
+ * half query tiles: chunk_shapes.cu runs them as tokens of 3 or 4 steps instead).
+ * K = 256 has one instance, n = 2 with 32-step chunks (16 tokens): the sequential passes'
+ * chunk panels (k, W, D: C rows of K) fit an SM's 227 KB only up to C = 48 (at C = 64 the
+ * state pass alone needs 276 KB), and the state-gradient part of the per-chunk gradients
+ * gives each of its 8 warps one item of 16 rows x 64 key columns, which at K = 256 leaves
+ * room for 32 steps of 16 query rows, not 48 steps or 32 query rows.  Other n run as
+ * tokens of 2 steps (padded_steps, split_tokens below).
+ * The launchers instantiate their kernels at <chunk_steps_of(n, K), chunk_tokens_of(n, K)>. */
+__host__ __device__ constexpr int chunk_steps_of(int n, int K) {
+  return K > 128 ? (n == 2 ? 32 : 0) : (n == 1 ? 32 : n == 2 ? 64 : n == 3 ? 48 : n == 4 ? 64 : 0);
 }
-__host__ __device__ constexpr int chunk_tokens_of(int n) { return n >= 1 && n <= 4 ? chunk_steps_of(n) / n : 0; }
+__host__ __device__ constexpr int chunk_tokens_of(int n, int K) {
+  return n >= 1 && n <= 4 ? chunk_steps_of(n, K) / n : 0;
+}
 constexpr int kMaxChunkN = 4; /* the largest n with a chunk (the launchers' caches are sized by it) */
-static_assert(chunk_steps_of(kMaxChunkN) > 0 && chunk_steps_of(kMaxChunkN + 1) == 0, "kMaxChunkN is the last n");
-static_assert(chunk_tokens_of(3) * 3 == chunk_steps_of(3) && chunk_tokens_of(4) * 4 == chunk_steps_of(4) &&
-                  chunk_tokens_of(4) % 16 == 0,
+static_assert(chunk_steps_of(kMaxChunkN, 128) > 0 && chunk_steps_of(kMaxChunkN + 1, 128) == 0,
+              "kMaxChunkN is the last n");
+static_assert(chunk_tokens_of(3, 128) * 3 == chunk_steps_of(3, 128) && chunk_tokens_of(4, 128) * 4 == chunk_steps_of(4, 128) &&
+                  chunk_tokens_of(4, 128) % 16 == 0 && chunk_tokens_of(2, 256) % 16 == 0,
               "whole tokens per chunk, whole query tiles");
-inline int chunk_steps(int64_t n) { return n >= 1 && n <= kMaxChunkN ? chunk_steps_of((int)n) : 0; }
+inline int chunk_steps(int64_t n, int64_t K) {
+  return n >= 1 && n <= kMaxChunkN ? chunk_steps_of((int)n, (int)K) : 0;
+}
 
-/* n = 5..8 (chunk_shapes.cu): a token's n steps padded with identity steps to 6 (n = 5,
- * 6) or 8 (n = 7, 8), run as 2 tokens of 3 or 4 steps; n <= 4 as it is.  So a chunk
- * holds 32, 32, 16, 16, 8, 8, 8, 8 whole tokens for n = 1..8: fast_chunk_steps(n) steps
- * of the problem's own stream (0 past 8). */
+/* The token rewrite of chunk_shapes.cu: a token's n steps padded with identity steps to
+ * padded_steps(n, K), run as split_tokens(n, K) tokens of the steps an instance has.
+ * K <= 128: n <= 4 as it is; n = 5, 6 padded to 6 and n = 7, 8 to 8 steps, as 2 tokens
+ * of 3 or 4 steps.  So a chunk holds 32, 32, 16, 16, 8, 8, 8, 8 whole tokens for
+ * n = 1..8.  K = 256 (instance n = 2): n padded to 2, 4 or 8 steps (n = 1, 2; 3, 4;
+ * 5..8), as 1, 2 or 4 tokens of 2 steps: 16, 16, 8, 8, 4, 4, 4, 4 whole tokens a chunk.
+ * fast_chunk_steps(n, K) is a chunk's steps of the problem's own stream (0: none). */
 constexpr int kMaxFastN = 8;
 /* the widest K and V the fast path takes (narrower ones zero-padded: chunk_shapes.cu) */
-constexpr int64_t kMaxFastK = 128, kMaxFastV = 256;
-inline int64_t padded_steps(int64_t n) { return n <= kMaxChunkN ? n : n <= 6 ? 6 : 8; }
-inline int64_t split_tokens(int64_t n) { return n <= kMaxChunkN ? 1 : 2; }
-inline int fast_chunk_steps(int64_t n) {
+constexpr int64_t kMaxFastK = 256, kMaxFastV = 256;
+/* the kernels' instance width for a key width K (1..256): 32, 64, 128 or 256 */
+inline int64_t key_instance_width(int64_t K) { return K <= 32 ? 32 : K <= 64 ? 64 : K <= 128 ? 128 : 256; }
+inline int64_t split_tokens(int64_t n, int64_t K) {
+  if (key_instance_width(K) > 128) return n <= 2 ? 1 : n <= 4 ? 2 : 4;
+  return n <= kMaxChunkN ? 1 : 2;
+}
+inline int64_t padded_steps(int64_t n, int64_t K) {
+  if (key_instance_width(K) > 128) return 2 * split_tokens(n, K);
+  return n <= kMaxChunkN ? n : n <= 6 ? 6 : 8;
+}
+inline int fast_chunk_steps(int64_t n, int64_t K) {
   if (n < 1 || n > kMaxFastN) return 0;
-  const int64_t ns = padded_steps(n) / split_tokens(n);
-  return (int)(chunk_tokens_of((int)ns) / split_tokens(n) * n);
+  const int64_t m = split_tokens(n, K), ns = padded_steps(n, K) / m, KW = key_instance_width(K);
+  return (int)(chunk_tokens_of((int)ns, (int)KW) / m * n);
 }
 
 /* Host-side plan of one call: device copies of the tables and the workspace, all in
@@ -188,10 +211,10 @@ void prof_end(cudaStream_t stream);
 
 namespace chunked {
 
-/* Whether the fast path takes p: bf16, n = 1..8, K <= 128, V <= 256 (n = 5..8 split into
- * tokens of 3 or 4 steps, K and V other than 32, 64, 128 (256) zero-padded to the next,
- * V = 256 as two halves: chunk_shapes.cu; K, V = 32 in the kernels' own width-32
- * instances). */
+/* Whether the fast path takes p: bf16, n = 1..8, K <= 256, V <= 256 (n = 5..8 -- any n
+ * but 2 above K = 128 -- split into tokens of fewer steps, K and V other than 32, 64,
+ * 128, 256 zero-padded to the next -- V to 128 at least above K = 128 --, V = 256 as
+ * two halves: chunk_shapes.cu; K, V = 32 in the kernels' own width-32 instances). */
 bool takes(const gdp_delta_product_problem *p);
 
 /* The rewrites of chunk_shapes.cu, which forward and backward below apply first, in this
