@@ -521,7 +521,8 @@ end)
 -- the dh0 pass (its M^T is that forward transition), whatever the rank's position.
 describe("chunkwise backend: what runs after the all-gathers", function()
   local ops = gdp.ops
-  local B, T, Hh, K, V, n = 1, 12, 2, 4, 3, 2
+  local T, Hh, K, V, n = 12, 2, 4, 3, 2
+  local B = 1
   local function inputs(need_fwd, need_bwd)
     local function r(...) return gdp.randn({ ... }, { dtype = "f64" }) end
     return {
@@ -547,9 +548,12 @@ describe("chunkwise backend: what runs after the all-gathers", function()
     assert(ok, err)
   end
   -- last rank (no forward summary read), first rank (nothing reaches it), a middle rank
-  for _, c in ipairs({ { false, true, "last" }, { true, false, "first" }, { true, true, "middle" } }) do
+  -- (also with two batch columns: their starts' outputs are one batched product each)
+  for _, c in ipairs({ { false, true, "last" }, { true, false, "first" }, { true, true, "middle" },
+                       { true, true, "middle (B = 2)", 2 } }) do
     it(string.format("%s rank: forward runs before the all-gather only, o = the run from S_in", c[3]), function()
       gdp.manual_seed(H.seed)
+      B = c[4] or 1
       local inp = inputs(c[1], c[2])
       local backend = cp.cpu_backend()
       counting(function(counts)
@@ -580,6 +584,7 @@ describe("chunkwise backend: what runs after the all-gathers", function()
   -- last sequence starts here, so no one reads this rank's M and none is computed
   it("packed middle rank: two runs before the all-gather, M left zero, o = the run from S_in", function()
     gdp.manual_seed(H.seed)
+    B = 1
     local inp = inputs(true, true)
     inp.cu_seqlens = { 0, 5, T }
     local backend = cp.cpu_backend()
@@ -601,5 +606,71 @@ describe("chunkwise backend: what runs after the all-gathers", function()
       local dS = summary:select(1, 1):narrow(3, 1, V)
       assert.is_true(rel(dS, ht:select(1, 2)) < 1e-12, "dS differs: " .. rel(dS, ht:select(1, 2)))
     end)
+  end)
+
+  -- The compositions against one 2-D product per batch column and head: summaries
+  -- [np, Nb, H, K, V+K] with S <- M_j S + dS_j over j = 2..np (prefix) or dS <- M_j dS +
+  -- gamma_j over j = np-1..1 (suffix).
+  local function per_head(summaries, Vv, Kk, suffix)
+    local np = summaries:size(1)
+    local first, last, step = 2, np, 1
+    if suffix then first, last, step = np - 1, 1, -1 end
+    local S = summaries:select(1, suffix and np or 1):narrow(4, 1, Vv):clone()
+    for j = first, last, step do
+      local sj = summaries:select(1, j)
+      local S_new = sj:narrow(4, 1, Vv):clone()
+      for b = 1, S:size(1) do
+        for h = 1, S:size(2) do
+          gdp.matmul(sj:select(1, b):select(1, h):narrow(2, Vv + 1, Kk), S:select(1, b):select(1, h),
+                     { out = S_new:select(1, b):select(1, h), beta = 1 })
+        end
+      end
+      S = S_new
+    end
+    return S
+  end
+  -- Nb = 1 and 3 batch columns, contiguous summaries (every head of every column in one
+  -- batched product) and summaries whose columns do not merge with the heads (one per column)
+  local function summaries_cases(dtype)
+    local Vv, Kk, Hn = 5, 4, 3
+    local cases = {}
+    for _, nb in ipairs({ 1, 3 }) do
+      cases[#cases + 1] = { gdp.randn({ 4, nb, Hn, Kk, Vv + Kk }, { dtype = dtype }), nb .. " column(s), contiguous" }
+      cases[#cases + 1] = { gdp.randn({ 4, Hn, nb, Kk, Vv + Kk }, { dtype = dtype }):transpose(2, 3),
+                            nb .. " column(s), heads outside the columns" }
+    end
+    return cases, Vv, Kk
+  end
+
+  it("compose_prefix and compose_suffix equal the per-head products", function()
+    H.reseed(81)
+    for _, dtype in ipairs({ "f64", "f32" }) do
+      local cases, Vv, Kk = summaries_cases(dtype)
+      for _, c in ipairs(cases) do
+        -- the cpu runs the same 2-D products per head, batched or not: the same bits
+        assert.are.equal(0, rel(cp.chunkwise.compose_prefix(c[1], Vv, Kk), per_head(c[1], Vv, Kk, false)),
+                         dtype .. " prefix, " .. c[2])
+        assert.are.equal(0, rel(cp.chunkwise.compose_suffix(c[1], Vv, Kk), per_head(c[1], Vv, Kk, true)),
+                         dtype .. " suffix, " .. c[2])
+      end
+    end
+  end)
+
+  it("compose_prefix and compose_suffix on cuda equal the cpu's #gpu", function()
+    if not H.need_device("cuda") then return end
+    H.reseed(82)
+    for _, dtype in ipairs({ "f64", "f32" }) do
+      local cases, Vv, Kk = summaries_cases(dtype)
+      local tol = dtype == "f64" and 1e-12 or 1e-5
+      for _, c in ipairs(cases) do
+        -- the same view of a device copy of the summaries' base
+        local d = c[1]:is_contiguous() and c[1]:cuda() or c[1]:transpose(2, 3):cuda():transpose(2, 3)
+        for _, suffix in ipairs({ false, true }) do
+          local fn = suffix and cp.chunkwise.compose_suffix or cp.chunkwise.compose_prefix
+          assert.tensor_near(fn(d, Vv, Kk):cpu(), fn(c[1], Vv, Kk), tol,
+                             string.format("%s %s, %s", dtype, suffix and "suffix" or "prefix", c[2]))
+        end
+      end
+    end
   end)
 end)

@@ -526,6 +526,192 @@ describe("matmul", function()
     H.expect_error(function() return gdp.matmul(gdp.zeros(2, 2), nil) end, "b: expected a gdp tensor")
     H.assert_alive()
   end)
+
+  -- Batched products against the 2-D path run per batch entry in float64 on the cpu.
+  -- a, b: operands (2-D or 3-D, any device and dtype); o: matmul's options, with
+  -- out0 the values out held before the call.
+  local function batched_ref(a, b, o, out0)
+    local a64 = a:to({ dtype = "f64", device = "cpu" })
+    local b64 = b:to({ dtype = "f64", device = "cpu" })
+    local x = a64:dim() == 3 and a64 or b64
+    local M = a64:size(a64:dim() - (o.trans_a and 0 or 1))
+    local N = b64:size(b64:dim() - (o.trans_b and 1 or 0))
+    local ref = out0 and out0:to({ dtype = "f64", device = "cpu", copy = true })
+                or gdp.zeros({ x:size(1), M, N }, { dtype = "f64" })
+    for i = 1, x:size(1) do
+      gdp.matmul(a64:dim() == 3 and a64:select(1, i) or a64, b64:dim() == 3 and b64:select(1, i) or b64,
+                 { trans_a = o.trans_a, trans_b = o.trans_b, alpha = o.alpha, beta = o.beta,
+                   out = ref:select(1, i) })
+    end
+    return ref
+  end
+
+  -- [Bt, r, c] operands in several layouts, all views of bigger tensors: "contig", a
+  -- select of a 4-D tensor ("select": batch stride 4 r c), an interleaved batch
+  -- ("interleaved": [r, Bt, c] transposed, batch stride c, like [T, H, K] per head), a
+  -- column-major matrix ("colmajor"), padded rows ("narrow") and no unit stride ("strided").
+  local LAYOUTS = { "contig", "select", "interleaved", "colmajor", "narrow", "strided" }
+  -- The shape of the bigger tensor and the view of it that is the operand.
+  local function layout_of(Bt, r, c, layout)
+    if layout == "contig" then return { Bt, r, c }, function(x) return x end end
+    if layout == "select" then return { Bt, 4, r, c }, function(x) return x:select(2, 3) end end
+    if layout == "interleaved" then
+      return { 2, r, Bt, c }, function(x) return x:select(1, 2):transpose(1, 2) end
+    end
+    if layout == "colmajor" then return { Bt, c, r }, function(x) return x:transpose(2, 3) end end
+    if layout == "narrow" then return { Bt, r, c + 3 }, function(x) return x:narrow(3, 2, c) end end
+    return { Bt, r, c, 2 }, function(x) return x:select(4, 2) end
+  end
+  local function batched_operand(Bt, r, c, layout, opts)
+    local shape, view = layout_of(Bt, r, c, layout)
+    return view(gdp.randn(shape, opts))
+  end
+
+  it("batched: strided batch views, transposes, alpha and beta, against the 2-D path per entry", function()
+    H.reseed(71)
+    local checked = 0
+    for _, dt in ipairs({ "f64", "f32" }) do
+      local tol = dt == "f64" and 1e-14 or 1e-6
+      for ci, case in ipairs({ { 3, 5, 7, 3 }, { 1, 1, 4, 6 }, { 4, 9, 2, 1 } }) do
+        local Bt, M, K, N = case[1], case[2], case[3], case[4]
+        for tr = 0, 3 do
+          local ta, tb = tr % 2 == 1, tr >= 2
+          for li, la in ipairs(LAYOUTS) do
+            local lb, lo = LAYOUTS[li % #LAYOUTS + 1], LAYOUTS[(li + 1) % #LAYOUTS + 1]
+            local o = { dtype = dt }
+            local a = ta and batched_operand(Bt, K, M, la, o) or batched_operand(Bt, M, K, la, o)
+            local b = tb and batched_operand(Bt, N, K, lb, o) or batched_operand(Bt, K, N, lb, o)
+            local with_out = (li + tr + ci) % 2 == 0
+            local opts = { trans_a = ta, trans_b = tb, alpha = with_out and 1.5 or nil }
+            local out0
+            if with_out then
+              opts.out = batched_operand(Bt, M, N, lo, o)
+              opts.beta = (li + ci) % 4 == 0 and 0 or -0.5
+              if opts.beta == 0 then opts.out:fill(0 / 0) end -- beta = 0 never reads out
+              out0 = opts.beta ~= 0 and opts.out:clone() or nil
+            end
+            local c = gdp.matmul(a, b, opts)
+            if with_out then assert.are.equal(opts.out, c) end
+            assert.are.same({ Bt, M, N }, c:shape())
+            local what = string.format("%s Bt=%d M=%d K=%d N=%d ta=%s tb=%s a %s b %s out %s",
+                                       dt, Bt, M, K, N, tostring(ta), tostring(tb), la, lb,
+                                       with_out and lo or "new")
+            assert.tensor_near(c:double(), batched_ref(a, b, opts, out0), tol, what)
+            checked = checked + 1
+          end
+        end
+      end
+    end
+    assert.are.equal(2 * 3 * 4 * #LAYOUTS, checked)
+  end)
+
+  it("batched: matches a naive product at odd sizes", function()
+    local Bt, M, K, N = 3, 5, 7, 2
+    local xa, xb = random_nested({ Bt, M, K }), random_nested({ Bt, K, N })
+    local c = gdp.matmul(gdp.tensor(xa, { dtype = "f64" }), gdp.tensor(xb, { dtype = "f64" }))
+    for i = 1, Bt do
+      assert.tensor_near(c:select(1, i), gdp.tensor(naive(xa[i], xb[i]), { dtype = "f64" }), 1e-14)
+    end
+  end)
+
+  it("batched: a 2-D operand is the same matrix for every batch entry", function()
+    H.reseed(72)
+    local a3 = batched_operand(4, 3, 5, "interleaved", { dtype = "f64" })
+    local b2 = gdp.randn({ 2, 5 }, { dtype = "f64" })
+    local c = gdp.matmul(a3, b2, { trans_b = true })
+    assert.are.same({ 4, 3, 2 }, c:shape())
+    assert.tensor_near(c, batched_ref(a3, b2, { trans_b = true }), 1e-14)
+    local a2 = gdp.randn({ 5, 3 }, { dtype = "f64" })
+    local b3 = batched_operand(4, 5, 6, "colmajor", { dtype = "f64" })
+    local out = gdp.randn({ 4, 3, 6 }, { dtype = "f64" })
+    local out0 = out:clone()
+    gdp.matmul(a2, b3, { trans_a = true, out = out, alpha = 2, beta = 1 })
+    assert.tensor_near(out, batched_ref(a2, b3, { trans_a = true, alpha = 2, beta = 1 }, out0), 1e-14)
+  end)
+
+  it("batched: empty batches and K = 0", function()
+    local c = gdp.matmul(gdp.zeros({ 0, 3, 4 }), gdp.zeros({ 0, 4, 2 }))
+    assert.are.same({ 0, 3, 2 }, c:shape())
+    local out = gdp.full({ 2, 3, 2 }, 2, { dtype = "f64" })
+    gdp.matmul(gdp.zeros({ 2, 3, 0 }, { dtype = "f64" }), gdp.zeros({ 2, 0, 2 }, { dtype = "f64" }),
+               { out = out, beta = 0.25 })
+    assert.are.equal(6, out:sum())
+  end)
+
+  it("batched: checks its arguments", function()
+    local f = { dtype = "f64" }
+    H.expect_error(function() return gdp.matmul(gdp.zeros({ 2, 3, 4 }, f), gdp.zeros({ 3, 4, 5 }, f)) end,
+                   "gdp.matmul", "b: expected a batch of 2 (a is [2x3x4]), got [3x4x5]")
+    H.expect_error(function() return gdp.matmul(gdp.zeros({ 2, 2, 3, 4 }, f), gdp.zeros({ 4, 5 }, f)) end,
+                   "gdp.matmul", "expected 2-D tensors or 3-D [batch,.,.] ones, got a [2x2x3x4] and b [4x5]")
+    H.expect_error(function() return gdp.matmul(gdp.zeros({ 2, 3, 4 }, f), gdp.zeros({ 2, 5, 4 }, f)) end,
+                   "GDP_ERR_SHAPE", "inner dims differ: op(a) is [3x4] (a [2x3x4], trans_a 0), "
+                   .. "op(b) is [5x4] (b [2x5x4], trans_b 0)")
+    local a, b = gdp.zeros({ 2, 3, 4 }, f), gdp.zeros({ 2, 4, 5 }, f)
+    H.expect_error(function() return gdp.matmul(a, b, { out = gdp.zeros({ 3, 3, 5 }, f) }) end,
+                   "GDP_ERR_SHAPE", "a: expected a batch of 3 (out is [3x3x5]), got [2x3x4]")
+    H.expect_error(function() return gdp.matmul(a, b, { out = gdp.zeros({ 2, 3, 4 }, f) }) end,
+                   "GDP_ERR_SHAPE", "out: expected [2x3x5] for op(a) [2x3x4] @ op(b) [2x4x5], got [2x3x4]")
+    H.expect_error(function() return gdp.matmul(a, b, { out = gdp.zeros({ 3, 5 }, f) }) end,
+                   "GDP_ERR_SHAPE", "a: expected a 2-D tensor (out is 2-D; a batched product takes a 3-D out), "
+                   .. "got 3 dims [2x3x4]")
+    H.expect_error(function()
+      return gdp.matmul(gdp.zeros({ 3, 4 }, f), gdp.zeros({ 4, 5 }, f), { out = gdp.zeros({ 2, 3, 5 }, f) })
+    end, "GDP_ERR_SHAPE", "a and b: expected at least one 3-D [batch,.,.] operand (out is [2x3x5]), got a [3x4] and b [4x5]")
+    H.expect_error(function() return gdp.matmul(a, b, { out = gdp.zeros({ 1, 2, 3, 5 }, f) }) end,
+                   "GDP_ERR_SHAPE", "out: expected a 2-D [M,N] or 3-D [batch,M,N] tensor, got 4 dims [1x2x3x5]")
+    H.expect_error(function() return gdp.matmul(a, gdp.zeros({ 2, 4, 5 }, { dtype = "f32" })) end,
+                   "GDP_ERR_DTYPE", "out and b must have the same dtype, got f64 and f32")
+    local big = gdp.zeros({ 2, 4, 5 }, f)
+    H.expect_error(function() return gdp.matmul(a, big, { out = big:narrow(3, 1, 5):narrow(2, 1, 3) }) end,
+                   "GDP_ERR_INVALID_ARG", "out must not alias b")
+    H.assert_alive()
+  end)
+
+  -- The same batched inputs, in the same layouts, on cuda (one strided-batched cuBLAS
+  -- call, or a copy first where cuBLAS cannot read the layout) and on the cpu.
+  it("batched on cuda matches the cpu #gpu", function()
+    if not H.need_device("cuda") then return end
+    H.reseed(73)
+    -- the operand on the cpu and the same view of a device copy of its base
+    local function pair(Bt, r, c, layout, dt)
+      local shape, view = layout_of(Bt, r, c, layout)
+      local base = gdp.randn(shape, { dtype = dt })
+      return view(base), view(base:cuda())
+    end
+    local Bt, M, K, N = 5, 37, 29, 17
+    for _, dt in ipairs({ "f64", "f32" }) do
+      local tol = dt == "f64" and 1e-12 or 1e-5
+      for tr = 0, 3 do
+        local ta, tb = tr % 2 == 1, tr >= 2
+        for li, la in ipairs(LAYOUTS) do
+          local lb, lo = LAYOUTS[li % #LAYOUTS + 1], LAYOUTS[(li + 1) % #LAYOUTS + 1]
+          local a, da = pair(Bt, ta and K or M, ta and M or K, la, dt)
+          local b, db = pair(Bt, tb and N or K, tb and K or N, lb, dt)
+          local out, dout = pair(Bt, M, N, lo, dt)
+          local beta = (tr + li) % 2 == 0 and 0.5 or 0
+          if beta == 0 then dout:fill(0 / 0) end -- beta = 0 never reads out
+          local want = batched_ref(a, b, { trans_a = ta, trans_b = tb, alpha = 0.75, beta = beta }, out)
+          gdp.matmul(a, b, { trans_a = ta, trans_b = tb, alpha = 0.75, beta = beta, out = out })
+          gdp.matmul(da, db, { trans_a = ta, trans_b = tb, alpha = 0.75, beta = beta, out = dout })
+          local what = string.format("%s ta=%s tb=%s a %s b %s out %s", dt, tostring(ta), tostring(tb),
+                                     la, lb, lo)
+          assert.tensor_near(dout:cpu(), out, tol, what .. " (cuda vs cpu)")
+          assert.tensor_near(dout:cpu():double(), want, tol, what .. " (cuda vs float64)")
+        end
+      end
+    end
+    -- bf16 operands, float32 accumulation, into float32 and bf16 results; against
+    -- float64 products of the same bf16 values
+    for _, odt in ipairs({ "f32", "bf16" }) do
+      local a = gdp.randn({ 2, M, Bt, K }, { dtype = "bf16", device = "cuda" }):select(1, 2):transpose(1, 2)
+      local b = gdp.randn({ Bt, N, K }, { dtype = "bf16", device = "cuda" })
+      local out = gdp.empty({ Bt, M, N }, { dtype = odt, device = "cuda" })
+      gdp.matmul(a, b, { trans_b = true, out = out })
+      assert.tensor_near(out:cpu():double(), batched_ref(a, b, { trans_b = true }),
+                         odt == "f32" and 1e-5 or 4e-3, "bf16 into " .. odt)
+    end
+  end)
 end)
 
 describe("free and GC", function()

@@ -318,7 +318,10 @@ gdp_status gdp_tensor_rel_error(const gdp_tensor *a, const gdp_tensor *ref, doub
 
 /* out = alpha * op(a) @ op(b) + beta * out for 2-D float32/float64 tensors (and bfloat16
    with float32 accumulation on cuda, into a bf16 or a float32 out), op(x) = x or x^T as
-   trans_a/trans_b say; out is [M,N] and must not alias a or b. */
+   trans_a/trans_b say; out is [M,N] and must not alias a or b.  Batched: out
+   [batch,M,N] with a and b [batch,.,.] (dim 0 any stride; op transposes the last two
+   dims), one product per batch entry with the same alpha and beta; one of a and b may
+   be 2-D, the same matrix for every entry.  beta = 0 never reads out. */
 gdp_status gdp_tensor_matmul(gdp_tensor *out, const gdp_tensor *a, const gdp_tensor *b,
                              int trans_a, int trans_b, double alpha, double beta);
 

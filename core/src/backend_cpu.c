@@ -804,9 +804,9 @@ static void gemm(gdp_dtype dtype, int ta, int tb, int64_t M, int64_t N, int64_t 
                 (int)ldb, (float)beta, C, (int)ldc);
 }
 
-static gdp_status cpu_matmul(gdp_ctx *ctx, gdp_tensor *out, const gdp_tensor *a,
-                             const gdp_tensor *b, int trans_a, int trans_b, double alpha,
-                             double beta) {
+static gdp_status cpu_matmul_2d(gdp_ctx *ctx, gdp_tensor *out, const gdp_tensor *a,
+                                const gdp_tensor *b, int trans_a, int trans_b, double alpha,
+                                double beta) {
   int64_t M = out->shape[0], N = out->shape[1];
   int64_t K = trans_a ? a->shape[0] : a->shape[1];
   if (M == 0 || N == 0) return GDP_OK;
@@ -858,6 +858,35 @@ done:
   gdp_tensor_free(ta_tmp);
   gdp_tensor_free(tb_tmp);
   gdp_tensor_free(out_tmp);
+  return st;
+}
+
+/* Entry i of a batched operand: a view of [i] of a 3-D tensor (any batch stride); a 2-D
+ * operand is the same matrix for every entry. */
+static gdp_status batch_entry(const gdp_tensor *t, int64_t i, gdp_tensor **out) {
+  if (t->ndim == 2) {
+    *out = gdp_tensor_retain((gdp_tensor *)t);
+    return GDP_OK;
+  }
+  return gdp_tensor_select((gdp_tensor *)t, 0, i, out);
+}
+
+/* A batched product is one 2-D product per batch entry. */
+static gdp_status cpu_matmul(gdp_ctx *ctx, gdp_tensor *out, const gdp_tensor *a,
+                             const gdp_tensor *b, int trans_a, int trans_b, double alpha,
+                             double beta) {
+  if (out->ndim == 2) return cpu_matmul_2d(ctx, out, a, b, trans_a, trans_b, alpha, beta);
+  gdp_status st = GDP_OK;
+  for (int64_t i = 0; st == GDP_OK && i < out->shape[0]; i++) {
+    gdp_tensor *oi = NULL, *ai = NULL, *bi = NULL;
+    st = batch_entry(out, i, &oi);
+    if (st == GDP_OK) st = batch_entry(a, i, &ai);
+    if (st == GDP_OK) st = batch_entry(b, i, &bi);
+    if (st == GDP_OK) st = cpu_matmul_2d(ctx, oi, ai, bi, trans_a, trans_b, alpha, beta);
+    gdp_tensor_free(oi);
+    gdp_tensor_free(ai);
+    gdp_tensor_free(bi);
+  }
   return st;
 }
 

@@ -423,32 +423,45 @@ static int blas_layout(int64_t R, int64_t S, int64_t rs, int64_t cs, int *row_ma
   return *ld <= INT_MAX;
 }
 
-/* One gemm operand: op(tensor) as a logical matrix. */
+/* One gemm operand: op(tensor) as a logical matrix; in a batched product the matrices
+ * of successive batch entries lie bs elements apart (0: one matrix for every entry). */
 typedef struct mat_view {
   const void *ptr;
-  int64_t rows, cols, rs, cs;
+  int64_t rows, cols, rs, cs, bs;
 } mat_view;
 
+/* op(t) for a 2-D t or a 3-D t [batch, r, c] (the matrix is its last two dims) whose
+ * elements lie at ptr with strides `stride` (t->ndim of them). */
 static mat_view mat_of(const gdp_tensor *t, int trans, const void *ptr, const int64_t *stride) {
+  const int d = t->ndim - 2;
   mat_view m;
   m.ptr = ptr;
-  m.rows = trans ? t->shape[1] : t->shape[0];
-  m.cols = trans ? t->shape[0] : t->shape[1];
-  m.rs = trans ? stride[1] : stride[0];
-  m.cs = trans ? stride[0] : stride[1];
+  m.rows = trans ? t->shape[d + 1] : t->shape[d];
+  m.cols = trans ? t->shape[d] : t->shape[d + 1];
+  m.rs = trans ? stride[d + 1] : stride[d];
+  m.cs = trans ? stride[d] : stride[d + 1];
+  m.bs = d ? stride[0] : 0;
   return m;
+}
+
+/* Row-major strides of a contiguous tensor of t's shape. */
+static void contiguous_strides_of(const gdp_tensor *t, int64_t *stride) {
+  int64_t s = 1;
+  for (int d = t->ndim - 1; d >= 0; d--) {
+    stride[d] = s;
+    s *= t->shape[d];
+  }
 }
 
 /* Contiguous device copy of t (same dtype) in scratch memory for operands whose
  * strides cuBLAS cannot express. */
 static gdp_status scratch_contiguous(gdp_ctx *ctx, const gdp_tensor *t, void **out) {
-  size_t nbytes = (size_t)(t->shape[0] * t->shape[1]) * gdp_dtype_size(t->dtype);
+  size_t nbytes = (size_t)gdp_tensor_numel(t) * gdp_dtype_size(t->dtype);
   GDP_TRY(device_alloc("cuda_matmul", ctx, nbytes, out));
   gdp_cuda_operand d = operand_of(t), s = operand_of(t);
   d.data = *out;
-  d.stride[0] = t->shape[1];
-  d.stride[1] = 1;
-  cudaError_t e = gdp_cuda_copy(2, t->shape, &d, &s, state_of(ctx)->stream);
+  contiguous_strides_of(t, d.stride);
+  cudaError_t e = gdp_cuda_copy(t->ndim, t->shape, &d, &s, state_of(ctx)->stream);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
     device_free(ctx, *out);
@@ -477,14 +490,33 @@ static gdp_status ensure_blas(gdp_ctx *ctx) {
   return GDP_OK;
 }
 
-/* `dtype` is the operands', `c_dtype` the result's (the same, or float32 for bf16). */
-static gdp_status gemm(gdp_ctx *ctx, gdp_dtype dtype, gdp_dtype c_dtype, int64_t m, int64_t n,
-                       int64_t k, const mat_view *x, int x_trans, int64_t ldx,
-                       const mat_view *y, int y_trans, int64_t ldy, void *c, int64_t ldc,
-                       double alpha, double beta) {
+/* `dtype` is the operands', `c_dtype` the result's (the same, or float32 for bf16).
+ * batch > 1: one strided-batched launch, entry i reading x->ptr + i x->bs and
+ * y->ptr + i y->bs and writing c + i c_bs. */
+static gdp_status gemm(gdp_ctx *ctx, gdp_dtype dtype, gdp_dtype c_dtype, int64_t batch,
+                       int64_t m, int64_t n, int64_t k, const mat_view *x, int x_trans,
+                       int64_t ldx, const mat_view *y, int y_trans, int64_t ldy, void *c,
+                       int64_t ldc, int64_t c_bs, double alpha, double beta) {
   cuda_state *st = state_of(ctx);
   cublasOperation_t opx = x_trans ? CUBLAS_OP_T : CUBLAS_OP_N;
   cublasOperation_t opy = y_trans ? CUBLAS_OP_T : CUBLAS_OP_N;
+  if (batch > 1) {
+    if (dtype == GDP_DTYPE_F64) {
+      GDP_CUBLAS_TRY(cublasDgemmStridedBatched(
+          st->blas, opx, opy, (int)m, (int)n, (int)k, &alpha, x->ptr, (int)ldx,
+          (long long)x->bs, y->ptr, (int)ldy, (long long)y->bs, &beta, c, (int)ldc,
+          (long long)c_bs, (int)batch));
+    } else {
+      cudaDataType_t t = dtype == GDP_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_32F;
+      cudaDataType_t tc = c_dtype == GDP_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_32F;
+      float alpha_f = (float)alpha, beta_f = (float)beta;
+      GDP_CUBLAS_TRY(cublasGemmStridedBatchedEx(
+          st->blas, opx, opy, (int)m, (int)n, (int)k, &alpha_f, x->ptr, t, (int)ldx,
+          (long long)x->bs, y->ptr, t, (int)ldy, (long long)y->bs, &beta_f, c, tc, (int)ldc,
+          (long long)c_bs, (int)batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    }
+    return GDP_OK;
+  }
   if (dtype == GDP_DTYPE_F64) {
     GDP_CUBLAS_TRY(cublasDgemm(st->blas, opx, opy, (int)m, (int)n, (int)k, &alpha, x->ptr,
                                (int)ldx, y->ptr, (int)ldy, &beta, c, (int)ldc));
@@ -504,11 +536,13 @@ static gdp_status gemm(gdp_ctx *ctx, gdp_dtype dtype, gdp_dtype c_dtype, int64_t
 /* out = alpha op(a) op(b) + beta out, everything row-major in gdp's view.  cuBLAS is
  * column-major, and a row-major matrix is its transpose there, so for a row-major out
  * it computes out^T = op(b)^T op(a)^T (the usual swap); a column-major out (a
- * transposed view) takes the direct product. */
+ * transposed view) takes the direct product.  A batched out's matrices lie c_bs
+ * elements apart; the batch strides travel with the pointers through the swap. */
 static gdp_status matmul_planned(gdp_ctx *ctx, gdp_tensor *out, gdp_dtype ab_dtype,
                                  const mat_view *A, const mat_view *B, double alpha, double beta,
-                                 void *c_ptr, int64_t c_rs, int64_t c_cs) {
-  int64_t M = out->shape[0], N = out->shape[1], K = A->cols;
+                                 void *c_ptr, int64_t c_rs, int64_t c_cs, int64_t c_bs) {
+  const int bd = out->ndim - 2; /* batch dims: 0 or 1 */
+  int64_t batch = bd ? out->shape[0] : 1, M = out->shape[bd], N = out->shape[bd + 1], K = A->cols;
   int a_row, b_row, c_row;
   int64_t lda, ldb, ldc;
   if (!blas_layout(M, K, A->rs, A->cs, &a_row, &lda) ||
@@ -516,10 +550,10 @@ static gdp_status matmul_planned(gdp_ctx *ctx, gdp_tensor *out, gdp_dtype ab_dty
       !blas_layout(M, N, c_rs, c_cs, &c_row, &ldc))
     return GDP_ERROR(GDP_ERR_INTERNAL, "matmul operand layout not expressible after copies");
   if (c_row)
-    return gemm(ctx, ab_dtype, out->dtype, N, M, K, B, !b_row, ldb, A, !a_row, lda, c_ptr, ldc,
-                alpha, beta);
-  return gemm(ctx, ab_dtype, out->dtype, M, N, K, A, a_row, lda, B, b_row, ldb, c_ptr, ldc, alpha,
-              beta);
+    return gemm(ctx, ab_dtype, out->dtype, batch, N, M, K, B, !b_row, ldb, A, !a_row, lda, c_ptr,
+                ldc, c_bs, alpha, beta);
+  return gemm(ctx, ab_dtype, out->dtype, batch, M, N, K, A, a_row, lda, B, b_row, ldb, c_ptr, ldc,
+              c_bs, alpha, beta);
 }
 
 static gdp_status cuda_matmul(gdp_ctx *ctx, gdp_tensor *out, const gdp_tensor *a,
@@ -535,58 +569,65 @@ static gdp_status cuda_matmul(gdp_ctx *ctx, gdp_tensor *out, const gdp_tensor *a
     return GDP_ERROR(GDP_ERR_DTYPE, "matmul dtypes differ: out %s, a %s, b %s",
                      gdp_dtype_name(out->dtype), gdp_dtype_name(a->dtype),
                      gdp_dtype_name(b->dtype));
-  int64_t M = out->shape[0], N = out->shape[1], K = trans_a ? a->shape[0] : a->shape[1];
-  if (M == 0 || N == 0) return GDP_OK;
+  /* out [M,N], or [batch,M,N] with a, b each [batch,.,.] or 2-D (op layer checked) */
+  const int bd = out->ndim - 2; /* batch dims: 0 or 1 */
+  int64_t batch = bd ? out->shape[0] : 1, M = out->shape[bd], N = out->shape[bd + 1];
+  int64_t K = trans_a ? a->shape[a->ndim - 2] : a->shape[a->ndim - 1];
+  if (batch == 0 || M == 0 || N == 0) return GDP_OK;
   if (K == 0) { /* empty sum: out = beta out (beta 0 overwrites NaN, as BLAS does) */
     gdp_cuda_operand o = operand_of(out);
     cudaStream_t s = state_of(ctx)->stream;
     if (beta == 0.0)
-      GDP_CUDA_TRY(gdp_cuda_fill(2, out->shape, &o, 0.0, s));
+      GDP_CUDA_TRY(gdp_cuda_fill(out->ndim, out->shape, &o, 0.0, s));
     else
-      GDP_CUDA_TRY(gdp_cuda_binary(2, out->shape, &o, &o, &o, GDP_CUDA_BINARY_SCALE, beta, s));
+      GDP_CUDA_TRY(gdp_cuda_binary(out->ndim, out->shape, &o, &o, &o, GDP_CUDA_BINARY_SCALE,
+                                   beta, s));
     return op_end(ctx);
   }
-  if (M > INT_MAX || N > INT_MAX || K > INT_MAX)
-    return GDP_ERROR(GDP_ERR_UNSUPPORTED, "matmul sizes above 2^31-1: M %lld, N %lld, K %lld",
-                     (long long)M, (long long)N, (long long)K);
+  if (M > INT_MAX || N > INT_MAX || K > INT_MAX || batch > INT_MAX)
+    return GDP_ERROR(GDP_ERR_UNSUPPORTED,
+                     "matmul sizes above 2^31-1: M %lld, N %lld, K %lld, batch %lld",
+                     (long long)M, (long long)N, (long long)K, (long long)batch);
   GDP_TRY(ensure_blas(ctx));
 
   /* Operands cuBLAS cannot read in place are copied to contiguous scratch memory. */
   void *a_tmp = NULL, *b_tmp = NULL, *c_tmp = NULL;
-  int64_t a_str[2] = {a->stride[0], a->stride[1]}, b_str[2] = {b->stride[0], b->stride[1]};
-  mat_view A = mat_of(a, trans_a, gdp_tensor_ptr(a), a_str);
-  mat_view B = mat_of(b, trans_b, gdp_tensor_ptr(b), b_str);
+  mat_view A = mat_of(a, trans_a, gdp_tensor_ptr(a), a->stride);
+  mat_view B = mat_of(b, trans_b, gdp_tensor_ptr(b), b->stride);
   int row;
   int64_t ld;
   gdp_status s = GDP_OK;
   if (!blas_layout(A.rows, A.cols, A.rs, A.cs, &row, &ld)) {
     s = scratch_contiguous(ctx, a, &a_tmp);
-    int64_t cstr[2] = {a->shape[1], 1};
+    int64_t cstr[GDP_MAX_DIMS];
+    contiguous_strides_of(a, cstr);
     if (s == GDP_OK) A = mat_of(a, trans_a, a_tmp, cstr);
   }
   if (s == GDP_OK && !blas_layout(B.rows, B.cols, B.rs, B.cs, &row, &ld)) {
     s = scratch_contiguous(ctx, b, &b_tmp);
-    int64_t cstr[2] = {b->shape[1], 1};
+    int64_t cstr[GDP_MAX_DIMS];
+    contiguous_strides_of(b, cstr);
     if (s == GDP_OK) B = mat_of(b, trans_b, b_tmp, cstr);
   }
   void *c_ptr = gdp_tensor_ptr(out);
-  int64_t c_rs = out->stride[0], c_cs = out->stride[1];
+  int64_t c_rs = out->stride[bd], c_cs = out->stride[bd + 1], c_bs = bd ? out->stride[0] : 0;
   if (s == GDP_OK && !blas_layout(M, N, c_rs, c_cs, &row, &ld)) {
     /* beta != 0 reads out, so the scratch starts as a copy of it. */
-    size_t c_bytes = (size_t)(M * N) * gdp_dtype_size(out->dtype);
+    size_t c_bytes = (size_t)(batch * M * N) * gdp_dtype_size(out->dtype);
     s = beta != 0.0 ? scratch_contiguous(ctx, out, &c_tmp)
                     : device_alloc("cuda_matmul", ctx, c_bytes, &c_tmp);
     c_ptr = c_tmp;
     c_rs = N;
     c_cs = 1;
+    c_bs = M * N;
   }
-  if (s == GDP_OK) s = matmul_planned(ctx, out, a->dtype, &A, &B, alpha, beta, c_ptr, c_rs, c_cs);
+  if (s == GDP_OK)
+    s = matmul_planned(ctx, out, a->dtype, &A, &B, alpha, beta, c_ptr, c_rs, c_cs, c_bs);
   if (s == GDP_OK && c_tmp) {
     gdp_cuda_operand d = operand_of(out), src = operand_of(out);
     src.data = c_tmp;
-    src.stride[0] = N;
-    src.stride[1] = 1;
-    cudaError_t e = gdp_cuda_copy(2, out->shape, &d, &src, state_of(ctx)->stream);
+    contiguous_strides_of(out, src.stride);
+    cudaError_t e = gdp_cuda_copy(out->ndim, out->shape, &d, &src, state_of(ctx)->stream);
     if (e != cudaSuccess) {
       (void)cudaGetLastError();
       s = GDP_ERROR(GDP_ERR_CUDA, "copying the matmul result back failed: %s",

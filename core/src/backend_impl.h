@@ -54,6 +54,8 @@ struct gdp_backend {
                        gdp_binary_kind kind, double alpha);
   gdp_status (*reduce)(gdp_ctx *ctx, const gdp_tensor *a, const gdp_tensor *b,
                        gdp_reduce_kind kind, double *out);
+  /* out [M,N] from 2-D a and b, or out [batch,M,N] (batch >= 1, M, N >= 1) from a and b
+   * that are each [batch,.,.] or 2-D (the same matrix for every entry); shapes checked. */
   gdp_status (*matmul)(gdp_ctx *ctx, gdp_tensor *out, const gdp_tensor *a, const gdp_tensor *b,
                        int trans_a, int trans_b, double alpha, double beta);
   /* The GDP operator on contiguous tensors of the compute dtype (f64 or f32), q and k

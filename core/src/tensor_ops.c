@@ -302,29 +302,62 @@ gdp_status gdp_tensor_matmul(gdp_tensor *out, const gdp_tensor *a, const gdp_ten
   /* bf16 (float32 accumulation) exists on cuda only; the cpu answers unsupported. */
   GDP_TRY(check_supported(func, ctx, GDP_OP_MATMUL, "matmul", a->dtype));
   char ab[160], bb[160], ob[160];
+  /* out [M,N] takes 2-D a and b; out [batch,M,N] takes a and b with that batch on dim 0,
+   * or one of them 2-D, the same matrix for every batch entry (batch stride 0). */
+  if (out->ndim != 2 && out->ndim != 3)
+    return GDP_ERROR(GDP_ERR_SHAPE,
+                     "out: expected a 2-D [M,N] or 3-D [batch,M,N] tensor, got %d dims %s",
+                     out->ndim, SHAPE_STR(ob, out));
+  const int batched = out->ndim == 3;
+  const int64_t nb = batched ? out->shape[0] : 1;
   const struct {
     const char *name;
     const gdp_tensor *t;
-  } ops[3] = {{"out", out}, {"a", a}, {"b", b}};
-  for (int i = 0; i < 3; i++)
-    if (ops[i].t->ndim != 2)
-      return GDP_ERROR(GDP_ERR_SHAPE, "%s: expected a 2-D tensor, got %d dims %s", ops[i].name,
-                       ops[i].t->ndim, SHAPE_STR(ab, ops[i].t));
-  int64_t M = trans_a ? a->shape[1] : a->shape[0];
-  int64_t K = trans_a ? a->shape[0] : a->shape[1];
-  int64_t Kb = trans_b ? b->shape[1] : b->shape[0];
-  int64_t N = trans_b ? b->shape[0] : b->shape[1];
+  } ops[2] = {{"a", a}, {"b", b}};
+  for (int i = 0; i < 2; i++) {
+    const gdp_tensor *t = ops[i].t;
+    if (!batched && t->ndim != 2)
+      return GDP_ERROR(GDP_ERR_SHAPE,
+                       "%s: expected a 2-D tensor (out is 2-D; a batched product takes a 3-D out), "
+                       "got %d dims %s",
+                       ops[i].name, t->ndim, SHAPE_STR(ab, t));
+    if (batched && t->ndim != 2 && t->ndim != 3)
+      return GDP_ERROR(GDP_ERR_SHAPE,
+                       "%s: expected a 3-D [batch,.,.] tensor or a 2-D one shared by every batch "
+                       "entry (out is %s), got %d dims %s",
+                       ops[i].name, SHAPE_STR(ob, out), t->ndim, SHAPE_STR(ab, t));
+    if (batched && t->ndim == 3 && t->shape[0] != nb)
+      return GDP_ERROR(GDP_ERR_SHAPE,
+                       "%s: expected a batch of %" PRId64 " (out is %s), got %s",
+                       ops[i].name, nb, SHAPE_STR(ob, out), SHAPE_STR(ab, t));
+  }
+  if (batched && a->ndim == 2 && b->ndim == 2)
+    return GDP_ERROR(GDP_ERR_SHAPE,
+                     "a and b: expected at least one 3-D [batch,.,.] operand (out is %s), "
+                     "got a %s and b %s",
+                     SHAPE_STR(ob, out), SHAPE_STR(ab, a), SHAPE_STR(bb, b));
+  const int da = a->ndim - 2, db = b->ndim - 2, dout = out->ndim - 2;
+  int64_t M = trans_a ? a->shape[da + 1] : a->shape[da];
+  int64_t K = trans_a ? a->shape[da] : a->shape[da + 1];
+  int64_t Kb = trans_b ? b->shape[db + 1] : b->shape[db];
+  int64_t N = trans_b ? b->shape[db] : b->shape[db + 1];
   if (K != Kb)
     return GDP_ERROR(GDP_ERR_SHAPE,
                      "inner dims differ: op(a) is [%" PRId64 "x%" PRId64 "] (a %s, trans_a %d), "
                      "op(b) is [%" PRId64 "x%" PRId64 "] (b %s, trans_b %d)",
                      M, K, SHAPE_STR(ab, a), trans_a != 0, Kb, N, SHAPE_STR(bb, b), trans_b != 0);
-  if (out->shape[0] != M || out->shape[1] != N)
-    return GDP_ERROR(GDP_ERR_SHAPE, "out: expected [%" PRId64 "x%" PRId64 "] for op(a) %s @ op(b) %s, got %s",
-                     M, N, SHAPE_STR(ab, a), SHAPE_STR(bb, b), SHAPE_STR(ob, out));
+  if (out->shape[dout] != M || out->shape[dout + 1] != N) {
+    char want[64];
+    if (batched)
+      snprintf(want, sizeof want, "[%" PRId64 "x%" PRId64 "x%" PRId64 "]", nb, M, N);
+    else
+      snprintf(want, sizeof want, "[%" PRId64 "x%" PRId64 "]", M, N);
+    return GDP_ERROR(GDP_ERR_SHAPE, "out: expected %s for op(a) %s @ op(b) %s, got %s", want,
+                     SHAPE_STR(ab, a), SHAPE_STR(bb, b), SHAPE_STR(ob, out));
+  }
   if (overlaps(out, a)) return GDP_ERROR(GDP_ERR_INVALID_ARG, "out must not alias a (they share memory)");
   if (overlaps(out, b)) return GDP_ERROR(GDP_ERR_INVALID_ARG, "out must not alias b (they share memory)");
-  if (M == 0 || N == 0) return GDP_OK;
+  if (nb == 0 || M == 0 || N == 0) return GDP_OK;
   gdp_tensor_mark_written(out);
   return after_op(func, ctx,
                   ctx->backend->matmul(ctx, out, a, b, trans_a != 0, trans_b != 0, alpha, beta));

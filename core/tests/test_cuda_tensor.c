@@ -728,6 +728,67 @@ static gdp_tensor *mm_operand(gdp_ctx *ctx, gdp_dtype dt, int64_t r, int64_t c, 
   return view;
 }
 
+/* Runs out = alpha op(a) op(b) + beta out on the gpu operands (ga, gb, go) and on the
+ * cpu ones (the same values in the same layouts) and checks the gpu's result against
+ * the cpu's and a long-double reference of the values as stored (after rounding).
+ * Operands are 2-D, or batched: out [Bt, M, N] with a and b each [Bt, ., .] or 2-D
+ * (shared by every entry).  g and c are {a, b, out}, freed here; *worst keeps the
+ * largest relative error to the reference. */
+static void check_matmul(const char *what, gdp_tensor **g, gdp_tensor **c, int ta, int tb,
+                         double alpha, double beta, double tol, double *worst) {
+  gdp_tensor *ga = g[0], *gb = g[1], *go = g[2], *ca = c[0], *cb = c[1], *co = c[2];
+  double *ha = NULL, *hb = NULL, *hc0 = NULL, *hg = NULL, *hcpu = NULL, *ref = NULL;
+  if (ga && gb && go && ca && cb && co) {
+    const int na = gdp_tensor_ndim(ga), nb = gdp_tensor_ndim(gb), no = gdp_tensor_ndim(go);
+    const int64_t Bt = no == 3 ? gdp_tensor_size(go, 0) : 1;
+    const int64_t M = gdp_tensor_size(go, no - 2), N = gdp_tensor_size(go, no - 1);
+    const int64_t ar = gdp_tensor_size(ga, na - 2), ac = gdp_tensor_size(ga, na - 1);
+    const int64_t br = gdp_tensor_size(gb, nb - 2), bc = gdp_tensor_size(gb, nb - 1);
+    const int64_t K = ta ? ar : ac;
+    ha = download_f64(ga);
+    hb = download_f64(gb);
+    hc0 = download_f64(go);
+    CHECK_OK(gdp_tensor_matmul(go, ga, gb, ta, tb, alpha, beta));
+    CHECK_OK(gdp_tensor_matmul(co, ca, cb, ta, tb, alpha, beta));
+    hg = download_f64(go);
+    hcpu = download_f64(co);
+    ref = malloc((size_t)(Bt * M * N) * sizeof *ref);
+    for (int64_t e = 0; ha && hb && hc0 && e < Bt; e++) {
+      const double *pa = na == 3 ? ha + e * ar * ac : ha, *pb = nb == 3 ? hb + e * br * bc : hb;
+      for (int64_t i = 0; i < M; i++)
+        for (int64_t j = 0; j < N; j++) {
+          long double sum = 0;
+          for (int64_t k = 0; k < K; k++) {
+            double x = ta ? pa[k * ac + i] : pa[i * ac + k];
+            double y = tb ? pb[j * bc + k] : pb[k * bc + j];
+            sum += (long double)x * y;
+          }
+          int64_t o = (e * M + i) * N + j;
+          ref[o] = (double)(alpha * sum + (beta != 0 ? beta * hc0[o] : 0));
+        }
+    }
+    if (ha && hb && hc0 && hg && hcpu) {
+      double e_ref = rel_err_host(hg, ref, Bt * M * N), e_cpu = rel_err_host(hg, hcpu, Bt * M * N);
+      CHECK(e_ref <= tol && e_cpu <= tol,
+            "matmul %s beta %g: rel err %.3g to f64 ref, %.3g to cpu (tol %.0e)", what, beta,
+            e_ref, e_cpu, tol);
+      if (e_ref > *worst) *worst = e_ref;
+    }
+  } else {
+    CHECK(0, "matmul %s: operands could not be made", what);
+  }
+  free(ha);
+  free(hb);
+  free(hc0);
+  free(hg);
+  free(hcpu);
+  free(ref);
+  for (int t = 0; t < 3; t++) {
+    gdp_tensor_free(g[t]);
+    gdp_tensor_free(c[t]);
+  }
+}
+
 static void test_matmul(void) {
   const mm_case cases[] = {{1, 1, 1}, {37, 53, 29}, {64, 1, 130}, {1, 45, 7},
                            {129, 67, 3}, {33, 31, 257}};
@@ -742,61 +803,24 @@ static void test_matmul(void) {
           int ta = tr & 1, tb = (tr >> 1) & 1;
           int64_t M = cases[ci].M, N = cases[ci].N, K = cases[ci].K;
           int64_t ar = ta ? K : M, ac = ta ? M : K, br = tb ? N : K, bc = tb ? K : N;
-          double *va = random_values(ar * ac, 1.0), *vb = random_values(br * bc, 1.0);
-          double *vc = random_values(M * N, 1.0);
+          double *va = random_values(ar * ac + br * bc + M * N, 1.0);
+          double *vb = va + ar * ac, *vc = vb + br * bc;
           double beta = (ci + tr) % 2 ? 0.5 : 0.0, alpha = 0.75;
           /* a, b and out take the layouts in turn so that every combination appears */
           int la = layout, lb = (layout + 1) % 4, lo = (layout + 2) % 4;
-          gdp_tensor *ga = mm_operand(gpu, dt, ar, ac, la, va);
-          gdp_tensor *gb = mm_operand(gpu, dt, br, bc, lb, vb);
-          gdp_tensor *go = mm_operand(gpu, dt, M, N, lo, vc);
-          gdp_tensor *ca = mm_operand(cpu, dt, ar, ac, la, va);
-          gdp_tensor *cb = mm_operand(cpu, dt, br, bc, lb, vb);
-          gdp_tensor *co = mm_operand(cpu, dt, M, N, lo, vc);
-          if (ga && gb && go && ca && cb && co) {
-            /* the float64 reference uses the values as stored (after rounding) */
-            double *ha = download_f64(ga), *hb = download_f64(gb), *hc0 = download_f64(go);
-            CHECK_OK(gdp_tensor_matmul(go, ga, gb, ta, tb, alpha, beta));
-            CHECK_OK(gdp_tensor_matmul(co, ca, cb, ta, tb, alpha, beta));
-            double *hg = download_f64(go), *hcpu = download_f64(co);
-            double *ref = malloc((size_t)(M * N) * sizeof *ref);
-            for (int64_t i = 0; ha && hb && hc0 && i < M; i++)
-              for (int64_t j = 0; j < N; j++) {
-                long double s = 0;
-                for (int64_t k = 0; k < K; k++) {
-                  double x = ta ? ha[k * ac + i] : ha[i * ac + k];
-                  double y = tb ? hb[j * bc + k] : hb[k * bc + j];
-                  s += (long double)x * y;
-                }
-                ref[i * N + j] = (double)(alpha * s + (beta != 0 ? beta * hc0[i * N + j] : 0));
-              }
-            if (hg && hcpu && ha && hb && hc0) {
-              double e_ref = rel_err_host(hg, ref, M * N), e_cpu = rel_err_host(hg, hcpu, M * N);
-              CHECK(e_ref <= tol && e_cpu <= tol,
-                    "matmul %s M%lld N%lld K%lld ta%d tb%d layouts a%d b%d out%d beta %g: rel err "
-                    "%.3g to f64 ref, %.3g to cpu (tol %.0e)",
-                    gdp_dtype_name(dt), (long long)M, (long long)N, (long long)K, ta, tb, la, lb,
-                    lo, beta, e_ref, e_cpu, tol);
-              if (e_ref > worst[di]) worst[di] = e_ref;
-            }
-            free(ha);
-            free(hb);
-            free(hc0);
-            free(hg);
-            free(hcpu);
-            free(ref);
-          } else {
-            CHECK(0, "matmul operands could not be made");
+          gdp_tensor *g[3], *c[3];
+          for (int d = 0; d < 2; d++) {
+            gdp_ctx *x = d ? cpu : gpu;
+            gdp_tensor **t = d ? c : g;
+            t[0] = mm_operand(x, dt, ar, ac, la, va);
+            t[1] = mm_operand(x, dt, br, bc, lb, vb);
+            t[2] = mm_operand(x, dt, M, N, lo, vc);
           }
-          gdp_tensor_free(ga);
-          gdp_tensor_free(gb);
-          gdp_tensor_free(go);
-          gdp_tensor_free(ca);
-          gdp_tensor_free(cb);
-          gdp_tensor_free(co);
+          char what[160];
+          snprintf(what, sizeof what, "%s M%lld N%lld K%lld ta%d tb%d layouts a%d b%d out%d",
+                   gdp_dtype_name(dt), (long long)M, (long long)N, (long long)K, ta, tb, la, lb, lo);
+          check_matmul(what, g, c, ta, tb, alpha, beta, tol, &worst[di]);
           free(va);
-          free(vb);
-          free(vc);
         }
       }
     }
@@ -832,6 +856,75 @@ static void test_matmul(void) {
   }
   gdp_tensor *tensors16[7] = {a16, b16, o16, a64, b64, o64, got};
   for (int i = 0; i < 7; i++) gdp_tensor_free(tensors16[i]);
+}
+
+/* Batched operand [B, r, c] holding vals (row-major) in one of several layouts:
+ *   0 contiguous, 1 interleaved batch (an [r, B, c] tensor transposed: batch stride c,
+ *   like the heads of [T, H, K]), 2 column-major matrices ([B, c, r] transposed),
+ *   3 no unit stride (select from [B, r, c, 2]: copied before cuBLAS). */
+static gdp_tensor *bmm_operand(gdp_ctx *ctx, gdp_dtype dt, int64_t B, int64_t r, int64_t c,
+                               int layout, const double *vals) {
+  int64_t sh[3] = {B, r, c};
+  gdp_tensor *src = upload(ctx, dt, 3, sh, vals), *base = NULL, *view = NULL;
+  if (!src || layout == 0) return src;
+  if (layout == 1) {
+    int64_t s[3] = {r, B, c};
+    CHECK_OK(gdp_tensor_zeros(ctx, dt, 3, s, &base));
+    if (base) CHECK_OK(gdp_tensor_transpose(base, 0, 1, &view));
+  } else if (layout == 2) {
+    int64_t s[3] = {B, c, r};
+    CHECK_OK(gdp_tensor_zeros(ctx, dt, 3, s, &base));
+    if (base) CHECK_OK(gdp_tensor_transpose(base, 1, 2, &view));
+  } else {
+    int64_t s[4] = {B, r, c, 2};
+    CHECK_OK(gdp_tensor_zeros(ctx, dt, 4, s, &base));
+    if (base) CHECK_OK(gdp_tensor_select(base, 3, 1, &view));
+  }
+  if (view) CHECK_OK(gdp_tensor_copy(NULL, view, src));
+  gdp_tensor_free(base);
+  gdp_tensor_free(src);
+  return view;
+}
+
+/* Batched products (one strided-batched cuBLAS call) against the cpu and a float64
+ * reference, every layout of a, b and out, and a 2-D b shared by every entry. */
+static void test_matmul_batched(void) {
+  const int64_t cases[][4] = {{3, 37, 29, 53}, {5, 1, 17, 9}, {2, 64, 1, 130}}; /* Bt M N K */
+  double worst[2] = {0, 0};
+  for (int di = 0; di < 2; di++) {
+    gdp_dtype dt = all_dtypes[di];
+    double tol = dt == GDP_DTYPE_F32 ? 1e-5 : 1e-12;
+    for (int ci = 0; ci < 3; ci++)
+      for (int tr = 0; tr < 4; tr++)
+        for (int layout = 0; layout < 5; layout++) {
+          const int shared_b = layout == 4; /* b 2-D */
+          int ta = tr & 1, tb = (tr >> 1) & 1;
+          int64_t Bt = cases[ci][0], M = cases[ci][1], N = cases[ci][2], K = cases[ci][3];
+          int64_t ar = ta ? K : M, ac = ta ? M : K, br = tb ? N : K, bc = tb ? K : N;
+          int la = layout % 4, lb = (layout + 1) % 4, lo = (layout + 2) % 4;
+          double *va = random_values(Bt * (ar * ac + br * bc + M * N), 1.0);
+          double *vb = va + Bt * ar * ac, *vc = vb + Bt * br * bc;
+          double beta = (ci + tr + layout) % 2 ? 0.5 : 0.0;
+          int64_t sb2[2] = {br, bc};
+          gdp_tensor *g[3], *c[3];
+          for (int d = 0; d < 2; d++) {
+            gdp_ctx *x = d ? cpu : gpu;
+            gdp_tensor **t = d ? c : g;
+            t[0] = bmm_operand(x, dt, Bt, ar, ac, la, va);
+            t[1] = shared_b ? upload(x, dt, 2, sb2, vb) : bmm_operand(x, dt, Bt, br, bc, lb, vb);
+            t[2] = bmm_operand(x, dt, Bt, M, N, lo, vc);
+          }
+          char what[160];
+          snprintf(what, sizeof what,
+                   "batched %s Bt%lld M%lld N%lld K%lld ta%d tb%d layouts a%d b%d out%d",
+                   gdp_dtype_name(dt), (long long)Bt, (long long)M, (long long)N, (long long)K,
+                   ta, tb, la, shared_b ? -1 : lb, lo);
+          check_matmul(what, g, c, ta, tb, 0.75, beta, tol, &worst[di]);
+          free(va);
+        }
+  }
+  printf("  batched matmul worst rel err to the float64 reference: f64 %.3g, f32 %.3g\n",
+         worst[0], worst[1]);
 }
 
 /* ------------------------------------------------------------------ memory, errors */
@@ -1016,6 +1109,7 @@ int main(void) {
   test_binary();
   test_reduce();
   test_matmul();
+  test_matmul_batched();
   test_oom_and_errors(baseline);
   test_sync_every_op();
   test_device_timer();

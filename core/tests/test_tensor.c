@@ -1077,7 +1077,8 @@ static void test_matmul(void) {
   int64_t s3d[3] = {2, 2, 2};
   gdp_tensor *t3 = NULL;
   CHECK_OK(gdp_tensor_zeros(ctx, GDP_DTYPE_F32, 3, s3d, &t3));
-  CHECK_ERR(gdp_tensor_matmul(o, t3, b, 0, 0, 1.0, 0.0), GDP_ERR_SHAPE, "a: expected a 2-D tensor, got 3 dims [2x2x2]");
+  CHECK_ERR(gdp_tensor_matmul(o, t3, b, 0, 0, 1.0, 0.0), GDP_ERR_SHAPE,
+            "a: expected a 2-D tensor (out is 2-D; a batched product takes a 3-D out), got 3 dims [2x2x2]");
   gdp_tensor *of64 = random_tensor(GDP_DTYPE_F64, 2, s34);
   CHECK_ERR(gdp_tensor_matmul(of64, a, b, 0, 0, 1.0, 0.0), GDP_ERR_DTYPE, "out and a must have the same dtype, got f64 and f32");
   gdp_tensor_free(of64);
@@ -1092,6 +1093,88 @@ static void test_matmul(void) {
   gdp_tensor_free(a);
   gdp_tensor_free(b);
   gdp_tensor_free(o);
+}
+
+/* [Bt, r, c] view of a bigger tensor holding src's values: layout 0 an interleaved batch
+ * (a [r, Bt, c] tensor transposed: batch stride c), 1 column-major matrices ([Bt, c, r]
+ * transposed), 2 a select of a 4-D [Bt, 2, r, c] tensor (batch stride 2 r c), 3 no unit
+ * stride (a select of [Bt, r, c, 2]: copied before BLAS). */
+static gdp_tensor *batch_in_layout(gdp_tensor *src, int layout, gdp_tensor **keep) {
+  int64_t B = gdp_tensor_size(src, 0), r = gdp_tensor_size(src, 1), c = gdp_tensor_size(src, 2);
+  gdp_tensor *m = NULL;
+  gdp_dtype dt = gdp_tensor_dtype(src);
+  if (layout == 0) {
+    int64_t s[3] = {r, B, c};
+    CHECK_OK(gdp_tensor_zeros(ctx, dt, 3, s, keep));
+    CHECK_OK(gdp_tensor_transpose(*keep, 0, 1, &m));
+  } else if (layout == 1) {
+    int64_t s[3] = {B, c, r};
+    CHECK_OK(gdp_tensor_zeros(ctx, dt, 3, s, keep));
+    CHECK_OK(gdp_tensor_transpose(*keep, 1, 2, &m));
+  } else if (layout == 2) {
+    int64_t s[4] = {B, 2, r, c};
+    CHECK_OK(gdp_tensor_zeros(ctx, dt, 4, s, keep));
+    CHECK_OK(gdp_tensor_select(*keep, 1, 1, &m));
+  } else {
+    int64_t s[4] = {B, r, c, 2};
+    CHECK_OK(gdp_tensor_zeros(ctx, dt, 4, s, keep));
+    CHECK_OK(gdp_tensor_select(*keep, 3, 1, &m));
+  }
+  CHECK_OK(gdp_tensor_copy(NULL, m, src));
+  return m;
+}
+
+/* Batched products ([Bt, M, K] @ [Bt, K, N], and a 2-D b shared by every entry) against
+ * the naive loop per batch entry. */
+static void test_matmul_batched(void) {
+  const int64_t Bt = 3, M = 5, N = 4, K = 7;
+  /* every dtype x trans_a x trans_b x layout (4: b 2-D) */
+  for (int ci = 0; ci < 2 * 2 * 2 * 5; ci++) {
+    const int di = ci / 20, ta = ci / 10 % 2, tb = ci / 5 % 2, layout = ci % 5;
+    const gdp_dtype dt = di ? GDP_DTYPE_F32 : GDP_DTYPE_F64;
+    const int shared_b = layout == 4;
+    int la = layout % 4, lb = (layout + 1) % 4, lo = (layout + 2) % 4;
+    int64_t sa[3] = {Bt, ta ? K : M, ta ? M : K}, sb[3] = {Bt, tb ? N : K, tb ? K : N};
+    int64_t so[3] = {Bt, M, N};
+    gdp_tensor *a0 = random_tensor(dt, 3, sa), *o0 = random_tensor(dt, 3, so);
+    gdp_tensor *b0 = shared_b ? random_tensor(dt, 2, sb + 1) : random_tensor(dt, 3, sb);
+    gdp_tensor *ka, *kb = NULL, *ko;
+    gdp_tensor *a = batch_in_layout(a0, la, &ka), *o = batch_in_layout(o0, lo, &ko);
+    gdp_tensor *b = shared_b ? gdp_tensor_retain(b0) : batch_in_layout(b0, lb, &kb);
+    double *av = values(a0), *bv = values(b0), *ref = values(o0);
+    double alpha = 1.5, beta = (layout + ta) % 2 ? 0.5 : 0.0;
+    for (int64_t i = 0; i < Bt; i++)
+      naive_matmul(M, N, K, av + i * M * K, ta, sa[2], shared_b ? bv : bv + i * K * N, tb, sb[2],
+                   alpha, beta, ref + i * M * N);
+    if (beta == 0.0) CHECK_OK(gdp_tensor_fill(o, NAN)); /* beta = 0 must not read out */
+    CHECK_OK(gdp_tensor_matmul(o, a, b, ta, tb, alpha, beta));
+    double *ov = values(o);
+    double e = tu_rel_err_f64(ov, ref, Bt * M * N);
+    CHECK(e <= (di ? 2e-6 : 1e-14), "batched matmul %s ta=%d tb=%d layouts a=%d b=%d out=%d: rel err %g",
+          gdp_dtype_name(dt), ta, tb, la, shared_b ? -1 : lb, lo, e);
+    free(ov);
+    free(av);
+    free(bv);
+    free(ref);
+    gdp_tensor *ts[9] = {a, b, o, ka, kb, ko, a0, b0, o0};
+    for (int t = 0; t < 9; t++) gdp_tensor_free(ts[t]);
+  }
+
+  /* errors name the argument and the shapes */
+  int64_t s234[3] = {2, 3, 4}, s345[3] = {3, 4, 5}, s235[3] = {2, 3, 5}, s34[2] = {3, 4},
+          s45[2] = {4, 5};
+  gdp_tensor *a = random_tensor(GDP_DTYPE_F64, 3, s234), *b = random_tensor(GDP_DTYPE_F64, 3, s345);
+  gdp_tensor *o = random_tensor(GDP_DTYPE_F64, 3, s235), *a2 = random_tensor(GDP_DTYPE_F64, 2, s34);
+  gdp_tensor *b2 = random_tensor(GDP_DTYPE_F64, 2, s45);
+  CHECK_ERR(gdp_tensor_matmul(o, a, b, 0, 0, 1.0, 0.0), GDP_ERR_SHAPE,
+            "b: expected a batch of 2 (out is [2x3x5]), got [3x4x5]");
+  CHECK_ERR(gdp_tensor_matmul(o, a2, b2, 0, 0, 1.0, 0.0), GDP_ERR_SHAPE,
+            "a and b: expected at least one 3-D [batch,.,.] operand (out is [2x3x5]), got a [3x4] and b [4x5]");
+  CHECK_OK(gdp_tensor_matmul(o, a, b2, 0, 0, 1.0, 0.0));
+  CHECK_ERR(gdp_tensor_matmul(o, a, b2, 0, 1, 1.0, 0.0), GDP_ERR_SHAPE,
+            "inner dims differ: op(a) is [3x4] (a [2x3x4], trans_a 0), op(b) is [5x4] (b [4x5], trans_b 1)");
+  gdp_tensor *ts[5] = {a, b, o, a2, b2};
+  for (int t = 0; t < 5; t++) gdp_tensor_free(ts[t]);
 }
 
 /* ------------------------------------------------------------------ empty and 0-dim */
@@ -1436,6 +1519,7 @@ int main(void) {
   test_elementwise();
   test_reductions();
   test_matmul();
+  test_matmul_batched();
   test_empty_and_scalar();
   test_shape_overflow();
   test_overlapping_copies();

@@ -1054,24 +1054,36 @@ T.rel_error = rel_error
 local matmul_opts = { trans_a = true, trans_b = true, alpha = true, beta = true, out = true }
 
 -- gdp.matmul(a, b, {trans_a =, trans_b =, alpha =, beta =, out =}): alpha*op(a)@op(b)
--- (+ beta*out when out is given) for 2-D f32/f64 tensors.
+-- (+ beta*out when out is given) for f32/f64 tensors (bf16 on cuda): 2-D, or batched,
+-- a [Bt,M,K] and b [Bt,K,N] giving [Bt,M,N] (dim 1 of any stride; one of a, b may be
+-- 2-D, the same matrix for every batch entry); trans_a/trans_b transpose the last two dims.
 function M.matmul(a, b, opts)
   tensor_arg(a, "matmul", "a")
   tensor_arg(b, "matmul", "b")
   opts = check_opts("matmul", opts, matmul_opts)
-  if lib.gdp_tensor_ndim(a) ~= 2 or lib.gdp_tensor_ndim(b) ~= 2 then
-    argerror("matmul", string.format("expected 2-D tensors, got a %s and b %s",
+  local na, nb = lib.gdp_tensor_ndim(a), lib.gdp_tensor_ndim(b)
+  if (na ~= 2 and na ~= 3) or (nb ~= 2 and nb ~= 3) then
+    argerror("matmul", string.format("expected 2-D tensors or 3-D [batch,.,.] ones, got a %s and b %s",
                                      shape_str(shape_of(a)), shape_str(shape_of(b))))
+  end
+  if na == 3 and nb == 3 and lib.gdp_tensor_size(a, 0) ~= lib.gdp_tensor_size(b, 0) then
+    argerror("matmul", string.format("b: expected a batch of %d (a is %s), got %s",
+                                     tonumber(lib.gdp_tensor_size(a, 0)), shape_str(shape_of(a)),
+                                     shape_str(shape_of(b))))
   end
   local ta, tb = opts.trans_a and 1 or 0, opts.trans_b and 1 or 0
   local out = opts.out
   if out == nil then
-    local m = lib.gdp_tensor_size(a, ta == 1 and 1 or 0)
-    local n = lib.gdp_tensor_size(b, tb == 1 and 0 or 1)
-    local arr = i64_array(2)
-    arr[0], arr[1] = m, n
+    local m = lib.gdp_tensor_size(a, na - 2 + ta)
+    local n = lib.gdp_tensor_size(b, nb - 1 - tb)
+    local arr, nd = i64_array(3), 2
+    if na == 3 or nb == 3 then
+      arr[0], arr[1], arr[2], nd = lib.gdp_tensor_size(na == 3 and a or b, 0), m, n, 3
+    else
+      arr[0], arr[1] = m, n
+    end
     local box = tensor_box()
-    out = call_outputs("matmul", "gdp_tensor_empty", { box }, tensor_ctx(a), lib.gdp_tensor_dtype(a), 2, arr, box)
+    out = call_outputs("matmul", "gdp_tensor_empty", { box }, tensor_ctx(a), lib.gdp_tensor_dtype(a), nd, arr, box)
   else
     tensor_arg(out, "matmul", "out")
   end

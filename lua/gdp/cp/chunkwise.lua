@@ -181,12 +181,12 @@ CpuBackend.__name = "gdp.cp.CpuBackend"
 -- zero value columns from I_K, whose final state is M and whose outputs O satisfy
 -- o(S_in) = o0 + O S_in -- and a rank that a start reaches that of its first sequence
 -- (the same run unpacked).  Once S_in is composed, forward_apply adds O S_in to the
--- first sequence's outputs (one [T, K] x [K, V] product per head) instead of running
--- the operator again, so no rank runs the operator after the all-gather: the last
--- rank's run overlaps the others' summaries.  The backward summary's M^T is the
--- transpose of that forward transition, so the backward runs the operator's backward
--- for gamma (dO on the first sequence, dht = 0) and for the local gradients: two runs,
--- not three.
+-- first sequence's outputs (a [T, K] x [K, V] product per head, the heads of a batch
+-- column in one batched matmul) instead of running the operator again, so no rank runs
+-- the operator after the all-gather: the last rank's run overlaps the others'
+-- summaries.  The backward summary's M^T is the transpose of that forward transition, so
+-- the backward runs the operator's backward for gamma (dO on the first sequence, dht =
+-- 0) and for the local gradients: two runs, not three.
 function M.cpu_backend(opts)
   opts = opts or {}
   return setmetatable({ name = "cpu", algorithm = opts.algorithm, eye_cache = {} }, CpuBackend)
@@ -237,6 +237,27 @@ local function with_algorithm(self, args)
   return args
 end
 
+-- x [Nb, H, r, c] as the batch [Nb*H, r, c] (a view), or nil when its strides cannot
+-- merge the first two dims.
+local function merged_heads(x)
+  if x:size(1) > 1 and x:size(2) > 1 and x:stride(1) ~= x:size(2) * x:stride(2) then return nil end
+  return x:view(x:size(1) * x:size(2), x:size(3), x:size(4))
+end
+
+-- out[b, h] += A[b, h] @ B[b, h] for every batch column b and head h of [Nb, H, ., .]
+-- tensors: one batched matmul over all (b, h) when the layouts merge them (always for
+-- Nb = 1), else one per batch column -- not a launch per head.
+local function add_head_products(out, A, B)
+  local o, a, b = merged_heads(out), merged_heads(A), merged_heads(B)
+  if o and a and b then
+    tensor.matmul(a, b, { out = o, beta = 1 })
+    return
+  end
+  for i = 1, out:size(1) do
+    tensor.matmul(A:select(1, i), B:select(1, i), { out = out:select(1, i), beta = 1 })
+  end
+end
+
 -- Composition of the preceding ranks' [dS | M] (in rank order): S <- M_j S + dS_j from
 -- S = 0, in the summaries' dtype on their device.  Returns [Nb, H, K, V], or nil when
 -- there are none.
@@ -244,17 +265,10 @@ local function compose_prefix(preceding, V, K)
   local np = preceding:size(1)
   if np == 0 then return nil end
   local S = preceding:select(1, 1):narrow(4, 1, V):clone()
-  local Nb, H = S:size(1), S:size(2)
   for j = 2, np do
     local sj = preceding:select(1, j)
     local S_new = sj:narrow(4, 1, V):clone()
-    for b = 1, Nb do
-      for h = 1, H do
-        local Mjh = sj:select(1, b):select(1, h):narrow(2, V + 1, K)
-        tensor.matmul(Mjh, S:select(1, b):select(1, h),
-                      { out = S_new:select(1, b):select(1, h), beta = 1 })
-      end
-    end
+    add_head_products(S_new, sj:narrow(4, V + 1, K), S)
     S = S_new
   end
   return S
@@ -266,17 +280,10 @@ local function compose_suffix(following, V, K)
   local nf = following:size(1)
   if nf == 0 then return nil end
   local dS = following:select(1, nf):narrow(4, 1, V):clone()
-  local Nb, H = dS:size(1), dS:size(2)
   for j = nf - 1, 1, -1 do
     local sj = following:select(1, j)
     local dS_new = sj:narrow(4, 1, V):clone()
-    for b = 1, Nb do
-      for h = 1, H do
-        local MTjh = sj:select(1, b):select(1, h):narrow(2, V + 1, K)
-        tensor.matmul(MTjh, dS:select(1, b):select(1, h),
-                      { out = dS_new:select(1, b):select(1, h), beta = 1 })
-      end
-    end
+    add_head_products(dS_new, sj:narrow(4, V + 1, K), dS)
     dS = dS_new
   end
   return dS
@@ -311,12 +318,8 @@ local function add_start_outputs(o, O, S_in, span)
   local bf16 = o:dtype() == "bf16"
   local acc = bf16 and target:to("f32") or target
   local S = S_in:to({ dtype = o:dtype(), device = o:device() })
-  for b = 1, target:size(1) do
-    for h = 1, target:size(3) do
-      tensor.matmul(O:select(1, b):select(2, h), S:select(1, b):select(1, h),
-                    { out = acc:select(1, b):select(2, h), beta = 1 })
-    end
-  end
+  -- heads to dim 2: [B, H, T', K] @ [B, H, K, V] into [B, H, T', V] (views)
+  add_head_products(acc:transpose(2, 3), O:transpose(2, 3), S)
   if bf16 then target:copy(acc) end
 end
 
