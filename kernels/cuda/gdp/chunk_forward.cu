@@ -5,7 +5,7 @@
  *
  * Compiled in parts, in parallel: the kernels are instantiated through a few "root"
  * functions, one per (K, n) here (state_k64n2, prep_k64n2, ...; K in {32, 64, 128} with
- * n = 1..4, and K = 256 with n = 2), and the rest of the file
+ * n = 1..4, K = 256 with n = 2), and the rest of the file
  * calls the roots by name.  CMake generates one unit per (K, n) that defines
  * GDP_CHUNK_PARTS, GDP_PART_K and GDP_PART_N and includes this file (only that part's
  * roots: its kernels), and a main unit with GDP_CHUNK_PARTS alone (every root declared,

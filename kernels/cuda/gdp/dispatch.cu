@@ -7,13 +7,13 @@
  *   recurrent  | f32 and bf16, K <= 256, any V         | RECURRENT; AUTO where fast does not
  *
  * (The kernels' instances are K in {32, 64, 128} with V in {32, 64, 128} and n = 1..4,
- * and K = 256 with V = 128 and n = 2; other K and V run zero-padded to the next of 32, 64,
- * 128, 256, other n as tokens of fewer steps (n = 5..8 as 2 tokens of 3 or 4; every
- * n but 2 above K = 128 as tokens of 2), V = 256 as two halves of 128: chunk_shapes.cu.)
- * The fast path is chunked, with its chunk fixed by n and K (fast_chunk_steps: 32, 64,
- * 48, 64, 40, 48, 56, 64 steps of the expanded stream for n = 1..8 at K <= 128, i.e. 32,
- * 32, 16, 16, 8, 8, 8, 8 tokens; 16, 32, 24, 32, 20, 24, 28, 32 steps at K > 128, i.e.
- * 16, 16, 8, 8, 4, 4, 4, 4 tokens); a problem's chunk_size is 0 (the path's own)
+ * and K = 256 with V = 128 and n = 2; other K and V run
+ * zero-padded to the next of 32, 64, 128, 256, other n as tokens of fewer steps
+ * (plan.cuh, token_split), V = 256 as two halves of 128: chunk_shapes.cu.)  The fast
+ * path is chunked, with its chunk fixed by n and K (fast_chunk_steps, steps of the
+ * expanded stream for n = 1..8: 32, 64, 48, 64, 40, 48, 56, 64 at K = 64, 128; the same
+ * but 32 at n = 2 for K = 32; 16, 32, 24, 32, 20, 24, 28, 32 at K = 256); a
+ * problem's chunk_size is 0 (the path's own)
  * or that C, anything else is an error that names the size.  The recurrent kernels have
  * no chunks: a nonzero chunk_size with them is an error too, also where AUTO falls back
  * to them (a chunk size asked for and silently not used would mislead a measurement).
@@ -41,9 +41,7 @@ gdp_status check_chunk_size(const gdp_delta_product_problem *p, const char *what
     const int C = fast_chunk_steps(p->n, p->K);
     if (p->chunk_size == C) return GDP_OK;
     return GDP_ERROR_IN(what, GDP_ERR_INVALID_ARG,
-                        "chunk_size: the CUDA chunked path takes %d steps at n = %lld, K = %lld (or 0 for it; "
-                        "32, 64, 48, 64, 40, 48, 56, 64 for n = 1..8 at K <= 128, 16, 32, 24, 32, 20, 24, 28, "
-                        "32 above), got %lld",
+                        "chunk_size: the CUDA chunked path takes %d steps at n = %lld, K = %lld (or 0 for it), got %lld",
                         C, (long long)p->n, (long long)p->K, (long long)p->chunk_size);
   }
   return GDP_ERROR_IN(what, GDP_ERR_INVALID_ARG,

@@ -113,21 +113,29 @@ struct GdpArgs {
   bf16 *Dbuf, *dDbuf;
 };
 
-/* Chunk steps for n Householder steps per token at key width K (0: no chunk path for
- * this n): C = 32, 64, 48, 64 for n = 1..4, i.e. TC = C / n = 32, 32, 16, 16 whole tokens
- * per chunk, so every sequence starts a chunk.  The kernels take C <= 64 (the prep's
- * solve holds a column of T in registers) and TC a multiple of 16 (query rows in whole
- * mma tiles): n = 4 is the last n with both (n = 5..8 would need 8-token chunks, i.e.
- * half query tiles: chunk_shapes.cu runs them as tokens of 3 or 4 steps instead).
+/* Chunk steps for n Householder steps per token at key instance width K (0: no instance
+ * for this n): C = 32, 64, 48, 64 for n = 1..4, i.e. TC = C / n = 32, 32, 16, 16 whole
+ * tokens per chunk, so every sequence starts a chunk.  The kernels take C <= 64 (the
+ * prep's solve holds a column of T in registers) and TC a multiple of 16 (query rows in
+ * whole mma tiles): n = 4 is the last n with both (n = 5..8 would need 8-token chunks,
+ * i.e. half query tiles: chunk_shapes.cu runs them as tokens of fewer steps instead).
+ * K = 32: n = 2 takes 32-step chunks (16 tokens): at K = 32 the prep's and grad_wy's
+ * C x C work (the solve, T, dT) outweighs the K-wide products and shrinks with C, while
+ * the state passes that pay for the longer chain of chunks are cheap (H200, H = 8,
+ * 256 x 512: fwd+bwd 3.82 -> 3.26 ms plain, 2.94 -> 2.77 saving).  n = 4 keeps its
+ * 64-step chunk: run as 2 tokens of 2 steps on the 32-step n = 2 chunk it measured
+ * slower (7.10 -> 7.55 ms plain, 5.42 -> 6.48 saving; the split's copies and twice the
+ * chunks outweigh the smaller solve).
  * K = 256 has one instance, n = 2 with 32-step chunks (16 tokens): the sequential passes'
  * chunk panels (k, W, D: C rows of K) fit an SM's 227 KB only up to C = 48 (at C = 64 the
  * state pass alone needs 276 KB), and the state-gradient part of the per-chunk gradients
  * gives each of its 8 warps one item of 16 rows x 64 key columns, which at K = 256 leaves
- * room for 32 steps of 16 query rows, not 48 steps or 32 query rows.  Other n run as
- * tokens of 2 steps (padded_steps, split_tokens below).
+ * room for 32 steps of 16 query rows, not 48 steps or 32 query rows.
  * The launchers instantiate their kernels at <chunk_steps_of(n, K), chunk_tokens_of(n, K)>. */
 __host__ __device__ constexpr int chunk_steps_of(int n, int K) {
-  return K > 128 ? (n == 2 ? 32 : 0) : (n == 1 ? 32 : n == 2 ? 64 : n == 3 ? 48 : n == 4 ? 64 : 0);
+  return K > 128   ? (n == 2 ? 32 : 0)
+         : K <= 32 ? (n == 1 ? 32 : n == 2 ? 32 : n == 3 ? 48 : n == 4 ? 64 : 0)
+                   : (n == 1 ? 32 : n == 2 ? 64 : n == 3 ? 48 : n == 4 ? 64 : 0);
 }
 __host__ __device__ constexpr int chunk_tokens_of(int n, int K) {
   return n >= 1 && n <= 4 ? chunk_steps_of(n, K) / n : 0;
@@ -136,36 +144,52 @@ constexpr int kMaxChunkN = 4; /* the largest n with a chunk (the launchers' cach
 static_assert(chunk_steps_of(kMaxChunkN, 128) > 0 && chunk_steps_of(kMaxChunkN + 1, 128) == 0,
               "kMaxChunkN is the last n");
 static_assert(chunk_tokens_of(3, 128) * 3 == chunk_steps_of(3, 128) && chunk_tokens_of(4, 128) * 4 == chunk_steps_of(4, 128) &&
-                  chunk_tokens_of(4, 128) % 16 == 0 && chunk_tokens_of(2, 256) % 16 == 0,
+                  chunk_tokens_of(4, 128) % 16 == 0 && chunk_tokens_of(2, 256) % 16 == 0 &&
+                  chunk_tokens_of(2, 32) % 16 == 0,
               "whole tokens per chunk, whole query tiles");
 inline int chunk_steps(int64_t n, int64_t K) {
   return n >= 1 && n <= kMaxChunkN ? chunk_steps_of((int)n, (int)K) : 0;
 }
 
 /* The token rewrite of chunk_shapes.cu: a token's n steps padded with identity steps to
- * padded_steps(n, K), run as split_tokens(n, K) tokens of the steps an instance has.
- * K <= 128: n <= 4 as it is; n = 5, 6 padded to 6 and n = 7, 8 to 8 steps, as 2 tokens
- * of 3 or 4 steps.  So a chunk holds 32, 32, 16, 16, 8, 8, 8, 8 whole tokens for
- * n = 1..8.  K = 256 (instance n = 2): n padded to 2, 4 or 8 steps (n = 1, 2; 3, 4;
- * 5..8), as 1, 2 or 4 tokens of 2 steps: 16, 16, 8, 8, 4, 4, 4, 4 whole tokens a chunk.
+ * padded_steps(n, K) and run as split_tokens(n, K) = m tokens of ns = padded / m steps,
+ * ns an n that the key width's instances have (chunk_steps_of).  n with an instance runs
+ * as it is; else the fewest padded steps, then the longest tokens, among the instances
+ * whose chunk holds a whole number of the problem's tokens (m divides its TC).
+ * K = 64, 128: n = 5, 6 as 2 tokens of 3 steps (padded to 6), n = 7, 8 as 2 of 4: a chunk
+ * holds 32, 32, 16, 16, 8, 8, 8, 8 whole tokens for n = 1..8; K = 32 the same but 16 at
+ * n = 2.  K = 256 (n = 2
+ * alone): n = 1 padded to 2, n = 3, 4 as 2 of 2, n = 5..8 as 4 of 2: 16, 16, 8, 8, 4, 4, 4, 4.
  * fast_chunk_steps(n, K) is a chunk's steps of the problem's own stream (0: none). */
 constexpr int kMaxFastN = 8;
 /* the widest K and V the fast path takes (narrower ones zero-padded: chunk_shapes.cu) */
 constexpr int64_t kMaxFastK = 256, kMaxFastV = 256;
 /* the kernels' instance width for a key width K (1..256): 32, 64, 128 or 256 */
 inline int64_t key_instance_width(int64_t K) { return K <= 32 ? 32 : K <= 64 ? 64 : K <= 128 ? 128 : 256; }
-inline int64_t split_tokens(int64_t n, int64_t K) {
-  if (key_instance_width(K) > 128) return n <= 2 ? 1 : n <= 4 ? 2 : 4;
-  return n <= kMaxChunkN ? 1 : 2;
+struct TokenSplit {
+  int64_t np, m; /* steps a token after padding; tokens a token runs as (0, 0: none) */
+};
+inline TokenSplit token_split(int64_t n, int64_t K) {
+  const int KW = (int)key_instance_width(K);
+  if (n < 1 || n > kMaxFastN) return {0, 0};
+  if (n <= kMaxChunkN && chunk_steps_of((int)n, KW) > 0) return {n, 1};
+  TokenSplit best = {0, 0};
+  for (int ns = kMaxChunkN; ns >= 1; ns--) {
+    const int tc = chunk_tokens_of(ns, KW);
+    if (tc == 0) continue;
+    int64_t m = (n + ns - 1) / ns;
+    while (tc % m) m++; /* a whole number of the problem's tokens a chunk */
+    if (best.m == 0 || m * ns < best.np) best = {m * ns, m};
+  }
+  return best;
 }
-inline int64_t padded_steps(int64_t n, int64_t K) {
-  if (key_instance_width(K) > 128) return 2 * split_tokens(n, K);
-  return n <= kMaxChunkN ? n : n <= 6 ? 6 : 8;
-}
+inline int64_t split_tokens(int64_t n, int64_t K) { return token_split(n, K).m; }
+inline int64_t padded_steps(int64_t n, int64_t K) { return token_split(n, K).np; }
 inline int fast_chunk_steps(int64_t n, int64_t K) {
-  if (n < 1 || n > kMaxFastN) return 0;
-  const int64_t m = split_tokens(n, K), ns = padded_steps(n, K) / m, KW = key_instance_width(K);
-  return (int)(chunk_tokens_of((int)ns, (int)KW) / m * n);
+  const TokenSplit ts = token_split(n, K);
+  if (ts.m == 0) return 0;
+  const int KW = (int)key_instance_width(K);
+  return (int)(chunk_tokens_of((int)(ts.np / ts.m), KW) / ts.m * n);
 }
 
 /* Host-side plan of one call: device copies of the tables and the workspace, all in
