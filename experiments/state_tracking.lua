@@ -12,7 +12,8 @@
 --   ./gdp experiments/state_tracking.lua --quick                      # CPU-sized check
 --
 -- The grid (through gdp.sweep: a rerun with --resume RUN_DIR skips the rows done, and a
--- failed config is a row with its error): task x n_h (Householder steps) x beta range
+-- failed config is a row with its error; --time_budget S starts no config after S
+-- seconds, so a grid spreads over calls of a fixed length): task x n_h (Householder steps) x beta range
 -- ((0,1): beta_max 1; (0,2): beta_max 2, negative eigenvalues) x seed.  Output: a table
 -- of accuracy at lengths 128, 256, 512 per config, results.csv with the curve of every
 -- config (acc_at_<t> columns at --curve-step intervals), and a plot of accuracy
@@ -40,7 +41,7 @@ local opts = util.parse_args(arg, {
     train_len = 128, eval_len = 512, train_seqs = 99000, batch = 2048, epochs = 100,
     eval_batch = 2048, eval_every = 100, early_stop = 0.99, curve_step = 32,
     lr = 1e-3, weight_decay = 1e-6, warmup = 0, max_grad_norm = 1.0,
-    resume = "", speed = false, speed_steps = 20, against_fla = false, profile = false,
+    resume = "", time_budget = 0, speed = false, speed_steps = 20, against_fla = false, profile = false,
     fla_cmd = "", fla_path = "",
   }, {
   usage = "./gdp experiments/state_tracking.lua [--quick] [options]",
@@ -63,6 +64,8 @@ local opts = util.parse_args(arg, {
     { "lr", "AdamW peak learning rate (cosine schedule)" }, { "weight_decay", "AdamW weight decay" },
     { "warmup", "warmup steps" }, { "max_grad_norm", "global gradient-norm clip (0: none)" },
     { "resume", "a previous run folder of this study: its ok rows are kept, the rest run" },
+    { "time_budget", "seconds (0: none): no config starts after the grid has run this long; the rest are " ..
+                     "left for a rerun with --resume (a config started inside it runs to its end)" },
     { "speed", "instead of training to the end: tokens/s of --speed-steps training steps per n_h" },
     { "speed_steps", "timed steps per n_h with --speed (after 3 untimed)" },
     { "against_fla", "with --speed: fla's GatedDeltaProductForCausalLM at the same config, same call" },
@@ -268,6 +271,7 @@ local rows = sweep.run{
            seed_model = list(opts.seeds, tonumber) },
   order = { "task", "nh", "beta_max", "seed_model" },
   resume = opts.resume ~= "" and opts.resume or true,
+  time_budget = opts.time_budget > 0 and opts.time_budget or nil,
   fn = function(cfg)
     cfg.seed = cfg.seed_model
     local out = run_config(cfg)
@@ -303,8 +307,14 @@ sweep.plot(run, { x = "length", y = "acc", by = "config", values = labels, csv =
                   title = "state tracking: cumulative sequence accuracy against length",
                   xlabel = "length (tokens)", ylabel = "cumulative sequence accuracy" })
 
-local failed = 0
-for _, r in ipairs(rows) do if r.status ~= "ok" then failed = failed + 1 end end
+local failed, not_run = 0, 0
+for _, r in ipairs(rows) do
+  if r.status == "not_run" then not_run = not_run + 1 elseif r.status ~= "ok" then failed = failed + 1 end
+end
+if not_run > 0 then
+  print(string.format("state_tracking: %d configs not started (--time_budget %g s); rerun with --resume %s",
+                      not_run, opts.time_budget, run.dir or "<this run's folder>"))
+end
 
 if opts.quick then
   local by_beta = {}
@@ -330,6 +340,8 @@ if opts.quick then
   return
 end
 
+-- configs left by the time budget are no failure: meta.json counts them (not_run)
 run:finish({ status = failed == 0 and "ok" or "failed",
-             reason = failed > 0 and (failed .. " configs failed") or nil })
+             reason = failed > 0 and (failed .. " configs failed") or nil,
+             not_run = not_run > 0 and not_run or nil })
 if failed > 0 then os.exit(1) end

@@ -159,6 +159,45 @@ describe("sweep.run", function()
     assert.are.equal("1.5", parsed[6].time_ms)
   end)
 
+  it("time_budget: no row starts once it is spent; those rows are not written, and resume runs them", function()
+    local path = dir .. "/budget.csv"
+    local calls = {}
+    local out = sink()
+    -- each row takes ~30 ms: with a 50 ms budget the first two start, the third does not
+    local function fn(cfg)
+      calls[#calls + 1] = cfg.n
+      local t0 = gdp.time()
+      while gdp.time() - t0 < 0.03 do end
+      return { y = cfg.n }
+    end
+    local rows, summary = sweep.run{ axes = { n = { 1, 2, 3, 4 } }, columns = { "y" }, csv = path,
+                                     progress = out, time_budget = 0.05, fn = fn }
+    out.out:close()
+    assert.are.same({ 1, 2 }, calls)
+    assert.are.same({ 2, 2, 2 }, { summary.ran, summary.ok, summary.not_run })
+    assert.are.same({ "ok", "ok", "not_run", "not_run" },
+                    { rows[1].status, rows[2].status, rows[3].status, rows[4].status })
+    assert.are.equal(3, rows[3].n)
+    assert.truthy(rows[4].error:match("time budget of 0%.05 s"), rows[4].error)
+    local _, written = sweep.read_csv(path)
+    assert.are.equal(2, #written)
+    -- the rerun (no budget) runs the two rows left, and only those
+    calls = {}
+    local rows2, summary2 = sweep.run{ axes = { n = { 1, 2, 3, 4 } }, columns = { "y" }, csv = path,
+                                       progress = false, fn = fn }
+    assert.are.same({ 3, 4 }, calls)
+    assert.are.same({ 2, 2, 0 }, { summary2.resumed, summary2.ran, summary2.not_run })
+    assert.are.equal(4, rows2[4].y)
+    -- a budget of 0 starts nothing; a bad one is an error naming it
+    calls = {}
+    local _, s0 = sweep.run{ axes = { n = { 5 } }, columns = { "y" }, progress = false, time_budget = 0, fn = fn }
+    assert.are.same({}, calls)
+    assert.are.equal(1, s0.not_run)
+    local ok, err = pcall(sweep.run, { axes = { n = { 1 } }, progress = false, time_budget = -1, fn = fn })
+    assert.is_false(ok)
+    assert.truthy(tostring(err):match("time_budget: expected seconds >= 0"), tostring(err))
+  end)
+
   it("records failures as rows and goes on", function()
     local calls = {}
     local out, log = sink()
@@ -175,7 +214,8 @@ describe("sweep.run", function()
     }
     out.out:close()
     assert.are.same({ 1, 2, 3, 4, 5 }, calls)
-    assert.are.same({ total = 5, ran = 5, ok = 1, error = 3, skipped = 1, resumed = 0, csv = dir .. "/r.csv" }, summary)
+    assert.are.same({ total = 5, ran = 5, ok = 1, error = 3, skipped = 1, resumed = 0, not_run = 0,
+                      csv = dir .. "/r.csv" }, summary)
     assert.are.same({ "ok", "error", "skipped", "error", "error" },
                     { rows[1].status, rows[2].status, rows[3].status, rows[4].status, rows[5].status })
     assert.are.equal(10, rows[1].y)
@@ -247,7 +287,7 @@ describe("sweep.run", function()
                       "n=1 cs=64 r=1", "n=1 cs=64 r=2", "n=2 cs=64 r=1", "n=2 cs=64 r=2",
                       "n=3 cs=64 r=1", "n=3 cs=64 r=2" }, second)
     assert.are.equal(12, #rows)
-    assert.are.same({ total = 12, ran = 8, ok = 12, error = 0, skipped = 0, resumed = 4,
+    assert.are.same({ total = 12, ran = 8, ok = 12, error = 0, skipped = 0, resumed = 4, not_run = 0,
                       csv = run.dir .. "/results.csv" }, summary)
     -- resumed rows come back from the file, as numbers, in config order
     assert.are.same({ 32, 1, 16, 1 + rows[1].seed % 7, "ok", 1 },

@@ -19,6 +19,7 @@
 --                             -- run's ok rows into this one
 --     progress = true,        -- gdp.progress on stderr; false, or {out =, tty =, title =}
 --     seed = nil,             -- salt mixed into every config's seed (new draws)
+--     time_budget = nil,      -- seconds: no row starts once the sweep has run this long
 --   }
 --
 -- Every config is base overlaid with the config.  Its values are numbers, strings,
@@ -34,6 +35,12 @@
 -- GDP_ERR_UNSUPPORTED).  An interrupt (Ctrl-C: LuaJIT's "interrupted!" error) stops the
 -- sweep and is raised again after the bar and the file are closed; the rows written so
 -- far stay, and a rerun with resume skips them.
+--
+-- time_budget (seconds, from the start of sweep.run): checked before each row; once it
+-- is spent, the rows not yet started are returned with status "not_run" (and counted
+-- in summary.not_run) but not written to the CSV, so a rerun with resume runs them.  A
+-- row that starts inside the budget runs to its end: leave a row's length of slack
+-- under a hard limit (a device call's, say).
 --
 -- Seeds: key(cfg) is the canonical text "k1=v1;k2=v2;..." over the config's keys sorted
 -- by name (the reserved columns below excluded; numbers in their shortest round-trip
@@ -352,7 +359,7 @@ end
 local RUN_KEYS = {
   study = true, axes = true, configs = true, order = true, base = true, fn = true, columns = true,
   repeats = true, resume = true, run = true, csv = true, csv_name = true, progress = true,
-  seed = true, label = true, traceback = true,
+  seed = true, label = true, traceback = true, time_budget = true,
 }
 
 -- The CSV path of a resume source: a run folder or a CSV file.
@@ -363,7 +370,7 @@ end
 
 -- Runs fn over the configs; see the top of the file.  Returns the rows (one per config
 -- and repeat, in order; rows resumed from a CSV have the values read back from it) and
--- a summary {total, ran, ok, error, skipped, resumed, csv = path written or nil}.
+-- a summary {total, ran, ok, error, skipped, resumed, not_run, csv = path written or nil}.
 function M.run(opts)
   if type(opts) ~= "table" then fail("run", "expected an options table, got " .. type(opts)) end
   for k in pairs(opts) do
@@ -372,6 +379,10 @@ function M.run(opts)
   if type(opts.fn) ~= "function" then fail("run", "fn: expected a function(cfg, ctx), got " .. type(opts.fn)) end
   if (opts.axes == nil) == (opts.configs == nil) then
     fail("run", "expected exactly one of axes (a grid) or configs (a list of config tables)")
+  end
+  local budget = opts.time_budget
+  if budget ~= nil and (type(budget) ~= "number" or budget ~= budget or budget < 0) then
+    fail("run", "time_budget: expected seconds >= 0 or nil, got " .. tostring(budget))
   end
   local study = opts.study or (type(opts.run) == "table" and opts.run.study) or "sweep"
   local repeats = opts.repeats or 1
@@ -546,7 +557,8 @@ function M.run(opts)
 
   -- plan: which rows run, which are resumed
   local rows, plan = {}, {}
-  local summary = { total = #merged * repeats, ran = 0, ok = 0, error = 0, skipped = 0, resumed = 0 }
+  local summary = { total = #merged * repeats, ran = 0, ok = 0, error = 0, skipped = 0, resumed = 0,
+                    not_run = 0 }
   for i, cfg in ipairs(merged) do
     local key = M.key(cfg)
     for r = 1, repeats do
@@ -586,7 +598,21 @@ function M.run(opts)
   end
 
   local gdp = gdp_lib()
+  local sweep_t0 = wall_clock()
   for k, p in ipairs(plan) do
+    if budget and wall_clock() - sweep_t0 >= budget then
+      -- the budget is spent: this row and the rest are not started (nor written)
+      local message = string.format("not started: the sweep's time budget of %g s was spent", budget)
+      for j = k, #plan do
+        local q = plan[j]
+        local row = {}
+        for _, c in ipairs(cfg_cols) do row[c] = q.cfg[c] end
+        row.status, row.error, row.seed, row["repeat"] = "not_run", message, q.seed, q.r
+        rows[q.slot] = row
+      end
+      summary.not_run = #plan - k + 1
+      break
+    end
     local label = label_of(p.cfg, p.r)
     if bar then bar:update(k - 1, label) end
     local cfg = copy(p.cfg)
@@ -664,6 +690,11 @@ function M.run(opts)
     end
   end
   if bar then bar:finish() end
+  if summary.not_run > 0 and bar_out then
+    bar_out:write(string.format("gdp.sweep %s: time budget of %g s spent, %d of %d rows not started%s\n",
+                                study, budget, summary.not_run, #plan,
+                                csv and ("; a rerun with resume runs them (rows in " .. csv.path .. ")") or ""))
+  end
   if csv then
     summary.csv = csv.path
     csv:close()
