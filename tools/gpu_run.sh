@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# gpu_run.sh check|bench|flawarm|profile [DIR] -- the device run: on the GPU machine, from the
+# gpu_run.sh check|bench|flawarm|profile|study [DIR] -- the device run: on the GPU machine, from the
 # repository root, after `source .devbundle/env.sh`.  Logs go to DIR (default $OUT, else
 # ./gpu_out); each mode keeps to BUDGET_S seconds (default 540, inside a 10-minute call),
 # skipping a late step with a line saying so rather than running past it.
@@ -32,12 +32,18 @@
 #            source counters for those kernels: the details page, the per-line source page
 #            and tools/ncu_lines.py's summary of it (the report itself stays in
 #            NCU_DIR, default /tmp/gdp-ncu, too large to come back).       ~3-6 minutes
+#   study    ./gdp build, then the state-tracking grid (experiments/state_tracking.lua
+#            --device cuda --dtype bf16, STUDY_ARGS added: e.g. "--tasks S3 --seeds 1")
+#            with --time_budget set to what is left of BUDGET_S less STUDY_SLACK (default
+#            150 s, a config's length at n_h = 4), resuming STUDY_RESUME (a run folder
+#            carried back from an earlier call, e.g. results/...) where given; the run
+#            folder comes back as DIR/state_tracking_run.tgz, to commit and to resume from.
 #
 # Environment: GDP_BUILD_DIR as for ./gdp (default ./build), BUDGET_S.
 set -u
 MODE=${1:-}
-case $MODE in check | bench | flawarm | profile) ;; *)
-  echo "usage: tools/gpu_run.sh check|bench|flawarm|profile [DIR]" >&2
+case $MODE in check | bench | flawarm | profile | study) ;; *)
+  echo "usage: tools/gpu_run.sh check|bench|flawarm|profile|study [DIR]" >&2
   exit 2
   ;;
 esac
@@ -193,6 +199,26 @@ if [[ $MODE == profile ]]; then
     fi
   else
     say "ncu not found: no Nsight Compute sections"
+  fi
+fi
+if [[ $MODE == study ]]; then
+  left_s=$((BUDGET_S - ($(date +%s) - t0) - ${STUDY_SLACK:-150}))
+  if ((left_s < 60)); then
+    say "out of time: the study needs more than ${STUDY_SLACK:-150}s of slack and 60s to run"
+  else
+    runs=$(mktemp -d)
+    say "state_tracking grid for ${left_s}s${STUDY_RESUME:+, resuming $STUDY_RESUME}: ${STUDY_ARGS:-}"
+    # shellcheck disable=SC2086 # STUDY_ARGS is a list of options
+    GDP_RUNS_DIR=$runs timeout -k 10 $((left_s + ${STUDY_SLACK:-150})) ./gdp experiments/state_tracking.lua \
+      --device cuda --dtype bf16 --time_budget "$left_s" ${STUDY_RESUME:+--resume "$STUDY_RESUME"} \
+      ${STUDY_ARGS:-} >"$DIR/state_tracking.log" 2>&1
+    say "state_tracking rc=$?"
+    grep -E "^#|^  [A-Za-z]|not started|run ok|failed" "$DIR/state_tracking.log" | tail -60 | tee -a "$LOG"
+    run_dir=$(find "$runs" -mindepth 2 -maxdepth 2 -type d | head -1)
+    if [[ -n $run_dir ]]; then
+      tar -cz -C "$(dirname "$run_dir")" "$(basename "$run_dir")" >"$DIR/state_tracking_run.tgz"
+      say "run folder: $DIR/state_tracking_run.tgz ($(basename "$run_dir"))"
+    fi
   fi
 fi
 say "done"
