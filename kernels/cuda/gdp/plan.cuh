@@ -158,8 +158,8 @@ inline int chunk_steps(int64_t n, int64_t K) {
  * whose chunk holds a whole number of the problem's tokens (m divides its TC).
  * K = 64, 128: n = 5, 6 as 2 tokens of 3 steps (padded to 6), n = 7, 8 as 2 of 4: a chunk
  * holds 32, 32, 16, 16, 8, 8, 8, 8 whole tokens for n = 1..8; K = 32 the same but 16 at
- * n = 2.  K = 256 (n = 2
- * alone): n = 1 padded to 2, n = 3, 4 as 2 of 2, n = 5..8 as 4 of 2: 16, 16, 8, 8, 4, 4, 4, 4.
+ * n = 2.  K = 256 (n = 2 alone): n = 1 padded to 2, n = 3, 4 as 2 of 2, n = 5..8 as 4 of
+ * 2: 16, 16, 8, 8, 4, 4, 4, 4.
  * fast_chunk_steps(n, K) is a chunk's steps of the problem's own stream (0: none). */
 constexpr int kMaxFastN = 8;
 /* the widest K and V the fast path takes (narrower ones zero-padded: chunk_shapes.cu) */
