@@ -152,12 +152,6 @@ int64_t kernel_width(int64_t d, int64_t max) {
   return w;
 }
 
-/* p's V as the kernels run it: its kernel_width, at least 128 above K = 128 (the K = 256
- * instances have V = 128 only: narrower ones would cost their own compile for little). */
-int64_t value_instance_width(const gdp_delta_product_problem *p) {
-  const int64_t w = kernel_width(p->V, kMaxFastV);
-  return p->K > 128 && w < 128 ? 128 : w;
-}
 
 /* Row counts and widths of one problem for the copies. */
 struct Widths {
@@ -172,7 +166,7 @@ Widths widths(const gdp_delta_product_problem *p) {
   w.K = (int)p->K;
   w.V = (int)p->V;
   w.KP = (int)kernel_width(p->K, kMaxFastK);
-  w.VP = (int)value_instance_width(p);
+  w.VP = (int)kernel_value_width(p);
   return w;
 }
 
@@ -193,15 +187,20 @@ gdp_status pad_inputs(const Widths &w, const void *q, const void *k, const void 
 /* ------------------------------------------------------------------ other widths */
 
 bool needs_padding(const gdp_delta_product_problem *p) {
-  return kernel_width(p->K, kMaxFastK) != p->K || value_instance_width(p) != p->V;
+  return kernel_width(p->K, kMaxFastK) != p->K || kernel_value_width(p) != p->V;
 }
 
-int64_t kernel_value_width(const gdp_delta_product_problem *p) { return value_instance_width(p); }
+/* p's V as the kernels run it: its kernel_width, at least 128 above K = 128 (the K = 256
+ * instances have V = 128 only: narrower ones would cost their own compile for little). */
+int64_t kernel_value_width(const gdp_delta_product_problem *p) {
+  const int64_t w = kernel_width(p->V, kMaxFastV);
+  return p->K > 128 && w < 128 ? 128 : w;
+}
 
 gdp_delta_product_problem padded_problem(const gdp_delta_product_problem *p) {
   gdp_delta_product_problem q = *p;
   q.K = kernel_width(p->K, kMaxFastK);
-  q.V = value_instance_width(p);
+  q.V = kernel_value_width(p);
   return q;
 }
 
@@ -263,13 +262,14 @@ gdp_status backward_padded(const gdp_delta_product_problem *p, const gdp_delta_p
 /* ------------------------------------------------------------------ n = 5..8 */
 
 bool needs_split(const gdp_delta_product_problem *p) {
-  return split_tokens(p->n, p->K) != 1 || padded_steps(p->n, p->K) != p->n;
+  const TokenSplit ts = token_split(p->n, p->K);
+  return ts.m != 1 || ts.np != p->n;
 }
 
 namespace {
 
-/* The split problem: each token's n steps padded to np = padded_steps(n, K), run as m =
- * split_tokens(n, K) tokens of np / m steps (cu_seqlens scaled by m into cu, which must
+/* The split problem: each token's n steps padded to np, run as m tokens of np / m steps
+ * (token_split in plan.cuh) (cu_seqlens scaled by m into cu, which must
  * outlive the problem). */
 struct Split {
   gdp_delta_product_problem p;
@@ -282,8 +282,9 @@ struct Split {
 void split_problem(const gdp_delta_product_problem *p, Split *sp) {
   sp->T = p->T_total;
   sp->n = (int)p->n;
-  sp->np = (int)padded_steps(p->n, p->K);
-  sp->m = (int)split_tokens(p->n, p->K);
+  const TokenSplit ts = token_split(p->n, p->K);
+  sp->np = (int)ts.np;
+  sp->m = (int)ts.m;
   sp->cu.resize((size_t)p->N + 1);
   for (int64_t s = 0; s <= p->N; s++) sp->cu[s] = p->cu_seqlens[s] * sp->m;
   sp->p = *p;

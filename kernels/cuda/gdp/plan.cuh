@@ -151,9 +151,9 @@ inline int chunk_steps(int64_t n, int64_t K) {
   return n >= 1 && n <= kMaxChunkN ? chunk_steps_of((int)n, (int)K) : 0;
 }
 
-/* The token rewrite of chunk_shapes.cu: a token's n steps padded with identity steps to
- * padded_steps(n, K) and run as split_tokens(n, K) = m tokens of ns = padded / m steps,
- * ns an n that the key width's instances have (chunk_steps_of).  n with an instance runs
+/* The token rewrite of chunk_shapes.cu (token_split): a token's n steps padded with
+ * identity steps to np and run as m tokens of ns = np / m steps, ns an n that the key
+ * width's instances have (chunk_steps_of).  n with an instance runs
  * as it is; else the fewest padded steps, then the longest tokens, among the instances
  * whose chunk holds a whole number of the problem's tokens (m divides its TC).
  * K = 64, 128: n = 5, 6 as 2 tokens of 3 steps (padded to 6), n = 7, 8 as 2 of 4: a chunk
@@ -183,8 +183,6 @@ inline TokenSplit token_split(int64_t n, int64_t K) {
   }
   return best;
 }
-inline int64_t split_tokens(int64_t n, int64_t K) { return token_split(n, K).m; }
-inline int64_t padded_steps(int64_t n, int64_t K) { return token_split(n, K).np; }
 inline int fast_chunk_steps(int64_t n, int64_t K) {
   const TokenSplit ts = token_split(n, K);
   if (ts.m == 0) return 0;
