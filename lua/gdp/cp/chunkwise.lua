@@ -312,15 +312,13 @@ function CpuBackend:transition(ctx, span)
 end
 
 -- o[:, span] += O S_in per batch column and head (o [B,T,H,V], O [B,T',H,K] over the
--- span, S_in [B,H,K,V]).  bf16: the products accumulate in float32 onto o's values.
+-- span, S_in [B,H,K,V]).  bf16: the matmul's float32 accumulator starts from o's values
+-- (beta = 1) and is rounded once, as a float32 copy of o would be, without that copy.
 local function add_start_outputs(o, O, S_in, span)
   local target = span and o:narrow(2, span[1] + 1, span[2] - span[1]) or o
-  local bf16 = o:dtype() == "bf16"
-  local acc = bf16 and target:to("f32") or target
   local S = S_in:to({ dtype = o:dtype(), device = o:device() })
   -- heads to dim 2: [B, H, T', K] @ [B, H, K, V] into [B, H, T', V] (views)
-  add_head_products(acc:transpose(2, 3), O:transpose(2, 3), S)
-  if bf16 then target:copy(acc) end
+  add_head_products(target:transpose(2, 3), O:transpose(2, 3), S)
 end
 
 -- Local summary [dS | M] of the last local sequence (zero start).  Every rank runs its
