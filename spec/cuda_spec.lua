@@ -25,6 +25,24 @@ describe("cuda #gpu", function()
     end
   end)
 
+  it("sumsq_many on cuda: the cpu's sums, one read-back for many tensors; devices not mixed", function()
+    if not need_gpu() then return end
+    H.reseed(303)
+    local host, dev = {}, {}
+    -- more tensors than the pinned slots of one wait (64), empty ones among them
+    for i = 1, 150 do
+      local t = i % 37 == 0 and gdp.empty({ 0 }, { dtype = "f32" })
+        or gdp.randn({ 1 + i % 13, 1 + (7 * i) % 101 }, { dtype = ({ "f64", "f32", "bf16" })[1 + i % 3] })
+      host[i], dev[i] = t, t:cuda()
+    end
+    local want, got = gdp.sumsq_many(host), gdp.sumsq_many(dev)
+    for i = 1, #host do
+      assert.is_true(math.abs(got[i] - want[i]) <= 1e-12 * math.max(want[i], 1), ("tensor %d: %g vs %g"):format(i, got[i], want[i]))
+      assert.are.equal(math.sqrt(got[i]), dev[i]:norm())
+    end
+    H.expect_error(function() gdp.sumsq_many({ dev[1], host[2] }) end, "same device", "ts[1]")
+  end)
+
   it("timed_device: the device's time of queued work, without the hold or the host's time", function()
     if not need_gpu() then return end
     local ctx = gdp.device("cuda")

@@ -482,6 +482,26 @@ describe("reductions", function()
     assert.tensor_near(near, ref, 0.11)
     assert.has_error(function() assert.tensor_near(near, ref, 0.09) end)
   end)
+
+  it("sumsq_many: each tensor's sum of squares, the bits norm() squares", function()
+    H.reseed(47)
+    local list = { gdp.randn({ 7, 5 }, { dtype = "f64" }), gdp.randn({ 300 }, { dtype = "f32" }),
+                   gdp.empty({ 0, 3 }, { dtype = "f32" }), gdp.randn({ 9, 4 }, { dtype = "f64" }):transpose(1, 2),
+                   gdp.tensor({ 1, 0 / 0 }, { dtype = "f64" }) }
+    local s = gdp.sumsq_many(list)
+    assert.are.equal(#list, #s)
+    for i = 1, 4 do
+      local want = 0
+      for _, v in ipairs(list[i]:contiguous():flat()) do want = want + v * v end
+      assert.is_true(math.abs(s[i] - want) <= 1e-13 * math.max(want, 1), ("tensor %d: %g vs %g"):format(i, s[i], want))
+      assert.are.equal(math.sqrt(s[i]), list[i]:norm())
+    end
+    assert.are.equal(0, s[3])
+    assert.is_true(s[5] ~= s[5])
+    assert.are.same({}, gdp.sumsq_many({}))
+    H.expect_error(function() gdp.sumsq_many(list[1]) end, "list", "expected a table of tensors")
+    H.expect_error(function() gdp.sumsq_many({ list[1], 3 }) end, "list[2]", "expected a gdp tensor")
+  end)
 end)
 
 describe("matmul", function()

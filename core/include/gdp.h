@@ -312,6 +312,10 @@ gdp_status gdp_tensor_dot(const gdp_tensor *a, const gdp_tensor *b, double *out)
 gdp_status gdp_tensor_norm(const gdp_tensor *t, double *out);
 gdp_status gdp_tensor_max_abs(const gdp_tensor *t, double *out);
 gdp_status gdp_tensor_count_nonfinite(const gdp_tensor *t, int64_t *out);
+/* out[i] = the sum of squares of ts[i] (float64 accumulation, the bits gdp_tensor_norm
+   squares) for n >= 0 tensors of one device: one wait for all of them on cuda, where n
+   separate norms would each round-trip to the host (gradient-norm clipping). */
+gdp_status gdp_tensor_sumsq_many(int n, const gdp_tensor *const *ts, double *out);
 /* ||a - ref|| / ||ref|| in float64; NaN when either holds a non-finite value; 0 when
    both are all zero; +inf when ref is zero and a is not. */
 gdp_status gdp_tensor_rel_error(const gdp_tensor *a, const gdp_tensor *ref, double *out);

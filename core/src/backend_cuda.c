@@ -47,6 +47,8 @@ _Static_assert((int)GDP_RNG_UNIFORM == GDP_CUDA_RNG_UNIFORM &&
                "rng kinds of backend_impl.h and tensor_ops.h differ");
 
 enum { OP_NAME_LEN = 96, DEFERRED_LEN = 256 };
+/* pinned result slots: one wait per this many reductions in reduce_many */
+enum { kReduceSlots = 64 };
 
 typedef struct cuda_state {
   cudaStream_t stream;
@@ -54,7 +56,7 @@ typedef struct cuda_state {
   int use_pool;           /* cudaMallocAsync available (memory pools supported) */
   int sync_every_op;      /* GDP_SYNC_EVERY_OP=1 */
   double *reduce_workspace; /* GDP_CUDA_REDUCE_WORKSPACE doubles on the device */
-  double *reduce_result;    /* one pinned host double */
+  double *reduce_result;    /* kReduceSlots pinned host doubles (reduce: the first) */
   /* The two most recent ops queued, for messages about asynchronous errors (the
    * previous one matters when the op that synchronised, e.g. to_host, is the latest). */
   char last_op[OP_NAME_LEN];
@@ -172,7 +174,7 @@ static gdp_status init_state(gdp_ctx *ctx, cuda_state *st) {
   }
   GDP_CUDA_TRY(cudaMalloc((void **)&st->reduce_workspace,
                           GDP_CUDA_REDUCE_WORKSPACE * sizeof(double)));
-  GDP_CUDA_TRY(cudaMallocHost((void **)&st->reduce_result, sizeof(double)));
+  GDP_CUDA_TRY(cudaMallocHost((void **)&st->reduce_result, kReduceSlots * sizeof(double)));
   st->sync_every_op = gdp_debug_sync_every_op();
   snprintf(st->last_op, sizeof st->last_op, "none");
   return GDP_OK;
@@ -400,6 +402,28 @@ static gdp_status cuda_reduce(gdp_ctx *ctx, const gdp_tensor *a, const gdp_tenso
                                st->reduce_workspace, st->reduce_result, st->stream));
   GDP_TRY(stream_sync(ctx));
   *out = *st->reduce_result;
+  return GDP_OK;
+}
+
+/* Each reduction queues its own result copy into its own pinned slot (the workspace is
+ * reused in stream order), and one wait covers up to kReduceSlots of them. */
+static gdp_status cuda_reduce_many(gdp_ctx *ctx, int n, const gdp_tensor *const *ts,
+                                   gdp_reduce_kind kind, double *out) {
+  if (kind == GDP_REDUCE_DOT || kind == GDP_REDUCE_DIFF_SUMSQ)
+    return GDP_ERROR(GDP_ERR_INVALID_ARG, "reduce_many takes one-operand reductions only");
+  GDP_TRY(op_begin(ctx, "reduce_many", ts[0]));
+  cuda_state *st = state_of(ctx);
+  for (int i0 = 0; i0 < n; i0 += kReduceSlots) {
+    const int m = n - i0 < kReduceSlots ? n - i0 : kReduceSlots;
+    for (int j = 0; j < m; j++) {
+      const gdp_tensor *t = ts[i0 + j];
+      gdp_cuda_operand x = operand_of(t);
+      GDP_CUDA_TRY(gdp_cuda_reduce(t->ndim, t->shape, &x, NULL, (int)kind, st->reduce_workspace,
+                                   st->reduce_result + j, st->stream));
+    }
+    GDP_TRY(stream_sync(ctx));
+    for (int j = 0; j < m; j++) out[i0 + j] = st->reduce_result[j];
+  }
   return GDP_OK;
 }
 
@@ -1113,6 +1137,7 @@ const gdp_backend gdp_backend_cuda = {
     .rng = cuda_rng,
     .binary = cuda_binary,
     .reduce = cuda_reduce,
+    .reduce_many = cuda_reduce_many,
     .matmul = cuda_matmul,
     .gdp_forward = cuda_gdp_forward,
     .gdp_path = gdp_cuda_delta_product_path,

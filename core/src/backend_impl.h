@@ -54,6 +54,11 @@ struct gdp_backend {
                        gdp_binary_kind kind, double alpha);
   gdp_status (*reduce)(gdp_ctx *ctx, const gdp_tensor *a, const gdp_tensor *b,
                        gdp_reduce_kind kind, double *out);
+  /* Optional: out[i] = the one-operand reduction `kind` of ts[i] for n non-empty tensors
+   * of this device, waiting once for all of them (NULL: the op layer calls reduce per
+   * tensor, which a synchronous backend does as fast). */
+  gdp_status (*reduce_many)(gdp_ctx *ctx, int n, const gdp_tensor *const *ts,
+                            gdp_reduce_kind kind, double *out);
   /* out [M,N] from 2-D a and b, or out [batch,M,N] (batch >= 1, M, N >= 1) from a and b
    * that are each [batch,.,.] or 2-D (the same matrix for every entry); shapes checked. */
   gdp_status (*matmul)(gdp_ctx *ctx, gdp_tensor *out, const gdp_tensor *a, const gdp_tensor *b,

@@ -198,6 +198,46 @@ gdp_status gdp_tensor_norm(const gdp_tensor *t, double *out) {
   return GDP_OK;
 }
 
+gdp_status gdp_tensor_sumsq_many(int n, const gdp_tensor *const *ts, double *out) {
+  const char *func = __func__;
+  if (n < 0) return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG, "n: expected >= 0, got %d", n);
+  if (n == 0) return GDP_OK;
+  GDP_TRY(check_not_null(func, "ts", ts));
+  GDP_TRY(check_not_null(func, "out", out));
+  for (int i = 0; i < n; i++) {
+    if (!ts[i]) return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG, "ts[%d] is NULL", i);
+    char name[32];
+    snprintf(name, sizeof name, "ts[%d]", i);
+    GDP_TRY(check_same_device(func, "ts[0]", ts[0], name, ts[i]));
+  }
+  gdp_ctx *ctx = ctx_of(ts[0]);
+  for (int i = 0; i < n; i++) GDP_TRY(check_supported(func, ctx, GDP_OP_REDUCE, "reduction", ts[i]->dtype));
+  if (!ctx->backend->reduce_many) {
+    for (int i = 0; i < n; i++) GDP_TRY(reduce_op(func, ts[i], NULL, GDP_REDUCE_SUMSQ, &out[i]));
+    return GDP_OK;
+  }
+  /* the backend takes the non-empty ones (an empty tensor's sum is 0) */
+  const gdp_tensor **nonempty = malloc((size_t)n * sizeof *nonempty);
+  double *sums = malloc((size_t)n * sizeof *sums);
+  if (!nonempty || !sums) {
+    free(nonempty);
+    free(sums);
+    return GDP_ERROR_IN(func, GDP_ERR_OOM, "cannot allocate the list of %d tensors", n);
+  }
+  int m = 0;
+  for (int i = 0; i < n; i++) {
+    out[i] = 0.0;
+    if (gdp_tensor_numel(ts[i]) > 0) nonempty[m++] = ts[i];
+  }
+  gdp_status st = m ? after_op(func, ctx, ctx->backend->reduce_many(ctx, m, nonempty, GDP_REDUCE_SUMSQ, sums))
+                    : GDP_OK;
+  for (int i = 0, j = 0; st == GDP_OK && i < n; i++)
+    if (gdp_tensor_numel(ts[i]) > 0) out[i] = sums[j++];
+  free(nonempty);
+  free(sums);
+  return st;
+}
+
 gdp_status gdp_tensor_max_abs(const gdp_tensor *t, double *out) {
   GDP_TRY(check_unary(__func__, t, out));
   return reduce_op(__func__, t, NULL, GDP_REDUCE_MAXABS, out);

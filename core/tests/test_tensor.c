@@ -862,6 +862,31 @@ static void test_reductions(void) {
   double sum;
   CHECK_OK(gdp_tensor_sum(col, &sum));
   CHECK(sum == 31 * 3 + 17.0 * (31 * 30 / 2), "strided sum %g", sum);
+  /* sumsq_many: each tensor's sum of squares (the norm's, squared), empty ones 0 */
+  {
+    int64_t n0 = 0, n1 = 1000;
+    /* arange, not random_tensor: the checks after this expect the seed's stream */
+    gdp_tensor *e = NULL, *r = NULL, *r64 = arange(1, &n1);
+    CHECK_OK(gdp_tensor_empty(ctx, GDP_DTYPE_F64, 1, &n0, &e));
+    CHECK_OK(gdp_tensor_to(ctx, r64, GDP_DTYPE_F32, &r));
+    const gdp_tensor *list[4] = {col, r, e, a};
+    double out[4] = {-1, -1, -1, -1}, nrm;
+    CHECK_OK(gdp_tensor_sumsq_many(4, list, out));
+    for (int i = 0; i < 4; i++) {
+      CHECK_OK(gdp_tensor_norm(list[i], &nrm));
+      CHECK(sqrt(out[i]) == nrm, "sumsq_many[%d] %.17g, norm %.17g", i, out[i], nrm);
+    }
+    CHECK(out[2] == 0, "sumsq_many of an empty tensor %g", out[2]);
+    CHECK(out[0] == 2780204.0, "sumsq_many of a strided column (3, 20, ..., 513): %.17g", out[0]);
+    CHECK_OK(gdp_tensor_sumsq_many(0, NULL, NULL));
+    CHECK_ERR(gdp_tensor_sumsq_many(-1, list, out), GDP_ERR_INVALID_ARG, "expected >= 0, got -1");
+    CHECK_ERR(gdp_tensor_sumsq_many(2, NULL, out), GDP_ERR_INVALID_ARG, "ts is NULL");
+    const gdp_tensor *holes[2] = {a, NULL};
+    CHECK_ERR(gdp_tensor_sumsq_many(2, holes, out), GDP_ERR_INVALID_ARG, "ts[1] is NULL");
+    gdp_tensor_free(e);
+    gdp_tensor_free(r);
+    gdp_tensor_free(r64);
+  }
   gdp_tensor_free(col);
   gdp_tensor_free(at);
   gdp_tensor_free(a);

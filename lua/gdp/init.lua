@@ -22,7 +22,7 @@ for _, name in ipairs({
   "tensor", "empty", "zeros", "ones", "full", "rand", "randn", "arange", "empty_like",
   "device", "devices", "has_cuda", "manual_seed", "initial_seed",
   "set_default_dtype", "get_default_dtype", "is_tensor", "is_error", "rel_error", "matmul",
-  "set_memory_soft_limit", "memory_live_bytes", "Error",
+  "sumsq_many", "set_memory_soft_limit", "memory_live_bytes", "Error",
 }) do
   gdp[name] = tensor[name]
 end

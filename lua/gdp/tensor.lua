@@ -1040,6 +1040,22 @@ function T.dot(a, b)
   return out[0]
 end
 
+-- gdp.sumsq_many(list): {sum of squares of list[i]} (float64 numbers, the bits that
+-- t:norm() squares) for a list of tensors of one device, read back together: one wait
+-- on cuda where a norm per tensor would wait once each.
+function M.sumsq_many(list)
+  local fn = "sumsq_many"
+  if type(list) ~= "table" then argerror(fn, "list: expected a table of tensors, got " .. typename(list)) end
+  local n = #list
+  local ts = ffi.new("const gdp_tensor *[?]", math.max(n, 1))
+  for i = 1, n do ts[i - 1] = tensor_arg(list[i], fn, "list[" .. i .. "]") end
+  local out = ffi.new("double[?]", math.max(n, 1))
+  check(lib.gdp_tensor_sumsq_many(n, ts, out), fn)
+  local r = {}
+  for i = 1, n do r[i] = out[i - 1] end
+  return r
+end
+
 -- ||a - ref|| / ||ref|| in float64 (NaN when either holds a non-finite value).
 local function rel_error(a, ref)
   tensor_arg(a, "rel_error", "a")

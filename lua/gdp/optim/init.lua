@@ -20,7 +20,8 @@ M.SGD = require("gdp.optim.SGD")
 M.schedule = require("gdp.optim.schedule")
 
 -- The global L2 norm of the gradients, sqrt(sum over tensors of ||g||^2) (one float64
--- reduction per tensor on its device), returned before clipping; when max_norm is given
+-- reduction per tensor on its device, one read-back per device: gdp.sumsq_many),
+-- returned before clipping; when max_norm is given
 -- and the norm exceeds it, every gradient is scaled in place by max_norm / (norm + 1e-6)
 -- (torch's clip_grad_norm_).  A non-finite norm leaves the gradients alone and is
 -- returned as it is: the caller decides (gdp.train stops with an error).
@@ -40,11 +41,25 @@ function M.clip_grad_norm(grads, max_norm)
     names[#names + 1] = name
   end
   table.sort(names) -- a fixed summation order: the same norm whatever the table's order
-  local sumsq = 0
+  -- each device's squared norms in one read-back (a norm per tensor would wait on the
+  -- device once each), summed in name order
+  local by_device, sq = {}, {}
   for _, name in ipairs(names) do
-    local n = grads[name]:norm()
-    sumsq = sumsq + n * n
+    local d = grads[name]:device()
+    local group = by_device[d]
+    if group == nil then
+      group = { names = {}, tensors = {} }
+      by_device[d] = group
+    end
+    group.names[#group.names + 1] = name
+    group.tensors[#group.tensors + 1] = grads[name]
   end
+  for _, group in pairs(by_device) do
+    local s = tensor.sumsq_many(group.tensors)
+    for i, name in ipairs(group.names) do sq[name] = s[i] end
+  end
+  local sumsq = 0
+  for _, name in ipairs(names) do sumsq = sumsq + sq[name] end
   local norm = math.sqrt(sumsq)
   if max_norm and norm == norm and norm ~= math.huge and norm > max_norm then
     local coef = max_norm / (norm + 1e-6)
