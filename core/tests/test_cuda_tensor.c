@@ -551,6 +551,104 @@ static void test_binary(void) {
 
 /* ------------------------------------------------------------------ reductions */
 
+/* The bf16 float32 path of add (alpha +-1) and mul (kernels/cuda/tensor_ops.cu,
+ * binary_bf16_f32) against the cpu's float64 arithmetic, bit for bit, on the values it
+ * has to get right: every exponent (subnormal products, wide sums, overflow), zeros of
+ * both signs, inf and NaN; a length that leaves a tail past the 8-element pieces, an
+ * offset view (not 16-byte aligned: the float64 path), in place. */
+static void test_binary_bf16_fast(void) {
+  const int64_t n = 4099;
+  double *va = malloc((size_t)n * sizeof *va), *vb = malloc((size_t)n * sizeof *vb);
+  for (int64_t i = 0; i < n; i++) {
+    for (int k = 0; k < 2; k++) {
+      /* a random bf16 bit pattern: sign, any exponent, any mantissa */
+      uint32_t bits = (uint32_t)(tu_rand_u64() & 0xffffu) << 16;
+      float f;
+      memcpy(&f, &bits, sizeof f);
+      double x = f;
+      if (i % 97 == 1) x = k ? -0.0 : 0.0;
+      if (i % 5 == 2 && k) x = va[i] * ldexp(1.0, -(int)(i % 40)); /* b near a's scale */
+      (k ? vb : va)[i] = x;
+    }
+  }
+  int64_t shape[1] = {n};
+  gdp_tensor *ga = upload(gpu, GDP_DTYPE_BF16, 1, shape, va), *gb = upload(gpu, GDP_DTYPE_BF16, 1, shape, vb);
+  gdp_tensor *ca = upload(cpu, GDP_DTYPE_BF16, 1, shape, va), *cb = upload(cpu, GDP_DTYPE_BF16, 1, shape, vb);
+  for (int op = 0; op < 3 && ga && gb && ca && cb; op++) {
+    for (int view = 0; view < 3; view++) {
+      /* view 0: whole, 1: from element 3 (unaligned), 2: in place into a copy of a */
+      gdp_tensor *gx = NULL, *gy = NULL, *cx = NULL, *cy = NULL, *go = NULL, *co = NULL;
+      const int64_t off = view == 1 ? 3 : 0, m = n - off;
+      CHECK_OK(gdp_tensor_narrow(ga, 0, off, m, &gx));
+      CHECK_OK(gdp_tensor_narrow(gb, 0, off, m, &gy));
+      CHECK_OK(gdp_tensor_narrow(ca, 0, off, m, &cx));
+      CHECK_OK(gdp_tensor_narrow(cb, 0, off, m, &cy));
+      if (view == 2) {
+        CHECK_OK(gdp_tensor_clone(gx, &go));
+        CHECK_OK(gdp_tensor_clone(cx, &co));
+      } else {
+        CHECK_OK(gdp_tensor_empty(gpu, GDP_DTYPE_BF16, 1, &m, &go));
+        CHECK_OK(gdp_tensor_empty(cpu, GDP_DTYPE_BF16, 1, &m, &co));
+      }
+      const gdp_tensor *gxi = view == 2 ? go : gx, *cxi = view == 2 ? co : cx;
+      if (op < 2) {
+        CHECK_OK(gdp_tensor_add(go, gxi, gy, op ? -1.0 : 1.0));
+        CHECK_OK(gdp_tensor_add(co, cxi, cy, op ? -1.0 : 1.0));
+      } else {
+        CHECK_OK(gdp_tensor_mul(go, gxi, gy));
+        CHECK_OK(gdp_tensor_mul(co, cxi, cy));
+      }
+      void *hg = download(go, GDP_DTYPE_BF16), *hc = download(co, GDP_DTYPE_BF16);
+      if (hg && hc) {
+        int64_t d = first_bit_diff(hg, hc, m, GDP_DTYPE_BF16);
+        CHECK(d < 0, "bf16 %s view %d: element %lld differs from the cpu (a %.9g, b %.9g)",
+              op == 0 ? "a + b" : op == 1 ? "a - b" : "a * b", view, (long long)d,
+              d >= 0 ? va[off + d] : 0.0, d >= 0 ? vb[off + d] : 0.0);
+      }
+      free(hg);
+      free(hc);
+      gdp_tensor *views[6] = {gx, gy, cx, cy, go, co};
+      for (int t = 0; t < 6; t++) gdp_tensor_free(views[t]);
+    }
+  }
+  gdp_tensor *whole[4] = {ga, gb, ca, cb};
+  for (int t = 0; t < 4; t++) gdp_tensor_free(whole[t]);
+  free(va);
+  free(vb);
+}
+
+/* sumsq_many: the cpu's sums, more tensors than one wait's slots, empty ones among them. */
+static void test_sumsq_many(void) {
+  enum { N = 150 };
+  gdp_tensor *g[N], *c[N];
+  const gdp_tensor *gl[N], *cl[N];
+  for (int i = 0; i < N; i++) {
+    int64_t shape[2] = {i % 37 == 0 ? 0 : 1 + i % 13, 1 + (7 * i) % 101};
+    gdp_dtype dt = i % 3 == 0 ? GDP_DTYPE_F64 : i % 3 == 1 ? GDP_DTYPE_F32 : GDP_DTYPE_BF16;
+    double *v = random_values(shape[0] * shape[1], 2.0);
+    g[i] = upload(gpu, dt, 2, shape, v);
+    c[i] = upload(cpu, dt, 2, shape, v);
+    gl[i] = g[i];
+    cl[i] = c[i];
+    free(v);
+  }
+  double sg[N], sc[N];
+  CHECK_OK(gdp_tensor_sumsq_many(N, gl, sg));
+  CHECK_OK(gdp_tensor_sumsq_many(N, cl, sc));
+  for (int i = 0; i < N; i++) {
+    double nrm;
+    CHECK_OK(gdp_tensor_norm(g[i], &nrm));
+    CHECK(fabs(sg[i] - sc[i]) <= 1e-12 * (sc[i] > 1 ? sc[i] : 1), "sumsq_many[%d] cuda %.17g cpu %.17g", i, sg[i], sc[i]);
+    CHECK(sqrt(sg[i]) == nrm, "sumsq_many[%d] %.17g against the norm %.17g", i, sg[i], nrm);
+  }
+  const gdp_tensor *mixed[2] = {g[1], c[2]};
+  CHECK_ERR(gdp_tensor_sumsq_many(2, mixed, sg), GDP_ERR_INVALID_ARG, "ts[0] and ts[1] must be on the same device");
+  for (int i = 0; i < N; i++) {
+    gdp_tensor_free(g[i]);
+    gdp_tensor_free(c[i]);
+  }
+}
+
 static void test_reduce(void) {
   const double tol = 1e-12; /* float64 sums in different orders */
   for (int di = 0; di < NDTYPES; di++) {
@@ -1107,6 +1205,8 @@ int main(void) {
   test_guards();
   test_rng();
   test_binary();
+  test_binary_bf16_fast();
+  test_sumsq_many();
   test_reduce();
   test_matmul();
   test_matmul_batched();
