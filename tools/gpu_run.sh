@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# gpu_run.sh check|bench|flawarm|profile|study [DIR] -- the device run: on the GPU machine, from the
+# gpu_run.sh check|bench|flawarm|profile|study|census [DIR] -- the device run: on the GPU machine, from the
 # repository root, after `source .devbundle/env.sh`.  Logs go to DIR (default $OUT, else
 # ./gpu_out); each mode keeps to BUDGET_S seconds (default 540, inside a 10-minute call),
 # skipping a late step with a line saying so rather than running past it.
@@ -38,12 +38,17 @@
 #            150 s, a config's length at n_h = 4), resuming STUDY_RESUME (a run folder
 #            carried back from an earlier call, e.g. results/...) where given; the run
 #            folder comes back as DIR/state_tracking_run.tgz, to commit and to resume from.
+#   census   ./gdp build, then Nsight Compute's GPU time of every kernel of state-tracking
+#            training steps (experiments/state_tracking.lua --speed: 3 warm-up and 4 timed
+#            steps of one n_h; CENSUS_ARGS, default "--tasks S3 --nh 2 --beta_max 2"),
+#            summed per kernel by tools/ncu_census.py into DIR/census.txt (ms per step).
+#            The unprofiled step's time minus that sum is the GPU's idle time.  ~2 minutes
 #
 # Environment: GDP_BUILD_DIR as for ./gdp (default ./build), BUDGET_S.
 set -u
 MODE=${1:-}
-case $MODE in check | bench | flawarm | profile | study) ;; *)
-  echo "usage: tools/gpu_run.sh check|bench|flawarm|profile|study [DIR]" >&2
+case $MODE in check | bench | flawarm | profile | study | census) ;; *)
+  echo "usage: tools/gpu_run.sh check|bench|flawarm|profile|study|census [DIR]" >&2
   exit 2
   ;;
 esac
@@ -219,6 +224,18 @@ if [[ $MODE == study ]]; then
       tar -cz -C "$(dirname "$run_dir")" "$(basename "$run_dir")" >"$DIR/state_tracking_run.tgz"
       say "run folder: $DIR/state_tracking_run.tgz ($(basename "$run_dir"))"
     fi
+  fi
+fi
+if [[ $MODE == census ]]; then
+  if ! command -v ncu >/dev/null 2>&1; then
+    say "ncu not found: no census"
+  elif left 120 "the kernel census"; then
+    # shellcheck disable=SC2086 # CENSUS_ARGS is a list of options
+    run census_ncu 300 ncu --csv --clock-control none --metrics gpu__time_duration.sum \
+      ./gdp experiments/state_tracking.lua --device cuda --dtype bf16 --speed --speed_steps 4 \
+      ${CENSUS_ARGS:---tasks S3 --nh 2 --beta_max 2}
+    python3 tools/ncu_census.py "$DIR/census_ncu.log" --per 7 >"$DIR/census.txt" 2>&1
+    head -25 "$DIR/census.txt" | tee -a "$LOG"
   fi
 fi
 say "done"
