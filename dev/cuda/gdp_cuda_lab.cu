@@ -49,6 +49,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <thread>
 #include <vector>
 
 #include <cuda_bf16.h>
@@ -151,15 +152,31 @@ static Prob random_prob(Rng &r, int64_t K, int64_t V, int64_t n, bool gated, boo
 static void make_inputs(const Prob &P, Rng &r, bool bf16_inputs, Inputs &in) {
   const int64_t T = P.T(), H = P.H, K = P.K, V = P.V, n = P.n, N = P.N();
   enum { NORMAL, BETA, GATE, STATE };
+  /* Element j of a tensor is the normal of Philox block (its first block + j), as
+   * r.normal() would draw them in order, so the threads' slices give the sequential
+   * values (bench sizes draw hundreds of millions: a minute on one thread). */
+  const unsigned nthreads = std::max(1u, std::min(32u, std::thread::hardware_concurrency()));
   auto fill = [&](vector<double> &x, int64_t count, int kind) {
     x.resize(count);
-    for (auto &e : x) {
-      double z = r.normal();
-      if (kind == BETA) z = P.beta_max / (1.0 + exp(-z));
-      else if (kind == GATE) z = -log1p(exp(-(z + 2.0)));
-      else if (kind == STATE) z *= 0.5;
-      e = bf16_inputs && kind != STATE ? round_bf16(z) : z;
-    }
+    const uint64_t b0 = r.block;
+    r.block += (uint64_t)count;
+    auto slice = [&](int64_t lo, int64_t hi) {
+      for (int64_t j = lo; j < hi; j++) {
+        uint32_t b[4];
+        gdp_philox_stream_block(r.seed, b0 + (uint64_t)j, b);
+        double z = gdp_philox_std_normal(b, 0);
+        if (kind == BETA) z = P.beta_max / (1.0 + exp(-z));
+        else if (kind == GATE) z = -log1p(exp(-(z + 2.0)));
+        else if (kind == STATE) z *= 0.5;
+        x[j] = bf16_inputs && kind != STATE ? round_bf16(z) : z;
+      }
+    };
+    if (count < (1 << 20) || nthreads == 1) return slice(0, count);
+    vector<std::thread> pool;
+    const int64_t per = (count + nthreads - 1) / nthreads;
+    for (unsigned t = 0; t < nthreads; t++)
+      pool.emplace_back(slice, std::min(count, t * per), std::min(count, (t + 1) * per));
+    for (auto &th : pool) th.join();
   };
   fill(in.q, T * H * K, NORMAL);
   fill(in.k, T * n * H * K, NORMAL);
