@@ -10,13 +10,7 @@ local util = require("gdp.util")
 local bench_shapes = require("gdp.bench_shapes")
 local has_dkjson, dkjson = pcall(require, "dkjson")
 
-local function sh(cmd)
-  local p = assert(io.popen("{ " .. cmd .. "; } 2>&1; echo \"rc=$?\""))
-  local text = p:read("*a")
-  p:close()
-  local rc = tonumber(text:match("rc=(%d+)%s*$"))
-  return text:gsub("rc=%d+%s*$", ""), rc
-end
+local sh = gdp_test.sh
 
 local function write(path, text)
   local f = assert(io.open(path, "w"))

@@ -5,13 +5,7 @@ local results = require("gdp.results")
 local progress = require("gdp.progress")
 local H = gdp_test
 
-local function sh(cmd)
-  local p = assert(io.popen("{ " .. cmd .. "; } 2>&1; echo \"rc=$?\""))
-  local out = p:read("*a")
-  p:close()
-  local rc = tonumber(out:match("rc=(%d+)%s*$"))
-  return out:gsub("rc=%d+%s*$", ""), rc
-end
+local sh = gdp_test.sh
 
 local function lua_cmd(script, args)
   return string.format("LUA_PATH=%q luajit %s %s", package.path, script, args or "")

@@ -274,6 +274,15 @@ function H.launcher_cmd(np, script, args, limit)
                        script, args or "")
 end
 
+-- Runs cmd in a shell, stderr with stdout: returns that output and the exit status.
+function H.sh(cmd)
+  local p = assert(io.popen("{ " .. cmd .. "; } 2>&1; echo \"rc=$?\""))
+  local out = p:read("*a")
+  p:close()
+  local rc = tonumber(out:match("rc=(%d+)%s*$"))
+  return (out:gsub("rc=%d+%s*$", "")), rc
+end
+
 function H.list_files(dir, pattern)
   local out = {}
   local p = io.popen("ls -1 " .. dir .. " 2>/dev/null")

@@ -2,13 +2,7 @@
 -- ncu's --csv form: the profiled program's own lines mixed in, time units from ns to
 -- ms, a thousands separator, another metric's rows; totals and order checked against
 -- numbers known here.  No GPU: runs everywhere.
-local function sh(cmd)
-  local p = assert(io.popen("{ " .. cmd .. "; } 2>&1; echo \"rc=$?\""))
-  local text = p:read("*a")
-  p:close()
-  local rc = tonumber(text:match("rc=(%d+)%s*$"))
-  return text:gsub("rc=%d+%s*$", ""), rc
-end
+local sh = gdp_test.sh
 
 local HEADER = '"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream",' ..
   '"Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"'

@@ -24,13 +24,7 @@ local function tmpdir()
   return dir
 end
 
-local function sh(cmd)
-  local p = assert(io.popen("{ " .. cmd .. "; } 2>&1; echo \"rc=$?\""))
-  local out = p:read("*a")
-  p:close()
-  local rc = tonumber(out:match("rc=(%d+)%s*$"))
-  return (out:gsub("rc=%d+%s*$", "")), rc
-end
+local sh = gdp_test.sh
 
 -- A progress sink: a temporary file (never a terminal).
 local function sink()
