@@ -265,6 +265,7 @@ for _, k in ipairs({ "device", "dtype", "hidden", "heads", "head_dim", "mlp_rati
                      "early_stop", "curve_step", "lr", "weight_decay", "warmup", "max_grad_norm" }) do
   base[k] = opts[k]
 end
+local curved = {} -- config labels whose curve is in curves.csv
 local rows = sweep.run{
   study = "state_tracking", run = run, base = base, columns = columns,
   axes = { task = list(opts.tasks), nh = list(opts.nh, tonumber), beta_max = list(opts.beta_max, tonumber),
@@ -279,9 +280,21 @@ local rows = sweep.run{
     for t = cfg.curve_step, cfg.eval_len, cfg.curve_step do
       curves:row({ config = label, length = t, acc = out["acc_at_" .. t], status = "ok" })
     end
+    curved[label] = true
     return out
   end,
 }
+-- rows resumed from an earlier run: their curves from the acc_at_* columns read back, so
+-- that this run's curves.csv and plot hold every config of the table
+for _, r in ipairs(rows) do
+  local label = r.status == "ok" and config_label(r)
+  if label and not curved[label] then
+    for t = opts.curve_step, opts.eval_len, opts.curve_step do
+      curves:row({ config = label, length = t, acc = tonumber(r["acc_at_" .. t]), status = "ok" })
+    end
+    curved[label] = true
+  end
+end
 
 -- The table: accuracy at each length per config.
 local header = { "task", "n_h", "beta", "seed", "steps", "acc@train" }

@@ -232,6 +232,33 @@ describe("experiment scripts", function()
     assert.truthy(run and read_all(run .. "/curves.csv"):find("parity n_h=1 beta_max=2 seed 1", 1, true), out)
   end)
 
+  it("state_tracking --resume keeps the done rows and their curves in the new run's curves.csv", function()
+    local grid = "--tasks parity --nh 1 --seeds 1 --hidden 16 --heads 2 --head-dim 8 --mlp-ratio 2 " ..
+      "--train-len 16 --eval-len 32 --batch 16 --eval-batch 32 --train-seqs 320 --epochs 1 " ..
+      "--eval-every 10 --curve-step 8"
+    local out, rc = sh(string.format("GDP_RUNS_DIR=%s %s", runs,
+                                     lua_cmd("experiments/state_tracking.lua", grid .. " --beta-max 2")))
+    assert.are.equal(0, rc, out)
+    local first = out:match("saved in (%S+)")
+    out, rc = sh(string.format("GDP_RUNS_DIR=%s %s", runs, lua_cmd("experiments/state_tracking.lua",
+                                                                   grid .. " --beta-max 2,1 --resume " .. first)))
+    assert.are.equal(0, rc, out)
+    assert.truthy(out:find("1 done before, 1 to run", 1, true), out)
+    local second = out:match("saved in (%S+)")
+    local function curve(dir, label)
+      local pts = {}
+      for line in read_all(dir .. "/curves.csv"):gmatch("[^\n]+") do
+        local l, len, acc = line:match("^(.-),(%d+),([^,]*),ok$")
+        if l == label then pts[#pts + 1] = len .. "=" .. acc end
+      end
+      return table.concat(pts, " ")
+    end
+    local resumed = "parity n_h=1 beta_max=2 seed 1"
+    assert.are.equal(4, #curve(first, resumed):gsub("[^=]", ""))
+    assert.are.equal(curve(first, resumed), curve(second, resumed))
+    assert.are.equal(4, #curve(second, "parity n_h=1 beta_max=1 seed 1"):gsub("[^=]", ""))
+  end)
+
   it("state_tracking --speed --against-fla times both stacks per n_h (fla stubbed)", function()
     local stub = [[echo '{"rows":[{"nh":1,"step_ms":2,"tokens_per_s":100}]}' #]]
     local out, rc = sh(string.format("GDP_RUNS_DIR=%s %s", runs, lua_cmd("experiments/state_tracking.lua",
