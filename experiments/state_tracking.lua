@@ -16,8 +16,9 @@
 -- seconds, so a grid spreads over calls of a fixed length): task x n_h (Householder steps) x beta range
 -- ((0,1): beta_max 1; (0,2): beta_max 2, negative eigenvalues) x seed.  Output: a table
 -- of accuracy at lengths 128, 256, 512 per config, results.csv with the curve of every
--- config (acc_at_<t> columns at --curve-step intervals), and a plot of accuracy
--- against length per config.
+-- config (acc_at_<t> columns at --curve-step intervals; also curves.csv), and plots of
+-- accuracy against length, one figure per task and beta range with a line per n_h and
+-- seed (plot-<task>-beta<max>.png).
 --
 -- --quick: parity (tokens 0/1, label the prefix parity) with a small model at n_h = 1,
 -- trained at length 32 and evaluated there, with beta in (0,2) and in (0,1).  It asserts
@@ -314,11 +315,25 @@ for _, r in ipairs(rows) do
 end
 print(util.format_table(header, lines, "%.3f"))
 
-local labels = {}
-for _, r in ipairs(rows) do if r.status == "ok" then labels[#labels + 1] = config_label(r) end end
-sweep.plot(run, { x = "length", y = "acc", by = "config", values = labels, csv = "curves.csv",
-                  title = "state tracking: cumulative sequence accuracy against length",
-                  xlabel = "length (tokens)", ylabel = "cumulative sequence accuracy" })
+-- One figure per task and beta range (a line per n_h and seed): plot-<task>-beta<max>.png.
+local figures, by_group = {}, {}
+for _, r in ipairs(rows) do
+  if r.status == "ok" then
+    local key = r.task .. "-beta" .. r.beta_max
+    local fig = by_group[key]
+    if fig == nil then
+      fig = { x = "length", y = "acc", by = "config", values = {}, csv = "curves.csv",
+              output = "plot-" .. key .. ".png",
+              title = string.format("state tracking, %s, beta in (0,%d): cumulative sequence accuracy",
+                                    r.task, r.beta_max),
+              xlabel = "length (tokens)", ylabel = "cumulative sequence accuracy" }
+      by_group[key] = fig
+      figures[#figures + 1] = fig
+    end
+    fig.values[#fig.values + 1] = config_label(r)
+  end
+end
+if #figures > 0 then sweep.plot(run, figures) end
 
 local failed, not_run = 0, 0
 for _, r in ipairs(rows) do

@@ -257,6 +257,14 @@ describe("experiment scripts", function()
     assert.are.equal(4, #curve(first, resumed):gsub("[^=]", ""))
     assert.are.equal(curve(first, resumed), curve(second, resumed))
     assert.are.equal(4, #curve(second, "parity n_h=1 beta_max=1 seed 1"):gsub("[^=]", ""))
+    -- a figure per task and beta range, each with its config's line
+    local gp = read_all(second .. "/plot.gp")
+    for _, b in ipairs({ 1, 2 }) do
+      local fig = gp:match('set output "plot%-parity%-beta' .. b .. '%.png"(.-)\n\n') or
+                  gp:match('set output "plot%-parity%-beta' .. b .. '%.png"(.*)$')
+      assert.truthy(fig and fig:find("parity n_h=1 beta_max=" .. b .. " seed 1", 1, true), gp)
+      assert.falsy(fig:find("beta_max=" .. (3 - b), 1, true), gp)
+    end
   end)
 
   it("state_tracking --speed --against-fla times both stacks per n_h (fla stubbed)", function()
