@@ -406,7 +406,8 @@ static gdp_status cuda_reduce(gdp_ctx *ctx, const gdp_tensor *a, const gdp_tenso
 }
 
 /* Each reduction queues its own result copy into its own pinned slot (the workspace is
- * reused in stream order), and one wait covers up to kReduceSlots of them. */
+ * reused in stream order; an empty tensor's 0 is written to its slot at once, which no
+ * pending copy targets), and one wait covers up to kReduceSlots of them. */
 static gdp_status cuda_reduce_many(gdp_ctx *ctx, int n, const gdp_tensor *const *ts,
                                    gdp_reduce_kind kind, double *out) {
   if (kind == GDP_REDUCE_DOT || kind == GDP_REDUCE_DIFF_SUMSQ)

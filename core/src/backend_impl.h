@@ -54,9 +54,9 @@ struct gdp_backend {
                        gdp_binary_kind kind, double alpha);
   gdp_status (*reduce)(gdp_ctx *ctx, const gdp_tensor *a, const gdp_tensor *b,
                        gdp_reduce_kind kind, double *out);
-  /* Optional: out[i] = the one-operand reduction `kind` of ts[i] for n non-empty tensors
-   * of this device, waiting once for all of them (NULL: the op layer calls reduce per
-   * tensor, which a synchronous backend does as fast). */
+  /* Optional: out[i] = the one-operand reduction `kind` of ts[i] (0 for an empty one) for
+   * n >= 1 tensors of this device, waiting once for all of them (NULL: the op layer calls
+   * reduce per tensor, which a synchronous backend does as fast). */
   gdp_status (*reduce_many)(gdp_ctx *ctx, int n, const gdp_tensor *const *ts,
                             gdp_reduce_kind kind, double *out);
   /* out [M,N] from 2-D a and b, or out [batch,M,N] (batch >= 1, M, N >= 1) from a and b

@@ -216,26 +216,7 @@ gdp_status gdp_tensor_sumsq_many(int n, const gdp_tensor *const *ts, double *out
     for (int i = 0; i < n; i++) GDP_TRY(reduce_op(func, ts[i], NULL, GDP_REDUCE_SUMSQ, &out[i]));
     return GDP_OK;
   }
-  /* the backend takes the non-empty ones (an empty tensor's sum is 0) */
-  const gdp_tensor **nonempty = malloc((size_t)n * sizeof *nonempty);
-  double *sums = malloc((size_t)n * sizeof *sums);
-  if (!nonempty || !sums) {
-    free(nonempty);
-    free(sums);
-    return GDP_ERROR_IN(func, GDP_ERR_OOM, "cannot allocate the list of %d tensors", n);
-  }
-  int m = 0;
-  for (int i = 0; i < n; i++) {
-    out[i] = 0.0;
-    if (gdp_tensor_numel(ts[i]) > 0) nonempty[m++] = ts[i];
-  }
-  gdp_status st = m ? after_op(func, ctx, ctx->backend->reduce_many(ctx, m, nonempty, GDP_REDUCE_SUMSQ, sums))
-                    : GDP_OK;
-  for (int i = 0, j = 0; st == GDP_OK && i < n; i++)
-    if (gdp_tensor_numel(ts[i]) > 0) out[i] = sums[j++];
-  free(nonempty);
-  free(sums);
-  return st;
+  return after_op(func, ctx, ctx->backend->reduce_many(ctx, n, ts, GDP_REDUCE_SUMSQ, out));
 }
 
 gdp_status gdp_tensor_max_abs(const gdp_tensor *t, double *out) {

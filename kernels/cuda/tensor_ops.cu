@@ -759,7 +759,7 @@ extern "C" cudaError_t gdp_cuda_reduce(int ndim, const int64_t *shape, const gdp
   int64_t n = make_iter(ndim, shape, 2, ops, &it);
   if (n == 0) {
     /* Every kind's empty result is 0; no device work is pending on result_host because
-     * the backend synchronises after each reduction. */
+     * the backend waits before it reuses a result slot (reduce, reduce_many). */
     *result_host = 0.0;
     return cudaSuccess;
   }
