@@ -191,7 +191,7 @@ CpuBackend.__name = "gdp.cp.CpuBackend"
 -- dh0 is gamma.
 function M.cpu_backend(opts)
   opts = opts or {}
-  return setmetatable({ name = "cpu", algorithm = opts.algorithm, eye_cache = {} }, CpuBackend)
+  return setmetatable({ name = "cpu", algorithm = opts.algorithm, eye_cache = {}, zero_cache = {} }, CpuBackend)
 end
 
 -- The backend for cuda inputs: the same stages and runs on the device, the compositions
@@ -232,6 +232,18 @@ function CpuBackend:identity_state(Nb, H, K, dtype, device)
   end
   self.eye_cache[key] = out
   return out
+end
+
+-- Zeros of `shape`, kept per (shape, dtype, device): the transition's value columns,
+-- which the operator only reads (a fresh 64 MB fill cost 0.18 ms of an H200 run).
+function CpuBackend:zero_values(shape, dtype, device)
+  local key = table.concat(shape, "x") .. ":" .. dtype .. ":" .. device
+  local z = self.zero_cache[key]
+  if z == nil then
+    z = tensor.zeros(shape, { dtype = dtype, device = device })
+    self.zero_cache[key] = z
+  end
+  return z
 end
 
 local function with_algorithm(self, args)
@@ -307,7 +319,7 @@ function CpuBackend:transition(ctx, span)
   local args = with_algorithm(self, span and op_args(inputs, span[1], span[2]) or op_args(inputs))
   local vshape = args.v:shape()
   vshape[#vshape] = ctx.K
-  args.v = tensor.zeros(vshape, { dtype = args.v:dtype(), device = args.v:device() })
+  args.v = self:zero_values(vshape, args.v:dtype(), args.v:device())
   args.initial_state = self:identity_state(span and 1 or ctx.Nb, ctx.H, ctx.K, ctx.sdtype, args.v:device())
   args.output_final_state = true
   return ops.chunk_gated_delta_product(args)
