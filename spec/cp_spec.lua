@@ -518,7 +518,8 @@ end)
 -- The chunkwise backend's runs per stage, counted by wrapping gdp.ops on one process: no
 -- rank runs the operator after the forward all-gather (a start that reaches it is added
 -- as O S_in from its first sequence's transition), and the backward summary runs only
--- the dh0 pass (its M^T is that forward transition), whatever the rank's position.
+-- the dh0 pass (its M^T is that forward transition) -- or, on a rank no following rank
+-- reaches, the local backward itself, whose dh0 is gamma; no rank runs the backward twice.
 describe("chunkwise backend: what runs after the all-gathers", function()
   local ops = gdp.ops
   local T, Hh, K, V, n = 12, 2, 4, 3, 2
@@ -572,10 +573,24 @@ describe("chunkwise backend: what runs after the all-gathers", function()
           scale = 0.5, use_qk_l2norm_in_kernel = true, initial_state = h0 })
         assert.is_true(rel(o, want) < 1e-12, "o differs from the run from S_in: " .. rel(o, want))
         local fwd_runs = counts.chunk_gated_delta_product
-        backend:backward_prepare(gdp.randn({ B, T, Hh, V }, { dtype = "f64" }), saved)
+        local d_o = gdp.randn({ B, T, Hh, V }, { dtype = "f64" })
+        local summary, bwd_ctx = backend:backward_prepare(d_o, saved)
         assert.are.equal(fwd_runs, counts.chunk_gated_delta_product)
-        assert.are.equal(c[2] and 1 or 0, counts.chunk_gated_delta_product_dh0)
-        assert.are.equal(0, counts.chunk_gated_delta_product_backward)
+        -- the last rank (no following rank) runs its backward here and takes gamma from its
+        -- dh0; the others run the dh0 pass where a start reaches them, the backward later
+        local last = not c[1]
+        assert.are.equal((c[2] and not last) and 1 or 0, counts.chunk_gated_delta_product_dh0)
+        assert.are.equal(last and 1 or 0, counts.chunk_gated_delta_product_backward)
+        if c[2] then
+          local dh0 = ops.chunk_gated_delta_product_dh0({
+            q = inp.q, k = inp.k, v = inp.v, g = inp.g, beta = inp.beta, num_householder = n,
+            scale = 0.5, use_qk_l2norm_in_kernel = true, ["do"] = d_o })
+          local gamma = summary:narrow(4, 1, V)
+          assert.is_true(rel(gamma, dh0) < 1e-12, "gamma differs from the dh0 pass: " .. rel(gamma, dh0))
+        end
+        local grads = backend:backward_apply(bwd_ctx, summary:narrow(1, 1, 0):view(0, B, Hh, K, V + K))
+        assert.are.equal(1, counts.chunk_gated_delta_product_backward)
+        assert.is_not_nil(grads.dq)
       end)
     end)
   end

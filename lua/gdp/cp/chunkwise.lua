@@ -448,14 +448,17 @@ end
 -- Composes dS_out from the following summaries and runs the local backward (unless
 -- backward_prepare ran it: no following ranks).
 function CpuBackend:backward_apply(bwd_ctx, following)
-  if bwd_ctx.grads then
-    assert(following:size(1) == 0, "chunkwise CP: a backward already run, but following summaries arrived")
-    return bwd_ctx.grads
-  end
   local saved = bwd_ctx.saved
   local inputs = saved.inputs
   local V, K = saved.V, saved.K
   local device = inputs.q:device()
+  if bwd_ctx.grads then
+    -- (the stage is still clocked, so every rank reports the same stages)
+    timing.stage("compose_backward", device, function()
+      assert(following:size(1) == 0, "chunkwise CP: a backward already run, but following summaries arrived")
+    end)
+    return bwd_ctx.grads
+  end
   local dht = timing.stage("compose_backward", device, function()
     local dS_out = compose_suffix(following, V, K)
     if dS_out == nil then return nil end
