@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# gpu_run.sh check|bench|flawarm|profile|study|census [DIR] -- the device run: on the GPU machine, from the
+# gpu_run.sh check|bench|flawarm|profile|study|census|cp [DIR] -- the device run: on the GPU machine, from the
 # repository root, after `source .devbundle/env.sh`.  Logs go to DIR (default $OUT, else
 # ./gpu_out); each mode keeps to BUDGET_S seconds (default 540, inside a 10-minute call),
 # skipping a late step with a line saying so rather than running past it.
@@ -43,12 +43,21 @@
 #            steps of one n_h; CENSUS_ARGS, default "--tasks S3 --nh 2 --beta_max 2"),
 #            summed per kernel by tools/ncu_census.py into DIR/census.txt (ms per step).
 #            The unprofiled step's time minus that sum is the GPU's idle time.  ~2 minutes
+#   cp       issue 23's run, for nvidia-h200-x2 (one GPU per rank, NCCL; on one GPU the
+#            two-rank gdp steps run host-staged and fla's two-rank anchors are skipped, the
+#            log says so): ./gdp build; the cuda comm and CP specs at -np 2 (both modes'
+#            equivalence with cp = 1, f32 and bf16, packed; a rank that disagrees ends every
+#            rank with an error); bench_comm -np 2 (8 B to 256 MB, DIR/bench_comm.json); bench_cp at -np 1
+#            (DIR/bench_cp1.json) and -np 2 against it (DIR/bench_cp2.json: 16384 and 4096
+#            tokens per rank, n = 1, 2, both modes and targets, the stage profile); fla's
+#            anchors (tools/fla_cp_bench.py: KCP and all-to-all around fla's operator) at
+#            -np 1 and -np 2 (DIR/fla_cp1.json, fla_cp2.json).  fla's source in .fla/.  ~8 minutes
 #
 # Environment: GDP_BUILD_DIR as for ./gdp (default ./build), BUDGET_S.
 set -u
 MODE=${1:-}
-case $MODE in check | bench | flawarm | profile | study | census) ;; *)
-  echo "usage: tools/gpu_run.sh check|bench|flawarm|profile|study|census [DIR]" >&2
+case $MODE in check | bench | flawarm | profile | study | census | cp) ;; *)
+  echo "usage: tools/gpu_run.sh check|bench|flawarm|profile|study|census|cp [DIR]" >&2
   exit 2
   ;;
 esac
@@ -239,3 +248,33 @@ if [[ $MODE == census ]]; then
   fi
 fi
 say "done"
+
+if [[ $MODE == cp ]]; then
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")
+  say "cp: $gpus GPU(s); two ranks $( ((gpus >= 2)) && echo "over NCCL" || echo "host-staged on one GPU")"
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+  specs_env=(env GDP_NUM_THREADS=1 LUA_PATH="$PWD/lua/?.lua;$PWD/lua/?/init.lua;$BUILD/lua/?.lua;${LUA_PATH:-;}"
+    GDP_LIB="$BUILD/libgdp.so")
+  if left 90 "the cuda comm and CP specs at -np 2"; then
+    run cp_specs 150 "${specs_env[@]}" mpirun -np 2 busted --lua=luajit --tags=mpi spec/comm_cuda_spec.lua spec/cp_cuda_spec.lua
+    grep -E "PASSED|FAILED|nccl" "$DIR/cp_specs.log" | sort | uniq -c | tee -a "$LOG"
+  fi
+  if left 60 "bench_comm at -np 2"; then
+    run bench_comm 120 sh -c "mpirun -np 2 ./gdp experiments/bench_comm.lua --device cuda -b 8 -e 256M -f 4 --json > '$DIR/bench_comm.json'"
+    tail -3 "$DIR/bench_comm.log" | tee -a "$LOG"
+  fi
+  if left 150 "bench_cp at -np 1 and -np 2"; then
+    run bench_cp 120 sh -c "mpirun -np 1 ./gdp experiments/bench_cp.lua --json > '$DIR/bench_cp1.json'"
+    run bench_cp 240 sh -c "mpirun -np 2 ./gdp experiments/bench_cp.lua --baseline '$DIR/bench_cp1.json' --json > '$DIR/bench_cp2.json'"
+    grep -E "^# (target|layer|operator)|^ *(layer|operator) " "$DIR/bench_cp.log" | tail -24 | tee -a "$LOG"
+  fi
+  for np in 1 2; do
+    if ((np == 2 && gpus < 2)); then
+      say "fla_cp_bench at -np 2 skipped: NCCL needs one GPU per rank ($gpus here)"
+      continue
+    fi
+    left 120 "fla_cp_bench at -np $np" || break
+    run fla_cp 240 sh -c "PYTHONPATH='$PWD/.fla' mpirun -np $np python3 tools/fla_cp_bench.py --check > '$DIR/fla_cp$np.json'"
+    grep "^fla_cp " "$DIR/fla_cp.log" | tail -8 | tee -a "$LOG"
+  done
+fi
