@@ -194,11 +194,20 @@ def main():
         dist.all_reduce(m, op=dist.ReduceOp.MAX)
         return m[0].item(), m[1].item()
 
+    import time
+    t_start = time.time()
+
+    def progress(what):
+        if rank == 0:
+            log(f"fla_cp_bench [{time.time() - t_start:.0f}s] {what}")
+
+    progress(f"world {world}, modes {','.join(modes)}")
     rows, bad = [], False
     for tpr in [int(s) for s in args.tokens_per_rank.split(",")]:
         for n in [int(s) for s in args.n.split(",")]:
             for mode in modes:
                 row = {"mode": mode, "n": n, "tokens_per_rank": tpr, "T": tpr * world, "check_rel_err": None}
+                progress(f"{mode} n={n} {tpr}/rank (the first call of a (K, n) compiles and autotunes)")
                 try:
                     if args.check:
                         row["check_rel_err"] = check(mode, n, tpr)
