@@ -72,8 +72,10 @@ def main():
     import torch
     import torch.distributed as dist
     import torch.distributed.nn.functional as dnn
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from fla_bench import load_fla  # fla's operator, its Triton 3.6 guard set as fla_bench sets it
+    chunk_gated_delta_product = load_fla()
     from fla.ops.cp import build_cp_context
-    from fla.ops.gated_delta_product import chunk_gated_delta_product
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     rank = env_int("OMPI_COMM_WORLD_RANK", "RANK", default=0)
