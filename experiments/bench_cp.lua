@@ -634,11 +634,20 @@ end
 local rows = {}
 -- --emulate-cp: each rank of chunkwise cp = C alone (the profile's rows are this
 -- process's, so its rank is the emulated one)
+-- beyond_plain: the rank's unprofiled forward+backward against the cp = 1 operator's on
+-- the same tokens, less 1: all its CP work, also what runs inside its local runs (the
+-- transition's columns riding on the local forward, unpacked), which the stages count as
+-- local_forward.
 local function emulated_rows(n, Lc)
   local C = opts.emulate_cp
+  local plain
+  for _, r in ipairs(rows) do
+    if r.target == "operator" and r.mode == "plain" and r.n == n and r.tokens_per_rank == Lc then plain = r end
+  end
   for r = 0, C - 1 do
     local row = bench("operator", "chunkwise", n, Lc, stand_in_group(C, r))
     row.mode, row.cp, row.T, row.emulated_rank = "chunkwise-emulated", C, Lc * C, r
+    if plain then row.beyond_plain = row.fwdbwd_ms / plain.fwdbwd_ms - 1 end
     if row.breakdown then
       row.breakdown.worst_rank = r
       row.breakdown.by_rank[1].rank = r
@@ -695,8 +704,10 @@ for _, r in ipairs(rows) do
     local parts = {}
     for _, s in ipairs(b.stage_order) do parts[#parts + 1] = string.format("%s %.3f", s, b.stages_ms[s]) end
     put("# %s %s n = %d, %d/rank, rank %d (synchronised step %.3f ms): %s; overhead %.3f ms = %.1f%% of the " ..
-        "operator's %.3f ms", r.target, r.mode, r.n, r.tokens_per_rank, b.worst_rank, b.step_ms,
-        table.concat(parts, ", "), b.overhead_ms, 100 * (b.overhead_fraction or 0), b.local_ms)
+        "operator's %.3f ms%s", r.target, r.mode, r.n, r.tokens_per_rank, b.worst_rank, b.step_ms,
+        table.concat(parts, ", "), b.overhead_ms, 100 * (b.overhead_fraction or 0), b.local_ms,
+        r.beyond_plain and string.format("; unprofiled fwd+bwd %.1f%% beyond the cp = 1 operator's",
+                                         100 * r.beyond_plain) or "")
   end
 end
 if opts.baseline ~= "" then put("# efficiency = t(cp = 1) / t(cp = %d), baseline %s", CP, opts.baseline) end
@@ -718,7 +729,9 @@ local report = {
               .. "the stages other than local_* (the operator); reported for the rank with the largest "
               .. "overhead / (local_forward + local_backward)",
   emulated = opts.emulate_cp ~= 0 and ("chunkwise-emulated rows: each rank of cp = " .. opts.emulate_cp
-    .. " alone in this process; the all-gathers are local copies (no link), the outputs not cp = 1's") or nil,
+    .. " alone in this process; the all-gathers are local copies (no link), the outputs not cp = 1's; "
+    .. "beyond_plain = the row's fwdbwd_ms / the cp = 1 operator's - 1: all the rank's CP work, also "
+    .. "what rides inside its local runs") or nil,
 }
 local csv = run:csv({ "target", "mode", "cp", "n", "tokens_per_rank", "T", "fwd_ms", "fwdbwd_ms", "efficiency_fwd",
                       "efficiency_fwdbwd", "overhead_fraction" })

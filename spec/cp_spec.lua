@@ -517,7 +517,8 @@ end)
 
 -- The chunkwise backend's runs per stage, counted by wrapping gdp.ops on one process: no
 -- rank runs the operator after the forward all-gather (a start that reaches it is added
--- as O S_in from its first sequence's transition), and the backward summary runs only
+-- as O S_in from its first sequence's transition, which unpacked is part of the local
+-- run and packed a run of its own), and the backward summary runs only
 -- the dh0 pass (its M^T is that forward transition) -- or, on a rank no following rank
 -- reaches, the local backward itself, whose dh0 is gamma; no rank runs the backward twice.
 describe("chunkwise backend: what runs after the all-gathers", function()
@@ -560,8 +561,9 @@ describe("chunkwise backend: what runs after the all-gathers", function()
       counting(function(counts)
         local _, ctx = backend:forward_prepare(inp)
         local before = counts.chunk_gated_delta_product
-        -- the local run, and the first sequence's transition only where a start reaches it
-        assert.are.equal(c[2] and 2 or 1, before, "operator runs before the all-gather")
+        -- one run: unpacked, the transition (where a start reaches the rank) rides along
+        -- on K more value columns of the local run
+        assert.are.equal(1, before, "operator runs before the all-gather")
         local S_in = gdp.randn({ 1, B, Hh, K, V + K }, { dtype = "f64" })
         local preceding = c[2] and S_in or S_in:narrow(1, 1, 0)
         local o, saved = backend:forward_apply(ctx, preceding)

@@ -88,9 +88,12 @@ M.gdp = {
     initial_state = true, beta_max = 2, cu_seqlens = { 0, 13, 13, 41 }, dtypes = { cpu = { "f32" } } },
   { name = "fast path K=V=32 n=8, packed, no L2 norm", B = 1, T = 50, H = 2, K = 32, V = 32, n = 8,
     l2norm = false, initial_state = true, cu_seqlens = { 0, 17, 17, 50 }, dtypes = { cpu = { "f32" } } },
-  -- V = 256: two problems of V = 128 on the column halves
+  -- V = 256: the plain forward in one prep and one state pass over all columns, the
+  -- saving forward and the backward as two problems of V = 128 on the column halves
   { name = "fast path K=64 V=256 n=2, packed, with h0", B = 1, T = 70, H = 2, K = 64, V = 256, n = 2,
     initial_state = true, cu_seqlens = { 0, 29, 29, 70 }, dtypes = { cpu = { "f32" } } },
+  { name = "fast path K=128 V=256 n=2 B=2, with h0 (chunkwise CP's local run and transition)", B = 2, T = 45,
+    H = 3, K = 128, V = 256, n = 2, initial_state = true, dtypes = { cpu = { "f32" } } },
   { name = "fast path K=32 V=256 n=6, ungated", B = 1, T = 40, H = 2, K = 32, V = 256, n = 6, gated = false,
     initial_state = true, dtypes = { cpu = { "f32" } } },
 

@@ -328,13 +328,50 @@ size_t saved_bytes(const gdp_delta_product_problem *p) {
   return parts * saved_layout(&kp).total;
 }
 
+/* The plain forward of V = 256 in one prep and one state pass over all 256 columns, in
+ * place (no copies into halves).  Where the state pass forms U from Tu and v itself (tu:
+ * C <= V / 2, every instance), the prep reads no v and writes nothing sized by V (Tu^T is
+ * C x C per chunk and head), and the state pass takes V and its blocks' column offsets
+ * from a.V at run time; so the prep runs on the V = 128 instance, planned for V = 128,
+ * and the state pass on the same plan with a.V = 256: twice the column blocks.  (The
+ * saving forward keeps the halves: its saved layout is one block per half.)  The caller
+ * checks that tu applies (C <= V / 2). */
+static gdp_status forward_wide_plain(const gdp_delta_product_problem *p, const gdp_delta_product_forward_io *io,
+                                     cudaStream_t stream) {
+  gdp_delta_product_problem ph = *p;
+  ph.V = p->V / 2;
+  GdpArgs a = fwd_args(p, io);
+  a.V = (int)ph.V; /* the plan's buffers and the prep's instance: a half's */
+  Plan plan;
+  prof_begin(stream);
+  gdp_status st = plan_make(&ph, stream, PLAN_FORWARD, a, &plan, nullptr, true);
+  if (st != GDP_OK) {
+    prof_end(stream);
+    return st;
+  }
+  plan.a.Tu = plan.a.U;
+  plan.a.Ulo = nullptr;
+  prof_mark("fwd plan+upload", stream);
+  st = launch_chunk_prep(plan, nullptr);
+  prof_mark("fwd prep", stream);
+  plan.a.V = (int)p->V;
+  if (st == GDP_OK) st = launch_chunk_state(plan, choose_bv(plan, false, true), false, nullptr, false, nullptr, false, true);
+  prof_mark("fwd state+output (all value columns)", stream);
+  plan_free(&plan);
+  prof_end(stream);
+  return st;
+}
+
 /* The forward; saved non-NULL: the plan lives in the caller's block (saved_layout) and the
  * state pass also stores h^T (bf16) and D there.  The dispatch has validated p and io. */
 gdp_status forward(const gdp_delta_product_problem *p, const gdp_delta_product_forward_io *io, cudaStream_t stream, void *saved) {
   if (p->N == 0) return GDP_OK;
   if (needs_split(p)) return forward_split(p, io, stream, saved);
   if (needs_padding(p)) return forward_padded(p, io, stream, saved);
-  if (needs_value_split(p)) return forward_value_split(p, io, stream, saved);
+  if (needs_value_split(p)) {
+    if (!saved && chunk_steps(p->n, p->K) <= p->V / 2) return forward_wide_plain(p, io, stream);
+    return forward_value_split(p, io, stream, saved);
+  }
   GdpArgs a = fwd_args(p, io);
   Plan plan;
   prof_begin(stream);

@@ -335,6 +335,37 @@ function CpuBackend:transition(ctx, span)
   return ops.chunk_gated_delta_product(args)
 end
 
+-- Unpacked, the local run from zero and the transition are one run: the operator on
+-- [v | 0] (V + K value columns) from [0 | I_K] ends in [dS | M] with outputs [o0 | O]
+-- (the columns evolve independently), sharing everything but the state pass's and the
+-- output's columns.  Returns o0 (contiguous), dS, O and M (views of the wide run's).
+-- (bench_cp counts the run as local_forward; its cost beyond the plain local forward is
+-- what the comparison with the cp = 1 operator shows.)
+function CpuBackend:forward_with_transition(ctx, args)
+  local V, K = ctx.V, ctx.K
+  local v = args.v
+  local shape = v:shape()
+  shape[#shape] = V + K
+  local vw = tensor.zeros(shape, { dtype = v:dtype(), device = v:device() })
+  vw:narrow(4, 1, V):copy(v)
+  args.v = vw
+  args.initial_state = self:wide_start(ctx.Nb, ctx.H, K, V, ctx.sdtype, v:device())
+  args.output_final_state = true
+  local ow, htw = ops.chunk_gated_delta_product(args)
+  return ow:narrow(4, 1, V):contiguous(), htw:narrow(4, 1, V), ow:narrow(4, V + 1, K), htw:narrow(4, V + 1, K)
+end
+
+-- [Nb, H, K, V + K] of `dtype`: zero value columns, then I_K, for every (b, h); kept.
+function CpuBackend:wide_start(Nb, H, K, V, dtype, device)
+  local key = table.concat({ "wide", Nb, H, K, V, dtype, device }, ":")
+  local cached = self.eye_cache[key]
+  if cached then return cached end
+  local out = tensor.zeros({ Nb, H, K, V + K }, { dtype = dtype, device = device })
+  out:narrow(4, V + 1, K):copy(self:identity_state(Nb, H, K, dtype, device))
+  self.eye_cache[key] = out
+  return out
+end
+
 -- o[:, span] += O S_in per batch column and head (o [B,T,H,V], O [B,T',H,K] over the
 -- span, S_in [B,H,K,V]).  bf16: the matmul's float32 accumulator starts from o's values
 -- (beta = 1) and is rounded once, as a float32 copy of o would be, without that copy.
@@ -368,10 +399,15 @@ function CpuBackend:forward_prepare(inputs)
   if cu ~= nil then first, last = first_last(cu) end
   ctx.first, ctx.last = first, last
   local args = with_algorithm(self, op_args(inputs))
-  args.output_final_state = summarised
-  local o0, ht = timing.stage("local_forward", device, ops.chunk_gated_delta_product, args)
-  ctx.o0 = o0
-  if reached then ctx.O_first, ctx.M_first = self:transition(ctx, span_of(inputs, first)) end
+  local ht
+  if reached and cu == nil then
+    ctx.o0, ht, ctx.O_first, ctx.M_first = timing.stage("local_forward", device, self.forward_with_transition,
+                                                       self, ctx, args)
+  else
+    args.output_final_state = summarised
+    ctx.o0, ht = timing.stage("local_forward", device, ops.chunk_gated_delta_product, args)
+    if reached then ctx.O_first, ctx.M_first = self:transition(ctx, span_of(inputs, first)) end
+  end
   if not summarised then
     return tensor.zeros({ Nb, H, K, V + K }, { dtype = sdtype, device = device }), ctx
   end
