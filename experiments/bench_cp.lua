@@ -638,12 +638,25 @@ local rows = {}
 -- the same tokens, less 1: all its CP work, also what runs inside its local runs (the
 -- transition's columns riding on the local forward, unpacked), which the stages count as
 -- local_forward.
+--
+-- critical_path_ms: what cp = C would take on C GPUs but for the link, from the ranks'
+-- stages: an all-gather ends when the last rank reaches it, so each phase between two
+-- all-gathers costs its slowest rank's time.  Phases as the gdp backends run them:
+-- forward_prepare (summary_forward with local_forward inside), the all-gather,
+-- forward_apply (compose, correct), backward_prepare (summary_backward), the all-gather,
+-- backward_apply (compose, local_backward).  efficiency_estimate = the cp = 1 operator's
+-- fwdbwd_ms / critical_path_ms (the stages are synchronised, so it errs low).
+local PHASES = {
+  { "summary_forward", "local_forward" }, { "allgather_forward" }, { "compose_forward", "correct_forward" },
+  { "summary_backward" }, { "allgather_backward" }, { "compose_backward", "local_backward" },
+}
 local function emulated_rows(n, Lc)
   local C = opts.emulate_cp
   local plain
   for _, r in ipairs(rows) do
     if r.target == "operator" and r.mode == "plain" and r.n == n and r.tokens_per_rank == Lc then plain = r end
   end
+  local group_rows = {}
   for r = 0, C - 1 do
     local row = bench("operator", "chunkwise", n, Lc, stand_in_group(C, r))
     row.mode, row.cp, row.T, row.emulated_rank = "chunkwise-emulated", C, Lc * C, r
@@ -653,7 +666,23 @@ local function emulated_rows(n, Lc)
       row.breakdown.by_rank[1].rank = r
     end
     rows[#rows + 1] = row
+    group_rows[#group_rows + 1] = row
     collectgarbage()
+  end
+  if not group_rows[1].breakdown then return end
+  local critical = 0
+  for _, phase in ipairs(PHASES) do
+    local slowest = 0
+    for _, row in ipairs(group_rows) do
+      local t = 0
+      for _, s in ipairs(phase) do t = t + (row.breakdown.stages_ms[s] or 0) end
+      slowest = math.max(slowest, t)
+    end
+    critical = critical + slowest
+  end
+  for _, row in ipairs(group_rows) do
+    row.critical_path_ms = critical
+    row.efficiency_estimate = plain and plain.fwdbwd_ms / critical or nil
   end
 end
 for _, target in ipairs(lists.targets) do
@@ -710,6 +739,13 @@ for _, r in ipairs(rows) do
                                          100 * r.beyond_plain) or "")
   end
 end
+for _, r in ipairs(rows) do
+  if r.critical_path_ms and r.emulated_rank == r.cp - 1 then
+    put("# chunkwise-emulated cp = %d, n = %d, %d/rank: critical path %.3f ms (each phase's slowest rank), " ..
+        "estimated efficiency %s against the cp = 1 operator", r.cp, r.n, r.tokens_per_rank, r.critical_path_ms,
+        num(r.efficiency_estimate))
+  end
+end
 if opts.baseline ~= "" then put("# efficiency = t(cp = 1) / t(cp = %d), baseline %s", CP, opts.baseline) end
 
 local command = { "mpirun -np " .. CP, "./gdp", arg[0] }
@@ -731,7 +767,8 @@ local report = {
   emulated = opts.emulate_cp ~= 0 and ("chunkwise-emulated rows: each rank of cp = " .. opts.emulate_cp
     .. " alone in this process; the all-gathers are local copies (no link), the outputs not cp = 1's; "
     .. "beyond_plain = the row's fwdbwd_ms / the cp = 1 operator's - 1: all the rank's CP work, also "
-    .. "what rides inside its local runs") or nil,
+    .. "what rides inside its local runs; critical_path_ms = the sum over the phases between all-gathers "
+    .. "of the slowest rank's stages; efficiency_estimate = the cp = 1 operator's fwdbwd_ms / it") or nil,
 }
 local csv = run:csv({ "target", "mode", "cp", "n", "tokens_per_rank", "T", "fwd_ms", "fwdbwd_ms", "efficiency_fwd",
                       "efficiency_fwdbwd", "overhead_fraction" })

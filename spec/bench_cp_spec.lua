@@ -70,10 +70,22 @@ describe("bench_cp", function()
     local rep = run_json(nil, TINY .. " --dtype f64 --targets operator --n 2 --emulate-cp 3", runs)
     assert.are.equal(1, rep.world_size)
     assert.truthy(rep.emulated:find("local copies", 1, true), rep.emulated)
-    local seen = {}
+    local seen, plain, critical, total = {}, nil, nil, 0
+    for _, r in ipairs(rep.rows) do
+      if r.mode == "plain" and r.target == "operator" then plain = r end
+    end
     for _, r in ipairs(rep.rows) do
       if r.mode == "chunkwise-emulated" then
         seen[#seen + 1] = r.emulated_rank
+        -- one critical path for the group: at least this rank's local runs, at most every
+        -- rank's stages added up; the estimate and beyond_plain against the plain row
+        critical = critical or r.critical_path_ms
+        assert.are.equal(critical, r.critical_path_ms)
+        local st = r.breakdown.stages_ms
+        assert.is_true(critical >= st.local_forward + st.local_backward - 1e-12, util.json_encode(r))
+        for _, v in pairs(st) do total = total + v end
+        assert.are.near(plain.fwdbwd_ms / critical, r.efficiency_estimate, 1e-12)
+        assert.are.near(r.fwdbwd_ms / plain.fwdbwd_ms - 1, r.beyond_plain, 1e-12)
         assert.are.equal(3, r.cp)
         assert.are.equal(192, r.T)
         local bd = r.breakdown
@@ -87,6 +99,7 @@ describe("bench_cp", function()
       end
     end
     assert.are.same({ 0, 1, 2 }, seen)
+    assert.is_true(critical <= total + 1e-12, string.format("critical path %g > all stages %g", critical, total))
     local out, rc = sh(H.launcher_cmd(nil, "experiments/bench_cp.lua", TINY .. " --targets layer --emulate-cp 2"))
     assert.are.equal(2, rc, out)
     assert.truthy(out:find("bench_cp: --emulate-cp: times the operator target; --targets has no operator", 1, true),

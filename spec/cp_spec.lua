@@ -519,8 +519,8 @@ end)
 -- rank runs the operator after the forward all-gather (a start that reaches it is added
 -- as O S_in from its first sequence's transition, which unpacked is part of the local
 -- run and packed a run of its own), and the backward summary runs only
--- the dh0 pass (its M^T is that forward transition) -- or, on a rank no following rank
--- reaches, the local backward itself, whose dh0 is gamma; no rank runs the backward twice.
+-- the dh0 pass (its M^T is that forward transition), whatever the rank's position; no
+-- rank runs the backward twice.
 describe("chunkwise backend: what runs after the all-gathers", function()
   local ops = gdp.ops
   local T, Hh, K, V, n = 12, 2, 4, 3, 2
@@ -578,11 +578,10 @@ describe("chunkwise backend: what runs after the all-gathers", function()
         local d_o = gdp.randn({ B, T, Hh, V }, { dtype = "f64" })
         local summary, bwd_ctx = backend:backward_prepare(d_o, saved)
         assert.are.equal(fwd_runs, counts.chunk_gated_delta_product)
-        -- the last rank (no following rank) runs its backward here and takes gamma from its
-        -- dh0; the others run the dh0 pass where a start reaches them, the backward later
-        local last = not c[1]
-        assert.are.equal((c[2] and not last) and 1 or 0, counts.chunk_gated_delta_product_dh0)
-        assert.are.equal(last and 1 or 0, counts.chunk_gated_delta_product_backward)
+        -- the dh0 pass where a start reaches the rank, the backward after the all-gather
+        -- (also on the last rank: run here, it would hold up the others' backward)
+        assert.are.equal(c[2] and 1 or 0, counts.chunk_gated_delta_product_dh0)
+        assert.are.equal(0, counts.chunk_gated_delta_product_backward)
         if c[2] then
           local dh0 = ops.chunk_gated_delta_product_dh0({
             q = inp.q, k = inp.k, v = inp.v, g = inp.g, beta = inp.beta, num_householder = n,
