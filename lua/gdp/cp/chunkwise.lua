@@ -66,6 +66,9 @@ local DTYPE_CODE = { f64 = 1, f32 = 2, bf16 = 3 }
 
 local is_int = util.is_int
 
+-- The CUDA fast path's widest V (docs/kernels.md section 1).
+local FAST_PATH_MAX_V = 256
+
 local function state_dtype(dtype) return dtype == "f64" and "f64" or "f32" end
 
 ------------------------------------------------------------------------------- metadata
@@ -398,7 +401,9 @@ function CpuBackend:forward_prepare(inputs)
   ctx.first, ctx.last = first, last
   local args = with_algorithm(self, op_args(inputs))
   local ht
-  if reached and cu == nil then
+  -- (on cuda only while V + K stays within the fast path's value width: wider, the one
+  -- run would fall onto the recurrent kernels)
+  if reached and cu == nil and (not device:match("^cuda") or V + K <= FAST_PATH_MAX_V) then
     ctx.o0, ht, ctx.O_first, ctx.M_first = timing.stage("local_forward", device, self.forward_with_transition,
                                                        self, ctx, args)
   else
