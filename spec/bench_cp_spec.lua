@@ -175,6 +175,21 @@ describe("bench_cp", function()
   end)
 end)
 
+-- tools/fla_cp_bench.py, issue 23's fla anchors: it needs torch, fla and GPUs, so here only
+-- its option parsing (before it imports torch): help, and a bad option refused.
+describe("tools/fla_cp_bench.py (no torch needed to parse)", function()
+  it("prints its usage and refuses an option it does not know", function()
+    local py = "python3 " .. H.root .. "/tools/fla_cp_bench.py"
+    local out, rc = H.sh(py .. " --help")
+    assert.are.equal(0, rc, out)
+    assert.truthy(out:find("--tokens-per-rank", 1, true), out)
+    assert.truthy(out:find("chunkwise", 1, true), out)
+    out, rc = H.sh(py .. " --no-such-option")
+    assert.are.equal(2, rc, out)
+    assert.truthy(out:find("unrecognized arguments: --no-such-option", 1, true), out)
+  end)
+end)
+
 describe("gdp.cp.timing", function()
   it("is off by default; on, it adds each stage's seconds and passes every result through", function()
     assert.is_nil(cp.timing.get())

@@ -56,7 +56,7 @@ def log(*a):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", default="1,2")
     ap.add_argument("--tokens-per-rank", default="16384,4096")
     ap.add_argument("--H", type=int, default=16)
