@@ -53,7 +53,9 @@
 #            anchors (tools/fla_cp_bench.py: KCP and all-to-all around fla's operator) at
 #            -np 1 and -np 2 (DIR/fla_cp1.json, fla_cp2.json).  fla's source in .fla/.  ~8 minutes
 #
-# Environment: GDP_BUILD_DIR as for ./gdp (default ./build), BUDGET_S.
+# Environment: GDP_BUILD_DIR as for ./gdp (default ./build), BUDGET_S, GDP_GIT_SHA (the
+# tree's commit, for a copy without its history).  Exit status 3 when a step was skipped
+# for time (the log names it), 1 when the build failed.
 set -u
 MODE=${1:-}
 case $MODE in check | bench | flawarm | profile | study | census | cp) ;; *)
@@ -76,8 +78,10 @@ left() {
   shift
   (($(date +%s) - t0 + need <= BUDGET_S)) && return 0
   say "out of time: skipped $* (needs ~${need}s)"
+  skipped=$((skipped + 1))
   return 1
 }
+skipped=0
 # run NAME TIMEOUT CMD...: CMD's output to DIR/NAME.log (appended), its status to run.log.
 run() {
   local name=$1 limit=$2 rc
@@ -90,7 +94,7 @@ run() {
   return $rc
 }
 
-say "gpu_run.sh $MODE on $(hostname), git $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+say "gpu_run.sh $MODE on $(hostname), git ${GDP_GIT_SHA:-$(git rev-parse HEAD 2>/dev/null || echo '?')}"
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,temperature.gpu,power.draw --format=csv,noheader 2>&1 | tee -a "$LOG"
 nvcc --version 2>/dev/null | tail -1 | tee -a "$LOG"
 
@@ -219,6 +223,7 @@ if [[ $MODE == study ]]; then
   left_s=$((BUDGET_S - ($(date +%s) - t0) - ${STUDY_SLACK:-150}))
   if ((left_s < 60)); then
     say "out of time: the study needs more than ${STUDY_SLACK:-150}s of slack and 60s to run"
+    skipped=$((skipped + 1))
   else
     runs=$(mktemp -d)
     say "state_tracking grid for ${left_s}s${STUDY_RESUME:+, resuming $STUDY_RESUME}: ${STUDY_ARGS:-}"
@@ -247,8 +252,6 @@ if [[ $MODE == census ]]; then
     head -25 "$DIR/census.txt" | tee -a "$LOG"
   fi
 fi
-say "done"
-
 if [[ $MODE == cp ]]; then
   gpus=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")
   say "cp: $gpus GPU(s); two ranks $( ((gpus >= 2)) && echo "over NCCL" || echo "host-staged on one GPU")"
@@ -278,3 +281,9 @@ if [[ $MODE == cp ]]; then
     grep "^fla_cp " "$DIR/fla_cp.log" | tail -8 | tee -a "$LOG"
   done
 fi
+# a step skipped for time is a run that did not check what it names: say so, exit 3
+if ((skipped > 0)); then
+  say "done, but $skipped step(s) skipped for time (above): raise BUDGET_S"
+  exit 3
+fi
+say "done"
