@@ -355,6 +355,8 @@ static gdp_status forward_wide_plain(const gdp_delta_product_problem *p, const g
   st = launch_chunk_prep(plan, nullptr);
   prof_mark("fwd prep", stream);
   plan.a.V = (int)p->V;
+  /* the one-warp TU pass only: the two-warp pass (ks2) reads U with stride C * a.V, past
+   * this plan's buffer, which is a half's (launch_bv also refuses tu with ks2) */
   if (st == GDP_OK) st = launch_chunk_state(plan, choose_bv(plan, false, true), false, nullptr, false, nullptr, false, true);
   prof_mark("fwd state+output (all value columns)", stream);
   plan_free(&plan);
