@@ -3,7 +3,11 @@
  *
  *   bench_gdp_cpu [--B 1] [--T 4096] [--H 4] [--K 128] [--V 128] [--n 2] [--chunk 64]
  *                 [--threads 2] [--repeats 7] [--dtype f32|f64] [--ungated]
- *                 [--validate-T 512]
+ *                 [--validate-T 512] [--split-bf16]
+ *
+ * --split-bf16: the float32 kernels with every product split into bf16 hi + lo, three
+ * products summed in float32 (chunk_split_bf16.c), as a float32 path on bf16 tensor
+ * cores would compute them; validated at float32's 1e-4.
  *
  * 1. Validates the chunk kernels against the float64 recurrent oracle on the same
  *    shapes with T = validate-T tokens (0 skips): relative error per output and
@@ -30,7 +34,15 @@ typedef struct config {
   int64_t B, T, H, K, V, n, chunk;
   int threads, repeats, f64, gated;
   int64_t validate_T;
+  int split_bf16;
 } config;
+
+/* chunk_split_bf16.c: the float32 chunk kernels with split-bf16 products */
+gdp_status gdp_cpu_delta_product_forward_chunk_f32split(const gdp_delta_product_problem *p,
+                                                        const gdp_delta_product_forward_io *io);
+gdp_status gdp_cpu_delta_product_backward_chunk_f32split(const gdp_delta_product_problem *p,
+                                                         const gdp_delta_product_backward_io *io);
+static int g_split_bf16 = 0;
 
 static double now_s(void) {
   struct timespec ts;
@@ -159,12 +171,16 @@ static void bufs_free(run_bufs *r) {
 
 static gdp_status run_fwd(const gdp_delta_product_problem *p, const run_bufs *r, int f64) {
   gdp_delta_product_forward_io io = {r->q, r->k, r->v, r->g, r->beta, r->h0, r->o, r->ht};
-  return f64 ? gdp_cpu_delta_product_forward_chunk_f64(p, &io) : gdp_cpu_delta_product_forward_chunk_f32(p, &io);
+  if (f64) return gdp_cpu_delta_product_forward_chunk_f64(p, &io);
+  return g_split_bf16 ? gdp_cpu_delta_product_forward_chunk_f32split(p, &io)
+                      : gdp_cpu_delta_product_forward_chunk_f32(p, &io);
 }
 static gdp_status run_bwd(const gdp_delta_product_problem *p, const run_bufs *r, int f64) {
   gdp_delta_product_backward_io io = {r->q,  r->k,  r->v,  r->g,     r->beta, r->h0,  r->d_o,
                        r->dht, r->dq, r->dk, r->dv, r->dbeta, r->dg, r->dh0};
-  return f64 ? gdp_cpu_delta_product_backward_chunk_f64(p, &io) : gdp_cpu_delta_product_backward_chunk_f32(p, &io);
+  if (f64) return gdp_cpu_delta_product_backward_chunk_f64(p, &io);
+  return g_split_bf16 ? gdp_cpu_delta_product_backward_chunk_f32split(p, &io)
+                      : gdp_cpu_delta_product_backward_chunk_f32(p, &io);
 }
 
 static double rel_err(const void *got, int f64, const double *ref, int64_t count) {
@@ -272,6 +288,10 @@ static int parse(int argc, char **argv, config *cf) {
       cf->gated = 0;
       continue;
     }
+    if (!strcmp(a, "--split-bf16")) {
+      cf->split_bf16 = 1;
+      continue;
+    }
     fprintf(stderr, "unknown argument %s (see the header of bench_gdp_cpu.c)\n", a);
     return 1;
   }
@@ -279,13 +299,18 @@ static int parse(int argc, char **argv, config *cf) {
 }
 
 int main(int argc, char **argv) {
-  config cf = {1, 4096, 4, 128, 128, 2, 64, 2, 7, 0, 1, 512};
+  config cf = {1, 4096, 4, 128, 128, 2, 64, 2, 7, 0, 1, 512, 0};
   if (parse(argc, argv, &cf)) return 2;
+  if (cf.split_bf16 && cf.f64) {
+    fprintf(stderr, "--split-bf16 emulates a float32 path: use it with --dtype f32\n");
+    return 2;
+  }
+  g_split_bf16 = cf.split_bf16;
   if (cf.repeats < 1) cf.repeats = 1;
   printf("# bench_gdp_cpu: B=%lld T=%lld H=%lld K=%lld V=%lld n=%lld chunk=%lld %s %s "
          "threads=%d, best of %d repeats\n",
          (long long)cf.B, (long long)cf.T, (long long)cf.H, (long long)cf.K, (long long)cf.V,
-         (long long)cf.n, (long long)cf.chunk, cf.f64 ? "f64" : "f32",
+         (long long)cf.n, (long long)cf.chunk, cf.f64 ? "f64" : cf.split_bf16 ? "f32 (split-bf16 products)" : "f32",
          cf.gated ? "gated" : "ungated", cf.threads, cf.repeats);
 
   if (cf.validate_T > 0 && validate(&cf)) {
