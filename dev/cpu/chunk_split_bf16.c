@@ -51,12 +51,13 @@ void split_sgemm(int order, int ta, int tb, int M, int N, int K, float alpha, co
                  const float *B, int ldb, float beta, float *C, int ldc) {
   const int ar = ta == CblasNoTrans ? M : K, ac = ta == CblasNoTrans ? K : M;
   const int br = tb == CblasNoTrans ? K : N, bc = tb == CblasNoTrans ? N : K;
+  const int lda_split = ac > 0 ? ac : 1, ldb_split = bc > 0 ? bc : 1; /* the packed parts' */
   float *Ah, *Al, *Bh, *Bl;
   split(A, ar, ac, lda, &Ah, &Al);
   split(B, br, bc, ldb, &Bh, &Bl);
-  cblas_sgemm(order, ta, tb, M, N, K, alpha, Ah, ac > 0 ? ac : 1, Bh, bc > 0 ? bc : 1, beta, C, ldc);
-  cblas_sgemm(order, ta, tb, M, N, K, alpha, Ah, ac > 0 ? ac : 1, Bl, bc > 0 ? bc : 1, 1, C, ldc);
-  cblas_sgemm(order, ta, tb, M, N, K, alpha, Al, ac > 0 ? ac : 1, Bh, bc > 0 ? bc : 1, 1, C, ldc);
+  cblas_sgemm(order, ta, tb, M, N, K, alpha, Ah, lda_split, Bh, ldb_split, beta, C, ldc);
+  cblas_sgemm(order, ta, tb, M, N, K, alpha, Ah, lda_split, Bl, ldb_split, 1, C, ldc);
+  cblas_sgemm(order, ta, tb, M, N, K, alpha, Al, lda_split, Bh, ldb_split, 1, C, ldc);
   free(Ah), free(Al), free(Bh), free(Bl);
 }
 

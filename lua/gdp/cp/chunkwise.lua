@@ -347,8 +347,9 @@ function CpuBackend:forward_with_transition(ctx, args)
   local v = args.v
   local shape = v:shape()
   shape[#shape] = V + K
-  local vw = tensor.zeros(shape, { dtype = v:dtype(), device = v:device() })
+  local vw = tensor.empty(shape, { dtype = v:dtype(), device = v:device() })
   vw:narrow(4, 1, V):copy(v)
+  vw:narrow(4, V + 1, K):zero()
   args.v = vw
   args.initial_state = self:wide_start(ctx.Nb, ctx.H, K, V, ctx.sdtype, v:device())
   args.output_final_state = true
