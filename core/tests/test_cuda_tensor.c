@@ -320,6 +320,103 @@ static void test_fill(void) {
   }
 }
 
+/* Row views: a narrow of the last dimension (or of the one before it) merges to
+ * [rows, width] with unit inner strides, which the cuda copy and fill move in the widest
+ * word the width, the pitches and the addresses allow (16 bytes down to 1): widths and
+ * offsets below reach every word size in every dtype, and odd ones reach the narrow
+ * words.  Each is checked bit for bit against the CPU, with the rest of the base left
+ * as it was. */
+static void test_rows(void) {
+  static const int64_t base[3] = {5, 6, 40};
+  /* {dim, start, length}: dim 2 narrows the rows; dim 1 gives wide rows (6 x 40 -> k x 40) */
+  static const int64_t views[][3] = {{2, 0, 16}, {2, 8, 16}, {2, 3, 7}, {2, 1, 32},
+                                     {2, 0, 39}, {2, 8, 8},  {2, 5, 1}, {1, 1, 4}};
+  enum { NVIEWS = sizeof views / sizeof views[0] };
+  const int64_t nbase = numel_of(3, base);
+  for (int di = 0; di < NDTYPES; di++) {
+    gdp_dtype dt = all_dtypes[di];
+    double *vals = random_values(nbase, is_float(dt) ? 10.0 : 1e4);
+    gdp_tensor *gsrc = upload(gpu, dt, 3, base, vals), *csrc = upload(cpu, dt, 3, base, vals);
+    for (int vi = 0; vi < NVIEWS; vi++) {
+      const int dim = (int)views[vi][0];
+      const int64_t start = views[vi][1], len = views[vi][2];
+      int64_t vshape[3] = {base[0], base[1], base[2]};
+      vshape[dim] = len;
+      const int64_t nview = numel_of(3, vshape);
+      char what[128];
+      gdp_tensor *gb = NULL, *cb = NULL, *gv = NULL, *cv = NULL, *gs = NULL, *cs = NULL;
+      /* contiguous source -> row view of a sentinel base */
+      CHECK_OK(gdp_tensor_empty(gpu, dt, 3, base, &gb));
+      CHECK_OK(gdp_tensor_empty(cpu, dt, 3, base, &cb));
+      if (gb) CHECK_OK(gdp_tensor_fill(gb, SENTINEL));
+      if (cb) CHECK_OK(gdp_tensor_fill(cb, SENTINEL));
+      if (gb) CHECK_OK(gdp_tensor_narrow(gb, dim, start, len, &gv));
+      if (cb) CHECK_OK(gdp_tensor_narrow(cb, dim, start, len, &cv));
+      gdp_tensor *gc = upload(gpu, dt, 3, vshape, vals), *cc = upload(cpu, dt, 3, vshape, vals);
+      if (gv && gc) CHECK_OK(gdp_tensor_copy(NULL, gv, gc));
+      if (cv && cc) CHECK_OK(gdp_tensor_copy(NULL, cv, cc));
+      snprintf(what, sizeof what, "%s contiguous -> rows narrow(%d, %lld, %lld)", gdp_dtype_name(dt), dim,
+               (long long)start, (long long)len);
+      check_same_bits(gb, cb, what);
+      /* independently of the CPU: the sentinel, as dt stores it, left outside the view alone
+       * (no source value is near it) */
+      double *hb = download_f64(gb);
+      gdp_tensor *one = NULL;
+      const int64_t one_shape[1] = {1};
+      CHECK_OK(gdp_tensor_empty(cpu, dt, 1, one_shape, &one));
+      if (one) CHECK_OK(gdp_tensor_fill(one, SENTINEL));
+      double *stored = download_f64(one);
+      gdp_tensor_free(one);
+      if (hb && stored) {
+        int64_t sentinels = 0;
+        for (int64_t i = 0; i < nbase; i++) sentinels += hb[i] == stored[0];
+        CHECK(sentinels == nbase - nview, "%s: %lld sentinels left, expected %lld", what,
+              (long long)sentinels, (long long)(nbase - nview));
+      }
+      free(hb);
+      free(stored);
+      /* row view -> row view (another offset of the same width, where one fits) */
+      const int64_t start2 = start + len <= base[dim] - 1 ? start + 1 : 0;
+      if (gsrc) CHECK_OK(gdp_tensor_narrow(gsrc, dim, start2, len, &gs));
+      if (csrc) CHECK_OK(gdp_tensor_narrow(csrc, dim, start2, len, &cs));
+      if (gv && gs) CHECK_OK(gdp_tensor_copy(NULL, gv, gs));
+      if (cv && cs) CHECK_OK(gdp_tensor_copy(NULL, cv, cs));
+      snprintf(what, sizeof what, "%s rows narrow(%d, %lld) -> rows narrow(%d, %lld), length %lld",
+               gdp_dtype_name(dt), dim, (long long)start2, dim, (long long)start, (long long)len);
+      check_same_bits(gb, cb, what);
+      /* row view -> contiguous */
+      gdp_tensor *g2 = NULL, *c2 = NULL;
+      if (gs) CHECK_OK(gdp_tensor_to(gpu, gs, dt, &g2));
+      if (cs) CHECK_OK(gdp_tensor_to(cpu, cs, dt, &c2));
+      snprintf(what, sizeof what, "%s rows narrow(%d, %lld, %lld) -> contiguous", gdp_dtype_name(dt), dim,
+               (long long)start2, (long long)len);
+      check_same_bits(g2, c2, what);
+      /* fills of the row view: zero and a value whose bytes are not all equal */
+      const double fills[2] = {0.0, -3.75};
+      for (int fi = 0; fi < 2; fi++) {
+        if (gv) CHECK_OK(gdp_tensor_fill(gv, fills[fi]));
+        if (cv) CHECK_OK(gdp_tensor_fill(cv, fills[fi]));
+        snprintf(what, sizeof what, "%s fill rows narrow(%d, %lld, %lld) with %g", gdp_dtype_name(dt), dim,
+                 (long long)start, (long long)len, fills[fi]);
+        check_same_bits(gb, cb, what);
+      }
+      gdp_tensor_free(g2);
+      gdp_tensor_free(c2);
+      gdp_tensor_free(gc);
+      gdp_tensor_free(cc);
+      gdp_tensor_free(gs);
+      gdp_tensor_free(cs);
+      gdp_tensor_free(gv);
+      gdp_tensor_free(cv);
+      gdp_tensor_free(gb);
+      gdp_tensor_free(cb);
+    }
+    gdp_tensor_free(gsrc);
+    gdp_tensor_free(csrc);
+    free(vals);
+  }
+}
+
 /* ------------------------------------------------------------------ guard regions */
 
 /* Each op writes a view of the first n elements of a buffer of n + GUARD sentinels;
@@ -1202,6 +1299,7 @@ int main(void) {
   test_round_trips();
   test_conversions();
   test_fill();
+  test_rows();
   test_guards();
   test_rng();
   test_binary();

@@ -346,6 +346,101 @@ __global__ void fill_strided_kernel(T *dst, T value, const Iter it, Index n) {
   }
 }
 
+/* Rows: what merges to two dimensions with a unit inner stride in every operand, i.e. a
+ * [rows, width] array of contiguous rows at a pitch -- a narrow of the last dimension,
+ * such as the value columns of a wider buffer.  The strided kernels above divide per
+ * element and move one element each (bf16 rows of 128 at a 256-element pitch: ~0.8 TB/s
+ * on an H200); these move the widest word W (16, 8, 4, 2 or 1 bytes) that the width, the
+ * pitches and both addresses allow, so a row of bf16 is 16 words, not 128 elements. */
+template <typename W>
+__global__ void copy_rows_kernel(char *dst, const char *src, int64_t dpitch, int64_t spitch,
+                                 int64_t width, int64_t rows) {
+  const int64_t n = rows * width;
+  for (int64_t i = thread_index(); i < n; i += grid_stride()) {
+    const int64_t r = i / width, c = i - r * width;
+    ((W *)(dst + r * dpitch))[c] = ((const W *)(src + r * spitch))[c];
+  }
+}
+
+template <typename W>
+__global__ void fill_rows_kernel(char *dst, W value, int64_t dpitch, int64_t width, int64_t rows) {
+  const int64_t n = rows * width;
+  for (int64_t i = thread_index(); i < n; i += grid_stride()) {
+    const int64_t r = i / width, c = i - r * width;
+    ((W *)(dst + r * dpitch))[c] = value;
+  }
+}
+
+/* The bytes of the row layout of an Iter of two dimensions with unit inner strides:
+ * false when it is not one.  Element strides become byte pitches of elem bytes. */
+struct Rows {
+  int64_t rows, width_bytes, pitch_bytes[2];
+};
+bool rows_layout(const Iter &it, int nops, size_t elem, Rows *out) {
+  if (it.ndim != 2) return false;
+  for (int k = 0; k < nops; k++)
+    if (it.stride[k][1] != 1 || it.stride[k][0] < 0) return false;
+  out->rows = it.size[0];
+  out->width_bytes = it.size[1] * (int64_t)elem;
+  for (int k = 0; k < nops; k++) out->pitch_bytes[k] = it.stride[k][0] * (int64_t)elem;
+  return true;
+}
+
+/* The widest word that divides every one of the given byte quantities (1 at worst). */
+size_t rows_word(const int64_t *quantities, int count) {
+  size_t w = 16;
+  for (int i = 0; i < count; i++)
+    while (w > 1 && quantities[i] % (int64_t)w != 0) w /= 2;
+  return w;
+}
+
+cudaError_t copy_rows(void *dst, const void *src, const Rows &r, cudaStream_t stream) {
+  const int64_t q[5] = {r.width_bytes, r.pitch_bytes[0], r.pitch_bytes[1], (int64_t)(uintptr_t)dst,
+                        (int64_t)(uintptr_t)src};
+  const size_t w = rows_word(q, 5);
+  const int64_t width = r.width_bytes / (int64_t)w;
+  const unsigned grid = grid_for(r.rows * width);
+  char *d = (char *)dst;
+  const char *s = (const char *)src;
+  switch (w) {
+    case 16: copy_rows_kernel<uint4><<<grid, kBlock, 0, stream>>>(d, s, r.pitch_bytes[0], r.pitch_bytes[1], width, r.rows); break;
+    case 8: copy_rows_kernel<uint2><<<grid, kBlock, 0, stream>>>(d, s, r.pitch_bytes[0], r.pitch_bytes[1], width, r.rows); break;
+    case 4: copy_rows_kernel<uint32_t><<<grid, kBlock, 0, stream>>>(d, s, r.pitch_bytes[0], r.pitch_bytes[1], width, r.rows); break;
+    case 2: copy_rows_kernel<uint16_t><<<grid, kBlock, 0, stream>>>(d, s, r.pitch_bytes[0], r.pitch_bytes[1], width, r.rows); break;
+    default: copy_rows_kernel<uint8_t><<<grid, kBlock, 0, stream>>>(d, s, r.pitch_bytes[0], r.pitch_bytes[1], width, r.rows); break;
+  }
+  return cudaGetLastError();
+}
+
+/* value: elem bytes, repeated over the word (the word is a multiple of elem: the width and
+ * the pitch are, and elem is a power of two). */
+cudaError_t fill_rows(void *dst, const unsigned char *value, size_t elem, const Rows &r,
+                      cudaStream_t stream) {
+  const int64_t q[3] = {r.width_bytes, r.pitch_bytes[0], (int64_t)(uintptr_t)dst};
+  size_t w = rows_word(q, 3);
+  if (w < elem) w = elem;
+  unsigned char pattern[16];
+  for (size_t i = 0; i < w; i++) pattern[i] = value[i % elem];
+  const int64_t width = r.width_bytes / (int64_t)w;
+  const unsigned grid = grid_for(r.rows * width);
+  char *d = (char *)dst;
+#define GDP_FILL_ROWS(W)                                                                      \
+  do {                                                                                        \
+    W v;                                                                                      \
+    memcpy(&v, pattern, sizeof v);                                                            \
+    fill_rows_kernel<W><<<grid, kBlock, 0, stream>>>(d, v, r.pitch_bytes[0], width, r.rows);  \
+  } while (0)
+  switch (w) {
+    case 16: GDP_FILL_ROWS(uint4); break;
+    case 8: GDP_FILL_ROWS(uint2); break;
+    case 4: GDP_FILL_ROWS(uint32_t); break;
+    case 2: GDP_FILL_ROWS(uint16_t); break;
+    default: GDP_FILL_ROWS(uint8_t); break;
+  }
+#undef GDP_FILL_ROWS
+  return cudaGetLastError();
+}
+
 /* ------------------------------------------------------------------ rng */
 
 /* One thread per Philox block: it produces the 4 consecutive elements 4j..4j+3. */
@@ -602,6 +697,16 @@ extern "C" cudaError_t gdp_cuda_copy(int ndim, const int64_t *shape, const gdp_c
                              cudaMemcpyDeviceToDevice, stream);
     });
   }
+  if (dst->dtype == src->dtype) {
+    size_t elem = 0;
+    cudaError_t err = with_dtype(dst->dtype, [&](auto tag) {
+      elem = sizeof tag;
+      return cudaSuccess;
+    });
+    if (err != cudaSuccess) return err;
+    Rows rows;
+    if (rows_layout(it, 2, elem, &rows)) return copy_rows(dst->data, src->data, rows, stream);
+  }
   return with_dtype(dst->dtype, [&](auto dtag) {
     using D = decltype(dtag);
     return with_dtype(src->dtype, [&](auto stag) {
@@ -636,6 +741,8 @@ extern "C" cudaError_t gdp_cuda_fill(int ndim, const int64_t *shape, const gdp_c
     for (size_t i = 0; i < sizeof v; i++) all_zero = all_zero && bytes[i] == 0;
     if (contiguous && all_zero)
       return cudaMemsetAsync(dst->data, 0, (size_t)n * sizeof(T), stream);
+    Rows rows;
+    if (rows_layout(it, 1, sizeof(T), &rows)) return fill_rows(dst->data, bytes, sizeof(T), rows, stream);
     if (contiguous)
       fill_contiguous_kernel<T><<<grid_for(n), kBlock, 0, stream>>>((T *)dst->data, v, n);
     else if (fits_u32(n))
