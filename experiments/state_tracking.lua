@@ -33,6 +33,7 @@ local nn = require("gdp.nn")
 local optim = require("gdp.optim")
 local train = require("gdp.train")
 local data = require("gdp.data")
+local tensor = require("gdp.tensor")
 local profile = require("gdp.nn.profile")
 
 local opts = util.parse_args(arg, {
@@ -41,7 +42,7 @@ local opts = util.parse_args(arg, {
     hidden = 128, heads = 8, head_dim = 32, mlp_ratio = 4,
     train_len = 128, eval_len = 512, train_seqs = 99000, batch = 2048, epochs = 100,
     eval_batch = 2048, eval_every = 100, early_stop = 0.99, curve_step = 32,
-    lr = 1e-3, weight_decay = 1e-6, warmup = 0, max_grad_norm = 1.0,
+    lr = 1e-3, weight_decay = 1e-6, warmup = 0, max_grad_norm = 1.0, bos = false,
     resume = "", time_budget = 0, speed = false, speed_steps = 20, against_fla = false, profile = false,
     fla_cmd = "", fla_path = "",
   }, {
@@ -64,6 +65,7 @@ local opts = util.parse_args(arg, {
     { "curve_step", "the CSV records the accuracy every this many tokens" },
     { "lr", "AdamW peak learning rate (cosine schedule)" }, { "weight_decay", "AdamW weight decay" },
     { "warmup", "warmup steps" }, { "max_grad_norm", "global gradient-norm clip (0: none)" },
+    { "bos", "a start token in front of every sequence, as the authors' [BOS] (its label not scored)" },
     { "resume", "a previous run folder of this study: its ok rows are kept, the rest run" },
     { "time_budget", "seconds (0: none): no config starts after the grid has run this long; the rest are " ..
                      "left for a rerun with --resume (a config started inside it runs to its end)" },
@@ -101,10 +103,34 @@ end
 local TRAIN_SEED, TEST_SEED = 1, 2
 local LENGTHS = { 128, 256, 512 }
 
+-- --bos: the authors' setup puts a [BOS] token in front of every sequence (inputs and
+-- targets).  Without one the state starts at zero and the first token cannot tell that
+-- it is first, so every token's write has to carry the start too; with one the model can
+-- write a fixed start once.  Here the start token is class num_classes (one more input
+-- id) and its target is ignored by the loss and the accuracy, so the scores stay over
+-- the group's tokens.
+local IGNORE = -100
+local function vocab_of(cfg) return data.num_classes(cfg.task) + (cfg.bos and 1 or 0) end
+
+-- The task's batch, with the start token in front where cfg.bos asks for it.
+local function batch_of(cfg, batch, length, seed, offset)
+  local x, y = data.state_tracking{ task = cfg.task, batch = batch, length = length, seed = seed,
+                                    offset = offset, device = cfg.device }
+  if not cfg.bos then return x, y end
+  local xb = tensor.empty({ batch, length + 1 }, { dtype = x:dtype(), device = cfg.device })
+  local yb = tensor.empty({ batch, length + 1 }, { dtype = y:dtype(), device = cfg.device })
+  xb:narrow(2, 1, 1):fill(data.num_classes(cfg.task))
+  xb:narrow(2, 2, length):copy(x)
+  yb:narrow(2, 1, 1):fill(IGNORE)
+  yb:narrow(2, 2, length):copy(y)
+  x:free(); y:free()
+  return xb, yb
+end
+
 -- The model of one config: the paper's layer (every switch off but the L2 norm).
 local function make_model(cfg)
   return nn.CausalLM{
-    vocab = data.num_classes(cfg.task), hidden = cfg.hidden, layers = 1,
+    vocab = vocab_of(cfg), hidden = cfg.hidden, layers = 1,
     mixer = { num_heads = cfg.heads, head_dim = cfg.head_dim, state_dim = cfg.head_dim,
               num_groups = cfg.heads, num_householder = cfg.nh,
               allow_neg_eigval = cfg.beta_max == 2, use_short_conv = false,
@@ -113,9 +139,12 @@ local function make_model(cfg)
   }
 end
 
--- Cumulative sequence accuracy of the model on the test set at eval_len.
+-- Cumulative sequence accuracy of the model on the test set at eval_len (the group's
+-- tokens: after a start token, the positions that follow it).
 local function evaluate(model, test)
   local logits = model:forward(test.tokens)
+  local L = test.labels:size(2)
+  if test.tokens:size(2) > L then logits = logits:narrow(2, test.tokens:size(2) - L + 1, L):contiguous() end
   local acc = data.sequence_accuracy(logits, test.labels)
   model:clear_state()
   return acc
@@ -128,16 +157,19 @@ local function run_config(cfg)
                                    weight_decay = cfg.weight_decay })
   local schedule = optim.schedule.cosine{ lr = cfg.lr, total_steps = steps,
                                           warmup_steps = math.min(cfg.warmup, steps - 1) }
-  local crit = nn.CrossEntropy{}
+  local crit = nn.CrossEntropy{ ignore_index = IGNORE }
   local test = {}
-  test.tokens, test.labels = data.state_tracking{ task = cfg.task, batch = cfg.eval_batch,
-    length = cfg.eval_len, seed = TEST_SEED, offset = 0, device = cfg.device }
+  test.tokens, test.labels = batch_of(cfg, cfg.eval_batch, cfg.eval_len, TEST_SEED, 0)
+  if cfg.bos then -- the accuracy reads the labels of the group's tokens alone
+    local labels = test.labels:narrow(2, 2, cfg.eval_len):contiguous()
+    test.labels:free()
+    test.labels = labels
+  end
   local per_epoch = math.max(1, math.floor(cfg.train_seqs / cfg.batch))
   local t0, tokens, acc, last_loss, step = gdp.time(), 0, nil, nil, 0
   while step < steps do
     step = step + 1
-    local x, y = data.state_tracking{ task = cfg.task, batch = cfg.batch, length = cfg.train_len,
-      seed = TRAIN_SEED, offset = ((step - 1) % per_epoch) * cfg.batch, device = cfg.device }
+    local x, y = batch_of(cfg, cfg.batch, cfg.train_len, TRAIN_SEED, ((step - 1) % per_epoch) * cfg.batch)
     local r = train.step{ model = model, optimizer = opt, criterion = crit, schedule = schedule,
                           max_grad_norm = cfg.max_grad_norm > 0 and cfg.max_grad_norm or nil,
                           batch = { input = x, target = y, tokens = cfg.batch * cfg.train_len } }
@@ -168,8 +200,7 @@ local function speed_of(cfg)
   local ctx = gdp.device(cfg.device)
   local times = {}
   for i = 1, 3 + cfg.speed_steps do
-    local x, y = data.state_tracking{ task = cfg.task, batch = cfg.batch, length = cfg.train_len,
-                                      seed = TRAIN_SEED, offset = (i - 1) * cfg.batch, device = cfg.device }
+    local x, y = batch_of(cfg, cfg.batch, cfg.train_len, TRAIN_SEED, (i - 1) * cfg.batch)
     ctx:sync()
     local t0 = gdp.time()
     train.step{ model = model, optimizer = opt, criterion = crit,
@@ -185,8 +216,7 @@ local function speed_of(cfg)
     prof:add(crit, "forward", "criterion forward"):add(crit, "backward", "criterion backward")
     prof:add(opt, "step", "optimizer step"):add(optim, "clip_grad_norm", "clip_grad_norm")
     for i = 1, 2 do
-      local x, y = data.state_tracking{ task = cfg.task, batch = cfg.batch, length = cfg.train_len,
-                                        seed = TRAIN_SEED, offset = (i - 1) * cfg.batch, device = cfg.device }
+      local x, y = batch_of(cfg, cfg.batch, cfg.train_len, TRAIN_SEED, (i - 1) * cfg.batch)
       prof:stage("the rest of the step", cfg.device, train.step, { model = model, optimizer = opt, criterion = crit,
                  max_grad_norm = cfg.max_grad_norm > 0 and cfg.max_grad_norm or nil,
                  batch = { input = x, target = y, tokens = cfg.batch * cfg.train_len } })
@@ -266,6 +296,7 @@ for _, k in ipairs({ "device", "dtype", "hidden", "heads", "head_dim", "mlp_rati
                      "early_stop", "curve_step", "lr", "weight_decay", "warmup", "max_grad_norm" }) do
   base[k] = opts[k]
 end
+if opts.bos then base.bos = true end -- (absent when off: the keys of earlier runs' rows stay theirs)
 local curved = {} -- config labels whose curve is in curves.csv
 local rows = sweep.run{
   study = "state_tracking", run = run, base = base, columns = columns,
