@@ -99,6 +99,10 @@ if opts.against_fla and not opts.speed then
   io.stderr:write("state_tracking: --against-fla times training steps: use it with --speed\n")
   os.exit(2)
 end
+if opts.against_fla and opts.bos then -- fla's side has no start token: the steps would differ
+  io.stderr:write("state_tracking: --against-fla times the same steps on both sides: leave out --bos\n")
+  os.exit(2)
+end
 
 local TRAIN_SEED, TEST_SEED = 1, 2
 local LENGTHS = { 128, 256, 512 }
