@@ -337,6 +337,13 @@ static void test_rows(void) {
     gdp_dtype dt = all_dtypes[di];
     double *vals = random_values(nbase, is_float(dt) ? 10.0 : 1e4);
     gdp_tensor *gsrc = upload(gpu, dt, 3, base, vals), *csrc = upload(cpu, dt, 3, base, vals);
+    /* the sentinel as dt stores it */
+    gdp_tensor *one = NULL;
+    const int64_t one_shape[1] = {1};
+    CHECK_OK(gdp_tensor_empty(cpu, dt, 1, one_shape, &one));
+    if (one) CHECK_OK(gdp_tensor_fill(one, SENTINEL));
+    double *stored = download_f64(one);
+    gdp_tensor_free(one);
     for (int vi = 0; vi < NVIEWS; vi++) {
       const int dim = (int)views[vi][0];
       const int64_t start = views[vi][1], len = views[vi][2];
@@ -358,15 +365,9 @@ static void test_rows(void) {
       snprintf(what, sizeof what, "%s contiguous -> rows narrow(%d, %lld, %lld)", gdp_dtype_name(dt), dim,
                (long long)start, (long long)len);
       check_same_bits(gb, cb, what);
-      /* independently of the CPU: the sentinel, as dt stores it, left outside the view alone
+      /* independently of the CPU: the stored sentinel left outside the view alone
        * (no source value is near it) */
       double *hb = download_f64(gb);
-      gdp_tensor *one = NULL;
-      const int64_t one_shape[1] = {1};
-      CHECK_OK(gdp_tensor_empty(cpu, dt, 1, one_shape, &one));
-      if (one) CHECK_OK(gdp_tensor_fill(one, SENTINEL));
-      double *stored = download_f64(one);
-      gdp_tensor_free(one);
       if (hb && stored) {
         int64_t sentinels = 0;
         for (int64_t i = 0; i < nbase; i++) sentinels += hb[i] == stored[0];
@@ -374,7 +375,6 @@ static void test_rows(void) {
               (long long)sentinels, (long long)(nbase - nview));
       }
       free(hb);
-      free(stored);
       /* row view -> row view (another offset of the same width, where one fits) */
       const int64_t start2 = start + len <= base[dim] - 1 ? start + 1 : 0;
       if (gsrc) CHECK_OK(gdp_tensor_narrow(gsrc, dim, start2, len, &gs));
@@ -413,6 +413,7 @@ static void test_rows(void) {
     }
     gdp_tensor_free(gsrc);
     gdp_tensor_free(csrc);
+    free(stored);
     free(vals);
   }
 }

@@ -394,22 +394,29 @@ size_t rows_word(const int64_t *quantities, int count) {
   return w;
 }
 
+/* Calls f with a value of the unsigned word type of w bytes (16, 8, 4, 2, else 1). */
+template <typename F>
+cudaError_t with_word(size_t w, F &&f) {
+  switch (w) {
+    case 16: return f(uint4{});
+    case 8: return f(uint2{});
+    case 4: return f(uint32_t{});
+    case 2: return f(uint16_t{});
+    default: return f(uint8_t{});
+  }
+}
+
 cudaError_t copy_rows(void *dst, const void *src, const Rows &r, cudaStream_t stream) {
   const int64_t q[5] = {r.width_bytes, r.pitch_bytes[0], r.pitch_bytes[1], (int64_t)(uintptr_t)dst,
                         (int64_t)(uintptr_t)src};
   const size_t w = rows_word(q, 5);
   const int64_t width = r.width_bytes / (int64_t)w;
-  const unsigned grid = grid_for(r.rows * width);
-  char *d = (char *)dst;
-  const char *s = (const char *)src;
-  switch (w) {
-    case 16: copy_rows_kernel<uint4><<<grid, kBlock, 0, stream>>>(d, s, r.pitch_bytes[0], r.pitch_bytes[1], width, r.rows); break;
-    case 8: copy_rows_kernel<uint2><<<grid, kBlock, 0, stream>>>(d, s, r.pitch_bytes[0], r.pitch_bytes[1], width, r.rows); break;
-    case 4: copy_rows_kernel<uint32_t><<<grid, kBlock, 0, stream>>>(d, s, r.pitch_bytes[0], r.pitch_bytes[1], width, r.rows); break;
-    case 2: copy_rows_kernel<uint16_t><<<grid, kBlock, 0, stream>>>(d, s, r.pitch_bytes[0], r.pitch_bytes[1], width, r.rows); break;
-    default: copy_rows_kernel<uint8_t><<<grid, kBlock, 0, stream>>>(d, s, r.pitch_bytes[0], r.pitch_bytes[1], width, r.rows); break;
-  }
-  return cudaGetLastError();
+  return with_word(w, [&](auto tag) {
+    using W = decltype(tag);
+    copy_rows_kernel<W><<<grid_for(r.rows * width), kBlock, 0, stream>>>(
+        (char *)dst, (const char *)src, r.pitch_bytes[0], r.pitch_bytes[1], width, r.rows);
+    return cudaGetLastError();
+  });
 }
 
 /* value: elem bytes, repeated over the word (the word is a multiple of elem: the width and
@@ -422,23 +429,14 @@ cudaError_t fill_rows(void *dst, const unsigned char *value, size_t elem, const 
   unsigned char pattern[16];
   for (size_t i = 0; i < w; i++) pattern[i] = value[i % elem];
   const int64_t width = r.width_bytes / (int64_t)w;
-  const unsigned grid = grid_for(r.rows * width);
-  char *d = (char *)dst;
-#define GDP_FILL_ROWS(W)                                                                      \
-  do {                                                                                        \
-    W v;                                                                                      \
-    memcpy(&v, pattern, sizeof v);                                                            \
-    fill_rows_kernel<W><<<grid, kBlock, 0, stream>>>(d, v, r.pitch_bytes[0], width, r.rows);  \
-  } while (0)
-  switch (w) {
-    case 16: GDP_FILL_ROWS(uint4); break;
-    case 8: GDP_FILL_ROWS(uint2); break;
-    case 4: GDP_FILL_ROWS(uint32_t); break;
-    case 2: GDP_FILL_ROWS(uint16_t); break;
-    default: GDP_FILL_ROWS(uint8_t); break;
-  }
-#undef GDP_FILL_ROWS
-  return cudaGetLastError();
+  return with_word(w, [&](auto tag) {
+    using W = decltype(tag);
+    W v;
+    memcpy(&v, pattern, sizeof v);
+    fill_rows_kernel<W><<<grid_for(r.rows * width), kBlock, 0, stream>>>(
+        (char *)dst, v, r.pitch_bytes[0], width, r.rows);
+    return cudaGetLastError();
+  });
 }
 
 /* ------------------------------------------------------------------ rng */
@@ -691,21 +689,20 @@ extern "C" cudaError_t gdp_cuda_copy(int ndim, const int64_t *shape, const gdp_c
   if (dst->dtype == src->dtype && dst->data == src->data &&
       memcmp(it.stride[0], it.stride[1], sizeof it.stride[0]) == 0)
     return cudaSuccess; /* copying a tensor onto itself */
-  if (contiguous && dst->dtype == src->dtype) {
-    return with_dtype(dst->dtype, [&](auto tag) {
-      return cudaMemcpyAsync(dst->data, src->data, (size_t)n * sizeof tag,
-                             cudaMemcpyDeviceToDevice, stream);
-    });
-  }
   if (dst->dtype == src->dtype) {
-    size_t elem = 0;
+    Rows rows;
+    bool done = false;
     cudaError_t err = with_dtype(dst->dtype, [&](auto tag) {
-      elem = sizeof tag;
+      done = true;
+      if (contiguous)
+        return cudaMemcpyAsync(dst->data, src->data, (size_t)n * sizeof tag,
+                               cudaMemcpyDeviceToDevice, stream);
+      if (rows_layout(it, 2, sizeof tag, &rows))
+        return copy_rows(dst->data, src->data, rows, stream);
+      done = false;
       return cudaSuccess;
     });
-    if (err != cudaSuccess) return err;
-    Rows rows;
-    if (rows_layout(it, 2, elem, &rows)) return copy_rows(dst->data, src->data, rows, stream);
+    if (err != cudaSuccess || done) return err;
   }
   return with_dtype(dst->dtype, [&](auto dtag) {
     using D = decltype(dtag);
