@@ -71,6 +71,31 @@ describe("cuda #gpu", function()
     a:free(); c:free()
   end)
 
+  -- Every call uploads its tables (cu_seqlens, chunk lists) through pinned staging; a
+  -- buffer is reused only once its copy has run, so a host queueing calls far ahead of
+  -- the device must not wait for it (a two-buffer ring did, from the third upload on).
+  it("the operator's table uploads never make the host wait for the device", function()
+    if not need_gpu() then return end
+    H.reseed(305)
+    local ctx = gdp.device("cuda")
+    -- packed and V = 256 (two halves: several uploads per backward)
+    local args = ops.random_inputs{ B = 1, T = 300, H = 2, K = 64, V = 256, n = 2, dtype = "bf16",
+                                    device = "cuda", cu_seqlens = { 0, 100, 170, 300 }, grads = true }
+    local function calls()
+      for _ = 1, 6 do
+        local o, ht = ops.chunk_gated_delta_product(args)
+        local g = ops.chunk_gated_delta_product_backward(args)
+        o:free(); ht:free(); ops.free_all(g)
+      end
+    end
+    calls() -- the staging buffers are made here
+    local hold_ms = 500
+    local dev, host, note = ops.timed_device(ctx, calls, hold_ms)
+    assert.is_number(dev, note)
+    assert.is_true(host < 0.25 * hold_ms / 1e3, ("the host took %.1f ms to queue 6 calls behind a %d ms hold")
+                                                  :format(host * 1e3, hold_ms))
+  end)
+
   it("gives the same random numbers as the cpu for the same seed", function()
     if not need_gpu() then return end
     gdp.manual_seed(999)

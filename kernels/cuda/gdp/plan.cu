@@ -64,37 +64,74 @@ gdp_status validate_fwd_io(const gdp_delta_product_problem *p, const gdp_delta_p
 
 /* Small tables (cu_seqlens, chunk lists) travel through pinned staging buffers so that
  * the copy is asynchronous: a pageable copy would wait for all earlier work on the
- * stream and leave the GPU idle between calls.  Two buffers alternate; reusing one
- * waits only for its own copy, two calls back. */
+ * stream and leave the GPU idle between calls.  A buffer is reused once the copy out of
+ * it has run (its event has completed); while none has, another is made, so the host
+ * never waits for the device to queue a table -- a V = 256 backward uploads several
+ * per call, and a two-buffer ring made the host wait for the device's progress.  Past
+ * kMaxStaging buffers (the device is that many uploads behind) the oldest is waited for. */
 namespace {
-struct PinnedRing {
-  std::mutex mu;
-  void *buf[2] = {nullptr, nullptr};
-  size_t cap[2] = {0, 0};
-  cudaEvent_t ev[2] = {nullptr, nullptr};
-  int next = 0;
+struct Staging {
+  void *buf = nullptr;
+  size_t cap = 0;
+  cudaEvent_t ev = nullptr;
+  uint64_t used = 0; /* upload count when last taken: the oldest is the one waited for */
 };
-PinnedRing g_ring;
+constexpr size_t kMaxStaging = 64;
+struct StagingPool {
+  std::mutex mu;
+  std::vector<Staging> bufs;
+  uint64_t uploads = 0;
+};
+StagingPool g_staging;
 std::once_flag g_pool_once;
+
+/* The buffer to use for `bytes`: a free one that holds them (the smallest such), else a
+ * new one, else (at the cap) the largest free one or the oldest once its copy has run,
+ * grown by the caller.  Growing frees pinned memory, which synchronises the device, so
+ * a new buffer is preferred to growing while the cap allows. */
+gdp_status take_staging(size_t bytes, Staging **out) {
+  Staging *fits = nullptr, *largest = nullptr, *oldest = nullptr;
+  for (Staging &b : g_staging.bufs) {
+    if (!oldest || b.used < oldest->used) oldest = &b;
+    cudaError_t e = cudaEventQuery(b.ev);
+    if (e == cudaErrorNotReady) continue;
+    GDP_CUDA_TRY(e);
+    if (b.cap >= bytes && (!fits || b.cap < fits->cap)) fits = &b;
+    if (!largest || b.cap > largest->cap) largest = &b;
+  }
+  Staging *best = fits;
+  if (!best && g_staging.bufs.size() < kMaxStaging) {
+    Staging fresh;
+    GDP_CUDA_TRY(cudaEventCreateWithFlags(&fresh.ev, cudaEventDisableTiming));
+    g_staging.bufs.push_back(fresh);
+    best = &g_staging.bufs.back();
+  }
+  if (!best) best = largest;
+  if (!best) {
+    GDP_CUDA_TRY(cudaEventSynchronize(oldest->ev));
+    best = oldest;
+  }
+  *out = best;
+  return GDP_OK;
+}
 }  // namespace
 
 static gdp_status upload_async(void *dst, const void *src, size_t bytes, cudaStream_t stream) {
-  std::lock_guard<std::mutex> lock(g_ring.mu);
-  const int slot = g_ring.next;
-  g_ring.next ^= 1;
-  if (g_ring.ev[slot]) GDP_CUDA_TRY(cudaEventSynchronize(g_ring.ev[slot]));
-  else GDP_CUDA_TRY(cudaEventCreateWithFlags(&g_ring.ev[slot], cudaEventDisableTiming));
-  if (g_ring.cap[slot] < bytes) {
-    if (g_ring.buf[slot]) GDP_CUDA_TRY(cudaFreeHost(g_ring.buf[slot]));
-    g_ring.buf[slot] = nullptr;
-    g_ring.cap[slot] = 0;
+  std::lock_guard<std::mutex> lock(g_staging.mu);
+  Staging *b = nullptr;
+  GDP_TRY(take_staging(bytes, &b));
+  if (b->cap < bytes) {
+    if (b->buf) GDP_CUDA_TRY(cudaFreeHost(b->buf));
+    b->buf = nullptr;
+    b->cap = 0;
     const size_t cap = std::max(bytes, (size_t)1 << 16);
-    GDP_CUDA_TRY(cudaMallocHost(&g_ring.buf[slot], cap));
-    g_ring.cap[slot] = cap;
+    GDP_CUDA_TRY(cudaMallocHost(&b->buf, cap));
+    b->cap = cap;
   }
-  memcpy(g_ring.buf[slot], src, bytes);
-  GDP_CUDA_TRY(cudaMemcpyAsync(dst, g_ring.buf[slot], bytes, cudaMemcpyHostToDevice, stream));
-  GDP_CUDA_TRY(cudaEventRecord(g_ring.ev[slot], stream));
+  b->used = ++g_staging.uploads;
+  memcpy(b->buf, src, bytes);
+  GDP_CUDA_TRY(cudaMemcpyAsync(dst, b->buf, bytes, cudaMemcpyHostToDevice, stream));
+  GDP_CUDA_TRY(cudaEventRecord(b->ev, stream));
   return GDP_OK;
 }
 
