@@ -13,8 +13,11 @@
 --
 -- The grid (through gdp.sweep: a rerun with --resume RUN_DIR skips the rows done, and a
 -- failed config is a row with its error; --time_budget S starts no config after S
--- seconds, so a grid spreads over calls of a fixed length): task x n_h (Householder steps) x beta range
--- ((0,1): beta_max 1; (0,2): beta_max 2, negative eigenvalues) x seed.  Output: a table
+-- seconds and stops a running one at its next evaluation after S, keeping a checkpoint
+-- in the run folder (partial-<key hash>.safetensors) that --resume continues from bit
+-- for bit, so a grid, and one long config, spread over calls of a fixed length): task x
+-- n_h (Householder steps) x beta range ((0,1): beta_max 1; (0,2): beta_max 2, negative
+-- eigenvalues) x seed.  Output: a table
 -- of accuracy at lengths 128, 256, 512 per config, results.csv with the curve of every
 -- config (acc_at_<t> columns at --curve-step intervals; also curves.csv), and plots of
 -- accuracy against length, one figure per task and beta range with a line per n_h and
@@ -66,9 +69,11 @@ local opts = util.parse_args(arg, {
     { "lr", "AdamW peak learning rate (cosine schedule)" }, { "weight_decay", "AdamW weight decay" },
     { "warmup", "warmup steps" }, { "max_grad_norm", "global gradient-norm clip (0: none)" },
     { "bos", "a start token in front of every sequence, as the authors' [BOS] (its label not scored)" },
-    { "resume", "a previous run folder of this study: its ok rows are kept, the rest run" },
-    { "time_budget", "seconds (0: none): no config starts after the grid has run this long; the rest are " ..
-                     "left for a rerun with --resume (a config started inside it runs to its end)" },
+    { "resume", "a previous run folder of this study: its ok rows are kept, a paused config continues " ..
+                "from its checkpoint, the rest run" },
+    { "time_budget", "seconds (0: none): no config starts after the grid has run this long, and a running " ..
+                     "one stops at its next evaluation with a checkpoint; the rest are left for a rerun " ..
+                     "with --resume" },
     { "speed", "instead of training to the end: tokens/s of --speed-steps training steps per n_h" },
     { "speed_steps", "timed steps per n_h with --speed (after 3 untimed)" },
     { "against_fla", "with --speed: fla's GatedDeltaProductForCausalLM at the same config, same call" },
@@ -154,7 +159,24 @@ local function evaluate(model, test)
   return acc
 end
 
-local function run_config(cfg)
+-- A config stopped by the time budget keeps a checkpoint (model, optimiser, RNG, and
+-- how far it got) in its run folder; a rerun with --resume continues it from there, so
+-- one config can span device calls.  The file is named by the config's sweep key.
+local function partial_path(dir, key) return string.format("%s/partial-%08x.safetensors", dir, util.hash(key)) end
+
+-- The checkpoint this config left, in this run's folder or the resumed one (nil: none).
+local function find_partial(ctx)
+  for _, dir in ipairs({ ctx.run and ctx.run.dir or false, ctx.resume_dir or false }) do
+    if dir then
+      local path = partial_path(dir, ctx.key)
+      local f = io.open(path, "rb")
+      if f then f:close() return path end
+    end
+  end
+  return nil
+end
+
+local function run_config(cfg, ctx)
   local model = make_model(cfg)
   local steps = math.max(1, math.floor(cfg.epochs * cfg.train_seqs / cfg.batch))
   local opt = optim.AdamW(model, { lr = cfg.lr, betas = { 0.9, 0.999 }, eps = 1e-8,
@@ -171,6 +193,21 @@ local function run_config(cfg)
   end
   local per_epoch = math.max(1, math.floor(cfg.train_seqs / cfg.batch))
   local t0, tokens, acc, last_loss, step = gdp.time(), 0, nil, nil, 0
+  local before_s = 0 -- training seconds of the earlier calls of a continued config
+  local resumed = ctx and find_partial(ctx)
+  if resumed then
+    local meta
+    step, meta = train.load_checkpoint(resumed, { model = model, optimizer = opt })
+    local partial = util.json_decode(meta.partial or "{}")
+    if partial.key ~= ctx.key then
+      error(string.format("state_tracking: %s belongs to the config '%s', not '%s'", resumed,
+                          tostring(partial.key), ctx.key))
+    end
+    tokens, before_s, last_loss = partial.tokens, partial.train_s, partial.loss
+    io.stderr:write(string.format("state_tracking: %s continues from step %d of %d (%s)\n", ctx.label,
+                                  step, steps, resumed))
+  end
+  local own = ctx and ctx.run and ctx.run.dir and partial_path(ctx.run.dir, ctx.key)
   while step < steps do
     step = step + 1
     local x, y = batch_of(cfg, cfg.batch, cfg.train_len, TRAIN_SEED, ((step - 1) % per_epoch) * cfg.batch)
@@ -182,9 +219,19 @@ local function run_config(cfg)
     if step % cfg.eval_every == 0 or step == steps then
       acc = evaluate(model, test)
       if cfg.early_stop > 0 and acc.cumulative[cfg.eval_len] >= cfg.early_stop then break end
+      if step < steps and own and ctx.budget_left and ctx.budget_left() <= 0 then
+        local partial = { key = ctx.key, tokens = tokens, train_s = before_s + gdp.time() - t0, loss = last_loss }
+        train.save_checkpoint(own, { model = model, optimizer = opt, config = cfg,
+                                     metadata = { partial = util.json_encode(partial) } })
+        test.tokens:free(); test.labels:free()
+        sweep.pause(string.format("paused at step %d of %d for the time budget (%s); --resume continues it",
+                                  step, steps, own))
+      end
     end
   end
-  local wall = gdp.time() - t0
+  test.tokens:free(); test.labels:free()
+  if own then os.remove(own) end -- finished: nothing left to continue
+  local wall = before_s + gdp.time() - t0
   local out = { steps = step, loss = last_loss, tokens_per_s = tokens / wall, train_s = wall,
                 acc_token = acc.token }
   for _, L in ipairs(LENGTHS) do
@@ -309,9 +356,9 @@ local rows = sweep.run{
   order = { "task", "nh", "beta_max", "seed_model" },
   resume = opts.resume ~= "" and opts.resume or true,
   time_budget = opts.time_budget > 0 and opts.time_budget or nil,
-  fn = function(cfg)
+  fn = function(cfg, ctx)
     cfg.seed = cfg.seed_model
-    local out = run_config(cfg)
+    local out = run_config(cfg, ctx)
     local label = config_label(cfg)
     for t = cfg.curve_step, cfg.eval_len, cfg.curve_step do
       curves:row({ config = label, length = t, acc = out["acc_at_" .. t], status = "ok" })
@@ -375,7 +422,7 @@ for _, r in ipairs(rows) do
   if r.status == "not_run" then not_run = not_run + 1 elseif r.status ~= "ok" then failed = failed + 1 end
 end
 if not_run > 0 then
-  print(string.format("state_tracking: %d configs not started (--time_budget %g s); rerun with --resume %s",
+  print(string.format("state_tracking: %d configs not started or paused (--time_budget %g s); rerun with --resume %s",
                       not_run, opts.time_budget, run.dir or "<this run's folder>"))
 end
 

@@ -267,6 +267,44 @@ describe("experiment scripts", function()
     end
   end)
 
+  -- A config that the time budget stops keeps a checkpoint and continues under
+  -- --resume, over as many calls as it takes, ending where the uninterrupted run ends.
+  it("state_tracking --time-budget pauses a running config; --resume continues it bit for bit", function()
+    local grid = "--tasks parity --nh 1 --beta-max 2 --seeds 1 --hidden 16 --heads 2 --head-dim 8 " ..
+      "--mlp-ratio 2 --train-len 16 --eval-len 16 --batch 16 --eval-batch 32 --train-seqs 1600 " ..
+      "--epochs 1 --eval-every 40 --early-stop 0 --curve-step 8"
+    local function st(args)
+      local out, rc = sh(string.format("GDP_RUNS_DIR=%s %s", runs, lua_cmd("experiments/state_tracking.lua", grid .. args)))
+      assert.are.equal(0, rc, out)
+      return out, out:match("saved in (%S+)")
+    end
+    local function final_row(dir)
+      local _, rows = require("gdp.sweep").read_csv(dir .. "/results.csv")
+      return rows[#rows]
+    end
+    local _, straight = st("")
+    -- the first evaluation (step 40) comes after the 10 ms budget: paused there
+    local out, first = st(" --time-budget 0.01")
+    assert.truthy(out:find("paused at step 40 of 100", 1, true), out)
+    assert.is_nil(final_row(first), "a paused config writes no row")
+    local partial = out:match("%((%S+partial%-%x+%.safetensors)%)")
+    assert.truthy(partial and io.open(partial, "rb"), out)
+    out = st(" --time-budget 0.01 --resume " .. first)
+    assert.truthy(out:find("continues from step 40 of 100", 1, true), out)
+    local second = out:match("saved in (%S+)")
+    assert.truthy(out:find("paused at step 80 of 100", 1, true), out)
+    local last
+    out, last = st(" --resume " .. second)
+    assert.truthy(out:find("continues from step 80 of 100", 1, true), out)
+    local want, got = final_row(straight), final_row(last)
+    assert.are.equal("ok", got.status)
+    assert.are.equal(want.steps, got.steps)
+    assert.are.equal(want.loss, got.loss) -- the CSV's shortest round-trip text: bit for bit
+    assert.are.equal(want.acc_train_len, got.acc_train_len)
+    assert.are.equal(want.acc_token, got.acc_token)
+    assert.is_nil(io.open(last .. "/" .. partial:match("[^/]+$"), "rb"), "the finished run keeps no checkpoint")
+  end)
+
   it("state_tracking --speed --against-fla times both stacks per n_h (fla stubbed)", function()
     local stub = [[echo '{"rows":[{"nh":1,"step_ms":2,"tokens_per_s":100}]}' #]]
     local out, rc = sh(string.format("GDP_RUNS_DIR=%s %s", runs, lua_cmd("experiments/state_tracking.lua",

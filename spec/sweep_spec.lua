@@ -192,6 +192,38 @@ describe("sweep.run", function()
     assert.truthy(tostring(err):match("time_budget: expected seconds >= 0"), tostring(err))
   end)
 
+  it("pause: a row stopped for the budget is not_run and not written; the rerun sees its resume_dir", function()
+    local path = dir .. "/pause.csv"
+    local seen = {}
+    -- row n = 2 watches the budget and pauses once it is spent; the row after is not started
+    local function fn(cfg, ctx)
+      seen[#seen + 1] = { n = cfg.n, left = ctx.budget_left and ctx.budget_left(), resume_dir = ctx.resume_dir }
+      if cfg.n == 2 and ctx.budget_left then
+        while ctx.budget_left() > 0 do end
+        sweep.pause("stopped at step 7")
+      end
+      return { y = cfg.n }
+    end
+    local rows, summary = sweep.run{ axes = { n = { 1, 2, 3 } }, columns = { "y" }, csv = path,
+                                     progress = false, time_budget = 0.05, fn = fn }
+    assert.are.same({ 1, 1, 2 }, { summary.ran, summary.ok, summary.not_run })
+    assert.are.same({ "ok", "not_run", "not_run" }, { rows[1].status, rows[2].status, rows[3].status })
+    assert.are.equal("stopped at step 7", rows[2].error)
+    assert.are.equal(2, #seen)
+    assert.is_true(seen[1].left > 0 and seen[1].left <= 0.05, tostring(seen[1].left))
+    local _, written = sweep.read_csv(path)
+    assert.are.equal(1, #written)
+    -- resumed from that CSV into another: the two left run, told where the rows came from
+    seen = {}
+    local rows2, summary2 = sweep.run{ axes = { n = { 1, 2, 3 } }, columns = { "y" }, csv = dir .. "/pause2.csv",
+                                       resume = path, progress = false, fn = fn }
+    assert.are.same({ 1, 2, 0 }, { summary2.resumed, summary2.ran, summary2.not_run })
+    assert.are.same({ 2, 3 }, { seen[1].n, seen[2].n })
+    assert.are.equal(dir, seen[1].resume_dir)
+    assert.is_nil(seen[1].left, "no budget: no budget_left")
+    assert.are.equal(2, rows2[2].y)
+  end)
+
   it("records failures as rows and goes on", function()
     local calls = {}
     local out, log = sink()

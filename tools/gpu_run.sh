@@ -35,7 +35,8 @@
 #   study    ./gdp build, then the state-tracking grid (experiments/state_tracking.lua
 #            --device cuda --dtype bf16, STUDY_ARGS added: e.g. "--tasks S3 --seeds 1")
 #            with --time_budget set to what is left of BUDGET_S less STUDY_SLACK (default
-#            150 s, a config's length at n_h = 4), resuming STUDY_RESUME (a run folder
+#            40 s: a config running at the budget stops at its next evaluation, 100 steps
+#            or ~3 s on, with a checkpoint that the resume continues), resuming STUDY_RESUME (a run folder
 #            carried back from an earlier call, e.g. results/...) where given; the run
 #            folder comes back as DIR/state_tracking_run.tgz, to commit and to resume from.
 #   census   ./gdp build, then Nsight Compute's GPU time of every kernel of state-tracking
@@ -220,19 +221,19 @@ if [[ $MODE == profile ]]; then
   fi
 fi
 if [[ $MODE == study ]]; then
-  left_s=$((BUDGET_S - ($(date +%s) - t0) - ${STUDY_SLACK:-150}))
+  left_s=$((BUDGET_S - ($(date +%s) - t0) - ${STUDY_SLACK:-40}))
   if ((left_s < 60)); then
-    say "out of time: the study needs more than ${STUDY_SLACK:-150}s of slack and 60s to run"
+    say "out of time: the study needs more than ${STUDY_SLACK:-40}s of slack and 60s to run"
     skipped=$((skipped + 1))
   else
     runs=$(mktemp -d)
     say "state_tracking grid for ${left_s}s${STUDY_RESUME:+, resuming $STUDY_RESUME}: ${STUDY_ARGS:-}"
     # shellcheck disable=SC2086 # STUDY_ARGS is a list of options
-    GDP_RUNS_DIR=$runs timeout -k 10 $((left_s + ${STUDY_SLACK:-150})) ./gdp experiments/state_tracking.lua \
+    GDP_RUNS_DIR=$runs timeout -k 10 $((left_s + ${STUDY_SLACK:-40})) ./gdp experiments/state_tracking.lua \
       --device cuda --dtype bf16 --time_budget "$left_s" ${STUDY_RESUME:+--resume "$STUDY_RESUME"} \
       ${STUDY_ARGS:-} >"$DIR/state_tracking.log" 2>&1
     say "state_tracking rc=$?"
-    grep -E "^#|^  [A-Za-z]|not started|run ok|failed" "$DIR/state_tracking.log" | tail -60 | tee -a "$LOG"
+    grep -E "^#|^  [A-Za-z]|not started|paused|run ok|failed" "$DIR/state_tracking.log" | tail -60 | tee -a "$LOG"
     run_dir=$(find "$runs" -mindepth 2 -maxdepth 2 -type d | head -1)
     if [[ -n $run_dir ]]; then
       tar -cz -C "$(dirname "$run_dir")" "$(basename "$run_dir")" >"$DIR/state_tracking_run.tgz"

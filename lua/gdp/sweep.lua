@@ -27,7 +27,9 @@
 --   * the seed is derived from the config (below), set as cfg.seed and passed to
 --     gdp.manual_seed before fn runs, so a rerun draws the same inputs;
 --   * fn(cfg, ctx) runs under xpcall; ctx = {index, total, config_index, repeat_index,
---     seed, key, label, study, run};
+--     seed, key, label, study, run, resume_dir (the folder of a resume path, or nil),
+--     budget_left (with time_budget: a function giving the seconds left, <= 0 once spent;
+--     else nil)};
 --   * one row is written and flushed: the config columns (axes first, then the rest
 --     sorted), the result columns, status, error, seed, repeat, time_s (fn's wall time).
 -- status is "ok", "error" (fn raised: the message, on one line, is in `error`; the
@@ -39,8 +41,11 @@
 -- time_budget (seconds, from the start of sweep.run): checked before each row; once it
 -- is spent, the rows not yet started are returned with status "not_run" (and counted
 -- in summary.not_run) but not written to the CSV, so a rerun with resume runs them.  A
--- row that starts inside the budget runs to its end: leave a row's length of slack
--- under a hard limit (a device call's, say).
+-- row that starts inside the budget runs to its end unless fn stops it: fn may watch
+-- ctx.budget_left(), keep its progress where it can find it again (e.g. a checkpoint in
+-- ctx.run's folder, looked for there and in ctx.resume_dir) and call sweep.pause(note);
+-- the row is then "not_run" too, so the rerun continues it.  Otherwise leave a row's
+-- length of slack under a hard limit (a device call's, say).
 --
 -- Seeds: key(cfg) is the canonical text "k1=v1;k2=v2;..." over the config's keys sorted
 -- by name (the reserved columns below excluded; numbers in their shortest round-trip
@@ -336,6 +341,17 @@ function M.skip(reason)
   error(setmetatable({ reason = reason or "skipped" }, Skip), 2)
 end
 
+local Pause = {}
+Pause.__index = Pause
+Pause.__tostring = function(p) return "paused: " .. tostring(p.note) end
+
+-- Raised inside fn when it stopped part way for the time budget and kept what a rerun
+-- needs to continue: the row is returned with status "not_run" and this note, and not
+-- written, so a rerun with resume runs it again.
+function M.pause(note)
+  error(setmetatable({ note = note or "paused" }, Pause), 2)
+end
+
 local function is_interrupt(e)
   return type(e) == "string" and e:find("interrupted!%s*$") ~= nil
 end
@@ -527,6 +543,7 @@ function M.run(opts)
     probe:close()
     if not (csv and src == csv.path) then collect(src, true) end
   end
+  local resume_dir = type(resume) == "string" and (source_path(resume):match("^(.*)/[^/]*$") or ".") or nil
 
   -- labels: the columns that vary
   local varying = {}
@@ -599,6 +616,7 @@ function M.run(opts)
 
   local gdp = gdp_lib()
   local sweep_t0 = wall_clock()
+  local budget_left = budget and function() return budget - (wall_clock() - sweep_t0) end or nil
   for k, p in ipairs(plan) do
     if budget and wall_clock() - sweep_t0 >= budget then
       -- the budget is spent: this row and the rest are not started (nor written)
@@ -610,7 +628,7 @@ function M.run(opts)
         row.status, row.error, row.seed, row["repeat"] = "not_run", message, q.seed, q.r
         rows[q.slot] = row
       end
-      summary.not_run = #plan - k + 1
+      summary.not_run = summary.not_run + #plan - k + 1
       break
     end
     local label = label_of(p.cfg, p.r)
@@ -620,12 +638,15 @@ function M.run(opts)
     if gdp then gdp.manual_seed(p.seed) end
     local ctx = {
       index = k, total = #plan, config_index = p.config_index, repeat_index = p.r, seed = p.seed,
-      key = p.key, label = label, study = study, run = opts.run,
+      key = p.key, label = label, study = study, run = opts.run, resume_dir = resume_dir,
+      budget_left = budget_left,
     }
     local trace
     local t0 = wall_clock()
     local ok, res = xpcall(function() return opts.fn(cfg, ctx) end, function(e)
-      if not is_interrupt(e) and skip_reason(e) == nil then trace = debug.traceback(tostring(e), 2) end
+      if not is_interrupt(e) and skip_reason(e) == nil and getmetatable(e) ~= Pause then
+        trace = debug.traceback(tostring(e), 2)
+      end
       return e
     end)
     local elapsed = wall_clock() - t0
@@ -639,6 +660,14 @@ function M.run(opts)
 
     local row, status, message = {}, "ok", nil
     for _, c in ipairs(cfg_cols) do row[c] = p.cfg[c] end
+    if not ok and getmetatable(res) == Pause then
+      -- stopped for the budget, to be continued: returned, not written
+      row.status, row.error, row.seed, row["repeat"] = "not_run", one_line(res.note), p.seed, p.r
+      rows[p.slot] = row
+      summary.not_run = summary.not_run + 1
+      if bar then bar:done(label .. " -> paused: " .. one_line(res.note):sub(1, 200)) end
+      goto continue
+    end
     if ok then
       if res ~= nil and type(res) ~= "table" then
         status, message = "error", "fn returned a " .. type(res) .. ", expected a table column -> value or nil"
@@ -688,10 +717,11 @@ function M.run(opts)
       end
       bar:done(status == "ok" and label or string.format("%s -> %s: %s", label, status, message:sub(1, 200)))
     end
+    ::continue::
   end
   if bar then bar:finish() end
   if summary.not_run > 0 and bar_out then
-    bar_out:write(string.format("gdp.sweep %s: time budget of %g s spent, %d of %d rows not started%s\n",
+    bar_out:write(string.format("gdp.sweep %s: time budget of %g s spent, %d of %d rows not started or paused%s\n",
                                 study, budget, summary.not_run, #plan,
                                 csv and ("; a rerun with resume runs them (rows in " .. csv.path .. ")") or ""))
   end
