@@ -45,7 +45,7 @@ local opts = util.parse_args(arg, {
     hidden = 128, heads = 8, head_dim = 32, mlp_ratio = 4,
     train_len = 128, eval_len = 512, train_seqs = 99000, batch = 2048, epochs = 100,
     eval_batch = 2048, eval_every = 100, early_stop = 0.99, curve_step = 32,
-    lr = 1e-3, weight_decay = 1e-6, warmup = 0, max_grad_norm = 1.0, bos = false,
+    lr = 1e-3, weight_decay = 1e-6, warmup = 0, max_grad_norm = 1.0, bos = false, curriculum = false,
     resume = "", time_budget = 0, speed = false, speed_steps = 20, against_fla = false, profile = false,
     fla_cmd = "", fla_path = "",
   }, {
@@ -69,6 +69,8 @@ local opts = util.parse_args(arg, {
     { "lr", "AdamW peak learning rate (cosine schedule)" }, { "weight_decay", "AdamW weight decay" },
     { "warmup", "warmup steps" }, { "max_grad_norm", "global gradient-norm clip (0: none)" },
     { "bos", "a start token in front of every sequence, as the authors' [BOS] (its label not scored)" },
+    { "curriculum", "the authors' length curriculum: the loss scores the first 2 tokens, one more after " ..
+                    "each epoch whose mean loss is below 0.3" },
     { "resume", "a previous run folder of this study: its ok rows are kept, a paused config continues " ..
                 "from its checkpoint, the rest run" },
     { "time_budget", "seconds (0: none): no config starts after the grid has run this long, and a running " ..
@@ -159,6 +161,10 @@ local function evaluate(model, test)
   return acc
 end
 
+local function config_label(cfg)
+  return string.format("%s n_h=%d beta_max=%d seed %d", cfg.task, cfg.nh, cfg.beta_max, cfg.seed_model) -- no comma: one CSV field
+end
+
 -- A config stopped by the time budget keeps a checkpoint (model, optimiser, RNG, and
 -- how far it got) in its run folder; a rerun with --resume continues it from there, so
 -- one config can span device calls.  The file is named by the config's sweep key.
@@ -195,6 +201,7 @@ local function run_config(cfg, ctx)
   local t0, tokens, acc, last_loss, step = gdp.time(), 0, nil, nil, 0
   local before_s = 0 -- training seconds of the earlier calls of a continued config
   local resumed = ctx and find_partial(ctx)
+  local resumed_curriculum
   if resumed then
     local meta
     step, meta = train.load_checkpoint(resumed, { model = model, optimizer = opt })
@@ -204,23 +211,42 @@ local function run_config(cfg, ctx)
                           tostring(partial.key), ctx.key))
     end
     tokens, before_s, last_loss = partial.tokens, partial.train_s, partial.loss
-    io.stderr:write(string.format("state_tracking: %s continues from step %d of %d (%s)\n", ctx.label,
+    resumed_curriculum = { scored = partial.scored, epoch_loss = partial.epoch_loss }
+    io.stderr:write(string.format("state_tracking: %s continues from step %d of %d (%s)\n", config_label(cfg),
                                   step, steps, resumed))
   end
   local own = ctx and ctx.run and ctx.run.dir and partial_path(ctx.run.dir, ctx.key)
+  -- --curriculum (the authors' option): the loss scores the first `scored` group tokens;
+  -- an epoch whose mean loss is below 0.3 adds one
+  local scored, epoch_loss = cfg.curriculum and math.min(2, cfg.train_len) or cfg.train_len, 0
+  if resumed and cfg.curriculum then scored, epoch_loss = resumed_curriculum.scored, resumed_curriculum.epoch_loss end
+  local first = cfg.bos and 2 or 1 -- label column of the first group token
   while step < steps do
     step = step + 1
     local x, y = batch_of(cfg, cfg.batch, cfg.train_len, TRAIN_SEED, ((step - 1) % per_epoch) * cfg.batch)
+    if scored < cfg.train_len then y:narrow(2, first + scored, cfg.train_len - scored):fill(IGNORE) end
     local r = train.step{ model = model, optimizer = opt, criterion = crit, schedule = schedule,
                           max_grad_norm = cfg.max_grad_norm > 0 and cfg.max_grad_norm or nil,
                           batch = { input = x, target = y, tokens = cfg.batch * cfg.train_len } }
     tokens, last_loss = tokens + cfg.batch * cfg.train_len, r.loss
     x:free(); y:free()
+    if cfg.curriculum then
+      epoch_loss = epoch_loss + r.loss
+      if step % per_epoch == 0 then
+        if epoch_loss / per_epoch < 0.3 and scored < cfg.train_len then
+          scored = scored + 1
+          io.stderr:write(string.format("state_tracking: %s step %d: the loss scores %d tokens\n",
+                                        config_label(cfg), step, scored))
+        end
+        epoch_loss = 0
+      end
+    end
     if step % cfg.eval_every == 0 or step == steps then
       acc = evaluate(model, test)
       if cfg.early_stop > 0 and acc.cumulative[cfg.eval_len] >= cfg.early_stop then break end
       if step < steps and own and ctx.budget_left and ctx.budget_left() <= 0 then
-        local partial = { key = ctx.key, tokens = tokens, train_s = before_s + gdp.time() - t0, loss = last_loss }
+        local partial = { key = ctx.key, tokens = tokens, train_s = before_s + gdp.time() - t0, loss = last_loss,
+                          scored = scored, epoch_loss = epoch_loss }
         train.save_checkpoint(own, { model = model, optimizer = opt, config = cfg,
                                      metadata = { partial = util.json_encode(partial) } })
         test.tokens:free(); test.labels:free()
@@ -336,9 +362,6 @@ end
 for t = opts.curve_step, opts.eval_len, opts.curve_step do columns[#columns + 1] = "acc_at_" .. t end
 
 local run = results.new_run("state_tracking", { config = opts, args = arg })
-local function config_label(cfg)
-  return string.format("%s n_h=%d beta_max=%d seed %d", cfg.task, cfg.nh, cfg.beta_max, cfg.seed_model) -- no comma: one CSV field
-end
 -- accuracy against length, one line per config (the plot's data)
 local curves = run:csv({ "config", "length", "acc", "status" }, "curves.csv")
 local base = {}
@@ -347,7 +370,9 @@ for _, k in ipairs({ "device", "dtype", "hidden", "heads", "head_dim", "mlp_rati
                      "early_stop", "curve_step", "lr", "weight_decay", "warmup", "max_grad_norm" }) do
   base[k] = opts[k]
 end
-if opts.bos then base.bos = true end -- (absent when off: the keys of earlier runs' rows stay theirs)
+-- (absent when off: the keys of earlier runs' rows stay theirs)
+if opts.bos then base.bos = true end
+if opts.curriculum then base.curriculum = true end
 local curved = {} -- config labels whose curve is in curves.csv
 local rows = sweep.run{
   study = "state_tracking", run = run, base = base, columns = columns,

@@ -267,21 +267,24 @@ describe("experiment scripts", function()
     end
   end)
 
+  -- state_tracking.lua with these options (it must succeed): its output and run folder
+  local function state_tracking(args)
+    local out, rc = sh(string.format("GDP_RUNS_DIR=%s %s", runs, lua_cmd("experiments/state_tracking.lua", args)))
+    assert.are.equal(0, rc, out)
+    return out, out:match("saved in (%S+)")
+  end
+  local function final_row(dir)
+    local _, rows = require("gdp.sweep").read_csv(dir .. "/results.csv")
+    return rows[#rows]
+  end
+
   -- A config that the time budget stops keeps a checkpoint and continues under
   -- --resume, over as many calls as it takes, ending where the uninterrupted run ends.
   it("state_tracking --time-budget pauses a running config; --resume continues it bit for bit", function()
     local grid = "--tasks parity --nh 1 --beta-max 2 --seeds 1 --hidden 16 --heads 2 --head-dim 8 " ..
       "--mlp-ratio 2 --train-len 16 --eval-len 16 --batch 16 --eval-batch 32 --train-seqs 1600 " ..
       "--epochs 1 --eval-every 40 --early-stop 0 --curve-step 8"
-    local function st(args)
-      local out, rc = sh(string.format("GDP_RUNS_DIR=%s %s", runs, lua_cmd("experiments/state_tracking.lua", grid .. args)))
-      assert.are.equal(0, rc, out)
-      return out, out:match("saved in (%S+)")
-    end
-    local function final_row(dir)
-      local _, rows = require("gdp.sweep").read_csv(dir .. "/results.csv")
-      return rows[#rows]
-    end
+    local function st(args) return state_tracking(grid .. args) end
     local _, straight = st("")
     -- the first evaluation (step 40) comes after the 10 ms budget: paused there
     local out, first = st(" --time-budget 0.01")
@@ -303,6 +306,32 @@ describe("experiment scripts", function()
     assert.are.equal(want.acc_train_len, got.acc_train_len)
     assert.are.equal(want.acc_token, got.acc_token)
     assert.is_nil(io.open(last .. "/" .. partial:match("[^/]+$"), "rb"), "the finished run keeps no checkpoint")
+  end)
+
+  it("state_tracking --curriculum scores a longer prefix after each epoch under 0.3, also across a pause", function()
+    local grid = "--tasks parity --nh 1 --beta-max 2 --seeds 1 --hidden 16 --heads 2 --head-dim 8 " ..
+      "--mlp-ratio 2 --train-len 8 --eval-len 8 --batch 16 --eval-batch 32 --train-seqs 320 --epochs 12 " ..
+      "--eval-every 20 --early-stop 0 --curve-step 8 --lr 1e-2"
+    local function st(args)
+      local out, dir = state_tracking(grid .. args)
+      return out, final_row(dir)
+    end
+    local out, row = st(" --curriculum")
+    -- 20 steps an epoch: the prefix grows one token at a time, only at epoch ends, up to all 8
+    local widened = {}
+    for step, n in out:gmatch("step (%d+): the loss scores (%d+) tokens") do
+      assert.are.equal(0, tonumber(step) % 20, out)
+      widened[#widened + 1] = tonumber(n)
+    end
+    assert.are.same({ 3, 4, 5, 6, 7, 8 }, widened)
+    local _, plain = st("")
+    assert.are_not.equal(plain.loss, row.loss, "the curriculum changes the training")
+    -- paused before the first widening and continued: the same run
+    local paused = st(" --curriculum --time-budget 0.01")
+    assert.truthy(paused:find("paused at step 20 of 240", 1, true), paused)
+    local first = paused:match("saved in (%S+)")
+    local _, resumed = st(" --curriculum --resume " .. first)
+    assert.are.equal(row.loss, resumed.loss)
   end)
 
   it("state_tracking --speed --against-fla times both stacks per n_h (fla stubbed)", function()
