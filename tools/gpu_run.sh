@@ -9,7 +9,8 @@
 #            CPU-only and left to CI), the cuda comm and CP specs over a one-rank NCCL
 #            communicator (GDP_COMM_NCCL=2), check_reference --device cuda in bf16, f32 and
 #            bf16 --save-for-backward, then compute-sanitizer memcheck and racecheck on
-#            the lab's small problems and on the mixer kernels' C test.    ~6 minutes
+#            the lab's small problems and on the mixer kernels' C test, memcheck on the
+#            tensor ops' C test.                                              ~7 minutes
 #   bench    ./gdp build, then bench_gdp --against-fla --set issue22 (the README's
 #            command: 11 shapes, 4 head sizes, one packed), plain and saving for backward
 #            (JSON in DIR/bench_gdp.json).  fla's source in .fla/ (carry it); a warm
@@ -137,6 +138,14 @@ if [[ $MODE == check ]]; then
     run sanitizer 60 compute-sanitizer --tool $tool "$BUILD/test_cuda_mixer"
     grep -E "(ERROR|RACECHECK) SUMMARY" "$DIR/sanitizer.log" | tail -1 | tee -a "$LOG"
   done
+  # the tensor ops (copies, fills, row paths, sums, matmuls); its out-of-memory checks
+  # fail allocations on purpose (API errors not reported) and its timer bounds mean
+  # nothing under the sanitizer (GDP_TEST_NO_TIMINGS)
+  if left 60 "compute-sanitizer memcheck on test_cuda_tensor"; then
+    GDP_TEST_NO_TIMINGS=1 run sanitizer 90 compute-sanitizer --tool memcheck --leak-check full \
+      --report-api-errors no "$BUILD/test_cuda_tensor"
+    grep -E "ERROR SUMMARY|LEAK SUMMARY|passed" "$DIR/sanitizer.log" | tail -3 | tee -a "$LOG"
+  fi
 fi
 
 if [[ $MODE == bench || $MODE == flawarm ]]; then

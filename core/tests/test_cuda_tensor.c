@@ -1171,7 +1171,8 @@ static void test_sync_every_op(void) {
 
 /* The device timer: an empty hold-and-mark measures ~nothing, a queued axpy chain its
  * own time (below the host-synchronised time of the same chain, above a fraction of it
- * -- the spin is NOT inside), and a stop without a start is refused. */
+ * -- the spin is NOT inside), and a stop without a start is refused.  Run with
+ * GDP_TEST_NO_TIMINGS set (under a sanitizer) the chain's bounds are printed only. */
 static void test_device_timer(void) {
   double ms = -1;
   CHECK_ERR(gdp_ctx_timer_stop(gpu, &ms), GDP_ERR_INVALID_ARG, "no gdp_ctx_timer_start pending");
@@ -1194,8 +1195,13 @@ static void test_device_timer(void) {
     CHECK_OK(gdp_ctx_timer_start(gpu, 20));
     for (int r = 0; r < 20; r++) CHECK_OK(gdp_tensor_add(b, b, a, 0.5));
     CHECK_OK(gdp_ctx_timer_stop(gpu, &ms));
-    CHECK(ms > 0.2 * host_ms && ms < host_ms + 0.5 && ms < 20,
-          "20 queued axpys: %g ms on the device, %g ms host-synchronised", ms, host_ms);
+    /* (a sanitizer slows the device past the hold: GDP_TEST_NO_TIMINGS drops the bound) */
+    if (getenv("GDP_TEST_NO_TIMINGS"))
+      printf("  20 queued axpys: %g ms on the device, %g ms host-synchronised (GDP_TEST_NO_TIMINGS: "
+             "bounds not checked)\n", ms, host_ms);
+    else
+      CHECK(ms > 0.2 * host_ms && ms < host_ms + 0.5 && ms < 20,
+            "20 queued axpys: %g ms on the device, %g ms host-synchronised", ms, host_ms);
   }
   gdp_tensor_free(a);
   gdp_tensor_free(b);
