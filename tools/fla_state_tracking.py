@@ -205,6 +205,10 @@ def train(a, torch, F, Config, Model, dev, nh):
             opt.step()
             sched.step()
             step += 1
+            if step == 1:  # fla's Triton compile and autotune happen here, minutes per new (K, n)
+                torch.cuda.synchronize()
+                print(f"fla_state_tracking: {a.task} nh={nh} first step done after "
+                      f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
             if step % a.eval_every == 0 or step == total:
                 loss_value = float(loss)
                 acc = evaluate()
