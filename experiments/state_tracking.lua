@@ -200,8 +200,10 @@ local function run_config(cfg, ctx)
   local per_epoch = math.max(1, math.floor(cfg.train_seqs / cfg.batch))
   local t0, tokens, acc, last_loss, step = gdp.time(), 0, nil, nil, 0
   local before_s = 0 -- training seconds of the earlier calls of a continued config
+  -- --curriculum (the authors' option): the loss scores the first `scored` group tokens;
+  -- an epoch whose mean loss is below 0.3 adds one
+  local scored, epoch_loss = cfg.curriculum and math.min(2, cfg.train_len) or cfg.train_len, 0
   local resumed = ctx and find_partial(ctx)
-  local resumed_curriculum
   if resumed then
     local meta
     step, meta = train.load_checkpoint(resumed, { model = model, optimizer = opt })
@@ -211,15 +213,11 @@ local function run_config(cfg, ctx)
                           tostring(partial.key), ctx.key))
     end
     tokens, before_s, last_loss = partial.tokens, partial.train_s, partial.loss
-    resumed_curriculum = { scored = partial.scored, epoch_loss = partial.epoch_loss }
+    scored, epoch_loss = partial.scored, partial.epoch_loss
     io.stderr:write(string.format("state_tracking: %s continues from step %d of %d (%s)\n", config_label(cfg),
                                   step, steps, resumed))
   end
   local own = ctx and ctx.run and ctx.run.dir and partial_path(ctx.run.dir, ctx.key)
-  -- --curriculum (the authors' option): the loss scores the first `scored` group tokens;
-  -- an epoch whose mean loss is below 0.3 adds one
-  local scored, epoch_loss = cfg.curriculum and math.min(2, cfg.train_len) or cfg.train_len, 0
-  if resumed and cfg.curriculum then scored, epoch_loss = resumed_curriculum.scored, resumed_curriculum.epoch_loss end
   local first = cfg.bos and 2 or 1 -- label column of the first group token
   while step < steps do
     step = step + 1

@@ -82,14 +82,8 @@ def main():
         return
     rows = []
     for nh in [int(x) for x in a.nh.split(",")]:
-        cfg = GatedDeltaProductConfig(
-            hidden_size=a.hidden, num_heads=a.heads, head_dim=a.head_dim, expand_v=1.0,
-            use_output_gate=False, use_short_conv=False, use_forget_gate=False,
-            allow_neg_eigval=a.beta_max == 2, num_householder=nh, num_hidden_layers=1,
-            hidden_ratio=4, vocab_size=a.vocab, fuse_cross_entropy=False, tie_word_embeddings=False)
-        model = GatedDeltaProductForCausalLM(cfg).to(dev, torch.bfloat16)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
-                                weight_decay=1e-6)
+        model, opt = model_and_optimizer(a, torch, GatedDeltaProductConfig, GatedDeltaProductForCausalLM,
+                                         dev, nh, a.vocab)
         x = torch.randint(0, a.vocab, (a.batch, a.length), device=dev)
         y = torch.randint(0, a.vocab, (a.batch, a.length), device=dev)
 
@@ -119,6 +113,20 @@ def main():
         torch.cuda.empty_cache()
     print(json.dumps({"tool": "fla_state_tracking", "fla_commit": commit, "torch": torch.__version__,
                       "device": torch.cuda.get_device_name(), "rows": rows}))
+
+
+def model_and_optimizer(a, torch, Config, Model, dev, nh, vocab):
+    """The study's model (one layer; no short conv, output gate or forget gate; x4 SwiGLU)
+    in bf16 and its AdamW."""
+    cfg = Config(
+        hidden_size=a.hidden, num_heads=a.heads, head_dim=a.head_dim, expand_v=1.0,
+        use_output_gate=False, use_short_conv=False, use_forget_gate=False,
+        allow_neg_eigval=a.beta_max == 2, num_householder=nh, num_hidden_layers=1,
+        hidden_ratio=4, vocab_size=vocab, fuse_cross_entropy=False, tie_word_embeddings=False)
+    model = Model(cfg).to(dev, torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                            weight_decay=1e-6)
+    return model, opt
 
 
 def group_table(task):
@@ -157,15 +165,7 @@ def train(a, torch, F, Config, Model, dev, nh):
     gen.manual_seed(2)
     x_test, y_test = word_problems(torch, table, a.eval_batch, a.eval_len, gen, dev)
     torch.manual_seed(a.seed)
-    cfg = Config(
-        hidden_size=a.hidden, num_heads=a.heads, head_dim=a.head_dim, expand_v=1.0,
-        use_output_gate=False, use_short_conv=False, use_forget_gate=False,
-        allow_neg_eigval=a.beta_max == 2, num_householder=nh, num_hidden_layers=1,
-        hidden_ratio=4, vocab_size=vocab + (1 if a.bos else 0), fuse_cross_entropy=False,
-        tie_word_embeddings=False)
-    model = Model(cfg).to(dev, torch.bfloat16)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
-                            weight_decay=1e-6)
+    model, opt = model_and_optimizer(a, torch, Config, Model, dev, nh, vocab + (1 if a.bos else 0))
     per_epoch = (a.train_seqs + a.batch - 1) // a.batch
     total = a.epochs * per_epoch
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=total)

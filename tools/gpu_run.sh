@@ -230,15 +230,16 @@ if [[ $MODE == profile ]]; then
   fi
 fi
 if [[ $MODE == study ]]; then
-  left_s=$((BUDGET_S - ($(date +%s) - t0) - ${STUDY_SLACK:-40}))
+  slack=${STUDY_SLACK:-40}
+  left_s=$((BUDGET_S - ($(date +%s) - t0) - slack))
   if ((left_s < 60)); then
-    say "out of time: the study needs more than ${STUDY_SLACK:-40}s of slack and 60s to run"
+    say "out of time: the study needs more than ${slack}s of slack and 60s to run"
     skipped=$((skipped + 1))
   else
     runs=$(mktemp -d)
     say "state_tracking grid for ${left_s}s${STUDY_RESUME:+, resuming $STUDY_RESUME}: ${STUDY_ARGS:-}"
     # shellcheck disable=SC2086 # STUDY_ARGS is a list of options
-    GDP_RUNS_DIR=$runs timeout -k 10 $((left_s + ${STUDY_SLACK:-40})) ./gdp experiments/state_tracking.lua \
+    GDP_RUNS_DIR=$runs timeout -k 10 $((left_s + slack)) ./gdp experiments/state_tracking.lua \
       --device cuda --dtype bf16 --time_budget "$left_s" ${STUDY_RESUME:+--resume "$STUDY_RESUME"} \
       ${STUDY_ARGS:-} >"$DIR/state_tracking.log" 2>&1
     say "state_tracking rc=$?"

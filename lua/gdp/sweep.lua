@@ -618,7 +618,7 @@ function M.run(opts)
   local sweep_t0 = wall_clock()
   local budget_left = budget and function() return budget - (wall_clock() - sweep_t0) end or nil
   for k, p in ipairs(plan) do
-    if budget and wall_clock() - sweep_t0 >= budget then
+    if budget_left and budget_left() <= 0 then
       -- the budget is spent: this row and the rest are not started (nor written)
       local message = string.format("not started: the sweep's time budget of %g s was spent", budget)
       for j = k, #plan do
