@@ -382,6 +382,21 @@ describe("gdp.nn modules: CrossEntropy", function()
     local _, wd2 = F.cross_entropy(logits, tg2, { ignore_index = 0 })
     assert.are.equal(0, gdp.rel_error(crit:backward(logits, tg2), wd2))
   end)
+
+  it("backward knows other targets by their object, not by what their printout shows", function()
+    H.reseed(36)
+    local crit = nn.CrossEntropy()
+    local logits = gdp.randn({ 1001, 4 }, { dtype = "f64" }) -- past 1000 values the printout elides
+    local tg = tokens({ 1001 }, 4)
+    local values = tg:totable()
+    values[500] = (values[500] + 1) % 4 -- a middle value: the printout looks the same
+    local other = gdp.tensor(values, { 1001 }, { dtype = "i64" })
+    assert.are.equal(tostring(tg), tostring(other))
+    assert.are.equal(tg:version(), other:version())
+    crit:forward(logits, tg)
+    local _, want = F.cross_entropy(logits, other)
+    assert.are.equal(0, gdp.rel_error(crit:backward(logits, other), want))
+  end)
 end)
 
 describe("gdp.nn modules: bad input", function()

@@ -32,9 +32,9 @@ function CrossEntropy.new(cfg)
   return self
 end
 
+-- (Module.cache_for: by object and write count, no read of their values)
 local function key_of(targets, mask)
-  return tostring(targets) .. "@" .. targets:version() ..
-         (mask and (":" .. tostring(mask) .. "@" .. mask:version()) or "")
+  return { targets, targets:version(), mask or false, mask and mask:version() or 0 }
 end
 
 function CrossEntropy:forward(logits, targets, mask)

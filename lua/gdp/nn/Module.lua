@@ -139,13 +139,26 @@ function Module.check_grad_output(fn, dy, like)
   end
 end
 
+-- Cache keys are nil, a string, or a list compared item by item with rawequal: a
+-- tensor by its object (never its values: reading a cuda tensor's would wait on the
+-- device), next to its write count.  The cache holds the key, so its tensors stay alive
+-- and no other tensor takes their place.
+local function same_key(a, b)
+  if type(a) ~= "table" or type(b) ~= "table" then return a == b end
+  if #a ~= #b then return false end
+  for i = 1, #a do
+    if not rawequal(a[i], b[i]) then return false end
+  end
+  return true
+end
+
 -- The forward cache of self when it was computed from exactly this input object, not
--- written since (x:version()), with the same extra key (e.g. cu_seqlens' values); nil
+-- written since (x:version()), with the same extra key (e.g. the packing); nil
 -- otherwise, and backward then runs the forward again.
 function Module.cache_for(self, x, key)
   local c = self.cache
   if c == nil or not rawequal(c.input, x) or c.input_version ~= x:version() then return nil end
-  if c.key ~= key then return nil end
+  if not same_key(c.key, key) then return nil end
   return c
 end
 
@@ -155,11 +168,11 @@ function Module.set_cache(self, x, key, cache)
   return cache
 end
 
--- A string naming the values of a packing argument (nil, a table of offsets or an int
--- tensor), for cache keys.
+-- The cache key of a packing argument: nil, a table of offsets (by its values: it may
+-- be changed in place) or an int tensor (by its object and write count).
 function Module.packing_key(cu)
   if cu == nil then return "unpacked" end
-  if tensor.is_tensor(cu) then return tostring(cu) .. "@" .. cu:version() end
+  if tensor.is_tensor(cu) then return { cu, cu:version() } end
   if type(cu) ~= "table" then return "?" .. tostring(cu) end
   local parts = {}
   for i = 1, #cu do parts[i] = tostring(cu[i]) end
