@@ -10,6 +10,7 @@ local gdp = require("gdp")
 local nn = require("gdp.nn")
 local F = nn.functional
 local H = gdp_test
+local ops = require("gdp.ops")
 
 local OP_TOL = { f32 = 1e-4, bf16 = 1e-2 }
 local MODEL_TOL = { f32 = 1e-4, bf16 = 5e-2 }
@@ -91,7 +92,10 @@ end)
 
 describe("model layer ops check their integer inputs on cuda #gpu", function()
   -- Tokens and targets are validated on the device there (no host pass over them): the
-  -- same errors as on the cpu, at the first bad position, wherever the ids live.
+  -- same errors as on the cpu, at the first bad position, wherever the ids live,
+  -- reported by the next op that waits on the device (gdp.h, "model layer ops").
+  local function waited(f) return function() f(); gdp.device("cuda"):sync() end end
+
   it("rejects an out-of-range token in the embedding, naming the first position", function()
     if not H.need_device("cuda") then return end
     local w = on_cuda(gdp.randn({ 5, 8 }, { dtype = "f64" }), "bf16")
@@ -101,10 +105,11 @@ describe("model layer ops check their integer inputs on cuda #gpu", function()
     for _, dt in ipairs({ "i32", "i64" }) do
       local tokens = gdp.tensor(t, { 3, 1000 }, { dtype = dt })
       local want = "tokens: expected values in [0, 5) (num_embeddings), got 7 at [2,0]"
-      H.expect_error(function() F.embedding(w, tokens:to("cuda")) end, want)
-      H.expect_error(function() F.embedding(w, tokens) end, want)
+      H.expect_error(waited(function() F.embedding(w, tokens:to("cuda")) end), want)
+      H.expect_error(function() F.embedding(w, tokens):cpu() end, want)
+      H.expect_error(function() F.embedding(ref64(w), tokens) end, want)
       local dout = on_cuda(gdp.randn({ 3, 1000, 8 }, { dtype = "f64" }), "bf16")
-      H.expect_error(function() F.embedding_backward(tokens:to("cuda"), dout, 5) end, want)
+      H.expect_error(waited(function() F.embedding_backward(tokens:to("cuda"), dout, 5) end), want)
       H.expect_error(function() F.embedding_backward(tokens, ref64(dout), 5) end, want)
     end
   end)
@@ -114,11 +119,65 @@ describe("model layer ops check their integer inputs on cuda #gpu", function()
     local tokens = gdp.tensor({ 0, 1, 6, 2 }, { 4 }, { dtype = "i64" })
     local want = "tokens: expected values in [0, 5) (num_embeddings), got 6 at [2]"
     local w = on_cuda(gdp.zeros({ 5, 0 }, { dtype = "f64" }), "f32")
-    H.expect_error(function() F.embedding(w, tokens:to("cuda")) end, want)
+    H.expect_error(waited(function() F.embedding(w, tokens:to("cuda")) end), want)
     H.expect_error(function() F.embedding(ref64(w), tokens) end, want)
     local dout = on_cuda(gdp.zeros({ 4, 0 }, { dtype = "f64" }), "f32")
-    H.expect_error(function() F.embedding_backward(tokens:to("cuda"), dout, 5) end, want)
+    H.expect_error(waited(function() F.embedding_backward(tokens:to("cuda"), dout, 5) end), want)
     H.expect_error(function() F.embedding_backward(tokens, ref64(dout), 5) end, want)
+  end)
+
+  it("queues its checks without waiting, and the next wait reports the first failed one, once", function()
+    if not H.need_device("cuda") then return end
+    H.reseed(58)
+    local ctx = gdp.device("cuda")
+    local w = on_cuda(gdp.randn({ 5, 8 }, { dtype = "f64" }), "f32")
+    local good = gdp.tensor(ids(600, 5, 1), { 2, 300 }, { dtype = "i32" }):to("cuda")
+    local dout = on_cuda(gdp.randn({ 2, 300, 8 }, { dtype = "f64" }), "f32")
+    local logits = on_cuda(gdp.randn({ 2, 300, 5 }, { dtype = "f64" }), "f32")
+    local crit = nn.CrossEntropy()
+    -- a step's checks (embedding forward and backward, the loss's targets) behind a hold:
+    -- the host queues them all before the device gets to the first
+    local function step()
+      F.embedding(w, good)
+      crit:forward_tensor(logits, good)
+      F.embedding_backward(good, dout, 5)
+    end
+    step()
+    local hold_ms = 300
+    local dev, host, note = ops.timed_device(ctx, step, hold_ms)
+    assert.is_number(dev, note)
+    assert.is_true(host < 0.25 * hold_ms / 1e3, ("the host took %.1f ms to queue three checked ops behind a %d ms hold")
+                                                  :format(host * 1e3, hold_ms))
+    -- a bad token: the op returns, the next wait (here a later, good op's read back)
+    -- reports it with the embedding's message, and the one after is clean
+    local t = ids(600, 5, 1)
+    t[302] = 9
+    local bad = gdp.tensor(t, { 2, 300 }, { dtype = "i64" }):to("cuda")
+    local out = F.embedding(w, bad)
+    local fine = F.embedding(w, good)
+    H.expect_error(function() fine:cpu() end, "gdp_nn_embedding_forward",
+                   "tokens: expected values in [0, 5) (num_embeddings), got 9 at [1,1]")
+    ctx:sync()
+    assert.tensor_near(fine, F.embedding(ref64(w), good:to("cpu")), 1e-6)
+    out:free()
+    -- a bad target in a loss left on the device: reported when the loss is read
+    local tb = ids(600, 5, 1)
+    tb[5] = 7
+    local lt = crit:forward_tensor(logits, gdp.tensor(tb, { 2, 300 }, { dtype = "i32" }):to("cuda"))
+    H.expect_error(function() lt:get(1) end,
+                   "targets: expected values in [0, 5) (logits' last dim) or ignore_index = -100, got 7 at [0,4]")
+    ctx:sync()
+    -- more checks than the slots between two waits: the op that finds them full waits,
+    -- and reports the first failure, not a later one
+    H.expect_error(function()
+      for i = 1, 70 do
+        local ti = ids(600, 5, 1)
+        ti[i] = 100 + i
+        F.embedding(w, gdp.tensor(ti, { 2, 300 }, { dtype = "i32" }):to("cuda"))
+      end
+    end, "got 101 at [0,0]")
+    ctx:sync()
+    assert.tensor_near(F.embedding(w, good), F.embedding(ref64(w), good:to("cpu")), 1e-6)
   end)
 
   it("rejects an out-of-range counted target, not an ignored or masked one", function()

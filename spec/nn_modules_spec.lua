@@ -256,6 +256,26 @@ describe("gdp.nn modules: with gdp.interchange, gdp.optim and gdp.train", functi
       first, last = first or r.loss, r.loss
     end
     assert.is_true(last < first, string.format("loss %.4f after 8 steps, %.4f at the first", last, first))
+    -- the step reads a forward_tensor criterion's loss after the norms: the same steps
+    -- as with a criterion that gives numbers
+    local function run(criterion)
+      reseed(38)
+      local m = nn.CausalLM(opts)
+      local o = optim.AdamW(m, { lr = 1e-2 })
+      local losses = {}
+      for i = 1, 3 do
+        losses[i] = train.step{ model = m, optimizer = o, criterion = criterion, max_grad_norm = 0.5,
+                                batch = { input = tok, target = tok } }.loss
+      end
+      return losses, m:forward(tok)
+    end
+    local c = nn.CrossEntropy()
+    local numbers = { forward = function(_, ...) return (c:forward(...)) end,
+                      backward = function(_, ...) return c:backward(...) end }
+    local l1, out1 = run(nn.CrossEntropy())
+    local l2, out2 = run(numbers)
+    assert.are.same(l2, l1)
+    assert.are.equal(0, gdp.rel_error(out1, out2))
   end)
 end)
 
@@ -381,6 +401,14 @@ describe("gdp.nn modules: CrossEntropy", function()
     local tg2 = tokens({ 4, 3 }, 5)
     local _, wd2 = F.cross_entropy(logits, tg2, { ignore_index = 0 })
     assert.are.equal(0, gdp.rel_error(crit:backward(logits, tg2), wd2))
+    -- forward_tensor: the same loss left in a tensor, the same cached gradient
+    local lt = crit:forward_tensor(logits, tg, mask)
+    assert.is_nil(crit.loss)
+    assert.is_nil(crit.count)
+    assert.are.same({ 1 }, lt:shape())
+    assert.are.equal(want, lt:get(1))
+    assert.are.equal(count, crit.result:get(2))
+    assert.are.equal(0, gdp.rel_error(crit:backward(logits, tg, mask), wd))
   end)
 
   it("backward knows other targets by their object, not by what their printout shows", function()

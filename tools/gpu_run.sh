@@ -9,8 +9,8 @@
 #            CPU-only and left to CI), the cuda comm and CP specs over a one-rank NCCL
 #            communicator (GDP_COMM_NCCL=2), check_reference --device cuda in bf16, f32 and
 #            bf16 --save-for-backward, then compute-sanitizer memcheck and racecheck on
-#            the lab's small problems and on the mixer kernels' C test, memcheck on the
-#            tensor ops' C test.                                              ~7 minutes
+#            the lab's small problems and on the mixer and model layer kernels' C tests,
+#            memcheck on the tensor ops' C test.                              ~7 minutes
 #   bench    ./gdp build, then bench_gdp --against-fla --set issue22 (the README's
 #            command: 11 shapes, 4 head sizes, one packed), plain and saving for backward
 #            (JSON in DIR/bench_gdp.json).  fla's source in .fla/ (carry it); a warm
@@ -132,11 +132,14 @@ if [[ $MODE == check ]]; then
       grep -E "(ERROR|RACECHECK) SUMMARY" "$DIR/sanitizer.log" | tail -1 | tee -a "$LOG"
     done
   done
-  # the mixer kernels (conv1d, output norm, input stage) through their C test
-  for tool in memcheck racecheck; do
-    left 40 "compute-sanitizer $tool on test_cuda_mixer" || break
-    run sanitizer 60 compute-sanitizer --tool $tool "$BUILD/test_cuda_mixer"
-    grep -E "(ERROR|RACECHECK) SUMMARY" "$DIR/sanitizer.log" | tail -1 | tee -a "$LOG"
+  # the mixer kernels (conv1d, output norm, input stage) and the model layer ops
+  # (embedding, cross-entropy, their deferred index checks) through their C tests
+  for t in test_cuda_mixer test_cuda_nn; do
+    for tool in memcheck racecheck; do
+      left 40 "compute-sanitizer $tool on $t" || break 2
+      run sanitizer 60 compute-sanitizer --tool $tool "$BUILD/$t"
+      grep -E "(ERROR|RACECHECK) SUMMARY" "$DIR/sanitizer.log" | tail -1 | tee -a "$LOG"
+    done
   done
   # the tensor ops (copies, fills, row paths, sums, matmuls); its out-of-memory checks
   # fail allocations on purpose (API errors not reported) and its timer bounds mean

@@ -757,8 +757,13 @@ gdp_status gdp_optim_sgd_step(gdp_tensor *param, const gdp_tensor *grad,
  * results; NULL backward results are not computed), and: f64 and f32 on the cpu, also
  * bf16 on cuda (float32 math inside, bf16 rounded once on store); integer inputs
  * (tokens, targets) are int32 or int64 and may live on the host or on ctx's device:
- * every value is validated (on cuda on the device, with one small read back per call),
- * and the first one out of range is an error naming its position.
+ * every value is validated, and the first one out of range is an error naming its
+ * position.  On the cpu the op returns that error.  On cuda the values are checked on
+ * the device and the verdict is read with the next wait on it (a read back, a
+ * reduction, gdp_ctx_sync: whichever op waits returns the error, with the checking
+ * op's message), so that a training step waits on the device once, not once per check;
+ * the faulty op's outputs are not to be used, and nothing that reads them back can
+ * return before the error.
  */
 
 /* SwiGLU's gate: out = silu(gate) * up, elementwise; gate and up of one shape. */
@@ -792,6 +797,12 @@ gdp_status gdp_nn_cross_entropy(gdp_ctx *ctx, const gdp_tensor *logits,
                                 const gdp_tensor *targets, const gdp_tensor *mask,
                                 int64_t ignore_index, double *loss, int64_t *count,
                                 gdp_tensor **dlogits);
+/* The same without a read back: *result a new float64 [2] tensor on ctx's device, the
+ * mean loss and the counted rows (gdp_nn_cross_entropy reads it). */
+gdp_status gdp_nn_cross_entropy_result(gdp_ctx *ctx, const gdp_tensor *logits,
+                                       const gdp_tensor *targets, const gdp_tensor *mask,
+                                       int64_t ignore_index, gdp_tensor **result,
+                                       gdp_tensor **dlogits);
 
 /* ------------------------------------------------------------------ collectives */
 

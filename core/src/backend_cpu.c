@@ -1140,9 +1140,12 @@ static gdp_status cpu_embedding_backward(gdp_ctx *ctx, const gdp_embedding_probl
 }
 
 static gdp_status cpu_cross_entropy(gdp_ctx *ctx, const gdp_cross_entropy_problem *p,
-                                    const void *logits, double *loss_sum, void *dlogits) {
-  CPU_FLOAT_DISPATCH(p->dtype, gdp_cpu_cross_entropy_f64(p, logits, loss_sum, dlogits),
-                     gdp_cpu_cross_entropy_f32(p, logits, loss_sum, dlogits));
+                                    const void *logits, void *result, void *dlogits) {
+  double loss_sum = 0.0;
+  CPU_FLOAT_DISPATCH(p->dtype, gdp_cpu_cross_entropy_f64(p, logits, &loss_sum, dlogits),
+                     gdp_cpu_cross_entropy_f32(p, logits, &loss_sum, dlogits));
+  ((double *)result)[0] = loss_sum * p->scale;
+  ((double *)result)[1] = (double)p->counted;
   return GDP_OK;
 }
 

@@ -49,6 +49,8 @@ _Static_assert((int)GDP_RNG_UNIFORM == GDP_CUDA_RNG_UNIFORM &&
 enum { OP_NAME_LEN = 96, DEFERRED_LEN = 256 };
 /* pinned result slots: one wait per this many reductions in reduce_many */
 enum { kReduceSlots = 64 };
+/* index checks queued between two waits on the device (one more waits first) */
+enum { kPendingChecks = 64 };
 
 typedef struct cuda_state {
   cudaStream_t stream;
@@ -63,6 +65,14 @@ typedef struct cuda_state {
   char prev_op[OP_NAME_LEN];
   /* release() cannot return an error; a failure there is reported at the next sync. */
   char deferred_error[DEFERRED_LEN];
+  /* The model layer ops' index checks (nn_problem.h) queued since the last wait: each
+   * one's verdict ({first bad position or -1, its value}) is written by the device into
+   * its pair of check_slots (pinned, mapped) when the stream gets there, and the next
+   * stream_sync reports the first failed one, so that a check costs no wait of its own. */
+  gdp_index_check pending[kPendingChecks];
+  int n_pending;
+  int64_t *check_slots;     /* host view: 2 x kPendingChecks */
+  int64_t *check_slots_dev; /* the same memory, the device's pointer */
   /* gdp_ctx_timer_start / _stop: the marks (created on the first start) and whether a
    * start is pending */
   cudaEvent_t timer_mark[2];
@@ -98,6 +108,8 @@ static gdp_status op_begin(gdp_ctx *ctx, const char *op, const gdp_tensor *t) {
 static gdp_status stream_sync(gdp_ctx *ctx) {
   cuda_state *st = state_of(ctx);
   cudaError_t e = cudaStreamSynchronize(st->stream);
+  const int checks = st->n_pending;
+  st->n_pending = 0; /* after a failed wait their slots mean nothing */
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
     return GDP_ERROR(GDP_ERR_CUDA,
@@ -111,6 +123,10 @@ static gdp_status stream_sync(gdp_ctx *ctx) {
     gdp_status s = GDP_ERROR(GDP_ERR_CUDA, "cuda:%d: %s", ctx->index, st->deferred_error);
     st->deferred_error[0] = '\0';
     return s;
+  }
+  for (int i = 0; i < checks; i++) {
+    const int64_t *v = st->check_slots + 2 * i;
+    if (v[0] >= 0) return st->pending[i].report(&st->pending[i], v[0], v[1]);
   }
   return GDP_OK;
 }
@@ -149,6 +165,7 @@ static void destroy_state(gdp_ctx *ctx, cuda_state *st) {
   if (st->blas) (void)cublasDestroy(st->blas);
   if (st->reduce_workspace) (void)cudaFree(st->reduce_workspace);
   if (st->reduce_result) (void)cudaFreeHost(st->reduce_result);
+  if (st->check_slots) (void)cudaFreeHost(st->check_slots);
   for (int i = 0; i < 2; i++)
     if (st->timer_mark[i]) (void)cudaEventDestroy(st->timer_mark[i]);
   if (st->stream) (void)cudaStreamDestroy(st->stream);
@@ -175,6 +192,9 @@ static gdp_status init_state(gdp_ctx *ctx, cuda_state *st) {
   GDP_CUDA_TRY(cudaMalloc((void **)&st->reduce_workspace,
                           GDP_CUDA_REDUCE_WORKSPACE * sizeof(double)));
   GDP_CUDA_TRY(cudaMallocHost((void **)&st->reduce_result, kReduceSlots * sizeof(double)));
+  GDP_CUDA_TRY(cudaHostAlloc((void **)&st->check_slots, 2 * kPendingChecks * sizeof(int64_t),
+                             cudaHostAllocMapped));
+  GDP_CUDA_TRY(cudaHostGetDevicePointer((void **)&st->check_slots_dev, st->check_slots, 0));
   st->sync_every_op = gdp_debug_sync_every_op();
   snprintf(st->last_op, sizeof st->last_op, "none");
   return GDP_OK;
@@ -967,34 +987,19 @@ static gdp_status fault_word(gdp_ctx *ctx, unsigned long long **out) {
   return GDP_OK;
 }
 
-/* nbytes of device memory at src into the host's dst, once the stream has reached them:
- * the one read back of a model layer op (its check, or a host result). */
-static gdp_status read_back(gdp_ctx *ctx, const char *what, void *dst, const void *src,
-                            size_t nbytes) {
-  cudaError_t e = cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDeviceToHost, state_of(ctx)->stream);
-  if (e != cudaSuccess) {
-    (void)cudaGetLastError();
-    return GDP_ERROR(GDP_ERR_CUDA, "copying %s from cuda:%d failed: %s (%s)", what, ctx->index,
-                     cudaGetErrorName(e), cudaGetErrorString(e));
-  }
-  return stream_sync(ctx);
-}
-
-/* The fault of a first-bad word read back: the position and (a second read, on this
- * error path only) the value there. */
-static gdp_status fault_of(gdp_ctx *ctx, unsigned long long word, const void *ids, int ids_dtype,
-                           gdp_index_fault *f) {
-  f->at = -1;
-  f->value = 0;
-  if (word == ULLONG_MAX) return GDP_OK;
-  f->at = (int64_t)word;
-  if (ids_dtype == GDP_DTYPE_I32) {
-    int32_t v = 0;
-    GDP_TRY(read_back(ctx, "a bad index", &v, (const int32_t *)ids + f->at, sizeof v));
-    f->value = v;
-    return GDP_OK;
-  }
-  return read_back(ctx, "a bad index", &f->value, (const int64_t *)ids + f->at, sizeof f->value);
+/* Queues the verdict of an index check: after the kernels that set *word (fault_word),
+ * the device writes {first bad position or -1, its value in ids} into the next pair of
+ * check slots, and the next wait reports it (stream_sync).  The word and ids may be
+ * freed once this is queued (stream-ordered). */
+static gdp_status defer_check(gdp_ctx *ctx, const unsigned long long *word, const void *ids,
+                              int ids_dtype, const gdp_index_check *check) {
+  cuda_state *st = state_of(ctx);
+  if (st->n_pending == kPendingChecks) GDP_TRY(stream_sync(ctx));
+  const int i = st->n_pending;
+  GDP_TRY(gdp_cuda_index_fault(word, ids, ids_dtype, st->check_slots_dev + 2 * i, st->stream));
+  st->pending[i] = *check;
+  st->n_pending = i + 1;
+  return GDP_OK;
 }
 
 static gdp_status cuda_silu_mul_forward(gdp_ctx *ctx, gdp_dtype dtype, int64_t n,
@@ -1016,13 +1021,12 @@ static gdp_status cuda_silu_mul_backward(gdp_ctx *ctx, gdp_dtype dtype, int64_t 
 static gdp_status cuda_embedding_forward(gdp_ctx *ctx, const gdp_embedding_problem *p,
                                          const void *weight, void *out) {
   GDP_TRY(mixer_begin(ctx, "embedding_forward", (gdp_dtype)p->dtype, p->n, p->D));
-  unsigned long long *bad = NULL, host_bad = ULLONG_MAX;
+  unsigned long long *bad = NULL;
   GDP_TRY(fault_word(ctx, &bad));
   gdp_status s = gdp_cuda_embedding_fwd(p->dtype, p->n, p->D, p->V, p->ids, p->ids_dtype, weight,
                                         out, bad, state_of(ctx)->stream);
-  if (s == GDP_OK) s = read_back(ctx, "the token check", &host_bad, bad, sizeof host_bad);
+  if (s == GDP_OK) s = defer_check(ctx, bad, p->ids, p->ids_dtype, p->check);
   device_free(ctx, bad);
-  if (s == GDP_OK) s = fault_of(ctx, host_bad, p->ids, p->ids_dtype, p->fault);
   GDP_TRY(s);
   return op_end(ctx);
 }
@@ -1034,41 +1038,35 @@ static gdp_status cuda_embedding_backward(gdp_ctx *ctx, const gdp_embedding_prob
   if (ws_bytes == 0)
     return GDP_ERROR(GDP_ERR_CUDA, "sizing the embedding backward's sort on cuda:%d failed",
                      ctx->index);
-  unsigned long long *bad = NULL, host_bad = ULLONG_MAX;
+  unsigned long long *bad = NULL;
   void *ws = NULL;
   GDP_TRY(fault_word(ctx, &bad));
   gdp_status s = mixer_workspace(ctx, ws_bytes, &ws);
   if (s == GDP_OK)
     s = gdp_cuda_embedding_bwd(p->dtype, p->n, p->V, p->D, p->ids, p->ids_dtype, d_out, dweight,
                                ws, bad, state_of(ctx)->stream);
-  if (s == GDP_OK) s = read_back(ctx, "the token check", &host_bad, bad, sizeof host_bad);
+  if (s == GDP_OK) s = defer_check(ctx, bad, p->ids, p->ids_dtype, p->check);
   if (ws) device_free(ctx, ws);
   device_free(ctx, bad);
-  if (s == GDP_OK) s = fault_of(ctx, host_bad, p->ids, p->ids_dtype, p->fault);
   GDP_TRY(s);
   return op_end(ctx);
 }
 
 static gdp_status cuda_cross_entropy(gdp_ctx *ctx, const gdp_cross_entropy_problem *p,
-                                     const void *logits, double *loss_sum, void *dlogits) {
+                                     const void *logits, void *result, void *dlogits) {
   GDP_TRY(mixer_begin(ctx, "cross_entropy", (gdp_dtype)p->dtype, p->rows, p->V));
   void *ws = NULL, *res = NULL;
-  gdp_cuda_xent_result host = {0};
   gdp_status s = mixer_workspace(ctx, gdp_cuda_cross_entropy_workspace(p->rows), &ws);
-  if (s == GDP_OK) s = mixer_workspace(ctx, sizeof host, &res);
+  if (s == GDP_OK) s = mixer_workspace(ctx, sizeof(gdp_cuda_xent_result), &res);
   if (s == GDP_OK)
     s = gdp_cuda_cross_entropy(p->dtype, p->rows, p->V, p->ids, p->ids_dtype, p->mask,
-                               p->ignore_index, logits, dlogits, (gdp_cuda_xent_result *)res, ws,
-                               state_of(ctx)->stream);
-  /* The loss is a host value: its sum, the count and the check come back together. */
-  if (s == GDP_OK) s = read_back(ctx, "the loss", &host, res, sizeof host);
+                               p->ignore_index, logits, dlogits, (gdp_cuda_xent_result *)res,
+                               (double *)result, ws, state_of(ctx)->stream);
+  if (s == GDP_OK)
+    s = defer_check(ctx, &((gdp_cuda_xent_result *)res)->first_bad, p->ids, p->ids_dtype,
+                    p->check);
   if (res) device_free(ctx, res);
   if (ws) device_free(ctx, ws);
-  if (s == GDP_OK) {
-    *loss_sum = host.loss_sum;
-    *p->count = host.count;
-    s = fault_of(ctx, host.first_bad, p->ids, p->ids_dtype, p->fault);
-  }
   GDP_TRY(s);
   return op_end(ctx);
 }

@@ -153,8 +153,9 @@ struct gdp_backend {
   /* The model layer ops (gdp.h, "model layer ops"; op_nn.c), on contiguous buffers of
    * the compute dtype; integer inputs as device_indices says (nn_problem.h).  silu_mul
    * backward outputs may be NULL.  embedding_backward's dweight is float32 for bf16
-   * d_out.  cross_entropy writes the unscaled loss sum (a host double) and, when
-   * dlogits is not NULL, the gradient. */
+   * d_out.  cross_entropy writes its result (nn_problem.h: the mean loss and the counted
+   * rows, two doubles in the device's memory) and, when dlogits is not NULL, the
+   * gradient; a device-index backend may report its index check later (nn_problem.h). */
   gdp_status (*silu_mul_forward)(gdp_ctx *ctx, gdp_dtype dtype, int64_t n, const void *gate,
                                  const void *up, void *out);
   gdp_status (*silu_mul_backward)(gdp_ctx *ctx, gdp_dtype dtype, int64_t n, const void *gate,
@@ -164,7 +165,7 @@ struct gdp_backend {
   gdp_status (*embedding_backward)(gdp_ctx *ctx, const gdp_embedding_problem *p,
                                    const void *d_out, void *dweight);
   gdp_status (*cross_entropy)(gdp_ctx *ctx, const gdp_cross_entropy_problem *p,
-                              const void *logits, double *loss_sum, void *dlogits);
+                              const void *logits, void *result, void *dlogits);
   /* 1: the mixer and model layer entries above also take bf16 buffers (float32 math
    * inside); 0: the op layer refuses bf16 inputs to them on this device. */
   int mixer_bf16;

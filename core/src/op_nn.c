@@ -45,18 +45,33 @@ static gdp_status host_indices(const char *func, const gdp_tensor *t, int64_t **
   return s;
 }
 
-/* "[i,j,k]": the multi-index of flat position `flat` in t (row-major), for messages. */
-static const char *index_str(char *buf, size_t len, const gdp_tensor *t, int64_t flat) {
+/* "[i,j,k]": the multi-index of flat position `flat` in a row-major shape, for messages. */
+static const char *index_str(char *buf, size_t len, int ndim, const int64_t *shape,
+                             int64_t flat) {
   int64_t idx[GDP_MAX_DIMS];
-  for (int d = t->ndim - 1; d >= 0; d--) {
-    idx[d] = t->shape[d] > 0 ? flat % t->shape[d] : 0;
-    flat = t->shape[d] > 0 ? flat / t->shape[d] : 0;
+  for (int d = ndim - 1; d >= 0; d--) {
+    idx[d] = shape[d] > 0 ? flat % shape[d] : 0;
+    flat = shape[d] > 0 ? flat / shape[d] : 0;
   }
   size_t used = (size_t)snprintf(buf, len, "[");
-  for (int d = 0; d < t->ndim && used < len; d++)
+  for (int d = 0; d < ndim && used < len; d++)
     used += (size_t)snprintf(buf + used, len - used, d ? ",%lld" : "%lld", (long long)idx[d]);
   if (used < len) snprintf(buf + used, len - used, "]");
   return buf;
+}
+
+/* The check of an index tensor's values against [0, V) (nn_problem.h), whose report is
+ * the message naming the first bad one; by value, so that a backend may report late. */
+static gdp_index_check index_check(const char *func, const gdp_tensor *t, int64_t V,
+                                   int64_t ignore_index,
+                                   gdp_status (*report)(const gdp_index_check *, int64_t,
+                                                        int64_t)) {
+  gdp_index_check c;
+  memset(&c, 0, sizeof c);
+  c.report = report, c.func = func, c.V = V, c.ignore_index = ignore_index;
+  c.ndim = t->ndim;
+  memcpy(c.shape, t->shape, sizeof(int64_t) * (size_t)t->ndim);
+  return c;
 }
 
 /* t's shape is ref's without its last dim (targets against logits, tokens against d_out). */
@@ -153,12 +168,17 @@ gdp_status gdp_nn_silu_mul_backward(gdp_ctx *ctx, const gdp_tensor *gate, const 
 
 /* ------------------------------------------------------------------ embedding */
 
+static gdp_status report_bad_token(const gdp_index_check *c, int64_t i, int64_t v) {
+  char at[160];
+  return GDP_ERROR_IN(c->func, GDP_ERR_INVALID_ARG,
+                      "tokens: expected values in [0, %lld) (num_embeddings), got %lld at %s",
+                      (long long)c->V, (long long)v, index_str(at, sizeof at, c->ndim, c->shape, i));
+}
+
 static gdp_status bad_token(const char *func, const gdp_tensor *tokens, int64_t V, int64_t v,
                             int64_t i) {
-  char at[160];
-  return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG,
-                      "tokens: expected values in [0, %lld) (num_embeddings), got %lld at %s",
-                      (long long)V, (long long)v, index_str(at, sizeof at, tokens, i));
+  const gdp_index_check c = index_check(func, tokens, V, 0, report_bad_token);
+  return c.report(&c, i, v);
 }
 
 /* The host token ids of `tokens`, every one checked to lie in [0, V). */
@@ -212,8 +232,8 @@ gdp_status gdp_nn_embedding_forward(gdp_ctx *ctx, const gdp_tensor *weight,
                         GDP_MAX_DIMS - 1, shape_of(a, sizeof a, tokens));
   gdp_embedding_problem p = {.V = weight->shape[0], .D = weight->shape[1],
                              .num_threads = ctx->num_threads, .dtype = weight->dtype};
-  gdp_index_fault fault = {-1, 0};
-  p.fault = &fault;
+  const gdp_index_check check = index_check(func, tokens, p.V, 0, report_bad_token);
+  p.check = &check;
   int64_t *ids = NULL;
   gdp_tensor *dev_ids = NULL;
   GDP_TRY(stage_tokens(func, ctx, tokens, &p, &ids, &dev_ids));
@@ -224,7 +244,6 @@ gdp_status gdp_nn_embedding_forward(gdp_ctx *ctx, const gdp_tensor *weight,
   gdp_status s = load(ctx, weight, weight->dtype, &tmp[0]);
   if (s == GDP_OK) s = gdp_tensor_empty(ctx, weight->dtype, tokens->ndim + 1, shape, &tmp[1]);
   if (s == GDP_OK) s = ctx->backend->embedding_forward(ctx, &p, ptr(tmp[0]), ptr(tmp[1]));
-  if (s == GDP_OK && fault.at >= 0) s = bad_token(func, tokens, p.V, fault.value, fault.at);
   if (s == GDP_OK) {
     *out = tmp[1];
     tmp[1] = NULL;
@@ -279,8 +298,8 @@ gdp_status gdp_nn_embedding_backward(gdp_ctx *ctx, const gdp_tensor *tokens,
   GDP_TRY(check_leading_shape(func, "tokens", tokens, "d_out", d_out));
   gdp_embedding_problem p = {.V = num_embeddings, .D = d_out->shape[d_out->ndim - 1],
                              .num_threads = ctx->num_threads, .dtype = d_out->dtype};
-  gdp_index_fault fault = {-1, 0};
-  p.fault = &fault;
+  const gdp_index_check check = index_check(func, tokens, p.V, 0, report_bad_token);
+  p.check = &check;
   int64_t *ids = NULL, *row_start = NULL, *row_tokens = NULL;
   gdp_tensor *dev_ids = NULL;
   GDP_TRY(stage_tokens(func, ctx, tokens, &p, &ids, &dev_ids));
@@ -292,7 +311,6 @@ gdp_status gdp_nn_embedding_backward(gdp_ctx *ctx, const gdp_tensor *tokens,
   if (s == GDP_OK) s = load(ctx, d_out, d_out->dtype, &tmp[0]);
   if (s == GDP_OK) s = gdp_tensor_empty(ctx, grad_dt, 2, (const int64_t[]){p.V, p.D}, &tmp[1]);
   if (s == GDP_OK) s = ctx->backend->embedding_backward(ctx, &p, ptr(tmp[0]), ptr(tmp[1]));
-  if (s == GDP_OK && fault.at >= 0) s = bad_token(func, tokens, p.V, fault.value, fault.at);
   if (s == GDP_OK) {
     *dweight = tmp[1];
     tmp[1] = NULL;
@@ -307,14 +325,19 @@ gdp_status gdp_nn_embedding_backward(gdp_ctx *ctx, const gdp_tensor *tokens,
 
 /* ------------------------------------------------------------------ cross-entropy */
 
-static gdp_status bad_target(const char *func, const gdp_tensor *targets, int64_t V,
-                             int64_t ignore_index, int64_t v, int64_t i) {
+static gdp_status report_bad_target(const gdp_index_check *c, int64_t i, int64_t v) {
   char at[160];
-  return GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG,
+  return GDP_ERROR_IN(c->func, GDP_ERR_INVALID_ARG,
                       "targets: expected values in [0, %lld) (logits' last dim) or "
                       "ignore_index = %lld, got %lld at %s",
-                      (long long)V, (long long)ignore_index, (long long)v,
-                      index_str(at, sizeof at, targets, i));
+                      (long long)c->V, (long long)c->ignore_index, (long long)v,
+                      index_str(at, sizeof at, c->ndim, c->shape, i));
+}
+
+static gdp_status bad_target(const char *func, const gdp_tensor *targets, int64_t V,
+                             int64_t ignore_index, int64_t v, int64_t i) {
+  const gdp_index_check c = index_check(func, targets, V, ignore_index, report_bad_target);
+  return c.report(&c, i, v);
 }
 
 /* Each row's class, or -1 where the row does not count (ignore_index, or mask zero);
@@ -356,14 +379,14 @@ static gdp_status read_targets(const char *func, const gdp_tensor *targets,
   return GDP_OK;
 }
 
-gdp_status gdp_nn_cross_entropy(gdp_ctx *ctx, const gdp_tensor *logits,
-                                const gdp_tensor *targets, const gdp_tensor *mask,
-                                int64_t ignore_index, double *loss, int64_t *count,
-                                gdp_tensor **dlogits) {
+gdp_status gdp_nn_cross_entropy_result(gdp_ctx *ctx, const gdp_tensor *logits,
+                                       const gdp_tensor *targets, const gdp_tensor *mask,
+                                       int64_t ignore_index, gdp_tensor **result,
+                                       gdp_tensor **dlogits) {
   static const char *func = "gdp_nn_cross_entropy";
   char a[128];
-  if (loss) *loss = 0.0;
-  if (count) *count = 0;
+  GDP_TRY(need_out(func, "result", result));
+  *result = NULL;
   if (dlogits) *dlogits = NULL;
   NEED_OP(func, ctx, cross_entropy);
   GDP_TRY(need_tensor(func, "logits", logits));
@@ -379,33 +402,29 @@ gdp_status gdp_nn_cross_entropy(gdp_ctx *ctx, const gdp_tensor *logits,
     GDP_TRY(check_same_shape(func, "mask", mask, "targets", targets));
   }
   const int64_t V = logits->shape[logits->ndim - 1];
-  int64_t counted = 0, *target = NULL;
-  gdp_index_fault fault = {-1, 0};
+  int64_t *target = NULL;
+  const gdp_index_check check = index_check(func, targets, V, ignore_index, report_bad_target);
   gdp_cross_entropy_problem p = {.rows = gdp_tensor_numel(targets), .V = V,
                                  .num_threads = ctx->num_threads, .dtype = logits->dtype};
-  gdp_tensor *tmp[4] = {0}; /* logits, dlogits, device targets, device mask */
+  gdp_tensor *tmp[5] = {0}; /* logits, dlogits, device targets, device mask, result */
   gdp_status s = GDP_OK;
   if (ctx->backend->device_indices) {
     s = device_values(ctx, targets, targets->dtype, &tmp[2]);
     if (s == GDP_OK && mask) s = device_values(ctx, mask, GDP_DTYPE_F64, &tmp[3]);
     p.ids = ptr(tmp[2]), p.ids_dtype = targets->dtype, p.mask = (const double *)ptr(tmp[3]);
-    p.ignore_index = ignore_index, p.count = &counted, p.fault = &fault;
+    p.ignore_index = ignore_index, p.check = &check;
   } else {
-    s = read_targets(func, targets, mask, V, ignore_index, &target, &counted);
+    s = read_targets(func, targets, mask, V, ignore_index, &target, &p.counted);
     p.target = target;
-    p.scale = counted > 0 ? 1.0 / (double)counted : 0.0;
+    p.scale = p.counted > 0 ? 1.0 / (double)p.counted : 0.0;
   }
-  double loss_sum = 0.0;
   if (s == GDP_OK) s = load(ctx, logits, logits->dtype, &tmp[0]);
   if (s == GDP_OK) s = buffer_like(ctx, dlogits != NULL, logits->dtype, logits, &tmp[1]);
-  if (s == GDP_OK) s = ctx->backend->cross_entropy(ctx, &p, ptr(tmp[0]), &loss_sum, ptr(tmp[1]));
-  if (s == GDP_OK && fault.at >= 0)
-    s = bad_target(func, targets, V, ignore_index, fault.value, fault.at);
-  if (s == GDP_OK && ctx->backend->device_indices)
-    p.scale = counted > 0 ? 1.0 / (double)counted : 0.0;
+  if (s == GDP_OK) s = gdp_tensor_empty(ctx, GDP_DTYPE_F64, 1, (const int64_t[]){2}, &tmp[4]);
+  if (s == GDP_OK) s = ctx->backend->cross_entropy(ctx, &p, ptr(tmp[0]), ptr(tmp[4]), ptr(tmp[1]));
   if (s == GDP_OK) {
-    if (loss) *loss = loss_sum * p.scale;
-    if (count) *count = counted;
+    *result = tmp[4];
+    tmp[4] = NULL;
     if (dlogits) {
       *dlogits = tmp[1];
       tmp[1] = NULL;
@@ -414,4 +433,27 @@ gdp_status gdp_nn_cross_entropy(gdp_ctx *ctx, const gdp_tensor *logits,
   free(target);
   FREE_ALL(tmp);
   return s;
+}
+
+gdp_status gdp_nn_cross_entropy(gdp_ctx *ctx, const gdp_tensor *logits,
+                                const gdp_tensor *targets, const gdp_tensor *mask,
+                                int64_t ignore_index, double *loss, int64_t *count,
+                                gdp_tensor **dlogits) {
+  if (loss) *loss = 0.0;
+  if (count) *count = 0;
+  gdp_tensor *result = NULL;
+  GDP_TRY(gdp_nn_cross_entropy_result(ctx, logits, targets, mask, ignore_index, &result, dlogits));
+  double host[2] = {0.0, 0.0};
+  gdp_status s = gdp_tensor_to_host(result, GDP_DTYPE_F64, host, sizeof host);
+  gdp_tensor_free(result);
+  if (s != GDP_OK) {
+    if (dlogits) {
+      gdp_tensor_free(*dlogits);
+      *dlogits = NULL;
+    }
+    return s;
+  }
+  if (loss) *loss = host[0];
+  if (count) *count = (int64_t)host[1];
+  return GDP_OK;
 }

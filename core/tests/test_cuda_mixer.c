@@ -51,27 +51,6 @@ static void drop(pair *p) {
   p->c = p->g = NULL;
 }
 
-/* ||gpu - cpu|| / ||cpu|| <= tol; a reference of zeros counts as a failure (the case
- * would test nothing). */
-static void expect_near(const char *what, const gdp_tensor *g, const gdp_tensor *c, double tol) {
-  CHECK(g && c, "%s: missing result (gpu %p, cpu %p)", what, (const void *)g, (const void *)c);
-  if (!g || !c) return;
-  const int64_t n = gdp_tensor_numel(c);
-  CHECK(gdp_tensor_numel(g) == n, "%s: %lld elements on cuda, %lld on the cpu", what,
-        (long long)gdp_tensor_numel(g), (long long)n);
-  if (gdp_tensor_numel(g) != n) return;
-  double *a = malloc((size_t)(n ? n : 1) * sizeof *a), *b = malloc((size_t)(n ? n : 1) * sizeof *b);
-  CHECK_OK(gdp_tensor_to_host(g, GDP_DTYPE_F64, a, (size_t)n * sizeof(double)));
-  CHECK_OK(gdp_tensor_to_host(c, GDP_DTYPE_F64, b, (size_t)n * sizeof(double)));
-  double norm = 0;
-  for (int64_t i = 0; i < n; i++) norm += b[i] * b[i];
-  const double err = tu_rel_err_f64(a, b, n);
-  CHECK(norm > 0, "%s: the reference is all zeros", what);
-  CHECK(err <= tol, "%s: relative error %.3e > %.1e", what, err, tol);
-  free(a);
-  free(b);
-}
-
 static double tol_of(gdp_dtype dt) { return dt == GDP_DTYPE_BF16 ? 1e-2 : 1e-4; }
 
 static gdp_tensor *cu_tensor(gdp_ctx *ctx, const int64_t *cu, int n) {
@@ -115,17 +94,17 @@ static void conv_run(const conv_case *k, gdp_dtype dt) {
   const double tol = tol_of(dt);
   const char *dn = gdp_dtype_name(dt);
   snprintf(what, sizeof what, "conv %s %s: out", k->label, dn);
-  expect_near(what, out[1], out[0], tol);
+  tu_expect_near(what, out[1], out[0], tol);
   snprintf(what, sizeof what, "conv %s %s: dx", k->label, dn);
-  expect_near(what, dxg, dxc, tol);
+  tu_expect_near(what, dxg, dxc, tol);
   /* the weight and bias gradients sum over every token: bf16 products, float32 sums */
   snprintf(what, sizeof what, "conv %s %s: dweight", k->label, dn);
-  expect_near(what, dw[1], dw[0], dt == GDP_DTYPE_BF16 ? 3e-2 : tol);
+  tu_expect_near(what, dw[1], dw[0], dt == GDP_DTYPE_BF16 ? 3e-2 : tol);
   snprintf(what, sizeof what, "conv %s %s: dbias", k->label, dn);
-  expect_near(what, db[1], db[0], dt == GDP_DTYPE_BF16 ? 3e-2 : tol);
+  tu_expect_near(what, db[1], db[0], dt == GDP_DTYPE_BF16 ? 3e-2 : tol);
   if (k->L) {
     snprintf(what, sizeof what, "conv %s %s: dhalo", k->label, dn);
-    expect_near(what, dh[1], dh[0], tol);
+    tu_expect_near(what, dh[1], dh[0], tol);
   }
   for (int i = 0; i < 2; i++) {
     gdp_tensor_free(out[i]), gdp_tensor_free(dw[i]), gdp_tensor_free(db[i]);
@@ -190,7 +169,7 @@ static void norm_run(const norm_case *k, gdp_dtype dt) {
   for (size_t i = 0; i < sizeof res / sizeof res[0]; i++) {
     if (!res[i].on) continue;
     snprintf(what, sizeof what, "out norm %s %s: %s", k->label, dn, res[i].name);
-    expect_near(what, res[i].t[1], res[i].t[0], res[i].tol);
+    tu_expect_near(what, res[i].t[1], res[i].t[0], res[i].tol);
   }
   for (int s = 0; s < 2; s++) {
     gdp_tensor_free(out[s]), gdp_tensor_free(d_o[s]), gdp_tensor_free(dz[s]);
@@ -270,7 +249,7 @@ static void inputs_run(const inputs_case *k, gdp_dtype dt) {
   for (size_t i = 0; i < sizeof res / sizeof res[0]; i++) {
     if (!res[i].on) continue;
     snprintf(what, sizeof what, "inputs %s %s: %s", k->label, dn, res[i].name);
-    expect_near(what, res[i].t[1], res[i].t[0], res[i].tol);
+    tu_expect_near(what, res[i].t[1], res[i].t[0], res[i].tol);
   }
   for (int s = 0; s < 2; s++) {
     gdp_tensor_free(q[s]), gdp_tensor_free(kk[s]), gdp_tensor_free(v[s]), gdp_tensor_free(beta[s]);
@@ -294,24 +273,11 @@ static void test_inputs_silu(void) {
   }
 }
 
-int main(void) {
-  if (gdp_device_count(GDP_DEVICE_CUDA) == 0) {
-    printf("SKIP: no CUDA device\n");
-    return 77;
-  }
-  TEST_BEGIN(SEED);
-  const int64_t baseline = gdp_mem_live_bytes(GDP_DEVICE_CUDA);
-  CHECK_OK(gdp_ctx_new(GDP_DEVICE_CPU, 0, &cpu));
-  CHECK_OK(gdp_ctx_new(GDP_DEVICE_CUDA, 0, &gpu));
-  if (!cpu || !gpu) TEST_END();
+static void run(gdp_ctx *c, gdp_ctx *g) {
+  cpu = c, gpu = g;
   test_conv();
   test_out_norm();
   test_inputs_silu();
-  CHECK_OK(gdp_ctx_sync(gpu));
-  gdp_ctx_free(gpu); /* with the workspaces the ops keep in it */
-  gdp_ctx_free(cpu);
-  CHECK(gdp_mem_live_bytes(GDP_DEVICE_CUDA) == baseline,
-        "cuda live bytes: %lld after freeing everything, %lld at the start",
-        (long long)gdp_mem_live_bytes(GDP_DEVICE_CUDA), (long long)baseline);
-  TEST_END();
 }
+
+CUDA_TEST_MAIN(SEED, run)

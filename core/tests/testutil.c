@@ -37,6 +37,48 @@ int tu_end(void) {
   return tu_failures ? 1 : 0;
 }
 
+/* ||gpu - cpu|| / ||cpu|| <= tol; a reference of zeros counts as a failure (the case
+ * would test nothing). */
+void tu_expect_near(const char *what, const gdp_tensor *g, const gdp_tensor *c, double tol) {
+  CHECK(g && c, "%s: missing result (gpu %p, cpu %p)", what, (const void *)g, (const void *)c);
+  if (!g || !c) return;
+  const int64_t n = gdp_tensor_numel(c);
+  CHECK(gdp_tensor_numel(g) == n, "%s: %lld elements on cuda, %lld on the cpu", what,
+        (long long)gdp_tensor_numel(g), (long long)n);
+  if (gdp_tensor_numel(g) != n) return;
+  double *a = malloc((size_t)(n ? n : 1) * sizeof *a), *b = malloc((size_t)(n ? n : 1) * sizeof *b);
+  CHECK_OK(gdp_tensor_to_host(g, GDP_DTYPE_F64, a, (size_t)n * sizeof(double)));
+  CHECK_OK(gdp_tensor_to_host(c, GDP_DTYPE_F64, b, (size_t)n * sizeof(double)));
+  double norm = 0;
+  for (int64_t i = 0; i < n; i++) norm += b[i] * b[i];
+  const double err = tu_rel_err_f64(a, b, n);
+  CHECK(norm > 0, "%s: the reference is all zeros", what);
+  CHECK(err <= tol, "%s: relative error %.3e > %.1e", what, err, tol);
+  free(a);
+  free(b);
+}
+
+int tu_cuda_main(const char *name, uint64_t seed, void (*run)(gdp_ctx *cpu, gdp_ctx *gpu)) {
+  if (gdp_device_count(GDP_DEVICE_CUDA) == 0) {
+    printf("SKIP: no CUDA device\n");
+    return 77;
+  }
+  tu_begin(name, seed);
+  const int64_t baseline = gdp_mem_live_bytes(GDP_DEVICE_CUDA);
+  gdp_ctx *cpu = NULL, *gpu = NULL;
+  CHECK_OK(gdp_ctx_new(GDP_DEVICE_CPU, 0, &cpu));
+  CHECK_OK(gdp_ctx_new(GDP_DEVICE_CUDA, 0, &gpu));
+  if (!cpu || !gpu) return tu_end();
+  run(cpu, gpu);
+  CHECK_OK(gdp_ctx_sync(gpu));
+  gdp_ctx_free(gpu); /* with the workspaces the ops keep in it */
+  gdp_ctx_free(cpu);
+  CHECK(gdp_mem_live_bytes(GDP_DEVICE_CUDA) == baseline,
+        "cuda live bytes: %lld after freeing everything, %lld at the start",
+        (long long)gdp_mem_live_bytes(GDP_DEVICE_CUDA), (long long)baseline);
+  return tu_end();
+}
+
 void tu_fail(const char *file, int line, const char *fmt, ...) {
   tu_failures++;
   const char *base = strrchr(file, '/');

@@ -23,6 +23,17 @@ void tu_fail(const char *file, int line, const char *fmt, ...);
 
 #define TEST_BEGIN(seed) tu_begin(__FILE__, (seed))
 #define TEST_END() return tu_end()
+
+/* ||g - c|| / ||c|| <= tol (g on any device, c its reference: on the cpu, say), with
+ * c not all zeros (a case that would test nothing). */
+void tu_expect_near(const char *what, const gdp_tensor *g, const gdp_tensor *c, double tol);
+
+/* main() of a cuda C test: exit 77 (ctest: skipped) without a CUDA device, else
+ * run(cpu, gpu) on a new cpu and a new cuda context, then a wait on the device, both
+ * freed, and a check that the device's live bytes are back where they started. */
+int tu_cuda_main(const char *name, uint64_t seed, void (*run)(gdp_ctx *cpu, gdp_ctx *gpu));
+#define CUDA_TEST_MAIN(seed, run) \
+  int main(void) { return tu_cuda_main(__FILE__, (seed), (run)); }
 #define CHECK(cond, ...)                                   \
   do {                                                     \
     tu_checks++;                                           \

@@ -6,7 +6,9 @@
 --   local result = train.run{
 --     model = model, optimizer = gdp.optim.AdamW(model, {lr = 1e-3}),
 --     criterion = crit,                 -- crit:forward(out, target) -> loss (a number),
---                                       -- crit:backward(out, target) -> d out
+--                                       -- crit:backward(out, target) -> d out; one with
+--                                       -- forward_tensor (nn.CrossEntropy) is read once
+--                                       -- a step, with the gradient norms
 --     batch = function(step) return {input = x, target = y, args = {cu}, tokens = n} end,
 --     steps = 1000, schedule = gdp.optim.schedule.cosine{lr = 1e-3, total_steps = 1000},
 --     max_grad_norm = 1.0,              -- nil: measure the norm, do not clip
@@ -85,15 +87,24 @@ function M.step(a)
     loss = a.forward_backward(model, batch)
   else
     local out = model:forward(batch.input, unpack(args))
-    loss = a.criterion:forward(out, batch.target)
-    local dout = a.criterion:backward(out, batch.target)
+    local crit = a.criterion
+    if crit.forward_tensor then
+      loss = crit:forward_tensor(out, batch.target)
+    else
+      loss = crit:forward(out, batch.target)
+    end
+    local dout = crit:backward(out, batch.target)
     model:backward(batch.input, dout, unpack(args))
   end
+  -- The norms' read back is the step's one wait on the device (on cuda it also reports
+  -- the checks the step's ops queued, gdp.h "model layer ops"); a loss left on the
+  -- device is read after it, from an all but empty queue.
+  local norm = optim.clip_grad_norm(model, a.max_grad_norm)
+  if tensor.is_tensor(loss) then loss = loss:get(1) end
   if type(loss) ~= "number" then loss = tonumber(loss) end
   if loss == nil or loss ~= loss or loss == math.huge or loss == -math.huge then
     error(string.format("gdp.train.step: step %d: the loss is %s (not finite); stopping", step, tostring(loss)), 2)
   end
-  local norm = optim.clip_grad_norm(model, a.max_grad_norm)
   if norm ~= norm or norm == math.huge then
     error(string.format("gdp.train.step: step %d: the gradient norm is %s (not finite); stopping", step,
                         tostring(norm)), 2)

@@ -8,7 +8,7 @@
  * (ignore_index, mask zero), the count of counted rows (integer atomics, exact) and the
  * first position whose counted target is outside [0, V) (atomicMin) go to the
  * workspace and the result block.  The row kernels take scale = 1 / count from there,
- * so that nothing is read back between the kernels: with few classes (V <= 32) a
+ * so that nothing is read back between the kernels nor after them: with few classes (V <= 32) a
  * thread per row, else a block per row (block reductions for the max and the sum), in
  * the math type (float32 for f32 and bf16); the row losses go to the workspace as
  * doubles and one block adds them in a fixed order.
@@ -137,14 +137,18 @@ __global__ void xent_row_kernel(int64_t rows, int64_t V, const int64_t *target,
   }
 }
 
-/* *out = sum of v[0..n) in a fixed order: thread i adds i, i + blockDim, ..., then a
- * fixed tree over the block. */
-__global__ void xent_sum_kernel(int64_t n, const double *v, gdp_cuda_xent_result *res) {
+/* result = {the mean of the counted rows' losses, the count}: the sum of v[0..n) in a
+ * fixed order (thread i adds i, i + blockDim, ..., then a fixed tree over the block). */
+__global__ void xent_sum_kernel(int64_t n, const double *v, const gdp_cuda_xent_result *res,
+                                double *result) {
   __shared__ double red[32];
   double s = 0.0;
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) s += v[i];
   s = block_sum(s, red);
-  if (threadIdx.x == 0) res->loss_sum = s;
+  if (threadIdx.x == 0) {
+    result[0] = s * xent_scale<double>(res);
+    result[1] = (double)res->count;
+  }
 }
 
 } // namespace
@@ -160,8 +164,8 @@ extern "C" gdp_status gdp_cuda_cross_entropy(int dtype, int64_t rows, int64_t V,
                                              const void *targets, int targets_dtype,
                                              const double *mask, int64_t ignore_index,
                                              const void *logits, void *dlogits,
-                                             gdp_cuda_xent_result *res, void *workspace,
-                                             void *stream) {
+                                             gdp_cuda_xent_result *res, double *result,
+                                             void *workspace, void *stream) {
   static const char *func = "gdp_cuda_cross_entropy";
   cudaStream_t s = (cudaStream_t)stream;
   double *row_loss = (double *)workspace;
@@ -192,6 +196,6 @@ extern "C" gdp_status gdp_cuda_cross_entropy(int dtype, int64_t rows, int64_t V,
                              rows, V, target, res, (const IO *)logits, (IO *)dlogits, row_loss));
     GDP_TRY(launched(func, "xent_row_kernel"));
   }
-  xent_sum_kernel<<<1, XENT_SUM_THREADS, 0, s>>>(rows, row_loss, res);
+  xent_sum_kernel<<<1, XENT_SUM_THREADS, 0, s>>>(rows, row_loss, res, result);
   return launched(func, "xent_sum_kernel");
 }

@@ -32,6 +32,20 @@ template <typename ID> __device__ __forceinline__ int64_t id_at(const void *ids,
   return (int64_t)((const ID *)ids)[i];
 }
 
+/* The verdict of a check: slot = {first bad position or -1, the value there or 0}. */
+__global__ void index_fault_kernel(const unsigned long long *first_bad, const void *ids,
+                                   int ids_dtype, int64_t *slot) {
+  const unsigned long long w = *first_bad;
+  if (w == ~0ull) {
+    slot[0] = -1;
+    slot[1] = 0;
+    return;
+  }
+  slot[0] = (int64_t)w;
+  slot[1] = ids_dtype == GDP_DTYPE_I32 ? id_at<int32_t>(ids, (int64_t)w)
+                                       : id_at<int64_t>(ids, (int64_t)w);
+}
+
 /* out row r = weight row ids[r], moved in packs of VEC (D % VEC == 0, rows aligned). */
 template <typename IO, typename ID, int VEC>
 __global__ void embedding_fwd_kernel(int64_t n, int64_t D, int64_t V, const void *ids,
@@ -288,6 +302,12 @@ extern "C" gdp_status gdp_cuda_embedding_fwd(int dtype, int64_t n, int64_t D, in
     GDP_MIXER_DISPATCH(func, dtype,
                        embedding_fwd<IO, int64_t>(n, D, V, ids, weight, out, first_bad, s));
   return launched(func, "embedding_fwd_kernel");
+}
+
+extern "C" gdp_status gdp_cuda_index_fault(const unsigned long long *first_bad, const void *ids,
+                                           int ids_dtype, int64_t *slot, void *stream) {
+  index_fault_kernel<<<1, 1, 0, (cudaStream_t)stream>>>(first_bad, ids, ids_dtype, slot);
+  return launched("gdp_cuda_index_fault", "index_fault_kernel");
 }
 
 extern "C" size_t gdp_cuda_embedding_bwd_workspace(int dtype, int64_t n, int64_t V, int64_t D) {

@@ -35,7 +35,11 @@ gdp_status gdp_cuda_silu_mul_bwd(int dtype, int64_t n, const void *gate, const v
 /* Integer inputs (token ids, targets) are device buffers of int32 or int64 (ids_dtype,
  * a gdp_dtype), read unvalidated: a value out of range is never used as an address,
  * and the first position holding one goes to *first_bad, a device word the caller sets
- * to UINT64_MAX (all bits) beforehand and reads back after the call. */
+ * to UINT64_MAX (all bits) beforehand.  gdp_cuda_index_fault then writes the verdict,
+ * slot[0] = that position (-1: none) and slot[1] = the value there, into slot (device
+ * memory, or mapped pinned host memory: then the host reads it after its next wait). */
+gdp_status gdp_cuda_index_fault(const unsigned long long *first_bad, const void *ids,
+                                int ids_dtype, int64_t *slot, void *stream);
 
 /* out[i,:] = weight[ids[i],:] over n tokens of D values, ids in [0, V). */
 gdp_status gdp_cuda_embedding_fwd(int dtype, int64_t n, int64_t D, int64_t V, const void *ids,
@@ -55,11 +59,9 @@ gdp_status gdp_cuda_embedding_bwd(int dtype, int64_t n, int64_t V, int64_t D, co
                                   int ids_dtype, const void *d_out, void *dweight,
                                   void *workspace, unsigned long long *first_bad, void *stream);
 
-/* What the cross-entropy leaves on the device for one read back: the unscaled loss
- * sum, the counted rows, and the first row whose counted target is out of range
- * (UINT64_MAX: none). */
+/* The cross-entropy's bookkeeping on the device: the counted rows and the first row
+ * whose counted target is out of range (UINT64_MAX: none; gdp_cuda_index_fault's word). */
 typedef struct gdp_cuda_xent_result {
-  double loss_sum;
   int64_t count;
   unsigned long long first_bad;
 } gdp_cuda_xent_result;
@@ -67,13 +69,14 @@ typedef struct gdp_cuda_xent_result {
 /* Cross-entropy over rows x V against targets [rows] (ids_dtype) and mask (NULL, or
  * float64 [rows]: rows where it is 0 do not count, nor rows whose target is
  * ignore_index): the row losses and the classes into the workspace, their sum in a
- * fixed order into res; dlogits (may be NULL) = (softmax - onehot) / count on counted
- * rows, zero on the others.  res is cleared by the call. */
+ * fixed order times 1 / count into result[0] (0 when no row counts), the count into
+ * result[1] (two device doubles); dlogits (may be NULL) = (softmax - onehot) / count on
+ * counted rows, zero on the others.  res is cleared by the call. */
 size_t gdp_cuda_cross_entropy_workspace(int64_t rows);
 gdp_status gdp_cuda_cross_entropy(int dtype, int64_t rows, int64_t V, const void *targets,
                                   int targets_dtype, const double *mask, int64_t ignore_index,
                                   const void *logits, void *dlogits, gdp_cuda_xent_result *res,
-                                  void *workspace, void *stream);
+                                  double *result, void *workspace, void *stream);
 
 #ifdef __cplusplus
 }

@@ -374,24 +374,41 @@ end
 
 local xent_keys = { ignore_index = true, mask = true, grad = true }
 
--- Mean cross-entropy of logits [..., V] against targets (i32/i64, logits' leading
--- shape).  opts: ignore_index (-100), mask (a tensor like targets; rows where it is 0
--- do not count), grad (true: also the gradient).  Returns loss (a number: 0 when no
--- row counts), dlogits (like logits, or nil) and the counted rows.
-function F.cross_entropy(logits, targets, opts)
-  local fn = "nn.functional.cross_entropy"
+-- The cross-entropy's checked options: ignore_index, mask, and the gradient's box
+-- (nil when opts.grad is false).
+local function xent_opts(fn, logits, targets, opts)
   tensor_arg(logits, fn, "logits")
   tensor_arg(targets, fn, "targets")
   opts = tensor.check_opts(fn, opts, xent_keys)
   local ignore = opts.ignore_index
   if ignore == nil then ignore = -100 end
   util.int_arg(fn, "ignore_index", ignore)
-  local mask = opt_tensor(opts.mask, fn, "mask")
+  return ignore, opt_tensor(opts.mask, fn, "mask"), opts.grad ~= false and tensor_box() or nil
+end
+
+-- Mean cross-entropy of logits [..., V] against targets (i32/i64, logits' leading
+-- shape).  opts: ignore_index (-100), mask (a tensor like targets; rows where it is 0
+-- do not count), grad (true: also the gradient).  Returns loss (a number: 0 when no
+-- row counts), dlogits (like logits, or nil) and the counted rows.
+function F.cross_entropy(logits, targets, opts)
+  local fn = "nn.functional.cross_entropy"
+  local ignore, mask, d = xent_opts(fn, logits, targets, opts)
   local loss, count = ffi.new("double[1]"), ffi.new("int64_t[1]")
-  local d = opts.grad ~= false and tensor_box() or nil
   local dlogits = call_outputs(fn, "gdp_nn_cross_entropy", { d }, logits:ctx(), logits, targets, mask,
                                ignore, loss, count, d)
   return loss[0], dlogits, tonumber(count[0])
+end
+
+-- The same without reading the loss back: result, a float64 [2] tensor on the logits'
+-- device (the mean loss, the counted rows), and dlogits.  On cuda nothing waits for the
+-- device, and a bad target is reported by the next op that does (gdp.h, "model layer
+-- ops"): a training step reads its loss with its gradient norms, in one wait.
+function F.cross_entropy_result(logits, targets, opts)
+  local fn = "nn.functional.cross_entropy_result"
+  local ignore, mask, d = xent_opts(fn, logits, targets, opts)
+  local r = tensor_box()
+  return call_outputs(fn, "gdp_nn_cross_entropy_result", { r, d }, logits:ctx(), logits, targets,
+                      mask, ignore, r, d)
 end
 
 return F
