@@ -170,7 +170,8 @@ struct gdp_backend {
    * inside); 0: the op layer refuses bf16 inputs to them on this device. */
   int mixer_bf16;
   /* 1: the model layer ops take their integer inputs as contiguous device buffers and
-   * validate them there (one small read back per call, no host pass over the tokens);
+   * validate them there (no host pass over the tokens; the verdict through the op's
+   * gdp_index_check, nn_problem.h);
    * 0: as host arrays the op layer has read, validated and bucketed. */
   int device_indices;
   int (*supports)(gdp_op op, gdp_dtype dtype);
