@@ -135,4 +135,21 @@ describe("gdp.comm on cuda tensors #gpu #mpi", function()
     assert.matches("device", tostring(err))
     c:barrier() -- every rank is still in step
   end)
+
+  it("a bad token queued on one rank ends the next collective on every rank with its message", function()
+    if n < 2 or transport(n) ~= "mpi-staged" then
+      pending("needs two ranks or more, host-staged (the index check is read at the staging wait)")
+      return
+    end
+    local F = require("gdp.nn.functional")
+    local w = ranked({ 5, 4 }, "f32", 0) -- the same on every rank
+    local tok = tensor.tensor({ 0, 1, r == n - 1 and 7 or 2 }, { 3 }, { dtype = "i32" }):to("cuda")
+    local h = F.embedding(w, tok) -- the check's verdict is not read yet
+    local ok, err = pcall(function() return c:allgather(h) end)
+    assert.is_false(ok)
+    assert.matches("got 7 at %[2%]", tostring(err))
+    c:barrier() -- every rank is still in step
+    local good = tensor.tensor({ 0, 1, 2 }, { 3 }, { dtype = "i32" })
+    same(c:allgather(F.embedding(w, good:to("cuda"))), c:allgather(F.embedding(w:to({ device = "cpu" }), good)))
+  end)
 end)

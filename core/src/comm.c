@@ -1084,9 +1084,19 @@ static int sig_diff(strbuf *sb, const call_sig *a, int ra, const call_sig *b, in
 }
 #endif
 
-static gdp_status agree_call(const char *func, gdp_comm *c, gdp_status local, call_sig *sig) {
+/* The agreement on a collective's arguments and local status.  A cuda tensor t that
+ * will be host-staged has its context's queued work waited for first: a failure that
+ * surfaces at that wait (an asynchronous error, a model layer op's index check, gdp.h)
+ * is then this rank's status here, which every rank sees, rather than a failure of the
+ * staging copy after the agreement, which would leave the other ranks in the MPI call.
+ * Under NCCL nothing waits (the staging is the only wait in a host-staged collective,
+ * so this one costs nothing there). */
+static gdp_status agree_call(const char *func, gdp_comm *c, gdp_status local, call_sig *sig,
+                             const gdp_tensor *t) {
   if (!c->check || !c->is_mpi || c->size == 1) return local;
 #ifdef GDP_HAVE_MPI
+  if (local == GDP_OK && t && on_cuda(t) && c->transport != TRANSPORT_NCCL)
+    local = gdp_ctx_sync(t->storage->ctx);
   sig->status = local;
   call_sig *all = malloc((size_t)c->size * sizeof *all);
   if (!all) return GDP_ERROR_IN(func, GDP_ERR_OOM, "cannot allocate %d call records", c->size);
@@ -1354,7 +1364,7 @@ gdp_status gdp_comm_allgather(gdp_comm *c, gdp_tensor *out, const gdp_tensor *in
   gdp_status st = allgather_args(func, c, out, in);
   if (st == GDP_OK) st = check_same_device(func, "in", in, "out", out);
   call_sig sig = make_sig(CALL_ALLGATHER, st == GDP_OK ? in : NULL, -1, -1);
-  GDP_TRY(agree_call(func, c, st, &sig));
+  GDP_TRY(agree_call(func, c, st, &sig, st == GDP_OK ? in : NULL));
   GDP_TRY(ready_for(func, c, in));
   gdp_tensor_mark_written(out);
 
@@ -1470,7 +1480,7 @@ static gdp_status alltoallv_impl(const char *func, int call, gdp_comm *c, gdp_te
   /* the dims after the first must agree; the first may differ (alltoallv) */
   call_sig sig = make_sig(call, st == GDP_OK ? in : NULL, -1, -1);
   sig.skip_dim0 = call != CALL_ALLTOALL;
-  GDP_TRY(agree_call(func, c, st, &sig));
+  GDP_TRY(agree_call(func, c, st, &sig, st == GDP_OK ? in : NULL));
   GDP_TRY(check_row_counts(func, c, recv_rows, send_rows));
   GDP_TRY(ready_for(func, c, in));
   gdp_tensor_mark_written(out);
@@ -1528,13 +1538,13 @@ gdp_status gdp_comm_alltoall(gdp_comm *c, gdp_tensor *out, const gdp_tensor *in)
   }
   if (st != GDP_OK) {
     call_sig sig = make_sig(CALL_ALLTOALL, NULL, -1, -1);
-    return agree_call(func, c, st, &sig);
+    return agree_call(func, c, st, &sig, NULL);
   }
   int64_t *rows = malloc((size_t)c->size * sizeof *rows);
   if (!rows) {
     st = GDP_ERROR_IN(func, GDP_ERR_OOM, "cannot allocate %d counts", c->size);
     call_sig sig = make_sig(CALL_ALLTOALL, NULL, -1, -1);
-    return agree_call(func, c, st, &sig);
+    return agree_call(func, c, st, &sig, NULL);
   }
   for (int j = 0; j < c->size; j++) rows[j] = in->shape[0] / c->size;
   st = alltoallv_impl(func, CALL_ALLTOALL, c, out, rows, in, rows);
@@ -1550,7 +1560,7 @@ gdp_status gdp_comm_allreduce(gdp_comm *c, gdp_tensor *t, gdp_reduce_op op) {
     st = GDP_ERROR_IN(func, GDP_ERR_INVALID_ARG, "op: expected sum (0), max (1) or min (2), got %d",
                       (int)op);
   call_sig sig = make_sig(CALL_ALLREDUCE, st == GDP_OK ? t : NULL, op, -1);
-  GDP_TRY(agree_call(func, c, st, &sig));
+  GDP_TRY(agree_call(func, c, st, &sig, st == GDP_OK ? t : NULL));
   GDP_TRY(ready_for(func, c, t));
   gdp_tensor_mark_written(t);
 
@@ -1580,7 +1590,7 @@ gdp_status gdp_comm_broadcast(gdp_comm *c, gdp_tensor *t, int root) {
   gdp_status st = check_tensor(func, c, "t", t);
   if (st == GDP_OK) st = check_peer(func, "root", c, root, 0);
   call_sig sig = make_sig(CALL_BROADCAST, st == GDP_OK ? t : NULL, -1, root);
-  GDP_TRY(agree_call(func, c, st, &sig));
+  GDP_TRY(agree_call(func, c, st, &sig, st == GDP_OK ? t : NULL));
   GDP_TRY(ready_for(func, c, t));
   if (c->rank != root) gdp_tensor_mark_written(t); /* the root's values stay */
 
@@ -1600,7 +1610,7 @@ gdp_status gdp_comm_barrier(gdp_comm *c) {
   const char *func = __func__;
   GDP_TRY(check_comm(func, c));
   call_sig sig = make_sig(CALL_BARRIER, NULL, -1, -1);
-  GDP_TRY(agree_call(func, c, GDP_OK, &sig));
+  GDP_TRY(agree_call(func, c, GDP_OK, &sig, NULL));
   if (!c->is_mpi) return GDP_OK;
 #ifdef GDP_HAVE_MPI
   GDP_MPI_TRY(MPI_Barrier(c->mpi));
