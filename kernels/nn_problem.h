@@ -40,6 +40,10 @@ struct gdp_index_check {
   int64_t V, ignore_index;      /* the valid range [0, V); cross-entropy's ignore_index */
   int ndim;                     /* the index tensor's shape, for the position's message */
   int64_t shape[GDP_MAX_DIMS];
+  /* a permuted view of a contiguous block (a transpose, as CausalLM makes): its dims in
+   * the viewed tensor's order, so that the message names that tensor's position too;
+   * base[0] = -1 otherwise */
+  int base[GDP_MAX_DIMS];
 };
 
 typedef struct gdp_embedding_problem {

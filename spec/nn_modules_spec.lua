@@ -467,6 +467,16 @@ describe("gdp.nn modules: bad input", function()
     H.expect_error(function() lm:forward(tokens({ 2, 3, 1 }, 5)) end, "tokens: expected [B,T] or [T], got [2x3x1]")
     H.expect_error(function() lm:forward(tokens({ 2, 3 }, 5), { 0, 3 }) end,
                    "tokens: expected [T] or [1,T] with cu_seqlens (packed sequences), got [2x3]")
+    -- a bad token names its place in the [B,T] tokens passed, which the model reads
+    -- through a transposed view
+    local bad = gdp.tensor({ 0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 1, 9, 1, 1, 1 }, { 3, 5 }, { dtype = "i64" })
+    H.expect_error(function() lm:forward(bad) end,
+                   "got 9 at [1,2] (a permuted view: [2,1] in the tensor it views)")
+    H.expect_error(function() lm:forward(gdp.tensor({ 0, 1, 7, 3 }, { 1, 4 }, { dtype = "i32" })) end,
+                   "got 7 at [2,0] (a permuted view: [0,2] in the tensor it views)")
+    local ok, err = pcall(function() emb:forward(gdp.tensor({ 1, 4 }, { 2, 1 }, { dtype = "i64" })) end)
+    assert.is_false(ok)
+    assert.is_nil(tostring(err):find("permuted", 1, true), tostring(err)) -- not a view: one position
     local tok = tokens({ 4 }, 5)
     lm:forward(tok)
     H.expect_error(function() lm:backward(tok, gdp.randn({ 4, 6 }, { dtype = "f64" })) end,

@@ -105,6 +105,16 @@ describe("nn.functional.embedding", function()
     local weight = gdp.randn({ 5, 2 }, { dtype = "f64" })
     H.expect_error(function() F.embedding(weight, gdp.tensor({ { 0, 1 }, { 5, 2 } }, { dtype = "i64" })) end,
                    "tokens: expected values in [0, 5) (num_embeddings), got 5 at [1,0]")
+    -- a transposed view: its position and the viewed tensor's; a 3-dim permutation too
+    local base = gdp.tensor({ { 0, 1, 2 }, { 3, 4, 7 } }, { dtype = "i64" })
+    H.expect_error(function() F.embedding(weight, base:transpose(1, 2)) end,
+                   "got 7 at [2,1] (a permuted view: [1,2] in the tensor it views)")
+    local cube = gdp.zeros({ 2, 3, 4 }, { dtype = "i32" })
+    cube:set(6, 2, 3, 1) -- [1,2,0] 0-based
+    H.expect_error(function() F.embedding(weight, cube:permute(3, 1, 2)) end,
+                   "got 6 at [0,1,2] (a permuted view: [1,2,0] in the tensor it views)")
+    H.expect_error(function() F.embedding_backward(base:transpose(1, 2), gdp.zeros({ 3, 2, 2 }, { dtype = "f64" }), 5) end,
+                   "got 7 at [2,1] (a permuted view: [1,2] in the tensor it views)")
     H.expect_error(function() F.embedding(weight, gdp.tensor({ -1 }, { 1 }, { dtype = "i32" })) end,
                    "got -1 at [0]")
     H.expect_error(function() F.embedding(weight, gdp.tensor({ 1 }, { 1 }, { dtype = "f64" })) end,

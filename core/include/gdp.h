@@ -758,7 +758,8 @@ gdp_status gdp_optim_sgd_step(gdp_tensor *param, const gdp_tensor *grad,
  * bf16 on cuda (float32 math inside, bf16 rounded once on store); integer inputs
  * (tokens, targets) are int32 or int64 and may live on the host or on ctx's device:
  * every value is validated, and the first one out of range is an error naming its
- * position.  On the cpu the op returns that error.  On cuda the values are checked on
+ * position (in a permuted view, such as a transpose, also its position in the tensor
+ * the view is of).  On the cpu the op returns that error.  On cuda the values are checked on
  * the device and the verdict is read with the next wait on it (a read back, a
  * reduction, gdp_ctx_sync: whichever op waits returns the error, with the checking
  * op's message), so that a training step waits on the device once, not once per check;

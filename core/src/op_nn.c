@@ -45,19 +45,44 @@ static gdp_status host_indices(const char *func, const gdp_tensor *t, int64_t **
   return s;
 }
 
-/* "[i,j,k]": the multi-index of flat position `flat` in a row-major shape, for messages. */
-static const char *index_str(char *buf, size_t len, int ndim, const int64_t *shape,
-                             int64_t flat) {
-  int64_t idx[GDP_MAX_DIMS];
+/* idx = the multi-index of flat position `flat` in a row-major shape. */
+static void unflatten(int ndim, const int64_t *shape, int64_t flat, int64_t *idx) {
   for (int d = ndim - 1; d >= 0; d--) {
     idx[d] = shape[d] > 0 ? flat % shape[d] : 0;
     flat = shape[d] > 0 ? flat / shape[d] : 0;
   }
+}
+
+/* "[i,j,k]" for a multi-index, for messages. */
+static const char *index_str(char *buf, size_t len, int ndim, const int64_t *idx) {
   size_t used = (size_t)snprintf(buf, len, "[");
   for (int d = 0; d < ndim && used < len; d++)
     used += (size_t)snprintf(buf + used, len - used, d ? ",%lld" : "%lld", (long long)idx[d]);
   if (used < len) snprintf(buf + used, len - used, "]");
   return buf;
+}
+
+/* When t is a permutation of a contiguous block other than t itself (a transposed view),
+ * base[i] = the dim of t that is dim i of the tensor it views (dims by stride, largest
+ * first, ties in t's order); else base[0] = -1. */
+static void view_base(const gdp_tensor *t, int *base) {
+  base[0] = -1;
+  int order[GDP_MAX_DIMS], permuted = 0;
+  for (int d = 0; d < t->ndim; d++) order[d] = d;
+  for (int i = 1; i < t->ndim; i++) /* insertion sort: stable */
+    for (int j = i; j > 0 && t->stride[order[j]] > t->stride[order[j - 1]]; j--) {
+      const int x = order[j];
+      order[j] = order[j - 1];
+      order[j - 1] = x;
+    }
+  int64_t expect = 1;
+  for (int i = t->ndim - 1; i >= 0; i--) {
+    const int d = order[i];
+    if (t->shape[d] != 1 && t->stride[d] != expect) return; /* not a plain permutation */
+    expect *= t->shape[d];
+    permuted |= d != i;
+  }
+  if (permuted) memcpy(base, order, sizeof(int) * (size_t)t->ndim);
 }
 
 /* The check of an index tensor's values against [0, V) (nn_problem.h), whose report is
@@ -71,7 +96,23 @@ static gdp_index_check index_check(const char *func, const gdp_tensor *t, int64_
   c.report = report, c.func = func, c.V = V, c.ignore_index = ignore_index;
   c.ndim = t->ndim;
   memcpy(c.shape, t->shape, sizeof(int64_t) * (size_t)t->ndim);
+  view_base(t, c.base);
   return c;
+}
+
+/* "[i,j]" for flat position `flat` of the checked tensor, and for a permuted view
+ * " (a permuted view: [j,i] in the tensor it views)" after it. */
+static const char *check_position(char *buf, size_t len, const gdp_index_check *c, int64_t flat) {
+  int64_t idx[GDP_MAX_DIMS], in_base[GDP_MAX_DIMS];
+  unflatten(c->ndim, c->shape, flat, idx);
+  index_str(buf, len, c->ndim, idx);
+  if (c->base[0] < 0) return buf;
+  for (int i = 0; i < c->ndim; i++) in_base[i] = idx[c->base[i]];
+  char b[120];
+  const size_t used = strlen(buf);
+  snprintf(buf + used, len - used, " (a permuted view: %s in the tensor it views)",
+           index_str(b, sizeof b, c->ndim, in_base));
+  return buf;
 }
 
 /* t's shape is ref's without its last dim (targets against logits, tokens against d_out). */
@@ -169,10 +210,10 @@ gdp_status gdp_nn_silu_mul_backward(gdp_ctx *ctx, const gdp_tensor *gate, const 
 /* ------------------------------------------------------------------ embedding */
 
 static gdp_status report_bad_token(const gdp_index_check *c, int64_t i, int64_t v) {
-  char at[160];
+  char at[288];
   return GDP_ERROR_IN(c->func, GDP_ERR_INVALID_ARG,
                       "tokens: expected values in [0, %lld) (num_embeddings), got %lld at %s",
-                      (long long)c->V, (long long)v, index_str(at, sizeof at, c->ndim, c->shape, i));
+                      (long long)c->V, (long long)v, check_position(at, sizeof at, c, i));
 }
 
 static gdp_status bad_token(const char *func, const gdp_tensor *tokens, int64_t V, int64_t v,
@@ -326,12 +367,12 @@ gdp_status gdp_nn_embedding_backward(gdp_ctx *ctx, const gdp_tensor *tokens,
 /* ------------------------------------------------------------------ cross-entropy */
 
 static gdp_status report_bad_target(const gdp_index_check *c, int64_t i, int64_t v) {
-  char at[160];
+  char at[288];
   return GDP_ERROR_IN(c->func, GDP_ERR_INVALID_ARG,
                       "targets: expected values in [0, %lld) (logits' last dim) or "
                       "ignore_index = %lld, got %lld at %s",
                       (long long)c->V, (long long)c->ignore_index, (long long)v,
-                      index_str(at, sizeof at, c->ndim, c->shape, i));
+                      check_position(at, sizeof at, c, i));
 }
 
 static gdp_status bad_target(const char *func, const gdp_tensor *targets, int64_t V,

@@ -141,6 +141,18 @@ static void test_embedding(void) {
   CHECK_ERR(gdp_nn_embedding_forward(ctx, tw, tb, &out), GDP_ERR_INVALID_ARG,
             "tokens: expected values in [0, 9) (num_embeddings), got 9 at [1]");
   CHECK(out == NULL, "no output after an error");
+  { /* a transposed view: its position and the viewed tensor's */
+    const int64_t ids[6] = {0, 1, 2, 3, 4, V}, shape[2] = {2, 3};
+    gdp_tensor *base = NULL, *view = NULL;
+    CHECK_OK(gdp_tensor_from_host(ctx, GDP_DTYPE_I64, 2, shape, GDP_DTYPE_I64, ids, sizeof ids, &base));
+    CHECK_OK(gdp_tensor_transpose(base, 0, 1, &view));
+    CHECK_ERR(gdp_nn_embedding_forward(ctx, tw, view, &out), GDP_ERR_INVALID_ARG,
+              "got 9 at [2,1] (a permuted view: [1,2] in the tensor it views)");
+    CHECK_ERR(gdp_nn_embedding_forward(ctx, tw, base, &out), GDP_ERR_INVALID_ARG, "got 9 at [1,2]");
+    CHECK(strstr(gdp_last_error(), "permuted") == NULL, "no view, one position: %s", gdp_last_error());
+    gdp_tensor_free(view);
+    gdp_tensor_free(base);
+  }
   CHECK_ERR(gdp_nn_embedding_backward(ctx, t64, td, V - 5, &out), GDP_ERR_INVALID_ARG,
             "tokens: expected values in [0, 4) (num_embeddings)");
   CHECK_ERR(gdp_nn_embedding_forward(ctx, tw, td, &out), GDP_ERR_DTYPE,

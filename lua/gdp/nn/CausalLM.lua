@@ -24,7 +24,9 @@
 -- [B,T] are read through a transposed view (the embedding reads ids on the host
 -- anyway), and the logits come back as a [B,T,vocab] view of the [T,B,vocab] result
 -- (contiguous when B = 1, the packed case).  cu_seqlens (packed sequences) needs
--- tokens [T] or [1,T].
+-- tokens [T] or [1,T].  A token out of [0, vocab) is an error naming its position in
+-- that view and in the tokens passed ("at [t,b] (a permuted view: [b,t] in the tensor
+-- it views)").
 local tensor = require("gdp.tensor")
 local Module = require("gdp.nn.Module")
 local Embedding = require("gdp.nn.Embedding")
