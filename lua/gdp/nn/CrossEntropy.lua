@@ -42,9 +42,10 @@ local function key_of(targets, mask)
   return { targets, targets:version(), mask or false, mask and mask:version() or 0 }
 end
 
-function CrossEntropy:forward_tensor(logits, targets, mask)
-  tensor.tensor_arg(logits, FN .. ":forward", "logits")
-  tensor.tensor_arg(targets, FN .. ":forward", "targets")
+-- The loss and its gradient queued (method: the caller's name, for messages).
+local function queue(self, method, logits, targets, mask)
+  tensor.tensor_arg(logits, FN .. method, "logits")
+  tensor.tensor_arg(targets, FN .. method, "targets")
   local result, dlogits = F.cross_entropy_result(logits, targets,
                                                  { ignore_index = self.ignore_index, mask = mask })
   self.result, self.count, self.loss = result, nil, nil
@@ -53,8 +54,12 @@ function CrossEntropy:forward_tensor(logits, targets, mask)
   return self.output
 end
 
+function CrossEntropy:forward_tensor(logits, targets, mask)
+  return queue(self, ":forward_tensor", logits, targets, mask)
+end
+
 function CrossEntropy:forward(logits, targets, mask)
-  self:forward_tensor(logits, targets, mask)
+  queue(self, ":forward", logits, targets, mask)
   local host = self.result:cpu() -- one read back for both
   self.loss, self.count = host:get(1), host:get(2)
   return self.loss, self.output
