@@ -595,18 +595,10 @@ end
 -- out [T,B,D] for x [T,B,D]; cu_seqlens (a table or an int tensor over T, B = 1) packs
 -- independent sequences.  Keeps what backward needs.
 -- What a backward must match to reuse the cached forward: x's object, its write count
--- (x:version(): an in-place write keeps the object) and the packing's values (a
--- cu_seqlens table may be changed in place too; a cu_seqlens tensor: its object and
--- write count).  The counts see every write through gdp's API (also through a view);
--- a write through the raw x:data() pointer is not seen.
-local function packing_key(cu)
-  if cu == nil then return "unpacked" end
-  if tensor.is_tensor(cu) then return cu, cu:version() end
-  if type(cu) ~= "table" then return "?" .. tostring(cu) end
-  local parts = {}
-  for i = 1, #cu do parts[i] = tostring(cu[i]) end
-  return "{" .. table.concat(parts, ",") .. "}"
-end
+-- (x:version(): an in-place write keeps the object) and the packing (Module.packing_key:
+-- a cu_seqlens table by its values, as it may be changed in place; a cu_seqlens tensor
+-- by its object and write count).  The counts see every write through gdp's API (also
+-- through a view); a write through the raw x:data() pointer is not seen.
 
 -- The conv and the input stage, as every path of the layer runs them (the layer, and
 -- both context-parallel strategies on their shards): the operator's inputs (with x_v).
@@ -634,15 +626,14 @@ end
 
 local function remember_inputs(self, x, cu_seqlens)
   self.cache.x_version = x:version()
-  self.cache.packing, self.cache.packing_version = packing_key(cu_seqlens)
+  self.cache.packing = Module.packing_key(cu_seqlens)
 end
 
 -- True when the cached forward was computed on exactly these inputs.
 function GatedDeltaProduct:cache_matches(x, cu_seqlens)
   local c = self.cache
   if c == nil or not rawequal(c.x, x) or c.x_version ~= x:version() then return false end
-  local packing, packing_version = packing_key(cu_seqlens)
-  return rawequal(c.packing, packing) and c.packing_version == packing_version
+  return Module.same_key(c.packing, Module.packing_key(cu_seqlens))
 end
 
 function GatedDeltaProduct:forward(x, cu_seqlens)

@@ -143,7 +143,7 @@ end
 -- tensor by its object (never its values: reading a cuda tensor's would wait on the
 -- device), next to its write count.  The cache holds the key, so its tensors stay alive
 -- and no other tensor takes their place.
-local function same_key(a, b)
+function Module.same_key(a, b)
   if type(a) ~= "table" or type(b) ~= "table" then return a == b end
   if #a ~= #b then return false end
   for i = 1, #a do
@@ -158,7 +158,7 @@ end
 function Module.cache_for(self, x, key)
   local c = self.cache
   if c == nil or not rawequal(c.input, x) or c.input_version ~= x:version() then return nil end
-  if not same_key(c.key, key) then return nil end
+  if not Module.same_key(c.key, key) then return nil end
   return c
 end
 
